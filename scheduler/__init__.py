@@ -1,0 +1,1 @@
+"""Continuous batching and KV page accounting. Pure Python: nothing here imports torch."""

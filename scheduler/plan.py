@@ -1,0 +1,63 @@
+"""The step messages between scheduler and worker (invariant 1: the scheduler owns the pages).
+
+A plan sends a request in full the first time it is scheduled (and again when it resumes after a
+preemption); after that only diffs: new pages and the computed count. The worker keeps its own copy
+of each request's token ids and appends the tokens it samples, so running requests never resend them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.request import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    request_id: str
+    token_ids: list[int]  # prompt + any output generated before a preemption
+    num_prompt_tokens: int  # token_ids[:num_prompt_tokens] is the prompt (penalties need the split)
+    sampling_params: SamplingParams
+    block_ids: list[int]  # the whole block table so far
+    num_computed_tokens: int  # already in the cache (prefix-cache hit), 0 otherwise
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    request_id: str
+    new_block_ids: list[int]  # appended to the worker's block table
+    num_computed_tokens: int  # before this step; lets the worker check it agrees
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step_id: int
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # request id -> tokens to compute this step. Insertion order is the packed batch order.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # the worker drops its state for these before running the step (finished, aborted, preempted)
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    logprob: float  # of the chosen token, from the model's raw distribution
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass(slots=True)
+class StepResult:
+    step_id: int
+    # one entry per request whose computed count reached its token count this step (the others
+    # were mid-prefill chunks and sample nothing)
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    forward_ns: int = 0

@@ -1,0 +1,105 @@
+"""One state object per request, owned by the scheduler loop."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+
+# "Finished" is an explicit set, not an ordering of enum values.
+FINISHED_STATUSES = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    }
+)
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """How to pick each next token. Validated at the edge (gateway); defaults follow vLLM."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = -1  # -1 (or 0) disables
+    top_p: float = 1.0  # in (0, 1]; 1 disables
+    min_p: float = 0.0  # in [0, 1]; 0 disables
+    repetition_penalty: float = 1.0  # HF semantics, over prompt + output tokens; 1 disables
+    presence_penalty: float = 0.0  # OpenAI semantics, over output tokens only
+    frequency_penalty: float = 0.0  # OpenAI semantics, over output tokens only
+    seed: int | None = None  # same seed => same output whatever else is in the batch
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: the chosen token's; n: plus the top n
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    priority: int = 0  # lower runs first (vLLM convention)
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    # prompt + generated so far; the one list the scheduling rule reads.
+    all_token_ids: list[int] = field(default_factory=list)
+    # tokens whose K/V are in the cache (prefix hits included). Catches up with num_tokens.
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit of the first scheduling; -1 until then
+    num_preemptions: int = 0
+    # chained content hashes of the full blocks of all_token_ids (see scheduler.prefix_cache)
+    block_hashes: list[bytes] = field(default_factory=list)
+    finish_reason: str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in FINISHED_STATUSES
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
