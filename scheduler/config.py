@@ -1,0 +1,34 @@
+"""The scheduler's one config object, built in main() (or a test) and passed down."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KV_POLICIES = ("paged", "static")
+QUEUE_POLICIES = ("fcfs", "priority")
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerConfig:
+    num_blocks: int  # KV capacity in pages, as the worker reported it
+    block_size: int = 16  # tokens per page
+    max_num_seqs: int = 64  # most requests running at once
+    max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decode tokens)
+    max_model_len: int = 2048  # prompt + output of one request
+    kv_policy: str = "paged"  # "paged": pages on demand; "static": prompt + max_tokens reserved up front
+    queue_policy: str = "fcfs"  # "fcfs" or "priority" (lower value runs first)
+    enable_prefix_caching: bool = True  # paged policy only
+
+    def __post_init__(self) -> None:
+        if self.kv_policy not in KV_POLICIES:
+            raise ValueError(f"kv_policy={self.kv_policy!r} is not one of {KV_POLICIES}")
+        if self.queue_policy not in QUEUE_POLICIES:
+            raise ValueError(f"queue_policy={self.queue_policy!r} is not one of {QUEUE_POLICIES}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a positive power of two")
+        for name in ("num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.enable_prefix_caching and self.kv_policy == "paged"

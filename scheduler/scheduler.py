@@ -1,0 +1,220 @@
+"""Continuous batching under one rule.
+
+Every request has num_tokens (prompt + generated) and num_computed_tokens (in the KV cache). Each
+step hands out a token budget so that computed catches up with total. Prefill, chunked prefill,
+decode, prefix hits and recompute after preemption are all that one rule.
+
+The scheduler is owned by a single loop: schedule() -> executor -> update(); nothing else mutates it.
+"""
+from __future__ import annotations
+
+from scheduler.config import SchedulerConfig
+from scheduler.kv_manager import KVCacheManager
+from scheduler.outputs import RequestOutput, SchedulerStats
+from scheduler.plan import CachedRequestData, NewRequestData, StepPlan, StepResult
+from scheduler.queue_policy import make_waiting_queue
+from scheduler.request import FINISH_REASONS, Request, RequestStatus
+
+
+class RequestTooLarge(ValueError):
+    """The request could never fit the KV cache, even alone."""
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.kv_policy, config.prefix_caching)
+        self.waiting = make_waiting_queue(config.queue_policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._on_worker: set[str] = set()  # requests whose state the worker holds
+        self._dropped_since_last_plan: list[str] = []  # the worker must forget these
+        self._step_id = 0
+        self.num_preemptions = 0
+
+    # --- intake -----------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id={request.request_id!r} is already queued or running")
+        worst_case = request.num_prompt_tokens + request.sampling_params.max_tokens
+        if self.kv.blocks_needed_at_most(request) > self.config.num_blocks:
+            raise RequestTooLarge(
+                f"prompt + max_tokens = {worst_case} tokens needs "
+                f"{self.kv.blocks_needed_at_most(request)} pages; the KV cache has {self.config.num_blocks} "
+                f"pages of {self.config.block_size} tokens")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Ends a request at once and frees its pages; None if it is unknown or already ended."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return self._output(request, [], [])
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # --- one step ---------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan(step_id=self._step_id)
+        budget = self.config.max_num_batched_tokens
+        new_block_ids: dict[str, list[int]] = {}
+        preempted_now = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            added = self.kv.allocate_slots(request, num_new)
+            while added is None:
+                victim = self._pick_victim()
+                preempted_now = True
+                if victim.request_id in plan.num_scheduled_tokens:
+                    budget += plan.num_scheduled_tokens.pop(victim.request_id)
+                    new_block_ids.pop(victim.request_id, None)
+                    index -= 1  # it sat before the current request
+                self._preempt(victim)
+                if victim is request:
+                    break
+                added = self.kv.allocate_slots(request, num_new)
+            if added is None:
+                continue  # the current request was the victim; self.running shifted under index
+            plan.num_scheduled_tokens[request.request_id] = num_new
+            new_block_ids[request.request_id] = added
+            budget -= num_new
+            index += 1
+
+        for request in self.running:
+            if request.request_id in plan.num_scheduled_tokens:
+                plan.cached_requests.append(CachedRequestData(
+                    request.request_id, new_block_ids[request.request_id], request.num_computed_tokens))
+
+        # New work only when nothing had to be preempted: otherwise it would take the pages back.
+        while (not preempted_now and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting.peek()
+            cached = self.kv.find_cached_prefix(request)
+            num_cached_tokens = len(cached) * self.config.block_size
+            num_new = min(request.num_tokens - num_cached_tokens, budget)
+            if self.kv.allocate_slots(request, num_new, cached) is None:
+                break  # the head waits for pages; FCFS does not let later requests overtake it
+            self.waiting.pop()
+            request.num_computed_tokens = num_cached_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._on_worker.add(request.request_id)
+            plan.new_requests.append(NewRequestData(
+                request_id=request.request_id,
+                token_ids=list(request.all_token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling_params=request.sampling_params,
+                block_ids=list(self.kv.block_table(request.request_id)),
+                num_computed_tokens=num_cached_tokens,
+            ))
+            plan.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+
+        if not plan.is_empty:  # an empty plan is never sent, so the drops wait for the next one
+            plan.finished_request_ids = self._dropped_since_last_plan
+            self._dropped_since_last_plan = []
+            self._step_id += 1
+        return plan
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Applies a step's result; returns a delta for every request that produced a token or ended."""
+        outputs = []
+        for request_id, num_scheduled in plan.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += num_scheduled
+            token_id = result.sampled_token_ids.get(request_id)
+            if token_id is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            request.append_output_token(token_id)
+            logprobs = result.logprobs.get(request_id)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            outputs.append(self._output(request, [token_id], [logprobs] if logprobs else []))
+        return outputs
+
+    # --- helpers ----------------------------------------------------------------------------------
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id == request.eos_token_id and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _pick_victim(self) -> Request:
+        if self.config.queue_policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        # Recompute, not swap: the pages go back (their content stays findable in the prefix cache)
+        # and the request restarts from num_computed_tokens = 0 at the head of the queue.
+        self.running.remove(request)
+        self.kv.free(request)
+        self._drop_from_worker(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_preempted(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.finish_reason = FINISH_REASONS[status]
+        self.kv.free(request)
+        self._drop_from_worker(request.request_id)
+        del self.requests[request.request_id]
+
+    def _drop_from_worker(self, request_id: str) -> None:
+        if request_id in self._on_worker:
+            self._on_worker.discard(request_id)
+            self._dropped_since_last_plan.append(request_id)
+
+    def _output(self, request: Request, token_ids: list[int], logprobs: list) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=token_ids,
+            logprobs=logprobs,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_preemptions=request.num_preemptions,
+        )
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in self.waiting),
+            num_blocks=self.config.num_blocks,
+            num_used_blocks=self.kv.pool.num_used,
+            kv_utilization=self.kv.utilization(self.running),
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.num_preemptions,
+            step_id=self._step_id,
+        )

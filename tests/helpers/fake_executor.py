@@ -1,0 +1,61 @@
+"""A stand-in for the model that still checks page accounting end to end.
+
+It keeps a fake KV cache (slot -> (position, token)) written through the plan's block tables, and
+"samples" a token computed from what it reads back through those tables. Wrong pages, a bad prefix
+hit or a lost block therefore change the output, the way they would with a real model.
+"""
+from __future__ import annotations
+
+from scheduler.plan import StepPlan, StepResult, TokenLogprobs
+
+VOCAB = 1000
+
+
+class FakeExecutor:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.slots: dict[int, tuple[int, int]] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.tables: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+        self.wants_logprobs: dict[str, bool] = {}
+        self.plans: list[StepPlan] = []
+
+    def _slot(self, request_id: str, position: int) -> int:
+        table = self.tables[request_id]
+        assert position // self.block_size < len(table), f"{request_id}: no page for position {position}"
+        return table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.plans.append(plan)
+        for request_id in plan.finished_request_ids:
+            for store in (self.tokens, self.tables, self.computed, self.wants_logprobs):
+                store.pop(request_id, None)
+        for new in plan.new_requests:
+            assert new.request_id not in self.tokens, f"{new.request_id} sent in full twice"
+            self.tokens[new.request_id] = list(new.token_ids)
+            self.tables[new.request_id] = list(new.block_ids)
+            self.computed[new.request_id] = new.num_computed_tokens
+            self.wants_logprobs[new.request_id] = new.sampling_params.logprobs is not None
+        for cached in plan.cached_requests:
+            assert self.computed[cached.request_id] == cached.num_computed_tokens
+            self.tables[cached.request_id].extend(cached.new_block_ids)
+        result = StepResult(step_id=plan.step_id)
+        # all writes of the step land before any read, as in the real worker
+        for request_id, count in plan.num_scheduled_tokens.items():
+            start = self.computed[request_id]
+            for position in range(start, start + count):
+                self.slots[self._slot(request_id, position)] = (position, self.tokens[request_id][position])
+        for request_id, count in plan.num_scheduled_tokens.items():
+            self.computed[request_id] += count
+            if self.computed[request_id] < len(self.tokens[request_id]):
+                continue
+            seen = [self.slots.get(self._slot(request_id, p)) for p in range(self.computed[request_id])]
+            assert all(s is not None and s[0] == p for p, s in enumerate(seen)), f"{request_id}: stale page"
+            token = sum((p + 1) * s[1] for p, s in enumerate(seen)) % VOCAB
+            self.tokens[request_id].append(token)
+            result.sampled_token_ids[request_id] = token
+            if self.wants_logprobs[request_id]:
+                result.logprobs[request_id] = TokenLogprobs(logprob=-0.5)
+        return result

@@ -1,0 +1,70 @@
+"""Any sequence of add / step / finish / abort / preempt keeps the page pool consistent."""
+from collections import Counter
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler.request import RequestStatus
+from tests.scheduler.conftest import make_engine, make_request
+
+NUM_BLOCKS = 12
+BLOCK_SIZE = 4
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.lists(st.integers(1, 6), min_size=1, max_size=14),
+                  st.integers(1, 12), st.integers(0, 3)),
+        st.tuples(st.just("step"), st.integers(1, 4)),
+        st.tuples(st.just("abort"), st.integers(0, 50)),
+        st.tuples(st.just("preempt"), st.integers(0, 50)),
+    ),
+    max_size=40,
+)
+
+
+def check_pool(engine) -> None:
+    scheduler = engine.scheduler
+    pool = scheduler.kv.pool
+    owners = Counter(b for table in scheduler.kv.block_tables.values() for b in table)
+    for block_id in range(NUM_BLOCKS):
+        assert pool.ref_counts[block_id] == owners[block_id], f"block {block_id}: ref count != owners"
+        assert pool.is_free(block_id) == (owners[block_id] == 0), f"block {block_id}: free and owned"
+    assert pool.num_free + len(owners) == NUM_BLOCKS  # no page lost
+    # pages are owned only by live requests, and running ones cover their computed tokens
+    assert set(scheduler.kv.block_tables) <= set(scheduler.requests)
+    for request in scheduler.running:
+        assert len(scheduler.kv.block_table(request.request_id)) * BLOCK_SIZE >= request.num_computed_tokens
+    for request in scheduler.waiting:
+        assert request.num_computed_tokens == 0
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(operations, st.sampled_from(["paged", "static"]), st.sampled_from(["fcfs", "priority"]))
+def test_page_pool_stays_consistent(ops, kv_policy, queue_policy):
+    engine = make_engine(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_batched_tokens=9,
+                         kv_policy=kv_policy, queue_policy=queue_policy)
+    added = []
+    for op in ops:
+        kind = op[0]
+        if kind == "add":
+            _, prompt, max_tokens, priority = op
+            request = make_request(prompt, max_tokens=max_tokens, priority=priority)
+            if engine.scheduler.kv.blocks_needed_at_most(request) <= NUM_BLOCKS:
+                engine.add_request(request)
+                added.append(request)
+        elif kind == "step":
+            for _ in range(op[1]):
+                engine.step()
+        elif kind == "abort" and added:
+            engine.abort_request(added[op[1] % len(added)].request_id)
+        elif kind == "preempt" and engine.scheduler.running:
+            engine.scheduler._preempt(engine.scheduler.running[op[1] % len(engine.scheduler.running)])
+        check_pool(engine)
+    engine.run_to_completion([])  # finish everything
+    check_pool(engine)
+    assert engine.scheduler.kv.pool.num_free == NUM_BLOCKS  # all pages free when idle
+    for request in added:
+        assert request.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+                                  RequestStatus.FINISHED_STOPPED)
+        if request.status == RequestStatus.FINISHED_LENGTH:
+            assert request.num_output_tokens == request.sampling_params.max_tokens
