@@ -1,4 +1,24 @@
-"""Sampling (placeholder: greedy only; the sampler helper replaces this file, keeping the interface)."""
+"""Turn one step's logits into next tokens (and logprobs), with vLLM's sampling semantics.
+
+Per row, in vLLM's order: penalties (worker.penalties) on the raw logits; greedy rows take the
+argmax; the others divide by the temperature, then min-p, top-k and top-p remove tokens, then one
+token is drawn from the softmax of what is left. Greedy rows ignore the filters: none of them can
+remove the most likely token.
+
+The draw is an exponential race, argmax(probs / q) with q ~ Exp(1) per token, which picks token i
+with probability probs[i]. A seeded request draws its q from a generator seeded by (seed, number of
+output tokens so far): its tokens depend on nothing else in the batch nor on the batch order, and a
+request that resumes after a preemption continues the same sequence. Rows without a seed share the
+default RNG. Every filter is applied only to rows that ask for it, so a row's probabilities are
+bit-identical whatever its neighbours ask for.
+
+Logprobs are vLLM's default "raw" logprobs: log_softmax of the logits the model produced, before
+penalties, temperature and filters. They describe the model, not the sampling distribution.
+
+Hot path: an all-greedy batch without penalties or logprobs is one argmax and one .tolist(). Other
+batches only send the rows that need it through penalties and filters, vectorized across rows, and
+still copy to the host once.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +28,10 @@ import torch
 
 from scheduler.plan import TokenLogprobs
 from scheduler.request import SamplingParams
+from worker.penalties import apply_penalties, has_penalties
+
+# Below this temperature vLLM samples greedily; dividing by it could overflow the logits to inf.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(slots=True)
@@ -16,8 +40,188 @@ class SamplingRow:
     token_ids: Sequence[int]  # prompt + output so far (the worker's own copy)
     num_prompt_tokens: int
 
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits: [B, V] float32, one row per request that samples this step, in the order of rows."""
-    token_ids = logits.argmax(dim=-1).tolist()
-    return token_ids, [None] * len(token_ids)
+    """logits: [B, V] float32, one row per request that samples this step, in the order of rows.
+
+    Returns the chosen token id of each row and, per row, its TokenLogprobs (None where
+    params.logprobs is None). The caller's logits are not modified.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"sample: logits must be [len(rows)={len(rows)}, V], got {list(logits.shape)}")
+    if not rows:
+        return [], []
+    if all(_is_plain_greedy(row.params) for row in rows):
+        return logits.argmax(dim=-1).tolist(), [None] * len(rows)
+
+    token_ids = _choose_tokens(logits, rows)  # [B] int64, on the logits' device
+    logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not logprob_rows:
+        return token_ids.tolist(), [None] * len(rows)
+    return _with_logprobs(logits, rows, token_ids, logprob_rows)
+
+
+def _is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < GREEDY_TEMPERATURE
+
+
+def _is_plain_greedy(params: SamplingParams) -> bool:
+    return _is_greedy(params) and params.logprobs is None and not has_penalties(params)
+
+
+def _choose_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """[B] int64 token ids. Plain greedy rows read the raw logits; only the others are copied."""
+    device = logits.device
+    work_rows = [i for i, row in enumerate(rows) if has_penalties(row.params) or not _is_greedy(row.params)]
+    token_ids = logits.argmax(dim=-1)  # [B]; final for rows outside work_rows
+    if not work_rows:
+        return token_ids
+    work_index = torch.tensor(work_rows, device=device)  # [W]
+    work = logits.index_select(0, work_index).float()  # [W, V], a copy: logprobs need the raw logits
+    work_params = [rows[i] for i in work_rows]
+
+    penalized = [j for j, row in enumerate(work_params) if has_penalties(row.params)]
+    if penalized:
+        _update_rows(work, penalized, lambda sub: apply_penalties(sub, [work_params[j] for j in penalized]))
+
+    random_rows = [j for j, row in enumerate(work_params) if not _is_greedy(row.params)]
+    if len(random_rows) < len(work_rows):
+        chosen = work.argmax(dim=-1)  # [W]; final for the greedy rows with penalties
+    else:
+        chosen = torch.empty(len(work_rows), dtype=torch.long, device=device)
+    if random_rows:
+        random_index = torch.tensor(random_rows, device=device)  # [R]
+        drawn = _draw(work.index_select(0, random_index), [work_params[j] for j in random_rows])  # [R]
+        chosen.index_copy_(0, random_index, drawn)
+    token_ids.index_copy_(0, work_index, chosen)
+    return token_ids
+
+
+def _update_rows(logits: torch.Tensor, row_indices: list[int], update) -> None:
+    """Run an in-place update on logits[row_indices] only (all rows: no gather/scatter)."""
+    if len(row_indices) == logits.shape[0]:
+        update(logits)
+        return
+    index = torch.tensor(row_indices, device=logits.device)
+    subset = logits.index_select(0, index)
+    update(subset)
+    logits.index_copy_(0, index, subset)
+
+
+def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """logits: [R, V] penalized, one row per sampling (non-greedy) request; modified. Returns [R] int64."""
+    device = logits.device
+    temperature = torch.tensor([row.params.temperature for row in rows], dtype=logits.dtype, device=device)
+    logits.div_(temperature.unsqueeze(1))
+
+    min_ps = [row.params.min_p for row in rows]
+    if any(min_p > 0.0 for min_p in min_ps):
+        _apply_min_p(logits, torch.tensor(min_ps, dtype=logits.dtype, device=device))
+
+    vocab_size = logits.shape[1]
+    top_ks = [row.params.top_k if 0 < row.params.top_k < vocab_size else vocab_size for row in rows]
+    top_ps = [row.params.top_p for row in rows]
+    # Rows without top-k/top-p skip the sort entirely: the cumulative sum can round to 1 before the
+    # tail, so even a "neutral" top-p of 1 would not be bit-exact for them.
+    filtered = [j for j, (k, p) in enumerate(zip(top_ks, top_ps)) if k < vocab_size or p < 1.0]
+    if filtered:
+        k_t = torch.tensor([top_ks[j] for j in filtered], device=device)
+        # p = 2 never masks: the mass before any token is at most 1.
+        p_t = torch.tensor([top_ps[j] if top_ps[j] < 1.0 else 2.0 for j in filtered], dtype=logits.dtype, device=device)
+        _update_rows(logits, filtered, lambda sub: _apply_top_k_top_p(sub, k_t, p_t))
+
+    probs = logits.softmax(dim=-1)  # [R, V]
+    noise = _exponential_noise(probs, rows)  # [R, V]
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Remove tokens with prob < min_p * max prob, in place. logits: [R, V]; min_p: [R].
+
+    In log space that is logit < max logit + log(min_p), which needs no softmax; min_p = 0 gives a
+    threshold of -inf and removes nothing.
+    """
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)  # [R, 1]
+    logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Keep the k best tokens, then the smallest set of those whose mass reaches p, in place.
+
+    logits: [R, V]; top_k: [R] int64 in [1, V]; top_p: [R] in (0, 2] (2 disables). As vLLM, top-p
+    reads the probabilities renormalized after top-k.
+    """
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [R, V] best first
+    positions = torch.arange(logits.shape[1], device=logits.device)  # [V]
+    sorted_logits.masked_fill_(positions.unsqueeze(0) >= top_k.unsqueeze(1), float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)  # [R, V]
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [R, V]; 0 for the best token, always kept
+    remove_sorted = (mass_before >= top_p.unsqueeze(1)) | (sorted_logits == float("-inf"))
+    remove = torch.empty_like(remove_sorted).scatter_(1, sorted_ids, remove_sorted)  # back to vocab order
+    logits.masked_fill_(remove, float("-inf"))
+
+
+def _exponential_noise(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """[R, V] q ~ Exp(1); seeded rows from their own per-draw generator, the rest from the default RNG."""
+    noise = torch.empty_like(probs)
+    seeded = [(j, row) for j, row in enumerate(rows) if row.params.seed is not None]
+    if len(seeded) < len(rows):
+        noise.exponential_()
+    for j, row in seeded:
+        generator = torch.Generator(device=probs.device)
+        generator.manual_seed(draw_seed(row.params.seed, row.num_output_tokens))
+        noise[j].exponential_(generator=generator)
+    # exponential_ can return exactly 0; 0/0 would be NaN, which argmax prefers over any number.
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, num_output_tokens: int) -> int:
+    """The generator seed for a request's draw of output token number num_output_tokens.
+
+    splitmix64 of (seed, position): neighbouring seeds and positions give unrelated streams, and a
+    resumed request recomputes the same seed for the same position.
+    """
+    state = ((seed & _MASK64) + (num_output_tokens + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    state = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    state = ((state ^ (state >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (state ^ (state >> 31)) & ((1 << 63) - 1)
+
+
+def _with_logprobs(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor, logprob_rows: list[int]
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Raw logprobs for logprob_rows; everything comes to the host in one copy."""
+    device = logits.device
+    index = torch.tensor(logprob_rows, device=device)  # [L]
+    raw = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [L, V]
+    chosen = raw.gather(1, token_ids.index_select(0, index).unsqueeze(1)).squeeze(1)  # [L]
+    num_top = min(max(rows[i].params.logprobs for i in logprob_rows), logits.shape[1])
+    top_logprobs, top_ids = raw.topk(num_top, dim=-1)  # [L, num_top] each, best first
+
+    # One device->host copy: token ids are exact in float64 (they are far below 2**53).
+    packed = torch.cat(
+        [token_ids.double(), chosen.double(), top_ids.double().flatten(), top_logprobs.double().flatten()]
+    ).tolist()
+    batch, num_logprob_rows = len(rows), len(logprob_rows)
+    sampled = [int(token_id) for token_id in packed[:batch]]
+    chosen_host = packed[batch : batch + num_logprob_rows]
+    ids_start = batch + num_logprob_rows
+    values_start = ids_start + num_logprob_rows * num_top
+
+    results: list[TokenLogprobs | None] = [None] * batch
+    for position, i in enumerate(logprob_rows):
+        count = min(rows[i].params.logprobs, num_top)
+        row_start = position * num_top
+        top = [
+            (int(packed[ids_start + row_start + n]), packed[values_start + row_start + n])
+            for n in range(count)
+        ]
+        results[i] = TokenLogprobs(logprob=chosen_host[position], top=top)
+    return sampled, results
