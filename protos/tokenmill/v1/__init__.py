@@ -1,0 +1,1 @@
+"""Generated stubs of the tokenmill.v1 protos; regenerate with `python -m protos.generate`."""
