@@ -1,0 +1,190 @@
+"""Round trips through protos.codec, over the wire bytes (serialize + parse), as the RPCs do."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from protos import codec
+from protos.tokenmill.v1 import common_pb2, generation_pb2, sampling_pb2, worker_pb2
+from scheduler.plan import CachedRequestData, NewRequestData, StepPlan, StepResult, TokenLogprobs
+from scheduler.request import FINISH_REASONS, Request, RequestStatus, SamplingParams
+
+
+def over_the_wire(msg):
+    return type(msg).FromString(msg.SerializeToString())
+
+
+FULL_PARAMS = SamplingParams(
+    max_tokens=300,
+    temperature=0.7,
+    top_k=40,
+    top_p=0.9,
+    min_p=0.05,
+    repetition_penalty=1.1,
+    presence_penalty=-0.5,
+    frequency_penalty=0.25,
+    seed=2**40 + 3,
+    stop_token_ids=(2, 7),
+    ignore_eos=True,
+    logprobs=5,
+)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(),
+        FULL_PARAMS,
+        SamplingParams(temperature=0.0, top_k=0, seed=0, logprobs=0),  # zeros that mean something
+    ],
+    ids=["defaults", "every-field", "zeros"],
+)
+def test_sampling_params_round_trip(params):
+    assert codec.sampling_params_from_proto(over_the_wire(codec.sampling_params_to_proto(params))) == params
+
+
+def test_seed_and_logprobs_none_differ_from_zero():
+    none = over_the_wire(codec.sampling_params_to_proto(SamplingParams(seed=None, logprobs=None)))
+    zero = over_the_wire(codec.sampling_params_to_proto(SamplingParams(seed=0, logprobs=0)))
+    assert not none.HasField("seed") and not none.HasField("logprobs")
+    assert zero.HasField("seed") and zero.HasField("logprobs")
+    assert codec.sampling_params_from_proto(none).seed is None
+    assert codec.sampling_params_from_proto(zero).logprobs == 0
+
+
+def test_unset_proto_fields_take_domain_defaults_not_zero():
+    # An empty message must not turn into greedy, top_p=0, max_tokens=0 sampling.
+    assert codec.sampling_params_from_proto(sampling_pb2.SamplingParams()) == SamplingParams()
+
+
+def make_plan() -> StepPlan:
+    return StepPlan(
+        step_id=41,
+        new_requests=[
+            NewRequestData(
+                request_id="new-a",
+                token_ids=[1, 2, 3, 4, 5, 6],
+                num_prompt_tokens=4,  # resumed after a preemption: 2 outputs already
+                sampling_params=FULL_PARAMS,
+                block_ids=[9, 3],
+                num_computed_tokens=4,
+            )
+        ],
+        cached_requests=[
+            CachedRequestData(request_id="old-b", new_block_ids=[12], num_computed_tokens=31),
+            CachedRequestData(request_id="old-c", new_block_ids=[], num_computed_tokens=7),
+        ],
+        # deliberately not sorted by id or by list order above
+        num_scheduled_tokens={"old-c": 1, "new-a": 2, "old-b": 1},
+        finished_request_ids=["gone-x", "gone-y"],
+    )
+
+
+def test_step_plan_round_trip_keeps_everything_and_batch_order():
+    plan = make_plan()
+    decoded = codec.step_plan_from_proto(over_the_wire(codec.step_plan_to_proto(plan)))
+    assert decoded == plan
+    assert list(decoded.num_scheduled_tokens) == ["old-c", "new-a", "old-b"]
+
+
+def test_empty_plan_round_trip():
+    plan = StepPlan(step_id=0)
+    msg = over_the_wire(codec.step_plan_to_proto(plan))
+    decoded = codec.step_plan_from_proto(msg)
+    assert decoded == plan and decoded.is_empty
+
+
+def test_step_result_round_trip_with_and_without_logprobs():
+    result = StepResult(
+        step_id=41,
+        sampled_token_ids={"old-c": 17, "new-a": 0, "old-b": 49151},
+        logprobs={
+            "new-a": TokenLogprobs(logprob=-0.25, top=[(0, -0.25), (5, -1.5), (8, -3.0)]),
+            # logprobs=0: the chosen token's logprob only, which may be exactly 0.0
+            "old-b": TokenLogprobs(logprob=0.0, top=[]),
+        },
+        forward_ns=1_234_567,
+    )
+    decoded = codec.step_result_from_proto(over_the_wire(codec.step_result_to_proto(result)))
+    assert decoded == result
+    assert list(decoded.sampled_token_ids) == ["old-c", "new-a", "old-b"]
+    assert "old-c" not in decoded.logprobs
+
+
+def test_step_result_rejects_logprobs_without_a_sampled_token():
+    result = StepResult(step_id=3, sampled_token_ids={"a": 1}, logprobs={"b": TokenLogprobs(-1.0)})
+    with pytest.raises(ValueError, match=r"step 3: logprobs for requests that sampled no token: \['b'\]"):
+        codec.step_result_to_proto(result)
+
+
+def test_submit_request_round_trip_with_deadline():
+    request = Request("r-1", [5, 6, 7], FULL_PARAMS, eos_token_id=2, priority=-3)
+    msg = over_the_wire(codec.submit_request_to_proto(request, deadline_unix_s=1_700_000_000.25))
+    decoded = codec.request_from_submit_proto(msg)
+    assert (decoded.request_id, decoded.prompt_token_ids, decoded.sampling_params) == (
+        "r-1", [5, 6, 7], FULL_PARAMS,
+    )
+    assert (decoded.eos_token_id, decoded.priority, decoded.status) == (2, -3, RequestStatus.WAITING)
+    assert codec.deadline_from_submit_proto(msg) == pytest.approx(1_700_000_000.25, abs=1e-6)
+
+
+def test_submit_request_without_eos_or_deadline():
+    msg = over_the_wire(codec.submit_request_to_proto(Request("r-2", [1], SamplingParams())))
+    assert codec.request_from_submit_proto(msg).eos_token_id is None
+    assert codec.deadline_from_submit_proto(msg) is None
+
+
+def test_finish_reasons_cover_every_domain_reason():
+    for reason in [None, *FINISH_REASONS.values()]:
+        assert codec.finish_reason_from_proto(codec.finish_reason_to_proto(reason)) == reason
+    with pytest.raises(ValueError, match="finish_reason='timeout' has no FinishReason value"):
+        codec.finish_reason_to_proto("timeout")
+    assert set(common_pb2.FinishReason.values()) == {
+        codec.finish_reason_to_proto(r) for r in [None, *FINISH_REASONS.values()]
+    }
+
+
+def test_every_domain_status_has_a_public_status():
+    public = {status: codec.request_status_to_proto(status) for status in RequestStatus}
+    assert public[RequestStatus.PREEMPTED] == generation_pb2.REQUEST_STATUS_QUEUED
+    assert public[RequestStatus.FINISHED_ABORTED] == generation_pb2.REQUEST_STATUS_CANCELLED
+    assert generation_pb2.REQUEST_STATUS_UNSPECIFIED not in public.values()
+
+
+def test_decode_plan_codec_speed():
+    """Measured, not asserted: the plan and result cross the wire every step."""
+    num_requests = 32
+    plan = StepPlan(
+        step_id=1000,
+        cached_requests=[
+            CachedRequestData(f"req-{i:04d}", new_block_ids=[i] if i % 16 == 0 else [], num_computed_tokens=400 + i)
+            for i in range(num_requests)
+        ],
+        num_scheduled_tokens={f"req-{i:04d}": 1 for i in range(num_requests)},
+    )
+    result = StepResult(step_id=1000, sampled_token_ids={f"req-{i:04d}": 100 + i for i in range(num_requests)})
+    repeats = 500
+
+    def measure(encode, decode, value) -> tuple[float, int]:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            data = encode(value).SerializeToString()
+            decoded = decode(data)
+        elapsed_us = (time.perf_counter() - start) / repeats * 1e6
+        assert decoded == value
+        return elapsed_us, len(data)
+
+    plan_us, plan_bytes = measure(
+        codec.step_plan_to_proto, lambda data: codec.step_plan_from_proto(worker_pb2.StepPlan.FromString(data)), plan
+    )
+    result_us, result_bytes = measure(
+        codec.step_result_to_proto,
+        lambda data: codec.step_result_from_proto(worker_pb2.StepResult.FromString(data)),
+        result,
+    )
+    print(
+        f"\n{num_requests}-request decode step: plan encode+serialize+parse+decode {plan_us:.0f} us "
+        f"({plan_bytes} B), result {result_us:.0f} us ({result_bytes} B)"
+    )
+
