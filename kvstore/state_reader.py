@@ -1,0 +1,57 @@
+"""Reads of request records, and the clean-up a restarting scheduler runs for requests it lost.
+
+Unlike the writer these calls await Redis and raise `redis.exceptions.RedisError` when it is away:
+they serve status queries and start-up, where the caller wants to know.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable
+
+from kvstore.client import connect
+from kvstore.record_update import UPDATE_RECORD_LUA, RecordUpdate, script_args
+from kvstore.records import RecordStatus, RequestRecord, encode_field, record_key
+
+
+class RequestStateReader:
+    def __init__(self, redis_url: str, *, ttl_s: int = 3600, socket_timeout_s: float = 2.0) -> None:
+        self._ttl_s = ttl_s  # applied to the records mark_orphans_failed ends
+        self._client = connect(redis_url, socket_timeout_s=socket_timeout_s)
+        self._script = self._client.register_script(UPDATE_RECORD_LUA)
+
+    async def get_record(self, request_id: str) -> RequestRecord | None:
+        mapping = await self._client.hgetall(record_key(request_id))
+        return RequestRecord.from_mapping(mapping) if mapping else None
+
+    async def mark_orphans_failed(
+        self, request_ids: Iterable[str], error: str, *, at: float | None = None
+    ) -> list[str]:
+        """End as failed the records of requests a restarted scheduler no longer has.
+
+        Only records that exist and are not terminal change (atomically, so a record its writer
+        finishes at the same moment stays finished). Returns the ids that were marked failed.
+        """
+        request_ids = list(dict.fromkeys(request_ids))
+        finished_at = encode_field("finished_at", time.time() if at is None else at)
+        write_id_prefix = uuid.uuid4().hex[:12] + ":orphan:"
+        async with self._client.pipeline(transaction=False) as pipe:
+            for index, request_id in enumerate(request_ids):
+                update = RecordUpdate(request_id, write_id_prefix + str(index), must_exist=True)
+                update.add_status(RecordStatus.FAILED.value)
+                update.set_field("error", encode_field("error", error))
+                update.set_field("finish_reason", "error")
+                update.set_field("finished_at", finished_at)
+                keys, args = script_args(update, self._ttl_s)
+                await self._script(keys=keys, args=args, client=pipe)
+            results = await pipe.execute()
+        return [request_id for request_id, (applied, _) in zip(request_ids, results) if applied]
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def __aenter__(self) -> RequestStateReader:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
