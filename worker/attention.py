@@ -1,0 +1,170 @@
+"""Attention over the paged KV cache for one packed step that mixes prefill chunks and decode tokens.
+
+The metadata is built once per step from the plan and shared by every layer, so the layer loop does
+no Python work per request for decode rows and no host syncs (.item()/.tolist()):
+  - decode rows (one query token each) are batched: one gather of their blocks, padded to the
+    longest context with a mask, and one scaled_dot_product_attention call per layer;
+  - prefill chunks run one SDPA call each: causal over themselves plus the whole prefix already in
+    the cache (from the prefix cache or earlier chunks).
+Padding exists only inside the decode gather; the token batch itself is packed (invariant 5).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class RequestSpan:
+    """One request's share of a step: what build_attention_metadata needs."""
+
+    query_start: int  # first row of its tokens in the packed batch
+    query_len: int  # tokens computed this step
+    context_len: int  # tokens in the cache after this step (prefix + this chunk)
+    block_table: Sequence[int]  # its pages, in order; must cover context_len
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    token_index: torch.Tensor  # [B] long: rows of the packed batch, one query token per request
+    block_tables: torch.Tensor  # [B, max_blocks] long, padded with block 0 (masked out)
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool: True where the key is in context
+    covers_batch: bool  # token_index is exactly 0..T-1, so the output needs no scatter
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    query_start: int
+    query_end: int
+    context_len: int
+    context_blocks: torch.Tensor | None  # [num_blocks] long; None: no prefix, use this step's K/V
+    mask: torch.Tensor | None  # [query_len, context_len] bool; None: plain causal
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: cache slot (block_id * block_size + offset) per token
+    decode: DecodeBatch | None
+    prefills: list[PrefillChunk]
+
+
+def _slot(block_table: Sequence[int], position: int, block_size: int) -> int:
+    return block_table[position // block_size] * block_size + position % block_size
+
+
+def build_attention_metadata(
+    spans: Sequence[RequestSpan], block_size: int, device: torch.device | str = "cpu"
+) -> AttentionMetadata:
+    """spans in packed-batch order; raises ValueError if a block table cannot hold its context."""
+    slot_mapping: list[int] = []
+    decode_rows: list[int] = []
+    decode_tables: list[Sequence[int]] = []
+    decode_lens: list[int] = []
+    prefills: list[PrefillChunk] = []
+    for span in spans:
+        num_blocks = -(-span.context_len // block_size)
+        if len(span.block_table) < num_blocks:
+            raise ValueError(
+                f"block table of {len(span.block_table)} blocks cannot hold context_len={span.context_len} "
+                f"at block_size={block_size} (needs {num_blocks})"
+            )
+        prefix_len = span.context_len - span.query_len
+        slot_mapping.extend(_slot(span.block_table, p, block_size) for p in range(prefix_len, span.context_len))
+        if span.query_len == 1:
+            decode_rows.append(span.query_start)
+            decode_tables.append(span.block_table[:num_blocks])
+            decode_lens.append(span.context_len)
+            continue
+        if prefix_len == 0:
+            prefills.append(PrefillChunk(span.query_start, span.query_start + span.query_len, span.context_len, None, None))
+            continue
+        key_pos = torch.arange(span.context_len, device=device)  # [ctx]
+        query_pos = torch.arange(prefix_len, span.context_len, device=device)  # [q_len]
+        prefills.append(
+            PrefillChunk(
+                span.query_start,
+                span.query_start + span.query_len,
+                span.context_len,
+                torch.tensor(span.block_table[:num_blocks], dtype=torch.long, device=device),
+                key_pos[None, :] <= query_pos[:, None],  # causal, shifted by the prefix
+            )
+        )
+    decode = None
+    if decode_rows:
+        max_blocks = max(len(table) for table in decode_tables)
+        padded = [list(table) + [0] * (max_blocks - len(table)) for table in decode_tables]
+        lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
+        key_pos = torch.arange(max_blocks * block_size, device=device)
+        decode = DecodeBatch(
+            token_index=torch.tensor(decode_rows, dtype=torch.long, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.long, device=device),
+            mask=(key_pos[None, :] < lens[:, None])[:, None, None, :],
+            covers_batch=decode_rows == list(range(len(slot_mapping))),
+        )
+    return AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long, device=device), decode, prefills)
+
+
+def write_kv(
+    key_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    value_cache: torch.Tensor,
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T]
+) -> None:
+    key_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    value_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+def _decode_attention(q, key_cache, value_cache, decode: DecodeBatch, scale: float) -> torch.Tensor:
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    batch = decode.token_index.shape[0]
+    # GQA without repeating K/V: the G query heads sharing a KV head act as G queries against it
+    queries = q.index_select(0, decode.token_index).view(batch, num_kv_heads, -1, head_dim)  # [B, KVH, G, D]
+    keys = key_cache[decode.block_tables].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, KVH, L, D]
+    values = value_cache[decode.block_tables].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=decode.mask, scale=scale)  # [B, KVH, G, D]
+    return out.reshape(batch, -1, head_dim)  # [B, H, D]
+
+
+def _prefill_attention(q, k, v, key_cache, value_cache, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+    queries = q[chunk.query_start : chunk.query_end].transpose(0, 1)  # [H, q_len, D]
+    if chunk.context_blocks is None:
+        keys, values = k[chunk.query_start : chunk.query_end], v[chunk.query_start : chunk.query_end]
+    else:
+        kv_shape = key_cache.shape[2:]
+        keys = key_cache.index_select(0, chunk.context_blocks).view(-1, *kv_shape)[: chunk.context_len]
+        values = value_cache.index_select(0, chunk.context_blocks).view(-1, *kv_shape)[: chunk.context_len]
+    out = F.scaled_dot_product_attention(
+        queries,
+        keys.transpose(0, 1),  # [KVH, ctx, D]
+        values.transpose(0, 1),
+        attn_mask=chunk.mask,
+        is_causal=chunk.mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )  # [H, q_len, D]
+    return out.transpose(0, 1)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D], already rotated
+    k: torch.Tensor,  # [T, KVH, D], this step's keys (already written to the cache)
+    v: torch.Tensor,  # [T, KVH, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    value_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Returns [T, H, D]: each token attends to its own request's context up to its position."""
+    decode = attn_metadata.decode
+    if decode is not None and decode.covers_batch:
+        return _decode_attention(q, key_cache, value_cache, decode, scale)
+    out = torch.empty_like(q)
+    if decode is not None:
+        out[decode.token_index] = _decode_attention(q, key_cache, value_cache, decode, scale)
+    for chunk in attn_metadata.prefills:
+        out[chunk.query_start : chunk.query_end] = _prefill_attention(q, k, v, key_cache, value_cache, chunk, scale)
+    return out

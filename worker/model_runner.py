@@ -1,0 +1,135 @@
+"""Executes StepPlans: the worker's side of scheduler.executor.Executor.
+
+The runner keeps its own copy of each request's tokens (sent in full once, then extended by the
+tokens it samples) and block table (extended by the plan's diffs). Each step packs the scheduled
+tokens of all requests into one flat batch, runs the model once, and samples one token for every
+request whose computed count reaches its token count (mid-prefill chunks sample nothing).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.plan import StepPlan, StepResult
+from scheduler.request import SamplingParams
+from worker.attention import RequestSpan, build_attention_metadata
+from worker.config import ModelConfig
+from worker.kv_cache import allocate_kv_cache
+from worker.model import LlamaModel
+from worker.sampler import SamplingRow, sample
+
+
+class PlanMismatchError(RuntimeError):
+    """The plan disagrees with the runner's copy of a request (a scheduler/worker bookkeeping bug)."""
+
+
+@dataclass(slots=True)
+class RunnerRequestState:
+    token_ids: list[int]  # prompt + outputs; the runner appends what it samples
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_table: list[int]
+    num_computed_tokens: int
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = next(model.parameters()).device
+        self.kv_cache = allocate_kv_cache(model_config, num_blocks, block_size, dtype, self.device)
+        self.requests: dict[str, RunnerRequestState] = {}
+
+    def _apply_plan_state(self, plan: StepPlan) -> None:
+        for request_id in plan.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new in plan.new_requests:
+            # a request resumed after preemption arrives in full again and replaces any old copy
+            self.requests[new.request_id] = RunnerRequestState(
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                sampling_params=new.sampling_params,
+                block_table=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        for cached in plan.cached_requests:
+            state = self._state(cached.request_id, plan.step_id)
+            if cached.num_computed_tokens != state.num_computed_tokens:
+                raise PlanMismatchError(
+                    f"step {plan.step_id}: request {cached.request_id!r} has num_computed_tokens="
+                    f"{cached.num_computed_tokens} in the plan but {state.num_computed_tokens} in the worker"
+                )
+            state.block_table.extend(cached.new_block_ids)
+
+    def _state(self, request_id: str, step_id: int) -> RunnerRequestState:
+        state = self.requests.get(request_id)
+        if state is None:
+            raise PlanMismatchError(f"step {step_id}: unknown request id {request_id!r} (never sent as a new request, or already finished)")
+        return state
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._apply_plan_state(plan)
+        if plan.is_empty:
+            return StepResult(step_id=plan.step_id)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        spans: list[RequestSpan] = []
+        sampling_ids: list[str] = []
+        sample_rows: list[int] = []  # rows of the packed batch whose hidden state gets logits
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            state = self._state(request_id, plan.step_id)
+            start, end = state.num_computed_tokens, state.num_computed_tokens + num_tokens
+            if num_tokens < 1 or end > len(state.token_ids):
+                raise PlanMismatchError(
+                    f"step {plan.step_id}: request {request_id!r} scheduled {num_tokens} tokens from "
+                    f"{start}, but it has {len(state.token_ids)} tokens"
+                )
+            spans.append(RequestSpan(len(input_ids), num_tokens, end, state.block_table))
+            input_ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            if end == len(state.token_ids):
+                sampling_ids.append(request_id)
+                sample_rows.append(len(input_ids) - 1)
+        try:
+            attn_metadata = build_attention_metadata(spans, self.block_size, self.device)
+        except ValueError as exc:
+            raise PlanMismatchError(f"step {plan.step_id}: {exc}") from None
+        with torch.inference_mode():
+            started = time.perf_counter_ns()
+            hidden = self.model(
+                torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device),
+                self.kv_cache,
+                attn_metadata,
+            )  # [T, hidden]
+            logits = self.model.compute_logits(hidden[sample_rows])  # [R, vocab] float32
+            forward_ns = time.perf_counter_ns() - started
+            for request_id, num_tokens in plan.num_scheduled_tokens.items():
+                self.requests[request_id].num_computed_tokens += num_tokens
+            rows = [self._sampling_row(self.requests[rid]) for rid in sampling_ids]
+            token_ids, logprobs = sample(logits, rows) if rows else ([], [])
+        result = StepResult(step_id=plan.step_id, forward_ns=forward_ns)
+        for request_id, token_id, token_logprobs in zip(sampling_ids, token_ids, logprobs):
+            self.requests[request_id].token_ids.append(token_id)
+            result.sampled_token_ids[request_id] = token_id
+            if self.requests[request_id].sampling_params.logprobs is not None and token_logprobs is not None:
+                result.logprobs[request_id] = token_logprobs
+        return result
+
+    @staticmethod
+    def _sampling_row(state: RunnerRequestState) -> SamplingRow:
+        return SamplingRow(params=state.sampling_params, token_ids=state.token_ids, num_prompt_tokens=state.num_prompt_tokens)
+
+    def warm_up(self) -> None:
+        """One tiny forward pass over block 0 (so the process reports ready only after one has run)."""
+        spans = [RequestSpan(query_start=0, query_len=2, context_len=2, block_table=[0, 0])]
+        attn_metadata = build_attention_metadata(spans, self.block_size, self.device)
+        with torch.inference_mode():
+            ids = torch.zeros(2, dtype=torch.long, device=self.device)
+            hidden = self.model(ids, torch.arange(2, device=self.device), self.kv_cache, attn_metadata)
+            self.model.compute_logits(hidden[-1:])
