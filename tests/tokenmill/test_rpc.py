@@ -1,0 +1,185 @@
+"""A real grpc.aio server in-process, with tiny servicers, through tokenmill.rpc's plumbing."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from protos.tokenmill.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tokenmill import errors, rpc
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class TinyWorker(worker_pb2_grpc.WorkerServicer):
+    """Each RPC fails in one way a real worker could."""
+
+    def __init__(self) -> None:
+        self.address = ""  # set once the port is known; used to call back into this server
+
+    async def GetCapacity(self, request, context):
+        raise errors.InvalidArgument("block_size", 0, "must be a power of two between 1 and 256")
+
+    async def ExecuteStep(self, request, context):
+        if request.step_id == 1:
+            raise RuntimeError("KV cache tensor shape mismatch")
+        # forwards to GetCapacity over gRPC, as the gateway forwards to the scheduler
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            await worker_pb2_grpc.WorkerStub(channel).GetCapacity(worker_pb2.GetCapacityRequest())
+        return worker_pb2.StepResult(step_id=request.step_id)
+
+    async def Health(self, request, context):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "warming up")
+
+
+class TinyScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    async def Submit(self, request, context):
+        yield scheduler_pb2.SubmitResponse(request_id=request.request_id, new_token_ids=[7])
+        raise errors.ResourceExhausted("waiting queue is full (1024 requests)", retry_after_s=0.25)
+
+    async def Abort(self, request, context):
+        raise errors.NotFound("request", request.request_ids[0])
+
+
+@pytest.fixture
+async def served():
+    server = rpc.create_server()
+    worker = TinyWorker()
+    worker_pb2_grpc.add_WorkerServicer_to_server(worker, server)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(TinyScheduler(), server)
+    health = rpc.add_health_and_reflection(server, [rpc.WORKER_SERVICE, rpc.SCHEDULER_SERVICE])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    worker.address = f"127.0.0.1:{port}"
+    channel = grpc.aio.insecure_channel(worker.address)
+    try:
+        yield worker.address, channel, health
+    finally:
+        await channel.close()
+        await server.stop(grace=None)
+
+
+async def check(channel, service: str):
+    return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))).status
+
+
+async def test_liveness_serves_at_once_and_readiness_flips_on_set_ready(served):
+    _, channel, health = served
+    assert await check(channel, "") == SERVING
+    assert await check(channel, rpc.WORKER_SERVICE) == NOT_SERVING
+    assert await check(channel, rpc.SCHEDULER_SERVICE) == NOT_SERVING
+
+    await health.set_ready()
+    assert await check(channel, rpc.WORKER_SERVICE) == SERVING
+    assert await check(channel, rpc.SCHEDULER_SERVICE) == SERVING
+
+    await health.set_ready(False)
+    assert await check(channel, rpc.WORKER_SERVICE) == NOT_SERVING
+    with pytest.raises(grpc.aio.AioRpcError) as unknown:
+        await check(channel, "tokenmill.v1.Nope")
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_graceful_shutdown_turns_everything_not_serving(served):
+    _, channel, health = served
+    await health.set_ready()
+    await health.enter_graceful_shutdown()
+    await health.set_ready()  # too late: shutdown wins
+    assert await check(channel, "") == NOT_SERVING
+    assert await check(channel, rpc.WORKER_SERVICE) == NOT_SERVING
+
+
+async def test_reflection_lists_services_and_resolves_their_messages(served):
+    address, _, _ = served
+
+    def reflect():
+        # the reflection client is synchronous: run it off the event loop that serves it
+        with grpc.insecure_channel(address) as channel:
+            database = ProtoReflectionDescriptorDatabase(channel)
+            services = set(database.get_services())
+            step_plan_file = database.FindFileContainingSymbol("tokenmill.v1.StepPlan")
+            return services, step_plan_file
+
+    services, step_plan_file = await asyncio.to_thread(reflect)
+    assert services == {
+        "tokenmill.v1.Worker",
+        "tokenmill.v1.Scheduler",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
+    assert step_plan_file.name == "protos/tokenmill/v1/worker.proto"
+    assert "StepPlan" in [message.name for message in step_plan_file.message_type]
+
+
+def test_service_name_constants_match_the_protos():
+    from protos.tokenmill.v1 import generation_pb2
+
+    assert rpc.GENERATION_SERVICE == generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+    assert rpc.SCHEDULER_SERVICE == scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+    assert rpc.WORKER_SERVICE == worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+async def test_invalid_argument_reaches_the_client_with_its_message(served):
+    _, channel, _ = served
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await worker_pb2_grpc.WorkerStub(channel).GetCapacity(worker_pb2.GetCapacityRequest())
+    assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert failure.value.details() == "invalid block_size=0: must be a power of two between 1 and 256"
+
+
+async def test_stream_keeps_its_messages_then_ends_with_the_mapped_status(served):
+    _, channel, _ = served
+    call = scheduler_pb2_grpc.SchedulerStub(channel).Submit(scheduler_pb2.SubmitRequest(request_id="r-1"))
+    received = []
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        async for response in call:
+            received.append(list(response.new_token_ids))
+    assert received == [[7]]
+    assert failure.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert failure.value.details() == "waiting queue is full (1024 requests)"
+    assert ("retry-after-ms", "250") in tuple(failure.value.trailing_metadata())
+
+
+async def test_not_found_names_the_request(served):
+    _, channel, _ = served
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await scheduler_pb2_grpc.SchedulerStub(channel).Abort(scheduler_pb2.AbortRequest(request_ids=["r-404"]))
+    assert (failure.value.code(), failure.value.details()) == (grpc.StatusCode.NOT_FOUND, "request 'r-404' not found")
+
+
+async def test_unexpected_exception_is_internal_with_its_text_and_logged(served, caplog):
+    _, channel, _ = served
+    with caplog.at_level(logging.ERROR, logger="tokenmill.rpc"):
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await worker_pb2_grpc.WorkerStub(channel).ExecuteStep(worker_pb2.StepPlan(step_id=1))
+    assert failure.value.code() == grpc.StatusCode.INTERNAL
+    assert failure.value.details() == "RuntimeError: KV cache tensor shape mismatch"
+    logged = [record for record in caplog.records if "/tokenmill.v1.Worker/ExecuteStep" in record.getMessage()]
+    assert logged and logged[0].exc_info is not None
+
+
+async def test_downstream_status_passes_through_not_internal(served):
+    _, channel, _ = served
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await worker_pb2_grpc.WorkerStub(channel).ExecuteStep(worker_pb2.StepPlan(step_id=2))
+    assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "invalid block_size=0" in failure.value.details()
+
+
+async def test_handler_abort_passes_through_unchanged(served):
+    _, channel, _ = served
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await worker_pb2_grpc.WorkerStub(channel).Health(worker_pb2.HealthRequest())
+    assert (failure.value.code(), failure.value.details()) == (grpc.StatusCode.UNAVAILABLE, "warming up")
+
+
+def test_error_messages_name_field_value_and_limit():
+    error = errors.InvalidArgument("prompt", "x" * 1000, "4096 tokens is over max_context_length 2048")
+    assert str(error).startswith("invalid prompt='xxx")
+    assert str(error).endswith("... (1002 chars): 4096 tokens is over max_context_length 2048")
+    assert rpc.status_for(error) == (grpc.StatusCode.INVALID_ARGUMENT, str(error))

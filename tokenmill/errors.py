@@ -1,0 +1,74 @@
+"""Failures a client can cause or must be told about, as plain exceptions.
+
+Domain code (gateway validation, the scheduler, the worker) raises these without knowing about gRPC;
+tokenmill.rpc maps each class to one gRPC status code at the edge. Messages are written for the
+person reading the client's error: they name the field, the value and the limit.
+"""
+from __future__ import annotations
+
+# Long values (a whole prompt, a token list) are cut in messages so a status stays readable.
+_MAX_VALUE_REPR = 120
+
+
+def _short_repr(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= _MAX_VALUE_REPR else f"{text[:_MAX_VALUE_REPR]}... ({len(text)} chars)"
+
+
+class ServingError(Exception):
+    """Base class; str(error) is the message the client sees."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(ServingError):
+    """A request field is out of range or malformed (INVALID_ARGUMENT)."""
+
+    def __init__(self, field: str, value: object, limit_or_reason: str) -> None:
+        self.field = field
+        self.value = value
+        self.limit_or_reason = limit_or_reason
+        super().__init__(f"invalid {field}={_short_repr(value)}: {limit_or_reason}")
+
+
+class NotFound(ServingError):
+    """Something named by the client does not exist, e.g. an unknown request id (NOT_FOUND)."""
+
+    def __init__(self, kind: str, key: object) -> None:
+        self.kind = kind
+        self.key = key
+        super().__init__(f"{kind} {_short_repr(key)} not found")
+
+
+class ResourceExhausted(ServingError):
+    """A rate limit, a full queue or a prompt that can never fit in the KV cache (RESOURCE_EXHAUSTED).
+
+    retry_after_s, when known, reaches the client as the trailing metadata "retry-after-ms".
+    """
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(ServingError):
+    """No backend can take the request right now: not ready, shutting down, circuit open (UNAVAILABLE)."""
+
+
+class DeadlineExceeded(ServingError):
+    """The request's deadline passed before it finished (DEADLINE_EXCEEDED)."""
+
+
+class Cancelled(ServingError):
+    """The request was cancelled by its client or by an abort (CANCELLED)."""
+
+
+class Unauthenticated(ServingError):
+    """Missing or wrong credentials (UNAUTHENTICATED)."""
+
+
+class FailedPrecondition(ServingError):
+    """The call disagrees with the server's state, e.g. a step plan naming a request the worker
+    does not hold (FAILED_PRECONDITION)."""

@@ -1,0 +1,167 @@
+"""Server plumbing every tokenmill process uses: health, reflection, and the one place that maps
+exceptions to gRPC status codes.
+
+    server = create_server()                       # installs ErrorStatusInterceptor
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health = add_health_and_reflection(server, [WORKER_SERVICE])
+    port = server.add_insecure_port("0.0.0.0:50051")
+    await server.start()
+    ...warm up...
+    await health.set_ready()                       # readiness flips to SERVING
+    ...
+    await health.enter_graceful_shutdown()         # everything NOT_SERVING, then server.stop(grace)
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from tokenmill import errors
+
+logger = logging.getLogger(__name__)
+
+GENERATION_SERVICE = "tokenmill.v1.Generation"
+SCHEDULER_SERVICE = "tokenmill.v1.Scheduler"
+WORKER_SERVICE = "tokenmill.v1.Worker"
+
+# Subclasses inherit their parent's code (status_for walks the MRO).
+STATUS_CODES: dict[type[errors.ServingError], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.Cancelled: grpc.StatusCode.CANCELLED,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a client should see for exc."""
+    for cls in type(exc).__mro__:
+        code = STATUS_CODES.get(cls)
+        if code is not None:
+            return code, str(exc)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        # A failed downstream call (gateway -> scheduler -> worker): pass its status through, so an
+        # INVALID_ARGUMENT from the scheduler does not turn into INTERNAL at the gateway.
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+async def abort_with_status(context: grpc.aio.ServicerContext, exc: BaseException, method: str = "") -> None:
+    """Ends the call with exc's status (always raises). Unexpected exceptions are logged in full."""
+    code, message = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        logger.error("unexpected error in %s", method or "an RPC handler", exc_info=exc)
+    else:
+        logger.info("%s -> %s: %s", method or "RPC", code.name, message)
+    retry_after_s = getattr(exc, "retry_after_s", None)
+    if retry_after_s is not None:
+        context.set_trailing_metadata((("retry-after-ms", str(round(retry_after_s * 1000))),))
+    await context.abort(code, message)
+
+
+class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps every async handler so a raised exception ends the call with status_for(exc).
+
+    Handlers that already called context.abort (grpc.aio.AbortError) and cancelled calls
+    (asyncio.CancelledError, a BaseException) pass through untouched.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        return _wrap_handler(handler, handler_call_details.method)
+
+
+def _wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    if handler.unary_unary:
+        make, behavior = grpc.unary_unary_rpc_method_handler, handler.unary_unary
+    elif handler.unary_stream:
+        make, behavior = grpc.unary_stream_rpc_method_handler, handler.unary_stream
+    elif handler.stream_unary:
+        make, behavior = grpc.stream_unary_rpc_method_handler, handler.stream_unary
+    else:
+        make, behavior = grpc.stream_stream_rpc_method_handler, handler.stream_stream
+
+    if inspect.isasyncgenfunction(behavior):
+
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext):
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - this is the one place that maps them
+                await abort_with_status(context, exc, method)
+
+    elif inspect.iscoroutinefunction(behavior):
+
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext):
+            try:
+                return await behavior(request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                await abort_with_status(context, exc, method)
+
+    else:
+        # A synchronous handler runs on gRPC's thread pool where it cannot await context.abort;
+        # tokenmill has none, so it is left as is rather than wrapped wrongly.
+        return handler
+
+    return make(
+        wrapped,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def create_server(
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    options: Sequence[tuple[str, Any]] = (),
+) -> grpc.aio.Server:
+    """A grpc.aio server with ErrorStatusInterceptor outermost, so it also maps errors raised by
+    the other interceptors' wrappers."""
+    return grpc.aio.server(interceptors=[ErrorStatusInterceptor(), *interceptors], options=list(options))
+
+
+class ReadinessHealthServicer(health_aio.HealthServicer):
+    """grpc.health.v1 where service "" is liveness (SERVING as soon as the server answers) and each
+    of our services is readiness: NOT_SERVING until the process calls set_ready() after warm-up."""
+
+    def __init__(self, service_full_names: Iterable[str]) -> None:
+        super().__init__()
+        self.service_full_names = tuple(service_full_names)
+        for name in self.service_full_names:
+            # Nobody can watch yet (the server is not started), so setting the status map directly
+            # is what the async set() would do, without needing a running event loop.
+            self._server_status[name] = health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def set_ready(self, ready: bool = True) -> None:
+        """Readiness of every service this servicer was built with (ignored after graceful shutdown)."""
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self.service_full_names:
+            await self.set(name, status)
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service_full_names: Iterable[str]) -> ReadinessHealthServicer:
+    """Registers grpc.health.v1 and server reflection (listing our services, health and reflection).
+    Call before server.start(). The returned servicer's set_ready() flips readiness."""
+    health = ReadinessHealthServicer(service_full_names)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        [*health.service_full_names, HEALTH_SERVICE, reflection.SERVICE_NAME], server
+    )
+    return health
