@@ -1,0 +1,84 @@
+"""The engine in one process: scheduler + worker, no gRPC. Used by tests, benchmarks and `generate`."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from scheduler.config import SchedulerConfig
+from scheduler.engine import EngineCore
+from scheduler.outputs import RequestOutput
+from scheduler.request import Request, SamplingParams
+from scheduler.scheduler import Scheduler
+from worker.kv_cache import num_blocks_for_budget
+from worker.loader import load_model
+from worker.model_runner import ModelRunner
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    model: str | None = None  # None: the default GGUF model
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_bytes: int = 512 * 2**20  # memory budget for the KV cache
+    num_blocks: int | None = None  # overrides kv_cache_bytes
+    kv_policy: str = "paged"
+    queue_policy: str = "fcfs"
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's own limit
+
+
+def build_runner(config: EngineConfig, progress: bool = True) -> ModelRunner:
+    if config.dtype not in DTYPES:
+        raise ValueError(f"dtype={config.dtype!r} is not one of {sorted(DTYPES)}")
+    dtype = DTYPES[config.dtype]
+    model, model_config = load_model(Path(config.model) if config.model else None, dtype=dtype, progress=progress)
+    num_blocks = config.num_blocks or num_blocks_for_budget(model_config, dtype, config.block_size,
+                                                            config.kv_cache_bytes)
+    return ModelRunner(model, model_config, num_blocks=num_blocks, block_size=config.block_size, dtype=dtype)
+
+
+def scheduler_config_for(config: EngineConfig, num_blocks: int, model_max_len: int) -> SchedulerConfig:
+    return SchedulerConfig(
+        num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=min(config.max_model_len or model_max_len, model_max_len),
+        kv_policy=config.kv_policy, queue_policy=config.queue_policy,
+        enable_prefix_caching=config.enable_prefix_caching)
+
+
+class LLM:
+    def __init__(self, config: EngineConfig = EngineConfig(), runner: ModelRunner | None = None,
+                 progress: bool = True) -> None:
+        self.config = config
+        self.runner = runner or build_runner(config, progress)
+        self.model_config = self.runner.model_config
+        self.engine = self.new_engine(config)
+        self._ids = itertools.count()
+
+    def new_engine(self, config: EngineConfig) -> EngineCore:
+        """A fresh scheduler over the same worker (e.g. the other KV policy on the same weights)."""
+        sched_config = scheduler_config_for(config, self.runner.num_blocks,
+                                            self.model_config.max_position_embeddings)
+        return EngineCore(Scheduler(sched_config), self.runner)
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[list[RequestOutput]]:
+        """Runs the prompts (token ids) concurrently to completion; the outputs of each, in order."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        requests = [Request(f"llm-{next(self._ids)}", list(p), sp, eos_token_id=self.model_config.eos_token_id)
+                    for p, sp in zip(prompts, params)]
+        results = self.engine.run_to_completion(requests)
+        return [results[r.request_id] for r in requests]
+
+    def generate_token_ids(self, prompts: Sequence[Sequence[int]],
+                           params: SamplingParams | Sequence[SamplingParams]) -> list[list[int]]:
+        return [[t for out in outputs for t in out.new_token_ids] for outputs in self.generate(prompts, params)]
