@@ -26,9 +26,9 @@ _QUEUED = RecordStatus.QUEUED.value
 @dataclass(slots=True)
 class RecordUpdate:
     request_id: str
-    # Unique per update. The script stores it in the hash, so a batch resent after a connection
-    # broke mid-pipeline does not apply (and count preemptions) twice.
-    write_id: str
+    # Unique per update, set when it is taken for writing. The script stores it in the hash, so a
+    # batch resent after a connection broke mid-pipeline does not apply (and count preemptions) twice.
+    write_id: str = ""
     fields: dict[str, str] = field(default_factory=dict)  # encoded values, last write wins
     first_fields: dict[str, str] = field(default_factory=dict)  # FIRST_WRITE_WINS, first value wins
     # [[status, extra_preemption_cycles], ...]: statuses in the order they happened. A cycle is a

@@ -65,16 +65,20 @@ def record_key(request_id: str) -> str:
 def encode_field(name: str, value: object) -> str:
     """The hash value for `name`; raises ValueError naming the field and value if it does not fit."""
     field_type = FIELD_TYPES.get(name)
+    value_type = type(value)
+    # exact-type checks first: this runs for every state event the scheduler emits
+    if field_type is float and (value_type is float or value_type is int):
+        return repr(float(value))  # repr round-trips a float exactly
+    if field_type is value_type:
+        return value if value_type is str else str(value)
     if field_type is None:
         raise ValueError(f"unknown record field {name!r}; settable fields: {sorted(FIELD_TYPES)}")
-    if field_type is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ValueError(f"record field {name!r} must be an int, got {value!r}")
-    if field_type is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise ValueError(f"record field {name!r} must be unix seconds (float), got {value!r}")
-    if field_type is str and not isinstance(value, str):
-        raise ValueError(f"record field {name!r} must be a str, got {value!r}")
-    # repr round-trips a float exactly, so a timestamp reads back as the same number.
-    return repr(float(value)) if field_type is float else str(value)
+    if field_type is int and isinstance(value, int) and not isinstance(value, bool):
+        return str(int(value))  # an int subclass such as IntEnum
+    if field_type is str and isinstance(value, str):
+        return str(value)
+    kind = {int: "an int", float: "unix seconds (float)", str: "a str"}[field_type]
+    raise ValueError(f"record field {name!r} must be {kind}, got {value!r}")
 
 
 @dataclass(slots=True)

@@ -24,6 +24,11 @@ from kvstore.records import RecordStatus, encode_field
 
 logger = logging.getLogger(__name__)
 
+# accepts the enum members and their string values alike
+_STATUS_VALUES: dict[object, str] = {status: status.value for status in RecordStatus} | {
+    status.value: status.value for status in RecordStatus
+}
+
 
 @dataclass(slots=True, frozen=True)
 class WriterStats:
@@ -96,17 +101,16 @@ class RequestStateWriter:
         """Merge a change into the pending write for `request_id`. A None value means "no change"."""
         try:
             status = fields.pop("status", None)
-            status = None if status is None else RecordStatus(status).value
+            if status is not None:
+                status = _STATUS_VALUES[status]
             encoded = {name: encode_field(name, v) for name, v in fields.items() if v is not None}
+        except KeyError:
+            return self._ignore_invalid(request_id, f"unknown record status {status!r}")
         except Exception as exc:  # a caller bug must not stop token generation; count it, log once
-            self._invalid += 1
-            if str(exc) not in self._logged_invalid:
-                self._logged_invalid.add(str(exc))
-                logger.error("request state update for %r ignored: %s", request_id, exc)
-            return
+            return self._ignore_invalid(request_id, str(exc))
         pending = self._pending.get(request_id)
         if pending is None:
-            pending = RecordUpdate(request_id, self._write_id_prefix + str(next(self._write_seq)))
+            pending = RecordUpdate(request_id)
             self._pending[request_id] = pending
             if len(self._pending) + len(self._batch) > self._max_pending:
                 self._drop_oldest()
@@ -191,6 +195,12 @@ class RequestStateWriter:
             pending=len(self._pending) + len(self._batch),
         )
 
+    def _ignore_invalid(self, request_id: str, reason: str) -> None:
+        self._invalid += 1
+        if reason not in self._logged_invalid:  # once per distinct mistake, not once per event
+            self._logged_invalid.add(reason)
+            logger.error("request state update for %r ignored: %s", request_id, reason)
+
     def _drop_oldest(self) -> None:
         if self._batch and not self._sending:
             self._batch.popleft()
@@ -209,6 +219,8 @@ class RequestStateWriter:
 
     async def aclose(self) -> None:
         """Stop the background task and write what is pending, giving up after close_timeout_s."""
+        if self._closing:
+            return
         self._closing = True
         for event in (self._stop_event, self._has_work_event, self._batch_full_event):
             event.set()
@@ -259,7 +271,9 @@ class RequestStateWriter:
         """Write one batch; False if Redis could not be reached (the batch stays for the retry)."""
         if not self._batch:
             for _ in range(min(self._batch_max, len(self._pending))):
-                self._batch.append(self._pending.popitem(last=False)[1])
+                update = self._pending.popitem(last=False)[1]
+                update.write_id = self._write_id_prefix + str(next(self._write_seq))
+                self._batch.append(update)
         batch = list(self._batch)
         self._sending = True
         try:
@@ -267,7 +281,10 @@ class RequestStateWriter:
         except (RedisError, OSError, TimeoutError) as exc:
             self._failures += 1
             if self._healthy:
-                logger.warning("Redis write failed, keeping %d record changes to retry: %r", len(batch), exc)
+                logger.warning(
+                    "Redis write failed, keeping %d record changes to retry: %s: %s",
+                    len(batch), type(exc).__name__, exc,
+                )
             self._healthy = False
             return False
         except Exception:  # a batch that cannot even be encoded will never succeed: do not retry it
