@@ -12,6 +12,7 @@ from __future__ import annotations
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from protos.tokenmill.v1 import common_pb2, generation_pb2, sampling_pb2, scheduler_pb2, worker_pb2
+from scheduler.outputs import RequestOutput
 from scheduler.plan import CachedRequestData, NewRequestData, StepPlan, StepResult, TokenLogprobs
 from scheduler.request import Request, RequestStatus, SamplingParams
 
@@ -250,4 +251,39 @@ def step_result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
         sampled_token_ids=sampled_token_ids,
         logprobs=logprobs,
         forward_ns=msg.forward_ns,
+    )
+
+
+# ---- scheduler -> gateway token deltas ------------------------------------------------------
+
+
+def request_output_to_proto(output: RequestOutput, timings: common_pb2.Timings | None = None
+                            ) -> scheduler_pb2.SubmitResponse:
+    msg = scheduler_pb2.SubmitResponse(
+        request_id=output.request_id,
+        new_token_ids=output.new_token_ids,
+        finished=output.finished,
+        finish_reason=finish_reason_to_proto(output.finish_reason),
+        num_prompt_tokens=output.num_prompt_tokens,
+        num_output_tokens=output.num_output_tokens,
+        num_cached_tokens=output.num_cached_tokens,
+        num_preemptions=output.num_preemptions,
+        timings=timings,
+    )
+    for token_logprobs in output.logprobs:
+        msg.logprobs.append(token_logprobs_to_proto(token_logprobs))
+    return msg
+
+
+def request_output_from_proto(msg: scheduler_pb2.SubmitResponse) -> RequestOutput:
+    return RequestOutput(
+        request_id=msg.request_id,
+        new_token_ids=list(msg.new_token_ids),
+        logprobs=[token_logprobs_from_proto(entry) for entry in msg.logprobs],
+        finished=msg.finished,
+        finish_reason=finish_reason_from_proto(msg.finish_reason),
+        num_prompt_tokens=msg.num_prompt_tokens,
+        num_output_tokens=msg.num_output_tokens,
+        num_cached_tokens=msg.num_cached_tokens,
+        num_preemptions=msg.num_preemptions,
     )

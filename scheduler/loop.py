@@ -1,0 +1,205 @@
+"""The scheduler process's step loop on asyncio: the single owner of the Scheduler (invariant 4).
+
+RPC handlers call submit() / abort(), which only check and enqueue; the loop task applies them at
+the top of each iteration, runs schedule() -> await worker -> update(), and hands each request's
+deltas to its stream queue. Request-state writes go to Redis through a batching writer that never
+blocks this loop (invariant 6).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from scheduler.outputs import RequestOutput
+from scheduler.plan import StepPlan, StepResult
+from scheduler.request import Request
+from scheduler.scheduler import RequestTooLarge, Scheduler
+from tokenmill.errors import InvalidArgument, ResourceExhausted
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncExecutor(Protocol):
+    async def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+class StateSink(Protocol):
+    """What the loop reports request transitions to (kvstore.RequestStateWriter in production)."""
+
+    def queued(self, request_id: str, *, num_prompt_tokens: int | None = None, model: str | None = None,
+               priority: int | None = None, created_at: float | None = None) -> None: ...
+    def running(self, request_id: str) -> None: ...
+    def preempted(self, request_id: str) -> None: ...
+    def progress(self, request_id: str, *, num_output_tokens: int) -> None: ...
+    def finished(self, request_id: str, *, finish_reason: str = "stop",
+                 num_output_tokens: int | None = None) -> None: ...
+    def failed(self, request_id: str, *, error: str) -> None: ...
+    def cancelled(self, request_id: str) -> None: ...
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(slots=True)
+class RequestStream:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    times: RequestTimes = field(default_factory=RequestTimes)
+
+
+class EngineLoop:
+    def __init__(self, scheduler: Scheduler, executor: AsyncExecutor, state: StateSink | None = None,
+                 model_name: str = "", max_waiting_requests: int = 4096) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.state = state
+        self.model_name = model_name
+        self.max_waiting_requests = max_waiting_requests
+        self.streams: dict[str, RequestStream] = {}
+        self._inbox: list[tuple[str, object]] = []
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.num_steps = 0
+        self.last_error: str | None = None
+
+    # --- called by RPC handlers: check, enqueue, return -------------------------------------------
+
+    def submit(self, request: Request) -> RequestStream:
+        if request.request_id in self.streams:
+            raise InvalidArgument("request_id", request.request_id, "already queued or running")
+        needed = self.scheduler.kv.blocks_needed_at_most(request)
+        if needed > self.scheduler.config.num_blocks:
+            raise InvalidArgument(
+                "max_tokens", request.sampling_params.max_tokens,
+                f"prompt ({request.num_prompt_tokens}) + max_tokens needs {needed} KV pages; "
+                f"this replica has {self.scheduler.config.num_blocks}")
+        if len(self.streams) >= self.max_waiting_requests + self.scheduler.config.max_num_seqs:
+            raise ResourceExhausted(f"scheduler queue is full ({len(self.streams)} requests in flight)",
+                                    retry_after_s=1.0)
+        stream = RequestStream()
+        self.streams[request.request_id] = stream
+        self._inbox.append(("add", request))
+        if self.state:
+            self.state.queued(request.request_id, num_prompt_tokens=request.num_prompt_tokens,
+                              model=self.model_name, priority=request.priority, created_at=time.time())
+        self._wakeup.set()
+        return stream
+
+    def abort(self, request_id: str, finish_reason: str = "abort") -> bool:
+        """Ends the request at the next loop iteration; False if it is unknown or already ended."""
+        if request_id not in self.streams:
+            return False
+        self._inbox.append(("abort", (request_id, finish_reason)))
+        self._wakeup.set()
+        return True
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def run(self) -> None:
+        while True:
+            self._apply_inbox()
+            if not self.scheduler.has_unfinished():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                await asyncio.sleep(0.001)
+                continue
+            self._note_scheduled(plan)
+            try:
+                result = await self.executor.execute(plan)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # the worker is gone or broke: fail what it held, keep serving
+                self._fail_all(f"worker step failed: {error}")
+                continue
+            self.num_steps += 1
+            self._deliver(self.scheduler.update(plan, result))
+            await asyncio.sleep(0)  # let handlers enqueue between steps
+
+    def _apply_inbox(self) -> None:
+        inbox, self._inbox = self._inbox, []
+        for kind, payload in inbox:
+            if kind == "add":
+                try:
+                    self.scheduler.add_request(payload)
+                except (RequestTooLarge, ValueError) as error:
+                    self._end_stream(RequestOutput(payload.request_id, finished=True, finish_reason="error",
+                                                   error=str(error)))
+            else:
+                request_id, finish_reason = payload
+                output = self.scheduler.abort_request(request_id)
+                if output is not None:
+                    output.finish_reason = finish_reason
+                    self._end_stream(output)
+
+    def _note_scheduled(self, plan: StepPlan) -> None:
+        now = time.monotonic()
+        for request_id in plan.finished_request_ids:
+            request = self.scheduler.requests.get(request_id)
+            if request is not None and self.state:  # dropped but alive: it was preempted
+                self.state.preempted(request_id)
+        for new in plan.new_requests:
+            stream = self.streams.get(new.request_id)
+            if stream and stream.times.first_scheduled is None:
+                stream.times.first_scheduled = now
+            if self.state:
+                self.state.running(new.request_id)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for output in outputs:
+            stream = self.streams.get(output.request_id)
+            if stream is None:
+                continue
+            if stream.times.first_token is None and output.new_token_ids:
+                stream.times.first_token = now
+            if output.finished:
+                self._end_stream(output)
+            else:
+                stream.queue.put_nowait(output)
+
+    def _end_stream(self, output: RequestOutput) -> None:
+        stream = self.streams.pop(output.request_id, None)
+        if stream is None:
+            return
+        stream.times.finished = time.monotonic()
+        stream.queue.put_nowait(output)
+        if not self.state:
+            return
+        if output.finish_reason == "error":
+            self.state.failed(output.request_id, error=output.error or "unknown error")
+        elif output.finish_reason == "abort":
+            self.state.cancelled(output.request_id)
+        else:
+            self.state.finished(output.request_id, finish_reason=output.finish_reason or "stop",
+                                num_output_tokens=output.num_output_tokens)
+
+    def _fail_all(self, error: str) -> None:
+        self.last_error = error
+        logger.error("%s; failing %d requests", error, len(self.scheduler.requests))
+        for request_id in list(self.scheduler.requests):
+            output = self.scheduler.abort_request(request_id)
+            if output is not None:
+                output.finish_reason, output.error = "error", error
+                self._end_stream(output)
+

@@ -1,0 +1,81 @@
+"""tokenmill.v1.Scheduler servicer: protobuf in, one call into the EngineLoop, protobuf out."""
+from __future__ import annotations
+
+import asyncio
+
+from protos import codec
+from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from scheduler.loop import EngineLoop, RequestTimes
+from tokenmill.errors import Unavailable
+
+
+def _timings(times: RequestTimes) -> common_pb2.Timings:
+    def ns(start: float | None, end: float | None) -> int:
+        return int((end - start) * 1e9) if start is not None and end is not None else 0
+
+    return common_pb2.Timings(queue_ns=ns(times.arrival, times.first_scheduled),
+                              time_to_first_token_ns=ns(times.arrival, times.first_token),
+                              decode_ns=ns(times.first_token, times.finished),
+                              e2e_ns=ns(times.arrival, times.finished))
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self) -> None:
+        self._loop: EngineLoop | None = None
+        self.model_info = None  # common_pb2.GetModelInfoResponse, from the worker's capacity
+
+    def attach(self, loop: EngineLoop, model_info: common_pb2.GetModelInfoResponse) -> None:
+        self._loop, self.model_info = loop, model_info
+
+    @property
+    def loop(self) -> EngineLoop:
+        if self._loop is None:
+            raise Unavailable("scheduler is starting: its worker has not registered yet")
+        return self._loop
+
+    async def Submit(self, request, context):
+        stream = self.loop.submit(codec.request_from_submit_proto(request))
+        finished = False
+        try:
+            while not finished:
+                output = await stream.queue.get()
+                # coalesce deltas that piled up while this client was slow to read
+                while not output.finished and not stream.queue.empty():
+                    more = stream.queue.get_nowait()
+                    more.new_token_ids = output.new_token_ids + more.new_token_ids
+                    more.logprobs = output.logprobs + more.logprobs
+                    output = more
+                finished = output.finished
+                yield codec.request_output_to_proto(output, _timings(stream.times) if finished else None)
+        finally:
+            if not finished:  # the client went away or the call was cancelled: free its pages
+                self.loop.abort(request.request_id)
+
+    async def Abort(self, request, context):
+        aborted = [rid for rid in request.request_ids if self.loop.abort(rid)]
+        return scheduler_pb2.AbortResponse(aborted_request_ids=aborted)
+
+    async def GetLoad(self, request, context):
+        stats = self.loop.scheduler.stats()
+        reply = scheduler_pb2.GetLoadResponse(
+            num_waiting_requests=stats.num_waiting, num_running_requests=stats.num_running,
+            num_waiting_tokens=stats.num_waiting_tokens, num_kv_pages_total=stats.num_blocks,
+            num_kv_pages_used=stats.num_used_blocks, num_kv_pages_free=stats.num_blocks - stats.num_used_blocks,
+            kv_utilization=stats.kv_utilization,
+            prefix_cache_hit_rate=stats.prefix_cache_hits / stats.prefix_cache_queries
+            if stats.prefix_cache_queries else 0.0,
+            num_preemptions_total=stats.num_preemptions)
+        if request.include_running_request_ids:
+            reply.running_request_ids.extend(r.request_id for r in self.loop.scheduler.running)
+        return reply
+
+    async def GetModelInfo(self, request, context):
+        self.loop  # noqa: B018 - raises Unavailable until the worker registered
+        return self.model_info
+
+
+async def drain(loop: EngineLoop, timeout_s: float) -> None:
+    """Waits for in-flight requests to finish (graceful shutdown), at most timeout_s."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while loop.streams and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)

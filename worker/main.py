@@ -1,0 +1,86 @@
+"""The worker process: `python -m worker.main --model PATH ...`. Ready only after a warm-up pass."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc
+from tokenmill import rpc
+from worker.kv_cache import bytes_per_block, num_blocks_for_budget
+from worker.loader import default_model_path, load_model
+from worker.model_runner import ModelRunner
+from worker.service import WorkerServicer, model_config_to_proto
+
+logger = logging.getLogger("tokenmill.worker")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m worker.main", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50053)
+    parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV page (a power of two)")
+    parser.add_argument("--kv-cache-mb", type=int, default=512, help="memory budget for the KV cache")
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV pages; overrides --kv-cache-mb")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    args = parser.parse_args(argv)
+    if args.block_size <= 0 or args.block_size & (args.block_size - 1):
+        parser.error(f"--block-size={args.block_size} must be a positive power of two")
+    return args
+
+
+def build_runner(args: argparse.Namespace) -> tuple[ModelRunner, worker_pb2.GetCapacityResponse]:
+    dtype = DTYPES[args.dtype]
+    model_path = Path(args.model) if args.model else default_model_path()
+    model, config = load_model(model_path, dtype=dtype, progress=True)
+    budget = args.kv_cache_mb * 2**20
+    num_blocks = args.num_blocks or num_blocks_for_budget(config, dtype, args.block_size, budget)
+    runner = ModelRunner(model, config, num_blocks=num_blocks, block_size=args.block_size, dtype=dtype)
+    runner.warm_up()
+    name = model_path.stem if model_path.suffix == ".gguf" else model_path.name
+    capacity = worker_pb2.GetCapacityResponse(
+        num_blocks=num_blocks, block_size=args.block_size, model_config=model_config_to_proto(config, name, args.dtype),
+        device=str(runner.device), kv_cache_bytes=num_blocks * bytes_per_block(config, dtype, args.block_size))
+    return runner, capacity
+
+
+async def serve(args: argparse.Namespace) -> None:
+    server = rpc.create_server(options=[("grpc.max_receive_message_length", 64 * 2**20)])
+    health = rpc.add_health_and_reflection(server, [rpc.WORKER_SERVICE])
+    servicer = WorkerServicer()
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    address = f"{args.host}:{args.port}"
+    if server.add_insecure_port(address) == 0:
+        raise SystemExit(f"worker: cannot listen on {address} (in use?); change --port")
+    await server.start()
+    logger.info("worker listening on %s; loading the model", address)
+    runner, capacity = await asyncio.to_thread(build_runner, args)
+    servicer.attach(runner, capacity)
+    await health.set_ready(True)
+    logger.info("worker ready: %s on %s, %d KV pages of %d tokens", capacity.model_config.name, capacity.device,
+                capacity.num_blocks, capacity.block_size)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await health.enter_graceful_shutdown()
+    await server.stop(grace=2.0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

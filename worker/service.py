@@ -1,0 +1,56 @@
+"""tokenmill.v1.Worker servicer: protobuf in, one call into the ModelRunner, protobuf out."""
+from __future__ import annotations
+
+import asyncio
+
+from protos import codec
+from protos.tokenmill.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tokenmill.errors import FailedPrecondition, Unavailable
+from worker.config import ModelConfig
+from worker.model_runner import ModelRunner, PlanMismatchError
+
+
+def model_config_to_proto(config: ModelConfig, name: str, dtype: str) -> common_pb2.ModelConfig:
+    return common_pb2.ModelConfig(
+        name=name, architecture=config.architecture, vocab_size=config.vocab_size,
+        max_context_length=config.max_position_embeddings, num_layers=config.num_layers,
+        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_attention_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+        rope_theta=config.rope_theta, eos_token_id=config.eos_token_id, bos_token_id=config.bos_token_id,
+        dtype=dtype, quantization="none")
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self) -> None:
+        self.capacity: worker_pb2.GetCapacityResponse | None = None
+        self.runner: ModelRunner | None = None  # set once the model is loaded and warmed up
+        self.num_steps = 0
+        # one step at a time; the forward pass runs in a thread so health checks still answer
+        self._step_lock = asyncio.Lock()
+
+    def attach(self, runner: ModelRunner, capacity: worker_pb2.GetCapacityResponse) -> None:
+        self.runner, self.capacity = runner, capacity
+
+    def _ready_runner(self) -> ModelRunner:
+        if self.runner is None:
+            raise Unavailable("worker is loading its model")
+        return self.runner
+
+    async def GetCapacity(self, request, context):
+        self._ready_runner()
+        return self.capacity
+
+    async def ExecuteStep(self, request, context):
+        runner = self._ready_runner()
+        plan = codec.step_plan_from_proto(request)
+        async with self._step_lock:
+            try:
+                result = await asyncio.to_thread(runner.execute, plan)
+            except PlanMismatchError as error:
+                raise FailedPrecondition(str(error)) from error
+        self.num_steps += 1
+        return codec.step_result_to_proto(result)
+
+    async def Health(self, request, context):
+        return worker_pb2.HealthResponse(ready=self.runner is not None, num_steps_executed=self.num_steps,
+                                         num_requests=len(self.runner.requests) if self.runner else 0)
