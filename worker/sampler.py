@@ -22,7 +22,7 @@ still copy to the host once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -82,26 +82,26 @@ def _choose_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
         return token_ids
     work_index = torch.tensor(work_rows, device=device)  # [W]
     work = logits.index_select(0, work_index).float()  # [W, V], a copy: logprobs need the raw logits
-    work_params = [rows[i] for i in work_rows]
+    work_requests = [rows[i] for i in work_rows]
 
-    penalized = [j for j, row in enumerate(work_params) if has_penalties(row.params)]
+    penalized = [j for j, row in enumerate(work_requests) if has_penalties(row.params)]
     if penalized:
-        _update_rows(work, penalized, lambda sub: apply_penalties(sub, [work_params[j] for j in penalized]))
+        _update_rows(work, penalized, lambda sub: apply_penalties(sub, [work_requests[j] for j in penalized]))
 
-    random_rows = [j for j, row in enumerate(work_params) if not _is_greedy(row.params)]
+    random_rows = [j for j, row in enumerate(work_requests) if not _is_greedy(row.params)]
     if len(random_rows) < len(work_rows):
         chosen = work.argmax(dim=-1)  # [W]; final for the greedy rows with penalties
     else:
         chosen = torch.empty(len(work_rows), dtype=torch.long, device=device)
     if random_rows:
         random_index = torch.tensor(random_rows, device=device)  # [R]
-        drawn = _draw(work.index_select(0, random_index), [work_params[j] for j in random_rows])  # [R]
+        drawn = _draw(work.index_select(0, random_index), [work_requests[j] for j in random_rows])  # [R]
         chosen.index_copy_(0, random_index, drawn)
     token_ids.index_copy_(0, work_index, chosen)
     return token_ids
 
 
-def _update_rows(logits: torch.Tensor, row_indices: list[int], update) -> None:
+def _update_rows(logits: torch.Tensor, row_indices: list[int], update: Callable[[torch.Tensor], None]) -> None:
     """Run an in-place update on logits[row_indices] only (all rows: no gather/scatter)."""
     if len(row_indices) == logits.shape[0]:
         update(logits)
@@ -123,16 +123,18 @@ def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         _apply_min_p(logits, torch.tensor(min_ps, dtype=logits.dtype, device=device))
 
     vocab_size = logits.shape[1]
-    top_ks = [row.params.top_k if 0 < row.params.top_k < vocab_size else vocab_size for row in rows]
-    top_ps = [row.params.top_p for row in rows]
-    # Rows without top-k/top-p skip the sort entirely: the cumulative sum can round to 1 before the
-    # tail, so even a "neutral" top-p of 1 would not be bit-exact for them.
-    filtered = [j for j, (k, p) in enumerate(zip(top_ks, top_ps)) if k < vocab_size or p < 1.0]
-    if filtered:
-        k_t = torch.tensor([top_ks[j] for j in filtered], device=device)
-        # p = 2 never masks: the mass before any token is at most 1.
-        p_t = torch.tensor([top_ps[j] if top_ps[j] < 1.0 else 2.0 for j in filtered], dtype=logits.dtype, device=device)
-        _update_rows(logits, filtered, lambda sub: _apply_top_k_top_p(sub, k_t, p_t))
+    # Rows are grouped by their own k (V when off) so that each row's candidates, and so its result,
+    # never depend on what its neighbours ask for; rows without top-k/top-p skip this entirely (a
+    # "neutral" top-p of 1 is not bit-exact: the cumulative sum can round to 1 before the tail).
+    groups: dict[int, list[int]] = {}
+    for j, row in enumerate(rows):
+        top_k = row.params.top_k if 0 < row.params.top_k < vocab_size else vocab_size
+        if top_k < vocab_size or row.params.top_p < 1.0:
+            groups.setdefault(top_k, []).append(j)
+    for top_k, members in groups.items():
+        top_ps = [rows[j].params.top_p for j in members]
+        top_p = torch.tensor(top_ps, dtype=logits.dtype, device=device) if any(p < 1.0 for p in top_ps) else None
+        _update_rows(logits, members, lambda sub: _apply_top_k_top_p(sub, top_k, top_p))
 
     probs = logits.softmax(dim=-1)  # [R, V]
     noise = _exponential_noise(probs, rows)  # [R, V]
@@ -149,19 +151,24 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
     logits.masked_fill_(logits < threshold, float("-inf"))
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
-    """Keep the k best tokens, then the smallest set of those whose mass reaches p, in place.
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: torch.Tensor | None) -> None:
+    """Keep the top_k best tokens, then the smallest set of those whose mass reaches p, in place.
 
-    logits: [R, V]; top_k: [R] int64 in [1, V]; top_p: [R] in (0, 2] (2 disables). As vLLM, top-p
-    reads the probabilities renormalized after top-k.
+    logits: [R, V]; top_k in [1, V]; top_p: [R] in (0, 1] (1 is off), or None when no row uses it.
+    As vLLM, top-p reads the probabilities renormalized after top-k. A top-k alone needs no sort.
     """
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [R, V] best first
-    positions = torch.arange(logits.shape[1], device=logits.device)  # [V]
-    sorted_logits.masked_fill_(positions.unsqueeze(0) >= top_k.unsqueeze(1), float("-inf"))
-    sorted_probs = sorted_logits.softmax(dim=-1)  # [R, V]
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [R, V]; 0 for the best token, always kept
-    remove_sorted = (mass_before >= top_p.unsqueeze(1)) | (sorted_logits == float("-inf"))
-    remove = torch.empty_like(remove_sorted).scatter_(1, sorted_ids, remove_sorted)  # back to vocab order
+    vocab_size = logits.shape[1]
+    if top_k < vocab_size:
+        candidate_logits, candidate_ids = logits.topk(top_k, dim=-1)  # [R, k] best first
+    else:
+        candidate_logits, candidate_ids = logits.sort(dim=-1, descending=True)  # [R, V]
+    keep = torch.ones_like(candidate_logits, dtype=torch.bool)  # [R, k]
+    if top_p is not None:
+        candidate_probs = candidate_logits.softmax(dim=-1)
+        mass_before = candidate_probs.cumsum(dim=-1) - candidate_probs  # 0 for the best: always kept
+        # p = 1 is tested apart: the mass before a tail token can round up to exactly 1.
+        keep = (mass_before < top_p.unsqueeze(1)) | (top_p.unsqueeze(1) >= 1.0)
+    remove = torch.ones_like(logits, dtype=torch.bool).scatter_(1, candidate_ids, ~keep)  # vocab order
     logits.masked_fill_(remove, float("-inf"))
 
 

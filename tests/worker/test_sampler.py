@@ -85,6 +85,18 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_best(min_p, kept):
     assert _support(counts) == kept
 
 
+def test_top_p_off_keeps_a_negligible_tail_next_to_a_top_p_row():
+    # The best token holds all but ~1e-13 of the mass, so the running sum rounds to exactly 1 after
+    # it. A row with top_p = 1 must still keep its tail when it shares the pass with a top-p row, or
+    # its seeded draw would depend on its neighbours. (Checked on the helper: no draw could see it.)
+    from worker.sampler import _apply_top_k_top_p
+
+    logits = torch.tensor([[0.0, -30.0, -30.0, -30.0, -31.0]] * 2)
+    _apply_top_k_top_p(logits, 4, torch.tensor([0.5, 1.0]))
+    assert logits[0].isinf().tolist() == [False, True, True, True, True]
+    assert logits[1].isinf().tolist() == [False, False, False, False, True]
+
+
 def test_temperature_changes_the_spread():
     logits_row = torch.linspace(2.0, -2.0, 20)  # token 0 best, gaps of ~0.21
     cold = _sample_counts(logits_row, SamplingParams(temperature=0.01), 2000)
