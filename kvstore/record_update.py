@@ -27,7 +27,8 @@ _QUEUED = RecordStatus.QUEUED.value
 class RecordUpdate:
     request_id: str
     # Unique per update, set when it is taken for writing. The script stores it in the hash, so a
-    # batch resent after a connection broke mid-pipeline does not apply (and count preemptions) twice.
+    # batch resent because the connection broke before Redis's reply came back does not apply (and
+    # count preemptions) twice.
     write_id: str = ""
     fields: dict[str, str] = field(default_factory=dict)  # encoded values, last write wins
     first_fields: dict[str, str] = field(default_factory=dict)  # FIRST_WRITE_WINS, first value wins
@@ -61,7 +62,7 @@ class RecordUpdate:
         else:
             self.fields[name] = encoded_value
 
-    def payload(self) -> str:
+    def body(self) -> dict[str, object]:
         body: dict[str, object] = {
             "fields": {"request_id": self.request_id, **self.fields},
             "first_fields": self.first_fields,
@@ -70,7 +71,7 @@ class RecordUpdate:
         }
         if self.must_exist:
             body["must_exist"] = True
-        return json.dumps(body, separators=(",", ":"))
+        return body
 
 
 def _lua_set(names) -> str:
@@ -81,51 +82,78 @@ _ALLOWED_LUA = "{" + ", ".join(
     f"{status} = {_lua_set(targets)}" for status, targets in ALLOWED_TRANSITIONS.items()
 ) + "}"
 
-# KEYS[1]: the record hash. ARGV[1]: RecordUpdate.payload(). ARGV[2]: TTL in seconds.
-# Returns {applied (0 | 1), status steps refused}.
-UPDATE_RECORD_LUA = f"""
+# One call writes a whole batch: a single command to pack and a single reply to parse keeps the
+# client's CPU (which is the scheduler loop's CPU) small; per record it is still one atomic step.
+# KEYS[i]: the record hash of update i. ARGV[1]: JSON list of RecordUpdate.body(). ARGV[2]: TTL (s).
+# Returns two characters per update: applied (0 | 1) and status steps refused (capped at 9), or "E0"
+# where Redis raised an error on that record (say the key holds another type); the first such error
+# message follows a "|". pcall keeps one bad key from failing the rest of the batch.
+UPDATE_RECORDS_LUA = f"""
 local ALLOWED = {_ALLOWED_LUA}
 local TERMINAL = {_lua_set(TERMINAL_STATUSES)}
-local key = KEYS[1]
-local update = cjson.decode(ARGV[1])
-local current = redis.call('HGET', key, 'status')
-if current == false then
-  -- a record with no status would be unreadable; orphan clean-up never invents records
-  if update.must_exist or #update.path == 0 then return {{0, 0}} end
-elseif TERMINAL[current] then
-  return {{0, #update.path}}
-elseif redis.call('HGET', key, '_write_id') == update.write_id then
-  return {{1, 0}}
+
+local function apply(key, update, ttl_s)
+  local current = redis.call('HGET', key, 'status')
+  if current == false then
+    -- a record with no status would be unreadable; orphan clean-up never invents records
+    if update.must_exist or #update.path == 0 then return 0, 0 end
+  elseif TERMINAL[current] then
+    return 0, #update.path
+  elseif redis.call('HGET', key, '_write_id') == update.write_id then
+    return 1, 0  -- a resent batch that had already been applied
+  end
+  local refused, preemptions = 0, 0
+  for _, step in ipairs(update.path) do
+    local status, cycles = step[1], step[2]
+    -- a missing record starts wherever its first write says (its queued write may have been dropped)
+    if current == false or status == current or (ALLOWED[current] or {{}})[status] then
+      if current == 'running' and status == 'queued' then preemptions = preemptions + 1 end
+      current = status
+      if status == 'running' then preemptions = preemptions + cycles end
+    else
+      refused = refused + 1
+    end
+  end
+  local values = {{'_write_id', update.write_id, 'status', current}}
+  for name, value in pairs(update.fields) do
+    values[#values + 1] = name
+    values[#values + 1] = value
+  end
+  redis.call('HSET', key, unpack(values))
+  for name, value in pairs(update.first_fields) do redis.call('HSETNX', key, name, value) end
+  if preemptions > 0 then redis.call('HINCRBY', key, 'num_preemptions', preemptions) end
+  redis.call('EXPIRE', key, ttl_s)
+  return 1, refused
 end
-local refused, preemptions = 0, 0
-for _, step in ipairs(update.path) do
-  local status, cycles = step[1], step[2]
-  -- a missing record starts wherever its first write says (its queued write may have been dropped)
-  if current == false or status == current or (ALLOWED[current] or {{}})[status] then
-    if current == 'running' and status == 'queued' then preemptions = preemptions + 1 end
-    current = status
-    if status == 'running' then preemptions = preemptions + cycles end
+
+local updates = cjson.decode(ARGV[1])
+local codes, first_error = {{}}, nil
+for index, update in ipairs(updates) do
+  local ok, applied, refused = pcall(apply, KEYS[index], update, ARGV[2])
+  if ok then
+    codes[index] = applied .. math.min(refused, 9)
   else
-    refused = refused + 1
+    codes[index] = 'E0'
+    first_error = first_error or tostring(applied and applied.err or applied)
   end
 end
-local values = {{'_write_id', update.write_id}}
-if current ~= false then
-  values[#values + 1] = 'status'
-  values[#values + 1] = current
-end
-for name, value in pairs(update.fields) do
-  values[#values + 1] = name
-  values[#values + 1] = value
-end
-redis.call('HSET', key, unpack(values))
-for name, value in pairs(update.first_fields) do redis.call('HSETNX', key, name, value) end
-if preemptions > 0 then redis.call('HINCRBY', key, 'num_preemptions', preemptions) end
-redis.call('EXPIRE', key, ARGV[2])
-return {{1, refused}}
+if first_error then return table.concat(codes) .. '|' .. first_error end
+return table.concat(codes)
 """
 
 
-def script_args(update: RecordUpdate, ttl_s: int) -> tuple[list[str], list[str | int]]:
-    """KEYS and ARGV for UPDATE_RECORD_LUA."""
-    return [record_key(update.request_id)], [update.payload(), ttl_s]
+def script_args(updates: list[RecordUpdate], ttl_s: int) -> tuple[list[str], list[str | int]]:
+    """KEYS and ARGV for UPDATE_RECORDS_LUA."""
+    keys = [record_key(update.request_id) for update in updates]
+    return keys, [json.dumps([update.body() for update in updates], separators=(",", ":")), ttl_s]
+
+
+def parse_results(reply: str | bytes) -> tuple[list[tuple[int, int] | None], str | None]:
+    """UPDATE_RECORDS_LUA's reply: (applied, refused status steps) per update, None for a record
+    Redis raised an error on, and the first such error message."""
+    text = reply.decode() if isinstance(reply, bytes) else reply
+    codes, _, first_error = text.partition("|")
+    results = [
+        None if codes[i] == "E" else (int(codes[i]), int(codes[i + 1])) for i in range(0, len(codes), 2)
+    ]
+    return results, first_error or None

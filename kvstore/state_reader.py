@@ -9,16 +9,20 @@ import time
 import uuid
 from collections.abc import Iterable
 
+from redis.exceptions import ResponseError
+
 from kvstore.client import connect
-from kvstore.record_update import UPDATE_RECORD_LUA, RecordUpdate, script_args
+from kvstore.record_update import UPDATE_RECORDS_LUA, RecordUpdate, parse_results, script_args
 from kvstore.records import RecordStatus, RequestRecord, encode_field, record_key
+
+_ORPHANS_PER_CALL = 1000
 
 
 class RequestStateReader:
     def __init__(self, redis_url: str, *, ttl_s: int = 3600, socket_timeout_s: float = 2.0) -> None:
         self._ttl_s = ttl_s  # applied to the records mark_orphans_failed ends
         self._client = connect(redis_url, socket_timeout_s=socket_timeout_s)
-        self._script = self._client.register_script(UPDATE_RECORD_LUA)
+        self._script = self._client.register_script(UPDATE_RECORDS_LUA)
 
     async def get_record(self, request_id: str) -> RequestRecord | None:
         mapping = await self._client.hgetall(record_key(request_id))
@@ -35,17 +39,24 @@ class RequestStateReader:
         request_ids = list(dict.fromkeys(request_ids))
         finished_at = encode_field("finished_at", time.time() if at is None else at)
         write_id_prefix = uuid.uuid4().hex[:12] + ":orphan:"
-        async with self._client.pipeline(transaction=False) as pipe:
-            for index, request_id in enumerate(request_ids):
+        marked: list[str] = []
+        # chunks keep each script call (which holds Redis while it runs) short
+        for start in range(0, len(request_ids), _ORPHANS_PER_CALL):
+            chunk = request_ids[start : start + _ORPHANS_PER_CALL]
+            updates = []
+            for index, request_id in enumerate(chunk, start):
                 update = RecordUpdate(request_id, write_id_prefix + str(index), must_exist=True)
                 update.add_status(RecordStatus.FAILED.value)
                 update.set_field("error", encode_field("error", error))
                 update.set_field("finish_reason", "error")
                 update.set_field("finished_at", finished_at)
-                keys, args = script_args(update, self._ttl_s)
-                await self._script(keys=keys, args=args, client=pipe)
-            results = await pipe.execute()
-        return [request_id for request_id, (applied, _) in zip(request_ids, results) if applied]
+                updates.append(update)
+            keys, args = script_args(updates, self._ttl_s)
+            results, first_error = parse_results(await self._script(keys=keys, args=args))
+            if first_error is not None:
+                raise ResponseError(f"Redis refused {results.count(None)} orphan records: {first_error}")
+            marked += [request_id for request_id, result in zip(chunk, results) if result[0]]
+        return marked
 
     async def aclose(self) -> None:
         await self._client.aclose()

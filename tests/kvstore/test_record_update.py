@@ -1,13 +1,19 @@
 """The Lua transition script against a real Redis: the rules hold whoever writes, in one atomic step."""
 import redis.asyncio as redis_asyncio
 
-from kvstore.record_update import UPDATE_RECORD_LUA, RecordUpdate, script_args
+from kvstore.record_update import UPDATE_RECORDS_LUA, RecordUpdate, parse_results, script_args
 from kvstore.records import RecordStatus, record_key
 
 
+async def apply_batch(client, updates: list[RecordUpdate], ttl_s: int = 60):
+    keys, args = script_args(updates, ttl_s)
+    return parse_results(await client.eval(UPDATE_RECORDS_LUA, len(keys), *keys, *args))
+
+
 async def apply(client, update: RecordUpdate, ttl_s: int = 60) -> list[int]:
-    keys, args = script_args(update, ttl_s)
-    return await client.eval(UPDATE_RECORD_LUA, len(keys), *keys, *args)
+    [result], first_error = await apply_batch(client, [update], ttl_s)
+    assert first_error is None
+    return list(result)
 
 
 def update_with(request_id: str, write_id: str, *statuses: str, **fields: str) -> RecordUpdate:
@@ -81,4 +87,15 @@ async def test_first_write_wins_for_first_timestamps(fresh_redis):
     await apply(client, update_with("r", "a:1", "queued"))
     await apply(client, update_with("r", "a:2", "running", first_scheduled_at="9.5"))
     assert await client.hget(record_key("r"), "first_scheduled_at") == "1.5"
+    await client.aclose()
+
+
+async def test_one_bad_key_fails_only_its_own_record(fresh_redis):
+    client = redis_asyncio.Redis.from_url(fresh_redis, decode_responses=True)
+    await client.set(record_key("not-a-hash"), "something else")
+    updates = [update_with(request_id, f"a:{request_id}", "queued") for request_id in ("r1", "not-a-hash", "r2")]
+    results, first_error = await apply_batch(client, updates)
+    assert results == [(1, 0), None, (1, 0)]
+    assert "WRONGTYPE" in first_error
+    assert await client.hget(record_key("r2"), "status") == "queued"
     await client.aclose()

@@ -54,3 +54,13 @@ async def test_mark_orphans_failed_only_ends_live_records(make_writer, reader, f
 
 async def test_mark_orphans_failed_with_no_ids(reader):
     assert await reader.mark_orphans_failed([], "scheduler restarted") == []
+
+
+async def test_mark_orphans_failed_over_many_script_calls(make_writer, reader):
+    writer = make_writer()
+    for request_index in range(0, 2100, 2):  # every other id has a live record
+        writer.queued(f"r{request_index}")
+    await drained(writer)
+    marked = await reader.mark_orphans_failed([f"r{i}" for i in range(2100)], "scheduler restarted")
+    assert marked == [f"r{i}" for i in range(0, 2100, 2)]
+    assert (await reader.get_record("r2098")).status == RecordStatus.FAILED
