@@ -62,12 +62,14 @@ class StopRequested(SupervisorError):
 
 
 class Supervisor:
-    def __init__(self, specs: Sequence[ChildSpec], *, echo: TextIO | None = sys.stderr, tail_lines: int = 50,
+    def __init__(self, specs: Sequence[ChildSpec], *, echo: TextIO | bool = True, tail_lines: int = 50,
                  startup_timeout_s: float = 300.0, grace_s: float = 10.0, progress_interval_s: float = 5.0,
                  poll_interval_s: float = 0.1) -> None:
         names = [spec.name for spec in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"child names must be unique, got {names}")
+        # True: sys.stderr as it is now (not at import, so pytest's capture sees it); False: quiet
+        echo = sys.stderr if echo is True else (echo or None)
         self._echo = echo
         self._echo_lock = threading.Lock()
         self.children = {spec.name: ChildProcess(spec, echo, self._echo_lock, tail_lines) for spec in specs}
@@ -216,9 +218,10 @@ class Supervisor:
         self.stop()
 
 
-def run_until_stopped(supervisor: Supervisor, on_ready=lambda: None, out: TextIO = sys.stderr) -> int:
+def run_until_stopped(supervisor: Supervisor, on_ready=lambda: None, out: TextIO | None = None) -> int:
     """What `tokenmill serve` does: start, call on_ready(), run until SIGINT/SIGTERM (exit 0) or until a
     child dies (exit 1), and always stop every child before returning."""
+    out = out or sys.stderr
     handled = (signal.SIGINT, signal.SIGTERM)
     previous = {sig: signal.signal(sig, lambda *_: supervisor.request_stop()) for sig in handled}
     try:

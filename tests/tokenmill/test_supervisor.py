@@ -135,7 +135,7 @@ def test_port_in_use_is_named_with_the_flag_to_change_it_and_nothing_starts(echo
 def test_two_children_on_one_port_are_refused():
     port = free_port()
     with pytest.raises(SupervisorError, match=f"port {port} is given to both a and b"):
-        Supervisor([standin("a", port=port), standin("b", port=port)], echo=None).start()
+        Supervisor([standin("a", port=port), standin("b", port=port)], echo=False).start()
 
 
 def test_real_redis_server_answers_ping_and_is_stopped_with_its_temp_dir(echo):
