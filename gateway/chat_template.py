@@ -90,23 +90,27 @@ def render_chat(
         )
     except TemplateRaised as error:
         roles = [message["role"] for message in messages]  # type: ignore[union-attr,index]
-        raise InvalidArgument("messages", {"roles": roles}, f"rejected by the chat template: {error.message}") from error
+        reason = f"rejected by the chat template: {error.message}"
+        raise InvalidArgument("messages", {"roles": roles}, reason) from error
 
 
 def validate_messages(messages: object) -> None:
     """Check the shape every chat template relies on; raise InvalidArgument naming field and index."""
     if not isinstance(messages, list):
-        raise InvalidArgument("messages", type(messages).__name__, "must be a list of {role, content} objects")
+        reason = f"must be a list of {{role, content}} objects, not {type(messages).__name__}"
+        raise InvalidArgument("messages", messages, reason)
     if not messages:
         raise InvalidArgument("messages", messages, "must hold at least one message")
     for index, message in enumerate(messages):
         field = f"messages[{index}]"
         if not isinstance(message, dict):
-            raise InvalidArgument(field, type(message).__name__, "must be an object with role and content")
+            reason = f"must be an object with role and content, not {type(message).__name__}"
+            raise InvalidArgument(field, message, reason)
         for key in ("role", "content"):
             if key not in message:
                 raise InvalidArgument(f"{field}.{key}", None, f"is required: every message needs a string {key}")
-            if not isinstance(message[key], str):
-                raise InvalidArgument(f"{field}.{key}", message[key], f"must be a string, not {type(message[key]).__name__}")
+            value = message[key]
+            if not isinstance(value, str):
+                raise InvalidArgument(f"{field}.{key}", value, f"must be a string, not {type(value).__name__}")
         if not message["role"]:
             raise InvalidArgument(f"{field}.role", "", "must not be empty")

@@ -157,7 +157,8 @@ def build_gguf_tokenizer(metadata: dict[str, object]) -> GgufTokenizerSpec:
     pre_tokenizer = build_pre_tokenizer(pre)  # first, so an unknown name fails before the slow part
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]  # type: ignore[assignment]
     token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)  # type: ignore[assignment]
-    merges = [tuple(merge.split(" ", 1)) for merge in metadata.get("tokenizer.ggml.merges", [])]  # type: ignore[union-attr]
+    merge_lines: list[str] = metadata.get("tokenizer.ggml.merges", [])  # type: ignore[assignment]
+    merges = [tuple(merge.split(" ", 1)) for merge in merge_lines]
 
     # Tokens are stored in GPT-2's byte alphabet already; a token using any other character (a
     # mislabelled control token) is respelled byte by byte so the vocabulary stays consistent.
@@ -224,7 +225,7 @@ def _special_token_template(tokens: list[str], bos_id: int | None, eos_id: int |
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map (the byte-level BPE alphabet)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     mapping = {byte: chr(byte) for byte in printable}
     shifted = 0
     for byte in range(256):

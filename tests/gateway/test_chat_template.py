@@ -42,13 +42,14 @@ def default_tokenizer():
     return load_tokenizer(None)
 
 
-def transformers_tokenizer(template: str) -> PreTrainedTokenizerFast:
-    tokenizer = default_tokenizer()
+@functools.cache
+def transformers_tokenizer(template: str, bos_token: str, eos_token: str) -> PreTrainedTokenizerFast:
+    """transformers' own tokenizer class around the same tokenizer, for its apply_chat_template."""
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer.tokenizer,
+        tokenizer_object=default_tokenizer().tokenizer,
         chat_template=template,
-        bos_token=tokenizer.bos_token,
-        eos_token=tokenizer.eos_token,
+        bos_token=bos_token,
+        eos_token=eos_token,
     )
 
 
@@ -57,7 +58,7 @@ def transformers_tokenizer(template: str) -> PreTrainedTokenizerFast:
 def test_default_template_matches_transformers(chat, add_generation_prompt):
     tokenizer = default_tokenizer()
     ours = render_chat(tokenizer.chat_template, chat, add_generation_prompt, tokenizer.bos_token, tokenizer.eos_token)
-    reference = transformers_tokenizer(tokenizer.chat_template)
+    reference = transformers_tokenizer(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
     expected = reference.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
     assert ours == expected
     assert tokenizer.encode(ours, add_special_tokens=False) == reference.encode(expected, add_special_tokens=False)
@@ -79,8 +80,7 @@ def test_strict_template_matches_transformers():
         {"role": "user", "content": "again"},
     ]
     ours = render_chat(STRICT_TEMPLATE, chat, True, "<s>", "</s>")
-    reference = transformers_tokenizer(STRICT_TEMPLATE)
-    reference.bos_token, reference.eos_token = "<s>", "</s>"
+    reference = transformers_tokenizer(STRICT_TEMPLATE, "<s>", "</s>")
     assert ours == reference.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert '"<b>héllo</b> ✓"</s>' in ours  # tojson keeps HTML and non-ASCII characters
 
@@ -95,9 +95,9 @@ def test_template_rejection_becomes_invalid_argument():
 @pytest.mark.parametrize(
     ("messages", "field", "shown"),
     [
-        ("hello", "messages", "'str'"),
+        ("hello", "messages", "'hello'"),
         ([], "messages", "[]"),
-        ([{"role": "user", "content": "ok"}, "hi"], "messages[1]", "'str'"),
+        ([{"role": "user", "content": "ok"}, "hi"], "messages[1]", "'hi'"),
         ([{"content": "no role"}], "messages[0].role", "None"),
         ([{"role": "user"}], "messages[0].content", "None"),
         ([{"role": "user", "content": "ok"}, {"role": 7, "content": "x"}], "messages[1].role", "7"),

@@ -1,0 +1,214 @@
+"""Request validation at the edge: every bad value a client can send becomes InvalidArgument naming
+the field, the value and the limit ("invalid max_tokens=0: must be in [1, 4096]"), before anything
+reaches a scheduler.
+
+    limits = Limits(max_model_len=8192, vocab_size=tokenizer.vocab_size)
+    prompt_ids = validate_prompt_ids(ids, limits)
+    params = validate_sampling(limits, prompt_len=len(prompt_ids), max_tokens=..., temperature=...)
+    stop = validate_stop_strings(request_stop, limits)
+    priority = validate_priority(request_priority, limits)
+
+Arguments left as None take the server default (SamplingParams' defaults, Limits.default_max_tokens).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from scheduler.request import SamplingParams
+from tokenmill.errors import InvalidArgument
+
+_SEED_RANGE = (-(2**63), 2**64 - 1)  # int64 from JSON clients, uint64 from the proto; the worker masks to 64 bits
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one server accepts; built from its config (max_model_len, vocab_size from the model)."""
+
+    max_model_len: int = 8192  # prompt + output tokens
+    max_tokens_limit: int = 4096  # most output tokens one request may ask for
+    default_max_tokens: int = 256  # when the client leaves max_tokens unset (capped by the context left)
+    vocab_size: int = 49152
+    max_prompt_chars: int = 500_000  # raw prompt text, or all message contents together, before tokenizing
+    max_messages: int = 1024
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 256  # characters
+    max_stop_token_ids: int = 64
+    max_logprobs: int = 20
+    max_temperature: float = 100.0  # far past uniform sampling already; caps only nonsense
+    max_repetition_penalty: float = 100.0
+    min_priority: int = -1_000_000
+    max_priority: int = 1_000_000
+
+
+def validate_prompt_text(prompt: object, limits: Limits) -> str:
+    """A raw text prompt: a non-empty string of at most max_prompt_chars characters."""
+    if not isinstance(prompt, str):
+        raise InvalidArgument("prompt", prompt, f"must be a string, not {type(prompt).__name__}")
+    if not prompt:
+        raise InvalidArgument("prompt", prompt, "must not be empty")
+    _check_at_most("prompt", prompt, len(prompt), limits.max_prompt_chars, "characters")
+    return prompt
+
+
+def validate_chat_size(messages: list, limits: Limits) -> None:
+    """Bound a chat before rendering it (its shape is checked by chat_template.validate_messages)."""
+    _check_at_most("messages", messages, len(messages), limits.max_messages, "messages")
+    contents = [m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
+    total = sum(len(content) for content in contents)
+    _check_at_most("messages", messages, total, limits.max_prompt_chars, "characters of content in all")
+
+
+def validate_prompt_ids(prompt_ids: object, limits: Limits) -> list[int]:
+    """Token ids: non-empty, inside the vocabulary, leaving room for at least one generated token."""
+    if not isinstance(prompt_ids, (list, tuple)):
+        reason = f"must be a list of token ids, not {type(prompt_ids).__name__}"
+        raise InvalidArgument("prompt_token_ids", prompt_ids, reason)
+    if not prompt_ids:
+        raise InvalidArgument("prompt_token_ids", prompt_ids, "must hold at least one token")
+    # One token of the context must stay free for the first generated token.
+    limit = limits.max_model_len - 1
+    unit = f"tokens (max_model_len={limits.max_model_len} - 1)"
+    _check_at_most("prompt_token_ids", prompt_ids, len(prompt_ids), limit, unit)
+    for index, token_id in enumerate(prompt_ids):
+        _check_token_id(f"prompt_token_ids[{index}]", token_id, limits)
+    return list(prompt_ids)
+
+
+def validate_sampling(
+    limits: Limits,
+    *,
+    prompt_len: int | None = None,
+    max_tokens: object = None,
+    temperature: object = None,
+    top_p: object = None,
+    top_k: object = None,
+    min_p: object = None,
+    repetition_penalty: object = None,
+    presence_penalty: object = None,
+    frequency_penalty: object = None,
+    seed: object = None,
+    stop_token_ids: object = None,
+    ignore_eos: object = None,
+    logprobs: object = None,
+) -> SamplingParams:
+    """Check each field against its range; with prompt_len, also that prompt + max_tokens fits the context."""
+    defaults = SamplingParams()
+    room = limits.max_model_len - prompt_len if prompt_len is not None else limits.max_tokens_limit
+    if max_tokens is None:
+        max_tokens = max(1, min(limits.default_max_tokens, limits.max_tokens_limit, room))
+    else:
+        _check_int_range("max_tokens", max_tokens, 1, limits.max_tokens_limit)
+        if prompt_len is not None and prompt_len + max_tokens > limits.max_model_len:  # type: ignore[operator]
+            raise InvalidArgument(
+                "max_tokens",
+                max_tokens,
+                f"prompt_tokens={prompt_len} + max_tokens must be <= max_model_len={limits.max_model_len} "
+                f"(at most {max(room, 0)} here)",
+            )
+    if temperature is not None:
+        _check_float_range("temperature", temperature, 0.0, limits.max_temperature)
+    if top_p is not None:
+        _check_float_range("top_p", top_p, 0.0, 1.0, low_open=True)
+    if top_k is not None:
+        _check_int_range("top_k", top_k, -1, None, note="-1 or 0 disables")
+    if min_p is not None:
+        _check_float_range("min_p", min_p, 0.0, 1.0)
+    if repetition_penalty is not None:
+        _check_float_range("repetition_penalty", repetition_penalty, 0.0, limits.max_repetition_penalty, low_open=True)
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if value is not None:
+            _check_float_range(name, value, -2.0, 2.0)
+    if seed is not None:
+        _check_int_range("seed", seed, *_SEED_RANGE)
+    if logprobs is not None:
+        _check_int_range("logprobs", logprobs, 0, limits.max_logprobs)
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise InvalidArgument("ignore_eos", ignore_eos, "must be true or false")
+    return SamplingParams(
+        max_tokens=max_tokens,  # type: ignore[arg-type]
+        temperature=_float_or(temperature, defaults.temperature),
+        top_k=top_k if top_k is not None else defaults.top_k,  # type: ignore[arg-type]
+        top_p=_float_or(top_p, defaults.top_p),
+        min_p=_float_or(min_p, defaults.min_p),
+        repetition_penalty=_float_or(repetition_penalty, defaults.repetition_penalty),
+        presence_penalty=_float_or(presence_penalty, defaults.presence_penalty),
+        frequency_penalty=_float_or(frequency_penalty, defaults.frequency_penalty),
+        seed=seed,  # type: ignore[arg-type]
+        stop_token_ids=_validate_stop_token_ids(stop_token_ids, limits),
+        ignore_eos=bool(ignore_eos),
+        logprobs=logprobs,  # type: ignore[arg-type]
+    )
+
+
+def validate_stop_strings(stop: object, limits: Limits) -> list[str]:
+    """At most max_stop_strings non-empty strings of at most max_stop_string_len characters."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):  # OpenAI accepts a single string
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)):
+        raise InvalidArgument("stop", stop, f"must be a string or a list of strings, not {type(stop).__name__}")
+    _check_at_most("stop", stop, len(stop), limits.max_stop_strings, "strings")
+    for index, text in enumerate(stop):
+        if not isinstance(text, str):
+            raise InvalidArgument(f"stop[{index}]", text, "must be a string")
+        if not text:
+            raise InvalidArgument(f"stop[{index}]", text, "must not be empty")
+        _check_at_most(f"stop[{index}]", text, len(text), limits.max_stop_string_len, "characters")
+    return list(stop)
+
+
+def validate_priority(priority: object, limits: Limits) -> int:
+    if priority is None:
+        return 0
+    _check_int_range("priority", priority, limits.min_priority, limits.max_priority)
+    return priority  # type: ignore[return-value]
+
+
+def _validate_stop_token_ids(stop_token_ids: object, limits: Limits) -> tuple[int, ...]:
+    if stop_token_ids is None:
+        return ()
+    if not isinstance(stop_token_ids, (list, tuple)):
+        reason = f"must be a list of token ids, not {type(stop_token_ids).__name__}"
+        raise InvalidArgument("stop_token_ids", stop_token_ids, reason)
+    _check_at_most("stop_token_ids", stop_token_ids, len(stop_token_ids), limits.max_stop_token_ids, "ids")
+    for index, token_id in enumerate(stop_token_ids):
+        _check_token_id(f"stop_token_ids[{index}]", token_id, limits)
+    return tuple(stop_token_ids)
+
+
+def _check_token_id(field: str, token_id: object, limits: Limits) -> None:
+    if not _is_int(token_id) or not 0 <= token_id < limits.vocab_size:  # type: ignore[operator]
+        reason = f"must be a token id in [0, {limits.vocab_size - 1}] (vocab_size={limits.vocab_size})"
+        raise InvalidArgument(field, token_id, reason)
+
+
+def _check_at_most(field: str, value: object, count: int, limit: int, unit: str) -> None:
+    if count > limit:
+        raise InvalidArgument(field, value, f"must hold at most {limit} {unit}, got {count}")
+
+
+def _check_int_range(field: str, value: object, low: int, high: int | None, note: str = "") -> None:
+    bounds = f"[{low}, {high}]" if high is not None else f">= {low}"
+    suffix = f" ({note})" if note else ""
+    if not _is_int(value):
+        raise InvalidArgument(field, value, f"must be an integer {bounds}{suffix}")
+    if value < low or (high is not None and value > high):  # type: ignore[operator]
+        raise InvalidArgument(field, value, f"must be {'in ' if high is not None else ''}{bounds}{suffix}")
+
+
+def _check_float_range(field: str, value: object, low: float, high: float, low_open: bool = False) -> None:
+    bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(field, value, f"must be a number in {bounds}")
+    if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
+        raise InvalidArgument(field, value, f"must be a finite number in {bounds}")
+
+
+def _float_or(value: object, default: float) -> float:
+    return float(value) if value is not None else default  # type: ignore[arg-type]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
