@@ -43,24 +43,18 @@ class IncrementalDetokenizer:
         # that began in the prompt; decoding the output alone never sees that character.
         if context and self._decode(context).endswith(REPLACEMENT_CHAR):
             context = []
-        # Only the window is kept: older tokens are never decoded again.
-        # The window: tokens[:read_offset] are emitted (decode context), the rest are held back.
+        # The window: tokens[:read_offset] were emitted (decode context), the rest are held back.
         self._tokens: list[int] = context
         self._read_offset = len(context)
-        self.output_text = ""
 
     def push(self, new_ids: list[int]) -> str:
         """Accept newly generated ids; return the text that is now certain (may be "")."""
         self._tokens.extend(new_ids)
-        delta = self._advance(final=False)
-        self.output_text += delta
-        return delta
+        return self._advance(final=False)
 
     def finish(self) -> str:
         """End of generation: release any held text, incomplete characters included (as U+FFFD)."""
-        delta = self._advance(final=True)
-        self.output_text += delta
-        return delta
+        return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
         if self._read_offset == len(self._tokens):
@@ -78,7 +72,7 @@ class IncrementalDetokenizer:
         return ""  # hold: the last character is incomplete (or the decoder is not yet stable)
 
     def _emit(self, prefix_text: str, text: str, end: int) -> str:
-        """Emit text (the decode of tokens[:end]) past prefix_text; tokens[read_offset:end] become the context."""
+        """Emit text (the decode of tokens[:end]) past prefix_text; the tokens just emitted become the context."""
         delta = text[len(prefix_text) :]
         # Cutting the context anywhere is safe: leading partial bytes decode to the same U+FFFD in
         # prefix_text and new_text, and read_offset stays a point where decoding restarts.
@@ -88,10 +82,11 @@ class IncrementalDetokenizer:
         return delta
 
     def _last_safe_split(self) -> int | None:
-        """The last held index whose token starts with a UTF-8 lead or ASCII byte.
+        """The last held index whose token starts with a whole character (ASCII or a full UTF-8 sequence).
 
-        A decoder restarts at such a byte whatever came before, so decode(a + b) == decode(a) + decode(b)
-        when b starts there. A token starting with a continuation byte decodes alone to U+FFFD first.
+        A UTF-8 decoder restarts at a non-continuation byte whatever came before, so there
+        decode(a + b) == decode(a) + decode(b). A token starting with a continuation byte decodes alone
+        to U+FFFD first; so does one starting with a bare lead byte, which we skip to stay safe.
         """
         for index in range(len(self._tokens) - 1, self._read_offset, -1):
             piece = self._decode([self._tokens[index]])

@@ -87,7 +87,6 @@ def test_finish_releases_an_incomplete_character():
     assert detokenizer.push(tokenizer().encode("a", False)) == "a"
     assert detokenizer.push(ids_of_bytes(b"\xe4\xb8")) == ""  # first two bytes of 中
     assert detokenizer.finish() == "\ufffd"
-    assert detokenizer.output_text == "a\ufffd"
 
 
 class CountingDecoder:
