@@ -40,6 +40,13 @@ PORT = _ranged(int, 0, 65535, what="a port in 0..65535 (0 picks a free one)")
 POSITIVE = _ranged(int, 1, what=">= 1")
 NON_NEGATIVE_FLOAT = _ranged(float, 0.0, what=">= 0")
 PROBABILITY = _ranged(float, 0.0, 1.0, low_open=True, what="in (0, 1]")
+def POWER_OF_TWO(text: str) -> int:  # noqa: N802 - reads like the other argument types
+    value = POSITIVE(text)
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(f"{value} is not a power of two (the worker requires one)")
+    return value
+
+
 SEED = _ranged(int, 0, 2**64 - 1, what="in 0..2^64-1")
 TOP_K = _ranged(int, -1, what=">= -1 (-1 or 0 disables)")
 
@@ -57,7 +64,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="port of the redis-server started here; 0 picks a free one (default: %(default)s)")
     parser.add_argument("--kv-policy", choices=("paged", "static"), default="paged")
     parser.add_argument("--queue-policy", choices=("fcfs", "priority"), default="fcfs")
-    parser.add_argument("--block-size", type=POSITIVE, default=16, help="tokens per KV page (default: %(default)s)")
+    parser.add_argument("--block-size", type=POWER_OF_TWO, default=16, help="tokens per KV page (default: %(default)s)")
     parser.add_argument("--kv-cache-mb", type=POSITIVE, default=512, help="KV cache memory (default: %(default)s)")
     parser.add_argument("--num-blocks", type=POSITIVE, help="KV pages; overrides --kv-cache-mb")
     parser.add_argument("--max-num-seqs", type=POSITIVE, default=64, help="batch size limit (default: %(default)s)")

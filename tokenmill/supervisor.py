@@ -90,7 +90,9 @@ class Supervisor:
         try:
             for child in self.children.values():
                 self._start_child(child)
-        except BaseException:
+        except BaseException as error:
+            if isinstance(error, SupervisorError) and not isinstance(error, StopRequested):
+                self._say(f"{str(error).partition(';')[0]}: stopping the rest")
             self.stop()
             raise
 

@@ -2,7 +2,7 @@
 with grpc.health.v1 whose readiness flips after a delay, or a process that fails on cue.
 
     python standin_child.py --port P --service S [--ready-after 0.3] [--exit-after 0.3 --exit-code 3]
-                            [--ignore-sigterm] [--say LINE ...]
+                            [--exit-when FILE] [--ignore-sigterm] [--say LINE ...]
 
 It prints "started <unix time>" at once and "ready <unix time>" when readiness turns SERVING, so a
 test can check that one child started only after another was ready.
@@ -10,6 +10,7 @@ test can check that one child started only after another was ready.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -26,6 +27,7 @@ def main() -> int:
     parser.add_argument("--service", required=True)
     parser.add_argument("--ready-after", type=float, default=0.0)
     parser.add_argument("--exit-after", type=float)
+    parser.add_argument("--exit-when", help="exit (with --exit-code) once this file exists")
     parser.add_argument("--exit-code", type=int, default=3)
     parser.add_argument("--ignore-sigterm", action="store_true")
     parser.add_argument("--say", action="append", default=[])
@@ -51,7 +53,8 @@ def main() -> int:
     ready = False
     while not stopping.is_set():
         elapsed = time.monotonic() - started
-        if args.exit_after is not None and elapsed >= args.exit_after:
+        if (args.exit_after is not None and elapsed >= args.exit_after) or \
+                (args.exit_when is not None and os.path.exists(args.exit_when)):
             print(f"giving up with code {args.exit_code}", file=sys.stderr, flush=True)
             return args.exit_code
         if not ready and elapsed >= args.ready_after:

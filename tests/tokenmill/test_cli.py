@@ -43,6 +43,7 @@ def test_help_lists_the_flags(capsys, command):
     (["serve", "--worker-port", "http"], "argument --worker-port: 'http' is not an integer"),
     (["serve", "--dtype", "int4"], "argument --dtype: invalid choice: 'int4'"),
     (["serve", "--kv-policy", "lru"], "argument --kv-policy: invalid choice: 'lru'"),
+    (["serve", "--block-size", "24"], "argument --block-size: 24 is not a power of two"),
     (["serve", "--max-num-seqs", "0"], "argument --max-num-seqs: 0 is out of range: must be >= 1"),
     (["serve", "--redis-url", "redis://x:1/0", "--redis-port", "7000"],
      "argument --redis-port: not allowed with argument --redis-url"),

@@ -80,6 +80,7 @@ def test_child_that_dies_during_startup_is_named_with_its_code_and_output_and_th
     assert (error.name, error.returncode, error.during_startup) == ("second", 3, True)
     assert "second exited with code 3 during startup" in str(error)
     assert "cannot open /models/missing.gguf" in str(error) and "giving up with code 3" in str(error)
+    assert "second exited with code 3 during startup: stopping the rest" in echo.getvalue()
     assert pid_gone(supervisor.pid("first"))
     assert supervisor.pid("third") is None, "nothing starts after a failure"
 
@@ -115,8 +116,8 @@ def test_child_ignoring_sigterm_is_killed_after_the_grace_period(echo):
 
 def test_child_that_never_becomes_ready_times_out_with_what_it_last_said(echo):
     supervisor = Supervisor([standin("slow", "--ready-after", "60", "--say", "loading layer 7")], echo=echo,
-                            startup_timeout_s=1.5)
-    with pytest.raises(StartupTimeout, match=r"slow not ready after 1.5s \(last seen: NOT_SERVING\)") as raised:
+                            startup_timeout_s=3)  # long enough for it to be listening, under load too
+    with pytest.raises(StartupTimeout, match=r"slow not ready after 3s \(last seen: NOT_SERVING\)") as raised:
         supervisor.start()
     assert "loading layer 7" in str(raised.value)
     assert pid_gone(supervisor.pid("slow"))
@@ -153,12 +154,12 @@ def test_real_redis_server_answers_ping_and_is_stopped_with_its_temp_dir(echo):
     assert not os.path.exists(temp_dir)
 
 
-def test_run_until_stopped_exits_nonzero_when_a_child_dies_after_ready(echo):
-    spec = standin("worker", "--exit-after", "0.8", "--exit-code", "7")
+def test_run_until_stopped_exits_nonzero_when_a_child_dies_after_ready(echo, tmp_path):
+    trigger = tmp_path / "fail-now"
+    spec = standin("worker", "--exit-when", str(trigger), "--exit-code", "7")
     supervisor = Supervisor([spec, standin("gateway")], echo=echo)
-    ready = []
-    assert run_until_stopped(supervisor, on_ready=lambda: ready.append(True), out=echo) == 1
-    assert ready == [True]
+    assert run_until_stopped(supervisor, on_ready=trigger.touch, out=echo) == 1
+    assert trigger.exists()  # on_ready ran: the failure came after startup
     assert "error: worker exited with code 7 unexpectedly" in echo.getvalue()
     assert pid_gone(supervisor.pid("gateway"))
 
