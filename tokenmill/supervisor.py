@@ -222,24 +222,23 @@ class Supervisor:
 
 def run_until_stopped(supervisor: Supervisor, on_ready=lambda: None, out: TextIO | None = None) -> int:
     """What `tokenmill serve` does: start, call on_ready(), run until SIGINT/SIGTERM (exit 0) or until a
-    child dies (exit 1), and always stop every child before returning."""
+    child dies (exit 1), and always stop every child before returning, whatever went wrong."""
     out = out or sys.stderr
     handled = (signal.SIGINT, signal.SIGTERM)
     previous = {sig: signal.signal(sig, lambda *_: supervisor.request_stop()) for sig in handled}
     try:
-        try:
-            supervisor.start()
-            on_ready()
-            supervisor.wait()
-        except StopRequested:
-            pass
-        except SupervisorError as error:
-            print(f"[tokenmill] error: {error}", file=out, flush=True)
-            supervisor.stop()
-            return 1
+        supervisor.start()
+        on_ready()
+        supervisor.wait()
         print("[tokenmill] shutting down", file=out, flush=True)
-        supervisor.stop()
         return 0
+    except StopRequested:
+        print("[tokenmill] shutting down", file=out, flush=True)
+        return 0
+    except SupervisorError as error:
+        print(f"[tokenmill] error: {error}", file=out, flush=True)
+        return 1
     finally:
+        supervisor.stop()  # a second Ctrl-C meanwhile skips the grace periods
         for sig, handler in previous.items():
             signal.signal(sig, handler)
