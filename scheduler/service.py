@@ -52,7 +52,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self.loop.abort(request.request_id)
 
     async def Abort(self, request, context):
-        aborted = [rid for rid in request.request_ids if self.loop.abort(rid)]
+        reason = codec.finish_reason_from_proto(request.reason) or "abort"
+        aborted = [rid for rid in request.request_ids if self.loop.abort(rid, finish_reason=reason)]
         return scheduler_pb2.AbortResponse(aborted_request_ids=aborted)
 
     async def GetLoad(self, request, context):

@@ -52,10 +52,12 @@ class SubmitResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_ids",)
+    __slots__ = ("request_ids", "reason")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    reason: _common_pb2.FinishReason
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("aborted_request_ids",)

@@ -1,0 +1,78 @@
+"""The gateway process: `python -m gateway.main --scheduler HOST:PORT --model PATH ...`."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from gateway.scheduler_client import SchedulerClient
+from gateway.service import GenerationServicer
+from gateway.tokenizer import load_tokenizer
+from gateway.validation import Limits
+from protos.tokenmill.v1 import generation_pb2_grpc
+from tokenmill import rpc
+
+logger = logging.getLogger("tokenmill.gateway")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m gateway.main", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--scheduler", default="127.0.0.1:50052", help="scheduler address HOST:PORT")
+    parser.add_argument("--redis-url", default="", help="answers GetRequestStatus; empty: status unavailable")
+    parser.add_argument("--model", default=None, help="the model's GGUF file or HF folder (for its tokenizer)")
+    parser.add_argument("--max-tokens-limit", type=int, default=4096)
+    parser.add_argument("--default-max-tokens", type=int, default=256)
+    parser.add_argument("--scheduler-timeout-s", type=float, default=600.0)
+    parser.add_argument("--drain-timeout-s", type=float, default=30.0)
+    return parser.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    tokenizer = await asyncio.to_thread(load_tokenizer, args.model)
+    scheduler = SchedulerClient(args.scheduler)
+    server = rpc.create_server()
+    health = rpc.add_health_and_reflection(server, [rpc.GENERATION_SERVICE])
+    address = f"{args.host}:{args.port}"
+    if server.add_insecure_port(address) == 0:
+        raise SystemExit(f"gateway: cannot listen on {address} (in use?); change --port")
+    logger.info("gateway waiting for scheduler %s", args.scheduler)
+    model_info = await scheduler.wait_ready(args.scheduler_timeout_s)
+    limits = Limits(max_model_len=model_info.model_config.max_context_length, vocab_size=tokenizer.vocab_size,
+                    max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens)
+    state_reader = None
+    if args.redis_url:
+        from kvstore.state_reader import RequestStateReader
+
+        state_reader = RequestStateReader(args.redis_url)
+    servicer = GenerationServicer(tokenizer, scheduler, limits, model_info, state_reader)
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    await server.start()
+    await health.set_ready(True)
+    logger.info("gateway ready on %s serving %s", address, model_info.model_config.name)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await health.enter_graceful_shutdown()
+    await server.stop(grace=args.drain_timeout_s)  # in-flight streams finish, new calls are refused
+    await scheduler.close()
+    if state_reader:
+        await state_reader.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(args))
+    else:
+        uvloop.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

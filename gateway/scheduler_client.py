@@ -1,0 +1,46 @@
+"""The gateway's side of the gateway -> scheduler hop."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tokenmill.rpc import SCHEDULER_SERVICE
+
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 * 2**20), ("grpc.max_receive_message_length", 64 * 2**20)]
+
+
+class SchedulerClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def wait_ready(self, timeout_s: float) -> common_pb2.GetModelInfoResponse:
+        """Waits until the scheduler reports ready (its worker registered); returns the model info."""
+        check = health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE)
+        async with asyncio.timeout(timeout_s):
+            while True:
+                try:
+                    reply = await self._health.Check(check, timeout=5.0, wait_for_ready=True)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return await self.stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=10.0)
+                except grpc.aio.AioRpcError as error:
+                    if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        raise
+                await asyncio.sleep(0.25)
+
+    def submit(self, request: scheduler_pb2.SubmitRequest, timeout_s: float | None = None):
+        """A streaming call; iterate it for SubmitResponses, cancel() it to abort the request."""
+        return self.stub.Submit(request, timeout=timeout_s)
+
+    async def abort(self, request_ids: list[str], reason: int = common_pb2.FINISH_REASON_ABORT) -> list[str]:
+        reply = await self.stub.Abort(scheduler_pb2.AbortRequest(request_ids=request_ids, reason=reason),
+                                      timeout=5.0)
+        return list(reply.aborted_request_ids)
+
+    async def close(self) -> None:
+        await self._channel.close()
