@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 # Subcommands whose own module parses their arguments (the module is imported only when used).
 DELEGATED: dict[str, tuple[str, str]] = {
     "bench-engine": ("tokenmill.bench_engine", "in-process engine vs transformers generate (loads torch)"),
+    "bench-cluster": ("tokenmill.bench_cluster", "the engine workload through the gateway over gRPC vs in-process"),
 }
 DTYPES = ("float32", "bfloat16", "float16")
 

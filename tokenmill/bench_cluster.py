@@ -1,0 +1,165 @@
+"""Cluster benchmark: the engine workload through the gateway over gRPC vs the in-process engine.
+
+Same model, same requests, one run. Starts a real cluster (redis-server, worker, scheduler, gateway
+as separate processes) and, in this process, the in-process engine; measures output tokens/s and
+time to first token (TTFT) of both, under the full workload (all requests at once) and one request
+at a time (sync mode). A command, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+
+from gateway.tokenizer import TextTokenizer, load_tokenizer
+from scheduler.request import Request, SamplingParams
+from tokenmill.bench_engine import make_workload
+from tokenmill.llm import LLM, EngineConfig
+
+WORDS = ("time river light stone garden window music letter market winter island forest number paper "
+         "engine silver question mountain morning yellow bridge animal planet ocean story circle doctor "
+         "kitchen summer village student machine picture history language pocket theory").split()
+
+
+def text_prompts(tokenizer: TextTokenizer, count: int, num_tokens: int, seed: int) -> list[str]:
+    """Texts that tokenize to exactly num_tokens ids (so both paths see the same prompt ids)."""
+    rng = random.Random(seed)
+    prompts = []
+    while len(prompts) < count:
+        text = " ".join(rng.choice(WORDS) for _ in range(num_tokens * 2))
+        ids = tokenizer.encode(text)[:num_tokens]
+        candidate = tokenizer.decode(ids)
+        if tokenizer.encode(candidate) == ids:
+            prompts.append(candidate)
+    return prompts
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_in_process(llm: LLM, prompt_ids: list[list[int]], output_lens: list[int]) -> dict:
+    engine = llm.new_engine(llm.config)
+    requests = [Request(f"b{i}", ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+                for i, (ids, n) in enumerate(zip(prompt_ids, output_lens))]
+    start = time.perf_counter()
+    first_token: dict[str, float] = {}
+    for request in requests:
+        engine.add_request(request)
+    while engine.has_unfinished():
+        for output in engine.step():
+            first_token.setdefault(output.request_id, time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    return {"output_tokens_per_s": sum(output_lens) / elapsed, "elapsed_s": elapsed,
+            "ttft_p50_s": percentile(list(first_token.values()), 0.5),
+            "outputs": [r.output_token_ids for r in requests]}
+
+
+def in_process_sync_ttft(llm: LLM, prompt_ids: list[list[int]]) -> float:
+    ttfts = []
+    for ids in prompt_ids:
+        engine = llm.new_engine(llm.config)
+        engine.add_request(Request("s", ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+        start = time.perf_counter()
+        engine.step()
+        ttfts.append(time.perf_counter() - start)
+    return statistics.median(ttfts)
+
+
+async def run_cluster(address: str, prompts: list[str], output_lens: list[int]) -> dict:
+    import grpc
+
+    from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc
+
+    async def one(stub, prompt: str, max_tokens: int, start: float) -> tuple[float, list[int]]:
+        request = generation_pb2.GenerateRequest(prompt=prompt, parameters=generation_pb2.GenerateParameters(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        ttft, ids = None, []
+        async for message in stub.GenerateStream(request):
+            if message.token_ids and ttft is None:
+                ttft = time.perf_counter() - start
+            ids += message.token_ids
+        return ttft, ids
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        await one(stub, prompts[0], 4, time.perf_counter())  # warm-up
+        sync_ttfts = []
+        for prompt in prompts[:8]:
+            start = time.perf_counter()
+            sync_ttfts.append((await one(stub, prompt, 1, start))[0])
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(stub, p, n, start) for p, n in zip(prompts, output_lens)))
+        elapsed = time.perf_counter() - start
+    return {"output_tokens_per_s": sum(output_lens) / elapsed, "elapsed_s": elapsed,
+            "ttft_p50_s": percentile([r[0] for r in results], 0.5), "sync_ttft_p50_s": statistics.median(sync_ttfts),
+            "outputs": [r[1] for r in results]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenmill bench-cluster", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--min-output", type=int, default=32)
+    parser.add_argument("--max-output", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-cache-mb", type=int, default=512)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+
+    tokenizer = load_tokenizer(None)
+    prompts = text_prompts(tokenizer, args.num_requests, args.prompt_len, args.seed)
+    prompt_ids = [tokenizer.encode(p) for p in prompts]
+    output_lens = make_workload(tokenizer.vocab_size, args.num_requests, args.prompt_len, args.min_output,
+                                args.max_output, args.seed).output_lens
+    config = EngineConfig(kv_cache_bytes=args.kv_cache_mb * 2**20, max_num_seqs=max(64, args.num_requests))
+    llm = LLM(config, progress=False)
+    llm.generate([prompt_ids[0][:16]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    sync_ttft = in_process_sync_ttft(llm, prompt_ids[:8])
+    local = run_in_process(llm, prompt_ids, output_lens)
+    log(f"in-process: {local['output_tokens_per_s']:.1f} tok/s, TTFT P50 {local['ttft_p50_s'] * 1e3:.0f} ms")
+    del llm
+    gc.collect()
+
+    from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
+    from tokenmill.supervisor import Supervisor
+
+    cluster_config = resolve_ports(ClusterConfig(gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
+                                                 kv_cache_mb=args.kv_cache_mb, max_num_seqs=config.max_num_seqs))
+    with Supervisor(cluster_specs(cluster_config), echo=False) as _:
+        remote = asyncio.run(run_cluster(cluster_config.gateway_address, prompts, output_lens))
+    log(f"cluster:    {remote['output_tokens_per_s']:.1f} tok/s, TTFT P50 {remote['ttft_p50_s'] * 1e3:.0f} ms")
+    result = {
+        "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
+                     "output_lens": [args.min_output, args.max_output], "seed": args.seed},
+        "in_process": {k: v for k, v in local.items() if k != "outputs"} | {"sync_ttft_p50_s": sync_ttft},
+        "cluster_grpc": {k: v for k, v in remote.items() if k != "outputs"},
+        "throughput_ratio": remote["output_tokens_per_s"] / local["output_tokens_per_s"],
+        "added_ttft_p50_ms": (remote["ttft_p50_s"] - local["ttft_p50_s"]) * 1e3,
+        "added_sync_ttft_p50_ms": (remote["sync_ttft_p50_s"] - sync_ttft) * 1e3,
+        "identical_outputs": sum(a == b for a, b in zip(local["outputs"], remote["outputs"])) / args.num_requests,
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"\n{'path':<26}{'output tok/s':>14}{'TTFT P50 (load)':>17}{'TTFT P50 (sync)':>17}")
+        for name, row, sync in (("in-process engine", result["in_process"], sync_ttft),
+                                ("gateway -> scheduler -> worker", result["cluster_grpc"], remote["sync_ttft_p50_s"])):
+            print(f"{name:<26}{row['output_tokens_per_s']:>14.1f}{row['ttft_p50_s'] * 1e3:>14.0f} ms"
+                  f"{sync * 1e3:>14.1f} ms")
+        print(f"\nthroughput cluster / in-process: {result['throughput_ratio']:.3f}; added TTFT P50: "
+              f"{result['added_ttft_p50_ms']:.1f} ms under load, {result['added_sync_ttft_p50_ms']:.1f} ms sync; "
+              f"identical greedy outputs: {result['identical_outputs']:.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
