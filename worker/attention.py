@@ -27,12 +27,35 @@ class RequestSpan:
     block_table: Sequence[int]  # its pages, in order; must cover context_len
 
 
+class GatherWorkspace:
+    """Output buffers for the decode gather, reused by every layer and every step.
+
+    A fresh multi-MB tensor per layer costs more in page faults than the copy itself (the allocator
+    hands large blocks back to the OS on free), so the gathered K/V always land in these buffers.
+    """
+
+    def __init__(self, block_numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.block_numel = block_numel  # block_size * KVH * D
+        self.dtype = dtype
+        self.device = device
+        self._keys = torch.empty(0, block_numel, dtype=dtype, device=device)
+        self._values = torch.empty(0, block_numel, dtype=dtype, device=device)
+
+    def buffers(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two [num_blocks, block_numel] views; grows (never shrinks) when a step needs more."""
+        if num_blocks > self._keys.shape[0]:
+            self._keys = torch.empty(num_blocks, self.block_numel, dtype=self.dtype, device=self.device)
+            self._values = torch.empty(num_blocks, self.block_numel, dtype=self.dtype, device=self.device)
+        return self._keys[:num_blocks], self._values[:num_blocks]
+
+
 @dataclass(slots=True)
 class DecodeBatch:
     token_index: torch.Tensor  # [B] long: rows of the packed batch, one query token per request
-    block_tables: torch.Tensor  # [B, max_blocks] long, padded with block 0 (masked out)
+    block_tables: torch.Tensor  # [B * max_blocks] long, padded with block 0 (masked out)
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool: True where the key is in context
     covers_batch: bool  # token_index is exactly 0..T-1, so the output needs no scatter
+    workspace: GatherWorkspace | None  # None: each layer allocates its own gather output
 
 
 @dataclass(slots=True)
@@ -56,7 +79,10 @@ def _slot(block_table: Sequence[int], position: int, block_size: int) -> int:
 
 
 def build_attention_metadata(
-    spans: Sequence[RequestSpan], block_size: int, device: torch.device | str = "cpu"
+    spans: Sequence[RequestSpan],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    workspace: GatherWorkspace | None = None,
 ) -> AttentionMetadata:
     """spans in packed-batch order; raises ValueError if a block table cannot hold its context."""
     slot_mapping: list[int] = []
@@ -100,9 +126,10 @@ def build_attention_metadata(
         key_pos = torch.arange(max_blocks * block_size, device=device)
         decode = DecodeBatch(
             token_index=torch.tensor(decode_rows, dtype=torch.long, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.long, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.long, device=device).view(-1),
             mask=(key_pos[None, :] < lens[:, None])[:, None, None, :],
             covers_batch=decode_rows == list(range(len(slot_mapping))),
+            workspace=workspace,
         )
     return AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long, device=device), decode, prefills)
 
@@ -123,8 +150,14 @@ def _decode_attention(q, key_cache, value_cache, decode: DecodeBatch, scale: flo
     batch = decode.token_index.shape[0]
     # GQA without repeating K/V: the G query heads sharing a KV head act as G queries against it
     queries = q.index_select(0, decode.token_index).view(batch, num_kv_heads, -1, head_dim)  # [B, KVH, G, D]
-    keys = key_cache[decode.block_tables].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, KVH, L, D]
-    values = value_cache[decode.block_tables].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    # index_select over whole blocks: several times faster on CPU than advanced indexing
+    key_out = value_out = None
+    if decode.workspace is not None:
+        key_out, value_out = decode.workspace.buffers(decode.block_tables.shape[0])
+    keys = torch.index_select(key_cache.flatten(1), 0, decode.block_tables, out=key_out)
+    values = torch.index_select(value_cache.flatten(1), 0, decode.block_tables, out=value_out)
+    keys = keys.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, KVH, L, D]
+    values = values.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=decode.mask, scale=scale)  # [B, KVH, G, D]
     return out.reshape(batch, -1, head_dim)  # [B, H, D]
 

@@ -14,7 +14,7 @@ import torch
 
 from scheduler.plan import StepPlan, StepResult
 from scheduler.request import SamplingParams
-from worker.attention import RequestSpan, build_attention_metadata
+from worker.attention import GatherWorkspace, RequestSpan, build_attention_metadata
 from worker.config import ModelConfig
 from worker.kv_cache import allocate_kv_cache
 from worker.model import LlamaModel
@@ -44,6 +44,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.kv_cache = allocate_kv_cache(model_config, num_blocks, block_size, dtype, self.device)
         self.requests: dict[str, RunnerRequestState] = {}
+        block_numel = block_size * model_config.num_kv_heads * model_config.head_dim
+        self.gather_workspace = GatherWorkspace(block_numel, dtype, self.device)
 
     def _apply_plan_state(self, plan: StepPlan) -> None:
         for request_id in plan.finished_request_ids:
@@ -96,7 +98,7 @@ class ModelRunner:
                 sampling_ids.append(request_id)
                 sample_rows.append(len(input_ids) - 1)
         try:
-            attn_metadata = build_attention_metadata(spans, self.block_size, self.device)
+            attn_metadata = build_attention_metadata(spans, self.block_size, self.device, self.gather_workspace)
         except ValueError as exc:
             raise PlanMismatchError(f"step {plan.step_id}: {exc}") from None
         with torch.inference_mode():

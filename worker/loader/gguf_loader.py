@@ -130,5 +130,5 @@ def read_gguf(path: Path, dtype: torch.dtype, progress: bool) -> tuple[ModelConf
             values = unpermute_rotary_rows(values, config.num_heads)
         elif hf_name.endswith("k_proj.weight"):
             values = unpermute_rotary_rows(values, config.num_kv_heads)
-        tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(dtype)
+        tensors[hf_name] = torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
     return config, tensors

@@ -1,0 +1,71 @@
+"""Time one decode step of ModelRunner over N concurrent requests on the real default model.
+
+Not a test: prints milliseconds per decode step at a few context lengths.
+    python3 scripts/bench_decode_step.py --requests 32 --contexts 128 256 384
+Each request starts with context-1 tokens already counted as cached (no prefill is run), then
+--steps decode steps are timed; the median is reported.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from scheduler.plan import CachedRequestData, NewRequestData, StepPlan
+from scheduler.request import SamplingParams
+from worker.loader import load_model
+from worker.model_runner import ModelRunner
+
+
+def bench(runner: ModelRunner, num_requests: int, context_len: int, steps: int, step_id: int) -> tuple[float, int]:
+    """Requests arrive as if context_len - 1 tokens were prefix-cache hits (the cache holds zeros, which
+    costs the same to attend over), so every timed step is a pure decode step."""
+    blocks_per_request = -(-(context_len + steps) // runner.block_size)
+    generator = torch.Generator().manual_seed(context_len)
+    ids = [f"r{context_len}-{i}" for i in range(num_requests)]
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1)
+    new = []
+    for i, request_id in enumerate(ids):
+        prompt = torch.randint(0, runner.model_config.vocab_size, (context_len,), generator=generator).tolist()
+        table = list(range(i * blocks_per_request, (i + 1) * blocks_per_request))
+        new.append(NewRequestData(request_id, prompt, len(prompt), params, table, context_len - 1))
+    timings = []
+    for step in range(steps + 1):
+        step_id += 1
+        cached = [CachedRequestData(rid, [], context_len - 1 + step) for rid in ids] if step else []
+        plan = StepPlan(step_id, new_requests=new if not step else [], cached_requests=cached)
+        plan.num_scheduled_tokens = {rid: 1 for rid in ids}
+        started = time.perf_counter()
+        runner.execute(plan)
+        if step:  # the first step also builds the runner's request state
+            timings.append(time.perf_counter() - started)
+    step_id += 1
+    runner.execute(StepPlan(step_id, finished_request_ids=ids))
+    return statistics.median(timings) * 1e3, step_id
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 256, 384])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, config = load_model(None, torch.float32, progress=False)
+    blocks_per_request = -(-(max(args.contexts) + args.steps) // args.block_size)
+    runner = ModelRunner(model, config, args.requests * blocks_per_request, args.block_size, torch.float32)
+    runner.warm_up()
+    step_id = 0
+    print(f"threads={torch.get_num_threads()} requests={args.requests} block_size={args.block_size}")
+    for context_len in args.contexts:
+        ms, step_id = bench(runner, args.requests, context_len, args.steps, step_id)
+        print(f"context {context_len}: decode step {ms:.1f} ms  ({args.requests / ms * 1e3:.0f} tok/s)")
+
+
+if __name__ == "__main__":
+    main()
