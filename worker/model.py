@@ -94,6 +94,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, key_cache, value_cache, attn_metadata) -> torch.Tensor:
+        # x: [T, hidden]; pre-norm residual blocks
         h = x + self.attn(self.attn_norm(x), cos, sin, key_cache, value_cache, attn_metadata)
         return h + self.mlp(self.mlp_norm(h))
 

@@ -47,10 +47,18 @@ class ModelRunner:
         block_numel = block_size * model_config.num_kv_heads * model_config.head_dim
         self.gather_workspace = GatherWorkspace(block_numel, dtype, self.device)
 
+    def _check_block_ids(self, request_id: str, block_ids: list[int], step_id: int) -> None:
+        for block_id in block_ids:
+            if not 0 <= block_id < self.num_blocks:
+                raise PlanMismatchError(
+                    f"step {step_id}: request {request_id!r} got block id {block_id}, outside 0..{self.num_blocks - 1}"
+                )
+
     def _apply_plan_state(self, plan: StepPlan) -> None:
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in plan.new_requests:
+            self._check_block_ids(new.request_id, new.block_ids, plan.step_id)
             # a request resumed after preemption arrives in full again and replaces any old copy
             self.requests[new.request_id] = RunnerRequestState(
                 token_ids=list(new.token_ids),
@@ -66,6 +74,7 @@ class ModelRunner:
                     f"step {plan.step_id}: request {cached.request_id!r} has num_computed_tokens="
                     f"{cached.num_computed_tokens} in the plan but {state.num_computed_tokens} in the worker"
                 )
+            self._check_block_ids(cached.request_id, cached.new_block_ids, plan.step_id)
             state.block_table.extend(cached.new_block_ids)
 
     def _state(self, request_id: str, step_id: int) -> RunnerRequestState:

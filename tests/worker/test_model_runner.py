@@ -134,3 +134,9 @@ def test_block_table_too_short_is_an_error(runner):
 def test_empty_plan_and_warm_up(runner):
     assert runner.execute(StepPlan(7)).step_id == 7
     runner.warm_up()
+
+
+def test_block_id_outside_the_cache_is_an_error(runner):
+    plan = StepPlan(1, [new_request("r", [1, 2, 3], [64])], num_scheduled_tokens={"r": 3})
+    with pytest.raises(PlanMismatchError, match="request 'r' got block id 64, outside 0..63"):
+        runner.execute(plan)

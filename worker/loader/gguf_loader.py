@@ -117,7 +117,12 @@ def read_gguf(path: Path, dtype: torch.dtype, progress: bool) -> tuple[ModelConf
     except Exception as exc:  # GGUFReader raises ValueError / struct errors / OSError on a bad file
         raise ModelLoadError(f"{path}: not a readable GGUF file: {exc}") from None
     by_hf_name = {gguf_to_hf_name(t.name): t for t in reader.tensors}
-    config = parse_gguf_config(reader, path, {t.name for t in reader.tensors})
+    try:
+        config = parse_gguf_config(reader, path, {t.name for t in reader.tensors})
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ModelLoadError):
+            raise
+        raise ModelLoadError(f"{path}: bad GGUF metadata: {exc}") from None
     tensors: dict[str, torch.Tensor] = {}
     expected = expected_hf_shapes(config)
     for hf_name, shape in tqdm(expected.items(), desc=f"loading {path.name}", unit="tensor", file=sys.stderr, disable=not progress):
