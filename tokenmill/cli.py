@@ -13,6 +13,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from tokenmill.cluster import torch_thread_env
+
 # Subcommands whose own module parses their arguments (the module is imported only when used).
 DELEGATED: dict[str, tuple[str, str]] = {
     "bench-engine": ("tokenmill.bench_engine", "in-process engine vs transformers generate (loads torch)"),
@@ -148,6 +150,8 @@ def serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # before torch (and its OpenMP) loads in this process: see cluster.torch_thread_env
+    os.environ.update(torch_thread_env())
     if argv and argv[0] in DELEGATED:  # its own parser sees every remaining argument, --help included
         import importlib
 
