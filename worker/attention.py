@@ -195,7 +195,7 @@ def paged_attention(
     decode = attn_metadata.decode
     if decode is not None and decode.covers_batch:
         return _decode_attention(q, key_cache, value_cache, decode, scale)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even though q is a strided view
     if decode is not None:
         out[decode.token_index] = _decode_attention(q, key_cache, value_cache, decode, scale)
     for chunk in attn_metadata.prefills:

@@ -29,19 +29,25 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: [T] -> cos, sin: [T, 1, D], computed in float32 exactly as HF does (so logits match)."""
+    """positions: [T] -> cos, signed_sin: [T, 1, D], angles computed in float32 exactly as HF does.
+
+    HF rotates with x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1). The sign is folded
+    into signed_sin = cat(-sin, sin) so apply_rope needs no negation pass.
+    """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)  # [D/2]
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
-    angles = torch.cat((freqs, freqs), dim=-1)  # [T, D]: HF "rotate_half" layout
-    return angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    cos = torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :]  # [T, 1, D]
+    signed_sin = torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :]
+    return cos, signed_sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos/sin: [T, 1, D]. Rotates the two halves of each head (HF convention)."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos/signed_sin: [T, 1, D]. HF "rotate_half" convention."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # [x2, x1]
+    return x * cos + swapped * signed_sin
 
 
 class Attention(nn.Module):
@@ -65,10 +71,11 @@ class Attention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # q: [T, H, D]
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # k: [T, KVH, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # v: [T, KVH, D]
+        qkv = self.wqkv(x)  # [T, (H + 2 * KVH) * D]
+        # q and k sit side by side, so one rotation pass covers both
+        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin)  # [T, H + KVH, D]
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # q: [T, H, D], k: [T, KVH, D]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)  # v: [T, KVH, D]
         write_kv(key_cache, value_cache, k, v, attn_metadata.slot_mapping)
         out = paged_attention(q, k, v, key_cache, value_cache, attn_metadata, self.scale)  # [T, H, D]
         return self.wo(out.view(num_tokens, self.q_size))
