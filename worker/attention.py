@@ -78,6 +78,38 @@ def _slot(block_table: Sequence[int], position: int, block_size: int) -> int:
     return block_table[position // block_size] * block_size + position % block_size
 
 
+def _prefill_chunk(span: RequestSpan, num_blocks: int, device) -> PrefillChunk:
+    query_end = span.query_start + span.query_len
+    prefix_len = span.context_len - span.query_len
+    if prefix_len == 0:  # the chunk is its whole context: attend over this step's K/V, plain causal
+        return PrefillChunk(span.query_start, query_end, span.context_len, None, None)
+    key_pos = torch.arange(span.context_len, device=device)  # [ctx]
+    query_pos = torch.arange(prefix_len, span.context_len, device=device)  # [q_len]
+    return PrefillChunk(
+        span.query_start,
+        query_end,
+        span.context_len,
+        torch.tensor(span.block_table[:num_blocks], dtype=torch.long, device=device),
+        key_pos[None, :] <= query_pos[:, None],  # causal, shifted by the prefix
+    )
+
+
+def _decode_batch(decode_spans: list[RequestSpan], block_size: int, num_tokens: int, device, workspace) -> DecodeBatch:
+    tables = [span.block_table[: -(-span.context_len // block_size)] for span in decode_spans]
+    max_blocks = max(len(table) for table in tables)
+    padded = [list(table) + [0] * (max_blocks - len(table)) for table in tables]
+    context_lens = torch.tensor([span.context_len for span in decode_spans], dtype=torch.long, device=device)
+    key_pos = torch.arange(max_blocks * block_size, device=device)
+    rows = [span.query_start for span in decode_spans]
+    return DecodeBatch(
+        token_index=torch.tensor(rows, dtype=torch.long, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.long, device=device).view(-1),
+        mask=(key_pos[None, :] < context_lens[:, None])[:, None, None, :],
+        covers_batch=rows == list(range(num_tokens)),
+        workspace=workspace,
+    )
+
+
 def build_attention_metadata(
     spans: Sequence[RequestSpan],
     block_size: int,
@@ -86,9 +118,7 @@ def build_attention_metadata(
 ) -> AttentionMetadata:
     """spans in packed-batch order; raises ValueError if a block table cannot hold its context."""
     slot_mapping: list[int] = []
-    decode_rows: list[int] = []
-    decode_tables: list[Sequence[int]] = []
-    decode_lens: list[int] = []
+    decode_spans: list[RequestSpan] = []
     prefills: list[PrefillChunk] = []
     for span in spans:
         num_blocks = -(-span.context_len // block_size)
@@ -97,40 +127,13 @@ def build_attention_metadata(
                 f"block table of {len(span.block_table)} blocks cannot hold context_len={span.context_len} "
                 f"at block_size={block_size} (needs {num_blocks})"
             )
-        prefix_len = span.context_len - span.query_len
-        slot_mapping.extend(_slot(span.block_table, p, block_size) for p in range(prefix_len, span.context_len))
+        positions = range(span.context_len - span.query_len, span.context_len)
+        slot_mapping.extend(_slot(span.block_table, p, block_size) for p in positions)
         if span.query_len == 1:
-            decode_rows.append(span.query_start)
-            decode_tables.append(span.block_table[:num_blocks])
-            decode_lens.append(span.context_len)
-            continue
-        if prefix_len == 0:
-            prefills.append(PrefillChunk(span.query_start, span.query_start + span.query_len, span.context_len, None, None))
-            continue
-        key_pos = torch.arange(span.context_len, device=device)  # [ctx]
-        query_pos = torch.arange(prefix_len, span.context_len, device=device)  # [q_len]
-        prefills.append(
-            PrefillChunk(
-                span.query_start,
-                span.query_start + span.query_len,
-                span.context_len,
-                torch.tensor(span.block_table[:num_blocks], dtype=torch.long, device=device),
-                key_pos[None, :] <= query_pos[:, None],  # causal, shifted by the prefix
-            )
-        )
-    decode = None
-    if decode_rows:
-        max_blocks = max(len(table) for table in decode_tables)
-        padded = [list(table) + [0] * (max_blocks - len(table)) for table in decode_tables]
-        lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
-        key_pos = torch.arange(max_blocks * block_size, device=device)
-        decode = DecodeBatch(
-            token_index=torch.tensor(decode_rows, dtype=torch.long, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.long, device=device).view(-1),
-            mask=(key_pos[None, :] < lens[:, None])[:, None, None, :],
-            covers_batch=decode_rows == list(range(len(slot_mapping))),
-            workspace=workspace,
-        )
+            decode_spans.append(span)
+        else:
+            prefills.append(_prefill_chunk(span, num_blocks, device))
+    decode = _decode_batch(decode_spans, block_size, len(slot_mapping), device, workspace) if decode_spans else None
     return AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long, device=device), decode, prefills)
 
 
@@ -170,16 +173,17 @@ def _prefill_attention(q, k, v, key_cache, value_cache, chunk: PrefillChunk, sca
         kv_shape = key_cache.shape[2:]
         keys = key_cache.index_select(0, chunk.context_blocks).view(-1, *kv_shape)[: chunk.context_len]
         values = value_cache.index_select(0, chunk.context_blocks).view(-1, *kv_shape)[: chunk.context_len]
+    # 4-D inputs: with 3-D ones the CPU dispatcher falls back to the math kernel (4x slower at 1k tokens)
     out = F.scaled_dot_product_attention(
-        queries,
-        keys.transpose(0, 1),  # [KVH, ctx, D]
-        values.transpose(0, 1),
+        queries[None],
+        keys.transpose(0, 1)[None],  # [1, KVH, ctx, D]
+        values.transpose(0, 1)[None],
         attn_mask=chunk.mask,
         is_causal=chunk.mask is None,
         scale=scale,
         enable_gqa=True,
-    )  # [H, q_len, D]
-    return out.transpose(0, 1)
+    )  # [1, H, q_len, D]
+    return out[0].transpose(0, 1)
 
 
 def paged_attention(
