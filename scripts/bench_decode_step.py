@@ -46,12 +46,29 @@ def bench(runner: ModelRunner, num_requests: int, context_len: int, steps: int, 
     return statistics.median(timings) * 1e3, step_id
 
 
+def bench_prefill(runner: ModelRunner, num_requests: int, prompt_len: int, step_id: int) -> tuple[float, int]:
+    """One step that prefills num_requests whole prompts; returns (ms, step_id)."""
+    blocks_per_request = -(-prompt_len // runner.block_size)
+    params = SamplingParams(temperature=0.0)
+    new = [
+        NewRequestData(f"p{i}", list(range(100, 100 + prompt_len)), prompt_len, params, list(range(i * blocks_per_request, (i + 1) * blocks_per_request)), 0)
+        for i in range(num_requests)
+    ]
+    started = time.perf_counter()
+    runner.execute(StepPlan(step_id + 1, new_requests=new, num_scheduled_tokens={r.request_id: prompt_len for r in new}))
+    elapsed_ms = (time.perf_counter() - started) * 1e3
+    runner.execute(StepPlan(step_id + 2, finished_request_ids=[r.request_id for r in new]))
+    return elapsed_ms, step_id + 2
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 256, 384])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--prefill-requests", type=int, default=8, help="also time one step prefilling this many prompts")
+    parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
@@ -65,6 +82,11 @@ def main() -> None:
     for context_len in args.contexts:
         ms, step_id = bench(runner, args.requests, context_len, args.steps, step_id)
         print(f"context {context_len}: decode step {ms:.1f} ms  ({args.requests / ms * 1e3:.0f} tok/s)")
+    if args.prefill_requests:
+        _, step_id = bench_prefill(runner, args.prefill_requests, args.prompt_len, step_id)  # first one pays allocations
+        ms, step_id = bench_prefill(runner, args.prefill_requests, args.prompt_len, step_id)
+        num_tokens = args.prefill_requests * args.prompt_len
+        print(f"prefill step of {args.prefill_requests} x {args.prompt_len} tokens: {ms:.0f} ms  ({num_tokens / ms * 1e3:.0f} tok/s)")
 
 
 if __name__ == "__main__":

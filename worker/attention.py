@@ -2,8 +2,9 @@
 
 The metadata is built once per step from the plan and shared by every layer, so the layer loop does
 no Python work per request for decode rows and no host syncs (.item()/.tolist()):
-  - decode rows (one query token each) are batched: one gather of their blocks, padded to the
-    longest context with a mask, and one scaled_dot_product_attention call per layer;
+  - decode rows (one query token each) are batched: sorted by context length and cut into a few
+    groups whose gathered K/V fit a cache-sized budget; per group and layer, one gather of their
+    blocks, padded to the group's longest context with a mask, and one scaled_dot_product_attention;
   - prefill chunks run one SDPA call each: causal over themselves plus the whole prefix already in
     the cache (from the prefix cache or earlier chunks).
 Padding exists only inside the decode gather; the token batch itself is packed (invariant 5).
@@ -27,17 +28,26 @@ class RequestSpan:
     block_table: Sequence[int]  # its pages, in order; must cover context_len
 
 
+# Gathered K+V per decode group. Measured on CPU (32 requests, 384 tokens of context): one 19 MB
+# gather + SDPA per layer took 5.1 ms, two groups of ~9 MB 3.7 ms, as the group stays in cache.
+DECODE_GROUP_BYTES = 8 * 2**20
+
+
 class GatherWorkspace:
-    """Output buffers for the decode gather, reused by every layer and every step.
+    """Output buffers for the decode gather, reused by every layer, group and step.
 
     A fresh multi-MB tensor per layer costs more in page faults than the copy itself (the allocator
     hands large blocks back to the OS on free), so the gathered K/V always land in these buffers.
     """
 
-    def __init__(self, block_numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, block_numel: int, dtype: torch.dtype, device: torch.device | str = "cpu", group_bytes: int = DECODE_GROUP_BYTES
+    ) -> None:
         self.block_numel = block_numel  # block_size * KVH * D
         self.dtype = dtype
         self.device = device
+        # how many blocks of K plus V one decode group may gather (at least one request's worth)
+        self.group_blocks = max(1, group_bytes // (2 * block_numel * torch.empty((), dtype=dtype).element_size()))
         self._keys = torch.empty(0, block_numel, dtype=dtype, device=device)
         self._values = torch.empty(0, block_numel, dtype=dtype, device=device)
 
@@ -70,7 +80,7 @@ class PrefillChunk:
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: cache slot (block_id * block_size + offset) per token
-    decode: DecodeBatch | None
+    decodes: list[DecodeBatch]  # groups of decode rows, each attended in one call per layer
     prefills: list[PrefillChunk]
 
 
@@ -94,13 +104,13 @@ def _prefill_chunk(span: RequestSpan, num_blocks: int, device) -> PrefillChunk:
     )
 
 
-def _decode_batch(decode_spans: list[RequestSpan], block_size: int, num_tokens: int, device, workspace) -> DecodeBatch:
-    tables = [span.block_table[: -(-span.context_len // block_size)] for span in decode_spans]
+def _decode_batch(group: list[RequestSpan], block_size: int, num_tokens: int, device, workspace) -> DecodeBatch:
+    tables = [span.block_table[: -(-span.context_len // block_size)] for span in group]
     max_blocks = max(len(table) for table in tables)
     padded = [list(table) + [0] * (max_blocks - len(table)) for table in tables]
-    context_lens = torch.tensor([span.context_len for span in decode_spans], dtype=torch.long, device=device)
+    context_lens = torch.tensor([span.context_len for span in group], dtype=torch.long, device=device)
     key_pos = torch.arange(max_blocks * block_size, device=device)
-    rows = [span.query_start for span in decode_spans]
+    rows = [span.query_start for span in group]
     return DecodeBatch(
         token_index=torch.tensor(rows, dtype=torch.long, device=device),
         block_tables=torch.tensor(padded, dtype=torch.long, device=device).view(-1),
@@ -108,6 +118,19 @@ def _decode_batch(decode_spans: list[RequestSpan], block_size: int, num_tokens: 
         covers_batch=rows == list(range(num_tokens)),
         workspace=workspace,
     )
+
+
+def _decode_groups(decode_spans: list[RequestSpan], block_size: int, workspace: GatherWorkspace | None) -> list[list[RequestSpan]]:
+    """Similar context lengths together (less padding), each group's padded gather within budget."""
+    if workspace is None:
+        return [decode_spans]
+    groups: list[list[RequestSpan]] = [[]]
+    for span in sorted(decode_spans, key=lambda span: span.context_len):
+        padded_blocks = -(-span.context_len // block_size) * (len(groups[-1]) + 1)  # sorted: span is the longest
+        if groups[-1] and padded_blocks > workspace.group_blocks:
+            groups.append([])
+        groups[-1].append(span)
+    return groups
 
 
 def build_attention_metadata(
@@ -133,8 +156,11 @@ def build_attention_metadata(
             decode_spans.append(span)
         else:
             prefills.append(_prefill_chunk(span, num_blocks, device))
-    decode = _decode_batch(decode_spans, block_size, len(slot_mapping), device, workspace) if decode_spans else None
-    return AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long, device=device), decode, prefills)
+    decodes = [
+        _decode_batch(group, block_size, len(slot_mapping), device, workspace)
+        for group in (_decode_groups(decode_spans, block_size, workspace) if decode_spans else [])
+    ]
+    return AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long, device=device), decodes, prefills)
 
 
 def write_kv(
@@ -196,11 +222,11 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Returns [T, H, D]: each token attends to its own request's context up to its position."""
-    decode = attn_metadata.decode
-    if decode is not None and decode.covers_batch:
-        return _decode_attention(q, key_cache, value_cache, decode, scale)
+    decodes = attn_metadata.decodes
+    if len(decodes) == 1 and decodes[0].covers_batch:
+        return _decode_attention(q, key_cache, value_cache, decodes[0], scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even though q is a strided view
-    if decode is not None:
+    for decode in decodes:
         out[decode.token_index] = _decode_attention(q, key_cache, value_cache, decode, scale)
     for chunk in attn_metadata.prefills:
         out[chunk.query_start : chunk.query_end] = _prefill_attention(q, k, v, key_cache, value_cache, chunk, scale)

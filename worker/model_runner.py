@@ -14,7 +14,7 @@ import torch
 
 from scheduler.plan import StepPlan, StepResult
 from scheduler.request import SamplingParams
-from worker.attention import GatherWorkspace, RequestSpan, build_attention_metadata
+from worker.attention import DECODE_GROUP_BYTES, GatherWorkspace, RequestSpan, build_attention_metadata
 from worker.config import ModelConfig
 from worker.kv_cache import allocate_kv_cache
 from worker.model import LlamaModel
@@ -35,7 +35,15 @@ class RunnerRequestState:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        model_config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        decode_group_bytes: int = DECODE_GROUP_BYTES,  # K+V gathered per decode group (see worker.attention)
+    ) -> None:
         self.model = model
         self.model_config = model_config
         self.num_blocks = num_blocks
@@ -45,7 +53,7 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(model_config, num_blocks, block_size, dtype, self.device)
         self.requests: dict[str, RunnerRequestState] = {}
         block_numel = block_size * model_config.num_kv_heads * model_config.head_dim
-        self.gather_workspace = GatherWorkspace(block_numel, dtype, self.device)
+        self.gather_workspace = GatherWorkspace(block_numel, dtype, self.device, decode_group_bytes)
 
     def _check_block_ids(self, request_id: str, block_ids: list[int], step_id: int) -> None:
         for block_id in block_ids:

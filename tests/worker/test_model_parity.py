@@ -69,9 +69,10 @@ def tiny(request, tmp_path_factory):
     return hf_model, model, config
 
 
-def run_scenario(model, config, block_size: int):
+def run_scenario(model, config, block_size: int, decode_group_bytes: int | None = None):
     """Returns (builder, rows) where rows lists (request_id, position, our logits [V]) for every computed token."""
-    runner = ModelRunner(model, config, num_blocks=256 // block_size * 4, block_size=block_size, dtype=torch.float32)
+    group = {} if decode_group_bytes is None else {"decode_group_bytes": decode_group_bytes}
+    runner = ModelRunner(model, config, num_blocks=256 // block_size * 4, block_size=block_size, dtype=torch.float32, **group)
     captured: list[torch.Tensor] = []
     hook = runner.model.register_forward_hook(lambda module, args, output: captured.append(output))
     try:
@@ -116,10 +117,13 @@ def _run_steps(runner, model, block_size, captured):
     return builder, rows
 
 
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_mixed_prefill_and_decode_steps_match_transformers(tiny, block_size):
+@pytest.mark.parametrize(
+    "block_size, decode_group_bytes",
+    [(4, None), (16, None), (16, 1)],  # 1 byte: every decode row in its own group, in context-length order
+)
+def test_mixed_prefill_and_decode_steps_match_transformers(tiny, block_size, decode_group_bytes):
     hf_model, model, config = tiny
-    builder, rows = run_scenario(model, config, block_size)
+    builder, rows = run_scenario(model, config, block_size, decode_group_bytes)
     with torch.no_grad():
         reference = {rid: hf_model(torch.tensor([tokens])).logits[0] for rid, tokens in builder.tokens.items()}
     assert {rid for rid, _, _ in rows} == {"A", "B", "C", "D"}
@@ -140,3 +144,17 @@ def test_greedy_tokens_are_transformers_argmax(tiny):
             logits = hf_model(torch.tensor([tokens])).logits[0]  # [S, V]
             expected = logits[num_prompt - 1 : len(tokens) - 1].argmax(-1).tolist()
             assert tokens[num_prompt:] == expected, request_id
+
+
+def test_decode_groups_sort_by_context_and_fit_the_gather_budget():
+    from worker.attention import GatherWorkspace, RequestSpan, build_attention_metadata
+
+    block_numel = 4 * 2 * 8  # block_size 4, 2 KV heads, head_dim 8
+    block_bytes = 2 * block_numel * 4  # K + V, float32
+    workspace = GatherWorkspace(block_numel, torch.float32, group_bytes=6 * block_bytes)
+    context_lens = [9, 2, 4, 3, 12]  # blocks: 3, 1, 1, 1, 3
+    spans = [RequestSpan(i, 1, n, list(range(10 * i, 10 * i + 3))) for i, n in enumerate(context_lens)]
+    metadata = build_attention_metadata(spans, 4, workspace=workspace)
+    groups = [group.token_index.tolist() for group in metadata.decodes]
+    assert groups == [[1, 3, 2], [0, 4]]  # shortest first; 3 rows x 1 block, then 2 rows x 3 blocks
+    assert metadata.decodes[1].mask.shape == (2, 1, 1, 12) and metadata.decodes[1].mask[0].sum() == 9
