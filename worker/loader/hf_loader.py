@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from tqdm import tqdm
 from worker.config import ModelConfig
 from worker.loader.errors import ModelLoadError
 from worker.loader.weights import LM_HEAD, check_shape, expected_hf_shapes
+
+logger = logging.getLogger(__name__)
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 MODEL_TYPES = {arch: arch for arch in ARCHITECTURES.values()}
@@ -65,6 +68,9 @@ def parse_hf_config(raw: dict, config_path: Path, tie_word_embeddings: bool) -> 
             raise ModelLoadError(f"{config_path}: mlp_bias=true is not supported")
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(f"{config_path}: hidden_act={raw['hidden_act']!r} is not supported; supported: 'silu'")
+        window = raw.get("sliding_window") if raw.get("use_sliding_window", architecture == "mistral") else None
+        if window:
+            logger.warning("%s: sliding_window=%s is not applied; attention is full-context", config_path, window)
         num_heads = int(raw["num_attention_heads"])
         hidden_size = int(raw["hidden_size"])
         return ModelConfig(
