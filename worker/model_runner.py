@@ -8,7 +8,7 @@ request whose computed count reaches its token count (mid-prefill chunks sample 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,15 @@ class RunnerRequestState:
     sampling_params: SamplingParams
     block_table: list[int]
     num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class _PackedStep:
+    input_ids: list[int] = field(default_factory=list)  # [T]
+    positions: list[int] = field(default_factory=list)  # [T]
+    spans: list[RequestSpan] = field(default_factory=list)  # one per scheduled request, batch order
+    sampling_ids: list[str] = field(default_factory=list)  # requests that sample this step
+    sample_rows: list[int] = field(default_factory=list)  # their last row in the batch
 
 
 class ModelRunner:
@@ -91,15 +100,9 @@ class ModelRunner:
             raise PlanMismatchError(f"step {step_id}: unknown request id {request_id!r} (never sent as a new request, or already finished)")
         return state
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        self._apply_plan_state(plan)
-        if plan.is_empty:
-            return StepResult(step_id=plan.step_id)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        spans: list[RequestSpan] = []
-        sampling_ids: list[str] = []
-        sample_rows: list[int] = []  # rows of the packed batch whose hidden state gets logits
+    def _pack(self, plan: StepPlan) -> _PackedStep:
+        """The scheduled tokens of every request, in plan order, as one flat batch (invariant 5)."""
+        packed = _PackedStep()
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
             state = self._state(request_id, plan.step_id)
             start, end = state.num_computed_tokens, state.num_computed_tokens + num_tokens
@@ -108,32 +111,39 @@ class ModelRunner:
                     f"step {plan.step_id}: request {request_id!r} scheduled {num_tokens} tokens from "
                     f"{start}, but it has {len(state.token_ids)} tokens"
                 )
-            spans.append(RequestSpan(len(input_ids), num_tokens, end, state.block_table))
-            input_ids.extend(state.token_ids[start:end])
-            positions.extend(range(start, end))
-            if end == len(state.token_ids):
-                sampling_ids.append(request_id)
-                sample_rows.append(len(input_ids) - 1)
+            packed.spans.append(RequestSpan(len(packed.input_ids), num_tokens, end, state.block_table))
+            packed.input_ids.extend(state.token_ids[start:end])
+            packed.positions.extend(range(start, end))
+            if end == len(state.token_ids):  # caught up: its last row predicts the next token
+                packed.sampling_ids.append(request_id)
+                packed.sample_rows.append(len(packed.input_ids) - 1)
+        return packed
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._apply_plan_state(plan)
+        if plan.is_empty:
+            return StepResult(step_id=plan.step_id)
+        packed = self._pack(plan)
         try:
-            attn_metadata = build_attention_metadata(spans, self.block_size, self.device, self.gather_workspace)
+            attn_metadata = build_attention_metadata(packed.spans, self.block_size, self.device, self.gather_workspace)
         except ValueError as exc:
             raise PlanMismatchError(f"step {plan.step_id}: {exc}") from None
         with torch.inference_mode():
             started = time.perf_counter_ns()
             hidden = self.model(
-                torch.tensor(input_ids, dtype=torch.long, device=self.device),
-                torch.tensor(positions, dtype=torch.long, device=self.device),
+                torch.tensor(packed.input_ids, dtype=torch.long, device=self.device),
+                torch.tensor(packed.positions, dtype=torch.long, device=self.device),
                 self.kv_cache,
                 attn_metadata,
             )  # [T, hidden]
-            logits = self.model.compute_logits(hidden[sample_rows])  # [R, vocab] float32
+            logits = self.model.compute_logits(hidden[packed.sample_rows])  # [R, vocab] float32
             forward_ns = time.perf_counter_ns() - started
             for request_id, num_tokens in plan.num_scheduled_tokens.items():
                 self.requests[request_id].num_computed_tokens += num_tokens
-            rows = [self._sampling_row(self.requests[rid]) for rid in sampling_ids]
+            rows = [self._sampling_row(self.requests[rid]) for rid in packed.sampling_ids]
             token_ids, logprobs = sample(logits, rows) if rows else ([], [])
         result = StepResult(step_id=plan.step_id, forward_ns=forward_ns)
-        for request_id, token_id, token_logprobs in zip(sampling_ids, token_ids, logprobs):
+        for request_id, token_id, token_logprobs in zip(packed.sampling_ids, token_ids, logprobs):
             self.requests[request_id].token_ids.append(token_id)
             result.sampled_token_ids[request_id] = token_id
             if self.requests[request_id].sampling_params.logprobs is not None and token_logprobs is not None:
@@ -145,10 +155,14 @@ class ModelRunner:
         return SamplingRow(params=state.sampling_params, token_ids=state.token_ids, num_prompt_tokens=state.num_prompt_tokens)
 
     def warm_up(self) -> None:
-        """One tiny forward pass over block 0 (so the process reports ready only after one has run)."""
-        spans = [RequestSpan(query_start=0, query_len=2, context_len=2, block_table=[0, 0])]
-        attn_metadata = build_attention_metadata(spans, self.block_size, self.device)
+        """One tiny forward pass through both attention paths (a 2-token prefill and a decode row).
+
+        Writes garbage into block 0, so call it before serving (the worker reports ready after it).
+        """
+        spans = [RequestSpan(0, 2, 2, [0, 0]), RequestSpan(2, 1, 3, [0, 0, 0])]
+        attn_metadata = build_attention_metadata(spans, self.block_size, self.device, self.gather_workspace)
         with torch.inference_mode():
-            ids = torch.zeros(2, dtype=torch.long, device=self.device)
-            hidden = self.model(ids, torch.arange(2, device=self.device), self.kv_cache, attn_metadata)
-            self.model.compute_logits(hidden[-1:])
+            ids = torch.zeros(3, dtype=torch.long, device=self.device)
+            positions = torch.tensor([0, 1, 2], device=self.device)
+            hidden = self.model(ids, positions, self.kv_cache, attn_metadata)
+            self.model.compute_logits(hidden[[1, 2]])
