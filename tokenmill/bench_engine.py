@@ -73,13 +73,15 @@ def load_transformers_model(model_path: str | None):
 @torch.inference_mode()
 def run_transformers(model, workload: Workload, batch_size: int = 8) -> dict:
     outputs: list[list[int]] = []
+    # EOS ignored: no stopping (min_new_tokens would mask EOS instead, changing the greedy tokens)
+    model.generation_config.eos_token_id = None
     start = time.perf_counter()
     for first in range(0, len(workload.prompts), batch_size):
         prompts = workload.prompts[first:first + batch_size]
         lengths = workload.output_lens[first:first + batch_size]
         input_ids = torch.tensor(prompts)  # equal prompt lengths: no padding needed
         generated = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                   max_new_tokens=max(lengths), min_new_tokens=max(lengths), pad_token_id=0)
+                                   max_new_tokens=max(lengths), pad_token_id=0)
         # a static batch runs until its longest request; only each request's own tokens count
         outputs += [row[input_ids.shape[1]:input_ids.shape[1] + n].tolist() for row, n in zip(generated, lengths)]
     elapsed = time.perf_counter() - start
