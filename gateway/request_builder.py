@@ -1,4 +1,9 @@
-"""Public GenerateRequest -> a validated, tokenized SubmitRequest (everything a client can get wrong)."""
+"""A client's request -> a validated, tokenized Request (everything a client can get wrong).
+
+Every public API funnels through prepare_request: the tokenmill.v1 GenerateRequest (prepare) and the
+HTTP/JSON front ends, which turn their own fields into prompt ids (text_token_ids / chat_token_ids)
+and a dict of sampling values, so the same value gets the same verdict whichever API sent it.
+"""
 from __future__ import annotations
 
 import uuid
@@ -23,41 +28,68 @@ class PreparedRequest:
     stop: list[str]
 
 
+def text_token_ids(text: object, tokenizer: TextTokenizer, limits: Limits,
+                   add_special_tokens: bool = True) -> list[int]:
+    validate_prompt_text(text, limits)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)  # type: ignore[arg-type]
+
+
+def chat_token_ids(messages: list[dict], tokenizer: TextTokenizer, limits: Limits) -> list[int]:
+    """[{"role", "content"}, ...] rendered with the chat template (generation prompt appended)."""
+    if not messages:
+        raise InvalidArgument("messages", [], "must hold at least one message")
+    validate_messages(messages)
+    validate_chat_size(messages, limits)
+    if not tokenizer.chat_template:
+        raise InvalidArgument("messages", "...", "this model has no chat template; send a prompt")
+    text = render_chat(tokenizer.chat_template, messages, add_generation_prompt=True,
+                       bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+    return tokenizer.encode(text, add_special_tokens=False)  # the template wrote the specials
+
+
 def prompt_token_ids(message: generation_pb2.GenerateRequest | generation_pb2.TokenizeRequest,
                      tokenizer: TextTokenizer, limits: Limits, add_special_tokens: bool = True) -> list[int]:
     which = message.WhichOneof("input")
     if which == "messages":
         messages = [{"role": m.role, "content": m.content} for m in message.messages.messages]
-        if not messages:
-            raise InvalidArgument("messages", [], "must hold at least one message")
-        validate_messages(messages)
-        validate_chat_size(messages, limits)
-        if not tokenizer.chat_template:
-            raise InvalidArgument("messages", "...", "this model has no chat template; send a prompt")
-        text = render_chat(tokenizer.chat_template, messages, add_generation_prompt=True,
-                           bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
-        return tokenizer.encode(text, add_special_tokens=False)  # the template wrote the specials
+        return chat_token_ids(messages, tokenizer, limits)
     text = message.prompt if which == "prompt" else getattr(message, "text", "")
-    validate_prompt_text(text, limits)
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return text_token_ids(text, tokenizer, limits, add_special_tokens)
+
+
+def resolve_request_id(request_id: str) -> str:
+    """The client's id (checked), or a fresh one when it sent none."""
+    request_id = request_id or uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        raise InvalidArgument("request_id", request_id, f"must be at most {MAX_REQUEST_ID_LEN} characters")
+    return request_id
+
+
+def prepare_request(prompt_ids: list[int], tokenizer: TextTokenizer, limits: Limits, *, sampling: dict,
+                    stop: object = None, stop_token_ids: object = None, ignore_eos: object = False,
+                    request_id: str = "", priority: object = 0) -> PreparedRequest:
+    """sampling: validate_sampling's keyword values (max_tokens, temperature, ...); None means unset."""
+    request_id = resolve_request_id(request_id)
+    ids = validate_prompt_ids(prompt_ids, limits)
+    stop_token_ids = [] if stop_token_ids is None else stop_token_ids
+    if not ignore_eos and isinstance(stop_token_ids, (list, tuple)):  # the model's other end-of-turn tokens too
+        stop_token_ids = [*stop_token_ids, *(t for t in tokenizer.stop_token_ids if t not in stop_token_ids)]
+    params = validate_sampling(limits, prompt_len=len(ids), stop_token_ids=stop_token_ids,
+                               ignore_eos=ignore_eos, **sampling)
+    stop = validate_stop_strings(stop, limits)
+    request = Request(request_id, ids, params, eos_token_id=tokenizer.eos_token_id,
+                      priority=validate_priority(priority, limits))
+    return PreparedRequest(request, stop)
 
 
 def prepare(message: generation_pb2.GenerateRequest, tokenizer: TextTokenizer, limits: Limits,
             model_name: str) -> PreparedRequest:
     if message.model and message.model != model_name:
         raise InvalidArgument("model", message.model, f"unknown model; this server serves {model_name!r}")
-    request_id = message.request_id or uuid.uuid4().hex
-    if len(request_id) > MAX_REQUEST_ID_LEN:
-        raise InvalidArgument("request_id", request_id, f"must be at most {MAX_REQUEST_ID_LEN} characters")
-    ids = validate_prompt_ids(prompt_token_ids(message, tokenizer, limits), limits)
+    request_id = resolve_request_id(message.request_id)
+    ids = prompt_token_ids(message, tokenizer, limits)
     params = message.parameters
-    fields = {name: getattr(params, name) for name in _OPTIONAL_PARAMS if params.HasField(name)}
-    stop_token_ids = list(params.stop_token_ids)
-    if not params.ignore_eos:  # the model's other end-of-turn tokens stop it too
-        stop_token_ids += [t for t in tokenizer.stop_token_ids if t not in stop_token_ids]
-    sampling = validate_sampling(limits, prompt_len=len(ids), stop_token_ids=stop_token_ids,
-                                 ignore_eos=params.ignore_eos, **fields)
-    stop = validate_stop_strings(list(params.stop), limits)
-    priority = validate_priority(message.priority, limits)
-    request = Request(request_id, ids, sampling, eos_token_id=tokenizer.eos_token_id, priority=priority)
-    return PreparedRequest(request, stop)
+    sampling = {name: getattr(params, name) for name in _OPTIONAL_PARAMS if params.HasField(name)}
+    return prepare_request(ids, tokenizer, limits, sampling=sampling, stop=list(params.stop),
+                           stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+                           request_id=request_id, priority=message.priority)

@@ -1,13 +1,12 @@
 """tokenmill.v1.Generation servicer: the public API. Thin: build the request, stream, convert back."""
 from __future__ import annotations
 
+import contextlib
 import time
 
-import grpc
-
+from gateway.generation_stream import GenerationDelta, stream_generation
 from gateway.request_builder import prepare, prompt_token_ids
 from gateway.scheduler_client import SchedulerClient
-from gateway.text_stream import TextStream
 from gateway.tokenizer import TextTokenizer
 from gateway.validation import Limits
 from kvstore.records import RecordStatus
@@ -54,55 +53,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _generate(self, request, context):
         arrival = time.monotonic()
         prepared = prepare(request, self.tokenizer, self.limits, self.model_name)
-        request_id = prepared.request.request_id
-        text_stream = TextStream(self.tokenizer, prepared.request.prompt_token_ids, prepared.stop)
-        call = self.scheduler.submit(codec.submit_request_to_proto(prepared.request), context.time_remaining())
-        first_token = None
-        finished = False
-        try:
-            async for delta in call:
-                out = generation_pb2.GenerateStreamResponse(request_id=request_id, token_ids=delta.new_token_ids)
-                if delta.new_token_ids and first_token is None:
-                    first_token = time.monotonic()
-                out.text = text_stream.push(list(delta.new_token_ids))
-                self._add_logprobs(out, delta)
-                if text_stream.stopped or delta.finished:
-                    finished = True
-                    if text_stream.stopped and not delta.finished:
-                        await self.scheduler.abort([request_id], common_pb2.FINISH_REASON_STOP)
-                    out.text += text_stream.finish()
-                    self._finish(out, delta, text_stream, arrival, first_token)
-                    yield out
-                    return
-                yield out
-        except grpc.aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.UNAVAILABLE:
-                raise Unavailable(f"scheduler at {self.scheduler.address} is unavailable: {error.details()}")
-            raise
-        finally:
-            if not finished:  # the client cancelled or went away: the scheduler frees the pages
-                call.cancel()
-
-    def _add_logprobs(self, out: generation_pb2.GenerateStreamResponse, delta) -> None:
-        for token_id, entry in zip(delta.new_token_ids, delta.logprobs):
-            logprob = out.logprobs.add(token_id=token_id, token=self.tokenizer.decode([token_id], False),
-                                       logprob=entry.logprob)
-            for top_id, top_logprob in zip(entry.top_token_ids, entry.top_logprobs):
-                logprob.top_logprobs.add(token_id=top_id, token=self.tokenizer.decode([top_id], False),
-                                         logprob=top_logprob)
-
-    @staticmethod
-    def _finish(out, delta, text_stream: TextStream, arrival: float, first_token: float | None) -> None:
-        now = time.monotonic()
-        out.finish_reason = common_pb2.FINISH_REASON_STOP if text_stream.stopped else delta.finish_reason
-        out.matched_stop = text_stream.matched_stop
-        out.usage.prompt_tokens = delta.num_prompt_tokens
-        out.usage.completion_tokens = delta.num_output_tokens
-        out.usage.cached_prompt_tokens = delta.num_cached_tokens
-        out.timings.queue_ns = delta.timings.queue_ns
-        out.timings.time_to_first_token_ns = int(((first_token or now) - arrival) * 1e9)
-        out.timings.decode_ns = int((now - (first_token or now)) * 1e9)
-        out.timings.e2e_ns = int((now - arrival) * 1e9)
+        deltas = stream_generation(prepared, self.tokenizer, self.scheduler, context.time_remaining(), arrival)
+        async with contextlib.aclosing(deltas):
+            async for delta in deltas:
+                yield _stream_response(delta)
 
     async def Tokenize(self, request, context):
         ids = prompt_token_ids(request, self.tokenizer, self.limits, request.add_special_tokens)
@@ -148,3 +102,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if value is not None:
                 getattr(reply, field).FromNanoseconds(int(value * 1e9))
         return reply
+
+
+def _stream_response(delta: GenerationDelta) -> generation_pb2.GenerateStreamResponse:
+    out = generation_pb2.GenerateStreamResponse(request_id=delta.request_id, text=delta.text, token_ids=delta.token_ids)
+    for entry in delta.logprobs:
+        logprob = out.logprobs.add(token_id=entry.token_id, token=entry.token, logprob=entry.logprob)
+        for top in entry.top:
+            logprob.top_logprobs.add(token_id=top.token_id, token=top.token, logprob=top.logprob)
+    finish = delta.finish
+    if finish is not None:
+        out.finish_reason = codec.finish_reason_to_proto(finish.reason)
+        out.matched_stop = finish.matched_stop
+        out.usage.prompt_tokens = finish.prompt_tokens
+        out.usage.completion_tokens = finish.completion_tokens
+        out.usage.cached_prompt_tokens = finish.cached_prompt_tokens
+        out.timings.queue_ns = finish.queue_ns
+        out.timings.time_to_first_token_ns = finish.time_to_first_token_ns
+        out.timings.decode_ns = finish.decode_ns
+        out.timings.e2e_ns = finish.e2e_ns
+    return out

@@ -1,0 +1,123 @@
+"""One prepared request through the scheduler as text deltas: the path every public API shares
+(tokenmill.v1 gRPC, OpenAI-compatible HTTP, KServe v2), each converting GenerationDelta to its own wire.
+
+    deltas = stream_generation(prepared, tokenizer, scheduler, timeout_s=None)
+    async with contextlib.aclosing(deltas):
+        async for delta in deltas:        # text, token_ids, logprobs; .finish is set on the last one
+            ...
+
+Leaving early (break, an exception, the task being cancelled because the client went away) cancels
+the scheduler call, which aborts the request and frees its KV pages. A stop string matched here ends
+the request in the scheduler as finished with reason stop.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway.request_builder import PreparedRequest
+from gateway.scheduler_client import SchedulerClient
+from gateway.text_stream import TextStream
+from gateway.tokenizer import TextTokenizer
+from protos import codec
+from protos.tokenmill.v1 import common_pb2
+from tokenmill.errors import Unavailable
+
+
+@dataclass(slots=True)
+class TopLogprob:
+    token_id: int
+    token: str  # its own text; a partial UTF-8 sequence shows as replacement characters
+    logprob: float
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """The chosen token at one position and the most likely alternatives, best first."""
+
+    token_id: int
+    token: str
+    logprob: float  # under the model's raw distribution (before temperature and truncation)
+    top: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Finish:
+    """What the last delta of a request carries."""
+
+    reason: str  # "stop" | "length" | "abort" | "error" (scheduler.request.FINISH_REASONS values)
+    matched_stop: str  # the stop string that ended generation, "" if none did
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    queue_ns: int  # from the scheduler
+    time_to_first_token_ns: int  # the rest measured here, from arrival
+    decode_ns: int
+    e2e_ns: int
+
+
+@dataclass(slots=True)
+class GenerationDelta:
+    request_id: str
+    text: str  # safe to show: may be "" while a character is incomplete or a stop string may start
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]  # one per token id when the request asked for logprobs, else empty
+    finish: Finish | None = None
+
+
+async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer, scheduler: SchedulerClient,
+                            timeout_s: float | None = None,
+                            arrival: float | None = None) -> AsyncIterator[GenerationDelta]:
+    """arrival: time.monotonic() when the request reached the gateway (default: now), for the timings.
+
+    Raises Unavailable when the scheduler cannot be reached; other scheduler statuses come through
+    as grpc.aio.AioRpcError (tokenmill.rpc.status_for passes their code on)."""
+    arrival = time.monotonic() if arrival is None else arrival
+    request_id = prepared.request.request_id
+    text_stream = TextStream(tokenizer, prepared.request.prompt_token_ids, prepared.stop)
+    call = scheduler.submit(codec.submit_request_to_proto(prepared.request), timeout_s)
+    first_token = None
+    finished = False
+    try:
+        async for response in call:
+            token_ids = list(response.new_token_ids)
+            if token_ids and first_token is None:
+                first_token = time.monotonic()
+            delta = GenerationDelta(request_id, text_stream.push(token_ids), token_ids,
+                                    _logprobs(tokenizer, token_ids, response.logprobs))
+            if text_stream.stopped or response.finished:
+                finished = True
+                if text_stream.stopped and not response.finished:
+                    await scheduler.abort([request_id], common_pb2.FINISH_REASON_STOP)
+                delta.text += text_stream.finish()
+                delta.finish = _finish(response, text_stream, arrival, first_token)
+                yield delta
+                return
+            yield delta
+    except grpc.aio.AioRpcError as error:
+        if error.code() == grpc.StatusCode.UNAVAILABLE:
+            raise Unavailable(f"scheduler at {scheduler.address} is unavailable: {error.details()}") from error
+        raise
+    finally:
+        if not finished:  # the client cancelled or went away: the scheduler frees the pages
+            call.cancel()
+
+
+def _logprobs(tokenizer: TextTokenizer, token_ids: list[int], entries) -> list[TokenLogprob]:
+    return [TokenLogprob(token_id, tokenizer.decode([token_id], False), entry.logprob,
+                         [TopLogprob(top_id, tokenizer.decode([top_id], False), top_logprob)
+                          for top_id, top_logprob in zip(entry.top_token_ids, entry.top_logprobs)])
+            for token_id, entry in zip(token_ids, entries)]
+
+
+def _finish(response, text_stream: TextStream, arrival: float, first_token: float | None) -> Finish:
+    now = time.monotonic()
+    reason = "stop" if text_stream.stopped else codec.finish_reason_from_proto(response.finish_reason)
+    return Finish(reason=reason or "error", matched_stop=text_stream.matched_stop,
+                  prompt_tokens=response.num_prompt_tokens, completion_tokens=response.num_output_tokens,
+                  cached_prompt_tokens=response.num_cached_tokens, queue_ns=response.timings.queue_ns,
+                  time_to_first_token_ns=int(((first_token or now) - arrival) * 1e9),
+                  decode_ns=int((now - (first_token or now)) * 1e9), e2e_ns=int((now - arrival) * 1e9))
