@@ -27,6 +27,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--default-max-tokens", type=int, default=256)
     parser.add_argument("--scheduler-timeout-s", type=float, default=600.0)
     parser.add_argument("--drain-timeout-s", type=float, default=30.0)
+    parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API; 0 disables")
+    parser.add_argument("--http-api-key", default="", help="HTTP clients must send 'Authorization: Bearer KEY'")
     return parser.parse_args(argv)
 
 
@@ -34,7 +36,8 @@ async def serve(args: argparse.Namespace) -> None:
     tokenizer = await asyncio.to_thread(load_tokenizer, args.model)
     scheduler = SchedulerClient(args.scheduler)
     server = rpc.create_server()
-    health = rpc.add_health_and_reflection(server, [rpc.GENERATION_SERVICE])
+    from gateway.kserve_service import KSERVE_SERVICE, add_kserve_servicer  # not at the top: tritonclient (its doc)
+    health = rpc.add_health_and_reflection(server, [rpc.GENERATION_SERVICE, KSERVE_SERVICE])
     address = f"{args.host}:{args.port}"
     if server.add_insecure_port(address) == 0:
         raise SystemExit(f"gateway: cannot listen on {address} (in use?); change --port")
@@ -49,6 +52,14 @@ async def serve(args: argparse.Namespace) -> None:
         state_reader = RequestStateReader(args.redis_url)
     servicer = GenerationServicer(tokenizer, scheduler, limits, model_info, state_reader)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    add_kserve_servicer(server, tokenizer, scheduler, limits, model_info)
+    http_api = http_runner = None
+    if args.http_port:
+        from gateway.openai_http import OpenAIHTTP, start_http
+
+        http_api = OpenAIHTTP(tokenizer, scheduler, limits, model_info, api_key=args.http_api_key)
+        http_runner = await start_http(http_api, args.host, args.http_port, args.drain_timeout_s)
+        logger.info("gateway HTTP (OpenAI-compatible) on %s:%d", args.host, args.http_port)
     await server.start()
     await health.set_ready(True)
     logger.info("gateway ready on %s serving %s", address, model_info.model_config.name)
@@ -57,7 +68,11 @@ async def serve(args: argparse.Namespace) -> None:
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
     await health.enter_graceful_shutdown()
-    await server.stop(grace=args.drain_timeout_s)  # in-flight streams finish, new calls are refused
+    stopping = [server.stop(grace=args.drain_timeout_s)]  # in-flight streams finish, new calls are refused
+    if http_runner is not None:
+        http_api.ready = False
+        stopping.append(http_runner.cleanup())
+    await asyncio.gather(*stopping)
     await scheduler.close()
     if state_reader:
         await state_reader.aclose()

@@ -61,6 +61,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway-port", type=PORT, default=50051, help="public API; 0 picks a free port (default: %(default)s)")
     parser.add_argument("--scheduler-port", type=PORT, default=50052, help="(default: %(default)s)")
     parser.add_argument("--worker-port", type=PORT, default=50053, help="(default: %(default)s)")
+    http = parser.add_mutually_exclusive_group()
+    http.add_argument("--http-port", type=PORT, default=8000,
+                      help="OpenAI-compatible HTTP API on the gateway; 0 picks a free port (default: %(default)s)")
+    http.add_argument("--no-http", action="store_true", help="no HTTP API, gRPC only")
     redis = parser.add_mutually_exclusive_group()
     redis.add_argument("--redis-url", help="use this Redis instead of starting redis-server")
     redis.add_argument("--redis-port", type=PORT, default=6379,
@@ -114,13 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve(args: argparse.Namespace) -> int:
     from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
-    from tokenmill.supervisor import Supervisor, SupervisorError, run_until_stopped
+    from tokenmill.readiness import port_in_use
+    from tokenmill.supervisor import PortInUse, Supervisor, SupervisorError, run_until_stopped
 
     if args.model is not None and not os.path.exists(args.model):
         print(f"error: --model {args.model}: no such file or directory", file=sys.stderr)
         return 2
     config = resolve_ports(ClusterConfig(
         model=args.model, dtype=args.dtype, host=args.host, gateway_port=args.gateway_port,
+        http_port=None if args.no_http else args.http_port,
         scheduler_port=args.scheduler_port, worker_port=args.worker_port, redis_url=args.redis_url,
         redis_port=args.redis_port, kv_policy=args.kv_policy, queue_policy=args.queue_policy,
         block_size=args.block_size, kv_cache_mb=args.kv_cache_mb, num_blocks=args.num_blocks,
@@ -134,12 +140,17 @@ def serve(args: argparse.Namespace) -> int:
     supervisor = Supervisor(specs, startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_period_s)
     try:
         supervisor.check_ports()
+        if config.http_port is not None and port_in_use(f"{config.host}:{config.http_port}"):
+            raise PortInUse("gateway HTTP", f"{config.host}:{config.http_port}", "--http-port (or --no-http)")
     except SupervisorError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
 
     def on_ready() -> None:
-        rows = [("gateway", config.gateway_address), ("scheduler", config.scheduler_address),
+        rows = [("gateway", config.gateway_address)]
+        if config.http_address:
+            rows.append(("http", f"http://{config.http_address}/v1  (OpenAI-compatible)"))
+        rows += [("scheduler", config.scheduler_address),
                 ("worker", config.worker_address),
                 ("redis", config.effective_redis_url + ("" if config.redis_url is None else " (external)"))]
         print("\n".join(f"{name:<10} {address}" for name, address in rows))

@@ -28,6 +28,9 @@ class ClusterConfig:
     dtype: str = "float32"
     host: str = "127.0.0.1"  # where the three gRPC servers listen
     gateway_port: int = 50051  # 0: pick a free port (resolve_ports)
+    # The gateway's OpenAI-compatible HTTP API; None: off (so test clusters never fight over one fixed
+    # port; `tokenmill serve` passes 8000 unless told otherwise); 0: pick a free port.
+    http_port: int | None = None
     scheduler_port: int = 50052
     worker_port: int = 50053
     redis_url: str | None = None  # an existing Redis; None: start redis-server on redis_port
@@ -48,6 +51,11 @@ class ClusterConfig:
         return connect_address(f"{self.host}:{self.gateway_port}")
 
     @property
+    def http_address(self) -> str:
+        """The HTTP API's host:port ("" when off); its base URL is http://{http_address}/v1."""
+        return connect_address(f"{self.host}:{self.http_port}") if self.http_port is not None else ""
+
+    @property
     def scheduler_address(self) -> str:
         return connect_address(f"{self.host}:{self.scheduler_port}")
 
@@ -65,7 +73,7 @@ def resolve_ports(config: ClusterConfig) -> ClusterConfig:
     # free ports are drawn so as not to clash with ports given explicitly (kept as given: a clash
     # between two explicit ports is the supervisor's check_ports to report)
     taken = {port for port in (config.worker_port, config.scheduler_port, config.gateway_port,
-                               config.redis_port) if port}
+                               config.http_port, config.redis_port) if port}
 
     def pick(port: int, host: str) -> int:
         while port == 0:
@@ -79,6 +87,7 @@ def resolve_ports(config: ClusterConfig) -> ClusterConfig:
                    worker_port=pick(config.worker_port, local_host),
                    scheduler_port=pick(config.scheduler_port, local_host),
                    gateway_port=pick(config.gateway_port, local_host),
+                   http_port=None if config.http_port is None else pick(config.http_port, local_host),
                    redis_port=config.redis_port if config.redis_url else pick(config.redis_port, "127.0.0.1"))
 
 
@@ -95,7 +104,7 @@ def torch_thread_env() -> dict[str, str]:
 def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
     """Children in start order: [redis,] worker, scheduler, gateway. Ports must be resolved already."""
     ports = [config.worker_port, config.scheduler_port, config.gateway_port]
-    if 0 in ports or (config.redis_url is None and config.redis_port == 0):
+    if 0 in ports or config.http_port == 0 or (config.redis_url is None and config.redis_port == 0):
         raise ValueError("cluster_specs needs concrete ports: call resolve_ports(config) first")
     env = {"PYTHONPATH": os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p),
            **torch_thread_env()}
@@ -115,7 +124,8 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
     if not config.enable_prefix_caching:
         scheduler.append("--no-prefix-caching")
     gateway = [config.python, "-m", "gateway.main", "--host", config.host, "--port", str(config.gateway_port),
-               "--scheduler", config.scheduler_address, "--redis-url", config.effective_redis_url, *model]
+               "--scheduler", config.scheduler_address, "--redis-url", config.effective_redis_url, *model,
+               "--http-port", str(config.http_port or 0)]
     specs = [] if config.redis_url else [redis_spec(config.redis_port)]
     return specs + [
         ChildSpec("worker", worker, WORKER_SERVICE, f"{config.host}:{config.worker_port}",

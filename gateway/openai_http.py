@@ -1,0 +1,191 @@
+"""OpenAI-compatible HTTP API on the gateway: aiohttp on the gateway's own event loop, beside gRPC.
+
+    api = OpenAIHTTP(tokenizer, scheduler, limits, model_info, api_key="")
+    runner = await start_http(api, host, port, drain_timeout_s)      # listening
+    ...
+    api.ready = False                                                 # /ready answers 503
+    await runner.cleanup()                                            # in-flight requests finish first
+
+Routes: GET /v1/models, GET /v1/models/{model}, POST /v1/completions, POST /v1/chat/completions
+(`stream: true` as server-sent events ending with `data: [DONE]`), GET /health (liveness), GET /ready.
+Thin: JSON -> openai_requests -> the same prepare_request / stream_generation path as the gRPC API
+-> openai_responses -> JSON. Errors are OpenAI's JSON shape (openai_errors). A client that goes
+away cancels its handler (handler_cancellation), which cancels the scheduler call and frees its pages.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hmac
+import json
+import time
+import uuid
+
+from aiohttp import web
+
+from gateway.generation_stream import stream_generation
+from gateway.openai_errors import openai_error
+from gateway.openai_requests import ModelNotFound, parse_chat, parse_completion
+from gateway.openai_responses import ResponseBuilder
+from gateway.scheduler_client import SchedulerClient
+from gateway.tokenizer import TextTokenizer
+from gateway.validation import Limits
+from protos.tokenmill.v1 import common_pb2
+from tokenmill.errors import InvalidArgument, Unauthenticated, Unavailable
+
+_dumps = functools.partial(json.dumps, ensure_ascii=False, separators=(",", ":"))
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class OpenAIHTTP:
+    def __init__(self, tokenizer: TextTokenizer, scheduler: SchedulerClient, limits: Limits,
+                 model_info: common_pb2.GetModelInfoResponse, api_key: str = "") -> None:
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.limits = limits
+        self.model_name = model_info.model_config.name
+        self.api_key = api_key  # "": no authentication
+        self.created = int(time.time())
+        self.ready = True  # False once the gateway is draining
+
+    def app(self) -> web.Application:
+        # a prompt of max_prompt_chars characters may take 4 bytes each in UTF-8, plus the JSON around it
+        max_body = 4 * self.limits.max_prompt_chars + 2**20
+        app = web.Application(middlewares=[_errors, self._auth], client_max_size=max_body)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/models/{model}", self.get_model)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.readiness)
+        return app
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self.api_key and request.path.startswith("/v1/"):
+            sent = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(sent.encode(), f"Bearer {self.api_key}".encode()):
+                reason = "wrong API key" if sent else "no API key"
+                raise Unauthenticated(f"{reason}: send the header 'Authorization: Bearer <key>'")
+        return await handler(request)
+
+    # -- models and health ---------------------------------------------------------------------------
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tokenmill",
+                "max_model_len": self.limits.max_model_len}
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        if request.match_info["model"] != self.model_name:
+            raise ModelNotFound(request.match_info["model"], self.model_name)
+        return web.json_response(self._model_card())
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readiness(self, request: web.Request) -> web.Response:
+        if not self.ready:
+            return web.json_response({"status": "draining"}, status=503)
+        return web.json_response({"status": "ready", "model": self.model_name})
+
+    # -- completions -------------------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.generate(request, chat=True)
+
+    async def generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        arrival = time.monotonic()
+        if not self.ready:
+            raise Unavailable("the gateway is shutting down; retry on another replica")
+        body = await _json_object(request)
+        request_id = request.headers.get("X-Request-Id") or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        parse = parse_chat if chat else parse_completion
+        parsed = parse(body, self.tokenizer, self.limits, self.model_name, request_id)
+        request_id = parsed.prepared.request.request_id
+        builder = ResponseBuilder(chat=chat, request_id=request_id, model=self.model_name, logprobs=parsed.logprobs,
+                                  include_usage=parsed.stream and parsed.include_usage)
+        headers = {"X-Request-Id": request_id}
+        deltas = stream_generation(parsed.prepared, self.tokenizer, self.scheduler, None, arrival)
+        async with contextlib.aclosing(deltas):
+            if parsed.stream:
+                return await _stream(request, deltas, builder, headers)
+            async for delta in deltas:
+                builder.add(delta)
+        if builder.finish is None:
+            raise Unavailable("the scheduler ended the request without a result; retry")
+        return web.json_response(builder.body(), headers=headers, dumps=_dumps)
+
+
+async def _stream(request: web.Request, deltas, builder: ResponseBuilder, headers: dict) -> web.StreamResponse:
+    """Server-sent events. The headers go out with the first delta, so a request the scheduler refuses
+    (queue full, unavailable) still gets its own HTTP status; a failure after that becomes an error event."""
+    response = None
+    finish = None
+    try:
+        async for delta in deltas:
+            chunks = builder.chunks(delta)
+            if response is None:
+                response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+                await response.prepare(request)
+            for chunk in chunks:
+                await response.write(_event(chunk))
+            finish = delta.finish
+        if finish is None:
+            raise Unavailable("the scheduler ended the request without a result; retry")
+    except ConnectionResetError:
+        raise  # the client went away: nobody to tell
+    except Exception as exc:  # noqa: BLE001 - after the headers, the error travels as an event
+        if response is None:
+            raise
+        await response.write(_event(openai_error(exc, request.path).body()))
+    else:
+        if builder.include_usage:
+            await response.write(_event(builder.usage_chunk(finish)))
+        await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def _event(payload: dict) -> bytes:
+    return b"data: " + _dumps(payload).encode() + b"\n\n"
+
+
+async def _json_object(request: web.Request) -> dict:
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError both are
+        raise InvalidArgument("body", raw[:80].decode(errors="replace"), f"is not valid JSON ({error})") from None
+    if not isinstance(body, dict):
+        raise InvalidArgument("body", body, f"must be a JSON object, not {type(body).__name__}")
+    return body
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ConnectionResetError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the one place HTTP errors are answered
+        where = f"{request.method} {request.path}"
+        return openai_error(exc, where).response()
+
+
+async def start_http(api: OpenAIHTTP, host: str, port: int, drain_timeout_s: float) -> web.AppRunner:
+    """Listening on host:port when it returns; runner.cleanup() drains (up to drain_timeout_s) and stops."""
+    runner = web.AppRunner(api.app(), handler_cancellation=True, shutdown_timeout=drain_timeout_s, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as error:
+        await runner.cleanup()
+        raise SystemExit(f"gateway: cannot listen for HTTP on {host}:{port} ({error.strerror}); "
+                         "change --http-port") from None
+    return runner
