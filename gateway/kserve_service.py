@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 KSERVE_SERVICE = "inference.GRPCInferenceService"
 MODEL_VERSION = "1"  # one version per served model, as Triton numbers a repository's first
 BACKEND = "tokenmill"
-EXTENSIONS = ("model_configuration", "model_repository", "parameters")
+EXTENSIONS = ("model_configuration", "parameters")  # RepositoryIndex alone is not "model_repository"
 _INPUTS = ((codec.TEXT_INPUT, model_config_pb2.TYPE_STRING, False),  # (name, type, optional)
            (codec.STREAM_INPUT, model_config_pb2.TYPE_BOOL, True),
            (codec.SAMPLING_PARAMETERS_INPUT, model_config_pb2.TYPE_STRING, True),
@@ -88,8 +88,7 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         return pb.ModelReadyResponse(ready=True)
 
     async def ServerMetadata(self, request, context):
-        return pb.ServerMetadataResponse(name=BACKEND, version=importlib.metadata.version("tokenmill"),
-                                         extensions=EXTENSIONS)
+        return pb.ServerMetadataResponse(name=BACKEND, version=_server_version(), extensions=EXTENSIONS)
 
     async def ModelMetadata(self, request, context):
         self._check_model(request.name, request.version)
@@ -114,7 +113,7 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             output=[model_config_pb2.ModelOutput(name=codec.TEXT_OUTPUT, data_type=model_config_pb2.TYPE_STRING,
                                                  dims=[1])],
             parameters={key: model_config_pb2.ModelParameter(string_value=str(value))
-                        for key, value in parameters.items()},
+                        for key, value in parameters.items() if value != ""},
             model_transaction_policy=model_config_pb2.ModelTransactionPolicy(decoupled=True))
         return pb.ModelConfigResponse(config=config)
 
@@ -213,6 +212,13 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             response.parameters["prompt_tokens"].int64_param = finish.prompt_tokens
             response.parameters["completion_tokens"].int64_param = finish.completion_tokens
         return response
+
+
+def _server_version() -> str:
+    try:
+        return importlib.metadata.version("tokenmill")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
 
 
 def _error_response(request, exc: Exception) -> pb.ModelStreamInferResponse:
