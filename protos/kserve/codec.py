@@ -66,6 +66,10 @@ class LlmInferRequest:
 def llm_request_from_proto(request) -> LlmInferRequest:
     """request: an inference.ModelInferRequest. Raises InvalidArgument naming the tensor or parameter."""
     tensors = decode_inputs(request)
+    for index, output in enumerate(request.outputs):
+        if output.name != TEXT_OUTPUT:
+            raise InvalidArgument(f"outputs[{index}].name", output.name,
+                                  f"unknown output; this model has {TEXT_OUTPUT!r}")
     if TEXT_INPUT not in tensors:
         raise InvalidArgument("inputs", [t.name for t in request.inputs],
                               f"must include {TEXT_INPUT!r} (BYTES, shape [1]) holding the prompt")

@@ -78,6 +78,7 @@ def _add_image(request):
     (_add_image, "inputs[1].name", "text_input"),
     (lambda r: r.raw_input_contents.__setitem__(0, b"\x09\x00\x00\x00ab"), "text_input", "4-byte"),
     (lambda r: setattr(r.parameters["best_of"], "int64_param", 2), "best_of", "accepted: max_tokens"),
+    (lambda r: r.outputs.add(name="logits"), "outputs[0].name", "text_output"),
     (lambda r: setattr(r.parameters["sequence_id"], "int64_param", 7), "sequence_id", "not supported"),
     (lambda r: setattr(r.parameters["ignore_eos"], "string_param", "maybe"), "ignore_eos", "true or false"),
 ])
