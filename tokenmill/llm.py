@@ -3,21 +3,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
-
-import torch
 
 from scheduler.config import SchedulerConfig
 from scheduler.engine import EngineCore
 from scheduler.outputs import RequestOutput
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
-from worker.kv_cache import num_blocks_for_budget
-from worker.loader import load_model
+from worker.build import build_runner
 from worker.model_runner import ModelRunner
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(slots=True, frozen=True)
@@ -35,16 +29,6 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own limit
 
 
-def build_runner(config: EngineConfig, progress: bool = True) -> ModelRunner:
-    if config.dtype not in DTYPES:
-        raise ValueError(f"dtype={config.dtype!r} is not one of {sorted(DTYPES)}")
-    dtype = DTYPES[config.dtype]
-    model, model_config = load_model(Path(config.model) if config.model else None, dtype=dtype, progress=progress)
-    num_blocks = config.num_blocks or num_blocks_for_budget(model_config, dtype, config.block_size,
-                                                            config.kv_cache_bytes)
-    return ModelRunner(model, model_config, num_blocks=num_blocks, block_size=config.block_size, dtype=dtype)
-
-
 def scheduler_config_for(config: EngineConfig, num_blocks: int, model_max_len: int) -> SchedulerConfig:
     return SchedulerConfig(
         num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
@@ -58,7 +42,8 @@ class LLM:
     def __init__(self, config: EngineConfig = EngineConfig(), runner: ModelRunner | None = None,
                  progress: bool = True) -> None:
         self.config = config
-        self.runner = runner or build_runner(config, progress)
+        self.runner = runner or build_runner(config.model, config.dtype, config.block_size, config.kv_cache_bytes,
+                                             config.num_blocks, progress)
         self.model_config = self.runner.model_config
         self.engine = self.new_engine(config)
         self._ids = itertools.count()

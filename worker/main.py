@@ -6,19 +6,17 @@ import asyncio
 import logging
 import os
 import signal
-from pathlib import Path
 
 import torch
 
 from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc
 from tokenmill import rpc
-from worker.kv_cache import bytes_per_block, num_blocks_for_budget
-from worker.loader import default_model_path, load_model
+from worker.build import DTYPES, build_runner, model_name
+from worker.kv_cache import bytes_per_block
 from worker.model_runner import ModelRunner
 from worker.service import WorkerServicer, model_config_to_proto
 
 logger = logging.getLogger("tokenmill.worker")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,18 +35,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_runner(args: argparse.Namespace) -> tuple[ModelRunner, worker_pb2.GetCapacityResponse]:
-    dtype = DTYPES[args.dtype]
-    model_path = Path(args.model) if args.model else default_model_path()
-    model, config = load_model(model_path, dtype=dtype, progress=True)
-    budget = args.kv_cache_mb * 2**20
-    num_blocks = args.num_blocks or num_blocks_for_budget(config, dtype, args.block_size, budget)
-    runner = ModelRunner(model, config, num_blocks=num_blocks, block_size=args.block_size, dtype=dtype)
+def build_worker(args: argparse.Namespace) -> tuple[ModelRunner, worker_pb2.GetCapacityResponse]:
+    runner = build_runner(args.model, args.dtype, args.block_size, args.kv_cache_mb * 2**20, args.num_blocks)
     runner.warm_up()
-    name = model_path.stem if model_path.suffix == ".gguf" else model_path.name
     capacity = worker_pb2.GetCapacityResponse(
-        num_blocks=num_blocks, block_size=args.block_size, model_config=model_config_to_proto(config, name, args.dtype),
-        device=str(runner.device), kv_cache_bytes=num_blocks * bytes_per_block(config, dtype, args.block_size))
+        num_blocks=runner.num_blocks, block_size=runner.block_size,
+        model_config=model_config_to_proto(runner.model_config, model_name(args.model), args.dtype),
+        device=str(runner.device),
+        kv_cache_bytes=runner.num_blocks * bytes_per_block(runner.model_config, runner.dtype, runner.block_size))
     return runner, capacity
 
 
@@ -62,7 +56,7 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"worker: cannot listen on {address} (in use?); change --port")
     await server.start()
     logger.info("worker listening on %s; loading the model", address)
-    runner, capacity = await asyncio.to_thread(build_runner, args)
+    runner, capacity = await asyncio.to_thread(build_worker, args)
     servicer.attach(runner, capacity)
     await health.set_ready(True)
     logger.info("worker ready: %s on %s, %d KV pages of %d tokens", capacity.model_config.name, capacity.device,
