@@ -30,8 +30,10 @@ def files(tmp_path_factory) -> list[descriptor_pb2.FileDescriptorProto]:
             f"--descriptor_set_out={out}", *map(str, proto_sources())]
     assert protoc.main(args) == 0
     # Our own API only: protos/kserve is KServe's published wire protocol, kept as the spec has it.
-    return [f for f in descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file
+    ours = [f for f in descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file
             if f.package.startswith("tokenmill.")]
+    assert len(ours) >= 5, [f.name for f in ours]
+    return ours
 
 
 def elements(file: descriptor_pb2.FileDescriptorProto):
