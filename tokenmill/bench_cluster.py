@@ -91,7 +91,7 @@ async def run_cluster(address: str, prompts: list[str], output_lens: list[int]) 
         stub = generation_pb2_grpc.GenerationStub(channel)
         await one(stub, prompts[0], 4, time.perf_counter())  # warm-up
         sync_ttfts = []
-        for prompt in prompts[:8]:
+        for prompt in prompts[:16]:
             start = time.perf_counter()
             sync_ttfts.append((await one(stub, prompt, 1, start))[0])
         start = time.perf_counter()
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(kv_cache_bytes=args.kv_cache_mb * 2**20, max_num_seqs=max(64, args.num_requests))
     llm = LLM(config, progress=False)
     llm.generate([prompt_ids[0][:16]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    sync_ttft = in_process_sync_ttft(llm, prompt_ids[:8])
+    sync_ttft = in_process_sync_ttft(llm, prompt_ids[:16])
     local = run_in_process(llm, prompt_ids, output_lens)
     log(f"in-process: {local['output_tokens_per_s']:.1f} tok/s, TTFT P50 {local['ttft_p50_s'] * 1e3:.0f} ms")
     del llm
