@@ -81,8 +81,8 @@ async def stream_one(stub, prompt: str, max_tokens: int, start: float) -> tuple[
     return ttft, ids
 
 
-async def run_cluster(address: str, llm: LLM, prompts: list[str], prompt_ids: list[list[int]],
-                      output_lens: list[int], sync_prompts: list[str], tokenizer: TextTokenizer) -> dict:
+async def run_cluster(address: str, llm: LLM, prompts: list[str], local: dict, output_lens: list[int],
+                      sync_prompts: list[str], tokenizer: TextTokenizer) -> dict:
     import grpc
 
     from protos.tokenmill.v1 import generation_pb2_grpc
@@ -97,7 +97,6 @@ async def run_cluster(address: str, llm: LLM, prompts: list[str], prompt_ids: li
         for prompt in sync_prompts:
             local_ttfts.append(in_process_ttft(llm, tokenizer.encode(prompt)))
             remote_ttfts.append((await stream_one(stub, prompt, 1, time.perf_counter()))[0])
-        local = run_in_process(llm, prompt_ids, output_lens)
         start = time.perf_counter()
         results = await asyncio.gather(*(stream_one(stub, p, n, start) for p, n in zip(prompts, output_lens)))
         elapsed = time.perf_counter() - start
@@ -130,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(kv_cache_bytes=args.kv_cache_mb * 2**20, max_num_seqs=max(64, args.num_requests))
     llm = LLM(config, progress=False)
     llm.generate([prompt_ids[0][:16]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    local = run_in_process(llm, prompt_ids, output_lens)  # alone on the machine, like the cluster run
 
     from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
     from tokenmill.supervisor import Supervisor
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  kv_cache_mb=args.kv_cache_mb, max_num_seqs=config.max_num_seqs))
     with Supervisor(cluster_specs(cluster_config), echo=False):
         sync_prompts = text_prompts(tokenizer, 32, 8, args.seed + 1)
-        runs = asyncio.run(run_cluster(cluster_config.gateway_address, llm, prompts, prompt_ids, output_lens,
+        runs = asyncio.run(run_cluster(cluster_config.gateway_address, llm, prompts, local, output_lens,
                                        sync_prompts, tokenizer))
     local, remote = runs["local"], runs["remote"]
     sync_ttft = local["sync_ttft_p50_s"]
