@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import queue
+import time
 
 import grpc
 import numpy as np
@@ -18,7 +19,7 @@ from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor, serialize_byte_tensor
 
 from protos.kserve import codec
-from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tokenmill.errors import InvalidArgument
 
 PROMPT = "The capital of France is"
@@ -243,3 +244,24 @@ def test_errors_name_the_field_value_and_limit(gateway_cluster):
     assert len(errors) == 1 and "INVALID_ARGUMENT" in errors[0].message() and "max_tokens=0" in errors[0].message()
     results = [result for result, error in callbacks if error is None]
     assert results and all(r.get_response().id == "ok" for r in results) and is_final(results[-1])
+
+
+@pytest.mark.slow
+def test_cancelling_the_stream_aborts_its_requests(gateway_cluster):
+    client = grpcclient.InferenceServerClient(gateway_cluster.gateway_address)
+    received: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: received.put((result, error)))
+    long_run = {"max_tokens": 400, "ignore_eos": True, "temperature": 0.0}
+    client.async_stream_infer("smollm2", text_inputs("Tell me a long story.", stream=True), parameters=long_run)
+    for _ in range(3):
+        result, error = received.get(timeout=60)
+        assert error is None and not is_final(result)
+    with grpc.insecure_channel(gateway_cluster.scheduler_address) as channel:
+        scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
+        assert scheduler.GetLoad(scheduler_pb2.GetLoadRequest()).num_kv_pages_used > 0
+        client.stop_stream(cancel_requests=True)
+        for _ in range(200):  # a few scheduler steps at most
+            if scheduler.GetLoad(scheduler_pb2.GetLoadRequest()).num_kv_pages_used == 0:
+                break
+            time.sleep(0.05)
+        assert scheduler.GetLoad(scheduler_pb2.GetLoadRequest()).num_kv_pages_used == 0
