@@ -141,7 +141,11 @@ def _completion_prompt_ids(prompt: object, tokenizer: TextTokenizer, limits: Lim
             raise InvalidArgument("prompt", prompt, f"holds {len(prompt)} prompts; send one prompt per request")
         prompt = prompt[0]
     if isinstance(prompt, list):
-        return validate_prompt_ids(prompt, limits)
+        try:
+            return validate_prompt_ids(prompt, limits)
+        except InvalidArgument as error:  # "prompt_token_ids[3]" -> "prompt[3]", the name the client used
+            field = "prompt" + error.field.removeprefix("prompt_token_ids")
+            raise InvalidArgument(field, error.value, error.limit_or_reason) from None
     if prompt is None:
         raise InvalidArgument("prompt", None, "is required: a string or a list of token ids")
     return text_token_ids(prompt, tokenizer, limits)

@@ -1,6 +1,7 @@
 """The `tokenmill` command: serve, generate, bench-engine.
 
-    tokenmill serve [--model PATH] [--gateway-port 50051] ...   start redis, worker, scheduler, gateway
+    tokenmill serve [--model PATH] [--gateway-port 50051] [--http-port 8000] ...
+                                                                start redis, worker, scheduler, gateway
     tokenmill generate "PROMPT" [--chat] [--max-tokens N] ...   stream a completion from a running cluster
     tokenmill bench-engine [...]                                in-process engine vs transformers
 
@@ -150,9 +151,8 @@ def serve(args: argparse.Namespace) -> int:
         rows = [("gateway", config.gateway_address)]
         if config.http_address:
             rows.append(("http", f"http://{config.http_address}/v1  (OpenAI-compatible)"))
-        rows += [("scheduler", config.scheduler_address),
-                ("worker", config.worker_address),
-                ("redis", config.effective_redis_url + ("" if config.redis_url is None else " (external)"))]
+        rows += [("scheduler", config.scheduler_address), ("worker", config.worker_address),
+                 ("redis", config.effective_redis_url + ("" if config.redis_url is None else " (external)"))]
         print("\n".join(f"{name:<10} {address}" for name, address in rows))
         print(f'ready: try  tokenmill generate "Hello" --address {config.gateway_address}', flush=True)
 

@@ -1,0 +1,121 @@
+"""The asyncio client of tokenmill.v1.Generation (grpc.aio); the same methods as Client, awaited.
+
+    async with AsyncClient("127.0.0.1:50051", timeout=30) as client:
+        result = await client.generate("Hello", max_tokens=16, temperature=0)       # GenerationResult
+        async for delta in client.stream([{"role": "user", "content": "Hi"}]):    # chat messages
+            print(delta.text, end="")
+
+Every method takes timeout= (seconds for the whole call, retries included; default: the client's);
+a passed deadline raises ClientError with code DEADLINE_EXCEEDED. Failures raise ClientError.
+Retries follow tokenmill.client.retry. Closing a stream early cancels the request; Python closes an
+async generator left by `break` only when it is collected, so wrap it in contextlib.aclosing.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tokenmill.client.retry import RetryPolicy, deadline_after, time_left, wait_before_retry
+from tokenmill.client.sync_client import CHANNEL_OPTIONS
+from tokenmill.client.types import (Delta, GenerationResult, ModelInfo, RequestStatus, chat_messages,
+                                    delta_from_proto, generate_request, model_info_from_proto,
+                                    request_status_from_proto)
+
+class AsyncClient:
+    def __init__(self, address: str = "127.0.0.1:50051", *, timeout: float | None = None,
+                 retry: RetryPolicy | None = None, channel_options: Sequence[tuple] = ()) -> None:
+        self.address = address
+        self.timeout = timeout  # default deadline per call, in seconds; None: none
+        self.retry = retry or RetryPolicy()
+        self._channel = grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *channel_options])
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    # -- generation ------------------------------------------------------------------------------------
+
+    async def generate(self, prompt: str | Sequence[dict] | None = None, *, messages: Sequence[dict] | None = None,
+                 model: str = "", request_id: str = "", priority: int = 0, timeout: float | None = None,
+                 **params) -> GenerationResult:
+        """The whole completion. params: max_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
+        presence_penalty, frequency_penalty, seed, logprobs, stop, stop_token_ids, ignore_eos.
+        Runs over GenerateStream, so "retry only while nothing was received" means before the first token."""
+        result = GenerationResult()
+        async for delta in self.stream(prompt, messages=messages, model=model, request_id=request_id,
+                                 priority=priority, timeout=timeout, **params):
+            result.add(delta)
+        return result
+
+    async def stream(self, prompt: str | Sequence[dict] | None = None, *, messages: Sequence[dict] | None = None,
+               model: str = "", request_id: str = "", priority: int = 0, timeout: float | None = None,
+               **params) -> AsyncIterator[Delta]:
+        """Deltas as they are generated; the last has finish_reason, usage and timings."""
+        request = generate_request(prompt, messages, model, request_id, priority, params)
+        deadline = deadline_after(self._timeout(timeout))
+        attempt = 0
+        while True:
+            attempt += 1
+            call = self._stub.GenerateStream(request, timeout=time_left(deadline))
+            received = False
+            try:
+                async for message in call:
+                    received = True
+                    yield delta_from_proto(message)
+                return
+            except grpc.aio.AioRpcError as error:
+                await asyncio.sleep(wait_before_retry(self.retry, error, attempt, received, deadline))
+            finally:
+                call.cancel()  # no-op once finished; aborts the request if the caller stopped early
+
+    # -- the rest: safe to retry -------------------------------------------------------------------------
+
+    async def tokenize(self, text: str | None = None, *, messages: Sequence[dict] | None = None,
+                 add_special_tokens: bool = True, timeout: float | None = None) -> list[int]:
+        """Token ids of text (as generate would tokenize a prompt), or of chat messages after the template."""
+        request = generation_pb2.TokenizeRequest(add_special_tokens=add_special_tokens)
+        if messages is not None:
+            request.messages.CopyFrom(chat_messages(messages))
+        else:
+            request.text = text or ""
+        return list((await self._unary(self._stub.Tokenize, request, timeout)).token_ids)
+
+    async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True,
+                   timeout: float | None = None) -> str:
+        request = generation_pb2.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+        return (await self._unary(self._stub.Detokenize, request, timeout)).text
+
+    async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        reply = await self._unary(self._stub.GetModelInfo, common_pb2.GetModelInfoRequest(), timeout)
+        return model_info_from_proto(reply)
+
+    async def request_status(self, request_id: str, *, timeout: float | None = None) -> RequestStatus:
+        request = generation_pb2.GetRequestStatusRequest(request_id=request_id)
+        return request_status_from_proto(await self._unary(self._stub.GetRequestStatus, request, timeout))
+
+    async def cancel(self, request_id: str, *, timeout: float | None = None) -> bool:
+        """True if the request was live and is now cancelled."""
+        request = generation_pb2.CancelRequestRequest(request_id=request_id)
+        return (await self._unary(self._stub.CancelRequest, request, timeout)).cancelled
+
+    async def _unary(self, method, request, timeout: float | None):
+        deadline = deadline_after(self._timeout(timeout))
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await method(request, timeout=time_left(deadline))
+            except grpc.aio.AioRpcError as error:
+                await asyncio.sleep(wait_before_retry(self.retry, error, attempt, False, deadline))
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
