@@ -43,6 +43,8 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"gateway: cannot listen on {address} (in use?); change --port")
     logger.info("gateway waiting for scheduler %s", args.scheduler)
     model_info = await scheduler.wait_ready(args.scheduler_timeout_s)
+    # the worker knows the weights; the chat template lives with the tokenizer, which is ours
+    model_info.model_config.has_chat_template = bool(tokenizer.chat_template)
     limits = Limits(max_model_len=model_info.model_config.max_context_length, vocab_size=tokenizer.vocab_size,
                     max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens)
     state_reader = None

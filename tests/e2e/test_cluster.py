@@ -153,3 +153,13 @@ async def test_every_server_reports_health_and_reflection(cluster):
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
             services = ProtoReflectionDescriptorDatabase(channel).get_services()
             assert service in services and "grpc.health.v1.Health" in services
+
+
+async def test_model_info_describes_the_served_model(cluster):
+    config, _ = cluster
+    async with grpc.aio.insecure_channel(config.gateway_address) as channel:
+        info = await generation_pb2_grpc.GenerationStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest())
+    model = info.model_config
+    assert (model.architecture, model.num_layers, model.hidden_size, model.vocab_size) == ("llama", 30, 576, 49152)
+    assert model.eos_token_id == 2 and model.has_chat_template and model.dtype == "float32"
+    assert info.block_size == 16 and info.num_blocks > 0 and info.kv_cache_policy == common_pb2.KV_CACHE_POLICY_PAGED
