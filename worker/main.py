@@ -56,7 +56,7 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"worker: cannot listen on {address} (in use?); change --port")
     await server.start()
     logger.info("worker listening on %s; loading the model", address)
-    runner, capacity = await asyncio.to_thread(build_worker, args)
+    runner, capacity = await servicer.run_compute(build_worker, args)
     servicer.attach(runner, capacity)
     await health.set_ready(True)
     logger.info("worker ready: %s on %s, %d KV pages of %d tokens", capacity.model_config.name, capacity.device,
@@ -73,7 +73,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    asyncio.run(serve(args))
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(args))
+    else:
+        uvloop.run(serve(args))
 
 
 if __name__ == "__main__":

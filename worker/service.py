@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 from protos import codec
 from protos.tokenmill.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -25,8 +26,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.capacity: worker_pb2.GetCapacityResponse | None = None
         self.runner: ModelRunner | None = None  # set once the model is loaded and warmed up
         self.num_steps = 0
-        # one step at a time; the forward pass runs in a thread so health checks still answer
+        # One step at a time, always on the same thread: the forward pass leaves the event loop free
+        # for health checks, and OpenMP keeps one warm thread team (a team belongs to the thread
+        # that calls into torch, so a pool handing steps to different threads would build several).
         self._step_lock = asyncio.Lock()
+        self._compute_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+
+    async def run_compute(self, fn, *args):
+        """Runs fn on the compute thread (model loading and warm-up too, so they warm the same team)."""
+        return await asyncio.get_running_loop().run_in_executor(self._compute_thread, fn, *args)
 
     def attach(self, runner: ModelRunner, capacity: worker_pb2.GetCapacityResponse) -> None:
         self.runner, self.capacity = runner, capacity
@@ -45,7 +53,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         plan = codec.step_plan_from_proto(request)
         async with self._step_lock:
             try:
-                result = await asyncio.to_thread(runner.execute, plan)
+                result = await self.run_compute(runner.execute, plan)
             except PlanMismatchError as error:
                 raise FailedPrecondition(str(error)) from error
         self.num_steps += 1
