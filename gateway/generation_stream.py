@@ -57,6 +57,7 @@ class Finish:
     time_to_first_token_ns: int  # the rest measured here, from arrival
     decode_ns: int
     e2e_ns: int
+    first_token_forward_ns: int = 0  # the worker's time for the step that produced the first token
 
 
 @dataclass(slots=True)
@@ -120,4 +121,5 @@ def _finish(response, text_stream: TextStream, arrival: float, first_token: floa
                   prompt_tokens=response.num_prompt_tokens, completion_tokens=response.num_output_tokens,
                   cached_prompt_tokens=response.num_cached_tokens, queue_ns=response.timings.queue_ns,
                   time_to_first_token_ns=int(((first_token or now) - arrival) * 1e9),
-                  decode_ns=int((now - (first_token or now)) * 1e9), e2e_ns=int((now - arrival) * 1e9))
+                  decode_ns=int((now - (first_token or now)) * 1e9), e2e_ns=int((now - arrival) * 1e9),
+                  first_token_forward_ns=response.timings.first_token_forward_ns)

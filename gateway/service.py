@@ -118,6 +118,7 @@ def _stream_response(delta: GenerationDelta) -> generation_pb2.GenerateStreamRes
         out.usage.completion_tokens = finish.completion_tokens
         out.usage.cached_prompt_tokens = finish.cached_prompt_tokens
         out.timings.queue_ns = finish.queue_ns
+        out.timings.first_token_forward_ns = finish.first_token_forward_ns
         out.timings.time_to_first_token_ns = finish.time_to_first_token_ns
         out.timings.decode_ns = finish.decode_ns
         out.timings.e2e_ns = finish.e2e_ns

@@ -45,6 +45,7 @@ class RequestTimes:
     arrival: float = field(default_factory=time.monotonic)
     first_scheduled: float | None = None
     first_token: float | None = None
+    first_token_forward_ns: int = 0  # the worker's time for the step that produced it
     finished: float | None = None
 
 
@@ -133,7 +134,7 @@ class EngineLoop:
                 self._fail_all(f"worker step failed: {error}")
                 continue
             self.num_steps += 1
-            self._deliver(self.scheduler.update(plan, result))
+            self._deliver(self.scheduler.update(plan, result), result.forward_ns)
             await asyncio.sleep(0)  # let handlers enqueue between steps
 
     def _apply_inbox(self) -> None:
@@ -165,7 +166,7 @@ class EngineLoop:
             if self.state:
                 self.state.running(new.request_id)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestOutput], forward_ns: int) -> None:
         now = time.monotonic()
         for output in outputs:
             stream = self.streams.get(output.request_id)
@@ -173,6 +174,7 @@ class EngineLoop:
                 continue
             if stream.times.first_token is None and output.new_token_ids:
                 stream.times.first_token = now
+                stream.times.first_token_forward_ns = forward_ns
             if output.finished:
                 self._end_stream(output)
             else:

@@ -16,7 +16,8 @@ def _timings(times: RequestTimes) -> common_pb2.Timings:
     return common_pb2.Timings(queue_ns=ns(times.arrival, times.first_scheduled),
                               time_to_first_token_ns=ns(times.arrival, times.first_token),
                               decode_ns=ns(times.first_token, times.finished),
-                              e2e_ns=ns(times.arrival, times.finished))
+                              e2e_ns=ns(times.arrival, times.finished),
+                              first_token_forward_ns=times.first_token_forward_ns)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):

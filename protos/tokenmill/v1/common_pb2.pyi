@@ -50,16 +50,18 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_ns", "time_to_first_token_ns", "decode_ns", "e2e_ns")
+    __slots__ = ("queue_ns", "time_to_first_token_ns", "decode_ns", "e2e_ns", "first_token_forward_ns")
     QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_NS_FIELD_NUMBER: _ClassVar[int]
     DECODE_NS_FIELD_NUMBER: _ClassVar[int]
     E2E_NS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     queue_ns: int
     time_to_first_token_ns: int
     decode_ns: int
     e2e_ns: int
-    def __init__(self, queue_ns: _Optional[int] = ..., time_to_first_token_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., e2e_ns: _Optional[int] = ...) -> None: ...
+    first_token_forward_ns: int
+    def __init__(self, queue_ns: _Optional[int] = ..., time_to_first_token_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., e2e_ns: _Optional[int] = ..., first_token_forward_ns: _Optional[int] = ...) -> None: ...
 
 class ModelConfig(_message.Message):
     __slots__ = ("name", "architecture", "vocab_size", "max_context_length", "num_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_kv_heads", "head_dim", "rope_theta", "eos_token_id", "bos_token_id", "dtype", "quantization", "has_chat_template")
