@@ -104,6 +104,8 @@ async def test_finished_request_record_lives_in_redis(cluster):
         request.request_id = "record-me"
         reply = await stub.Generate(request)
         assert reply.finish_reason == common_pb2.FINISH_REASON_LENGTH and len(reply.token_ids) == 5
+        # TTFT splits into the worker's own step and what queueing and the hops added
+        assert 0 < reply.timings.first_token_forward_ns < reply.timings.time_to_first_token_ns
         status = await _wait_for_status(stub, "record-me", generation_pb2.REQUEST_STATUS_FINISHED)
     assert status.num_output_tokens == 5 and status.num_prompt_tokens == reply.usage.prompt_tokens
     assert status.finish_time.ToNanoseconds() >= status.arrival_time.ToNanoseconds() > 0
