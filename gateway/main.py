@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 
 from gateway.scheduler_client import SchedulerClient
 from gateway.service import GenerationServicer
@@ -12,6 +11,7 @@ from gateway.tokenizer import load_tokenizer
 from gateway.validation import Limits
 from protos.tokenmill.v1 import generation_pb2_grpc
 from tokenmill import rpc
+from tokenmill.process import run_process, wait_for_stop_signal
 
 logger = logging.getLogger("tokenmill.gateway")
 
@@ -65,10 +65,7 @@ async def serve(args: argparse.Namespace) -> None:
     await server.start()
     await health.set_ready(True)
     logger.info("gateway ready on %s serving %s", address, model_info.model_config.name)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_stop_signal()
     await health.enter_graceful_shutdown()
     stopping = [server.stop(grace=args.drain_timeout_s)]  # in-flight streams finish, new calls are refused
     if http_runner is not None:
@@ -82,13 +79,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(serve(args))
-    else:
-        uvloop.run(serve(args))
+    run_process(serve(args))
 
 
 if __name__ == "__main__":

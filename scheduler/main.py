@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import signal
 
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2_grpc
 from scheduler.config import KV_POLICIES, QUEUE_POLICIES, SchedulerConfig
@@ -13,6 +11,7 @@ from scheduler.scheduler import Scheduler
 from scheduler.service import SchedulerServicer, drain
 from scheduler.worker_client import WorkerClient
 from tokenmill import rpc
+from tokenmill.process import run_process, wait_for_stop_signal
 
 logger = logging.getLogger("tokenmill.scheduler")
 
@@ -75,10 +74,7 @@ async def serve(args: argparse.Namespace) -> None:
     logger.info("scheduler ready: %d KV pages of %d tokens, policy %s", config.num_blocks, config.block_size,
                 config.kv_policy)
 
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_stop_signal()
     logger.info("scheduler draining (%d requests in flight)", len(loop.streams))
     await health.enter_graceful_shutdown()
     await drain(loop, args.drain_timeout_s)
@@ -91,13 +87,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        import uvloop
-
-        uvloop.run(serve(args))
-    except ImportError:
-        asyncio.run(serve(args))
+    run_process(serve(args))
 
 
 if __name__ == "__main__":

@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
-import signal
 
 import torch
 
 from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc
 from tokenmill import rpc
+from tokenmill.process import run_process, wait_for_stop_signal
 from worker.build import DTYPES, build_runner, model_name
 from worker.kv_cache import bytes_per_block
 from worker.model_runner import ModelRunner
@@ -61,24 +60,15 @@ async def serve(args: argparse.Namespace) -> None:
     await health.set_ready(True)
     logger.info("worker ready: %s on %s, %d KV pages of %d tokens", capacity.model_config.name, capacity.device,
                 capacity.num_blocks, capacity.block_size)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_stop_signal()
     await health.enter_graceful_shutdown()
     await server.stop(grace=2.0)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(serve(args))
-    else:
-        uvloop.run(serve(args))
+    run_process(serve(args))
 
 
 if __name__ == "__main__":

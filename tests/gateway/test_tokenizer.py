@@ -1,7 +1,6 @@
 """The GGUF-built tokenizer must give the same ids as the model's own tokenizer (transformers' GGUF
 conversion), and a Hugging Face folder must load to the same thing."""
 import json
-import os
 
 import gguf
 import pytest

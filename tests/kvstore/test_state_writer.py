@@ -7,7 +7,6 @@ import redis
 from kvstore.records import RecordStatus, record_key
 from kvstore.state_reader import RequestStateReader
 from kvstore.state_writer import RequestStateWriter
-from tests.helpers.redis_server import RedisServer
 from tests.kvstore.conftest import drained, wait_until
 
 

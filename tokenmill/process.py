@@ -1,0 +1,26 @@
+"""What every tokenmill process does around its servers: logging, the event loop, stop signals."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Coroutine
+
+
+def run_process(main: Coroutine) -> None:
+    """Runs a process's main coroutine on uvloop (plain asyncio where uvloop is missing)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
+
+
+async def wait_for_stop_signal() -> None:
+    """Returns on the first SIGTERM or SIGINT (the supervisor and Kubernetes stop us with SIGTERM)."""
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
