@@ -79,7 +79,10 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
     arrival = time.monotonic() if arrival is None else arrival
     request_id = prepared.request.request_id
     text_stream = TextStream(tokenizer, prepared.request.prompt_token_ids, prepared.stop)
-    call = scheduler.submit(codec.submit_request_to_proto(prepared.request), timeout_s)
+    # The client's deadline travels twice: as the call's gRPC timeout, and in the request, so the
+    # scheduler ends the request (and frees its pages) itself when it passes.
+    deadline = time.time() + timeout_s if timeout_s is not None else None
+    call = scheduler.submit(codec.submit_request_to_proto(prepared.request, deadline), timeout_s)
     first_token = None
     finished = False
     try:

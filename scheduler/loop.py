@@ -20,6 +20,7 @@ from scheduler.scheduler import RequestTooLarge, Scheduler
 from tokenmill.errors import InvalidArgument, ResourceExhausted
 
 logger = logging.getLogger(__name__)
+DEADLINE_EXCEEDED = "deadline exceeded"
 
 
 class AsyncExecutor(Protocol):
@@ -65,6 +66,7 @@ class EngineLoop:
         self.max_waiting_requests = max_waiting_requests
         self.streams: dict[str, RequestStream] = {}
         self._inbox: list[tuple[str, object]] = []
+        self._deadlines: dict[str, float] = {}  # request id -> wall-clock deadline
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.num_steps = 0
@@ -72,7 +74,8 @@ class EngineLoop:
 
     # --- called by RPC handlers: check, enqueue, return -------------------------------------------
 
-    def submit(self, request: Request) -> RequestStream:
+    def submit(self, request: Request, deadline: float | None = None) -> RequestStream:
+        """deadline: wall-clock Unix seconds after which the request ends (pages freed) unfinished."""
         if request.request_id in self.streams:
             raise InvalidArgument("request_id", request.request_id, "already queued or running")
         needed = self.scheduler.kv.blocks_needed_at_most(request)
@@ -86,6 +89,8 @@ class EngineLoop:
                                     retry_after_s=1.0)
         stream = RequestStream()
         self.streams[request.request_id] = stream
+        if deadline is not None:
+            self._deadlines[request.request_id] = deadline
         self._inbox.append(("add", request))
         if self.state:
             self.state.queued(request.request_id, num_prompt_tokens=request.num_prompt_tokens,
@@ -138,6 +143,7 @@ class EngineLoop:
             await asyncio.sleep(0)  # let handlers enqueue between steps
 
     def _apply_inbox(self) -> None:
+        self._expire_deadlines()
         inbox, self._inbox = self._inbox, []
         for kind, payload in inbox:
             if kind == "add":
@@ -152,6 +158,19 @@ class EngineLoop:
                 if output is not None:
                     output.finish_reason = finish_reason
                     self._end_stream(output)
+
+    def _expire_deadlines(self) -> None:
+        if not self._deadlines:
+            return
+        now = time.time()
+        for request_id in [rid for rid, deadline in self._deadlines.items() if deadline <= now]:
+            del self._deadlines[request_id]
+            output = self.scheduler.abort_request(request_id)
+            if output is None:  # still in the inbox: never scheduled
+                self._inbox = [(kind, p) for kind, p in self._inbox if not (kind == "add" and p.request_id == request_id)]
+                output = RequestOutput(request_id, finished=True)
+            output.finish_reason, output.error = "abort", DEADLINE_EXCEEDED
+            self._end_stream(output)
 
     def _note_scheduled(self, plan: StepPlan) -> None:
         now = time.monotonic()
@@ -182,13 +201,16 @@ class EngineLoop:
 
     def _end_stream(self, output: RequestOutput) -> None:
         stream = self.streams.pop(output.request_id, None)
+        self._deadlines.pop(output.request_id, None)
         if stream is None:
             return
         stream.times.finished = time.monotonic()
         stream.queue.put_nowait(output)
         if not self.state:
             return
-        if output.finish_reason == "error":
+        if output.error == DEADLINE_EXCEEDED:
+            self.state.failed(output.request_id, error=DEADLINE_EXCEEDED)
+        elif output.finish_reason == "error":
             self.state.failed(output.request_id, error=output.error or "unknown error")
         elif output.finish_reason == "abort":
             self.state.cancelled(output.request_id)

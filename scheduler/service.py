@@ -5,8 +5,8 @@ import asyncio
 
 from protos import codec
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler.loop import EngineLoop, RequestTimes
-from tokenmill.errors import Unavailable
+from scheduler.loop import DEADLINE_EXCEEDED, EngineLoop, RequestTimes
+from tokenmill.errors import DeadlineExceeded, Unavailable
 
 
 def _timings(times: RequestTimes) -> common_pb2.Timings:
@@ -35,7 +35,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return self._loop
 
     async def Submit(self, request, context):
-        stream = self.loop.submit(codec.request_from_submit_proto(request))
+        stream = self.loop.submit(codec.request_from_submit_proto(request),
+                                  codec.deadline_from_submit_proto(request))
         finished = False
         try:
             while not finished:
@@ -47,6 +48,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     more.logprobs = output.logprobs + more.logprobs
                     output = more
                 finished = output.finished
+                if output.error == DEADLINE_EXCEEDED:
+                    raise DeadlineExceeded(f"request {request.request_id!r} passed its deadline after "
+                                           f"{output.num_output_tokens} tokens; its pages are freed")
                 yield codec.request_output_to_proto(output, _timings(stream.times) if finished else None)
         finally:
             if not finished:  # the client went away or the call was cancelled: free its pages

@@ -1,0 +1,66 @@
+"""The asyncio step loop the scheduler process runs: single owner, deadlines, aborts."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from scheduler.config import SchedulerConfig
+from scheduler.loop import DEADLINE_EXCEEDED, EngineLoop
+from scheduler.scheduler import Scheduler
+from tests.helpers.fake_executor import FakeExecutor
+from tests.scheduler.conftest import make_request
+
+
+class SlowAsyncExecutor:
+    """The fake model behind an await, each step taking step_s (as a real forward pass would)."""
+
+    def __init__(self, step_s: float) -> None:
+        self.fake = FakeExecutor(64, 4)
+        self.block_size, self.num_blocks, self.step_s = 4, 64, step_s
+
+    async def execute(self, plan):
+        await asyncio.sleep(self.step_s)
+        return self.fake.execute(plan)
+
+
+def make_loop(step_s: float = 0.0) -> EngineLoop:
+    return EngineLoop(Scheduler(SchedulerConfig(num_blocks=64, block_size=4)), SlowAsyncExecutor(step_s))
+
+
+async def drain(stream) -> list:
+    outputs = []
+    while not (outputs and outputs[-1].finished):
+        outputs.append(await stream.queue.get())
+    return outputs
+
+
+async def test_loop_streams_every_token_then_finishes():
+    loop = make_loop()
+    loop.start()
+    streams = [loop.submit(make_request([i + 1] * 5, max_tokens=6)) for i in range(3)]
+    results = await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams)), 5)
+    await loop.stop()
+    for outputs in results:
+        assert sum(len(o.new_token_ids) for o in outputs) == 6 and outputs[-1].finish_reason == "length"
+    assert not loop.streams and loop.scheduler.kv.pool.num_used == 0
+
+
+async def test_deadline_mid_generation_ends_the_request_and_frees_its_pages():
+    loop = make_loop(step_s=0.02)
+    loop.start()
+    stream = loop.submit(make_request([3] * 5, max_tokens=200), deadline=time.time() + 0.2)
+    outputs = await asyncio.wait_for(drain(stream), 5)
+    assert outputs[-1].error == DEADLINE_EXCEEDED and 0 < len(outputs) < 200
+    await asyncio.sleep(0.05)
+    assert loop.scheduler.kv.pool.num_used == 0 and not loop.scheduler.requests
+    await loop.stop()
+
+
+async def test_deadline_already_past_never_runs():
+    loop = make_loop()
+    stream = loop.submit(make_request([3] * 5, max_tokens=10), deadline=time.time() - 1)
+    loop.start()
+    outputs = await asyncio.wait_for(drain(stream), 5)
+    await loop.stop()
+    assert len(outputs) == 1 and outputs[0].error == DEADLINE_EXCEEDED and not outputs[0].new_token_ids
+    assert loop.num_steps == 0
