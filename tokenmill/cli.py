@@ -20,6 +20,7 @@ from tokenmill.cluster import torch_thread_env
 DELEGATED: dict[str, tuple[str, str]] = {
     "bench-engine": ("tokenmill.bench_engine", "in-process engine vs transformers generate (loads torch)"),
     "bench-cluster": ("tokenmill.bench_cluster", "the engine workload through the gateway over gRPC vs in-process"),
+    "bench": ("tokenmill.bench.cli", "the standard benchmark: paged vs static vs transformers, tables and plots"),
 }
 DTYPES = ("float32", "bfloat16", "float16")
 

@@ -1,0 +1,135 @@
+"""`tokenmill bench`: the standard benchmark, side by side, as a table, JSON, Markdown and plots.
+
+    tokenmill bench                                   start a cluster per KV policy (paged, static) with
+                                                      a small KV cache, sweep each, then the transformers
+                                                      baseline; write bench_out/bench.{json,md} + PNGs
+    tokenmill bench --address 127.0.0.1:50051 [--scheduler-address 127.0.0.1:50052]
+                                                      a running tokenmill gateway (load from the scheduler)
+    tokenmill bench --openai-url http://host:8000/v1  any OpenAI-compatible server, same workload
+
+Defaults are CPU scale (64-token prompts, outputs 16-64, concurrency 1,4,8,16); on a GPU use e.g.
+--prompt-len 512 --max-output 256 --concurrency 1,8,32,64,128.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import sys
+from pathlib import Path
+
+from tokenmill.bench.report import format_table, write_json, write_markdown, write_plots
+from tokenmill.bench.runner import sweep, sweep_transformers
+from tokenmill.bench.targets import LoadPoller, OpenAITarget, TokenmillTarget, TransformersTarget
+from tokenmill.bench.workload import build_workload
+
+
+def parse_levels(text: str) -> list[int]:
+    try:
+        levels = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--concurrency {text!r}: expected comma-separated integers like 1,4,8") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"--concurrency {text!r}: every level must be >= 1")
+    return sorted(set(levels))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--address", help="a running tokenmill gateway (gRPC) instead of starting clusters")
+    target.add_argument("--openai-url", help="a running OpenAI-compatible server's base URL (…/v1)")
+    parser.add_argument("--scheduler-address", help="with --address: poll this scheduler's GetLoad")
+    parser.add_argument("--openai-model", default="", help="with --openai-url: the model field sent")
+    parser.add_argument("--model", help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--kv-policies", default="paged,static", help="clusters to start (default: %(default)s)")
+    parser.add_argument("--num-blocks", type=int, default=40,
+                        help="KV pages per started cluster, small so the policies differ (default: %(default)s)")
+    parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
+                        help="how to drive started clusters (default: %(default)s)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--concurrency", type=parse_levels, default=[1, 4, 8, 16])
+    parser.add_argument("--num-requests", type=int, default=16, help="per level (default: %(default)s)")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--min-output", type=int, default=16)
+    parser.add_argument("--max-output", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed requests first (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench_out"), help="report directory (default: %(default)s)")
+    parser.add_argument("--no-plots", action="store_true")
+    return parser
+
+
+async def _sweep_address(target, args, workload, scheduler_address: str | None, label: str) -> dict:
+    poller = LoadPoller(scheduler_address) if scheduler_address else None
+    try:
+        return await sweep(target, workload, args.concurrency, args.num_requests, args.warmup, poller, label)
+    finally:
+        await target.close()
+
+
+def run_cluster(args, workload, kv_policy: str) -> dict:
+    from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
+    from tokenmill.supervisor import Supervisor
+
+    config = resolve_ports(ClusterConfig(
+        model=args.model, gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
+        http_port=0 if args.protocol == "http" else None, kv_policy=kv_policy, num_blocks=args.num_blocks))
+    with Supervisor(cluster_specs(config), echo=False):
+        async def go() -> dict:
+            target = (OpenAITarget(f"http://{config.http_address}/v1") if args.protocol == "http"
+                      else TokenmillTarget(config.gateway_address))
+            return await _sweep_address(target, args, workload, config.scheduler_address, kv_policy)
+        return asyncio.run(go())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from gateway.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    # enough distinct requests for the largest level; warm-up reuses the first ones
+    workload = build_workload(tokenizer, max(args.num_requests, *args.concurrency), args.prompt_len,
+                              args.min_output, args.max_output, args.seed)
+    runs: dict[str, dict] = {}
+    if args.address:
+        runs["tokenmill"] = asyncio.run(_sweep_address(TokenmillTarget(args.address), args, workload,
+                                                       args.scheduler_address, "tokenmill"))
+    elif args.openai_url:
+        runs["openai-http"] = asyncio.run(_sweep_address(OpenAITarget(args.openai_url, args.openai_model), args,
+                                                         workload, None, "openai"))
+    else:
+        for policy in [p.strip() for p in args.kv_policies.split(",") if p.strip()]:
+            print(f"starting a cluster: kv_policy={policy}, num_blocks={args.num_blocks}", file=sys.stderr)
+            runs[f"tokenmill {policy}"] = run_cluster(args, workload, policy)
+        if not args.no_baseline:
+            print("transformers baseline (static batches)", file=sys.stderr)
+            runs["transformers static batches"] = sweep_transformers(
+                TransformersTarget(args.model), workload, args.concurrency, args.num_requests, args.warmup)
+    result = {"title": "tokenmill bench", "command": "tokenmill bench " + shlex.join(sys.argv[2:] if argv is None else argv),
+              "notes": notes(args), "runs": runs}
+    args.out.mkdir(parents=True, exist_ok=True)
+    plots = [] if args.no_plots else write_plots(result, args.out)
+    write_json(result, args.out / "bench.json")
+    write_markdown(result, args.out / "bench.md", [p.name for p in plots])
+    print(format_table(result))
+    print(f"\nreports: {args.out}/bench.json, bench.md" + ("" if args.no_plots else ", bench_*.png"))
+    return 0
+
+
+def notes(args) -> list[str]:
+    import torch
+
+    device = "GPU" if torch.cuda.is_available() else f"CPU ({torch.get_num_threads()} torch threads)"
+    return [f"workload: {args.num_requests} requests per level, {args.prompt_len}-token text prompts, output lengths "
+            f"uniform in {args.min_output}-{args.max_output} (seed {args.seed}), greedy, EOS ignored; closed loop, "
+            f"{args.warmup} warm-up requests excluded from the timed window",
+            f"device: {device}" + ("; workload scaled down for CPU (the standard sweep is 1..128)"
+                                   if not torch.cuda.is_available() else ""),
+            f"started clusters: num_blocks={args.num_blocks} (16-token pages), deliberately small so KV "
+            f"policies differ; KV util and preemptions from the scheduler's GetLoad, polled every 0.2 s"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""What the benchmark measures. Each target sends one request and returns a RequestRecord.
+
+    TokenmillTarget("127.0.0.1:50051")           the public GenerateStream gRPC API (native client)
+    OpenAITarget("http://127.0.0.1:8000/v1")      any OpenAI-compatible /v1/completions, streamed (SSE)
+    TransformersTarget(model)                     in-process transformers generate, static batches
+    LoadPoller("127.0.0.1:50052")                 the scheduler's GetLoad, sampled during a run
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request's timings, in seconds from when it was sent (perf_counter clock)."""
+
+    sent: float
+    ttft: float | None = None
+    e2e: float | None = None
+    itls: list[float] = field(default_factory=list)  # gap between successive tokens, per token
+    output_tokens: int = 0
+    error: str = ""  # "" on success; otherwise the failure (e.g. "RESOURCE_EXHAUSTED: ...")
+
+
+def _arrived(record: RequestRecord, now: float, last: float | None, num_tokens: int) -> float:
+    """Books num_tokens arriving at now; a delta carrying several tokens splits its gap evenly."""
+    if record.ttft is None:
+        record.ttft = now - record.sent
+        num_tokens -= 1  # the first token has a TTFT, not an inter-token gap
+    elif num_tokens:
+        record.itls += [(now - last) / num_tokens] * num_tokens
+        num_tokens = 0
+    if num_tokens > 0:  # the rest of a first delta came with it: zero gaps
+        record.itls += [0.0] * num_tokens
+    return now
+
+
+class TokenmillTarget:
+    name = "tokenmill"
+
+    def __init__(self, address: str) -> None:
+        from tokenmill.client import AsyncClient
+
+        self.address = address
+        self.client = AsyncClient(address)
+
+    async def send(self, prompt: str, max_tokens: int) -> RequestRecord:
+        record = RequestRecord(time.perf_counter())
+        last = None
+        try:
+            async for delta in self.client.stream(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+                if delta.token_ids:
+                    last = _arrived(record, time.perf_counter(), last, len(delta.token_ids))
+                    record.output_tokens += len(delta.token_ids)
+                if delta.finish_reason in ("abort", "error"):
+                    record.error = f"finish_reason={delta.finish_reason}"
+        except Exception as error:  # noqa: BLE001 - a failed request is a measurement, not a crash
+            record.error = f"{type(error).__name__}: {error}"[:200]
+        record.e2e = time.perf_counter() - record.sent
+        return record
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class OpenAITarget:
+    """Streams /v1/completions; each SSE chunk with text counts as one token (servers send one per
+    token), and the usage chunk (stream_options.include_usage) gives the exact count when present."""
+
+    name = "openai-http"
+
+    def __init__(self, base_url: str, model: str = "") -> None:
+        import aiohttp
+
+        self.url = base_url.rstrip("/") + "/completions"
+        self.model = model
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+
+    async def send(self, prompt: str, max_tokens: int) -> RequestRecord:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        record = RequestRecord(time.perf_counter())
+        last, usage = None, None
+        try:
+            async with self.session.post(self.url, json=body) as response:
+                if response.status != 200:
+                    record.error = f"HTTP {response.status}: {(await response.text())[:150]}"
+                async for raw in response.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    if chunk.get("usage"):
+                        usage = chunk["usage"].get("completion_tokens")
+                    if any(choice.get("text") for choice in chunk.get("choices", [])):
+                        last = _arrived(record, time.perf_counter(), last, 1)
+                        record.output_tokens += 1
+        except Exception as error:  # noqa: BLE001
+            record.error = f"{type(error).__name__}: {error}"[:200]
+        record.output_tokens = usage if usage is not None else record.output_tokens
+        record.e2e = time.perf_counter() - record.sent
+        return record
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+class TransformersTarget:
+    """transformers `generate` in this process with static batches: a batch of up to `concurrency`
+    requests starts together and returns when its longest request is done (how a server without
+    continuous batching serves), so each request's end-to-end latency is its batch's."""
+
+    name = "transformers"
+
+    def __init__(self, model_path: str | None = None) -> None:
+        from tokenmill.bench_engine import load_transformers_model
+
+        self.model = load_transformers_model(model_path)
+        self.model.generation_config.eos_token_id = None  # EOS ignored (see bench_engine.run_transformers)
+
+    def run_batch(self, prompt_ids: list[list[int]], output_lens: list[int]) -> list[RequestRecord]:
+        import torch
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        step_times: list[float] = []
+
+        class StepClock(LogitsProcessor):  # called once per generated token position, after its forward
+            def __call__(self, input_ids, scores):
+                step_times.append(time.perf_counter())
+                return scores
+
+        input_ids = torch.tensor(prompt_ids)  # equal prompt lengths: no padding
+        sent = time.perf_counter()
+        with torch.inference_mode():
+            self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                max_new_tokens=max(output_lens), pad_token_id=0,
+                                logits_processor=LogitsProcessorList([StepClock()]))
+        done = time.perf_counter()
+        records = []
+        for n in output_lens:
+            times = step_times[:n]
+            records.append(RequestRecord(sent, ttft=times[0] - sent, e2e=done - sent,
+                                         itls=[b - a for a, b in zip(times, times[1:])], output_tokens=n))
+        return records
+
+
+class LoadPoller:
+    """Samples the scheduler's GetLoad every interval_s while running: KV utilization and preemptions."""
+
+    def __init__(self, scheduler_address: str, interval_s: float = 0.2) -> None:
+        self.address, self.interval_s = scheduler_address, interval_s
+        self.samples: list[tuple[float, int, int, int]] = []  # (kv_utilization, preemptions_total, waiting, running)
+        self._task: asyncio.Task | None = None
+
+    async def _poll(self) -> None:
+        import grpc
+
+        from protos.tokenmill.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            while True:
+                reply = await stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=5.0)
+                self.samples.append((reply.kv_utilization, reply.num_preemptions_total,
+                                     reply.num_waiting_requests, reply.num_running_requests))
+                await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        self.samples.clear()
+        self._task = asyncio.get_running_loop().create_task(self._poll())
+
+    async def stop(self) -> dict:
+        """Mean KV utilization over samples with requests running, and the preemptions in the window."""
+        await asyncio.sleep(self.interval_s * 1.5)  # one more sample after the last request ended
+        self._task.cancel()
+        try:
+            await self._task
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001 - a failed poll just ends the samples
+            pass
+        busy = [s[0] for s in self.samples if s[3] > 0]
+        return {"kv_utilization_mean": sum(busy) / len(busy) if busy else None,
+                "preemptions": self.samples[-1][1] - self.samples[0][1] if self.samples else None,
+                "max_waiting": max((s[2] for s in self.samples), default=None)}
