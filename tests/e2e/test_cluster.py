@@ -165,3 +165,28 @@ async def test_model_info_describes_the_served_model(cluster):
     assert (model.architecture, model.num_layers, model.hidden_size, model.vocab_size) == ("llama", 30, 576, 49152)
     assert model.eos_token_id == 2 and model.has_chat_template and model.dtype == "float32"
     assert info.block_size == 16 and info.num_blocks > 0 and info.kv_cache_policy == common_pb2.KV_CACHE_POLICY_PAGED
+
+
+async def test_two_gateways_share_one_scheduler(cluster):
+    import sys
+
+    from tokenmill.child_process import ChildSpec
+    from tokenmill.readiness import free_port
+    from tokenmill.supervisor import Supervisor
+
+    config, _ = cluster
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    second = ChildSpec("gateway-2", [sys.executable, "-m", "gateway.main", "--port", address.split(":")[1],
+                                     "--scheduler", config.scheduler_address, "--http-port", "0"],
+                       GENERATION_SERVICE, address)
+    with Supervisor([second], echo=False):
+        async with grpc.aio.insecure_channel(config.gateway_address) as one, \
+                grpc.aio.insecure_channel(address) as two:
+            stubs = [generation_pb2_grpc.GenerationStub(one), generation_pb2_grpc.GenerationStub(two)]
+            # each question once through each gateway, all at once
+            replies = await asyncio.gather(*(stubs[i % 2].Generate(chat(QUESTIONS[i // 2], max_tokens=8))
+                                             for i in range(8)))
+    # both gateways reached the same scheduler and model: the same question gives the same greedy text
+    for i in range(0, 8, 2):
+        assert replies[i].text == replies[i + 1].text and replies[i].text
+    assert len({r.request_id for r in replies}) == 8
