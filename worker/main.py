@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import time
 
 import torch
 
@@ -36,7 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_worker(args: argparse.Namespace) -> tuple[ModelRunner, worker_pb2.GetCapacityResponse]:
     runner = build_runner(args.model, args.dtype, args.block_size, args.kv_cache_mb * 2**20, args.num_blocks)
-    runner.warm_up()
+    started = time.perf_counter()
+    runner.warm_up()  # readiness waits for this: the first real request must not pay for it
+    logger.info("warm-up forward pass done in %.0f ms", (time.perf_counter() - started) * 1e3)
     capacity = worker_pb2.GetCapacityResponse(
         num_blocks=runner.num_blocks, block_size=runner.block_size,
         model_config=model_config_to_proto(runner.model_config, model_name(args.model), args.dtype),

@@ -1,0 +1,34 @@
+"""The worker process reports ready only after its warm-up forward pass, then serves its capacity."""
+from __future__ import annotations
+
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc
+from tests.helpers.tiny_models import make_tiny_hf_model
+from tokenmill.child_process import ChildSpec
+from tokenmill.readiness import free_port
+from tokenmill.rpc import WORKER_SERVICE
+from tokenmill.supervisor import Supervisor
+
+
+def test_ready_after_warm_up_with_capacity_from_the_budget(tmp_path):
+    folder, _ = make_tiny_hf_model(tmp_path, "llama_gqa")
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    spec = ChildSpec("worker", [sys.executable, "-m", "worker.main", "--port", address.split(":")[1],
+                                "--model", str(folder), "--block-size", "16", "--kv-cache-mb", "1"],
+                     WORKER_SERVICE, address)
+    with Supervisor([spec], echo=False) as supervisor:
+        output = "\n".join(supervisor.tail("worker"))
+        assert output.index("warm-up forward pass done") < output.index("worker ready")
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=WORKER_SERVICE))
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            capacity = worker_pb2_grpc.WorkerStub(channel).GetCapacity(worker_pb2.GetCapacityRequest())
+    # 1 MiB of float32 K+V for 2 layers x 16 tokens x KV heads x head dim per page
+    config = capacity.model_config
+    page_bytes = 2 * config.num_layers * 16 * config.num_kv_heads * config.head_dim * 4
+    assert capacity.num_blocks == 2**20 // page_bytes and capacity.kv_cache_bytes == capacity.num_blocks * page_bytes
+    assert capacity.block_size == 16 and config.dtype == "float32"
