@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def _sweep_address(target, args, workload, scheduler_address: str | None, label: str) -> dict:
+async def _sweep_address(make_target, args, workload, scheduler_address: str | None, label: str) -> dict:
+    target = make_target()  # inside the running loop: a grpc.aio channel belongs to the loop it was made in
     poller = LoadPoller(scheduler_address) if scheduler_address else None
     try:
         return await sweep(target, workload, args.concurrency, args.num_requests, args.warmup, poller, label)
@@ -77,11 +78,10 @@ def run_cluster(args, workload, kv_policy: str) -> dict:
         model=args.model, gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
         http_port=0 if args.protocol == "http" else None, kv_policy=kv_policy, num_blocks=args.num_blocks))
     with Supervisor(cluster_specs(config), echo=False):
-        async def go() -> dict:
-            target = (OpenAITarget(f"http://{config.http_address}/v1") if args.protocol == "http"
-                      else TokenmillTarget(config.gateway_address))
-            return await _sweep_address(target, args, workload, config.scheduler_address, kv_policy)
-        return asyncio.run(go())
+        def make_target():
+            return (OpenAITarget(f"http://{config.http_address}/v1") if args.protocol == "http"
+                    else TokenmillTarget(config.gateway_address))
+        return asyncio.run(_sweep_address(make_target, args, workload, config.scheduler_address, kv_policy))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,10 +94,10 @@ def main(argv: list[str] | None = None) -> int:
                               args.min_output, args.max_output, args.seed)
     runs: dict[str, dict] = {}
     if args.address:
-        runs["tokenmill"] = asyncio.run(_sweep_address(TokenmillTarget(args.address), args, workload,
+        runs["tokenmill"] = asyncio.run(_sweep_address(lambda: TokenmillTarget(args.address), args, workload,
                                                        args.scheduler_address, "tokenmill"))
     elif args.openai_url:
-        runs["openai-http"] = asyncio.run(_sweep_address(OpenAITarget(args.openai_url, args.openai_model), args,
+        runs["openai-http"] = asyncio.run(_sweep_address(lambda: OpenAITarget(args.openai_url, args.openai_model), args,
                                                          workload, None, "openai"))
     else:
         for policy in [p.strip() for p in args.kv_policies.split(",") if p.strip()]:
@@ -127,8 +127,9 @@ def notes(args) -> list[str]:
             f"{args.warmup} warm-up requests excluded from the timed window",
             f"device: {device}" + ("; workload scaled down for CPU (the standard sweep is 1..128)"
                                    if not torch.cuda.is_available() else ""),
-            f"started clusters: num_blocks={args.num_blocks} (16-token pages), deliberately small so KV "
-            f"policies differ; KV util and preemptions from the scheduler's GetLoad, polled every 0.2 s"]
+            *([] if args.address or args.openai_url else [
+              f"started clusters: num_blocks={args.num_blocks} (16-token pages), deliberately small so KV "
+            f"policies differ; KV util and preemptions from the scheduler's GetLoad, polled every 0.2 s"])]
 
 
 if __name__ == "__main__":
