@@ -128,8 +128,8 @@ def notes(args) -> list[str]:
             f"device: {device}" + ("; workload scaled down for CPU (the standard sweep is 1..128)"
                                    if not torch.cuda.is_available() else ""),
             *([] if args.address or args.openai_url else [
-              f"started clusters: num_blocks={args.num_blocks} (16-token pages), deliberately small so KV "
-            f"policies differ; KV util and preemptions from the scheduler's GetLoad, polled every 0.2 s"])]
+              f"started clusters: num_blocks={args.num_blocks} KV pages of 16 tokens (the default, 40, is "
+              f"deliberately small so the KV policies differ); KV util and preemptions from the scheduler's GetLoad, polled every 0.2 s"])]
 
 
 if __name__ == "__main__":
