@@ -1,9 +1,11 @@
-"""The `tokenmill` command: serve, generate, bench-engine.
+"""The `tokenmill` command: serve, generate, bench, bench-engine, bench-cluster.
 
     tokenmill serve [--model PATH] [--gateway-port 50051] [--http-port 8000] ...
                                                                 start redis, worker, scheduler, gateway
     tokenmill generate "PROMPT" [--chat] [--max-tokens N] ...   stream a completion from a running cluster
+    tokenmill bench [...]                                       the standard benchmark (sweep, reports, plots)
     tokenmill bench-engine [...]                                in-process engine vs transformers
+    tokenmill bench-cluster [...]                               through the gateway vs in-process
 
 Nothing here imports torch: serve and generate start in well under a second.
 """
