@@ -273,17 +273,3 @@ def request_output_to_proto(output: RequestOutput, timings: common_pb2.Timings |
     for token_logprobs in output.logprobs:
         msg.logprobs.append(token_logprobs_to_proto(token_logprobs))
     return msg
-
-
-def request_output_from_proto(msg: scheduler_pb2.SubmitResponse) -> RequestOutput:
-    return RequestOutput(
-        request_id=msg.request_id,
-        new_token_ids=list(msg.new_token_ids),
-        logprobs=[token_logprobs_from_proto(entry) for entry in msg.logprobs],
-        finished=msg.finished,
-        finish_reason=finish_reason_from_proto(msg.finish_reason),
-        num_prompt_tokens=msg.num_prompt_tokens,
-        num_output_tokens=msg.num_output_tokens,
-        num_cached_tokens=msg.num_cached_tokens,
-        num_preemptions=msg.num_preemptions,
-    )

@@ -70,7 +70,6 @@ class EngineLoop:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.num_steps = 0
-        self.last_error: str | None = None
 
     # --- called by RPC handlers: check, enqueue, return -------------------------------------------
 
@@ -219,7 +218,6 @@ class EngineLoop:
                                 num_output_tokens=output.num_output_tokens)
 
     def _fail_all(self, error: str) -> None:
-        self.last_error = error
         logger.error("%s; failing %d requests", error, len(self.scheduler.requests))
         for request_id in list(self.scheduler.requests):
             output = self.scheduler.abort_request(request_id)

@@ -74,8 +74,6 @@ class Request:
     # chained content hashes of the full blocks of all_token_ids (see scheduler.prefix_cache)
     block_hashes: list[bytes] = field(default_factory=list)
     finish_reason: str | None = None
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
