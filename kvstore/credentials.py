@@ -54,10 +54,12 @@ async def verify_credentials(redis_url: str, *, timeout_s: float = 2.0) -> bool:
 
 
 def _refused(redis_url: str, error: Exception) -> str:
-    given = "user and password" if urlsplit(redis_url).username else \
-        "password" if urlsplit(redis_url).password is not None else "no credentials"
-    return (f"Redis at {redact_url(redis_url)} refused the {given} in the URL ({error}); "
-            "fix --redis-url (redis://USER:PASSWORD@HOST:PORT/DB)")
+    parts = urlsplit(redis_url)
+    fix = "--redis-url (redis://USER:PASSWORD@HOST:PORT/DB)"
+    if parts.password is None:
+        return f"Redis at {redact_url(redis_url)} requires credentials and the URL has none ({error}); put them in {fix}"
+    given = "user and password" if parts.username else "password"
+    return f"Redis at {redact_url(redis_url)} refused the {given} in the URL ({error}); fix {fix}"
 
 
 async def check_redis_credentials(redis_url: str, process_name: str) -> None:
