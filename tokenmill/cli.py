@@ -182,11 +182,16 @@ def serve(args: argparse.Namespace) -> int:
     def on_ready() -> None:
         rows = [("gateway", config.gateway_address)]
         if config.http_address:
-            rows.append(("http", f"http://{config.http_address}/v1  (OpenAI-compatible)"))
+            scheme = "https" if config.tls else "http"
+            rows.append(("http", f"{scheme}://{config.http_address}/v1  (OpenAI-compatible)"))
         rows += [("scheduler", config.scheduler_address), ("worker", config.worker_address),
                  ("redis", redact_url(config.effective_redis_url) + ("" if config.redis_url is None else " (external)"))]
         print("\n".join(f"{name:<10} {address}" for name, address in rows))
-        print(f'ready: try  tokenmill generate "Hello" --address {config.gateway_address}', flush=True)
+        tls_flags = ""
+        if config.tls:
+            tls_flags = f" --tls-ca {config.tls.ca}" + (
+                f" --tls-cert {config.tls.client_cert} --tls-key {config.tls.client_key}" if config.tls.mutual else "")
+        print(f'ready: try  tokenmill generate "Hello" --address {config.gateway_address}{tls_flags}', flush=True)
 
     return run_until_stopped(supervisor, on_ready)
 
