@@ -4,13 +4,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 
 from gateway.scheduler_client import SchedulerClient
 from gateway.service import GenerationServicer
 from gateway.tokenizer import load_tokenizer
 from gateway.validation import Limits
 from protos.tokenmill.v1 import generation_pb2_grpc
-from tokenmill import rpc
+from tokenmill import rpc, tls
+from tokenmill.message_size import PUBLIC_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
 from tokenmill.process import run_process, wait_for_stop_signal
 
 logger = logging.getLogger("tokenmill.gateway")
@@ -21,7 +23,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--scheduler", default="127.0.0.1:50052", help="scheduler address HOST:PORT")
-    parser.add_argument("--redis-url", default="", help="answers GetRequestStatus; empty: status unavailable")
+    parser.add_argument("--redis-url", default=os.environ.get("TOKENMILL_REDIS_URL", ""),
+                        help="answers GetRequestStatus, redis://[USER:PASSWORD@]HOST:PORT/DB (default: "
+                             "$TOKENMILL_REDIS_URL); empty: status unavailable")
     parser.add_argument("--model", default=None, help="the model's GGUF file or HF folder (for its tokenizer)")
     parser.add_argument("--max-tokens-limit", type=int, default=4096)
     parser.add_argument("--default-max-tokens", type=int, default=256)
@@ -29,17 +33,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--drain-timeout-s", type=float, default=30.0)
     parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API; 0 disables")
     parser.add_argument("--http-api-key", default="", help="HTTP clients must send 'Authorization: Bearer KEY'")
-    return parser.parse_args(argv)
+    add_message_size_argument(parser, PUBLIC_MAX_MESSAGE_BYTES)
+    tls.add_server_arguments(parser)  # the HTTP API serves HTTPS with the same files
+    tls.add_client_arguments(parser, "scheduler")
+    args = parser.parse_args(argv)
+    args.tls = tls.server_tls_from_args(parser, args)
+    args.scheduler_tls = tls.client_tls_from_args(parser, args, "scheduler")
+    return args
 
 
 async def serve(args: argparse.Namespace) -> None:
+    if args.redis_url:
+        from kvstore.credentials import check_redis_credentials
+
+        await check_redis_credentials(args.redis_url, "gateway")
     tokenizer = await asyncio.to_thread(load_tokenizer, args.model)
-    scheduler = SchedulerClient(args.scheduler)
-    server = rpc.create_server()
+    scheduler = SchedulerClient(args.scheduler, tls=args.scheduler_tls)
+    server = rpc.create_server(options=message_size_options(args.max_message_bytes))
     from gateway.kserve_service import KSERVE_SERVICE, add_kserve_servicer  # not at the top: tritonclient (its doc)
     health = rpc.add_health_and_reflection(server, [rpc.GENERATION_SERVICE, KSERVE_SERVICE])
     address = f"{args.host}:{args.port}"
-    if server.add_insecure_port(address) == 0:
+    if tls.listen(server, address, args.tls) == 0:
         raise SystemExit(f"gateway: cannot listen on {address} (in use?); change --port")
     logger.info("gateway waiting for scheduler %s", args.scheduler)
     model_info = await scheduler.wait_ready(args.scheduler_timeout_s)
@@ -60,7 +74,9 @@ async def serve(args: argparse.Namespace) -> None:
         from gateway.openai_http import OpenAIHTTP, start_http
 
         http_api = OpenAIHTTP(tokenizer, scheduler, limits, model_info, api_key=args.http_api_key)
-        http_runner = await start_http(http_api, args.host, args.http_port, args.drain_timeout_s)
+        http_runner = await start_http(http_api, args.host, args.http_port, args.drain_timeout_s,
+                                       ssl_context=args.tls.ssl_context() if args.tls else None,
+                                       max_body_bytes=args.max_message_bytes)
         logger.info("gateway HTTP (OpenAI-compatible) on %s:%d", args.host, args.http_port)
     await server.start()
     await health.set_ready(True)

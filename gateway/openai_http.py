@@ -18,6 +18,7 @@ import contextlib
 import functools
 import hmac
 import json
+import ssl
 import time
 import uuid
 
@@ -48,9 +49,10 @@ class OpenAIHTTP:
         self.created = int(time.time())
         self.ready = True  # False once the gateway is draining
 
-    def app(self) -> web.Application:
+    def app(self, max_body_bytes: int | None = None) -> web.Application:
+        """max_body_bytes: the gateway's --max-message-bytes; a larger body is answered 413."""
         # a prompt of max_prompt_chars characters may take 4 bytes each in UTF-8, plus the JSON around it
-        max_body = 4 * self.limits.max_prompt_chars + 2**20
+        max_body = min(4 * self.limits.max_prompt_chars + 2**20, max_body_bytes or 2**62)
         app = web.Application(middlewares=[_errors, self._auth], client_max_size=max_body)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model}", self.get_model)
@@ -178,12 +180,15 @@ async def _errors(request: web.Request, handler):
         return openai_error(exc, where).response()
 
 
-async def start_http(api: OpenAIHTTP, host: str, port: int, drain_timeout_s: float) -> web.AppRunner:
-    """Listening on host:port when it returns; runner.cleanup() drains (up to drain_timeout_s) and stops."""
-    runner = web.AppRunner(api.app(), handler_cancellation=True, shutdown_timeout=drain_timeout_s, access_log=None)
+async def start_http(api: OpenAIHTTP, host: str, port: int, drain_timeout_s: float, *,
+                     ssl_context: ssl.SSLContext | None = None, max_body_bytes: int | None = None) -> web.AppRunner:
+    """Listening on host:port when it returns (HTTPS with ssl_context); runner.cleanup() drains (up to
+    drain_timeout_s) and stops."""
+    runner = web.AppRunner(api.app(max_body_bytes), handler_cancellation=True, shutdown_timeout=drain_timeout_s,
+                           access_log=None)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
     except OSError as error:
         await runner.cleanup()
         raise SystemExit(f"gateway: cannot listen for HTTP on {host}:{port} ({error.strerror}); "

@@ -7,15 +7,16 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tokenmill import tls as tls_config
+from tokenmill.message_size import INTERNAL_MAX_MESSAGE_BYTES, message_size_options
 from tokenmill.rpc import SCHEDULER_SERVICE
-
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 * 2**20), ("grpc.max_receive_message_length", 64 * 2**20)]
 
 
 class SchedulerClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, tls: tls_config.ClientTLS | None = None,
+                 max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = tls_config.aio_channel(address, tls, message_size_options(max_message_bytes))
         self.stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2_grpc
 from scheduler.config import KV_POLICIES, QUEUE_POLICIES, SchedulerConfig
@@ -10,7 +11,8 @@ from scheduler.loop import EngineLoop
 from scheduler.scheduler import Scheduler
 from scheduler.service import SchedulerServicer, drain
 from scheduler.worker_client import WorkerClient
-from tokenmill import rpc
+from tokenmill import rpc, tls
+from tokenmill.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
 from tokenmill.process import run_process, wait_for_stop_signal
 
 logger = logging.getLogger("tokenmill.scheduler")
@@ -21,7 +23,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50052)
     parser.add_argument("--worker", default="127.0.0.1:50053", help="worker address HOST:PORT")
-    parser.add_argument("--redis-url", default="", help="request state store; empty: no request records")
+    parser.add_argument("--redis-url", default=os.environ.get("TOKENMILL_REDIS_URL", ""),
+                        help="request state store, redis://[USER:PASSWORD@]HOST:PORT/DB (default: "
+                             "$TOKENMILL_REDIS_URL, which keeps a password out of the process list); "
+                             "empty: no request records")
     parser.add_argument("--state-ttl-s", type=int, default=3600, help="how long request records live in Redis")
     parser.add_argument("--kv-policy", choices=KV_POLICIES, default="paged")
     parser.add_argument("--queue-policy", choices=QUEUE_POLICIES, default="fcfs")
@@ -32,16 +37,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--worker-timeout-s", type=float, default=600.0, help="how long to wait for the worker")
     parser.add_argument("--drain-timeout-s", type=float, default=30.0)
-    return parser.parse_args(argv)
+    add_message_size_argument(parser, INTERNAL_MAX_MESSAGE_BYTES)
+    tls.add_server_arguments(parser)
+    tls.add_client_arguments(parser, "worker")
+    args = parser.parse_args(argv)
+    args.tls = tls.server_tls_from_args(parser, args)
+    args.worker_tls = tls.client_tls_from_args(parser, args, "worker")
+    return args
 
 
 async def serve(args: argparse.Namespace) -> None:
-    server = rpc.create_server()
+    if args.redis_url:
+        from kvstore.credentials import check_redis_credentials
+
+        await check_redis_credentials(args.redis_url, "scheduler")
+    server = rpc.create_server(options=message_size_options(args.max_message_bytes))
     health = rpc.add_health_and_reflection(server, [rpc.SCHEDULER_SERVICE])
     address = f"{args.host}:{args.port}"
-    if server.add_insecure_port(address) == 0:
+    if tls.listen(server, address, args.tls) == 0:
         raise SystemExit(f"scheduler: cannot listen on {address} (in use?); change --port")
-    worker = WorkerClient(args.worker)
+    worker = WorkerClient(args.worker, tls=args.worker_tls, max_message_bytes=args.max_message_bytes)
     state = None
     if args.redis_url:
         from kvstore.state_writer import RequestStateWriter

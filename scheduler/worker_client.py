@@ -9,17 +9,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import codec
 from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc
 from scheduler.plan import StepPlan, StepResult
+from tokenmill import tls as tls_config
+from tokenmill.message_size import INTERNAL_MAX_MESSAGE_BYTES, message_size_options
 from tokenmill.rpc import WORKER_SERVICE
-
-# Step plans carry whole prompts for new requests; leave room for long ones.
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 * 2**20), ("grpc.max_receive_message_length", 64 * 2**20)]
 
 
 class WorkerClient:
-    def __init__(self, address: str, step_timeout_s: float = 120.0) -> None:
+    def __init__(self, address: str, step_timeout_s: float = 120.0, *, tls: tls_config.ClientTLS | None = None,
+                 max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES) -> None:
         self.address = address
         self.step_timeout_s = step_timeout_s
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        # step plans carry whole prompts of new requests (tokenmill.message_size sizes the limit)
+        self._channel = tls_config.aio_channel(address, tls, message_size_options(max_message_bytes))
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         self.capacity: worker_pb2.GetCapacityResponse | None = None
 

@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
+from tokenmill.tls import ClientTLS
+
 # A readiness probe answers (ready, what it saw), e.g. (False, "NOT_SERVING"); it must not raise.
 Probe = Callable[[], tuple[bool, str]]
 
@@ -38,6 +40,9 @@ class ChildSpec:
     port_hint: str = ""  # how a user changes the port, e.g. "--worker-port", named when it is taken
     env: Mapping[str, str] | None = None  # extra environment variables on top of ours
     use_temp_dir: bool = False  # run in a fresh temp dir (the cwd), removed when the child is stopped
+    # name -> text written (mode 0600) into the temp dir before start: secrets that must not be in argv
+    files: Mapping[str, str] | None = None
+    tls: ClientTLS | None = None  # how the supervisor's health probe connects when the child serves TLS
 
 
 class ChildProcess:
@@ -60,6 +65,10 @@ class ChildProcess:
         cwd = None
         if self.spec.use_temp_dir:
             self._temp_dir = cwd = tempfile.mkdtemp(prefix=f"tokenmill-{self.name}-")
+            for name, text in (self.spec.files or {}).items():
+                descriptor = os.open(os.path.join(cwd, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(descriptor, "w") as file:
+                    file.write(text)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.spec.env or {})}
         self._process = subprocess.Popen(
             list(self.spec.argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -61,7 +61,9 @@ TOP_K = _ranged(int, -1, what=">= -1 (-1 or 0 disables)")
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct GGUF)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
-    parser.add_argument("--host", default="127.0.0.1", help="where the gRPC servers listen (default: %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1", help="where the gateway listens (default: %(default)s)")
+    parser.add_argument("--internal-host", default="127.0.0.1",
+                        help="where the scheduler and worker listen (default: %(default)s)")
     parser.add_argument("--gateway-port", type=PORT, default=50051, help="public API; 0 picks a free port (default: %(default)s)")
     parser.add_argument("--scheduler-port", type=PORT, default=50052, help="(default: %(default)s)")
     parser.add_argument("--worker-port", type=PORT, default=50053, help="(default: %(default)s)")
@@ -87,6 +89,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long each component may take to become ready (default: %(default)s)")
     parser.add_argument("--grace-period-s", type=NON_NEGATIVE_FLOAT, default=10.0,
                         help="per component, between SIGTERM and SIGKILL at shutdown (default: %(default)s)")
+    add_serve_security_arguments(parser)
+
+
+def add_serve_security_arguments(parser: argparse.ArgumentParser) -> None:
+    from tokenmill.message_size import PUBLIC_MAX_MESSAGE_BYTES, add_message_size_argument
+
+    parser.add_argument("--redis-user", help="ACL user of the redis-server started here (needs --redis-password-file)")
+    parser.add_argument("--redis-password-file", help="file whose first line is the password of the redis-server "
+                        "started here (requirepass, or the --redis-user's)")
+    add_message_size_argument(parser, PUBLIC_MAX_MESSAGE_BYTES)
+    tls = parser.add_argument_group("TLS on every gRPC link, one CA for the cluster (docs/security.md)")
+    tls.add_argument("--tls-ca", help="PEM CA that signed every certificate below")
+    tls.add_argument("--tls-cert", help="PEM server certificate of gateway, scheduler and worker (SAN: the hosts)")
+    tls.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    tls.add_argument("--tls-client-cert", help="PEM client certificate: set, every server requires one signed by "
+                     "--tls-ca (mutual TLS) and the gateway and scheduler present this one")
+    tls.add_argument("--tls-client-key", help="PEM private key of --tls-client-cert")
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,6 +122,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", help="system message; implies --chat")
     parser.add_argument("--no-stream", action="store_true", help="one Generate call instead of a stream")
     parser.add_argument("--connect-timeout-s", type=NON_NEGATIVE_FLOAT, default=5.0)
+    parser.add_argument("--tls-ca", help="PEM CA that signed the gateway's certificate (turns TLS on)")
+    parser.add_argument("--tls-cert", help="PEM client certificate, for a gateway that requires one")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
+    from kvstore.credentials import redact_url
     from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
     from tokenmill.readiness import port_in_use
     from tokenmill.supervisor import PortInUse, Supervisor, SupervisorError, run_until_stopped
@@ -128,8 +151,14 @@ def serve(args: argparse.Namespace) -> int:
     if args.model is not None and not os.path.exists(args.model):
         print(f"error: --model {args.model}: no such file or directory", file=sys.stderr)
         return 2
+    try:
+        security = serve_security_options(args)
+    except ValueError as error:  # TLSConfigError too
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     config = resolve_ports(ClusterConfig(
-        model=args.model, dtype=args.dtype, host=args.host, gateway_port=args.gateway_port,
+        **security, model=args.model, dtype=args.dtype, host=args.host, internal_host=args.internal_host,
+        gateway_port=args.gateway_port,
         http_port=None if args.no_http else args.http_port,
         scheduler_port=args.scheduler_port, worker_port=args.worker_port, redis_url=args.redis_url,
         redis_port=args.redis_port, kv_policy=args.kv_policy, queue_policy=args.queue_policy,
@@ -138,7 +167,7 @@ def serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching))
     try:
         specs = cluster_specs(config)
-    except FileNotFoundError as error:  # no redis-server binary
+    except (FileNotFoundError, ValueError) as error:  # no redis-server binary; a password redis.conf cannot hold
         print(f"error: {error}", file=sys.stderr)
         return 2
     supervisor = Supervisor(specs, startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_period_s)
@@ -153,13 +182,52 @@ def serve(args: argparse.Namespace) -> int:
     def on_ready() -> None:
         rows = [("gateway", config.gateway_address)]
         if config.http_address:
-            rows.append(("http", f"http://{config.http_address}/v1  (OpenAI-compatible)"))
+            scheme = "https" if config.tls else "http"
+            rows.append(("http", f"{scheme}://{config.http_address}/v1  (OpenAI-compatible)"))
         rows += [("scheduler", config.scheduler_address), ("worker", config.worker_address),
-                 ("redis", config.effective_redis_url + ("" if config.redis_url is None else " (external)"))]
+                 ("redis", redact_url(config.effective_redis_url) + ("" if config.redis_url is None else " (external)"))]
         print("\n".join(f"{name:<10} {address}" for name, address in rows))
-        print(f'ready: try  tokenmill generate "Hello" --address {config.gateway_address}', flush=True)
+        tls_flags = ""
+        if config.tls:
+            tls_flags = f" --tls-ca {config.tls.ca}" + (
+                f" --tls-cert {config.tls.client_cert} --tls-key {config.tls.client_key}" if config.tls.mutual else "")
+        print(f'ready: try  tokenmill generate "Hello" --address {config.gateway_address}{tls_flags}', flush=True)
 
     return run_until_stopped(supervisor, on_ready)
+
+
+def serve_security_options(args: argparse.Namespace) -> dict:
+    """ClusterConfig fields from serve's TLS, Redis credential and message size flags; raises
+    ValueError naming the flag when they cannot work."""
+    from tokenmill.tls import ClusterTLS
+
+    options: dict = {"max_message_bytes": args.max_message_bytes}
+    if args.redis_user and not args.redis_password_file:
+        raise ValueError("--redis-user needs --redis-password-file")
+    if (args.redis_user or args.redis_password_file) and args.redis_url:
+        raise ValueError("--redis-user/--redis-password-file set up the redis-server started here; "
+                         "put the credentials of an external Redis in --redis-url (redis://USER:PASSWORD@HOST:PORT/DB)")
+    if args.redis_password_file:
+        try:
+            with open(args.redis_password_file) as file:
+                password = file.readline().strip()
+        except OSError as error:
+            raise ValueError(f"--redis-password-file {args.redis_password_file}: {error.strerror}") from None
+        if not password:
+            raise ValueError(f"--redis-password-file {args.redis_password_file}: the first line is empty")
+        options.update(redis_user=args.redis_user, redis_password=password)
+    server_files = (args.tls_ca, args.tls_cert, args.tls_key)
+    client_files = (args.tls_client_cert, args.tls_client_key)
+    if any(server_files) or any(client_files):
+        if not all(server_files):
+            raise ValueError("TLS needs all of --tls-ca, --tls-cert and --tls-key")
+        if any(client_files) and not all(client_files):
+            raise ValueError("--tls-client-cert and --tls-client-key go together")
+        tls = ClusterTLS(args.tls_ca, args.tls_cert, args.tls_key, args.tls_client_cert, args.tls_client_key)
+        tls.server().credentials()  # reads every file now: a wrong path fails before anything starts
+        tls.client().credentials()
+        options["tls"] = tls
+    return options
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -179,7 +247,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return generate(GenerateOptions(
         prompt=prompt, address=args.address, chat=args.chat or args.system is not None, system=args.system,
         stream=not args.no_stream, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, stop=args.stop, connect_timeout_s=args.connect_timeout_s))
+        top_k=args.top_k, seed=args.seed, stop=args.stop, connect_timeout_s=args.connect_timeout_s,
+        tls=generate_tls(args)))
+
+
+def generate_tls(args: argparse.Namespace):
+    """ClientTLS for `generate` (None: plaintext); TLS with the system's roots when only a cert is given."""
+    from tokenmill.tls import ClientTLS
+
+    if not (args.tls_ca or args.tls_cert or args.tls_key):
+        return None
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("error: --tls-cert and --tls-key go together")
+    return ClientTLS(args.tls_ca, args.tls_cert, args.tls_key)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from typing import TextIO
 import grpc
 
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tokenmill import tls as tls_config
 
 
 @dataclass(slots=True)
@@ -29,6 +30,7 @@ class GenerateOptions:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     connect_timeout_s: float = 5.0
+    tls: tls_config.ClientTLS | None = None  # None: plaintext
 
 
 def build_request(options: GenerateOptions) -> generation_pb2.GenerateRequest:
@@ -53,7 +55,12 @@ def generate(options: GenerateOptions, out: TextIO | None = None, err: TextIO | 
     out/err default to sys.stdout/sys.stderr as they are at call time."""
     out, err = out or sys.stdout, err or sys.stderr
     request = build_request(options)
-    with grpc.insecure_channel(options.address) as channel:
+    try:
+        channel = tls_config.channel(options.address, options.tls)
+    except tls_config.TLSConfigError as error:
+        print(f"error: {error}", file=err)
+        return 2
+    with channel:
         try:
             grpc.channel_ready_future(channel).result(timeout=options.connect_timeout_s)
         except grpc.FutureTimeoutError:

@@ -13,9 +13,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tokenmill.child_process import ChildSpec
+from tokenmill.message_size import INTERNAL_MAX_MESSAGE_BYTES, PUBLIC_MAX_MESSAGE_BYTES
 from tokenmill.readiness import connect_address, free_port
 from tokenmill.redis_process import redis_spec, redis_url
 from tokenmill.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
+from tokenmill.tls import ClusterTLS
 
 # The checkout (or site-packages) holding the worker/scheduler/gateway packages, put on the children's
 # PYTHONPATH so `python -m worker.main` works whatever directory `tokenmill serve` runs in.
@@ -26,7 +28,8 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 class ClusterConfig:
     model: str | None = None  # GGUF file or HF folder; None: the default SmolLM2-135M-Instruct GGUF
     dtype: str = "float32"
-    host: str = "127.0.0.1"  # where the three gRPC servers listen
+    host: str = "127.0.0.1"  # where the gateway listens (gRPC and HTTP)
+    internal_host: str = "127.0.0.1"  # where the scheduler and worker listen: they have no auth of their own
     gateway_port: int = 50051  # 0: pick a free port (resolve_ports)
     # The gateway's OpenAI-compatible HTTP API; None: off (so test clusters never fight over one fixed
     # port; `tokenmill serve` passes 8000 unless told otherwise); 0: pick a free port.
@@ -35,6 +38,13 @@ class ClusterConfig:
     worker_port: int = 50053
     redis_url: str | None = None  # an existing Redis; None: start redis-server on redis_port
     redis_port: int = 6379
+    # credentials of the redis-server started here (not of redis_url, which carries its own): a password
+    # alone sets requirepass; with a user, that ACL user and no unauthenticated default user
+    redis_user: str | None = None
+    redis_password: str | None = None
+    tls: ClusterTLS | None = None  # None: plaintext gRPC on every link
+    max_message_bytes: int = PUBLIC_MAX_MESSAGE_BYTES  # the gateway's (gRPC messages and HTTP bodies)
+    internal_max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES  # scheduler and worker
     kv_policy: str = "paged"
     queue_policy: str = "fcfs"
     block_size: int = 16
@@ -57,15 +67,16 @@ class ClusterConfig:
 
     @property
     def scheduler_address(self) -> str:
-        return connect_address(f"{self.host}:{self.scheduler_port}")
+        return connect_address(f"{self.internal_host}:{self.scheduler_port}")
 
     @property
     def worker_address(self) -> str:
-        return connect_address(f"{self.host}:{self.worker_port}")
+        return connect_address(f"{self.internal_host}:{self.worker_port}")
 
     @property
     def effective_redis_url(self) -> str:
-        return self.redis_url or redis_url(self.redis_port)
+        """May hold a password: print kvstore.credentials.redact_url(...) of it."""
+        return self.redis_url or redis_url(self.redis_port, self.redis_user, self.redis_password)
 
 
 def resolve_ports(config: ClusterConfig) -> ClusterConfig:
@@ -83,9 +94,10 @@ def resolve_ports(config: ClusterConfig) -> ClusterConfig:
         return port
 
     local_host = "127.0.0.1" if config.host in ("", "0.0.0.0") else config.host
+    internal_host = "127.0.0.1" if config.internal_host in ("", "0.0.0.0") else config.internal_host
     return replace(config,
-                   worker_port=pick(config.worker_port, local_host),
-                   scheduler_port=pick(config.scheduler_port, local_host),
+                   worker_port=pick(config.worker_port, internal_host),
+                   scheduler_port=pick(config.scheduler_port, internal_host),
                    gateway_port=pick(config.gateway_port, local_host),
                    http_port=None if config.http_port is None else pick(config.http_port, local_host),
                    redis_port=config.redis_port if config.redis_url else pick(config.redis_port, "127.0.0.1"))
@@ -107,15 +119,21 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
     if 0 in ports or config.http_port == 0 or (config.redis_url is None and config.redis_port == 0):
         raise ValueError("cluster_specs needs concrete ports: call resolve_ports(config) first")
     env = {"PYTHONPATH": os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p),
+           # the mains read it as their --redis-url default: a password in argv is in every `ps` listing
+           "TOKENMILL_REDIS_URL": config.effective_redis_url,
            **torch_thread_env()}
     model = ["--model", config.model] if config.model else []
-    worker = [config.python, "-m", "worker.main", "--host", config.host, "--port", str(config.worker_port),
+    server_tls = config.tls.server().argv() if config.tls else []
+    probe_tls = config.tls.client() if config.tls else None
+    internal_size = ["--max-message-bytes", str(config.internal_max_message_bytes)]
+    worker = [config.python, "-m", "worker.main", "--host", config.internal_host, "--port", str(config.worker_port),
               *model, "--dtype", config.dtype, "--block-size", str(config.block_size),
-              "--kv-cache-mb", str(config.kv_cache_mb)]
+              "--kv-cache-mb", str(config.kv_cache_mb), *server_tls, *internal_size]
     if config.num_blocks is not None:
         worker += ["--num-blocks", str(config.num_blocks)]
-    scheduler = [config.python, "-m", "scheduler.main", "--host", config.host, "--port", str(config.scheduler_port),
-                 "--worker", config.worker_address, "--redis-url", config.effective_redis_url,
+    scheduler = [config.python, "-m", "scheduler.main", "--host", config.internal_host,
+                 "--port", str(config.scheduler_port), "--worker", config.worker_address,
+                 *server_tls, *(probe_tls.argv("worker") if probe_tls else []), *internal_size,
                  "--kv-policy", config.kv_policy, "--queue-policy", config.queue_policy,
                  "--max-num-seqs", str(config.max_num_seqs),
                  "--max-num-batched-tokens", str(config.max_num_batched_tokens)]
@@ -124,14 +142,16 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
     if not config.enable_prefix_caching:
         scheduler.append("--no-prefix-caching")
     gateway = [config.python, "-m", "gateway.main", "--host", config.host, "--port", str(config.gateway_port),
-               "--scheduler", config.scheduler_address, "--redis-url", config.effective_redis_url, *model,
-               "--http-port", str(config.http_port or 0)]
-    specs = [] if config.redis_url else [redis_spec(config.redis_port)]
+               "--scheduler", config.scheduler_address, *model, "--http-port", str(config.http_port or 0),
+               *server_tls, *(probe_tls.argv("scheduler") if probe_tls else []),
+               "--max-message-bytes", str(config.max_message_bytes)]
+    specs = [] if config.redis_url else [redis_spec(config.redis_port, user=config.redis_user,
+                                                    password=config.redis_password)]
     return specs + [
-        ChildSpec("worker", worker, WORKER_SERVICE, f"{config.host}:{config.worker_port}",
-                  port_hint="--worker-port", env=env),
-        ChildSpec("scheduler", scheduler, SCHEDULER_SERVICE, f"{config.host}:{config.scheduler_port}",
-                  port_hint="--scheduler-port", env=env),
+        ChildSpec("worker", worker, WORKER_SERVICE, f"{config.internal_host}:{config.worker_port}",
+                  port_hint="--worker-port", env=env, tls=probe_tls),
+        ChildSpec("scheduler", scheduler, SCHEDULER_SERVICE, f"{config.internal_host}:{config.scheduler_port}",
+                  port_hint="--scheduler-port", env=env, tls=probe_tls),
         ChildSpec("gateway", gateway, GENERATION_SERVICE, f"{config.host}:{config.gateway_port}",
-                  port_hint="--gateway-port", env=env),
+                  port_hint="--gateway-port", env=env, tls=probe_tls),
     ]

@@ -7,6 +7,8 @@ import socket
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tokenmill import tls as tls_config
+
 # Short reconnect backoff: by default a channel that found nobody listening waits up to 120 s before
 # trying again, which would hide a worker that starts listening after a minute of model loading.
 _PROBE_CHANNEL_OPTIONS = [
@@ -61,11 +63,13 @@ def port_in_use(address: str) -> bool:
 class GrpcHealthProbe:
     """Readiness through grpc.health.v1 Check(service): ready when it answers SERVING."""
 
-    def __init__(self, address: str, service: str, timeout_s: float = 0.5) -> None:
+    def __init__(self, address: str, service: str, timeout_s: float = 0.5,
+                 tls: tls_config.ClientTLS | None = None) -> None:
         self.address = connect_address(address)
         self.service = service
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(self.address, options=_PROBE_CHANNEL_OPTIONS)
+        # a server with TLS (and mTLS) configured is probed over TLS, with a client cert if it needs one
+        self._channel = tls_config.channel(self.address, tls, _PROBE_CHANNEL_OPTIONS)
         self._stub = health_pb2_grpc.HealthStub(self._channel)
 
     def __call__(self) -> tuple[bool, str]:
@@ -87,14 +91,32 @@ class GrpcHealthProbe:
         self._channel.close()
 
 
-def redis_ping_probe(host: str, port: int, timeout_s: float = 0.5) -> tuple[bool, str]:
-    """Readiness of a redis-server: it answers PING with +PONG (raw RESP, no client library needed)."""
+def _resp_command(*words: str) -> bytes:
+    """One command as a RESP array of bulk strings (safe for any bytes in a password)."""
+    encoded = [word.encode() for word in words]
+    return f"*{len(encoded)}\r\n".encode() + b"".join(b"$%d\r\n%s\r\n" % (len(w), w) for w in encoded)
+
+
+def redis_ping_probe(host: str, port: int, timeout_s: float = 0.5, *, user: str | None = None,
+                     password: str | None = None) -> tuple[bool, str]:
+    """Readiness of a redis-server: it answers PING with +PONG (raw RESP, no client library needed),
+    after AUTH when it has a password."""
+    auth = b""
+    if password is not None:
+        auth = _resp_command("AUTH", *([user] if user else []), password)
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            sock.sendall(b"PING\r\n")
-            reply = sock.recv(64)
+            sock.sendall(auth + b"PING\r\n")
+            reply = sock.recv(256)
+            if auth and reply.startswith(b"+OK\r\n") and len(reply) == 5:
+                reply = sock.recv(256)  # the PONG came in a second packet
     except OSError:
         return False, "not answering yet"
+    if auth:
+        if not reply.startswith(b"+OK\r\n"):
+            first_line = reply.partition(b"\r\n")[0]
+            return False, f"AUTH answered {first_line[:60]!r}"  # -WRONGPASS: never ready, a config mistake
+        reply = reply[5:]
     if reply.startswith(b"+PONG"):
         return True, "PONG"
     return False, f"PING answered {reply[:40]!r}"  # e.g. -LOADING while it reads a dump

@@ -1,13 +1,19 @@
-"""A local redis-server as a supervised child: no persistence, loopback only, its own temp dir."""
+"""A local redis-server as a supervised child: no persistence, loopback only, its own temp dir, and
+optionally a password (requirepass) or an ACL user with the unauthenticated default user switched off."""
 from __future__ import annotations
 
 import shutil
 from functools import partial
+from urllib.parse import quote
 
 from tokenmill.child_process import ChildSpec
 from tokenmill.readiness import redis_ping_probe
 
 REDIS_SERVER_BINARY = "redis-server"
+REDIS_CONFIG_FILE = "tokenmill-redis.conf"  # in the child's temp dir, mode 0600: secrets stay out of argv
+# What tokenmill's ACL user may do: everything on its own Redis except the commands Redis itself
+# calls dangerous (FLUSHALL, CONFIG, DEBUG, KEYS, ACL, SHUTDOWN, ...), plus INFO for health reports.
+ACL_USER_RULES = "on ~* &* +@all -@dangerous +info"
 
 
 def find_redis_server() -> str:
@@ -19,14 +25,37 @@ def find_redis_server() -> str:
     return binary
 
 
-def redis_url(port: int) -> str:
-    return f"redis://127.0.0.1:{port}/0"
+def redis_url(port: int, user: str | None = None, password: str | None = None) -> str:
+    """The URL of the local redis-server; credentials are percent-encoded (redis-py decodes them)."""
+    credentials = ""
+    if password is not None:
+        credentials = f"{quote(user or '', safe='')}:{quote(password, safe='')}@"
+    return f"redis://{credentials}127.0.0.1:{port}/0"
 
 
-def redis_spec(port: int, binary: str | None = None, port_hint: str = "--redis-port") -> ChildSpec:
+def redis_config(user: str | None, password: str | None) -> str:
+    """redis.conf lines for the credentials: requirepass for a password alone; with a user, that
+    user and no default user, so nothing answers without logging in."""
+    if password is None:
+        if user is not None:
+            raise ValueError(f"redis user {user!r} needs a password")
+        return ""
+    for name, value in (("user", user), ("password", password)):
+        if value is not None and (not value or any(c.isspace() or c in "\"'#" for c in value)):
+            raise ValueError(f"redis {name} {value!r} must be non-empty without spaces, quotes or '#'")
+    if user is None:
+        return f"requirepass {password}\n"
+    return f"user default off\nuser {user} {ACL_USER_RULES} >{password}\n"
+
+
+def redis_spec(port: int, binary: str | None = None, port_hint: str = "--redis-port",
+               user: str | None = None, password: str | None = None) -> ChildSpec:
     """redis-server on 127.0.0.1:port. Request state is bookkeeping that a restart may lose (see
     DESIGN.md: Redis is never on the hot path), so nothing is saved: no RDB snapshots, no AOF."""
-    argv = [binary or find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
+    config = redis_config(user, password)
+    argv = [binary or find_redis_server(), *([REDIS_CONFIG_FILE] if config else []), "--port", str(port),
+            "--bind", "127.0.0.1", "--protected-mode", "yes",
             "--save", "", "--appendonly", "no", "--dir", ".", "--loglevel", "warning"]
-    return ChildSpec("redis", argv, None, f"127.0.0.1:{port}", probe=partial(redis_ping_probe, "127.0.0.1", port),
-                     port_hint=port_hint, use_temp_dir=True)
+    probe = partial(redis_ping_probe, "127.0.0.1", port, user=user, password=password)
+    return ChildSpec("redis", argv, None, f"127.0.0.1:{port}", probe=probe, port_hint=port_hint, use_temp_dir=True,
+                     files={REDIS_CONFIG_FILE: config} if config else None)

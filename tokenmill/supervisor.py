@@ -125,7 +125,7 @@ class Supervisor:
 
     def _wait_ready(self, child: ChildProcess) -> float:
         spec = child.spec
-        grpc_probe = GrpcHealthProbe(spec.address, spec.health_service) if spec.health_service else None
+        grpc_probe = GrpcHealthProbe(spec.address, spec.health_service, tls=spec.tls) if spec.health_service else None
         probe: Probe = grpc_probe or spec.probe or (lambda: (True, "running"))
         started = time.monotonic()
         next_progress = started + self.progress_interval_s

@@ -9,7 +9,8 @@ import time
 import torch
 
 from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc
-from tokenmill import rpc
+from tokenmill import rpc, tls
+from tokenmill.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
 from tokenmill.process import run_process, wait_for_stop_signal
 from worker.build import DTYPES, build_runner, model_name
 from worker.kv_cache import bytes_per_block
@@ -29,7 +30,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-mb", type=int, default=512, help="memory budget for the KV cache")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV pages; overrides --kv-cache-mb")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    add_message_size_argument(parser, INTERNAL_MAX_MESSAGE_BYTES)
+    tls.add_server_arguments(parser)
     args = parser.parse_args(argv)
+    args.tls = tls.server_tls_from_args(parser, args)
     if args.block_size <= 0 or args.block_size & (args.block_size - 1):
         parser.error(f"--block-size={args.block_size} must be a positive power of two")
     return args
@@ -49,12 +53,12 @@ def build_worker(args: argparse.Namespace) -> tuple[ModelRunner, worker_pb2.GetC
 
 
 async def serve(args: argparse.Namespace) -> None:
-    server = rpc.create_server(options=[("grpc.max_receive_message_length", 64 * 2**20)])
+    server = rpc.create_server(options=message_size_options(args.max_message_bytes))
     health = rpc.add_health_and_reflection(server, [rpc.WORKER_SERVICE])
     servicer = WorkerServicer()
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     address = f"{args.host}:{args.port}"
-    if server.add_insecure_port(address) == 0:
+    if tls.listen(server, address, args.tls) == 0:
         raise SystemExit(f"worker: cannot listen on {address} (in use?); change --port")
     await server.start()
     logger.info("worker listening on %s; loading the model", address)

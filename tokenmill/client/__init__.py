@@ -2,6 +2,7 @@
 
     from tokenmill.client import Client, RetryPolicy
     client = Client("127.0.0.1:50051", timeout=60, retry=RetryPolicy(max_attempts=5))
+    # TLS: Client(address, tls_ca="ca.pem"); mutual TLS: also tls_cert="client.pem", tls_key="client.key"
     print(client.generate("The capital of France is", max_tokens=8, temperature=0).text)
 
 Errors raise ClientError (.code is the grpc.StatusCode). Which calls are retried, and when, is in

@@ -19,18 +19,22 @@ import grpc
 
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tokenmill.client.retry import RetryPolicy, deadline_after, time_left, wait_before_retry
-from tokenmill.client.sync_client import CHANNEL_OPTIONS
+from tokenmill import tls as tls_config
+from tokenmill.client.sync_client import CHANNEL_OPTIONS, client_tls
 from tokenmill.client.types import (Delta, GenerationResult, ModelInfo, RequestStatus, chat_messages,
                                     delta_from_proto, generate_request, model_info_from_proto,
                                     request_status_from_proto)
 
 class AsyncClient:
     def __init__(self, address: str = "127.0.0.1:50051", *, timeout: float | None = None,
-                 retry: RetryPolicy | None = None, channel_options: Sequence[tuple] = ()) -> None:
+                 retry: RetryPolicy | None = None, channel_options: Sequence[tuple] = (),
+                 tls: bool | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
         self.address = address
         self.timeout = timeout  # default deadline per call, in seconds; None: none
         self.retry = retry or RetryPolicy()
-        self._channel = grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *channel_options])
+        self._channel = tls_config.aio_channel(address, client_tls(tls, tls_ca, tls_cert, tls_key),
+                                               [*CHANNEL_OPTIONS, *channel_options])
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     async def __aenter__(self) -> AsyncClient:

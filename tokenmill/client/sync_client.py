@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 import grpc
 
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tokenmill import tls as tls_config
 from tokenmill.client.retry import RetryPolicy, deadline_after, time_left, wait_before_retry
 from tokenmill.client.types import (Delta, GenerationResult, ModelInfo, RequestStatus, chat_messages,
                                     delta_from_proto, generate_request, model_info_from_proto,
@@ -31,13 +32,27 @@ CHANNEL_OPTIONS = (
 )
 
 
+def client_tls(tls: bool | None, tls_ca: str | None, tls_cert: str | None,
+               tls_key: str | None) -> tls_config.ClientTLS | None:
+    """The client's TLS settings: on when tls is True or any file is given (no tls_ca: the system's
+    roots); tls_cert/tls_key (PEM paths) for a gateway that requires client certificates (mTLS)."""
+    if tls is False or not (tls or tls_ca or tls_cert or tls_key):
+        return None
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("tls_cert and tls_key go together")
+    return tls_config.ClientTLS(tls_ca, tls_cert, tls_key, option_prefix="tls")
+
+
 class Client:
     def __init__(self, address: str = "127.0.0.1:50051", *, timeout: float | None = None,
-                 retry: RetryPolicy | None = None, channel_options: Sequence[tuple] = ()) -> None:
+                 retry: RetryPolicy | None = None, channel_options: Sequence[tuple] = (),
+                 tls: bool | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
         self.address = address
         self.timeout = timeout  # default deadline per call, in seconds; None: none
         self.retry = retry or RetryPolicy()
-        self._channel = grpc.insecure_channel(address, options=[*CHANNEL_OPTIONS, *channel_options])
+        self._channel = tls_config.channel(address, client_tls(tls, tls_ca, tls_cert, tls_key),
+                                           [*CHANNEL_OPTIONS, *channel_options])
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     def __enter__(self) -> Client:
