@@ -16,11 +16,17 @@ from tokenmill.process import run_process, wait_for_stop_signal
 logger = logging.getLogger("tokenmill.gateway")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gateway.main", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
-    parser.add_argument("--scheduler", default="127.0.0.1:50052", help="scheduler address HOST:PORT")
+    parser.add_argument("--scheduler", action="append", default=None,
+                        help="scheduler address HOST:PORT; repeat for several model replicas (default 127.0.0.1:50052)")
+    parser.add_argument("--scheduler-dns", default="", help="HOST:PORT whose every address is a model replica "
+                        "(a Kubernetes headless Service), re-resolved every --scheduler-dns-refresh-s")
+    parser.add_argument("--scheduler-dns-refresh-s", type=float, default=10.0)
+    parser.add_argument("--replica-max-load-imbalance", type=float, default=4.0,
+                        help="requests more than the least loaded replica a prefix-holding replica may have")
     parser.add_argument("--redis-url", default="", help="answers GetRequestStatus; empty: status unavailable")
     parser.add_argument("--model", default=None, help="the model's GGUF file or HF folder (for its tokenizer)")
     parser.add_argument("--max-tokens-limit", type=int, default=4096)
@@ -29,19 +35,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--drain-timeout-s", type=float, default=30.0)
     parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API; 0 disables")
     parser.add_argument("--http-api-key", default="", help="HTTP clients must send 'Authorization: Bearer KEY'")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    args.scheduler = args.scheduler or ([] if args.scheduler_dns else ["127.0.0.1:50052"])
+    return args
+
+
+def scheduler_client(args: argparse.Namespace):
+    """One replica: a plain SchedulerClient; several (or a DNS name): a router that balances them."""
+    if len(args.scheduler) == 1 and not args.scheduler_dns:
+        return SchedulerClient(args.scheduler[0])
+    from gateway.replica_router import ReplicaRouter
+
+    return ReplicaRouter(args.scheduler, dns_name=args.scheduler_dns, redis_url=args.redis_url,
+                         dns_refresh_s=args.scheduler_dns_refresh_s,
+                         max_load_imbalance=args.replica_max_load_imbalance)
 
 
 async def serve(args: argparse.Namespace) -> None:
     tokenizer = await asyncio.to_thread(load_tokenizer, args.model)
-    scheduler = SchedulerClient(args.scheduler)
+    scheduler = scheduler_client(args)
     server = rpc.create_server()
     from gateway.kserve_service import KSERVE_SERVICE, add_kserve_servicer  # not at the top: tritonclient (its doc)
     health = rpc.add_health_and_reflection(server, [rpc.GENERATION_SERVICE, KSERVE_SERVICE])
     address = f"{args.host}:{args.port}"
     if server.add_insecure_port(address) == 0:
         raise SystemExit(f"gateway: cannot listen on {address} (in use?); change --port")
-    logger.info("gateway waiting for scheduler %s", args.scheduler)
+    logger.info("gateway waiting for scheduler %s", scheduler.address)
     model_info = await scheduler.wait_ready(args.scheduler_timeout_s)
     # the worker knows the weights; the chat template lives with the tokenizer, which is ours
     model_info.model_config.has_chat_template = bool(tokenizer.chat_template)
