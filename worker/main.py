@@ -19,7 +19,7 @@ from worker.service import WorkerServicer, model_config_to_proto
 logger = logging.getLogger("tokenmill.worker")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m worker.main", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50053)
@@ -29,6 +29,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-mb", type=int, default=512, help="memory budget for the KV cache")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV pages; overrides --kv-cache-mb")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.block_size <= 0 or args.block_size & (args.block_size - 1):
         parser.error(f"--block-size={args.block_size} must be a positive power of two")
