@@ -70,3 +70,14 @@ async def test_dns_name_resolves_to_every_address():
     assert "127.0.0.1:50052" in await resolve_all("localhost:50052")
     with pytest.raises(ValueError, match="HOST:PORT"):
         await resolve_all("localhost")
+
+
+def test_the_router_imports_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import gateway.replica_router, gateway.main, scheduler.prefix_cache\n"
+            "print('ok')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout == "ok\n", result.stderr
