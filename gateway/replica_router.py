@@ -48,7 +48,7 @@ class Replica:
     ready: bool = False
     prefix_version: str | None = None
     prefixes: _Prefixes = field(default_factory=_Prefixes)
-    view: ReplicaView = None  # type: ignore[assignment]
+    view: ReplicaView = field(init=False)  # what replica_choice sees: load numbers and these prefixes
 
     def __post_init__(self) -> None:
         self.view = ReplicaView(self.address, prefixes=self.prefixes)

@@ -15,9 +15,9 @@ LOAD_TTL_S = 5  # a replica that stopped reporting for this long is treated as u
 PREFIX_TTL_S = 30  # its prefixes stop attracting requests after this long
 REPORT_INTERVAL_S = 0.5
 
-# hash fields, all integers
+# hash fields, all integers; reported_at_ms is the report's wall-clock time (Unix milliseconds)
 LOAD_FIELDS = ("num_waiting_requests", "num_running_requests", "num_waiting_tokens", "num_kv_pages_used",
-               "num_kv_pages_total", "num_requests_total", "prefix_version")
+               "num_kv_pages_total", "num_requests_total", "prefix_version", "reported_at_ms")
 
 
 def load_key(replica: str) -> str:

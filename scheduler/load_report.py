@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 
 from redis.exceptions import RedisError
 
@@ -77,7 +78,7 @@ class LoadReporter:
             "num_waiting_requests": stats.num_waiting, "num_running_requests": stats.num_running,
             "num_waiting_tokens": stats.num_waiting_tokens, "num_kv_pages_used": stats.num_used_blocks,
             "num_kv_pages_total": stats.num_blocks, "num_requests_total": self.loop.num_requests_total,
-            "prefix_version": self._version})
+            "prefix_version": self._version, "reported_at_ms": int(time.time() * 1000)})
         pipe.expire(load_key(self.replica), LOAD_TTL_S)
         await pipe.execute()
         self._published = cached

@@ -59,9 +59,6 @@ def two_replicas(tmp_path_factory):
             yield first, second, redis.Redis.from_url(first.effective_redis_url, decode_responses=True), supervisor
 
 
-def _requests_served(store: redis.Redis, replica: str) -> int:
-    report = store.hgetall(load_key(replica))
-    return int(report["num_requests_total"]) if report else -1
 
 
 def _wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
@@ -72,10 +69,17 @@ def _wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
 
 
 def _counts(store, replicas) -> list[int]:
-    """Per-replica request counters once both reports are fresh (each report is at most ~0.5 s old)."""
-    _wait_for(lambda: all(_requests_served(store, r) >= 0 for r in replicas), "both replicas' load reports")
-    time.sleep(1.2)  # two report intervals: the counters include every request already answered
-    return [_requests_served(store, r) for r in replicas]
+    """Per-replica request counters from reports made after this call (so they count every request
+    already answered)."""
+    since_ms = time.time() * 1000
+    reports = {}
+
+    def fresh() -> bool:
+        reports.update({r: store.hgetall(load_key(r)) for r in replicas})
+        return all(report and int(report["reported_at_ms"]) > since_ms for report in reports.values())
+
+    _wait_for(fresh, "fresh load reports from both replicas")
+    return [int(reports[r]["num_requests_total"]) for r in replicas]
 
 
 def _generate(prompt: str, max_tokens: int) -> generation_pb2.GenerateRequest:
@@ -122,7 +126,8 @@ async def test_shared_prefix_goes_to_the_replica_holding_it(two_replicas):
         for replica, key in zip(replicas, seeded_keys):
             _wait_for(lambda: store.sismember(prefixes_key(replica), key), f"{replica} to publish its prefix")
         assert not store.sismember(prefixes_key(replicas[1]), seeded_keys[0])
-        before = _counts(store, replicas)  # also lets the gateway's 0.5 s refresh read the prefix sets
+        before = _counts(store, replicas)
+        time.sleep(2.0)  # the gateway reads the reports every 0.5 s; nothing outside it shows when it has
         for round_ in range(3):
             for prefix in prefixes:
                 reply = await stub.Generate(_generate(prefix + f" question {round_}?", 4))

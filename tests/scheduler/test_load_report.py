@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis
 
-from kvstore.replica_keys import LOAD_TTL_S, load_key, prefixes_key
+from kvstore.replica_keys import LOAD_FIELDS, LOAD_TTL_S, load_key, prefixes_key
 from scheduler.load_report import LoadReporter
 from scheduler.loop import EngineLoop
 from scheduler.prefix_cache import extend_block_hashes
@@ -31,6 +31,7 @@ async def test_report_follows_the_prefix_cache_through_eviction(fresh_redis):
     report = store.hgetall(load_key(REPLICA))
     assert report["num_kv_pages_total"] == "6" and report["num_waiting_requests"] == "0"
     assert 0 < store.ttl(load_key(REPLICA)) <= LOAD_TTL_S
+    assert set(report) == set(LOAD_FIELDS)
     version = report["prefix_version"]
 
     # a prompt filling all 6 pages evicts every page of the first one
