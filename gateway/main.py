@@ -18,11 +18,17 @@ from tokenmill.process import run_process, wait_for_stop_signal
 logger = logging.getLogger("tokenmill.gateway")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gateway.main", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
-    parser.add_argument("--scheduler", default="127.0.0.1:50052", help="scheduler address HOST:PORT")
+    parser.add_argument("--scheduler", action="append", default=None,
+                        help="scheduler address HOST:PORT; repeat for several model replicas (default 127.0.0.1:50052)")
+    parser.add_argument("--scheduler-dns", default="", help="HOST:PORT whose every address is a model replica "
+                        "(a Kubernetes headless Service), re-resolved every --scheduler-dns-refresh-s")
+    parser.add_argument("--scheduler-dns-refresh-s", type=float, default=10.0)
+    parser.add_argument("--replica-max-load-imbalance", type=float, default=4.0,
+                        help="requests more than the least loaded replica a prefix-holding replica may have")
     parser.add_argument("--redis-url", default=os.environ.get("TOKENMILL_REDIS_URL", ""),
                         help="answers GetRequestStatus, redis://[USER:PASSWORD@]HOST:PORT/DB (default: "
                              "$TOKENMILL_REDIS_URL); empty: status unavailable")
@@ -36,10 +42,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_message_size_argument(parser, PUBLIC_MAX_MESSAGE_BYTES)
     tls.add_server_arguments(parser)  # the HTTP API serves HTTPS with the same files
     tls.add_client_arguments(parser, "scheduler")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    args.scheduler = args.scheduler or ([] if args.scheduler_dns else ["127.0.0.1:50052"])
     args.tls = tls.server_tls_from_args(parser, args)
     args.scheduler_tls = tls.client_tls_from_args(parser, args, "scheduler")
     return args
+
+
+def scheduler_client(args: argparse.Namespace):
+    """One replica: a plain SchedulerClient; several (or a DNS name): a router that balances them."""
+    if len(args.scheduler) == 1 and not args.scheduler_dns:
+        return SchedulerClient(args.scheduler[0], tls=args.scheduler_tls)
+    from gateway.replica_router import ReplicaRouter
+
+    return ReplicaRouter(args.scheduler, dns_name=args.scheduler_dns, redis_url=args.redis_url,
+                         dns_refresh_s=args.scheduler_dns_refresh_s,
+                         max_load_imbalance=args.replica_max_load_imbalance, tls=args.scheduler_tls)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -48,14 +71,14 @@ async def serve(args: argparse.Namespace) -> None:
 
         await check_redis_credentials(args.redis_url, "gateway")
     tokenizer = await asyncio.to_thread(load_tokenizer, args.model)
-    scheduler = SchedulerClient(args.scheduler, tls=args.scheduler_tls)
+    scheduler = scheduler_client(args)
     server = rpc.create_server(options=message_size_options(args.max_message_bytes))
     from gateway.kserve_service import KSERVE_SERVICE, add_kserve_servicer  # not at the top: tritonclient (its doc)
     health = rpc.add_health_and_reflection(server, [rpc.GENERATION_SERVICE, KSERVE_SERVICE])
     address = f"{args.host}:{args.port}"
     if tls.listen(server, address, args.tls) == 0:
         raise SystemExit(f"gateway: cannot listen on {address} (in use?); change --port")
-    logger.info("gateway waiting for scheduler %s", args.scheduler)
+    logger.info("gateway waiting for scheduler %s", scheduler.address)
     model_info = await scheduler.wait_ready(args.scheduler_timeout_s)
     # the worker knows the weights; the chat template lives with the tokenizer, which is ours
     model_info.model_config.has_chat_template = bool(tokenizer.chat_template)

@@ -34,6 +34,14 @@ class SchedulerClient:
                         raise
                 await asyncio.sleep(0.25)
 
+    async def is_ready(self, timeout_s: float = 2.0) -> bool:
+        """One readiness check (no waiting for the connection): SERVING now or not."""
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
     def submit(self, request: scheduler_pb2.SubmitRequest, timeout_s: float | None = None):
         """A streaming call; iterate it for SubmitResponses, cancel() it to abort the request."""
         return self.stub.Submit(request, timeout=timeout_s)

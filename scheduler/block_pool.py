@@ -63,6 +63,10 @@ class BlockPool:
             if self._cached.get(key) == block_id:
                 del self._cached[key]
 
+    def cached_keys(self) -> set[bytes]:
+        """A snapshot of the content keys findable now (published to Redis by scheduler/load_report.py)."""
+        return set(self._cached)
+
     def lookup(self, key: bytes) -> int | None:
         return self._cached.get(key)
 

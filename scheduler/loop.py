@@ -70,6 +70,7 @@ class EngineLoop:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.num_steps = 0
+        self.num_requests_total = 0  # accepted by submit(); published per replica (scheduler/load_report.py)
 
     # --- called by RPC handlers: check, enqueue, return -------------------------------------------
 
@@ -88,6 +89,7 @@ class EngineLoop:
                                     retry_after_s=1.0)
         stream = RequestStream()
         self.streams[request.request_id] = stream
+        self.num_requests_total += 1
         if deadline is not None:
             self._deadlines[request.request_id] = deadline
         self._inbox.append(("add", request))

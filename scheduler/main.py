@@ -18,7 +18,7 @@ from tokenmill.process import run_process, wait_for_stop_signal
 logger = logging.getLogger("tokenmill.scheduler")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m scheduler.main", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50052)
@@ -40,6 +40,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_message_size_argument(parser, INTERNAL_MAX_MESSAGE_BYTES)
     tls.add_server_arguments(parser)
     tls.add_client_arguments(parser, "worker")
+    parser.add_argument("--advertise-address", default="",
+                        help="HOST:PORT gateways dial to reach this scheduler; names its load and prefix keys "
+                             "in Redis (default: --host:--port)")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.tls = tls.server_tls_from_args(parser, args)
     args.worker_tls = tls.client_tls_from_args(parser, args, "worker")
@@ -85,6 +93,12 @@ async def serve(args: argparse.Namespace) -> None:
     if state:
         state.start()
     loop.start()
+    reporter = None
+    if args.redis_url:
+        from scheduler.load_report import LoadReporter
+
+        reporter = LoadReporter(args.redis_url, args.advertise_address or address, loop)
+        reporter.start()
     await health.set_ready(True)
     logger.info("scheduler ready: %d KV pages of %d tokens, policy %s", config.num_blocks, config.block_size,
                 config.kv_policy)
@@ -92,6 +106,8 @@ async def serve(args: argparse.Namespace) -> None:
     await wait_for_stop_signal()
     logger.info("scheduler draining (%d requests in flight)", len(loop.streams))
     await health.enter_graceful_shutdown()
+    if reporter:
+        await reporter.aclose()  # gateways stop routing here while it drains
     await drain(loop, args.drain_timeout_s)
     await server.stop(grace=1.0)
     await loop.stop()

@@ -20,7 +20,7 @@ from worker.service import WorkerServicer, model_config_to_proto
 logger = logging.getLogger("tokenmill.worker")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m worker.main", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50053)
@@ -32,6 +32,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     add_message_size_argument(parser, INTERNAL_MAX_MESSAGE_BYTES)
     tls.add_server_arguments(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.tls = tls.server_tls_from_args(parser, args)
     if args.block_size <= 0 or args.block_size & (args.block_size - 1):
