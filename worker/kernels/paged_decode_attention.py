@@ -5,7 +5,8 @@ G = H / KVH query heads that share that KV head as the rows of one tile (so K/V 
 group, not once per query head), and runs an online softmax over BLOCK_N keys at a time, gathering
 each key's page through the block table. With more than one split, a second kernel merges the
 splits' partial outputs by their log-sum-exp. The number of splits depends only on shapes (batch,
-heads, block-table width), never on context_lens values, so a CUDA graph can capture the launch.
+heads, block-table width), never on context_lens values, so a CUDA graph can capture the launch; each
+program cuts its own request's context into that many pieces.
 """
 from __future__ import annotations
 
@@ -41,7 +42,6 @@ def _paged_decode_kernel(
     # sizes
     scale_log2,  # softmax scale * log2(e): the softmax runs in base 2
     num_queries_per_kv,  # G = H // KVH
-    split_len,  # keys per split, a multiple of BLOCK_N
     # strides (the last dim of query, caches and out is dense)
     stride_qb, stride_qh,
     stride_kn, stride_kt, stride_kh,
@@ -63,6 +63,7 @@ def _paged_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + request * stride_cb)
+    split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(context_len, start + split_len)
 
@@ -105,7 +106,7 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new
 
-    # a split past the end of this request's context saw no key: l_i == 0, its output is 0, its lse -inf
+    # a split past the end of a short context saw no key: l_i == 0, its output is 0, its lse -inf
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_offsets = request * stride_ob + heads[:, None] * stride_oh + split * stride_os + dims[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
@@ -155,12 +156,13 @@ def _num_sms(device_index: int) -> int:
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Enough programs to fill the GPU twice over, no split shorter than MIN_SPLIT_TOKENS; 1 off CUDA
-    (the interpreter runs programs one after another, so splitting only adds work there)."""
+    """Enough programs to fill the GPU twice over, at most one split per MIN_SPLIT_TOKENS of the block
+    table's capacity (max_context), at most 16; 1 off CUDA (the interpreter runs programs one after
+    another, so splitting only adds work there)."""
     if device.type != "cuda":
         return 1
-    programs = batch * num_kv_heads
-    wanted = triton.cdiv(2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device()), programs)
+    device_index = device.index if device.index is not None else torch.cuda.current_device()
+    wanted = triton.cdiv(2 * _num_sms(device_index), batch * num_kv_heads)
     return max(1, min(wanted, max_context // MIN_SPLIT_TOKENS, 16))
 
 
@@ -194,7 +196,6 @@ def paged_decode_attention(
         num_splits = default_num_splits(batch, num_kv_heads, max_context, device)
     if num_splits < 1:
         raise ValueError(f"num_splits is {num_splits}, expected >= 1")
-    split_len = triton.cdiv(triton.cdiv(max_context, num_splits), BLOCK_N) * BLOCK_N
     queries_per_kv = num_heads // num_kv_heads
     if num_splits == 1:
         partial, lse = out, out  # the kernel writes straight into out; lse is unused
@@ -206,7 +207,7 @@ def paged_decode_attention(
 
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, context_lens, partial, lse,
-        scale * LOG2_E, queries_per_kv, split_len,
+        scale * LOG2_E, queries_per_kv,
         query.stride(0), query.stride(1),
         *key_cache.stride()[:3],
         *value_cache.stride()[:3],

@@ -37,9 +37,9 @@ def test_matches_reference(dtype, num_heads, num_kv_heads, block_size, head_dim)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_split_context_merges_to_the_same_output(dtype):
-    # a 6-page table of 32 keys is cut into 3 splits of 64: contexts 1 and 17 leave two splits empty, 100 spans two
+    # each context is cut into 3 splits of a multiple of 64 keys: 1, 17 and 33 leave two splits empty, 100 fills two
     generator = torch.Generator().manual_seed(1)
-    cache = make_paged_cache(CONTEXTS, 32, 2, 32, dtype, generator, extra_table_width=2)
+    cache = make_paged_cache(CONTEXTS, 32, 2, 32, dtype, generator)
     query = _query(len(CONTEXTS), 6, 32, dtype, generator)
 
     out = paged_decode_attention(
@@ -85,9 +85,9 @@ def test_strided_inputs_and_output():
 def test_zero_context_row_gives_zeros(num_splits):
     # a padded row of a captured batch has context_len 0: zeros, not NaN, and the other rows unaffected
     generator = torch.Generator().manual_seed(3)
-    cache = make_paged_cache([40, 5], 16, 1, 16, torch.float32, generator)  # 2 splits of 32 keys
+    cache = make_paged_cache([140, 5], 16, 1, 16, torch.float32, generator)  # 2 splits: 128 + 12 keys
     query = _query(2, 2, 16, torch.float32, generator)
-    context_lens = torch.tensor([40, 0], dtype=torch.int32, device=DEVICE)
+    context_lens = torch.tensor([140, 0], dtype=torch.int32, device=DEVICE)
 
     out = paged_decode_attention(
         query, cache.key_cache, cache.value_cache, cache.block_tables, context_lens, 0.25, num_splits=num_splits
