@@ -80,7 +80,8 @@ def _rotary_kernel(
 
 def _rope_table(name: str, table: torch.Tensor, num_tokens: int, head_dim: int, device: torch.device) -> torch.Tensor:
     """[T, 1, D] (as rope_cos_sin returns it) or [T, D] -> a [T, D] view."""
-    shape = (num_tokens, 1, head_dim) if isinstance(table, torch.Tensor) and table.dim() == 3 else (num_tokens, head_dim)
+    three_dims = isinstance(table, torch.Tensor) and table.dim() == 3
+    shape = (num_tokens, 1, head_dim) if three_dims else (num_tokens, head_dim)
     check_tensor("apply_rotary", name, table, shape, FLOAT_DTYPES, device)
     return table.reshape(num_tokens, head_dim) if table.dim() == 3 else table
 

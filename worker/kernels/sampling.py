@@ -120,10 +120,10 @@ def _check_row_params(
     logits: torch.Tensor, name: str, values: torch.Tensor | None, dtypes: tuple[torch.dtype, ...]
 ) -> None:
     if values is not None:
-        check_tensor("sample_tokens", name, values, (logits.shape[0],), dtypes, logits.device, last_dim_contiguous=False)
+        check_tensor("sample_tokens", name, values, (logits.shape[0],), dtypes, logits.device)
 
 
-def keep_thresholds(
+def _keep_thresholds(
     logits: torch.Tensor,  # [B, V]
     temperature: torch.Tensor,  # [B] float32
     top_k: torch.Tensor | None,  # [B] int, <= 0 or >= V: off
@@ -180,7 +180,7 @@ def sample_tokens(
     if batch_size == 0:
         return token_ids
     use_threshold = top_k is not None or top_p is not None or min_p is not None
-    thresholds = keep_thresholds(logits, temperature, top_k, top_p, min_p) if use_threshold else temperature
+    thresholds = _keep_thresholds(logits, temperature, top_k, top_p, min_p) if use_threshold else temperature
     block_vocab, block_rows = _block_sizes(batch_size, vocab_size)
     _sample_kernel[(triton.cdiv(batch_size, block_rows),)](
         logits, temperature, thresholds, seeds, token_ids,
@@ -193,11 +193,13 @@ def sample_tokens(
 
 def exponential_noise(seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """seeds: [B] int64 -> q: [B, V] float32, the Exp(1) noise sample_tokens draws with for those seeds."""
-    check_tensor("exponential_noise", "seeds", seeds, (None,), (torch.int64,), last_dim_contiguous=False)
+    check_tensor("exponential_noise", "seeds", seeds, (None,), (torch.int64,))
     noise = torch.empty(seeds.shape[0], vocab_size, dtype=torch.float32, device=seeds.device)
     if seeds.shape[0] == 0 or vocab_size == 0:
         return noise
     block_vocab, block_rows = _block_sizes(seeds.shape[0], vocab_size)
     grid = (triton.cdiv(seeds.shape[0], block_rows), triton.cdiv(vocab_size, block_vocab))
-    _exponential_noise_kernel[grid](seeds, noise, seeds.shape[0], vocab_size, BLOCK_ROWS=block_rows, BLOCK_VOCAB=block_vocab)
+    _exponential_noise_kernel[grid](
+        seeds, noise, seeds.shape[0], vocab_size, BLOCK_ROWS=block_rows, BLOCK_VOCAB=block_vocab
+    )
     return noise

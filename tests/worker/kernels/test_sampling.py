@@ -52,7 +52,8 @@ def test_greedy_rows_are_the_argmax_whatever_their_filters():
 
     assert tokens.dtype == torch.int64 and tokens.device == logits.device
     assert torch.equal(tokens, logits.argmax(dim=-1))
-    assert torch.equal(sample_tokens(logits, torch.zeros(6, device=DEVICE), None, None, _seeds(6)), logits.argmax(dim=-1))
+    unfiltered = sample_tokens(logits, torch.zeros(6, device=DEVICE), None, None, _seeds(6))
+    assert torch.equal(unfiltered, logits.argmax(dim=-1))
 
 
 def test_top_k_of_one_is_the_argmax_at_any_temperature():
@@ -135,8 +136,10 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch():
     shuffled = sample_tokens(logits[order], temperature, None, top_p, seeds[order])
     # same seed, other neighbours (different logits and parameters next to it)
     neighbours = torch.cat([_logits(2, seed=9), logits[4:5]])
-    mixed = sample_tokens(neighbours, _rows([0.0, 2.0, 1.0], torch.float32), None, _rows([1.0, 0.5, 0.95], torch.float32),
-                          torch.cat([_seeds(2, first=100), seeds[4:5]]))  # fmt: skip
+    mixed = sample_tokens(
+        neighbours, _rows([0.0, 2.0, 1.0], torch.float32), None, _rows([1.0, 0.5, 0.95], torch.float32),
+        torch.cat([_seeds(2, first=100), seeds[4:5]]),
+    )  # fmt: skip
 
     assert shuffled[0] == alone[0] and mixed[2] == alone[0]
     # and another seed gives an independent draw: over the six rows, not every token repeats
@@ -191,13 +194,15 @@ def test_inputs_are_validated_with_the_argument_named():
         sample_tokens(logits.flatten(), temperature, None, None, seeds)
     with pytest.raises(ValueError, match=r"sample_tokens: temperature has shape \[4\], expected \[3\]"):
         sample_tokens(logits, torch.ones(4, device=DEVICE), None, None, seeds)
-    with pytest.raises(ValueError, match=r"sample_tokens: temperature has dtype torch.float64, expected torch.float32"):
+    with pytest.raises(ValueError, match=r"temperature has dtype torch.float64, expected torch.float32"):
         sample_tokens(logits, temperature.double(), None, None, seeds)
-    with pytest.raises(ValueError, match=r"sample_tokens: top_k has dtype torch.float32, expected torch.int32 or torch.int64"):
+    with pytest.raises(ValueError, match=r"top_k has dtype torch.float32, expected torch.int32 or torch.int64"):
         sample_tokens(logits, temperature, temperature, None, seeds)
     with pytest.raises(ValueError, match=r"sample_tokens: top_p has shape \[2\], expected \[3\]"):
         sample_tokens(logits, temperature, None, temperature[:2], seeds)
+    with pytest.raises(ValueError, match=r"sample_tokens: top_k has strides \[2\], expected stride 1"):
+        sample_tokens(logits, temperature, torch.ones(6, dtype=torch.int32, device=DEVICE)[::2], None, seeds)
     with pytest.raises(ValueError, match=r"sample_tokens: seeds has dtype torch.int32, expected torch.int64"):
         sample_tokens(logits, temperature, None, None, seeds.int())
-    with pytest.raises(ValueError, match=r"sample_tokens: logits has shape \[3, 0\], expected a vocabulary of at least 1"):
+    with pytest.raises(ValueError, match=r"logits has shape \[3, 0\], expected a vocabulary of at least 1"):
         sample_tokens(torch.zeros(3, 0, device=DEVICE), temperature, None, None, seeds)
