@@ -19,7 +19,7 @@ def _gate_up(num_tokens: int, intermediate_size: int, dtype: torch.dtype, seed: 
     return (torch.randn(num_tokens, 2 * intermediate_size, generator=generator) * 3).to(DEVICE, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens, intermediate_size", [(1, 40), (7, 1100), (33, 96)])  # 1100: two column blocks
 def test_matches_silu_times_up_on_strided_halves(dtype, num_tokens, intermediate_size):
     gate, up = _gate_up(num_tokens, intermediate_size, dtype, seed=num_tokens).chunk(2, dim=-1)

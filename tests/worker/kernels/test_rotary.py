@@ -24,7 +24,7 @@ def _fused_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int
     return qkv, q, k, v
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "num_tokens, num_heads, num_kv_heads, head_dim",
     [(1, 4, 4, 32), (7, 6, 2, 48), (33, 8, 1, 64)],  # GQA ratios 1, 3, 8; D / 2 = 24 is not a power of two
