@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         context_range, warmup, timed = (args.min_context, args.max_context), args.warmup_steps, args.timed_steps
         copy_gb_s = copy_bandwidth_gb_s(device, 1 << 30, 20)
         print(f"device: {torch.cuda.get_device_name(device)}; torch {torch.__version__}", flush=True)
-    print(f"device-to-device copy: {copy_gb_s:.0f} GB/s (read + write)", flush=True)
+    print(f"device-to-device copy: {copy_gb_s:.1f} GB/s (read + write)", flush=True)
     started = time.perf_counter()
     model = random_llama(config, dtype, device, seed=args.seed)
     print(f"model: {config.num_layers} layers, hidden {config.hidden_size}, {weight_bytes(model) / 1e9:.2f} GB of weights "

@@ -33,10 +33,13 @@ def tiny_config(num_layers: int = 2, max_position_embeddings: int = 256) -> Mode
 @torch.no_grad()
 def random_llama(config: ModelConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
                  std: float = 0.02) -> LlamaModel:
-    """Weights ~ N(0, std), norm weights ~ U(0.5, 1.5); allocated on the meta device, drawn on `device`."""
-    with torch.device("meta"):
-        model = LlamaModel(config)
-    model = model.to(dtype).to_empty(device=device)  # cast on meta: an 8B model never exists in float32
+    """Weights ~ N(0, std), norm weights ~ U(0.5, 1.5), drawn on `device`."""
+    if torch.device(device).type == "cpu":  # small models only; the meta context below costs a dynamo import
+        model = LlamaModel(config).to(dtype)
+    else:
+        with torch.device("meta"):
+            model = LlamaModel(config)
+        model = model.to(dtype).to_empty(device=device)  # cast on meta: an 8B model never exists in float32
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
