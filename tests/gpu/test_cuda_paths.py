@@ -40,7 +40,7 @@ def test_triton_runner_on_cuda_matches_torch_backend(model_and_config, cuda_grap
     assert (triton.execution.kernel_backend, triton.execution.cuda_graphs, triton.execution.stream_overlap) == (
         "triton", cuda_graphs, stream_overlap)
     reference = runner_with(model, config, kernel_backend="torch")
-    assert_same_steps(run_mixed_steps(reference), run_mixed_steps(triton), logprob_atol=2e-3)
+    assert_same_steps(run_mixed_steps(reference), run_mixed_steps(triton), logprob_atol=5e-3)
     # plain greedy rows take the argmax + pinned readback path when overlap is on
     assert_same_steps(run_mixed_steps(runner_with(model, config, kernel_backend="torch"), PLAIN_GREEDY),
                       run_mixed_steps(runner_with(model, config, cuda_graphs=cuda_graphs, stream_overlap=stream_overlap),

@@ -59,3 +59,18 @@ def test_cpu_runner_takes_the_torch_path_and_builds_nothing_cuda():
                          dtype=torch.float32)
     assert runner.execution.kernel_backend == "torch" and runner.kernel_path is None
     runner.warm_up()
+
+
+def test_serve_flags_reach_the_worker_command_line():
+    from tokenmill.cli import build_parser
+    from tokenmill.cluster import ClusterConfig, cluster_specs
+
+    serve = build_parser().parse_args(["serve", "--kernel-backend", "torch", "--quantization", "int8",
+                                       "--no-cuda-graphs", "--no-stream-overlap", "--device", "cpu"])
+    assert (serve.kernel_backend, serve.quantization, serve.no_cuda_graphs, serve.no_stream_overlap) == ("torch", "int8", True, True)
+    config = ClusterConfig(redis_url="redis://127.0.0.1:1", http_port=None, device="cpu", kernel_backend="torch",
+                           quantization="int8", cuda_graphs=False, stream_overlap=False)
+    worker = next(spec for spec in cluster_specs(config) if spec.name == "worker")
+    args = parse_args(list(worker.argv[3:]))  # past "python -m worker.main"
+    assert args.device == "cpu"
+    assert args.execution == ExecutionOptions(kernel_backend="torch", quantization="int8", cuda_graphs=False, stream_overlap=False)
