@@ -67,8 +67,11 @@ class DecodeGraphs:
             return None
         return graph_bucket(num_rows, self.batch_sizes)
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: KernelMetadata) -> torch.Tensor:
-        """A decode-only step that bucket_for() accepted -> logits [B, vocab] float32 (a view; valid until the next replay)."""
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: KernelMetadata) -> int:
+        """Copies a decode step into the static buffers in place and pads it to its bucket; returns the bucket.
+
+        Separate from replay() so that what a graph reads can be checked without CUDA (run _forward(bucket)).
+        """
         rows = input_ids.shape[0]
         bucket = graph_bucket(rows, self.batch_sizes)
         max_blocks = metadata.block_tables.shape[1]
@@ -78,8 +81,14 @@ class DecodeGraphs:
         self.block_tables[:rows, :max_blocks].copy_(metadata.block_tables, non_blocking=True)
         self.context_lens[:rows].copy_(metadata.context_lens, non_blocking=True)
         if bucket > rows:  # padding rows: write nothing, read one slot of block 0
+            self.input_ids[rows:bucket].fill_(0)
             self.slot_mapping[rows:bucket].fill_(-1)
             self.context_lens[rows:bucket].fill_(1)
             self.block_tables[rows:bucket, 0].fill_(0)
+        return bucket
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: KernelMetadata) -> torch.Tensor:
+        """A decode-only step that bucket_for() accepted -> logits [B, vocab] float32 (a view; valid until the next replay)."""
+        bucket = self.load(input_ids, positions, metadata)
         self.graphs[bucket].replay()
-        return self.logits[bucket][:rows]
+        return self.logits[bucket][: input_ids.shape[0]]
