@@ -62,10 +62,9 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def bucket_for(self, num_rows: int, max_blocks: int) -> int | None:
-        """The bucket a decode step of num_rows rows replays, or None (run it eagerly)."""
-        if max_blocks > self.max_blocks_per_seq:
-            return None
-        return graph_bucket(num_rows, self.batch_sizes)
+        """The bucket a decode step of num_rows rows replays, or None (run it eagerly; also before capture())."""
+        bucket = graph_bucket(num_rows, self.batch_sizes)
+        return bucket if max_blocks <= self.max_blocks_per_seq and bucket in self.graphs else None
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: KernelMetadata) -> int:
         """Copies a decode step into the static buffers in place and pads it to its bucket; returns the bucket.

@@ -31,8 +31,8 @@ def test_static_buffers_pad_to_the_bucket_and_match_the_eager_step():
         rows = len(spans)
         ids = torch.tensor([5, 9, 200][:rows])
         positions = torch.tensor([span.context_len - 1 for span in spans])
-        assert graphs.bucket_for(rows, metadata.block_tables.shape[1]) == graphs.load(ids, positions, metadata)
         bucket = graphs.load(ids, positions, metadata)
+        assert bucket == {2: 2, 3: 4}[rows]
         with torch.inference_mode():
             from_buffers = graphs._forward(bucket)[:rows]  # what the bucket's graph replays
             hidden = triton_forward(model, ids, positions, eager_cache, metadata, kernels)
@@ -41,4 +41,4 @@ def test_static_buffers_pad_to_the_bucket_and_match_the_eager_step():
         # same K/V (up to matmul rounding at another row count); a padding row writing anywhere would differ by O(1)
         torch.testing.assert_close(graph_cache.storage, eager_cache.storage, atol=1e-5, rtol=1e-5)
     assert bucket == 4 and graphs.slot_mapping[3] == -1 and graphs.context_lens[3] == 1
-    assert graphs.bucket_for(5, 2) is None and graphs.bucket_for(2, 5) is None  # too many rows / blocks: eager
+    assert graphs.bucket_for(2, 2) is None  # nothing captured (no CUDA here): every step runs eagerly
