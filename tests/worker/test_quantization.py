@@ -30,3 +30,19 @@ def test_int8_model_stays_close_to_float32():
     assert 0 < relative < 0.05, relative
     # a random model's top two logits are often near-ties (35/40 agreed when written); a broken scale flips most
     assert (actual.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.75
+
+
+def test_build_runner_quantizes_at_load(tmp_path):
+    from scheduler.plan import NewRequestData, StepPlan
+    from scheduler.request import SamplingParams
+    from tests.helpers.tiny_models import make_tiny_hf_model
+    from worker.backends import ExecutionOptions
+    from worker.build import build_runner
+
+    folder, _ = make_tiny_hf_model(tmp_path, "qwen2")  # q/k/v bias: Int8Linear keeps it
+    runner = build_runner(folder, "float32", 4, 2**20, num_blocks=8, progress=False,
+                          options=ExecutionOptions(quantization="int8"))
+    wqkv = runner.model.layers[0].attn.wqkv
+    assert isinstance(wqkv, Int8Linear) and not wqkv.use_kernel and wqkv.bias is not None
+    plan = StepPlan(1, [NewRequestData("r", [1, 2, 3], 3, SamplingParams(temperature=0.0), [1], 0)], num_scheduled_tokens={"r": 3})
+    assert set(runner.execute(plan).sampled_token_ids) == {"r"}
