@@ -3,12 +3,13 @@
 One step: host metadata (plain lists) -> device tensors (through pinned staging on a copy stream when
 stream overlap is on, else plain torch.tensor copies) -> a replayed decode graph when the step is
 decode-only and fits a bucket, else the eager kernel forward -> logits of the rows that sample ->
-tokens. All-plain-greedy batches take the argmax on the device and bring the ids back through the
-pinned readback; anything else (temperature, penalties, logprobs) goes through worker.sampler, which
-already runs on the logits' device.
+tokens. Batches without penalties or logprobs are sampled on the device (argmax, or the sampling
+kernel for temperature / top-k / top-p / min-p) and the ids come back in one copy (through the pinned
+readback on CUDA); batches with penalties or logprobs go through worker.sampler.
 """
 from __future__ import annotations
 
+import random
 from typing import Sequence
 
 import torch
@@ -18,7 +19,8 @@ from worker.attention import RequestSpan
 from worker.backends import ResolvedExecution
 from worker.kv_cache import KVCache
 from worker.model import LlamaModel
-from worker.sampler import SamplingRow, _is_plain_greedy, sample
+from worker.penalties import has_penalties
+from worker.sampler import SamplingRow, _is_plain_greedy, draw_seed, sample
 from worker.triton_forward import HostMetadata, host_metadata, load_kernels, to_device, triton_forward
 
 
@@ -70,9 +72,40 @@ class KernelPath:
         return logits
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Batches without penalties or logprobs are sampled on the device (sample_tokens) and read back once;
+        the others go through worker.sampler."""
         if not rows:
             return [], []
-        if self.readback is not None and all(_is_plain_greedy(row.params) for row in rows):
-            self.readback.start(logits.argmax(dim=-1))
+        if any(has_penalties(row.params) or row.params.logprobs is not None for row in rows):
+            return sample(logits, rows)
+        if all(_is_plain_greedy(row.params) for row in rows):
+            token_ids = logits.argmax(dim=-1)  # [R]
+        else:
+            token_ids = self.kernels.sample_tokens(logits, **self._row_params(rows))  # [R] int64, no host sync
+        if self.readback is not None:
+            self.readback.start(token_ids)
             return self.readback.finish(), [None] * len(rows)
-        return sample(logits, rows)
+        return token_ids.tolist(), [None] * len(rows)
+
+    def _row_params(self, rows: Sequence[SamplingRow]) -> dict[str, torch.Tensor | None]:
+        """Per-row sampling parameters as device tensors; None for a filter no row uses (skips the sort).
+
+        Seeds: a seeded request's draw_seed(seed, outputs so far), as worker.sampler, so its tokens do
+        not depend on the batch; the others a fresh random int64.
+        """
+        params = [row.params for row in rows]
+        seeds = [draw_seed(p.seed, row.num_output_tokens) if p.seed is not None else random.getrandbits(63)
+                 for p, row in zip(params, rows)]
+
+        def column(values, dtype, unused) -> torch.Tensor | None:
+            if unused is not None and all(value == unused for value in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        return {
+            "temperature": column([p.temperature for p in params], torch.float32, None),
+            "top_k": column([p.top_k if p.top_k > 0 else 0 for p in params], torch.int64, 0),
+            "top_p": column([p.top_p for p in params], torch.float32, 1.0),
+            "min_p": column([p.min_p for p in params], torch.float32, 0.0),
+            "seeds": column(seeds, torch.int64, None),
+        }

@@ -86,11 +86,12 @@ def load_kernels() -> SimpleNamespace:
     from worker.kernels.prefill_attention import paged_prefill_attention
     from worker.kernels.rms_norm import fused_add_rms_norm, rms_norm
     from worker.kernels.rotary import apply_rotary
+    from worker.kernels.sampling import sample_tokens
 
     return SimpleNamespace(
         silu_and_mul=silu_and_mul, write_kv=write_kv, paged_decode_attention=paged_decode_attention,
         paged_prefill_attention=paged_prefill_attention, fused_add_rms_norm=fused_add_rms_norm,
-        rms_norm=rms_norm, apply_rotary=apply_rotary,
+        rms_norm=rms_norm, apply_rotary=apply_rotary, sample_tokens=sample_tokens,
     )
 
 

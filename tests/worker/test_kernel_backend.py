@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from scheduler.plan import CachedRequestData, NewRequestData, StepPlan
+from scheduler.request import SamplingParams
 from tests.gpu.random_model import random_llama, tiny_config
 from tests.gpu.steps import BLOCK_SIZE, NUM_BLOCKS, assert_same_steps, run_mixed_steps
 from worker.backends import ExecutionOptions
@@ -41,3 +43,34 @@ def test_triton_backend_warm_up_on_cpu_needs_no_cuda(model_and_config):
     runner.warm_up()
     # on CPU the CUDA-only parts resolve off and are never built
     assert (runner.kernel_path.stager, runner.kernel_path.readback, runner.kernel_path.graphs) == (None, None, None)
+
+
+def generate(runner: ModelRunner, requests: dict[str, SamplingParams], num_steps: int) -> dict[str, list[int]]:
+    """Each request: prompt [5, 6, 7, 8] in its own 4 pages, then num_steps - 1 decode steps; its sampled tokens."""
+    new = [NewRequestData(rid, [5, 6, 7, 8], 4, params, [4 * i + 1, 4 * i + 2, 4 * i + 3, 4 * i + 4], 0)
+           for i, (rid, params) in enumerate(requests.items())]
+    out = runner.execute(StepPlan(1, new, num_scheduled_tokens={rid: 4 for rid in requests}))
+    tokens = {rid: [out.sampled_token_ids[rid]] for rid in requests}
+    for step in range(2, num_steps + 1):
+        cached = [CachedRequestData(rid, [], runner.requests[rid].num_computed_tokens) for rid in requests]
+        out = runner.execute(StepPlan(step, cached_requests=cached, num_scheduled_tokens={rid: 1 for rid in requests}))
+        for rid in requests:
+            tokens[rid].append(out.sampled_token_ids[rid])
+    return tokens
+
+
+def test_triton_backend_samples_on_the_device(model_and_config):
+    model, config = model_and_config
+
+    def runner(backend: str) -> ModelRunner:
+        return ModelRunner(model, config, num_blocks=16, block_size=BLOCK_SIZE, dtype=torch.float32,
+                           options=ExecutionOptions(kernel_backend=backend))
+
+    greedy = generate(runner("torch"), {"g": SamplingParams(temperature=0.0)}, 4)["g"]
+    seeded = SamplingParams(temperature=1.5, top_p=0.9, seed=1234)
+    alone = generate(runner("triton"), {"s": seeded}, 4)["s"]
+    crowded = generate(runner("triton"), {"x": SamplingParams(temperature=2.0), "s": seeded,
+                                          "k1": SamplingParams(temperature=0.7, top_k=1)}, 4)
+    assert crowded["k1"] == greedy  # top-k 1 keeps only the argmax, whatever the temperature
+    assert crowded["s"] == alone  # a seeded row's tokens ignore its neighbours (per-row seeds)
+    assert all(0 <= t < config.vocab_size for t in crowded["x"])
