@@ -99,3 +99,13 @@ def test_int8_kernel_model_matches_the_torch_int8_path(model_and_config):
     expected = window_logits(with_torch, config, token_ids, torch.float32, CUDA)
     actual = window_logits(with_kernel, config, token_ids, torch.float32, CUDA)
     torch.testing.assert_close(actual, expected, atol=2e-3, rtol=2e-3)
+
+
+def test_seeded_sampling_is_the_same_with_and_without_graphs(model_and_config):
+    from scheduler.request import SamplingParams
+
+    model, config = model_and_config
+    seeded = SamplingParams(temperature=1.3, top_k=50, top_p=0.95, seed=99, max_tokens=64)
+    with_graphs = run_mixed_steps(runner_with(model, config, cuda_graphs=True), seeded)
+    without = run_mixed_steps(runner_with(model, config, cuda_graphs=False, stream_overlap=False), seeded)
+    assert_same_steps(without, with_graphs, logprob_atol=0)
