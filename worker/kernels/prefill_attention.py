@@ -25,8 +25,15 @@ from worker.kernels.paged_shared import (
 )
 
 LOG2_E = 1.4426950408889634
-BLOCK_M = 64  # query rows (token, head) per tile, unless one group of heads is larger
-BLOCK_N = 64  # keys per inner step
+
+
+def _tiles(dtype: torch.dtype, head_dim: int, queries_per_kv: int) -> tuple[int, int, int]:
+    """(BLOCK_M query rows, BLOCK_N keys, num_warps), from sm_90 compiles (ptxas -v, no GPU run):
+    16-bit 64 x 64 at D=128 takes 195 registers with 4 warps, 136 with 8, no spills; float32 (full
+    precision products) spills at 64 x 64 even with 8 warps, and 32 x 32 with 4 warps does not."""
+    block_m, block_n = (32, 32) if dtype == torch.float32 else (64, 64)
+    num_warps = 8 if dtype != torch.float32 and head_dim >= 128 else 4
+    return max(block_m, triton.next_power_of_2(queries_per_kv)), block_n, num_warps
 
 
 @triton.jit
@@ -168,8 +175,8 @@ def paged_prefill_attention(
         return out
 
     queries_per_kv = num_heads // num_kv_heads
-    block_m = max(BLOCK_M, triton.next_power_of_2(queries_per_kv))
-    block_q = block_m // queries_per_kv
+    block_m, block_n, num_warps = _tiles(query.dtype, head_dim, queries_per_kv)
+    block_q = block_m // queries_per_kv  # tokens per tile; a group of heads never splits across tiles
     _prefill_kernel[(num_tokens // block_q + num_requests, num_kv_heads)](
         query, key_cache, value_cache, block_tables, query_start_loc, context_lens, out,
         scale * LOG2_E, num_requests,
@@ -184,10 +191,9 @@ def paged_prefill_attention(
         QUERIES_PER_KV=queries_per_kv,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=block_n,
         PRECISION=dot_precision(query.dtype),
         UPCAST=dot_upcast(query.dtype, device),
-        # sm_90 compile (ptxas -v), 64 x 64 tiles at D=128: 195 registers with 4 warps, 136 with 8, no spills
-        num_warps=8 if head_dim >= 128 else 4,
+        num_warps=num_warps,
     )
     return out

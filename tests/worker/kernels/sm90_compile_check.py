@@ -15,6 +15,7 @@ import sys
 
 os.environ.pop("TRITON_INTERPRET", None)  # before triton is imported: compile, don't interpret
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -22,6 +23,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from worker.kernels import kv_write, paged_decode_attention, prefill_attention  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
 
 
@@ -54,9 +56,9 @@ def main(dtypes: list[str]) -> None:
         merge = dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{dtype}")
         print(dtype, "merge:", compile_kernel(paged_decode_attention._merge_splits_kernel, merge, dict(NUM_SPLITS=4, BLOCK_S=4, HEAD_DIM=128)))
         for group, head_dim in ((4, 128), (3, 64)):
-            constexprs = dict(BLOCK_SIZE=16, HEAD_DIM=head_dim, QUERIES_PER_KV=group, BLOCK_Q=64 // group, BLOCK_M=64,
-                              BLOCK_N=64, PRECISION=precision, UPCAST=False)
-            num_warps = 8 if head_dim >= 128 else 4
+            block_m, block_n, num_warps = prefill_attention._tiles(TORCH_DTYPES[dtype], head_dim, group)
+            constexprs = dict(BLOCK_SIZE=16, HEAD_DIM=head_dim, QUERIES_PER_KV=group, BLOCK_Q=block_m // group,
+                              BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, UPCAST=False)
             print(dtype, f"prefill, G={group}, D={head_dim}:", compile_kernel(prefill_attention._prefill_kernel, cache, constexprs, num_warps))
         tensors = {name: f"*{dtype}" for name in ("key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr")}
         tensors.update(slot_mapping_ptr="*i64")

@@ -51,7 +51,7 @@ def test_mixed_batch_matches_reference(dtype, num_heads, num_kv_heads, block_siz
 
 
 def test_one_long_request_spans_query_tiles():
-    # ratio 1: 64 tokens per query tile, so 70 tokens after a 30-token prefix take two tiles
+    # ratio 1, float32: 32 tokens per query tile, so 70 tokens after a 30-token prefix take three tiles
     generator = torch.Generator().manual_seed(1)
     cache = make_paged_cache([100], 16, 1, 16, torch.float32, generator)
     query = _query(70, 1, 16, torch.float32, generator)
