@@ -85,6 +85,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token budget per step (default: %(default)s)")
     parser.add_argument("--max-model-len", type=POSITIVE, help="context limit (default: the model's)")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    # the worker's execution; the same names and choices as worker.backends (not imported: it needs torch)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="worker device; auto: cuda when torch sees a GPU (default: %(default)s)")
+    parser.add_argument("--kernel-backend", choices=("auto", "torch", "triton"), default="auto",
+                        help="auto: triton on CUDA, torch on CPU (default: %(default)s)")
+    parser.add_argument("--quantization", choices=("none", "int8"), default="none",
+                        help="int8: weight-only INT8 linears (default: %(default)s)")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="decode steps run eagerly (CUDA only)")
+    parser.add_argument("--no-stream-overlap", action="store_true", help="no pinned staging / copy stream (CUDA only)")
     parser.add_argument("--startup-timeout-s", type=_ranged(float, 0.0, low_open=True, what="> 0"), default=300.0,
                         help="how long each component may take to become ready (default: %(default)s)")
     parser.add_argument("--grace-period-s", type=NON_NEGATIVE_FLOAT, default=10.0,
@@ -164,7 +173,9 @@ def serve(args: argparse.Namespace) -> int:
         redis_port=args.redis_port, kv_policy=args.kv_policy, queue_policy=args.queue_policy,
         block_size=args.block_size, kv_cache_mb=args.kv_cache_mb, num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching))
+        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+        device=args.device, kernel_backend=args.kernel_backend, quantization=args.quantization,
+        cuda_graphs=not args.no_cuda_graphs, stream_overlap=not args.no_stream_overlap))
     try:
         specs = cluster_specs(config)
     except (FileNotFoundError, ValueError) as error:  # no redis-server binary; a password redis.conf cannot hold

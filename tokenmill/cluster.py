@@ -54,6 +54,12 @@ class ClusterConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # the worker's execution (worker.backends): device auto = cuda when visible; backend auto = triton on CUDA
+    device: str = "auto"
+    kernel_backend: str = "auto"
+    quantization: str = "none"
+    cuda_graphs: bool = True
+    stream_overlap: bool = True
     python: str = sys.executable
 
     @property
@@ -131,6 +137,11 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
               "--kv-cache-mb", str(config.kv_cache_mb), *server_tls, *internal_size]
     if config.num_blocks is not None:
         worker += ["--num-blocks", str(config.num_blocks)]
+    worker += ["--device", config.device, "--kernel-backend", config.kernel_backend, "--quantization", config.quantization]
+    if not config.cuda_graphs:
+        worker.append("--no-cuda-graphs")
+    if not config.stream_overlap:
+        worker.append("--no-stream-overlap")
     scheduler = [config.python, "-m", "scheduler.main", "--host", config.internal_host,
                  "--port", str(config.scheduler_port), "--worker", config.worker_address,
                  *server_tls, *(probe_tls.argv("worker") if probe_tls else []), *internal_size,

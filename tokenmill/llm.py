@@ -10,6 +10,7 @@ from scheduler.engine import EngineCore
 from scheduler.outputs import RequestOutput
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
+from worker.backends import ExecutionOptions
 from worker.build import build_runner
 from worker.model_runner import ModelRunner
 
@@ -27,6 +28,15 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's own limit
+    device: str = "cpu"  # cpu, cuda or auto (worker.build.resolve_device)
+    kernel_backend: str = "auto"  # auto: triton on CUDA, torch on CPU (worker.backends)
+    quantization: str = "none"  # int8: weight-only INT8 linears
+    cuda_graphs: bool = True  # CUDA + triton only
+    stream_overlap: bool = True  # CUDA only
+
+    def execution_options(self) -> ExecutionOptions:
+        return ExecutionOptions(kernel_backend=self.kernel_backend, quantization=self.quantization,
+                                cuda_graphs=self.cuda_graphs, stream_overlap=self.stream_overlap)
 
 
 def scheduler_config_for(config: EngineConfig, num_blocks: int, model_max_len: int) -> SchedulerConfig:
@@ -43,7 +53,8 @@ class LLM:
                  progress: bool = True) -> None:
         self.config = config
         self.runner = runner or build_runner(config.model, config.dtype, config.block_size, config.kv_cache_bytes,
-                                             config.num_blocks, progress)
+                                             config.num_blocks, progress, device=config.device,
+                                             options=config.execution_options())
         self.model_config = self.runner.model_config
         self.engine = self.new_engine(config)
         self._ids = itertools.count()

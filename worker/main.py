@@ -12,7 +12,8 @@ from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc
 from tokenmill import rpc, tls
 from tokenmill.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
 from tokenmill.process import run_process, wait_for_stop_signal
-from worker.build import DTYPES, build_runner, model_name
+from worker.backends import add_execution_flags, execution_options_from_args
+from worker.build import DTYPES, build_runner, model_name, resolve_device
 from worker.kv_cache import bytes_per_block
 from worker.model_runner import ModelRunner
 from worker.service import WorkerServicer, model_config_to_proto
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-mb", type=int, default=512, help="memory budget for the KV cache")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV pages; overrides --kv-cache-mb")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    add_execution_flags(parser)
     add_message_size_argument(parser, INTERNAL_MAX_MESSAGE_BYTES)
     tls.add_server_arguments(parser)
     return parser
@@ -41,11 +43,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.tls = tls.server_tls_from_args(parser, args)
     if args.block_size <= 0 or args.block_size & (args.block_size - 1):
         parser.error(f"--block-size={args.block_size} must be a positive power of two")
+    try:
+        args.execution = execution_options_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     return args
 
 
 def build_worker(args: argparse.Namespace) -> tuple[ModelRunner, worker_pb2.GetCapacityResponse]:
-    runner = build_runner(args.model, args.dtype, args.block_size, args.kv_cache_mb * 2**20, args.num_blocks)
+    runner = build_runner(args.model, args.dtype, args.block_size, args.kv_cache_mb * 2**20, args.num_blocks,
+                          device=args.device, options=args.execution)
     started = time.perf_counter()
     runner.warm_up()  # readiness waits for this: the first real request must not pay for it
     logger.info("warm-up forward pass done in %.0f ms", (time.perf_counter() - started) * 1e3)
@@ -80,6 +87,10 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    if args.execution.kernel_backend == "triton" and resolve_device(args.device).type != "cuda":
+        # Triton kernels on a machine without CUDA run in its interpreter (slow; for checking only).
+        # Triton reads this when a kernel module is imported, which happens after this point.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     run_process(serve(args))
 
 

@@ -15,6 +15,7 @@ import torch
 from scheduler.plan import StepPlan, StepResult
 from scheduler.request import SamplingParams
 from worker.attention import DECODE_GROUP_BYTES, GatherWorkspace, RequestSpan, build_attention_metadata
+from worker.backends import ExecutionOptions, resolve_execution
 from worker.config import ModelConfig
 from worker.kv_cache import allocate_kv_cache
 from worker.model import LlamaModel
@@ -52,6 +53,7 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         decode_group_bytes: int = DECODE_GROUP_BYTES,  # K+V gathered per decode group (see worker.attention)
+        options: ExecutionOptions = ExecutionOptions(),  # kernel backend, CUDA graphs, stream overlap
     ) -> None:
         self.model = model
         self.model_config = model_config
@@ -63,6 +65,13 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequestState] = {}
         block_numel = block_size * model_config.num_kv_heads * model_config.head_dim
         self.gather_workspace = GatherWorkspace(block_numel, dtype, self.device, decode_group_bytes)
+        self.execution = resolve_execution(options, self.device)
+        # the Triton path (and everything CUDA-only) lives in its own object; None on the torch backend
+        self.kernel_path = None
+        if self.execution.kernel_backend == "triton":
+            from worker.kernel_path import KernelPath
+
+            self.kernel_path = KernelPath(model, self.kv_cache, block_size, self.execution, self.device)
 
     def _check_block_ids(self, request_id: str, block_ids: list[int], step_id: int) -> None:
         for block_id in block_ids:
@@ -125,23 +134,32 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id)
         packed = self._pack(plan)
         try:
-            attn_metadata = build_attention_metadata(packed.spans, self.block_size, self.device, self.gather_workspace)
+            if self.kernel_path is not None:
+                metadata = self.kernel_path.host_metadata(packed.spans)
+            else:
+                metadata = build_attention_metadata(packed.spans, self.block_size, self.device, self.gather_workspace)
         except ValueError as exc:
             raise PlanMismatchError(f"step {plan.step_id}: {exc}") from None
         with torch.inference_mode():
             started = time.perf_counter_ns()
-            hidden = self.model(
-                torch.tensor(packed.input_ids, dtype=torch.long, device=self.device),
-                torch.tensor(packed.positions, dtype=torch.long, device=self.device),
-                self.kv_cache,
-                attn_metadata,
-            )  # [T, hidden]
-            logits = self.model.compute_logits(hidden[packed.sample_rows])  # [R, vocab] float32
+            if self.kernel_path is not None:
+                logits = self.kernel_path.logits(packed.input_ids, packed.positions, metadata, packed.sample_rows)
+            else:
+                hidden = self.model(
+                    torch.tensor(packed.input_ids, dtype=torch.long, device=self.device),
+                    torch.tensor(packed.positions, dtype=torch.long, device=self.device),
+                    self.kv_cache,
+                    metadata,
+                )  # [T, hidden]
+                logits = self.model.compute_logits(hidden[packed.sample_rows])  # [R, vocab] float32
             forward_ns = time.perf_counter_ns() - started
             for request_id, num_tokens in plan.num_scheduled_tokens.items():
                 self.requests[request_id].num_computed_tokens += num_tokens
             rows = [self._sampling_row(self.requests[rid]) for rid in packed.sampling_ids]
-            token_ids, logprobs = sample(logits, rows) if rows else ([], [])
+            if self.kernel_path is not None:
+                token_ids, logprobs = self.kernel_path.sample(logits, rows)
+            else:
+                token_ids, logprobs = sample(logits, rows) if rows else ([], [])
         result = StepResult(step_id=plan.step_id, forward_ns=forward_ns)
         for request_id, token_id, token_logprobs in zip(packed.sampling_ids, token_ids, logprobs):
             self.requests[request_id].token_ids.append(token_id)
@@ -155,13 +173,18 @@ class ModelRunner:
         return SamplingRow(params=state.sampling_params, token_ids=state.token_ids, num_prompt_tokens=state.num_prompt_tokens)
 
     def warm_up(self) -> None:
-        """One tiny forward pass through both attention paths (a 2-token prefill and a decode row).
+        """One tiny forward pass through both attention paths (a 2-token prefill and a decode row);
+        on the Triton backend with CUDA graphs, also captures the decode graphs.
 
         Writes garbage into block 0, so call it before serving (the worker reports ready after it).
         """
         spans = [RequestSpan(0, 2, 2, [0, 0]), RequestSpan(2, 1, 3, [0, 0, 0])]
-        attn_metadata = build_attention_metadata(spans, self.block_size, self.device, self.gather_workspace)
         with torch.inference_mode():
+            if self.kernel_path is not None:
+                self.kernel_path.logits([0, 0, 0], [0, 1, 2], self.kernel_path.host_metadata(spans), [1, 2])
+                self.kernel_path.warm_up()
+                return
+            attn_metadata = build_attention_metadata(spans, self.block_size, self.device, self.gather_workspace)
             ids = torch.zeros(3, dtype=torch.long, device=self.device)
             positions = torch.tensor([0, 1, 2], device=self.device)
             hidden = self.model(ids, positions, self.kv_cache, attn_metadata)

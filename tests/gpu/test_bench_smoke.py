@@ -1,0 +1,17 @@
+"""The device benchmark's own code, on a tiny model on the CPU, so that tests/gpu/run.sh cannot rot where
+there is no GPU. The Triton path it drives on the device is checked by tests/worker/test_kernel_backend.py."""
+from __future__ import annotations
+
+import json
+
+from tests.gpu.bench_decode import main
+
+
+def test_dry_run_measures_every_setting(tmp_path):
+    output = tmp_path / "bench.json"
+    rows = main(["--dry-run", "--kernel-backend", "torch", "--output", str(output)])
+    # 2 batch sizes x 4 (graphs, overlap) settings; on CPU both resolve off but every setting still runs
+    assert [(row.batch_size, row.cuda_graphs, row.stream_overlap) for row in rows] == [(b, False, False) for b in (1, 3)] * 4
+    assert all(row.step_ms > 0 and row.tokens_per_s > 0 and row.bytes_per_step > 0 for row in rows)
+    saved = json.loads(output.read_text())
+    assert saved["copy_gb_s"] > 0 and len(saved["rows"]) == 8

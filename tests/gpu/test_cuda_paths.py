@@ -1,0 +1,111 @@
+"""The CUDA-only paths: decode graphs, pinned staging on a copy stream, the async token readback and the
+INT8 kernel inside a model. Skipped without CUDA; tests/gpu/run.sh runs them on the device machine."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.gpu.random_model import random_llama, tiny_config
+from tests.gpu.steps import BLOCK_SIZE, NUM_BLOCKS, PLAIN_GREEDY, assert_same_steps, run_mixed_steps
+from worker.attention import RequestSpan
+from worker.backends import ExecutionOptions
+from worker.int8_agreement import window_logits
+from worker.model_runner import ModelRunner
+from worker.quantization import quantize_linears_int8
+from worker.triton_forward import host_metadata, to_device
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only paths; run by tests/gpu/run.sh")
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def model_and_config():
+    config = tiny_config(num_layers=2)
+    return random_llama(config, torch.float32, CUDA, seed=3, std=0.2), config
+
+
+def runner_with(model, config, **options) -> ModelRunner:
+    runner = ModelRunner(model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=torch.float32,
+                         options=ExecutionOptions(graph_batch_sizes=(1, 2, 4), **options))
+    runner.warm_up()
+    return runner
+
+
+@pytest.mark.parametrize("cuda_graphs, stream_overlap", [(True, True), (True, False), (False, True), (False, False)])
+def test_triton_runner_on_cuda_matches_torch_backend(model_and_config, cuda_graphs, stream_overlap):
+    model, config = model_and_config
+    triton = runner_with(model, config, cuda_graphs=cuda_graphs, stream_overlap=stream_overlap)
+    assert (triton.execution.kernel_backend, triton.execution.cuda_graphs, triton.execution.stream_overlap) == (
+        "triton", cuda_graphs, stream_overlap)
+    reference = runner_with(model, config, kernel_backend="torch")
+    assert_same_steps(run_mixed_steps(reference), run_mixed_steps(triton), logprob_atol=5e-3)
+    # plain greedy rows take the argmax + pinned readback path when overlap is on
+    assert_same_steps(run_mixed_steps(runner_with(model, config, kernel_backend="torch"), PLAIN_GREEDY),
+                      run_mixed_steps(runner_with(model, config, cuda_graphs=cuda_graphs, stream_overlap=stream_overlap),
+                                      PLAIN_GREEDY), logprob_atol=0)
+
+
+def test_graph_replay_pads_to_the_bucket_and_matches_eager(model_and_config):
+    model, config = model_and_config
+    graphs_runner = runner_with(model, config, cuda_graphs=True)
+    graphs = graphs_runner.kernel_path.graphs
+    assert sorted(graphs.graphs) == [1, 2, 4] and graphs.bucket_for(3, 2) == 4 and graphs.bucket_for(5, 2) is None
+    spans = [RequestSpan(0, 1, 6, [3, 5]), RequestSpan(1, 1, 3, [7]), RequestSpan(2, 1, 8, [9, 10])]
+    host = host_metadata(spans, BLOCK_SIZE)
+    ids = torch.tensor([5, 9, 200], device=CUDA)
+    positions = torch.tensor([5, 2, 7], device=CUDA)
+    with torch.inference_mode():
+        replayed = graphs.replay(ids, positions, to_device(host, CUDA)).clone()  # bucket 4, one padded row
+        eager_runner = runner_with(model, config, cuda_graphs=False)
+        eager_runner.kv_cache.storage.copy_(graphs_runner.kv_cache.storage)
+        eager = eager_runner.kernel_path.logits(ids.tolist(), positions.tolist(), host, [0, 1, 2])
+    torch.testing.assert_close(replayed, eager, atol=1e-3, rtol=1e-3)
+    assert int((graphs.slot_mapping[3:4] == -1).sum()) == 1  # the padded row wrote nothing
+
+
+def test_staging_alternates_slots_and_grows(model_and_config):
+    model, config = model_and_config
+    stager = runner_with(model, config, stream_overlap=True).kernel_path.stager
+    stager.slots = [type(stager.slots[0])(CUDA, 8) for _ in stager.slots]  # tiny buffers: the big step must grow one
+    for num_rows in (1, 3, 40, 2):
+        spans = [RequestSpan(r, 1, 4 * r + 1, list(range(1, r + 2))) for r in range(num_rows)]
+        host = host_metadata(spans, BLOCK_SIZE)
+        ids, positions = list(range(num_rows)), [4 * r for r in range(num_rows)]
+        staged_ids, staged_positions, staged = stager.stage(ids, positions, host)
+        expected = to_device(host, CUDA)
+        stager.mark_consumed()
+        assert staged_ids.tolist() == ids and staged_positions.tolist() == positions
+        for name in ("slot_mapping", "block_tables", "query_start_loc", "context_lens"):
+            assert torch.equal(getattr(staged, name), getattr(expected, name)), name
+
+
+def test_token_readback_returns_the_ids(model_and_config):
+    model, config = model_and_config
+    readback = runner_with(model, config, stream_overlap=True).kernel_path.readback
+    for count in (3, 2000):  # the second grows the pinned buffer
+        tokens = torch.arange(count, device=CUDA) * 7
+        readback.start(tokens)
+        assert readback.finish() == tokens.tolist()
+
+
+def test_int8_kernel_model_matches_the_torch_int8_path(model_and_config):
+    model, config = model_and_config
+    with_kernel, with_torch = copy.deepcopy(model), copy.deepcopy(model)
+    quantize_linears_int8(with_kernel, use_kernel=True)
+    quantize_linears_int8(with_torch, use_kernel=False)
+    token_ids = list(range(1, 60))
+    expected = window_logits(with_torch, config, token_ids, torch.float32, CUDA)
+    actual = window_logits(with_kernel, config, token_ids, torch.float32, CUDA)
+    torch.testing.assert_close(actual, expected, atol=2e-3, rtol=2e-3)
+
+
+def test_seeded_sampling_is_the_same_with_and_without_graphs(model_and_config):
+    from scheduler.request import SamplingParams
+
+    model, config = model_and_config
+    seeded = SamplingParams(temperature=1.3, top_k=50, top_p=0.95, seed=99, max_tokens=64)
+    with_graphs = run_mixed_steps(runner_with(model, config, cuda_graphs=True), seeded)
+    without = run_mixed_steps(runner_with(model, config, cuda_graphs=False, stream_overlap=False), seeded)
+    assert_same_steps(without, with_graphs, logprob_atol=0)

@@ -1,0 +1,142 @@
+"""paged_decode_attention against the torch reference (runs under the Triton interpreter without a GPU)."""
+import pytest
+import torch
+
+from tests.worker.kernels.paged_reference import DEVICE, make_paged_cache, reference_attention
+from tests.worker.kernels.tolerances import assert_close
+from worker.kernels.paged_decode_attention import paged_decode_attention
+
+CONTEXTS = [1, 17, 33, 100]
+
+
+def _query(batch: int, num_heads: int, head_dim: int, dtype: torch.dtype, generator) -> torch.Tensor:
+    return torch.randn(batch, num_heads, head_dim, generator=generator).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize(
+    "dtype, num_heads, num_kv_heads, block_size, head_dim",
+    [
+        (torch.float32, 2, 2, 16, 32),  # GQA ratio 1
+        (torch.float16, 6, 2, 32, 32),  # ratio 3
+        (torch.float32, 8, 1, 32, 16),  # ratio 8
+        (torch.bfloat16, 8, 1, 16, 32),
+        (torch.float16, 9, 3, 16, 64),  # SmolLM2's heads
+    ],
+)
+def test_matches_reference(dtype, num_heads, num_kv_heads, block_size, head_dim):
+    generator = torch.Generator().manual_seed(0)
+    cache = make_paged_cache(CONTEXTS, block_size, num_kv_heads, head_dim, dtype, generator)
+    query = _query(len(CONTEXTS), num_heads, head_dim, dtype, generator)
+    scale = head_dim**-0.5
+
+    out = paged_decode_attention(query, cache.key_cache, cache.value_cache, cache.block_tables, cache.context_lens, scale)
+
+    assert out.shape == query.shape and out.dtype == dtype
+    assert_close(out, reference_attention(query, cache, [1] * len(CONTEXTS), scale), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_split_context_merges_to_the_same_output(dtype):
+    # each context is cut into 3 splits of a multiple of 64 keys: 1, 17 and 33 leave two splits empty, 100 fills two
+    generator = torch.Generator().manual_seed(1)
+    cache = make_paged_cache(CONTEXTS, 32, 2, 32, dtype, generator)
+    query = _query(len(CONTEXTS), 6, 32, dtype, generator)
+
+    out = paged_decode_attention(
+        query, cache.key_cache, cache.value_cache, cache.block_tables, cache.context_lens, 0.2, num_splits=3
+    )
+
+    assert_close(out, reference_attention(query, cache, [1] * len(CONTEXTS), 0.2), dtype)
+
+
+def test_strided_inputs_and_output():
+    """query sliced out of a fused qkv output, block_tables a column slice of a wider buffer, caches
+    that are every other KV head of a larger tensor, and out a strided view."""
+    generator = torch.Generator().manual_seed(2)
+    num_heads, num_kv_heads, head_dim = 6, 2, 32
+    dense = make_paged_cache(CONTEXTS, 16, num_kv_heads, head_dim, torch.float32, generator)
+    wide = torch.full((*dense.key_cache.shape[:2], 2 * num_kv_heads, head_dim), float("nan"), device=DEVICE)
+    key_cache, value_cache = wide.clone(), wide.clone()
+    key_cache[:, :, ::2], value_cache[:, :, ::2] = dense.key_cache, dense.value_cache
+    tables = torch.full((len(CONTEXTS), dense.block_tables.shape[1] + 5), -1, dtype=torch.int32, device=DEVICE)
+    tables[:, : dense.block_tables.shape[1]] = dense.block_tables
+    qkv = torch.randn(len(CONTEXTS), (num_heads + 2 * num_kv_heads) * head_dim, generator=generator).to(DEVICE)
+    query = qkv[:, : num_heads * head_dim].view(len(CONTEXTS), num_heads, head_dim)
+    out_buffer = torch.zeros(len(CONTEXTS), num_heads, 2 * head_dim, device=DEVICE)
+    out = out_buffer[:, :, head_dim:]
+    assert not query.is_contiguous() and not key_cache[:, :, ::2].is_contiguous() and not out.is_contiguous()
+
+    returned = paged_decode_attention(
+        query,
+        key_cache[:, :, ::2],
+        value_cache[:, :, ::2],
+        tables[:, : dense.block_tables.shape[1]],
+        dense.context_lens,
+        0.25,
+        out=out,
+    )
+
+    assert returned is out
+    assert_close(out, reference_attention(query, dense, [1] * len(CONTEXTS), 0.25), torch.float32)
+    assert torch.all(out_buffer[:, :, :head_dim] == 0)  # nothing written outside the view
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_zero_context_row_gives_zeros(num_splits):
+    # a padded row of a captured batch has context_len 0: zeros, not NaN, and the other rows unaffected
+    generator = torch.Generator().manual_seed(3)
+    cache = make_paged_cache([140, 5], 16, 1, 16, torch.float32, generator)  # 2 splits: 128 + 12 keys
+    query = _query(2, 2, 16, torch.float32, generator)
+    context_lens = torch.tensor([140, 0], dtype=torch.int32, device=DEVICE)
+
+    out = paged_decode_attention(
+        query, cache.key_cache, cache.value_cache, cache.block_tables, context_lens, 0.25, num_splits=num_splits
+    )
+
+    assert torch.all(out[1] == 0)
+    assert_close(out[:1], reference_attention(query[:1], cache, [1], 0.25), torch.float32)
+
+
+def _valid_args():
+    generator = torch.Generator().manual_seed(4)
+    cache = make_paged_cache([3, 20], 16, 2, 16, torch.float16, generator)
+    query = _query(2, 4, 16, torch.float16, generator)
+    return dict(
+        query=query,
+        key_cache=cache.key_cache,
+        value_cache=cache.value_cache,
+        block_tables=cache.block_tables,
+        context_lens=cache.context_lens,
+        scale=0.25,
+    )
+
+
+@pytest.mark.parametrize(
+    "name, make_bad, message",
+    [
+        ("query", lambda args: args["query"].double(), r"query has dtype torch.float64, expected one of torch.float32"),
+        (
+            "key_cache",
+            lambda args: args["key_cache"].float(),
+            r"key_cache has dtype torch.float32, expected torch.float16 \(query's dtype\)",
+        ),
+        ("value_cache", lambda args: args["value_cache"][:, :8], r"value_cache has shape \[\d+, 8, 2, 16\]"),
+        ("block_tables", lambda args: args["block_tables"].long(), r"block_tables has dtype torch.int64"),
+        ("context_lens", lambda args: args["context_lens"][:1], r"context_lens has shape \[1\], expected \[2\]"),
+        ("query", lambda args: args["query"][:, :3], r"query has 3 heads, expected a multiple of the caches' 2"),
+        ("query", lambda args: args["query"].transpose(1, 2).contiguous().transpose(1, 2), r"query has strides"),
+    ],
+)
+def test_rejects_bad_arguments(name, make_bad, message):
+    args = _valid_args()
+    args[name] = make_bad(args)
+    with pytest.raises(ValueError, match=message):
+        paged_decode_attention(**args)
+
+
+def test_rejects_head_dim_that_is_not_a_power_of_two():
+    generator = torch.Generator().manual_seed(5)
+    cache = make_paged_cache([3], 16, 1, 24, torch.float32, generator)
+    query = _query(1, 1, 24, torch.float32, generator)
+    with pytest.raises(ValueError, match=r"query has head_dim 24, expected a power of two"):
+        paged_decode_attention(query, cache.key_cache, cache.value_cache, cache.block_tables, cache.context_lens, 0.2)

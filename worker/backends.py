@@ -1,0 +1,99 @@
+"""How the worker executes a step: which kernels (torch or Triton), INT8 weights, CUDA graphs, stream overlap.
+
+One options object, built from flags in main() (or EngineConfig) and resolved once against the
+device: "auto" means Triton kernels on CUDA and plain torch on CPU. CUDA graphs and the copy-stream
+overlap are CUDA-only, and graphs also need the Triton backend (the torch decode path has
+data-dependent shapes), so on CPU both resolve to off and nothing CUDA-specific is ever touched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+QUANTIZATIONS = ("none", "int8")
+# decode batch sizes with a captured graph; a decode step of B rows replays the smallest bucket >= B
+DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(slots=True, frozen=True)
+class ExecutionOptions:
+    kernel_backend: str = "auto"  # one of KERNEL_BACKENDS
+    quantization: str = "none"  # one of QUANTIZATIONS: int8 = weight-only, per-output-channel scales
+    cuda_graphs: bool = True  # decode-only steps replay a graph per batch bucket (CUDA + triton only)
+    stream_overlap: bool = True  # pinned staging + copy stream + event-ordered token readback (CUDA only)
+    graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
+
+    def __post_init__(self) -> None:
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"kernel_backend={self.kernel_backend!r} is not one of {list(KERNEL_BACKENDS)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} is not one of {list(QUANTIZATIONS)}")
+        sizes = self.graph_batch_sizes
+        if not sizes or any(size < 1 for size in sizes) or list(sizes) != sorted(set(sizes)):
+            raise ValueError(f"graph_batch_sizes={sizes!r} must be distinct positive sizes in increasing order")
+
+
+@dataclass(slots=True, frozen=True)
+class ResolvedExecution:
+    """ExecutionOptions after looking at the device: every field is what will actually run."""
+
+    kernel_backend: str  # "torch" or "triton"
+    quantization: str
+    cuda_graphs: bool
+    stream_overlap: bool
+    graph_batch_sizes: tuple[int, ...]
+
+
+def resolve_execution(options: ExecutionOptions, device: torch.device | str) -> ResolvedExecution:
+    on_cuda = torch.device(device).type == "cuda"
+    backend = options.kernel_backend
+    if backend == "auto":
+        backend = "triton" if on_cuda else "torch"
+    return ResolvedExecution(
+        kernel_backend=backend,
+        quantization=options.quantization,
+        cuda_graphs=options.cuda_graphs and on_cuda and backend == "triton",
+        stream_overlap=options.stream_overlap and on_cuda,
+        graph_batch_sizes=options.graph_batch_sizes,
+    )
+
+
+def graph_bucket(batch_size: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest captured batch size that holds batch_size rows; None: too big, run eagerly."""
+    for bucket in buckets:
+        if bucket >= batch_size:
+            return bucket
+    return None
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """'1,2,4,8' -> (1, 2, 4, 8), for the --cuda-graph-batch-sizes flag."""
+    try:
+        sizes = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise ValueError(f"cuda graph batch sizes {text!r} must be comma-separated integers") from None
+    ExecutionOptions(graph_batch_sizes=sizes)  # validates
+    return sizes
+
+
+def add_execution_flags(parser) -> None:
+    """The worker's --device / --kernel-backend / --quantization / graph / overlap flags (argparse)."""
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: cuda when torch sees a GPU, else cpu (default: %(default)s)")
+    parser.add_argument("--kernel-backend", choices=KERNEL_BACKENDS, default="auto",
+                        help="auto: triton on CUDA, torch on CPU (default: %(default)s)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                        help="int8: weight-only INT8 linears, per-output-channel scales (default: %(default)s)")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (CUDA only)")
+    parser.add_argument("--cuda-graph-batch-sizes", default=",".join(map(str, DEFAULT_GRAPH_BATCH_SIZES)),
+                        help="decode batch buckets with a captured graph (default: %(default)s)")
+    parser.add_argument("--no-stream-overlap", action="store_true",
+                        help="no pinned staging / copy stream / async token readback (CUDA only)")
+
+
+def execution_options_from_args(args) -> ExecutionOptions:
+    return ExecutionOptions(
+        kernel_backend=args.kernel_backend, quantization=args.quantization, cuda_graphs=not args.no_cuda_graphs,
+        stream_overlap=not args.no_stream_overlap, graph_batch_sizes=parse_batch_sizes(args.cuda_graph_batch_sizes))

@@ -1,0 +1,111 @@
+"""The ModelRunner's Triton backend: kernel forward, and on CUDA the staging, readback and decode graphs.
+
+One step: host metadata (plain lists) -> device tensors (through pinned staging on a copy stream when
+stream overlap is on, else plain torch.tensor copies) -> a replayed decode graph when the step is
+decode-only and fits a bucket, else the eager kernel forward -> logits of the rows that sample ->
+tokens. Batches without penalties or logprobs are sampled on the device (argmax, or the sampling
+kernel for temperature / top-k / top-p / min-p) and the ids come back in one copy (through the pinned
+readback on CUDA); batches with penalties or logprobs go through worker.sampler.
+"""
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+import torch
+
+from scheduler.plan import TokenLogprobs
+from worker.attention import RequestSpan
+from worker.backends import ResolvedExecution
+from worker.kv_cache import KVCache
+from worker.model import LlamaModel
+from worker.penalties import has_penalties
+from worker.sampler import SamplingRow, _is_plain_greedy, draw_seed, sample
+from worker.triton_forward import HostMetadata, host_metadata, load_kernels, to_device, triton_forward
+
+
+class KernelPath:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int, execution: ResolvedExecution,
+                 device: torch.device) -> None:
+        self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device
+        self.execution = execution
+        self.kernels = load_kernels()
+        self.stager = self.readback = self.graphs = None
+        if execution.stream_overlap:  # resolve_execution() leaves these off unless the device is CUDA
+            from worker.step_staging import StepStager, TokenReadback
+
+            self.stager, self.readback = StepStager(device), TokenReadback(device)
+        if execution.cuda_graphs:
+            from worker.cuda_graphs import DecodeGraphs
+
+            max_blocks = -(-model.config.max_position_embeddings // block_size)
+            self.graphs = DecodeGraphs(model, kv_cache, self.kernels, execution.graph_batch_sizes,
+                                       min(max_blocks, kv_cache.num_blocks), device)
+
+    def warm_up(self) -> None:
+        if self.graphs is not None:
+            self.graphs.capture()
+
+    def host_metadata(self, spans: Sequence[RequestSpan]) -> HostMetadata:
+        return host_metadata(spans, self.block_size)
+
+    def logits(self, input_ids: Sequence[int], positions: Sequence[int], host: HostMetadata,
+               sample_rows: Sequence[int]) -> torch.Tensor:
+        """[R, vocab] float32 for the rows in sample_rows."""
+        if self.stager is not None:
+            ids, pos, metadata = self.stager.stage(input_ids, positions, host)
+        else:
+            ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+            pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+            metadata = to_device(host, self.device)
+        bucket = None
+        if self.graphs is not None and metadata.decode_only:
+            bucket = self.graphs.bucket_for(len(host.context_lens), metadata.block_tables.shape[1])
+        if bucket is not None:
+            all_logits = self.graphs.replay(ids, pos, metadata)  # [B, vocab]: decode rows, one per request
+            logits = all_logits[list(sample_rows)] if len(sample_rows) != ids.shape[0] else all_logits
+        else:
+            hidden = triton_forward(self.model, ids, pos, self.kv_cache, metadata, self.kernels)
+            logits = self.model.compute_logits(hidden[list(sample_rows)])
+        if self.stager is not None:
+            self.stager.mark_consumed()
+        return logits
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Batches without penalties or logprobs are sampled on the device (sample_tokens) and read back once;
+        the others go through worker.sampler."""
+        if not rows:
+            return [], []
+        if any(has_penalties(row.params) or row.params.logprobs is not None for row in rows):
+            return sample(logits, rows)
+        if all(_is_plain_greedy(row.params) for row in rows):
+            token_ids = logits.argmax(dim=-1)  # [R]
+        else:
+            token_ids = self.kernels.sample_tokens(logits, **self._row_params(rows))  # [R] int64, no host sync
+        if self.readback is not None:
+            self.readback.start(token_ids)
+            return self.readback.finish(), [None] * len(rows)
+        return token_ids.tolist(), [None] * len(rows)
+
+    def _row_params(self, rows: Sequence[SamplingRow]) -> dict[str, torch.Tensor | None]:
+        """Per-row sampling parameters as device tensors; None for a filter no row uses (skips the sort).
+
+        Seeds: a seeded request's draw_seed(seed, outputs so far), as worker.sampler, so its tokens do
+        not depend on the batch; the others a fresh random int64.
+        """
+        params = [row.params for row in rows]
+        seeds = [draw_seed(p.seed, row.num_output_tokens) if p.seed is not None else random.getrandbits(63)
+                 for p, row in zip(params, rows)]
+
+        def column(values, dtype, unused) -> torch.Tensor | None:
+            if unused is not None and all(value == unused for value in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        return {
+            "temperature": column([p.temperature for p in params], torch.float32, None),
+            "top_k": column([p.top_k if p.top_k > 0 else 0 for p in params], torch.int64, 0),
+            "top_p": column([p.top_p for p in params], torch.float32, 1.0),
+            "min_p": column([p.min_p for p in params], torch.float32, 0.0),
+            "seeds": column(seeds, torch.int64, None),
+        }

@@ -1,0 +1,34 @@
+"""Argument checks for the elementwise / sampling / matmul wrappers: each raises ValueError naming the
+function, the argument, what it got (shape / dtype / stride / device) and what was expected."""
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_tensor(
+    where: str,
+    name: str,
+    tensor: object,
+    shape: tuple[int | None, ...],
+    dtypes: tuple[torch.dtype, ...],
+    device: torch.device | None = None,
+    last_dim_contiguous: bool = True,
+) -> torch.Tensor:
+    """shape: expected sizes, None where any size goes; device: where the first argument lives."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{where}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != len(shape) or any(want is not None and got != want for got, want in zip(tensor.shape, shape)):
+        expected = "[" + ", ".join("*" if size is None else str(size) for size in shape) + "]"
+        raise ValueError(f"{where}: {name} has shape {list(tensor.shape)}, expected {expected}")
+    if tensor.dtype not in dtypes:
+        raise ValueError(
+            f"{where}: {name} has dtype {tensor.dtype}, expected {' or '.join(str(dtype) for dtype in dtypes)}"
+        )
+    if device is not None and tensor.device != device:
+        raise ValueError(f"{where}: {name} is on {tensor.device}, expected {device} (where the first argument is)")
+    # the kernels load whole rows / head vectors along the last dim; a strided one would gather element-wise
+    if last_dim_contiguous and tensor.dim() > 0 and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+        raise ValueError(f"{where}: {name} has strides {list(tensor.stride())}, expected stride 1 in its last dim")
+    return tensor

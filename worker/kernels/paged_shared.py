@@ -1,0 +1,89 @@
+"""Pieces shared by the paged-attention and KV-write kernels: the wrappers' argument checks (each
+raises ValueError naming the argument, what it got and what was expected) and the tl.dot helper."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_tensor(
+    name: str,
+    tensor: torch.Tensor,
+    shape: tuple[int | None, ...],
+    dtypes: tuple[torch.dtype, ...],
+    device: torch.device,
+    unit_last_stride: bool = False,
+    dtype_from: str | None = None,
+) -> None:
+    """shape: expected sizes, None where any size goes; unit_last_stride: the last dim must be dense;
+    dtype_from: the argument whose dtype this one must share, named in the error."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != len(shape) or any(want is not None and got != want for got, want in zip(tensor.shape, shape)):
+        expected = "[" + ", ".join("*" if size is None else str(size) for size in shape) + "]"
+        raise ValueError(f"{name} has shape {list(tensor.shape)}, expected {expected}")
+    if tensor.dtype not in dtypes:
+        expected = f"{dtypes[0]} ({dtype_from}'s dtype)" if dtype_from else "one of " + ", ".join(map(str, dtypes))
+        raise ValueError(f"{name} has dtype {tensor.dtype}, expected {expected}")
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device}, expected {device} (where the first argument is)")
+    # the kernels load whole head vectors along the last dim; a strided one would gather element by element
+    if unit_last_stride and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+        raise ValueError(f"{name} has strides {tensor.stride()}, expected stride 1 in its last dim")
+
+
+def check_head_dim(name: str, head_dim: int) -> None:
+    # tl.arange needs a power of two, and tl.dot needs at least 16 along the reduced dim
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"{name} has head_dim {head_dim}, expected a power of two in [16, 256]")
+
+
+def check_block_size(name: str, block_size: int) -> None:
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"{name} has block_size {block_size}, expected a power of two")
+
+
+def check_kv_heads(num_heads: int, num_kv_heads: int) -> None:
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"query has {num_heads} heads, expected a multiple of the caches' {num_kv_heads} KV heads")
+
+
+def check_query_and_caches(
+    query: torch.Tensor,  # [T, H, D]
+    key_cache: torch.Tensor,  # [N, block_size, KVH, D]
+    value_cache: torch.Tensor,  # [N, block_size, KVH, D]
+) -> tuple[int, int]:
+    """Checks shared by both attention wrappers; returns (block_size, KVH)."""
+    device = query.device
+    check_tensor("query", query, (None, None, None), FLOAT_DTYPES, device, unit_last_stride=True)
+    num_heads, head_dim = query.shape[1:]
+    cache_shape = (None, None, None, head_dim)
+    check_tensor("key_cache", key_cache, cache_shape, (query.dtype,), device, True, dtype_from="query")
+    check_tensor("value_cache", value_cache, tuple(key_cache.shape), (query.dtype,), device, True, dtype_from="query")
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    check_head_dim("query", head_dim)
+    check_block_size("key_cache", block_size)
+    check_kv_heads(num_heads, num_kv_heads)
+    return block_size, num_kv_heads
+
+
+def dot_upcast(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether tl.dot operands must be float32: the Triton interpreter (any non-CUDA device) multiplies
+    bfloat16 as the raw uint16 bit patterns it stores them in, so there the kernels upcast first."""
+    return dtype == torch.bfloat16 and device.type != "cuda"
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs: full-precision products (tf32 would miss the float32 tolerance); others ignore it
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """tl.dot with float32 accumulation; PRECISION from dot_precision(), UPCAST from dot_upcast()."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)

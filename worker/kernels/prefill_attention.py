@@ -1,0 +1,199 @@
+"""Varlen prefill / extend attention over the paged KV cache, causal, with an already-computed prefix.
+
+The packed query holds R requests back to back (query_start_loc); request r's chunk of query_len
+tokens is the tail of its context_len keys, all of which (this chunk's included) are already in the
+cache, so its i-th token sits at position context_len - query_len + i and attends to keys 0..that.
+
+Each program takes BLOCK_Q tokens of one request and one KV head; the rows of its query tile are
+(token, query head of the group) pairs, BLOCK_Q * G of them, so the group's K/V tiles are loaded once
+and a decode row (query_len 1) still fills G rows. The grid is T // BLOCK_Q + R tiles, an upper
+bound that needs no host sync (request r's tiles start at tile query_start_loc[r] // BLOCK_Q + r);
+each program finds its request by binary search and spare programs exit at once.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from worker.kernels.paged_shared import (
+    check_query_and_caches,
+    check_tensor,
+    dot,
+    dot_precision,
+    dot_upcast,
+)
+
+LOG2_E = 1.4426950408889634
+
+
+def _tiles(dtype: torch.dtype, head_dim: int, queries_per_kv: int) -> tuple[int, int, int]:
+    """(BLOCK_M query rows, BLOCK_N keys, num_warps), from sm_90 compiles (ptxas -v, no GPU run):
+    16-bit 64 x 64 at D=128 takes 195 registers with 4 warps, 136 with 8, no spills; float32 (full
+    precision products) spills at 64 x 64 even with 8 warps, and 32 x 32 with 4 warps does not."""
+    block_m, block_n = (32, 32) if dtype == torch.float32 else (64, 64)
+    num_warps = 8 if dtype != torch.float32 and head_dim >= 128 else 4
+    return max(block_m, triton.next_power_of_2(queries_per_kv)), block_n, num_warps
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, num_requests, tile, BLOCK_Q: tl.constexpr):
+    """The last request r whose first tile, query_start_loc[r] // BLOCK_Q + r, is <= tile."""
+    low = num_requests * 0
+    high = num_requests - 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        low = tl.where(first_tile <= tile, mid, low)
+        high = tl.where(first_tile <= tile, high, mid - 1)
+    return low
+
+
+# num_requests == 1 would otherwise become a compile-time constant, and the binary search a Python int
+@triton.jit(do_not_specialize=["num_requests"])
+def _prefill_kernel(
+    # pointers
+    query_ptr,  # [T, H, D]
+    key_cache_ptr,  # [N, BLOCK_SIZE, KVH, D]
+    value_cache_ptr,  # [N, BLOCK_SIZE, KVH, D]
+    block_tables_ptr,  # [R, max_blocks] int32
+    query_start_loc_ptr,  # [R + 1] int32, contiguous
+    context_lens_ptr,  # [R] int32
+    out_ptr,  # [T, H, D]
+    # sizes
+    scale_log2,  # softmax scale * log2(e): the softmax runs in base 2
+    num_requests,  # R
+    # strides (the last dim of query, caches and out is dense)
+    stride_qt, stride_qh,
+    stride_kn, stride_kt, stride_kh,
+    stride_vn, stride_vt, stride_vh,
+    stride_tb, stride_tm,
+    stride_cr,
+    stride_ot, stride_oh,
+    # meta-parameters
+    BLOCK_SIZE: tl.constexpr,  # tokens per page
+    HEAD_DIM: tl.constexpr,
+    QUERIES_PER_KV: tl.constexpr,  # G = H // KVH
+    BLOCK_Q: tl.constexpr,  # tokens per tile: BLOCK_M // G
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    request = _find_request(query_start_loc_ptr, num_requests, tile, BLOCK_Q)
+    query_start = tl.load(query_start_loc_ptr + request)
+    query_len = tl.load(query_start_loc_ptr + request + 1) - query_start
+    first_token = (tile - (query_start // BLOCK_Q + request)) * BLOCK_Q  # within the request's chunk
+    if first_token >= query_len:
+        return
+    context_len = tl.load(context_lens_ptr + request * stride_cr)
+    prefix_len = context_len - query_len
+
+    rows = tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    tokens = first_token + rows // QUERIES_PER_KV  # [BLOCK_M]
+    heads = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
+    row_valid = (rows < BLOCK_Q * QUERIES_PER_KV) & (tokens < query_len)
+    query_rows = (query_start + tokens).to(tl.int64)
+    q = tl.load(
+        query_ptr + query_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )  # [BLOCK_M, D]
+    query_positions = prefix_len + tokens  # [BLOCK_M]
+    # keys up to the tile's last query position; row r's own causal limit is applied per score
+    key_end = prefix_len + tl.minimum(first_token + BLOCK_Q, query_len)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table_row = block_tables_ptr + request.to(tl.int64) * stride_tb
+    for block_start in range(0, key_end, BLOCK_N):
+        positions = block_start + tl.arange(0, BLOCK_N)
+        key_valid = positions < key_end
+        page = tl.load(table_row + (positions // BLOCK_SIZE) * stride_tm, mask=key_valid, other=0).to(tl.int64)
+        offset = positions % BLOCK_SIZE
+        k = tl.load(
+            key_cache_ptr + page[:, None] * stride_kn + offset[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
+            mask=key_valid[:, None],
+            other=0.0,
+        )  # [BLOCK_N, D]
+        scores = dot(q, tl.trans(k), PRECISION, UPCAST) * scale_log2  # [BLOCK_M, BLOCK_N]
+        visible = key_valid[None, :] & (positions[None, :] <= query_positions[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        # key 0 is visible to every row, so m_i is finite from the first step on
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            value_cache_ptr + page[:, None] * stride_vn + offset[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
+            mask=key_valid[:, None],
+            other=0.0,
+        )  # [BLOCK_N, D]
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION, UPCAST)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + query_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None],
+    )
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [T, H, D], R requests packed back to back
+    key_cache: torch.Tensor,  # [N, block_size, KVH, D]
+    value_cache: torch.Tensor,  # [N, block_size, KVH, D]
+    block_tables: torch.Tensor,  # [R, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [R + 1] int32: request r's tokens are rows [loc[r], loc[r + 1])
+    context_lens: torch.Tensor,  # [R] int32: prefix already cached + this chunk; >= the chunk's length
+    scale: float,
+    out: torch.Tensor | None = None,  # [T, H, D], query's dtype
+) -> torch.Tensor:
+    """Returns out [T, H, D]: each query token attends causally to its request's cached keys. Rows past
+    query_start_loc[R] (padding) are left as they were in out (uninitialised if out is None)."""
+    device = query.device
+    block_size, num_kv_heads = check_query_and_caches(query, key_cache, value_cache)
+    num_tokens, num_heads, head_dim = query.shape
+    check_tensor("query_start_loc", query_start_loc, (None,), (torch.int32,), device)
+    num_requests = query_start_loc.shape[0] - 1
+    if num_requests < 0:
+        raise ValueError("query_start_loc has shape [0], expected [R + 1] with R >= 0")
+    if query_start_loc.stride(0) != 1:
+        raise ValueError(f"query_start_loc has strides {query_start_loc.stride()}, expected a contiguous tensor")
+    check_tensor("block_tables", block_tables, (num_requests, None), (torch.int32,), device)
+    check_tensor("context_lens", context_lens, (num_requests,), (torch.int32,), device)
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=device)
+    else:
+        check_tensor("out", out, tuple(query.shape), (query.dtype,), device, True, dtype_from="query")
+    if num_tokens == 0 or num_requests == 0:
+        return out
+
+    queries_per_kv = num_heads // num_kv_heads
+    block_m, block_n, num_warps = _tiles(query.dtype, head_dim, queries_per_kv)
+    block_q = block_m // queries_per_kv  # tokens per tile; a group of heads never splits across tiles
+    _prefill_kernel[(num_tokens // block_q + num_requests, num_kv_heads)](
+        query, key_cache, value_cache, block_tables, query_start_loc, context_lens, out,
+        scale * LOG2_E, num_requests,
+        query.stride(0), query.stride(1),
+        *key_cache.stride()[:3],
+        *value_cache.stride()[:3],
+        *block_tables.stride(),
+        context_lens.stride(0),
+        out.stride(0), out.stride(1),
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        QUERIES_PER_KV=queries_per_kv,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        PRECISION=dot_precision(query.dtype),
+        UPCAST=dot_upcast(query.dtype, device),
+        num_warps=num_warps,
+    )
+    return out

@@ -1,0 +1,137 @@
+"""The Triton backend's forward pass: the same weights as worker.model.LlamaModel, every layer through kernels.
+
+Per layer: fused residual-add + RMSNorm, the fused q/k/v matmul, rotary on q and k, write_kv into the
+pages, paged attention, the output matmul, fused add + RMSNorm, gate/up matmul, SiLU·mul, down matmul.
+Attention is one launch per layer whatever the batch holds: the decode kernel when every row has one
+query token (the case CUDA graphs capture), otherwise the prefill kernel, which also takes the
+query_len == 1 rows of a mixed batch. Metadata is a few flat int tensors, so a decode step's metadata
+can live in static buffers that a CUDA graph reads (worker.cuda_graphs).
+
+Kernel modules are imported on first use, never at import time: TRITON_INTERPRET must be set before
+that on a machine without CUDA, and the torch backend never needs them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Sequence
+
+import torch
+
+from worker.attention import RequestSpan
+from worker.kv_cache import KVCache
+from worker.model import LlamaModel, rope_cos_sin
+
+
+@dataclass(slots=True)
+class KernelMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: block * block_size + offset per token; < 0 skips the write
+    block_tables: torch.Tensor  # [R, max_blocks] int32, padded with block 0 past each context
+    query_start_loc: torch.Tensor  # [R + 1] int32: row r's tokens are [loc[r], loc[r + 1])
+    context_lens: torch.Tensor  # [R] int32: prefix + this step's tokens, K/V written before attention
+    decode_only: bool  # every row has one query token (T == R): the decode kernel runs
+
+
+@dataclass(slots=True)
+class HostMetadata:
+    """The same facts as KernelMetadata as host lists, before they are copied to the device."""
+
+    slot_mapping: list[int]
+    block_tables: list[list[int]]
+    query_start_loc: list[int]
+    context_lens: list[int]
+    decode_only: bool
+
+
+def host_metadata(spans: Sequence[RequestSpan], block_size: int) -> HostMetadata:
+    """spans in packed-batch order; raises ValueError if a block table cannot hold its context."""
+    slot_mapping: list[int] = []
+    tables: list[list[int]] = []
+    starts = [0]
+    for span in spans:
+        num_blocks = -(-span.context_len // block_size)
+        if len(span.block_table) < num_blocks:
+            raise ValueError(
+                f"block table of {len(span.block_table)} blocks cannot hold context_len={span.context_len} "
+                f"at block_size={block_size} (needs {num_blocks})"
+            )
+        for position in range(span.context_len - span.query_len, span.context_len):
+            slot_mapping.append(span.block_table[position // block_size] * block_size + position % block_size)
+        tables.append(list(span.block_table[:num_blocks]))
+        starts.append(starts[-1] + span.query_len)
+    max_blocks = max((len(table) for table in tables), default=1)
+    padded = [table + [0] * (max_blocks - len(table)) for table in tables]
+    return HostMetadata(slot_mapping, padded, starts, [span.context_len for span in spans],
+                        all(span.query_len == 1 for span in spans))
+
+
+def to_device(host: HostMetadata, device: torch.device | str) -> KernelMetadata:
+    return KernelMetadata(
+        slot_mapping=torch.tensor(host.slot_mapping, dtype=torch.int64, device=device),
+        block_tables=torch.tensor(host.block_tables, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(host.query_start_loc, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(host.context_lens, dtype=torch.int32, device=device),
+        decode_only=host.decode_only,
+    )
+
+
+def build_kernel_metadata(spans: Sequence[RequestSpan], block_size: int, device: torch.device | str) -> KernelMetadata:
+    return to_device(host_metadata(spans, block_size), device)
+
+
+def load_kernels() -> SimpleNamespace:
+    from worker.kernels.activation import silu_and_mul
+    from worker.kernels.kv_write import write_kv
+    from worker.kernels.paged_decode_attention import paged_decode_attention
+    from worker.kernels.prefill_attention import paged_prefill_attention
+    from worker.kernels.rms_norm import fused_add_rms_norm, rms_norm
+    from worker.kernels.rotary import apply_rotary
+    from worker.kernels.sampling import sample_tokens
+
+    return SimpleNamespace(
+        silu_and_mul=silu_and_mul, write_kv=write_kv, paged_decode_attention=paged_decode_attention,
+        paged_prefill_attention=paged_prefill_attention, fused_add_rms_norm=fused_add_rms_norm,
+        rms_norm=rms_norm, apply_rotary=apply_rotary, sample_tokens=sample_tokens,
+    )
+
+
+def triton_forward(
+    model: LlamaModel,
+    input_ids: torch.Tensor,  # [T] long, packed over requests
+    positions: torch.Tensor,  # [T] long
+    kv_cache: KVCache,
+    metadata: KernelMetadata,
+    kernels: SimpleNamespace,
+) -> torch.Tensor:
+    """Returns the final-normed hidden states [T, hidden], like LlamaModel.forward."""
+    config = model.config
+    num_tokens = input_ids.shape[0]
+    num_heads, num_kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+    q_size, kv_size = config.q_size, config.kv_size
+    scale = head_dim**-0.5
+    h = model.embed_tokens(input_ids)  # [T, hidden]
+    cos, sin = rope_cos_sin(positions, head_dim, config.rope_theta, h.dtype)  # [T, 1, D] each
+    residual = None
+    for layer, key_cache, value_cache in zip(model.layers, kv_cache.key_caches, kv_cache.value_caches):
+        if residual is None:  # the first layer has no residual yet: plain norm, the input is the residual
+            x, residual = kernels.rms_norm(h, layer.attn_norm.weight, layer.attn_norm.eps), h
+        else:
+            x, residual = kernels.fused_add_rms_norm(h, residual, layer.attn_norm.weight, layer.attn_norm.eps)
+        qkv = layer.attn.wqkv(x)  # [T, (H + 2 * KVH) * D]
+        q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+        q, k = kernels.apply_rotary(q, k, cos, sin)
+        kernels.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+        if metadata.decode_only:
+            attn = kernels.paged_decode_attention(q, key_cache, value_cache, metadata.block_tables,
+                                                  metadata.context_lens, scale)  # [T, H, D]
+        else:
+            attn = kernels.paged_prefill_attention(q, key_cache, value_cache, metadata.block_tables,
+                                                   metadata.query_start_loc, metadata.context_lens, scale)
+        h = layer.attn.wo(attn.reshape(num_tokens, q_size))
+        x, residual = kernels.fused_add_rms_norm(h, residual, layer.mlp_norm.weight, layer.mlp_norm.eps)
+        gate, up = layer.mlp.w_gate_up(x).chunk(2, dim=-1)  # each [T, intermediate]
+        h = layer.mlp.w_down(kernels.silu_and_mul(gate, up))
+    normed, _ = kernels.fused_add_rms_norm(h, residual, model.norm.weight, model.norm.eps)
+    return normed
