@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import logging
 
+from gateway.access import AccessInterceptor, add_access_arguments, build_access
 from gateway.scheduler_client import SchedulerClient
 from gateway.service import GenerationServicer
 from gateway.tokenizer import load_tokenizer
@@ -29,13 +30,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--drain-timeout-s", type=float, default=30.0)
     parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API; 0 disables")
     parser.add_argument("--http-api-key", default="", help="HTTP clients must send 'Authorization: Bearer KEY'")
+    add_access_arguments(parser)
     return parser.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
     tokenizer = await asyncio.to_thread(load_tokenizer, args.model)
     scheduler = SchedulerClient(args.scheduler)
-    server = rpc.create_server()
+    access = build_access(args)
+    server = rpc.create_server(interceptors=[AccessInterceptor(access)])
     from gateway.kserve_service import KSERVE_SERVICE, add_kserve_servicer  # not at the top: tritonclient (its doc)
     health = rpc.add_health_and_reflection(server, [rpc.GENERATION_SERVICE, KSERVE_SERVICE])
     address = f"{args.host}:{args.port}"
@@ -59,7 +62,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.http_port:
         from gateway.openai_http import OpenAIHTTP, start_http
 
-        http_api = OpenAIHTTP(tokenizer, scheduler, limits, model_info, api_key=args.http_api_key)
+        http_api = OpenAIHTTP(tokenizer, scheduler, limits, model_info, api_key=args.http_api_key, access=access)
         http_runner = await start_http(http_api, args.host, args.http_port, args.drain_timeout_s)
         logger.info("gateway HTTP (OpenAI-compatible) on %s:%d", args.host, args.http_port)
     await server.start()
