@@ -51,7 +51,7 @@ def load_api_keys(path: str | Path) -> list[ApiKey]:
             entry = json.loads(line)
         except ValueError as error:
             raise ValueError(f"{where}: not a JSON object ({error})") from None
-        keys.append(_api_key(entry, where))
+        keys.append(api_key_from_entry(entry, where))
     names = [key.name for key in keys]
     duplicate = next((name for name in names if names.count(name) > 1), None)
     if duplicate is not None:
@@ -59,7 +59,8 @@ def load_api_keys(path: str | Path) -> list[ApiKey]:
     return keys
 
 
-def _api_key(entry: object, where: str) -> ApiKey:
+def api_key_from_entry(entry: object, where: str) -> ApiKey:
+    """One parsed line of a keys file; where ("FILE:LINE") prefixes every error."""
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: must be a JSON object with name and sha256, not {type(entry).__name__}")
     unknown = set(entry) - _FIELDS
