@@ -114,7 +114,7 @@ def test_fuzz_1000_grpc_requests_no_crash_no_hang(guarded):
 
         one()
     assert sum(outcomes.values()) >= 1000, outcomes
-    assert outcomes.get("OK", 0) >= 20 and outcomes.get("INVALID_ARGUMENT", 0) >= 300, outcomes  # both paths ran
+    assert outcomes.get("OK", 0) >= 20 and outcomes.get("INVALID_ARGUMENT", 0) >= 150, outcomes  # both paths ran
     assert_all_healthy(guarded)
 
 
