@@ -8,11 +8,12 @@ once (RESOURCE_EXHAUSTED naming the limit) instead of letting waits grow without
     admission = Admission(AdmissionConfig(max_waiting_requests=256, max_waiting_tokens=65536),
                           vocab_size=49152, max_model_len=8192)
     admission.check_request(request)                           # InvalidArgument naming field, value, limit
-    admission.check_room(request, num_waiting, waiting_tokens)  # ResourceExhausted naming the bound
+    admission.check_room(request, num_waiting, lambda: num_waiting_tokens)  # ResourceExhausted naming the bound
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler.request import Request
@@ -57,14 +58,20 @@ class Admission:
             raise InvalidArgument("sampling_params.logprobs", logprobs,
                                   f"must be in [0, {min(MAX_LOGPROBS, self.vocab_size)}]")
 
-    def check_room(self, request: Request, num_waiting: int, num_waiting_tokens: int) -> None:
-        """Raises ResourceExhausted when request would push the waiting queue past a bound."""
+    def check_room(self, request: Request, num_waiting: int, waiting_tokens: Callable[[], int]) -> None:
+        """Raises ResourceExhausted when request would push the waiting queue past a bound.
+
+        waiting_tokens is called only when there is a token bound: summing over a queue of thousands
+        on every submit would cost the loop more than the bound saves."""
         limit = self.config.max_waiting_requests
         if num_waiting >= limit:
             raise ResourceExhausted(f"scheduler waiting queue is full: {num_waiting} requests waiting, "
                                     f"--max-waiting-requests={limit}; retry later", retry_after_s=RETRY_AFTER_S)
         token_limit = self.config.max_waiting_tokens
-        if token_limit and num_waiting and num_waiting_tokens + request.num_tokens > token_limit:
+        if not token_limit or not num_waiting:
+            return
+        num_waiting_tokens = waiting_tokens()
+        if num_waiting_tokens + request.num_tokens > token_limit:
             raise ResourceExhausted(
                 f"scheduler waiting queue is full: {num_waiting_tokens} tokens waiting + {request.num_tokens} "
                 f"in this prompt > --max-waiting-tokens={token_limit}; retry later", retry_after_s=RETRY_AFTER_S)

@@ -86,7 +86,9 @@ class EngineLoop:
                 "max_tokens", request.sampling_params.max_tokens,
                 f"prompt ({request.num_prompt_tokens}) + max_tokens needs {needed} KV pages; "
                 f"this replica has {self.scheduler.config.num_blocks}")
-        self.admission.check_room(request, *self._waiting_load())
+        arriving = [payload for kind, payload in self._inbox if kind == "add"]
+        self.admission.check_room(request, len(self.scheduler.waiting) + len(arriving),
+                                  lambda: self._waiting_tokens(arriving))
         stream = RequestStream()
         self.streams[request.request_id] = stream
         if deadline is not None:
@@ -98,12 +100,10 @@ class EngineLoop:
         self._wakeup.set()
         return stream
 
-    def _waiting_load(self) -> tuple[int, int]:
-        """(requests, tokens still to compute) waiting: in the scheduler's queue or still in the inbox."""
-        arriving = [payload for kind, payload in self._inbox if kind == "add"]
-        waiting = self.scheduler.waiting
-        tokens = sum(r.num_tokens - r.num_computed_tokens for r in waiting) + sum(r.num_tokens for r in arriving)
-        return len(waiting) + len(arriving), tokens
+    def _waiting_tokens(self, arriving: list[Request]) -> int:
+        """Tokens still to compute over the waiting requests: in the scheduler's queue or the inbox."""
+        waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
+        return waiting + sum(r.num_tokens for r in arriving)
 
     def abort(self, request_id: str, finish_reason: str = "abort") -> bool:
         """Ends the request at the next loop iteration; False if it is unknown or already ended."""
