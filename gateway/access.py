@@ -4,8 +4,8 @@
     server = rpc.create_server(interceptors=[AccessInterceptor(access)])    # tokenmill.v1 + KServe gRPC
     app = web.Application(middlewares=[..., access_middleware(access)])    # OpenAI HTTP under /v1/
 
-Health checks and reflection stay open (load balancers and grpcurl carry no key), as do HTTP /health
-and /ready. Without a keys file authentication is off and every client shares the "anonymous" key's
+Health checks (grpc.health, KServe ServerLive/ServerReady/ModelReady) and reflection stay open (load
+balancers and grpcurl carry no key), as do HTTP /health and /ready. Without a keys file authentication is off and every client shares the "anonymous" key's
 rate limit (none unless --rate-limit-rps is given).
 """
 from __future__ import annotations
@@ -21,8 +21,10 @@ from gateway.rate_limit import ANONYMOUS, RateLimiter
 from tokenmill.errors import ServingError
 from tokenmill.rpc import abort_with_status
 
-# gRPC methods (full names start with "/service/") that need no key.
-OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+# gRPC methods (full names start with "/service/") that need no key: health checks (KServe's own
+# liveness/readiness calls included, which load balancers use like grpc.health) and reflection.
+OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.", "/inference.GRPCInferenceService/ServerLive",
+                      "/inference.GRPCInferenceService/ServerReady", "/inference.GRPCInferenceService/ModelReady")
 OPEN_HTTP_PATHS = ("/health", "/ready")
 logger = logging.getLogger("tokenmill.gateway.access")
 

@@ -13,6 +13,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
 from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc
@@ -59,13 +60,25 @@ def test_kserve_grpc_needs_the_key_too(guarded):
         with pytest.raises(InferenceServerException) as caught:
             client.infer("tiny-llama", [text], parameters={"max_tokens": 2}, headers=headers)
         assert caught.value.status() == "StatusCode.UNAUTHENTICATED" and WRONG_KEY not in caught.value.message()
-        with pytest.raises(InferenceServerException):
-            client.is_server_ready(headers=headers)
+        with pytest.raises(InferenceServerException) as caught:
+            client.get_model_metadata("tiny-llama", headers=headers)
+        assert caught.value.status() == "StatusCode.UNAUTHENTICATED"
+        assert client.is_server_ready(headers=headers) and client.is_model_ready("tiny-llama", headers=headers)
     result = client.infer("tiny-llama", [text], parameters={"max_tokens": 2},
                           headers={"authorization": f"Bearer {MAIN_KEY}"})
     assert result.as_numpy("text_output") is not None
-    assert client.is_server_ready(headers={"authorization": f"Bearer {MAIN_KEY}"})
+    assert client.get_model_metadata("tiny-llama", headers={"authorization": f"Bearer {MAIN_KEY}"}).name
     client.close()
+
+
+def test_kserve_stream_infer_needs_the_key(guarded):
+    with grpc.insecure_channel(guarded.config.gateway_address) as channel:
+        stream_infer = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                             request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+                                             response_deserializer=service_pb2.ModelStreamInferResponse.FromString)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stream_infer(iter([service_pb2.ModelInferRequest(model_name="tiny-llama")]), timeout=30))
+    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED and "missing API key" in caught.value.details()
 
 
 def http(guarded, path: str, authorization: str | None, body: dict | None = None) -> tuple[int, dict]:
