@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 
+from gateway.access import AccessInterceptor, add_access_arguments, build_access
 from gateway.scheduler_client import SchedulerClient
 from gateway.service import GenerationServicer
 from gateway.tokenizer import load_tokenizer
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_message_size_argument(parser, PUBLIC_MAX_MESSAGE_BYTES)
     tls.add_server_arguments(parser)  # the HTTP API serves HTTPS with the same files
     tls.add_client_arguments(parser, "scheduler")
+    add_access_arguments(parser)
     return parser
 
 
@@ -72,7 +74,9 @@ async def serve(args: argparse.Namespace) -> None:
         await check_redis_credentials(args.redis_url, "gateway")
     tokenizer = await asyncio.to_thread(load_tokenizer, args.model)
     scheduler = scheduler_client(args)
-    server = rpc.create_server(options=message_size_options(args.max_message_bytes))
+    access = build_access(args)
+    server = rpc.create_server(interceptors=[AccessInterceptor(access)],
+                               options=message_size_options(args.max_message_bytes))
     from gateway.kserve_service import KSERVE_SERVICE, add_kserve_servicer  # not at the top: tritonclient (its doc)
     health = rpc.add_health_and_reflection(server, [rpc.GENERATION_SERVICE, KSERVE_SERVICE])
     address = f"{args.host}:{args.port}"
@@ -96,7 +100,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.http_port:
         from gateway.openai_http import OpenAIHTTP, start_http
 
-        http_api = OpenAIHTTP(tokenizer, scheduler, limits, model_info, api_key=args.http_api_key)
+        http_api = OpenAIHTTP(tokenizer, scheduler, limits, model_info, api_key=args.http_api_key, access=access)
         http_runner = await start_http(http_api, args.host, args.http_port, args.drain_timeout_s,
                                        ssl_context=args.tls.ssl_context() if args.tls else None,
                                        max_body_bytes=args.max_message_bytes)

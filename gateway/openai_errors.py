@@ -61,7 +61,9 @@ def openai_error(exc: BaseException, where: str = "") -> OpenAIError:
     """The error a client should see for exc; unexpected exceptions are logged in full."""
     if isinstance(exc, web.HTTPException):  # routing (404 unknown path, 405) and aiohttp's own limits
         type_ = "invalid_request_error" if exc.status < 500 else "server_error"
-        return OpenAIError(exc.status, f"{exc.reason}: {where}" if where else exc.reason, type_)
+        # aiohttp's 413 text names the limit and the size sent ("Maximum request body size N exceeded, ...")
+        reason = exc.text if exc.status == 413 and exc.text else exc.reason
+        return OpenAIError(exc.status, f"{reason}: {where}" if where else reason, type_)
     grpc_status, message = status_for(exc)
     status, type_, code = _BY_STATUS.get(grpc_status, _INTERNAL)
     if status == 500:

@@ -24,6 +24,7 @@ import uuid
 
 from aiohttp import web
 
+from gateway.access import access_middleware
 from gateway.generation_stream import stream_generation
 from gateway.openai_errors import openai_error
 from gateway.openai_requests import ModelNotFound, parse_chat, parse_completion
@@ -40,12 +41,13 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 
 class OpenAIHTTP:
     def __init__(self, tokenizer: TextTokenizer, scheduler: SchedulerClient, limits: Limits,
-                 model_info: common_pb2.GetModelInfoResponse, api_key: str = "") -> None:
+                 model_info: common_pb2.GetModelInfoResponse, api_key: str = "", access=None) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.limits = limits
         self.model_name = model_info.model_config.name
         self.api_key = api_key  # "": no authentication
+        self.access = access  # gateway.access.AccessControl: API keys and rate limits; None: none
         self.created = int(time.time())
         self.ready = True  # False once the gateway is draining
 
@@ -53,7 +55,10 @@ class OpenAIHTTP:
         """max_body_bytes: the gateway's --max-message-bytes; a larger body is answered 413."""
         # a prompt of max_prompt_chars characters may take 4 bytes each in UTF-8, plus the JSON around it
         max_body = min(4 * self.limits.max_prompt_chars + 2**20, max_body_bytes or 2**62)
-        app = web.Application(middlewares=[_errors, self._auth], client_max_size=max_body)
+        middlewares = [_errors, self._auth]
+        if self.access is not None:
+            middlewares.append(access_middleware(self.access))
+        app = web.Application(middlewares=middlewares, client_max_size=max_body)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model}", self.get_model)
         app.router.add_post("/v1/completions", self.completions)

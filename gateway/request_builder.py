@@ -15,11 +15,20 @@ from gateway.validation import (Limits, validate_chat_size, validate_priority, v
                                 validate_prompt_text, validate_sampling, validate_stop_strings)
 from protos.tokenmill.v1 import generation_pb2
 from scheduler.request import Request
-from tokenmill.errors import InvalidArgument
+from tokenmill.errors import InvalidArgument, NotFound
 
 _OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed", "logprobs")
 MAX_REQUEST_ID_LEN = 256
+
+
+class UnknownModel(NotFound):
+    """NOT_FOUND, as vLLM and OpenAI answer for a model the server does not serve."""
+
+    def __init__(self, model: str, served: str) -> None:
+        super().__init__("model", model)
+        self.message = f"{self.message}; this server serves only {served!r}"
+        self.args = (self.message,)
 
 
 @dataclass(slots=True)
@@ -85,7 +94,7 @@ def prepare_request(prompt_ids: list[int], tokenizer: TextTokenizer, limits: Lim
 def prepare(message: generation_pb2.GenerateRequest, tokenizer: TextTokenizer, limits: Limits,
             model_name: str) -> PreparedRequest:
     if message.model and message.model != model_name:
-        raise InvalidArgument("model", message.model, f"unknown model; this server serves {model_name!r}")
+        raise UnknownModel(message.model, model_name)
     request_id = resolve_request_id(message.request_id)
     ids = prompt_token_ids(message, tokenizer, limits)
     params = message.parameters

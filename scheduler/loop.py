@@ -13,11 +13,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from scheduler.admission import Admission, AdmissionConfig
 from scheduler.outputs import RequestOutput
 from scheduler.plan import StepPlan, StepResult
 from scheduler.request import Request
 from scheduler.scheduler import RequestTooLarge, Scheduler
-from tokenmill.errors import InvalidArgument, ResourceExhausted
+from tokenmill.errors import InvalidArgument
 
 logger = logging.getLogger(__name__)
 DEADLINE_EXCEEDED = "deadline exceeded"
@@ -58,12 +59,13 @@ class RequestStream:
 
 class EngineLoop:
     def __init__(self, scheduler: Scheduler, executor: AsyncExecutor, state: StateSink | None = None,
-                 model_name: str = "", max_waiting_requests: int = 4096) -> None:
+                 model_name: str = "", admission: Admission | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.state = state
         self.model_name = model_name
-        self.max_waiting_requests = max_waiting_requests
+        config = scheduler.config  # without vocabulary knowledge only the ids' sign is checked
+        self.admission = admission or Admission(AdmissionConfig(), vocab_size=2**32, max_model_len=config.max_model_len)
         self.streams: dict[str, RequestStream] = {}
         self._inbox: list[tuple[str, object]] = []
         self._deadlines: dict[str, float] = {}  # request id -> wall-clock deadline
@@ -76,6 +78,7 @@ class EngineLoop:
 
     def submit(self, request: Request, deadline: float | None = None) -> RequestStream:
         """deadline: wall-clock Unix seconds after which the request ends (pages freed) unfinished."""
+        self.admission.check_request(request)
         if request.request_id in self.streams:
             raise InvalidArgument("request_id", request.request_id, "already queued or running")
         needed = self.scheduler.kv.blocks_needed_at_most(request)
@@ -84,9 +87,9 @@ class EngineLoop:
                 "max_tokens", request.sampling_params.max_tokens,
                 f"prompt ({request.num_prompt_tokens}) + max_tokens needs {needed} KV pages; "
                 f"this replica has {self.scheduler.config.num_blocks}")
-        if len(self.streams) >= self.max_waiting_requests + self.scheduler.config.max_num_seqs:
-            raise ResourceExhausted(f"scheduler queue is full ({len(self.streams)} requests in flight)",
-                                    retry_after_s=1.0)
+        arriving = [payload for kind, payload in self._inbox if kind == "add"]
+        self.admission.check_room(request, len(self.scheduler.waiting) + len(arriving),
+                                  lambda: self._waiting_tokens(arriving))
         stream = RequestStream()
         self.streams[request.request_id] = stream
         self.num_requests_total += 1
@@ -98,6 +101,11 @@ class EngineLoop:
                               model=self.model_name, priority=request.priority, created_at=time.time())
         self._wakeup.set()
         return stream
+
+    def _waiting_tokens(self, arriving: list[Request]) -> int:
+        """Tokens still to compute over the waiting requests: in the scheduler's queue or the inbox."""
+        waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
+        return waiting + sum(r.num_tokens for r in arriving)
 
     def abort(self, request_id: str, finish_reason: str = "abort") -> bool:
         """Ends the request at the next loop iteration; False if it is unknown or already ended."""

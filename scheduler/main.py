@@ -6,6 +6,7 @@ import logging
 import os
 
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2_grpc
+from scheduler.admission import Admission, AdmissionConfig
 from scheduler.config import KV_POLICIES, QUEUE_POLICIES, SchedulerConfig
 from scheduler.loop import EngineLoop
 from scheduler.scheduler import Scheduler
@@ -33,7 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-waiting-requests", type=int, default=4096)
+    parser.add_argument("--max-waiting-requests", type=int, default=4096,
+                        help="requests queued beyond the running batch; more are refused with RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-waiting-tokens", type=int, default=0,
+                        help="prompt tokens queued beyond the running batch; 0: no bound")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--worker-timeout-s", type=float, default=600.0, help="how long to wait for the worker")
     parser.add_argument("--drain-timeout-s", type=float, default=30.0)
@@ -83,8 +87,9 @@ async def serve(args: argparse.Namespace) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=min(args.max_model_len or model_len, model_len), kv_policy=args.kv_policy,
         queue_policy=args.queue_policy, enable_prefix_caching=not args.no_prefix_caching)
-    loop = EngineLoop(Scheduler(config), worker, state, model_name=capacity.model_config.name,
-                      max_waiting_requests=args.max_waiting_requests)
+    admission = Admission(AdmissionConfig(args.max_waiting_requests, args.max_waiting_tokens),
+                          vocab_size=capacity.model_config.vocab_size, max_model_len=config.max_model_len)
+    loop = EngineLoop(Scheduler(config), worker, state, model_name=capacity.model_config.name, admission=admission)
     model_info = common_pb2.GetModelInfoResponse(
         model_config=capacity.model_config, block_size=capacity.block_size, num_blocks=capacity.num_blocks,
         kv_cache_policy=common_pb2.KV_CACHE_POLICY_STATIC if args.kv_policy == "static"

@@ -1,8 +1,9 @@
-"""The `tokenmill` command: serve, generate, bench, bench-engine, bench-cluster.
+"""The `tokenmill` command: serve, generate, hash-api-key, bench, bench-engine, bench-cluster.
 
     tokenmill serve [--model PATH] [--gateway-port 50051] [--http-port 8000] ...
                                                                 start redis, worker, scheduler, gateway
     tokenmill generate "PROMPT" [--chat] [--max-tokens N] ...   stream a completion from a running cluster
+    tokenmill hash-api-key [KEY] [--name NAME]                  a line for the gateway's --api-keys-file
     tokenmill bench [...]                                       the standard benchmark (sweep, reports, plots)
     tokenmill bench-engine [...]                                in-process engine vs transformers
     tokenmill bench-cluster [...]                               through the gateway vs in-process
@@ -46,6 +47,7 @@ def _ranged(kind: Callable, low=None, high=None, low_open: bool = False, what: s
 PORT = _ranged(int, 0, 65535, what="a port in 0..65535 (0 picks a free one)")
 POSITIVE = _ranged(int, 1, what=">= 1")
 NON_NEGATIVE_FLOAT = _ranged(float, 0.0, what=">= 0")
+NON_NEGATIVE_INT = _ranged(int, 0, what=">= 0")
 PROBABILITY = _ranged(float, 0.0, 1.0, low_open=True, what="in (0, 1]")
 def POWER_OF_TWO(text: str) -> int:  # noqa: N802 - reads like the other argument types
     value = POSITIVE(text)
@@ -94,6 +96,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="int8: weight-only INT8 linears (default: %(default)s)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="decode steps run eagerly (CUDA only)")
     parser.add_argument("--no-stream-overlap", action="store_true", help="no pinned staging / copy stream (CUDA only)")
+    parser.add_argument("--max-waiting-requests", type=POSITIVE, default=4096,
+                        help="queued requests beyond which the scheduler answers RESOURCE_EXHAUSTED (default: %(default)s)")
+    parser.add_argument("--max-waiting-tokens", type=NON_NEGATIVE_INT, default=0,
+                        help="queued prompt tokens beyond which it does; 0: no bound (default: %(default)s)")
+    parser.add_argument("--api-keys-file", help="the gateway's API keys, JSON lines from `tokenmill hash-api-key`; "
+                                                "unset: authentication off")
+    parser.add_argument("--rate-limit-rps", type=NON_NEGATIVE_FLOAT, default=0.0,
+                        help="requests/s per API key unless its line says; 0: no limit (default: %(default)s)")
+    parser.add_argument("--rate-limit-burst", type=NON_NEGATIVE_INT, default=0,
+                        help="requests a key may send at once (default: the rate, rounded up)")
     parser.add_argument("--startup-timeout-s", type=_ranged(float, 0.0, low_open=True, what="> 0"), default=300.0,
                         help="how long each component may take to become ready (default: %(default)s)")
     parser.add_argument("--grace-period-s", type=NON_NEGATIVE_FLOAT, default=10.0,
@@ -136,6 +148,36 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
 
 
+def add_hash_api_key_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("key", nargs="?", help='the key ("-" reads it from stdin); omitted: a new random key')
+    parser.add_argument("--name", default="default", help="the key's name in logs and messages (default: %(default)s)")
+    parser.add_argument("--requests-per-s", type=_ranged(float, 0.0, low_open=True, what="> 0"),
+                        help="this key's rate limit (default: the gateway's --rate-limit-rps)")
+    parser.add_argument("--burst", type=POSITIVE, help="this key's burst (default: the gateway's)")
+
+
+def hash_api_key_command(args: argparse.Namespace) -> int:
+    import json
+    import secrets
+
+    from gateway.api_keys import hash_api_key
+
+    key = sys.stdin.readline().strip() if args.key == "-" else args.key
+    if key is None:
+        key = "tm-" + secrets.token_urlsafe(32)
+        print(f"API key (shown only now): {key}", file=sys.stderr)
+    if not key or key != key.strip() or " " in key:
+        print("error: the key must be non-empty, without spaces", file=sys.stderr)
+        return 2
+    line = {"name": args.name, "sha256": hash_api_key(key)}
+    if args.requests_per_s is not None:
+        line["requests_per_s"] = args.requests_per_s
+    if args.burst is not None:
+        line["burst"] = args.burst
+    print(json.dumps(line))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference serving cluster.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -146,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_arguments(commands.add_parser(
         "generate", help="stream a completion from a running cluster",
         description="Streams a completion from a running gateway; text on stdout, a summary on stderr."))
+    add_hash_api_key_arguments(commands.add_parser(
+        "hash-api-key", help="print a keys-file line (name + SHA-256) for an API key",
+        description="Prints the JSON line --api-keys-file takes for a key; with no key, makes a random one "
+                    "and prints it on stderr (the only time it is shown)."))
     for name, (_, help_text) in DELEGATED.items():
         commands.add_parser(name, help=help_text, add_help=False)
     return parser
@@ -175,7 +221,10 @@ def serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         device=args.device, kernel_backend=args.kernel_backend, quantization=args.quantization,
-        cuda_graphs=not args.no_cuda_graphs, stream_overlap=not args.no_stream_overlap))
+        cuda_graphs=not args.no_cuda_graphs, stream_overlap=not args.no_stream_overlap,
+        max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
+        api_keys_file=args.api_keys_file, rate_limit_rps=args.rate_limit_rps,
+        rate_limit_burst=args.rate_limit_burst))
     try:
         specs = cluster_specs(config)
     except (FileNotFoundError, ValueError) as error:  # no redis-server binary; a password redis.conf cannot hold
@@ -252,6 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "hash-api-key":
+        return hash_api_key_command(args)
     from tokenmill.client_cli import GenerateOptions, generate
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt

@@ -60,6 +60,11 @@ class ClusterConfig:
     quantization: str = "none"
     cuda_graphs: bool = True
     stream_overlap: bool = True
+    max_waiting_requests: int = 4096  # beyond these the scheduler answers RESOURCE_EXHAUSTED at once
+    max_waiting_tokens: int = 0  # prompt tokens waiting; 0: no bound
+    api_keys_file: str | None = None  # the gateway's keys (gateway.api_keys); None: authentication off
+    rate_limit_rps: float = 0.0  # per API key unless its line says; 0: none
+    rate_limit_burst: int = 0
     python: str = sys.executable
 
     @property
@@ -152,10 +157,15 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
         scheduler += ["--max-model-len", str(config.max_model_len)]
     if not config.enable_prefix_caching:
         scheduler.append("--no-prefix-caching")
+    scheduler += ["--max-waiting-requests", str(config.max_waiting_requests),
+                  "--max-waiting-tokens", str(config.max_waiting_tokens)]
     gateway = [config.python, "-m", "gateway.main", "--host", config.host, "--port", str(config.gateway_port),
                "--scheduler", config.scheduler_address, *model, "--http-port", str(config.http_port or 0),
                *server_tls, *(probe_tls.argv("scheduler") if probe_tls else []),
-               "--max-message-bytes", str(config.max_message_bytes)]
+               "--max-message-bytes", str(config.max_message_bytes),
+               "--rate-limit-rps", str(config.rate_limit_rps), "--rate-limit-burst", str(config.rate_limit_burst)]
+    if config.api_keys_file:
+        gateway += ["--api-keys-file", config.api_keys_file]
     specs = [] if config.redis_url else [redis_spec(config.redis_port, user=config.redis_user,
                                                     password=config.redis_password)]
     return specs + [

@@ -65,10 +65,22 @@ async def abort_with_status(context: grpc.aio.ServicerContext, exc: BaseExceptio
         logger.error("unexpected error in %s", method or "an RPC handler", exc_info=exc)
     else:
         logger.info("%s -> %s: %s", method or "RPC", code.name, message)
-    retry_after_s = getattr(exc, "retry_after_s", None)
+    retry_after_s = retry_after_of(exc)
     if retry_after_s is not None:
         context.set_trailing_metadata((("retry-after-ms", str(round(retry_after_s * 1000))),))
     await context.abort(code, message)
+
+
+def retry_after_of(exc: BaseException) -> float | None:
+    """Seconds a refused client should wait: the error's own hint, or the one a downstream server sent
+    (so the scheduler's "queue full" hint reaches the gateway's client)."""
+    if getattr(exc, "retry_after_s", None) is not None:
+        return exc.retry_after_s  # type: ignore[attr-defined]
+    if isinstance(exc, grpc.aio.AioRpcError):
+        for key, value in exc.trailing_metadata() or ():
+            if key == "retry-after-ms" and value.isdigit():
+                return int(value) / 1000
+    return None
 
 
 class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):

@@ -1,0 +1,121 @@
+"""API keys on every public API of a running gateway (tokenmill.v1 gRPC, KServe v2 gRPC through the
+unmodified tritonclient, OpenAI HTTP): a missing, malformed or unknown key is refused with
+UNAUTHENTICATED / 401 naming what was wrong and never repeating the key; health and reflection stay open."""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import InferenceServerException
+
+from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc
+from tests.e2e.guarded.conftest import MAIN_KEY
+from tokenmill.rpc import GENERATION_SERVICE
+
+WRONG_KEY = "tm-wrong-key-that-must-never-be-echoed"
+REFUSED = [  # (authorization value or None, what the message must say)
+    (None, "missing API key"),
+    (f"Bearer {WRONG_KEY}", "unknown API key"),
+    (f"Basic {WRONG_KEY}", "malformed authorization"),
+    (WRONG_KEY, "malformed authorization"),  # the key without its scheme
+    ("Bearer ", "malformed authorization"),
+]
+HINT = "authorization: Bearer <key>"
+
+
+def prompt_request() -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(prompt="hi", parameters=generation_pb2.GenerateParameters(max_tokens=2,
+                                                                                       ignore_eos=True))
+
+
+@pytest.mark.parametrize(("authorization", "reason"), REFUSED)
+def test_grpc_generation_refuses_a_missing_or_wrong_key(guarded, authorization, reason):
+    metadata = () if authorization is None else (("authorization", authorization),)
+    with grpc.insecure_channel(guarded.config.gateway_address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        for call in (stub.Generate, lambda r, **kw: list(stub.GenerateStream(r, **kw)),
+                     lambda r, **kw: stub.Tokenize(generation_pb2.TokenizeRequest(text="x"), **kw)):
+            with pytest.raises(grpc.RpcError) as caught:
+                call(prompt_request(), metadata=metadata, timeout=30)
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert reason in caught.value.details() and HINT in caught.value.details()
+            assert WRONG_KEY not in caught.value.details() and "wrong-key" not in caught.value.details()
+        reply = stub.Generate(prompt_request(), metadata=guarded.metadata, timeout=30)
+        assert len(reply.token_ids) == 2
+
+
+def test_kserve_grpc_needs_the_key_too(guarded):
+    client = grpcclient.InferenceServerClient(guarded.config.gateway_address)
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"hello"], dtype=object))
+    for headers in ({}, {"authorization": f"Bearer {WRONG_KEY}"}):
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("tiny-llama", [text], parameters={"max_tokens": 2}, headers=headers)
+        assert caught.value.status() == "StatusCode.UNAUTHENTICATED" and WRONG_KEY not in caught.value.message()
+        with pytest.raises(InferenceServerException) as caught:
+            client.get_model_metadata("tiny-llama", headers=headers)
+        assert caught.value.status() == "StatusCode.UNAUTHENTICATED"
+        assert client.is_server_ready(headers=headers) and client.is_model_ready("tiny-llama", headers=headers)
+    result = client.infer("tiny-llama", [text], parameters={"max_tokens": 2},
+                          headers={"authorization": f"Bearer {MAIN_KEY}"})
+    assert result.as_numpy("text_output") is not None
+    assert client.get_model_metadata("tiny-llama", headers={"authorization": f"Bearer {MAIN_KEY}"}).name
+    client.close()
+
+
+def test_kserve_stream_infer_needs_the_key(guarded):
+    with grpc.insecure_channel(guarded.config.gateway_address) as channel:
+        stream_infer = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                             request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+                                             response_deserializer=service_pb2.ModelStreamInferResponse.FromString)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stream_infer(iter([service_pb2.ModelInferRequest(model_name="tiny-llama")]), timeout=30))
+    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED and "missing API key" in caught.value.details()
+
+
+def http(guarded, path: str, authorization: str | None, body: dict | None = None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    if authorization is not None:
+        headers["Authorization"] = authorization
+    request = urllib.request.Request(f"http://{guarded.config.http_address}{path}", headers=headers,
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     method="GET" if body is None else "POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@pytest.mark.parametrize(("authorization", "reason"), REFUSED)
+def test_openai_http_answers_401_for_a_missing_or_wrong_key(guarded, authorization, reason):
+    for path, body in (("/v1/models", None), ("/v1/completions", {"prompt": "hi", "max_tokens": 2})):
+        status, reply = http(guarded, path, authorization, body)
+        assert status == 401 and reply["error"]["code"] == "invalid_api_key"
+        assert reason in reply["error"]["message"] and WRONG_KEY not in json.dumps(reply)
+    status, reply = http(guarded, "/v1/completions", f"Bearer {MAIN_KEY}",
+                         {"prompt": "hi", "max_tokens": 2, "ignore_eos": True})  # a random model may pick EOS
+    assert status == 200 and reply["usage"]["completion_tokens"] == 2
+
+
+def test_health_and_reflection_stay_open(guarded):
+    with grpc.insecure_channel(guarded.config.gateway_address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", GENERATION_SERVICE):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=30)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert GENERATION_SERVICE in set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert http(guarded, "/health", None)[0] == 200 and http(guarded, "/ready", None)[0] == 200
+
+
+def test_the_keys_file_holds_only_hashes(guarded):
+    text = open(guarded.config.api_keys_file).read()
+    assert MAIN_KEY not in text and '"sha256"' in text
