@@ -17,6 +17,7 @@ from scheduler.outputs import RequestOutput
 from scheduler.plan import StepPlan, StepResult
 from scheduler.request import Request
 from scheduler.scheduler import RequestTooLarge, Scheduler
+from scheduler.worker_recovery import WORKER_UNAVAILABLE, WorkerRecovery
 from tokenmill.errors import InvalidArgument, ResourceExhausted
 
 logger = logging.getLogger(__name__)
@@ -58,9 +59,12 @@ class RequestStream:
 
 class EngineLoop:
     def __init__(self, scheduler: Scheduler, executor: AsyncExecutor, state: StateSink | None = None,
-                 model_name: str = "", max_waiting_requests: int = 4096) -> None:
+                 model_name: str = "", max_waiting_requests: int = 4096,
+                 worker_recovery: WorkerRecovery | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
+        # None: a failed step fails the requests it held (the executor cannot be reconnected)
+        self.worker_recovery = worker_recovery
         self.state = state
         self.model_name = model_name
         self.max_waiting_requests = max_waiting_requests
@@ -105,6 +109,10 @@ class EngineLoop:
         self._wakeup.set()
         return True
 
+    def wake(self) -> None:
+        """Runs an iteration now (the loop sleeps while it has no requests)."""
+        self._wakeup.set()
+
     # --- the loop ---------------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -120,6 +128,8 @@ class EngineLoop:
 
     async def run(self) -> None:
         while True:
+            if self.worker_recovery is not None and self.worker_recovery.lost:
+                await self.worker_recovery.recover(self, "the connection to the worker broke", step_failed=False)
             self._apply_inbox()
             if not self.scheduler.has_unfinished():
                 self._wakeup.clear()
@@ -134,9 +144,14 @@ class EngineLoop:
                 result = await self.executor.execute(plan)
             except asyncio.CancelledError:
                 raise
-            except Exception as error:  # the worker is gone or broke: fail what it held, keep serving
-                self._fail_all(f"worker step failed: {error}")
+            except Exception as error:  # the worker is gone or broke
+                if self.worker_recovery is None:
+                    self._fail_all(f"{WORKER_UNAVAILABLE}: step failed: {error}")
+                else:
+                    await self.worker_recovery.recover(self, error)
                 continue
+            if self.worker_recovery is not None:
+                self.worker_recovery.step_succeeded()
             self.num_steps += 1
             self._deliver(self.scheduler.update(plan, result), result.forward_ns)
             await asyncio.sleep(0)  # let handlers enqueue between steps
@@ -217,9 +232,11 @@ class EngineLoop:
             self.state.finished(output.request_id, finish_reason=output.finish_reason or "stop",
                                 num_output_tokens=output.num_output_tokens)
 
-    def _fail_all(self, error: str) -> None:
-        logger.error("%s; failing %d requests", error, len(self.scheduler.requests))
-        for request_id in list(self.scheduler.requests):
+    def _fail_all(self, error: str, request_ids: list[str] | None = None) -> None:
+        """Ends the given requests (default: all) with finish reason error."""
+        request_ids = list(self.scheduler.requests) if request_ids is None else request_ids
+        logger.error("%s; failing %d requests", error, len(request_ids))
+        for request_id in request_ids:
             output = self.scheduler.abort_request(request_id)
             if output is not None:
                 output.finish_reason, output.error = "error", error

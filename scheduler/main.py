@@ -10,6 +10,7 @@ from scheduler.loop import EngineLoop
 from scheduler.scheduler import Scheduler
 from scheduler.service import SchedulerServicer, drain
 from scheduler.worker_client import WorkerClient
+from scheduler.worker_recovery import WorkerRecovery
 from tokenmill import rpc
 from tokenmill.process import run_process, wait_for_stop_signal
 
@@ -31,7 +32,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-waiting-requests", type=int, default=4096)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--worker-timeout-s", type=float, default=600.0, help="how long to wait for the worker")
-    parser.add_argument("--drain-timeout-s", type=float, default=30.0)
+    parser.add_argument("--drain-timeout-s", "--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM: readiness off, new requests UNAVAILABLE, in-flight ones get this long")
+    parser.add_argument("--no-retry-on-worker-failure", action="store_true",
+                        help="requests on a worker that crashed fail (UNAVAILABLE) instead of being recomputed")
+    parser.add_argument("--worker-reconnect-timeout-s", type=float, default=60.0,
+                        help="how long requests wait for a crashed worker to come back before failing")
     return parser.parse_args(argv)
 
 
@@ -60,12 +66,19 @@ async def serve(args: argparse.Namespace) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=min(args.max_model_len or model_len, model_len), kv_policy=args.kv_policy,
         queue_policy=args.queue_policy, enable_prefix_caching=not args.no_prefix_caching)
+    recovery = WorkerRecovery(worker.reconnect, retry=not args.no_retry_on_worker_failure,
+                              reconnect_timeout_s=args.worker_reconnect_timeout_s)
     loop = EngineLoop(Scheduler(config), worker, state, model_name=capacity.model_config.name,
-                      max_waiting_requests=args.max_waiting_requests)
+                      max_waiting_requests=args.max_waiting_requests, worker_recovery=recovery)
     model_info = common_pb2.GetModelInfoResponse(
         model_config=capacity.model_config, block_size=capacity.block_size, num_blocks=capacity.num_blocks,
         kv_cache_policy=common_pb2.KV_CACHE_POLICY_STATIC if args.kv_policy == "static"
         else common_pb2.KV_CACHE_POLICY_PAGED, device=capacity.device)
+    def worker_lost() -> None:
+        recovery.notice_loss()
+        loop.wake()
+
+    worker.watch_connection(worker_lost)
     servicer.attach(loop, model_info)
     if state:
         state.start()

@@ -87,6 +87,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long each component may take to become ready (default: %(default)s)")
     parser.add_argument("--grace-period-s", type=NON_NEGATIVE_FLOAT, default=10.0,
                         help="per component, between SIGTERM and SIGKILL at shutdown (default: %(default)s)")
+    parser.add_argument("--drain-timeout-s", "--drain-timeout", type=NON_NEGATIVE_FLOAT, default=30.0,
+                        help="at shutdown, how long gateway and scheduler let in-flight requests finish; "
+                             "the grace period is stretched to cover it (default: %(default)s)")
+    parser.add_argument("--no-retry-on-worker-failure", action="store_true",
+                        help="a crashed worker's requests fail (UNAVAILABLE) instead of being recomputed")
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
+    from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports, restart_policies
     from tokenmill.readiness import port_in_use
     from tokenmill.supervisor import PortInUse, Supervisor, SupervisorError, run_until_stopped
 
@@ -135,13 +140,17 @@ def serve(args: argparse.Namespace) -> int:
         redis_port=args.redis_port, kv_policy=args.kv_policy, queue_policy=args.queue_policy,
         block_size=args.block_size, kv_cache_mb=args.kv_cache_mb, num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching))
+        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+        drain_timeout_s=args.drain_timeout_s, retry_on_worker_failure=not args.no_retry_on_worker_failure))
     try:
         specs = cluster_specs(config)
     except FileNotFoundError as error:  # no redis-server binary
         print(f"error: {error}", file=sys.stderr)
         return 2
-    supervisor = Supervisor(specs, startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_period_s)
+    # crashed worker/scheduler/gateway are restarted with backoff; the grace period covers the drain
+    supervisor = Supervisor(specs, startup_timeout_s=args.startup_timeout_s,
+                            grace_s=max(args.grace_period_s, args.drain_timeout_s + 5.0),
+                            restart_policies=restart_policies())
     try:
         supervisor.check_ports()
         if config.http_port is not None and port_in_use(f"{config.host}:{config.http_port}"):

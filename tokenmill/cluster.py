@@ -15,6 +15,7 @@ from pathlib import Path
 from tokenmill.child_process import ChildSpec
 from tokenmill.readiness import connect_address, free_port
 from tokenmill.redis_process import redis_spec, redis_url
+from tokenmill.restart_policy import RestartPolicy
 from tokenmill.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
 
 # The checkout (or site-packages) holding the worker/scheduler/gateway packages, put on the children's
@@ -44,6 +45,10 @@ class ClusterConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # SIGTERM to the gateway or scheduler: how long in-flight requests may take to finish
+    drain_timeout_s: float = 30.0
+    # a lost worker's requests are re-queued and recomputed once it is back; False: they fail (UNAVAILABLE)
+    retry_on_worker_failure: bool = True
     python: str = sys.executable
 
     @property
@@ -123,9 +128,12 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
         scheduler += ["--max-model-len", str(config.max_model_len)]
     if not config.enable_prefix_caching:
         scheduler.append("--no-prefix-caching")
+    scheduler += ["--drain-timeout-s", str(config.drain_timeout_s)]
+    if not config.retry_on_worker_failure:
+        scheduler.append("--no-retry-on-worker-failure")
     gateway = [config.python, "-m", "gateway.main", "--host", config.host, "--port", str(config.gateway_port),
                "--scheduler", config.scheduler_address, "--redis-url", config.effective_redis_url, *model,
-               "--http-port", str(config.http_port or 0)]
+               "--http-port", str(config.http_port or 0), "--drain-timeout-s", str(config.drain_timeout_s)]
     specs = [] if config.redis_url else [redis_spec(config.redis_port)]
     return specs + [
         ChildSpec("worker", worker, WORKER_SERVICE, f"{config.host}:{config.worker_port}",
@@ -135,3 +143,11 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
         ChildSpec("gateway", gateway, GENERATION_SERVICE, f"{config.host}:{config.gateway_port}",
                   port_hint="--gateway-port", env=env),
     ]
+
+
+def restart_policies(policy: RestartPolicy | None = None) -> dict[str, RestartPolicy]:
+    """Worker, scheduler and gateway are started again when they crash (the scheduler re-registers a
+    restarted worker, gateways reconnect to a restarted scheduler); Redis is not: a lost Redis only
+    degrades bookkeeping, and one started by somebody else is not ours to restart."""
+    policy = policy or RestartPolicy()
+    return {name: policy for name in ("worker", "scheduler", "gateway")}
