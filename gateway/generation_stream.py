@@ -82,11 +82,16 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
     # The client's deadline travels twice: as the call's gRPC timeout, and in the request, so the
     # scheduler ends the request (and frees its pages) itself when it passes.
     deadline = time.time() + timeout_s if timeout_s is not None else None
+    breaker = scheduler.breaker
+    probe = breaker.before_call()  # UNAVAILABLE at once while the scheduler is known to be down
     call = scheduler.submit(codec.submit_request_to_proto(prepared.request, deadline), timeout_s)
     first_token = None
-    finished = False
+    finished = answered = False
     try:
         async for response in call:
+            if not answered:
+                answered = True
+                breaker.record_success()
             token_ids = list(response.new_token_ids)
             if token_ids and first_token is None:
                 first_token = time.monotonic()
@@ -103,9 +108,16 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
             yield delta
     except grpc.aio.AioRpcError as error:
         if error.code() == grpc.StatusCode.UNAVAILABLE:
+            breaker.record_failure()
+            # the scheduler (or its worker) is gone: the record must not stay "running" in Redis
+            scheduler.report_lost(request_id, f"scheduler unavailable: {error.details()}")
             raise Unavailable(f"scheduler at {scheduler.address} is unavailable: {error.details()}") from error
+        if not answered and error.code() != grpc.StatusCode.CANCELLED:
+            breaker.record_success()  # it answered, with a refusal: it is up
         raise
     finally:
+        if probe:
+            breaker.release_probe()  # a no-op once the probe's outcome was recorded
         if not finished:  # the client cancelled or went away: the scheduler frees the pages
             call.cancel()
 

@@ -11,6 +11,7 @@ from gateway.tokenizer import load_tokenizer
 from gateway.validation import Limits
 from protos.tokenmill.v1 import generation_pb2_grpc
 from tokenmill import rpc
+from tokenmill.drain import DrainInterceptor
 from tokenmill.process import run_process, wait_for_stop_signal
 
 logger = logging.getLogger("tokenmill.gateway")
@@ -26,7 +27,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens-limit", type=int, default=4096)
     parser.add_argument("--default-max-tokens", type=int, default=256)
     parser.add_argument("--scheduler-timeout-s", type=float, default=600.0)
-    parser.add_argument("--drain-timeout-s", type=float, default=30.0)
+    parser.add_argument("--drain-timeout-s", "--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM: readiness off, new requests UNAVAILABLE, in-flight ones get this long")
     parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API; 0 disables")
     parser.add_argument("--http-api-key", default="", help="HTTP clients must send 'Authorization: Bearer KEY'")
     return parser.parse_args(argv)
@@ -35,7 +37,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     tokenizer = await asyncio.to_thread(load_tokenizer, args.model)
     scheduler = SchedulerClient(args.scheduler)
-    server = rpc.create_server()
+    # on SIGTERM: calls that start generation are refused (UNAVAILABLE) and in-flight ones awaited
+    drain = DrainInterceptor(["/tokenmill.v1.Generation/Generate", "/inference.GRPCInferenceService/ModelInfer",
+                              "/inference.GRPCInferenceService/ModelStreamInfer"])
+    server = rpc.create_server(interceptors=[drain])
     from gateway.kserve_service import KSERVE_SERVICE, add_kserve_servicer  # not at the top: tritonclient (its doc)
     health = rpc.add_health_and_reflection(server, [rpc.GENERATION_SERVICE, KSERVE_SERVICE])
     address = f"{args.host}:{args.port}"
@@ -49,9 +54,11 @@ async def serve(args: argparse.Namespace) -> None:
                     max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens)
     state_reader = None
     if args.redis_url:
+        from gateway.lost_requests import LostRequestRecorder
         from kvstore.state_reader import RequestStateReader
 
         state_reader = RequestStateReader(args.redis_url)
+        scheduler.on_request_lost = LostRequestRecorder(state_reader)
     servicer = GenerationServicer(tokenizer, scheduler, limits, model_info, state_reader)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     add_kserve_servicer(server, tokenizer, scheduler, limits, model_info)
@@ -66,12 +73,15 @@ async def serve(args: argparse.Namespace) -> None:
     await health.set_ready(True)
     logger.info("gateway ready on %s serving %s", address, model_info.model_config.name)
     await wait_for_stop_signal()
+    # readiness off first, so load balancers stop sending; then in-flight requests get drain_timeout_s
     await health.enter_graceful_shutdown()
-    stopping = [server.stop(grace=args.drain_timeout_s)]  # in-flight streams finish, new calls are refused
+    logger.info("gateway draining")
+    stopping = [drain.drain(args.drain_timeout_s)]
     if http_runner is not None:
         http_api.ready = False
         stopping.append(http_runner.cleanup())
     await asyncio.gather(*stopping)
+    await server.stop(grace=1.0)
     await scheduler.close()
     if state_reader:
         await state_reader.aclose()

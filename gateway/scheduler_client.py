@@ -2,20 +2,29 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.circuit_breaker import CircuitBreaker
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tokenmill.rpc import SCHEDULER_SERVICE
 
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 * 2**20), ("grpc.max_receive_message_length", 64 * 2**20)]
+# A restarted scheduler is found within a second, not after gRPC's default reconnect backoff (up to 120 s).
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 class SchedulerClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, breaker: CircuitBreaker | None = None,
+                 on_request_lost: Callable[[str, str], None] | None = None) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.breaker = breaker or CircuitBreaker(f"scheduler at {address}")
+        # (request_id, error): a request whose scheduler stream broke; the gateway ends its record
+        self.on_request_lost = on_request_lost
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -36,6 +45,10 @@ class SchedulerClient:
     def submit(self, request: scheduler_pb2.SubmitRequest, timeout_s: float | None = None):
         """A streaming call; iterate it for SubmitResponses, cancel() it to abort the request."""
         return self.stub.Submit(request, timeout=timeout_s)
+
+    def report_lost(self, request_id: str, error: str) -> None:
+        if self.on_request_lost is not None:
+            self.on_request_lost(request_id, error)
 
     async def abort(self, request_ids: list[str], reason: int = common_pb2.FINISH_REASON_ABORT) -> list[str]:
         reply = await self.stub.Abort(scheduler_pb2.AbortRequest(request_ids=request_ids, reason=reason),

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 
+from grpc_health.v1.health_pb2 import HealthCheckResponse
+
+from kvstore.redis_health import REDIS_HEALTH_SERVICE, watch_redis
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2_grpc
 from scheduler.config import KV_POLICIES, QUEUE_POLICIES, SchedulerConfig
 from scheduler.loop import EngineLoop
@@ -12,9 +16,11 @@ from scheduler.service import SchedulerServicer, drain
 from scheduler.worker_client import WorkerClient
 from scheduler.worker_recovery import WorkerRecovery
 from tokenmill import rpc
+from tokenmill.drain import DrainInterceptor
 from tokenmill.process import run_process, wait_for_stop_signal
 
 logger = logging.getLogger("tokenmill.scheduler")
+SERVING, NOT_SERVING = HealthCheckResponse.SERVING, HealthCheckResponse.NOT_SERVING
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,7 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    server = rpc.create_server()
+    drain_calls = DrainInterceptor(["/tokenmill.v1.Scheduler/Submit"])  # SIGTERM: no new Submit, Abort still works
+    server = rpc.create_server(interceptors=[drain_calls])
     health = rpc.add_health_and_reflection(server, [rpc.SCHEDULER_SERVICE])
     address = f"{args.host}:{args.port}"
     if server.add_insecure_port(address) == 0:
@@ -80,8 +87,12 @@ async def serve(args: argparse.Namespace) -> None:
 
     worker.watch_connection(worker_lost)
     servicer.attach(loop, model_info)
+    redis_watch = None
     if state:
         state.start()
+        redis_watch = asyncio.get_running_loop().create_task(watch_redis(
+            args.redis_url, lambda: state.healthy,
+            lambda ok: health.set(REDIS_HEALTH_SERVICE, SERVING if ok else NOT_SERVING)))
     loop.start()
     await health.set_ready(True)
     logger.info("scheduler ready: %d KV pages of %d tokens, policy %s", config.num_blocks, config.block_size,
@@ -90,9 +101,12 @@ async def serve(args: argparse.Namespace) -> None:
     await wait_for_stop_signal()
     logger.info("scheduler draining (%d requests in flight)", len(loop.streams))
     await health.enter_graceful_shutdown()
-    await drain(loop, args.drain_timeout_s)
+    await drain_calls.drain(args.drain_timeout_s)
+    await drain(loop, 1.0)  # what is left now ran past the drain timeout or has no caller any more
     await server.stop(grace=1.0)
     await loop.stop()
+    if redis_watch is not None:
+        redis_watch.cancel()
     if state:
         await state.aclose()
     await worker.close()

@@ -130,6 +130,13 @@ class Supervisor:
             raise SupervisorError(f"{name} is still running (pid {child.pid})")
         self._start_child(child)
 
+    def replace_spec(self, name: str, spec: ChildSpec) -> None:
+        """Gives a stopped child a new spec (other flags), for restart(); the name must stay."""
+        child = self.children[name]
+        if child.alive or spec.name != name:
+            raise SupervisorError(f"{name} must be stopped, and keep its name, to change its spec")
+        self.children[name] = ChildProcess(spec, self._echo, self._echo_lock, child._tail.maxlen)
+
     def _start_child(self, child: ChildProcess) -> None:
         child.start()
         self._say(f"started {child.name} (pid {child.pid})")

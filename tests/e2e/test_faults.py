@@ -5,13 +5,19 @@ a test kills) and waits for that before it ends."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import signal
 import time
 
 import grpc
 import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore.redis_health import REDIS_HEALTH_SERVICE
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.e2e.faults_cluster import generate_ok, kill9, request, scheduler_load, tiny_cluster, wait_until
+from tokenmill.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE
 
 pytestmark = pytest.mark.slow
 
@@ -76,3 +82,118 @@ async def test_worker_killed_mid_generation_is_restarted_and_requests_finish_by_
         status = await stub.GetRequestStatus(generation_pb2.GetRequestStatusRequest(request_id="survives-worker-kill"))
         assert status.num_preemptions >= 1, "the request was re-queued, not finished before the kill"
     assert await wait_until(lambda: generate_ok(config.gateway_address), 60, "serving after the worker restart")
+
+
+async def test_scheduler_killed_answers_unavailable_fast_reconnects_and_ends_lost_records_failed(cluster):
+    config, supervisor = cluster
+    async with grpc.aio.insecure_channel(config.gateway_address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        call = stub.GenerateStream(request("The scheduler dies", 480, "lost-with-scheduler"))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            received = 0
+            async for message in call:
+                received += len(message.token_ids)
+                if received >= 3:
+                    kill9(supervisor, "scheduler")
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        # while it restarts: every call is answered at once, and the breaker opens
+        answers = []
+        for _ in range(6):
+            started = time.monotonic()
+            try:
+                await stub.Generate(request("while down", 2), timeout=30)
+                answers.append(("ok", time.monotonic() - started, ""))
+            except grpc.aio.AioRpcError as error:
+                answers.append((error.code(), time.monotonic() - started, error.details()))
+        unavailable = [a for a in answers if a[0] == grpc.StatusCode.UNAVAILABLE]
+        assert unavailable and answers[0][0] == grpc.StatusCode.UNAVAILABLE, answers
+        assert all(seconds < 2.0 for _, seconds, _ in unavailable), answers
+        assert any("circuit open" in details for _, _, details in unavailable), answers
+    # the supervisor restarts it; the gateway's half-open probe closes the breaker
+    assert await wait_until(lambda: generate_ok(config.gateway_address), 90, "serving after the scheduler restart")
+
+    async def record_failed():
+        with redis.Redis.from_url(config.effective_redis_url) as client:
+            return client.hget("tokenmill:req:lost-with-scheduler", "status") == b"failed"
+
+    await wait_until(record_failed, 30, "the lost request's record ending as failed")
+
+
+async def test_redis_down_generation_continues_readiness_reports_it_and_records_catch_up(cluster):
+    config, supervisor = cluster
+    supervisor.kill("redis")
+    try:
+        async def redis_health(wanted):
+            async with grpc.aio.insecure_channel(config.scheduler_address) as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                redis_status = await health.Check(health_pb2.HealthCheckRequest(service=REDIS_HEALTH_SERVICE), timeout=5)
+                ready = await health.Check(health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE), timeout=5)
+                live = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            serving = health_pb2.HealthCheckResponse.SERVING
+            return redis_status.status == wanted and ready.status == serving and live.status == serving
+
+        await wait_until(lambda: redis_health(health_pb2.HealthCheckResponse.NOT_SERVING), 30,
+                         "the scheduler reporting Redis as NOT_SERVING (still ready and live)")
+        async with grpc.aio.insecure_channel(config.gateway_address) as channel:
+            reply = await generation_pb2_grpc.GenerationStub(channel).Generate(
+                request("Redis is down", 8, "during-redis-outage"), timeout=60)
+        assert len(reply.token_ids) == 8 and reply.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    finally:
+        supervisor.restart("redis")
+    await wait_until(lambda: redis_health(health_pb2.HealthCheckResponse.SERVING), 30, "Redis SERVING again")
+
+    async def record_caught_up():
+        with redis.Redis.from_url(config.effective_redis_url) as client:
+            record = client.hgetall("tokenmill:req:during-redis-outage")
+        return record.get(b"status") == b"finished" and record.get(b"num_output_tokens") == b"8"
+
+    await wait_until(record_caught_up, 30, "the record written during the outage reaching Redis")
+
+
+async def test_sigterm_drains_the_gateway_refuses_new_requests_and_exits_zero(cluster):
+    config, supervisor = cluster
+    async with grpc.aio.insecure_channel(config.gateway_address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        call = stub.GenerateStream(request("Drain me", 480, "in-flight-at-sigterm"))
+        ids, exit_code = [], None
+        async for message in call:
+            ids += message.token_ids
+            if exit_code is None and len(ids) >= 3:
+                exit_code = asyncio.create_task(asyncio.to_thread(supervisor.children["gateway"].kill,
+                                                                  signal.SIGTERM, 120))
+
+                async def not_ready():
+                    reply = await health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(service=GENERATION_SERVICE), timeout=5)
+                    return reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+                await wait_until(not_ready, 10, "readiness NOT_SERVING after SIGTERM", interval_s=0.01)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Generate(request("too late", 2), timeout=10)
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "draining" in refused.value.details()
+        assert len(ids) == 480 and message.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert await exit_code == 0
+    supervisor.restart("gateway")
+
+
+async def test_without_retry_a_killed_worker_fails_its_requests_with_unavailable_within_5s(cluster):
+    config, supervisor = cluster
+    supervisor.kill("scheduler", signal.SIGTERM)
+    spec = supervisor.children["scheduler"].spec
+    supervisor.replace_spec("scheduler", dataclasses.replace(spec, argv=[*spec.argv, "--no-retry-on-worker-failure"]))
+    supervisor.restart("scheduler")
+    await wait_until(lambda: generate_ok(config.gateway_address), 60, "serving with the retry-off scheduler")
+    async with grpc.aio.insecure_channel(config.gateway_address) as channel:
+        call = generation_pb2_grpc.GenerationStub(channel).GenerateStream(request("No retry", 480))
+        killed_at = None
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for message in call:
+                if killed_at is None:
+                    kill9(supervisor, "worker")
+                    killed_at = time.monotonic()
+        failed_after = time.monotonic() - killed_at
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and "worker unavailable" in caught.value.details()
+    print(f"UNAVAILABLE {failed_after:.3f}s after kill -9 of the worker (bound: 5 s)")
+    assert failed_after < 5.0
+    assert await wait_until(lambda: generate_ok(config.gateway_address), 90, "serving once the worker is back")
