@@ -70,9 +70,11 @@ class GenerationDelta:
 
 
 async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer, scheduler: SchedulerClient,
-                            timeout_s: float | None = None,
-                            arrival: float | None = None) -> AsyncIterator[GenerationDelta]:
+                            timeout_s: float | None = None, arrival: float | None = None,
+                            resumable: bool = False) -> AsyncIterator[GenerationDelta]:
     """arrival: time.monotonic() when the request reached the gateway (default: now), for the timings.
+    resumable: the scheduler keeps the request running if this gateway dies (see gateway.resume),
+    so a client's cancel is sent as an explicit Abort.
 
     Raises Unavailable when the scheduler cannot be reached; other scheduler statuses come through
     as grpc.aio.AioRpcError (tokenmill.rpc.status_for passes their code on)."""
@@ -84,7 +86,9 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
     deadline = time.time() + timeout_s if timeout_s is not None else None
     breaker = scheduler.breaker
     probe = breaker.before_call()  # UNAVAILABLE at once while the scheduler is known to be down
-    call = scheduler.submit(codec.submit_request_to_proto(prepared.request, deadline), timeout_s)
+    submit = codec.submit_request_to_proto(prepared.request, deadline)
+    submit.resumable = resumable
+    call = scheduler.submit(submit, timeout_s)
     first_token = None
     finished = answered = False
     try:
@@ -107,6 +111,7 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
                 return
             yield delta
     except grpc.aio.AioRpcError as error:
+        finished = True  # the call ended with a status: nothing to cancel or abort
         if error.code() == grpc.StatusCode.UNAVAILABLE:
             breaker.record_failure()
             # the scheduler (or its worker) is gone: the record must not stay "running" in Redis
@@ -120,6 +125,8 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
             breaker.release_probe()  # a no-op once the probe's outcome was recorded
         if not finished:  # the client cancelled or went away: the scheduler frees the pages
             call.cancel()
+            if resumable:
+                scheduler.abort_in_background(request_id)
 
 
 def _logprobs(tokenizer: TextTokenizer, token_ids: list[int], entries) -> list[TokenLogprob]:

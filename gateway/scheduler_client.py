@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 import grpc
@@ -11,6 +12,7 @@ from gateway.circuit_breaker import CircuitBreaker
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tokenmill.rpc import SCHEDULER_SERVICE
 
+logger = logging.getLogger(__name__)
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 * 2**20), ("grpc.max_receive_message_length", 64 * 2**20)]
 # A restarted scheduler is found within a second, not after gRPC's default reconnect backoff (up to 120 s).
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
@@ -24,6 +26,7 @@ class SchedulerClient:
         self.breaker = breaker or CircuitBreaker(f"scheduler at {address}")
         # (request_id, error): a request whose scheduler stream broke; the gateway ends its record
         self.on_request_lost = on_request_lost
+        self._background: set[asyncio.Task] = set()
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -49,6 +52,18 @@ class SchedulerClient:
     def report_lost(self, request_id: str, error: str) -> None:
         if self.on_request_lost is not None:
             self.on_request_lost(request_id, error)
+
+    def abort_in_background(self, request_id: str) -> None:
+        """Abort without waiting (from a cancelled handler's clean-up); a failure is only logged."""
+        task = asyncio.get_running_loop().create_task(self._abort_quietly(request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort_quietly(self, request_id: str) -> None:
+        try:
+            await self.abort([request_id])
+        except grpc.aio.AioRpcError as error:
+            logger.warning("abort of %r failed: %s", request_id, error.details())
 
     async def abort(self, request_ids: list[str], reason: int = common_pb2.FINISH_REASON_ABORT) -> list[str]:
         reply = await self.stub.Abort(scheduler_pb2.AbortRequest(request_ids=request_ids, reason=reason),

@@ -18,7 +18,7 @@ from scheduler.plan import StepPlan, StepResult
 from scheduler.request import Request
 from scheduler.scheduler import RequestTooLarge, Scheduler
 from scheduler.worker_recovery import WORKER_UNAVAILABLE, WorkerRecovery
-from tokenmill.errors import InvalidArgument, ResourceExhausted
+from tokenmill.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 
 logger = logging.getLogger(__name__)
 DEADLINE_EXCEEDED = "deadline exceeded"
@@ -42,6 +42,14 @@ class StateSink(Protocol):
     def cancelled(self, request_id: str) -> None: ...
 
 
+class TokenSink(Protocol):
+    """Where resumable requests' tokens go (kvstore.TokenStreamWriter in production)."""
+
+    def append(self, request_id: str, start_index: int, token_ids: list[int]) -> None: ...
+    def finish(self, request_id: str, end_index: int, finish_reason: str, error: str | None,
+               num_prompt_tokens: int) -> None: ...
+
+
 @dataclass(slots=True)
 class RequestTimes:
     arrival: float = field(default_factory=time.monotonic)
@@ -60,11 +68,13 @@ class RequestStream:
 class EngineLoop:
     def __init__(self, scheduler: Scheduler, executor: AsyncExecutor, state: StateSink | None = None,
                  model_name: str = "", max_waiting_requests: int = 4096,
-                 worker_recovery: WorkerRecovery | None = None) -> None:
+                 worker_recovery: WorkerRecovery | None = None, tokens: TokenSink | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
         # None: a failed step fails the requests it held (the executor cannot be reconnected)
         self.worker_recovery = worker_recovery
+        self.tokens = tokens
+        self._resumable: set[str] = set()  # ids whose tokens go to `tokens`, to outlive their caller
         self.state = state
         self.model_name = model_name
         self.max_waiting_requests = max_waiting_requests
@@ -77,10 +87,11 @@ class EngineLoop:
 
     # --- called by RPC handlers: check, enqueue, return -------------------------------------------
 
-    def submit(self, request: Request, deadline: float | None = None) -> RequestStream:
-        """deadline: wall-clock Unix seconds after which the request ends (pages freed) unfinished."""
+    def submit(self, request: Request, deadline: float | None = None, resumable: bool = False) -> RequestStream:
+        """deadline: wall-clock Unix seconds after which the request ends (pages freed) unfinished.
+        resumable: its tokens also go to the token sink (ignored without one)."""
         if request.request_id in self.streams:
-            raise InvalidArgument("request_id", request.request_id, "already queued or running")
+            raise AlreadyExists("request_id", request.request_id)
         needed = self.scheduler.kv.blocks_needed_at_most(request)
         if needed > self.scheduler.config.num_blocks:
             raise InvalidArgument(
@@ -94,6 +105,8 @@ class EngineLoop:
         self.streams[request.request_id] = stream
         if deadline is not None:
             self._deadlines[request.request_id] = deadline
+        if resumable and self.tokens is not None:
+            self._resumable.add(request.request_id)
         self._inbox.append(("add", request))
         if self.state:
             self.state.queued(request.request_id, num_prompt_tokens=request.num_prompt_tokens,
@@ -211,6 +224,8 @@ class EngineLoop:
             if output.finished:
                 self._end_stream(output)
             else:
+                if output.request_id in self._resumable:
+                    self._write_tokens(output)
                 stream.queue.put_nowait(output)
 
     def _end_stream(self, output: RequestOutput) -> None:
@@ -220,6 +235,9 @@ class EngineLoop:
             return
         stream.times.finished = time.monotonic()
         stream.queue.put_nowait(output)
+        if output.request_id in self._resumable:
+            self._resumable.discard(output.request_id)
+            self._write_tokens(output)
         if not self.state:
             return
         if output.error == DEADLINE_EXCEEDED:
@@ -231,6 +249,14 @@ class EngineLoop:
         else:
             self.state.finished(output.request_id, finish_reason=output.finish_reason or "stop",
                                 num_output_tokens=output.num_output_tokens)
+
+    def _write_tokens(self, output: RequestOutput) -> None:
+        end = output.num_output_tokens
+        if output.new_token_ids:
+            self.tokens.append(output.request_id, end - len(output.new_token_ids), output.new_token_ids)
+        if output.finished:
+            self.tokens.finish(output.request_id, end, output.finish_reason or "error", output.error,
+                               output.num_prompt_tokens)
 
     def _fail_all(self, error: str, request_ids: list[str] | None = None) -> None:
         """Ends the given requests (default: all) with finish reason error."""

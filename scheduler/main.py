@@ -55,11 +55,13 @@ async def serve(args: argparse.Namespace) -> None:
     if server.add_insecure_port(address) == 0:
         raise SystemExit(f"scheduler: cannot listen on {address} (in use?); change --port")
     worker = WorkerClient(args.worker)
-    state = None
+    state = tokens = None
     if args.redis_url:
         from kvstore.state_writer import RequestStateWriter
+        from kvstore.token_streams import TokenStreamWriter
 
         state = RequestStateWriter(args.redis_url, ttl_s=args.state_ttl_s)
+        tokens = TokenStreamWriter(args.redis_url, ttl_s=args.state_ttl_s)  # for resumable requests
     # Listen (health, reflection) while the worker loads; the servicer answers UNAVAILABLE until the
     # worker has registered and the loop exists.
     servicer = SchedulerServicer()
@@ -76,7 +78,8 @@ async def serve(args: argparse.Namespace) -> None:
     recovery = WorkerRecovery(worker.reconnect, retry=not args.no_retry_on_worker_failure,
                               reconnect_timeout_s=args.worker_reconnect_timeout_s)
     loop = EngineLoop(Scheduler(config), worker, state, model_name=capacity.model_config.name,
-                      max_waiting_requests=args.max_waiting_requests, worker_recovery=recovery)
+                      max_waiting_requests=args.max_waiting_requests, worker_recovery=recovery,
+                      tokens=tokens)
     model_info = common_pb2.GetModelInfoResponse(
         model_config=capacity.model_config, block_size=capacity.block_size, num_blocks=capacity.num_blocks,
         kv_cache_policy=common_pb2.KV_CACHE_POLICY_STATIC if args.kv_policy == "static"
@@ -90,8 +93,9 @@ async def serve(args: argparse.Namespace) -> None:
     redis_watch = None
     if state:
         state.start()
+        tokens.start()
         redis_watch = asyncio.get_running_loop().create_task(watch_redis(
-            args.redis_url, lambda: state.healthy,
+            args.redis_url, lambda: state.healthy and tokens.healthy,
             lambda ok: health.set(REDIS_HEALTH_SERVICE, SERVING if ok else NOT_SERVING)))
     loop.start()
     await health.set_ready(True)
@@ -109,6 +113,7 @@ async def serve(args: argparse.Namespace) -> None:
         redis_watch.cancel()
     if state:
         await state.aclose()
+        await tokens.aclose()
     await worker.close()
 
 

@@ -36,8 +36,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return self._loop
 
     async def Submit(self, request, context):
+        # a resumable request outlives this call (its gateway may die): its caller aborts it explicitly
+        resumable = request.resumable and self.loop.tokens is not None
         stream = self.loop.submit(codec.request_from_submit_proto(request),
-                                  codec.deadline_from_submit_proto(request))
+                                  codec.deadline_from_submit_proto(request), resumable)
         finished = False
         try:
             while not finished:
@@ -57,7 +59,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                       f"tokens: {output.error}")
                 yield codec.request_output_to_proto(output, _timings(stream.times) if finished else None)
         finally:
-            if not finished:  # the client went away or the call was cancelled: free its pages
+            if not finished and not resumable:  # the client went away or cancelled: free its pages
                 self.loop.abort(request.request_id)
 
     async def Abort(self, request, context):

@@ -150,6 +150,40 @@ async def test_redis_down_generation_continues_readiness_reports_it_and_records_
     await wait_until(record_caught_up, 30, "the record written during the outage reaching Redis")
 
 
+async def test_gateway_killed_mid_stream_the_client_resumes_by_request_id_without_loss_or_repeat(cluster):
+    config, supervisor = cluster
+    async with grpc.aio.insecure_channel(config.gateway_address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        undisturbed, _ = await collect(stub.GenerateStream(request("Resume me", 480)))
+        old_pid, ids = supervisor.pid("gateway"), []
+        with pytest.raises(grpc.aio.AioRpcError):
+            async for message in stub.GenerateStream(request("Resume me", 480, "resume-me")):
+                ids += message.token_ids
+                if len(ids) >= 5 and supervisor.pid("gateway") == old_pid:
+                    kill9(supervisor, "gateway")
+        assert 5 <= len(ids) < 480
+    assert await wait_until(lambda: generate_ok(config.gateway_address), 90, "the restarted gateway serving")
+    async with grpc.aio.insecure_channel(config.gateway_address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        resumed = request("Resume me", 480, "resume-me")
+        resumed.resume_from_index = len(ids)
+        rest, last = await collect(stub.GenerateStream(resumed))
+        assert ids + rest == undisturbed, "no token lost or repeated across the gateway restart"
+        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH and last.usage.completion_tokens == 480
+        # the same id sent again attaches to the finished request: its whole stream, not a second run
+        again, _ = await collect(stub.GenerateStream(request("Resume me", 480, "resume-me")))
+        assert again == undisturbed
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            never = request("Resume me", 4, "never-submitted")
+            never.resume_from_index = 2
+            await collect(stub.GenerateStream(never))
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    with redis.Redis.from_url(config.effective_redis_url) as client:
+        entries = [fields for _, fields in client.xrange("tokenmill:tokens:resume-me")]
+    assert sum(len(fields[b"t"].split()) for fields in entries) == 480, "the scheduler ran it once"
+    assert [fields.get(b"f") for fields in entries].count(b"length") == 1
+
+
 async def test_sigterm_drains_the_gateway_refuses_new_requests_and_exits_zero(cluster):
     config, supervisor = cluster
     async with grpc.aio.insecure_channel(config.gateway_address) as channel:
