@@ -67,6 +67,11 @@ class TokenStreamWriter:
         self.dropped = 0  # entries dropped past max_pending while Redis was away (oldest first)
         self.healthy = True
 
+    @property
+    def pending(self) -> int:
+        """Entries not yet written."""
+        return len(self._pending)
+
     # ---- caller side: synchronous, no I/O ----
 
     def append(self, request_id: str, start_index: int, token_ids: list[int]) -> None:
