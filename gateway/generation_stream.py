@@ -115,7 +115,7 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
         if error.code() == grpc.StatusCode.UNAVAILABLE:
             breaker.record_failure()
             # the scheduler (or its worker) is gone: the record must not stay "running" in Redis
-            scheduler.report_lost(request_id, f"scheduler unavailable: {error.details()}")
+            scheduler.report_lost(request_id, f"scheduler unavailable: {error.details()}", accepted=answered)
             raise Unavailable(f"scheduler at {scheduler.address} is unavailable: {error.details()}") from error
         if not answered and error.code() != grpc.StatusCode.CANCELLED:
             breaker.record_success()  # it answered, with a refusal: it is up

@@ -21,10 +21,10 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reco
 
 class SchedulerClient:
     def __init__(self, address: str, breaker: CircuitBreaker | None = None,
-                 on_request_lost: Callable[[str, str], None] | None = None) -> None:
+                 on_request_lost: Callable[[str, str, bool], None] | None = None) -> None:
         self.address = address
         self.breaker = breaker or CircuitBreaker(f"scheduler at {address}")
-        # (request_id, error): a request whose scheduler stream broke; the gateway ends its record
+        # (request_id, error, accepted): a request whose scheduler stream broke; the gateway ends its record
         self.on_request_lost = on_request_lost
         self._background: set[asyncio.Task] = set()
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
@@ -49,9 +49,10 @@ class SchedulerClient:
         """A streaming call; iterate it for SubmitResponses, cancel() it to abort the request."""
         return self.stub.Submit(request, timeout=timeout_s)
 
-    def report_lost(self, request_id: str, error: str) -> None:
+    def report_lost(self, request_id: str, error: str, accepted: bool) -> None:
+        """accepted: the scheduler had sent tokens, so the request surely existed there."""
         if self.on_request_lost is not None:
-            self.on_request_lost(request_id, error)
+            self.on_request_lost(request_id, error, accepted)
 
     def abort_in_background(self, request_id: str) -> None:
         """Abort without waiting (from a cancelled handler's clean-up); a failure is only logged."""
