@@ -15,7 +15,8 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.redis_health import REDIS_HEALTH_SERVICE
-from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from protos.tokenmill.v1 import (common_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2,
+                                 scheduler_pb2_grpc)
 from tests.e2e.faults_cluster import generate_ok, kill9, request, scheduler_load, tiny_cluster, wait_until
 from tokenmill.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE
 
@@ -50,10 +51,18 @@ async def test_deadline_in_the_queue_and_mid_generation_ends_with_deadline_excee
                 received += message.token_ids
         assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert 0 < len(received) < 480
-        # in the queue: a deadline too short for the request ever to be scheduled
+    # in the queue: straight to the scheduler, with a deadline that has passed by the time the loop
+    # picks the request up (no gRPC deadline on the call: the scheduler's own check must end it)
+    submit = scheduler_pb2.SubmitRequest(request_id="deadline-queued", prompt_token_ids=[65, 66, 67],
+                                         sampling_params=sampling_pb2.SamplingParams(max_tokens=LONG, temperature=0.0))
+    submit.deadline.FromNanoseconds(time.time_ns())
+    async with grpc.aio.insecure_channel(config.scheduler_address) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await stub.Generate(request("deadline", LONG, "deadline-queued"), timeout=0.001)
-        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            async for _ in scheduler_pb2_grpc.SchedulerStub(channel).Submit(submit, timeout=60):
+                pass
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "passed its deadline after 0 tokens" in caught.value.details()
+    await wait_until(lambda: _status_is(config, "deadline-queued", b"failed"), 30, "the record ending failed")
 
     async def pages_free():
         load = await scheduler_load(config.scheduler_address)
