@@ -10,6 +10,7 @@ text of the tokens before from_index is decoded but not sent, so the text resume
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 # A record that is terminal while its token stream says nothing more for this long was lost with its
 # scheduler (the final entry is written after the record only by a few milliseconds).
 _LOST_AFTER_S = 3.0
+_KNOWN_CHECK_TIMEOUT_S = 0.5
 
 
 async def attach_generation(prepared: PreparedRequest, tokenizer: TextTokenizer, tokens: TokenStreamReader,
@@ -130,10 +132,12 @@ async def _submit_then_attach_if_taken(prepared, tokenizer, scheduler, tokens, r
 
 
 async def _is_known(request_id: str, tokens: TokenStreamReader, records: RequestStateReader | None) -> bool:
+    # bounded: a slow or hung Redis must not hold a new request (DESIGN invariant 6)
     try:
-        if await tokens.exists(request_id):
-            return True
-        return records is not None and await records.get_record(request_id) is not None
-    except (RedisError, OSError) as error:  # Redis away: resume is unavailable, generation is not
+        async with asyncio.timeout(_KNOWN_CHECK_TIMEOUT_S):
+            if await tokens.exists(request_id):
+                return True
+            return records is not None and await records.get_record(request_id) is not None
+    except (RedisError, OSError, TimeoutError) as error:  # Redis away: resume is unavailable, generation is not
         logger.warning("cannot tell whether request %r is known (Redis: %s); submitting it", request_id, error)
         return False
