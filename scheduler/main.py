@@ -84,6 +84,7 @@ async def serve(args: argparse.Namespace) -> None:
         model_config=capacity.model_config, block_size=capacity.block_size, num_blocks=capacity.num_blocks,
         kv_cache_policy=common_pb2.KV_CACHE_POLICY_STATIC if args.kv_policy == "static"
         else common_pb2.KV_CACHE_POLICY_PAGED, device=capacity.device)
+
     def worker_lost() -> None:
         recovery.notice_loss()
         loop.wake()
@@ -105,8 +106,10 @@ async def serve(args: argparse.Namespace) -> None:
     await wait_for_stop_signal()
     logger.info("scheduler draining (%d requests in flight)", len(loop.streams))
     await health.enter_graceful_shutdown()
+    draining_since = asyncio.get_running_loop().time()
     await drain_calls.drain(args.drain_timeout_s)
-    await drain(loop, 1.0)  # what is left now ran past the drain timeout or has no caller any more
+    # resumable requests whose gateway died have no call left to wait for: the rest of the timeout
+    await drain(loop, max(args.drain_timeout_s - (asyncio.get_running_loop().time() - draining_since), 0.0))
     await server.stop(grace=1.0)
     await loop.stop()
     if redis_watch is not None:
