@@ -70,9 +70,11 @@ class GenerationDelta:
 
 
 async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer, scheduler: SchedulerClient,
-                            timeout_s: float | None = None,
-                            arrival: float | None = None) -> AsyncIterator[GenerationDelta]:
+                            timeout_s: float | None = None, arrival: float | None = None,
+                            resumable: bool = False) -> AsyncIterator[GenerationDelta]:
     """arrival: time.monotonic() when the request reached the gateway (default: now), for the timings.
+    resumable: the scheduler keeps the request running if this gateway dies (see gateway.resume),
+    so a client's cancel is sent as an explicit Abort.
 
     Raises Unavailable when the scheduler cannot be reached; other scheduler statuses come through
     as grpc.aio.AioRpcError (tokenmill.rpc.status_for passes their code on)."""
@@ -82,11 +84,18 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
     # The client's deadline travels twice: as the call's gRPC timeout, and in the request, so the
     # scheduler ends the request (and frees its pages) itself when it passes.
     deadline = time.time() + timeout_s if timeout_s is not None else None
-    call = scheduler.submit(codec.submit_request_to_proto(prepared.request, deadline), timeout_s)
+    breaker = scheduler.breaker
+    probe = breaker.before_call()  # UNAVAILABLE at once while the scheduler is known to be down
+    submit = codec.submit_request_to_proto(prepared.request, deadline)
+    submit.resumable = resumable
+    call = scheduler.submit(submit, timeout_s)
     first_token = None
-    finished = False
+    finished = answered = False
     try:
         async for response in call:
+            if not answered:
+                answered = True
+                breaker.record_success()
             token_ids = list(response.new_token_ids)
             if token_ids and first_token is None:
                 first_token = time.monotonic()
@@ -102,12 +111,22 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
                 return
             yield delta
     except grpc.aio.AioRpcError as error:
+        finished = True  # the call ended with a status: nothing to cancel or abort
         if error.code() == grpc.StatusCode.UNAVAILABLE:
+            breaker.record_failure()
+            # the scheduler (or its worker) is gone: the record must not stay "running" in Redis
+            scheduler.report_lost(request_id, f"scheduler unavailable: {error.details()}", accepted=answered)
             raise Unavailable(f"scheduler at {scheduler.address} is unavailable: {error.details()}") from error
+        if not answered and error.code() != grpc.StatusCode.CANCELLED:
+            breaker.record_success()  # it answered, with a refusal: it is up
         raise
     finally:
+        if probe:
+            breaker.release_probe()  # a no-op once the probe's outcome was recorded
         if not finished:  # the client cancelled or went away: the scheduler frees the pages
             call.cancel()
+            if resumable:
+                scheduler.abort_in_background(request_id)
 
 
 def _logprobs(tokenizer: TextTokenizer, token_ids: list[int], entries) -> list[TokenLogprob]:

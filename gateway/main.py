@@ -13,6 +13,7 @@ from gateway.tokenizer import load_tokenizer
 from gateway.validation import Limits
 from protos.tokenmill.v1 import generation_pb2_grpc
 from tokenmill import rpc, tls
+from tokenmill.drain import DrainInterceptor
 from tokenmill.message_size import PUBLIC_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
 from tokenmill.process import run_process, wait_for_stop_signal
 
@@ -37,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens-limit", type=int, default=4096)
     parser.add_argument("--default-max-tokens", type=int, default=256)
     parser.add_argument("--scheduler-timeout-s", type=float, default=600.0)
-    parser.add_argument("--drain-timeout-s", type=float, default=30.0)
+    parser.add_argument("--drain-timeout-s", "--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM: readiness off, new requests UNAVAILABLE, in-flight ones get this long")
     parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API; 0 disables")
     parser.add_argument("--http-api-key", default="", help="HTTP clients must send 'Authorization: Bearer KEY'")
     add_message_size_argument(parser, PUBLIC_MAX_MESSAGE_BYTES)
@@ -75,7 +77,11 @@ async def serve(args: argparse.Namespace) -> None:
     tokenizer = await asyncio.to_thread(load_tokenizer, args.model)
     scheduler = scheduler_client(args)
     access = build_access(args)
-    server = rpc.create_server(interceptors=[AccessInterceptor(access)],
+    # on SIGTERM: calls that start generation are refused (UNAVAILABLE) and in-flight ones awaited
+    drain = DrainInterceptor(["/tokenmill.v1.Generation/Generate", "/inference.GRPCInferenceService/ModelInfer",
+                              "/inference.GRPCInferenceService/ModelStreamInfer"])
+    # drain outside access: a draining gateway answers UNAVAILABLE before it spends a rate-limit token
+    server = rpc.create_server(interceptors=[drain, AccessInterceptor(access)],
                                options=message_size_options(args.max_message_bytes))
     from gateway.kserve_service import KSERVE_SERVICE, add_kserve_servicer  # not at the top: tritonclient (its doc)
     health = rpc.add_health_and_reflection(server, [rpc.GENERATION_SERVICE, KSERVE_SERVICE])
@@ -88,12 +94,16 @@ async def serve(args: argparse.Namespace) -> None:
     model_info.model_config.has_chat_template = bool(tokenizer.chat_template)
     limits = Limits(max_model_len=model_info.model_config.max_context_length, vocab_size=tokenizer.vocab_size,
                     max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens)
-    state_reader = None
+    state_reader = token_reader = None
     if args.redis_url:
+        from gateway.lost_requests import LostRequestRecorder
         from kvstore.state_reader import RequestStateReader
+        from kvstore.token_streams import TokenStreamReader
 
         state_reader = RequestStateReader(args.redis_url)
-    servicer = GenerationServicer(tokenizer, scheduler, limits, model_info, state_reader)
+        scheduler.on_request_lost = LostRequestRecorder(state_reader)
+        token_reader = TokenStreamReader(args.redis_url)  # resume by request id
+    servicer = GenerationServicer(tokenizer, scheduler, limits, model_info, state_reader, token_reader)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     add_kserve_servicer(server, tokenizer, scheduler, limits, model_info)
     http_api = http_runner = None
@@ -109,15 +119,19 @@ async def serve(args: argparse.Namespace) -> None:
     await health.set_ready(True)
     logger.info("gateway ready on %s serving %s", address, model_info.model_config.name)
     await wait_for_stop_signal()
+    # readiness off first, so load balancers stop sending; then in-flight requests get drain_timeout_s
     await health.enter_graceful_shutdown()
-    stopping = [server.stop(grace=args.drain_timeout_s)]  # in-flight streams finish, new calls are refused
+    logger.info("gateway draining")
+    stopping = [drain.drain(args.drain_timeout_s)]
     if http_runner is not None:
         http_api.ready = False
         stopping.append(http_runner.cleanup())
     await asyncio.gather(*stopping)
+    await server.stop(grace=1.0)
     await scheduler.close()
     if state_reader:
         await state_reader.aclose()
+        await token_reader.aclose()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,7 +19,8 @@ import grpc
 from redis.exceptions import RedisError
 
 from gateway.replica_choice import DEFAULT_MAX_LOAD_IMBALANCE, ReplicaView, choose_replica
-from gateway.scheduler_client import SchedulerClient
+from gateway.circuit_breaker import CircuitBreaker
+from gateway.scheduler_client import FailureHandling, SchedulerClient
 from kvstore.replica_keys import REPORT_INTERVAL_S, load_key, prefixes_key
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2
 from scheduler.prefix_cache import extend_block_hashes  # pure Python: the same keys the replicas publish
@@ -65,7 +66,7 @@ async def resolve_all(name: str) -> list[str]:
     return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]
 
 
-class ReplicaRouter:
+class ReplicaRouter(FailureHandling):
     def __init__(self, addresses: list[str], *, dns_name: str = "", redis_url: str = "",
                  refresh_s: float = REPORT_INTERVAL_S, dns_refresh_s: float = 10.0,
                  max_load_imbalance: float = DEFAULT_MAX_LOAD_IMBALANCE,
@@ -77,6 +78,11 @@ class ReplicaRouter:
         self.dns_refresh_s = dns_refresh_s
         self.max_load_imbalance = max_load_imbalance
         self.tls = tls  # every replica's link, like the single scheduler's
+        # Opens only when calls fail on whichever replicas were chosen in a row, i.e. all look down;
+        # a single failed replica drops out of routing by its health check instead.
+        self.breaker = CircuitBreaker("model replicas")
+        self.on_request_lost = None
+        self._background: set[asyncio.Task] = set()
         self.replicas: dict[str, Replica] = {}
         self._retired: list[Replica] = []  # left DNS; closed once their calls are done
         self._routed: dict[str, Replica] = {}  # request id -> replica, while its call runs

@@ -2,21 +2,65 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.circuit_breaker import CircuitBreaker
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tokenmill import tls as tls_config
 from tokenmill.message_size import INTERNAL_MAX_MESSAGE_BYTES, message_size_options
 from tokenmill.rpc import SCHEDULER_SERVICE
 
+logger = logging.getLogger(__name__)
+# A restarted scheduler is found within a second, not after gRPC's default reconnect backoff (up to 120 s).
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 1000)]
 
-class SchedulerClient:
-    def __init__(self, address: str, *, tls: tls_config.ClientTLS | None = None,
+
+class FailureHandling:
+    """What the generation paths need beside submit/abort, shared by SchedulerClient and ReplicaRouter:
+    a circuit breaker, the lost-request callback and aborts that nobody waits for."""
+
+    breaker: CircuitBreaker
+    # (request_id, error, accepted): a request whose scheduler stream broke; the gateway ends its record
+    on_request_lost: Callable[[str, str, bool], None] | None
+    _background: set[asyncio.Task]
+
+    async def abort(self, request_ids: list[str], reason: int = common_pb2.FINISH_REASON_ABORT) -> list[str]:
+        raise NotImplementedError
+
+    def report_lost(self, request_id: str, error: str, accepted: bool) -> None:
+        """accepted: the scheduler had sent tokens, so the request surely existed there."""
+        if self.on_request_lost is not None:
+            self.on_request_lost(request_id, error, accepted)
+
+    def abort_in_background(self, request_id: str) -> None:
+        """Abort without waiting (from a cancelled handler's clean-up); a failure is only logged."""
+        task = asyncio.get_running_loop().create_task(self._abort_quietly(request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort_quietly(self, request_id: str) -> None:
+        try:
+            await self.abort([request_id])
+        except grpc.aio.AioRpcError as error:
+            logger.warning("abort of %r failed: %s", request_id, error.details())
+
+
+class SchedulerClient(FailureHandling):
+    def __init__(self, address: str, breaker: CircuitBreaker | None = None,
+                 on_request_lost: Callable[[str, str, bool], None] | None = None, *,
+                 tls: tls_config.ClientTLS | None = None,
                  max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES) -> None:
         self.address = address
-        self._channel = tls_config.aio_channel(address, tls, message_size_options(max_message_bytes))
+        self.breaker = breaker or CircuitBreaker(f"scheduler at {address}")
+        self.on_request_lost = on_request_lost
+        self._background: set[asyncio.Task] = set()
+        self._channel = tls_config.aio_channel(
+            address, tls, message_size_options(max_message_bytes) + RECONNECT_OPTIONS)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

@@ -6,6 +6,7 @@ import time
 
 from gateway.generation_stream import GenerationDelta, stream_generation
 from gateway.request_builder import prepare, prompt_token_ids
+from gateway.resume import submit_or_attach
 from gateway.scheduler_client import SchedulerClient
 from gateway.tokenizer import TextTokenizer
 from gateway.validation import Limits
@@ -25,13 +26,14 @@ _STATUS = {
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: TextTokenizer, scheduler: SchedulerClient, limits: Limits,
-                 model_info: common_pb2.GetModelInfoResponse, state_reader=None) -> None:
+                 model_info: common_pb2.GetModelInfoResponse, state_reader=None, token_reader=None) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.limits = limits
         self.model_info = model_info
         self.model_name = model_info.model_config.name
         self.state_reader = state_reader  # kvstore.RequestStateReader, or None without Redis
+        self.token_reader = token_reader  # kvstore.TokenStreamReader (resume), or None without Redis
 
     async def GenerateStream(self, request, context):
         async for message in self._generate(request, context):
@@ -53,7 +55,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _generate(self, request, context):
         arrival = time.monotonic()
         prepared = prepare(request, self.tokenizer, self.limits, self.model_name)
-        deltas = stream_generation(prepared, self.tokenizer, self.scheduler, context.time_remaining(), arrival)
+        if self.token_reader is None:
+            if request.HasField("resume_from_index"):
+                raise Unavailable("resume_from_index needs Redis; this gateway runs without --redis-url")
+            deltas = stream_generation(prepared, self.tokenizer, self.scheduler, context.time_remaining(), arrival)
+        else:
+            deltas = submit_or_attach(request, prepared, self.tokenizer, self.scheduler, self.token_reader,
+                                      self.state_reader, context.time_remaining(), arrival)
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
                 yield _stream_response(delta)

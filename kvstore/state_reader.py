@@ -29,12 +29,14 @@ class RequestStateReader:
         return RequestRecord.from_mapping(mapping) if mapping else None
 
     async def mark_orphans_failed(
-        self, request_ids: Iterable[str], error: str, *, at: float | None = None
+        self, request_ids: Iterable[str], error: str, *, at: float | None = None, must_exist: bool = True
     ) -> list[str]:
         """End as failed the records of requests a restarted scheduler no longer has.
 
-        Only records that exist and are not terminal change (atomically, so a record its writer
-        finishes at the same moment stays finished). Returns the ids that were marked failed.
+        Only records that are not terminal change (atomically, so a record its writer finishes at the
+        same moment stays finished), and with must_exist only records that exist: False is for a
+        caller that knows the request was accepted (a gateway that saw its scheduler die before the
+        scheduler's batched first write). Returns the ids that were marked failed.
         """
         request_ids = list(dict.fromkeys(request_ids))
         finished_at = encode_field("finished_at", time.time() if at is None else at)
@@ -45,7 +47,7 @@ class RequestStateReader:
             chunk = request_ids[start : start + _ORPHANS_PER_CALL]
             updates = []
             for index, request_id in enumerate(chunk, start):
-                update = RecordUpdate(request_id, write_id_prefix + str(index), must_exist=True)
+                update = RecordUpdate(request_id, write_id_prefix + str(index), must_exist=must_exist)
                 update.add_status(RecordStatus.FAILED.value)
                 update.set_field("error", encode_field("error", error))
                 update.set_field("finish_reason", "error")

@@ -103,6 +103,11 @@ class KVCacheManager:
         # tail pages first to the free queue, so they are evicted before the shared prefix pages
         self.pool.release(reversed(table))
 
+    def forget_cached_content(self) -> None:
+        """No page holds K/V any more (the worker was replaced): no prefix may hit them."""
+        for block_id in range(self.pool.num_blocks):
+            self.pool.unregister(block_id)
+
     def utilization(self, requests: list[Request]) -> float:
         """Live tokens / reserved slots over the given (running) requests; 0 with none."""
         reserved = sum(len(self.block_tables.get(r.request_id, ())) for r in requests) * self.block_size

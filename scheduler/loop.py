@@ -18,7 +18,8 @@ from scheduler.outputs import RequestOutput
 from scheduler.plan import StepPlan, StepResult
 from scheduler.request import Request
 from scheduler.scheduler import RequestTooLarge, Scheduler
-from tokenmill.errors import InvalidArgument
+from scheduler.worker_recovery import WORKER_UNAVAILABLE, WorkerRecovery
+from tokenmill.errors import AlreadyExists, InvalidArgument
 
 logger = logging.getLogger(__name__)
 DEADLINE_EXCEEDED = "deadline exceeded"
@@ -42,6 +43,14 @@ class StateSink(Protocol):
     def cancelled(self, request_id: str) -> None: ...
 
 
+class TokenSink(Protocol):
+    """Where resumable requests' tokens go (kvstore.TokenStreamWriter in production)."""
+
+    def append(self, request_id: str, start_index: int, token_ids: list[int]) -> None: ...
+    def finish(self, request_id: str, end_index: int, finish_reason: str, error: str | None,
+               num_prompt_tokens: int) -> None: ...
+
+
 @dataclass(slots=True)
 class RequestTimes:
     arrival: float = field(default_factory=time.monotonic)
@@ -59,9 +68,14 @@ class RequestStream:
 
 class EngineLoop:
     def __init__(self, scheduler: Scheduler, executor: AsyncExecutor, state: StateSink | None = None,
-                 model_name: str = "", admission: Admission | None = None) -> None:
+                 model_name: str = "", admission: Admission | None = None,
+                 worker_recovery: WorkerRecovery | None = None, tokens: TokenSink | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
+        # None: a failed step fails the requests it held (the executor cannot be reconnected)
+        self.worker_recovery = worker_recovery
+        self.tokens = tokens
+        self._resumable: set[str] = set()  # ids whose tokens go to `tokens`, to outlive their caller
         self.state = state
         self.model_name = model_name
         config = scheduler.config  # without vocabulary knowledge only the ids' sign is checked
@@ -76,11 +90,12 @@ class EngineLoop:
 
     # --- called by RPC handlers: check, enqueue, return -------------------------------------------
 
-    def submit(self, request: Request, deadline: float | None = None) -> RequestStream:
-        """deadline: wall-clock Unix seconds after which the request ends (pages freed) unfinished."""
+    def submit(self, request: Request, deadline: float | None = None, resumable: bool = False) -> RequestStream:
+        """deadline: wall-clock Unix seconds after which the request ends (pages freed) unfinished.
+        resumable: its tokens also go to the token sink (ignored without one)."""
         self.admission.check_request(request)
         if request.request_id in self.streams:
-            raise InvalidArgument("request_id", request.request_id, "already queued or running")
+            raise AlreadyExists("request_id", request.request_id)
         needed = self.scheduler.kv.blocks_needed_at_most(request)
         if needed > self.scheduler.config.num_blocks:
             raise InvalidArgument(
@@ -95,6 +110,8 @@ class EngineLoop:
         self.num_requests_total += 1
         if deadline is not None:
             self._deadlines[request.request_id] = deadline
+        if resumable and self.tokens is not None:
+            self._resumable.add(request.request_id)
         self._inbox.append(("add", request))
         if self.state:
             self.state.queued(request.request_id, num_prompt_tokens=request.num_prompt_tokens,
@@ -115,6 +132,10 @@ class EngineLoop:
         self._wakeup.set()
         return True
 
+    def wake(self) -> None:
+        """Runs an iteration now (the loop sleeps while it has no requests)."""
+        self._wakeup.set()
+
     # --- the loop ---------------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -130,6 +151,8 @@ class EngineLoop:
 
     async def run(self) -> None:
         while True:
+            if self.worker_recovery is not None and self.worker_recovery.lost:
+                await self.worker_recovery.recover(self, "the connection to the worker broke", step_failed=False)
             self._apply_inbox()
             if not self.scheduler.has_unfinished():
                 self._wakeup.clear()
@@ -144,9 +167,14 @@ class EngineLoop:
                 result = await self.executor.execute(plan)
             except asyncio.CancelledError:
                 raise
-            except Exception as error:  # the worker is gone or broke: fail what it held, keep serving
-                self._fail_all(f"worker step failed: {error}")
+            except Exception as error:  # the worker is gone or broke
+                if self.worker_recovery is None:
+                    self._fail_all(f"{WORKER_UNAVAILABLE}: step failed: {error}")
+                else:
+                    await self.worker_recovery.recover(self, error)
                 continue
+            if self.worker_recovery is not None:
+                self.worker_recovery.step_succeeded()
             self.num_steps += 1
             self._deliver(self.scheduler.update(plan, result), result.forward_ns)
             await asyncio.sleep(0)  # let handlers enqueue between steps
@@ -206,6 +234,8 @@ class EngineLoop:
             if output.finished:
                 self._end_stream(output)
             else:
+                if output.request_id in self._resumable:
+                    self._write_tokens(output)
                 stream.queue.put_nowait(output)
 
     def _end_stream(self, output: RequestOutput) -> None:
@@ -215,6 +245,9 @@ class EngineLoop:
             return
         stream.times.finished = time.monotonic()
         stream.queue.put_nowait(output)
+        if output.request_id in self._resumable:
+            self._resumable.discard(output.request_id)
+            self._write_tokens(output)
         if not self.state:
             return
         if output.error == DEADLINE_EXCEEDED:
@@ -227,9 +260,19 @@ class EngineLoop:
             self.state.finished(output.request_id, finish_reason=output.finish_reason or "stop",
                                 num_output_tokens=output.num_output_tokens)
 
-    def _fail_all(self, error: str) -> None:
-        logger.error("%s; failing %d requests", error, len(self.scheduler.requests))
-        for request_id in list(self.scheduler.requests):
+    def _write_tokens(self, output: RequestOutput) -> None:
+        end = output.num_output_tokens
+        if output.new_token_ids:
+            self.tokens.append(output.request_id, end - len(output.new_token_ids), output.new_token_ids)
+        if output.finished:
+            self.tokens.finish(output.request_id, end, output.finish_reason or "error", output.error,
+                               output.num_prompt_tokens)
+
+    def _fail_all(self, error: str, request_ids: list[str] | None = None) -> None:
+        """Ends the given requests (default: all) with finish reason error."""
+        request_ids = list(self.scheduler.requests) if request_ids is None else request_ids
+        logger.error("%s; failing %d requests", error, len(request_ids))
+        for request_id in request_ids:
             output = self.scheduler.abort_request(request_id)
             if output is not None:
                 output.finish_reason, output.error = "error", error

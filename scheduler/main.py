@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 
+from grpc_health.v1.health_pb2 import HealthCheckResponse
+
+from kvstore.redis_health import REDIS_HEALTH_SERVICE, watch_redis
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2_grpc
 from scheduler.admission import Admission, AdmissionConfig
 from scheduler.config import KV_POLICIES, QUEUE_POLICIES, SchedulerConfig
@@ -12,11 +16,14 @@ from scheduler.loop import EngineLoop
 from scheduler.scheduler import Scheduler
 from scheduler.service import SchedulerServicer, drain
 from scheduler.worker_client import WorkerClient
+from scheduler.worker_recovery import WorkerRecovery
 from tokenmill import rpc, tls
+from tokenmill.drain import DrainInterceptor
 from tokenmill.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
 from tokenmill.process import run_process, wait_for_stop_signal
 
 logger = logging.getLogger("tokenmill.scheduler")
+SERVING, NOT_SERVING = HealthCheckResponse.SERVING, HealthCheckResponse.NOT_SERVING
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompt tokens queued beyond the running batch; 0: no bound")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--worker-timeout-s", type=float, default=600.0, help="how long to wait for the worker")
-    parser.add_argument("--drain-timeout-s", type=float, default=30.0)
+    parser.add_argument("--drain-timeout-s", "--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM: readiness off, new requests UNAVAILABLE, in-flight ones get this long")
+    parser.add_argument("--no-retry-on-worker-failure", action="store_true",
+                        help="requests on a worker that crashed fail (UNAVAILABLE) instead of being recomputed")
+    parser.add_argument("--worker-reconnect-timeout-s", type=float, default=60.0,
+                        help="how long requests wait for a crashed worker to come back before failing")
     add_message_size_argument(parser, INTERNAL_MAX_MESSAGE_BYTES)
     tls.add_server_arguments(parser)
     tls.add_client_arguments(parser, "worker")
@@ -63,17 +75,20 @@ async def serve(args: argparse.Namespace) -> None:
         from kvstore.credentials import check_redis_credentials
 
         await check_redis_credentials(args.redis_url, "scheduler")
-    server = rpc.create_server(options=message_size_options(args.max_message_bytes))
+    drain_calls = DrainInterceptor(["/tokenmill.v1.Scheduler/Submit"])  # SIGTERM: no new Submit, Abort still works
+    server = rpc.create_server(interceptors=[drain_calls], options=message_size_options(args.max_message_bytes))
     health = rpc.add_health_and_reflection(server, [rpc.SCHEDULER_SERVICE])
     address = f"{args.host}:{args.port}"
     if tls.listen(server, address, args.tls) == 0:
         raise SystemExit(f"scheduler: cannot listen on {address} (in use?); change --port")
     worker = WorkerClient(args.worker, tls=args.worker_tls, max_message_bytes=args.max_message_bytes)
-    state = None
+    state = tokens = None
     if args.redis_url:
         from kvstore.state_writer import RequestStateWriter
+        from kvstore.token_streams import TokenStreamWriter
 
         state = RequestStateWriter(args.redis_url, ttl_s=args.state_ttl_s)
+        tokens = TokenStreamWriter(args.redis_url, ttl_s=args.state_ttl_s)  # for resumable requests
     # Listen (health, reflection) while the worker loads; the servicer answers UNAVAILABLE until the
     # worker has registered and the loop exists.
     servicer = SchedulerServicer()
@@ -89,14 +104,28 @@ async def serve(args: argparse.Namespace) -> None:
         queue_policy=args.queue_policy, enable_prefix_caching=not args.no_prefix_caching)
     admission = Admission(AdmissionConfig(args.max_waiting_requests, args.max_waiting_tokens),
                           vocab_size=capacity.model_config.vocab_size, max_model_len=config.max_model_len)
-    loop = EngineLoop(Scheduler(config), worker, state, model_name=capacity.model_config.name, admission=admission)
+    recovery = WorkerRecovery(worker.reconnect, retry=not args.no_retry_on_worker_failure,
+                              reconnect_timeout_s=args.worker_reconnect_timeout_s)
+    loop = EngineLoop(Scheduler(config), worker, state, model_name=capacity.model_config.name,
+                      admission=admission, worker_recovery=recovery, tokens=tokens)
     model_info = common_pb2.GetModelInfoResponse(
         model_config=capacity.model_config, block_size=capacity.block_size, num_blocks=capacity.num_blocks,
         kv_cache_policy=common_pb2.KV_CACHE_POLICY_STATIC if args.kv_policy == "static"
         else common_pb2.KV_CACHE_POLICY_PAGED, device=capacity.device)
+
+    def worker_lost() -> None:
+        recovery.notice_loss()
+        loop.wake()
+
+    worker.watch_connection(worker_lost)
     servicer.attach(loop, model_info)
+    redis_watch = None
     if state:
         state.start()
+        tokens.start()
+        redis_watch = asyncio.get_running_loop().create_task(watch_redis(
+            args.redis_url, lambda: state.healthy and tokens.healthy,
+            lambda ok: health.set(REDIS_HEALTH_SERVICE, SERVING if ok else NOT_SERVING)))
     loop.start()
     reporter = None
     if args.redis_url:
@@ -113,11 +142,17 @@ async def serve(args: argparse.Namespace) -> None:
     await health.enter_graceful_shutdown()
     if reporter:
         await reporter.aclose()  # gateways stop routing here while it drains
-    await drain(loop, args.drain_timeout_s)
+    draining_since = asyncio.get_running_loop().time()
+    await drain_calls.drain(args.drain_timeout_s)
+    # resumable requests whose gateway died have no call left to wait for: the rest of the timeout
+    await drain(loop, max(args.drain_timeout_s - (asyncio.get_running_loop().time() - draining_since), 0.0))
     await server.stop(grace=1.0)
     await loop.stop()
+    if redis_watch is not None:
+        redis_watch.cancel()
     if state:
         await state.aclose()
+        await tokens.aclose()
     await worker.close()
 
 

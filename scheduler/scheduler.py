@@ -62,6 +62,22 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def requeue_after_worker_loss(self) -> list[str]:
+        """The worker restarted with an empty KV cache: every running request goes back to the
+        head of the queue (in its running order) to be recomputed from prompt + tokens so far, and
+        the prefix cache forgets every page's content. Returns the re-queued ids."""
+        requeued = [request.request_id for request in self.running]
+        for request in reversed(self.running):  # add_preempted puts each at the head
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+            self.waiting.add_preempted(request)
+        self.running = []
+        self._on_worker.clear()  # the new worker holds nothing to drop
+        self._dropped_since_last_plan = []
+        self.kv.forget_cached_content()
+        return requeued
+
     # --- one step ---------------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:

@@ -6,6 +6,7 @@ import asyncio
 from protos import codec
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.loop import DEADLINE_EXCEEDED, EngineLoop, RequestTimes
+from scheduler.worker_recovery import WORKER_UNAVAILABLE
 from tokenmill.errors import DeadlineExceeded, Unavailable
 
 
@@ -35,8 +36,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return self._loop
 
     async def Submit(self, request, context):
+        # a resumable request outlives this call (its gateway may die): its caller aborts it explicitly
+        resumable = request.resumable and self.loop.tokens is not None
         stream = self.loop.submit(codec.request_from_submit_proto(request),
-                                  codec.deadline_from_submit_proto(request))
+                                  codec.deadline_from_submit_proto(request), resumable)
         finished = False
         try:
             while not finished:
@@ -51,9 +54,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 if output.error == DEADLINE_EXCEEDED:
                     raise DeadlineExceeded(f"request {request.request_id!r} passed its deadline after "
                                            f"{output.num_output_tokens} tokens; its pages are freed")
+                if output.error and output.error.startswith(WORKER_UNAVAILABLE):
+                    raise Unavailable(f"request {request.request_id!r} failed after {output.num_output_tokens} "
+                                      f"tokens: {output.error}")
                 yield codec.request_output_to_proto(output, _timings(stream.times) if finished else None)
         finally:
-            if not finished:  # the client went away or the call was cancelled: free its pages
+            if not finished and not resumable:  # the client went away or cancelled: free its pages
                 self.loop.abort(request.request_id)
 
     async def Abort(self, request, context):

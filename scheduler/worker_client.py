@@ -13,6 +13,10 @@ from tokenmill import tls as tls_config
 from tokenmill.message_size import INTERNAL_MAX_MESSAGE_BYTES, message_size_options
 from tokenmill.rpc import WORKER_SERVICE
 
+# A restarted worker is found within a second, not after gRPC's default reconnect backoff (up to 120 s).
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 1000)]
+
 
 class WorkerClient:
     def __init__(self, address: str, step_timeout_s: float = 120.0, *, tls: tls_config.ClientTLS | None = None,
@@ -20,9 +24,11 @@ class WorkerClient:
         self.address = address
         self.step_timeout_s = step_timeout_s
         # step plans carry whole prompts of new requests (tokenmill.message_size sizes the limit)
-        self._channel = tls_config.aio_channel(address, tls, message_size_options(max_message_bytes))
+        self._channel = tls_config.aio_channel(
+            address, tls, message_size_options(max_message_bytes) + RECONNECT_OPTIONS)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         self.capacity: worker_pb2.GetCapacityResponse | None = None
+        self._watcher: asyncio.Task | None = None
 
     @property
     def block_size(self) -> int:
@@ -49,9 +55,38 @@ class WorkerClient:
         self.capacity = await self._stub.GetCapacity(worker_pb2.GetCapacityRequest(), timeout=10.0)
         return self.capacity
 
+    async def reconnect(self, timeout_s: float) -> None:
+        """Re-registers a worker that came back (after a crash): ready, and with the KV capacity the
+        scheduler was built for; raises if it is not back within timeout_s or differs."""
+        known = self.capacity
+        capacity = await self.register(timeout_s)
+        if known is not None and (capacity.num_blocks, capacity.block_size) != (known.num_blocks, known.block_size):
+            self.capacity = known
+            raise RuntimeError(f"worker at {self.address} came back with {capacity.num_blocks} KV pages of "
+                               f"{capacity.block_size} tokens; this scheduler was built for {known.num_blocks} "
+                               f"of {known.block_size}")
+
+    def watch_connection(self, on_lost) -> None:
+        """Calls on_lost() whenever a connection to the worker that was up breaks, even while no step
+        is in flight: a worker restarted behind an idle scheduler has an empty KV cache, so the
+        scheduler must forget its prefix cache before it schedules again."""
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(on_lost), name="worker-connection")
+
+    async def _watch(self, on_lost) -> None:
+        ready = grpc.ChannelConnectivity.READY
+        state = self._channel.get_state(try_to_connect=True)
+        while True:
+            await self._channel.wait_for_state_change(state)
+            new_state = self._channel.get_state(try_to_connect=True)
+            if state == ready and new_state != ready:
+                on_lost()
+            state = new_state
+
     async def execute(self, plan: StepPlan) -> StepResult:
         reply = await self._stub.ExecuteStep(codec.step_plan_to_proto(plan), timeout=self.step_timeout_s)
         return codec.step_result_from_proto(reply)
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         await self._channel.close()

@@ -110,6 +110,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long each component may take to become ready (default: %(default)s)")
     parser.add_argument("--grace-period-s", type=NON_NEGATIVE_FLOAT, default=10.0,
                         help="per component, between SIGTERM and SIGKILL at shutdown (default: %(default)s)")
+    parser.add_argument("--drain-timeout-s", "--drain-timeout", type=NON_NEGATIVE_FLOAT, default=30.0,
+                        help="at shutdown, how long gateway and scheduler let in-flight requests finish; "
+                             "the grace period is stretched to cover it (default: %(default)s)")
+    parser.add_argument("--no-retry-on-worker-failure", action="store_true",
+                        help="a crashed worker's requests fail (UNAVAILABLE) instead of being recomputed")
     add_serve_security_arguments(parser)
 
 
@@ -199,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve(args: argparse.Namespace) -> int:
     from kvstore.credentials import redact_url
-    from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
+    from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports, restart_policies
     from tokenmill.readiness import port_in_use
     from tokenmill.supervisor import PortInUse, Supervisor, SupervisorError, run_until_stopped
 
@@ -224,13 +229,17 @@ def serve(args: argparse.Namespace) -> int:
         cuda_graphs=not args.no_cuda_graphs, stream_overlap=not args.no_stream_overlap,
         max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
         api_keys_file=args.api_keys_file, rate_limit_rps=args.rate_limit_rps,
-        rate_limit_burst=args.rate_limit_burst))
+        rate_limit_burst=args.rate_limit_burst,
+        drain_timeout_s=args.drain_timeout_s, retry_on_worker_failure=not args.no_retry_on_worker_failure))
     try:
         specs = cluster_specs(config)
     except (FileNotFoundError, ValueError) as error:  # no redis-server binary; a password redis.conf cannot hold
         print(f"error: {error}", file=sys.stderr)
         return 2
-    supervisor = Supervisor(specs, startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_period_s)
+    # crashed worker/scheduler/gateway are restarted with backoff; the grace period covers the drain
+    supervisor = Supervisor(specs, startup_timeout_s=args.startup_timeout_s,
+                            grace_s=max(args.grace_period_s, args.drain_timeout_s + 5.0),
+                            restart_policies=restart_policies())
     try:
         supervisor.check_ports()
         if config.http_port is not None and port_in_use(f"{config.host}:{config.http_port}"):

@@ -16,6 +16,7 @@ from tokenmill.child_process import ChildSpec
 from tokenmill.message_size import INTERNAL_MAX_MESSAGE_BYTES, PUBLIC_MAX_MESSAGE_BYTES
 from tokenmill.readiness import connect_address, free_port
 from tokenmill.redis_process import redis_spec, redis_url
+from tokenmill.restart_policy import RestartPolicy
 from tokenmill.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
 from tokenmill.tls import ClusterTLS
 
@@ -65,6 +66,10 @@ class ClusterConfig:
     api_keys_file: str | None = None  # the gateway's keys (gateway.api_keys); None: authentication off
     rate_limit_rps: float = 0.0  # per API key unless its line says; 0: none
     rate_limit_burst: int = 0
+    # SIGTERM to the gateway or scheduler: how long in-flight requests may take to finish
+    drain_timeout_s: float = 30.0
+    # a lost worker's requests are re-queued and recomputed once it is back; False: they fail (UNAVAILABLE)
+    retry_on_worker_failure: bool = True
     python: str = sys.executable
 
     @property
@@ -158,9 +163,13 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
     if not config.enable_prefix_caching:
         scheduler.append("--no-prefix-caching")
     scheduler += ["--max-waiting-requests", str(config.max_waiting_requests),
-                  "--max-waiting-tokens", str(config.max_waiting_tokens)]
+                  "--max-waiting-tokens", str(config.max_waiting_tokens),
+                  "--drain-timeout-s", str(config.drain_timeout_s)]
+    if not config.retry_on_worker_failure:
+        scheduler.append("--no-retry-on-worker-failure")
     gateway = [config.python, "-m", "gateway.main", "--host", config.host, "--port", str(config.gateway_port),
                "--scheduler", config.scheduler_address, *model, "--http-port", str(config.http_port or 0),
+               "--drain-timeout-s", str(config.drain_timeout_s),
                *server_tls, *(probe_tls.argv("scheduler") if probe_tls else []),
                "--max-message-bytes", str(config.max_message_bytes),
                "--rate-limit-rps", str(config.rate_limit_rps), "--rate-limit-burst", str(config.rate_limit_burst)]
@@ -176,3 +185,11 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
         ChildSpec("gateway", gateway, GENERATION_SERVICE, f"{config.host}:{config.gateway_port}",
                   port_hint="--gateway-port", env=env, tls=probe_tls),
     ]
+
+
+def restart_policies(policy: RestartPolicy | None = None) -> dict[str, RestartPolicy]:
+    """Worker, scheduler and gateway are started again when they crash (the scheduler re-registers a
+    restarted worker, gateways reconnect to a restarted scheduler); Redis is not: a lost Redis only
+    degrades bookkeeping, and one started by somebody else is not ours to restart."""
+    policy = policy or RestartPolicy()
+    return {name: policy for name in ("worker", "scheduler", "gateway")}

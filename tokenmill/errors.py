@@ -42,6 +42,15 @@ class NotFound(ServingError):
         super().__init__(f"{kind} {_short_repr(key)} not found")
 
 
+class AlreadyExists(ServingError):
+    """A client-chosen id is already taken by a live request (ALREADY_EXISTS)."""
+
+    def __init__(self, kind: str, key: object) -> None:
+        self.kind = kind
+        self.key = key
+        super().__init__(f"{kind} {_short_repr(key)} is already queued or running")
+
+
 class ResourceExhausted(ServingError):
     """A rate limit, a full queue or a prompt that can never fit in the KV cache (RESOURCE_EXHAUSTED).
 

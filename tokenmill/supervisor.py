@@ -7,6 +7,7 @@ stops them in reverse order. `tokenmill serve`, the end-to-end tests and the ben
     supervisor.address("gateway")       # "127.0.0.1:50051"
     supervisor.kill("worker")           # kill -9 one child on purpose (not reported as a failure)
     supervisor.wait()                   # until request_stop(); raises ChildExited if a child dies
+                                        # (one with a RestartPolicy is started again, with backoff)
     supervisor.stop()                   # gateway, scheduler, worker, redis: SIGTERM, grace, SIGKILL
 
 Children start one at a time because each needs the one before it (the scheduler registers with the
@@ -23,6 +24,7 @@ from typing import TextIO
 
 from tokenmill.child_process import ChildProcess, ChildSpec, Probe
 from tokenmill.readiness import GrpcHealthProbe, port_in_use
+from tokenmill.restart_policy import RestartHistory, RestartPolicy
 
 __all__ = ["ChildSpec", "Supervisor", "SupervisorError", "ChildExited", "StartupTimeout", "PortInUse",
            "StopRequested", "run_until_stopped"]
@@ -64,7 +66,7 @@ class StopRequested(SupervisorError):
 class Supervisor:
     def __init__(self, specs: Sequence[ChildSpec], *, echo: TextIO | bool = True, tail_lines: int = 50,
                  startup_timeout_s: float = 300.0, grace_s: float = 10.0, progress_interval_s: float = 5.0,
-                 poll_interval_s: float = 0.1) -> None:
+                 poll_interval_s: float = 0.1, restart_policies: dict[str, RestartPolicy] | None = None) -> None:
         names = [spec.name for spec in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"child names must be unique, got {names}")
@@ -80,6 +82,12 @@ class Supervisor:
         # Plain flags, not threading.Event: they are set from signal handlers, which must not take locks.
         self.stop_requested = False
         self.force_stop = False
+        # children started again when they crash (restart_monitor.py); others end the cluster
+        unknown = set(restart_policies or {}) - set(names)
+        if unknown:
+            raise ValueError(f"restart_policies name unknown children {sorted(unknown)}; children: {names}")
+        self.restarts = {name: RestartHistory(policy) for name, policy in (restart_policies or {}).items()}
+        self._monitor = None  # restart_monitor.RestartMonitor while running
 
     # -- starting ----------------------------------------------------------------------------------
 
@@ -95,6 +103,11 @@ class Supervisor:
                 self._say(f"{str(error).partition(';')[0]}: stopping the rest")
             self.stop()
             raise
+        if self.restarts:
+            from tokenmill.restart_monitor import RestartMonitor
+
+            self._monitor = RestartMonitor(self)
+            self._monitor.start()
 
     def check_ports(self) -> None:
         """Fails fast, before anything starts, if two children share a port or one is taken."""
@@ -116,6 +129,13 @@ class Supervisor:
         if child.alive:
             raise SupervisorError(f"{name} is still running (pid {child.pid})")
         self._start_child(child)
+
+    def replace_spec(self, name: str, spec: ChildSpec) -> None:
+        """Gives a stopped child a new spec (other flags), for restart(); the name must stay."""
+        child = self.children[name]
+        if child.alive or spec.name != name:
+            raise SupervisorError(f"{name} must be stopped, and keep its name, to change its spec")
+        self.children[name] = ChildProcess(spec, self._echo, self._echo_lock, child._tail.maxlen)
 
     def _start_child(self, child: ChildProcess) -> None:
         child.start()
@@ -170,6 +190,8 @@ class Supervisor:
 
     def _raise_if_exited(self, during_startup: bool) -> None:
         for child in self.children.values():
+            if self._monitor is not None and self._monitor.handles(child.name):
+                continue  # a crash it restarts is not a failure
             if child.returncode is not None and not child.exit_expected:
                 child.drain_output()
                 child.exit_expected = True  # reported once
@@ -180,6 +202,9 @@ class Supervisor:
     def stop(self) -> dict[str, int | None]:
         """Stops every child, last started first: SIGTERM, up to grace_s, then SIGKILL. Idempotent."""
         returncodes: dict[str, int | None] = {}
+        if self._monitor is not None:
+            self._monitor.stop()  # no restart races the shutdown
+            self._monitor = None
         for child in reversed(list(self.children.values())):
             was_alive = child.alive
             returncodes[child.name] = child.stop(self.grace_s, force=lambda: self.force_stop)

@@ -65,7 +65,8 @@ class SchedulerServicer:
     def Submit(self, request, context):
         """Queues one request and streams its tokens as steps produce them; the last message has
         finished = true. Cancelling the call aborts the request and frees its pages.
-        RESOURCE_EXHAUSTED when the queue is full or the prompt can never fit in the KV cache.
+        RESOURCE_EXHAUSTED when the queue is full or the prompt can never fit in the KV cache;
+        ALREADY_EXISTS when a request with this id is queued or running.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

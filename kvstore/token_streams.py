@@ -1,0 +1,169 @@
+"""Each resumable request's tokens as a Redis Stream, `tokenmill:tokens:{request_id}`, so a client
+whose gateway died mid-stream resumes through any gateway without losing or repeating a token.
+
+One stream entry per step delta, written by the scheduler (which keeps running a resumable request
+when its gateway goes away):
+
+    i  index of the entry's first token among the request's output tokens (0-based)
+    t  the token ids, space-separated ("" on a finish-only entry)
+    f  on the last entry only: the finish reason ("stop" | "length" | "abort" | "error")
+    e  on the last entry, when it failed: the error
+    p  on the last entry: prompt tokens
+
+Writes follow the state writer's rules (DESIGN invariant 6): `append()` and `finish()` only queue;
+a background task writes the queue in order, a pipeline per flush, and keeps it to retry with
+backoff while Redis is away, so the stream catches up (in order) once Redis is back. Reads are
+plain awaits for the gateway, which wants to know when Redis is away.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from kvstore.client import connect
+
+logger = logging.getLogger(__name__)
+TOKEN_STREAM_PREFIX = "tokenmill:tokens:"
+
+
+def token_stream_key(request_id: str) -> str:
+    return TOKEN_STREAM_PREFIX + request_id
+
+
+@dataclass(slots=True)
+class TokenEntry:
+    """One decoded stream entry."""
+
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, str]) -> TokenEntry:
+        text = fields.get("t", "")
+        return cls(index=int(fields.get("i", "0")), token_ids=[int(t) for t in text.split()] if text else [],
+                   finish_reason=fields.get("f") or None, error=fields.get("e") or None,
+                   num_prompt_tokens=int(fields.get("p", "0")))
+
+
+class TokenStreamWriter:
+    def __init__(self, redis_url: str, *, ttl_s: int = 3600, flush_interval_s: float = 0.01,
+                 max_pending: int = 100_000, retry_max_s: float = 1.0) -> None:
+        self._client = connect(redis_url)
+        self._ttl_s = ttl_s
+        self._flush_interval_s = flush_interval_s
+        self._max_pending = max_pending
+        self._retry_max_s = retry_max_s
+        self._pending: deque[tuple[str, dict[str, str]]] = deque()  # (request_id, entry fields), in order
+        self._has_work = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._flushing = False  # a pipeline is in flight: its entries are the first len(batch)
+        self.dropped = 0  # entries dropped past max_pending while Redis was away (oldest first)
+        self.healthy = True
+
+    @property
+    def pending(self) -> int:
+        """Entries not yet written."""
+        return len(self._pending)
+
+    # ---- caller side: synchronous, no I/O ----
+
+    def append(self, request_id: str, start_index: int, token_ids: list[int]) -> None:
+        self._queue(request_id, {"i": str(start_index), "t": " ".join(map(str, token_ids))})
+
+    def finish(self, request_id: str, end_index: int, finish_reason: str, error: str | None,
+               num_prompt_tokens: int) -> None:
+        fields = {"i": str(end_index), "t": "", "f": finish_reason, "p": str(num_prompt_tokens)}
+        if error:
+            fields["e"] = error
+        self._queue(request_id, fields)
+
+    def _queue(self, request_id: str, fields: dict[str, str]) -> None:
+        self._pending.append((request_id, fields))
+        if len(self._pending) > self._max_pending and not self._flushing:
+            self._pending.popleft()
+            self.dropped += 1
+        self._has_work.set()
+
+    # ---- background side ----
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="token-stream-writer")
+
+    async def aclose(self, timeout_s: float = 2.0) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self._pending and await self._flush():
+                    pass
+        except TimeoutError:
+            logger.warning("token stream writer closed with %d entries unwritten", len(self._pending))
+        await self._client.aclose()
+
+    async def _run(self) -> None:
+        retry_s = 0.05
+        while True:
+            if not self._pending:
+                self._has_work.clear()
+                await self._has_work.wait()
+            await asyncio.sleep(self._flush_interval_s)  # let a step's deltas gather into one pipeline
+            if await self._flush():
+                retry_s = 0.05
+            else:
+                await asyncio.sleep(retry_s)
+                retry_s = min(retry_s * 2, self._retry_max_s)
+
+    async def _flush(self) -> bool:
+        """Writes what is pending, in order; False (entries kept) if Redis could not be reached."""
+        batch = list(self._pending)
+        pipe = self._client.pipeline(transaction=False)
+        for request_id, fields in batch:
+            key = token_stream_key(request_id)
+            pipe.xadd(key, fields)
+            pipe.expire(key, self._ttl_s)
+        self._flushing = True
+        try:
+            await pipe.execute()
+        except (RedisError, OSError, TimeoutError) as error:
+            if self.healthy:
+                logger.warning("token stream write failed, keeping %d entries to retry: %s", len(batch), error)
+            self.healthy = False
+            return False
+        finally:
+            self._flushing = False
+        # a resend after a half-applied pipeline could repeat entries: readers skip by index (see
+        # TokenStreamReader), so a repeat never reaches a client
+        for _ in batch:
+            self._pending.popleft()
+        self.healthy = True
+        return True
+
+
+class TokenStreamReader:
+    def __init__(self, redis_url: str) -> None:
+        self._client = connect(redis_url, socket_timeout_s=5.0)
+
+    async def exists(self, request_id: str) -> bool:
+        return bool(await self._client.exists(token_stream_key(request_id)))
+
+    async def read(self, request_id: str, after: str = "0", block_ms: int = 1000) -> tuple[str, list[TokenEntry]]:
+        """Entries after the stream id `after` ("0": from the start), waiting up to block_ms for one;
+        returns the id to pass next time and the entries (empty when none came)."""
+        reply = await self._client.xread({token_stream_key(request_id): after}, block=block_ms, count=1000)
+        entries = []
+        for _, messages in reply or ():
+            for entry_id, fields in messages:
+                after = entry_id
+                entries.append(TokenEntry.from_fields(fields))
+        return after, entries
+
+    async def aclose(self) -> None:
+        await self._client.aclose()

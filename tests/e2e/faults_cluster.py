@@ -1,0 +1,73 @@
+"""A real cluster on a tiny random model for the fault tests: redis-server, worker, scheduler and
+gateway as separate processes, worker/scheduler/gateway restarted by the supervisor when they crash.
+
+    with tiny_cluster(tmp_path, retry_on_worker_failure=False) as (config, supervisor): ...
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+
+import grpc
+
+from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from tests.helpers.tiny_models import make_tiny_hf_model
+from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports, restart_policies
+from tokenmill.restart_policy import RestartPolicy
+from tokenmill.supervisor import Supervisor
+
+# restarts come quickly in tests; a crash loop still ends the cluster
+FAST_RESTARTS = RestartPolicy(backoff_initial_s=0.2, backoff_max_s=2.0, max_restarts=5, window_s=120.0)
+
+
+@contextlib.contextmanager
+def tiny_cluster(tmp_path, **overrides):
+    folder, _ = make_tiny_hf_model(tmp_path)
+    config = resolve_ports(ClusterConfig(model=str(folder), gateway_port=0, scheduler_port=0, worker_port=0,
+                                         redis_port=0, num_blocks=256, max_num_batched_tokens=256, **overrides))
+    supervisor = Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300,
+                            restart_policies=restart_policies(FAST_RESTARTS))
+    with supervisor:
+        yield config, supervisor
+
+
+def request(prompt: str, max_tokens: int, request_id: str = "", **params) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        prompt=prompt, request_id=request_id,
+        parameters=generation_pb2.GenerateParameters(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params))
+
+
+def kill9(supervisor: Supervisor, name: str) -> None:
+    """A crash, not a stop: the supervisor did not ask for it, so it restarts the child."""
+    os.kill(supervisor.pid(name), signal.SIGKILL)
+
+
+async def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
+    """Polls an async predicate until it returns something truthy; generous timeouts for loaded CI."""
+    deadline = time.monotonic() + timeout_s
+    last_error = None
+    while time.monotonic() < deadline:
+        try:
+            result = await predicate()
+            if result:
+                return result
+        except grpc.aio.AioRpcError as error:
+            last_error = error
+        await asyncio.sleep(interval_s)
+    raise AssertionError(f"{what} not within {timeout_s}s (last error: {last_error})")
+
+
+async def generate_ok(address: str, prompt: str = "ping", max_tokens: int = 2):
+    """One successful Generate through the gateway, or None (for wait_until)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply = await generation_pb2_grpc.GenerationStub(channel).Generate(request(prompt, max_tokens), timeout=10)
+    return reply if len(reply.token_ids) == max_tokens else None
+
+
+async def scheduler_load(address: str) -> scheduler_pb2.GetLoadResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await scheduler_pb2_grpc.SchedulerStub(channel).GetLoad(
+            scheduler_pb2.GetLoadRequest(include_running_request_ids=True), timeout=5)

@@ -1,0 +1,59 @@
+"""The breaker's states on a hand-driven clock (no processes: it is a pure state machine; the e2e
+scheduler-kill test in tests/e2e/test_faults.py drives it through a real gateway)."""
+from __future__ import annotations
+
+import pytest
+
+from gateway.circuit_breaker import BreakerState, CircuitBreaker
+from tokenmill.errors import Unavailable
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_opens_after_consecutive_failures_then_fails_fast_until_the_probe_closes_it():
+    clock = Clock()
+    breaker = CircuitBreaker("scheduler at x", failure_threshold=3, open_s=2.0, clock=clock)
+    for _ in range(2):
+        assert breaker.before_call() is False
+        breaker.record_failure()
+    assert breaker.state is BreakerState.CLOSED
+    breaker.record_failure()
+    assert breaker.state is BreakerState.OPEN
+    with pytest.raises(Unavailable, match=r"scheduler at x is unavailable: circuit open after 3 failures"):
+        breaker.before_call()
+    clock.now += 2.0
+    assert breaker.before_call() is True  # the half-open probe
+    with pytest.raises(Unavailable):
+        breaker.before_call()  # one probe at a time
+    breaker.record_success()
+    assert breaker.state is BreakerState.CLOSED and breaker.before_call() is False
+
+
+def test_a_failed_probe_reopens_and_an_undecided_one_lets_the_next_call_probe():
+    clock = Clock()
+    breaker = CircuitBreaker("s", failure_threshold=1, open_s=1.0, clock=clock)
+    breaker.record_failure()
+    clock.now += 1.0
+    assert breaker.before_call() is True
+    breaker.record_failure()
+    assert breaker.state is BreakerState.OPEN
+    with pytest.raises(Unavailable):
+        breaker.before_call()
+    clock.now += 1.0
+    assert breaker.before_call() is True
+    breaker.release_probe()  # its client went away before any answer
+    assert breaker.before_call() is True
+
+
+def test_a_success_resets_the_failure_count():
+    breaker = CircuitBreaker("s", failure_threshold=2)
+    breaker.record_failure()
+    breaker.record_success()
+    breaker.record_failure()
+    assert breaker.state is BreakerState.CLOSED

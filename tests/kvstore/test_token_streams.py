@@ -1,0 +1,53 @@
+"""Token streams for resume against a real Redis: entries in order, read from any point, kept while
+Redis is down and written in order once it is back."""
+from __future__ import annotations
+
+from kvstore.token_streams import TokenStreamReader, TokenStreamWriter
+from tests.kvstore.conftest import wait_until
+
+
+async def read_all(reader: TokenStreamReader, request_id: str):
+    after, entries = "0", []
+    while True:
+        after, more = await reader.read(request_id, after, block_ms=50)
+        if not more:
+            return entries
+        entries += more
+
+
+async def test_entries_come_back_in_order_with_their_indexes_and_the_finish(fresh_redis):
+    writer, reader = TokenStreamWriter(fresh_redis), TokenStreamReader(fresh_redis)
+    writer.start()
+    try:
+        writer.append("r1", 0, [5, 6])
+        writer.append("r1", 2, [7])
+        writer.finish("r1", 3, "length", None, num_prompt_tokens=4)
+        await wait_until(lambda: writer.pending == 0, what="the writer to flush")
+        entries = await read_all(reader, "r1")
+        assert [(e.index, e.token_ids, e.finish_reason) for e in entries] == [
+            (0, [5, 6], None), (2, [7], None), (3, [], "length")]
+        assert entries[-1].num_prompt_tokens == 4 and await reader.exists("r1")
+        assert not await reader.exists("never")
+    finally:
+        await writer.aclose()
+        await reader.aclose()
+
+
+async def test_redis_down_keeps_the_entries_and_they_land_in_order_after_the_restart(own_redis):
+    writer = TokenStreamWriter(own_redis.url, retry_max_s=0.1)
+    writer.start()
+    own_redis.stop()
+    for index in range(50):
+        writer.append("r1", index, [index])
+    writer.finish("r1", 50, "stop", None, num_prompt_tokens=1)
+    await wait_until(lambda: not writer.healthy, what="the writer to notice Redis is down")
+    own_redis.start()  # same port, empty
+    await wait_until(lambda: writer.pending == 0, timeout_s=10, what="the writer to catch up")
+    reader = TokenStreamReader(own_redis.url)
+    try:
+        entries = await read_all(reader, "r1")
+    finally:
+        await reader.aclose()
+        await writer.aclose()
+    assert [token for entry in entries for token in entry.token_ids] == list(range(50))
+    assert entries[-1].finish_reason == "stop" and writer.healthy and writer.dropped == 0

@@ -1,0 +1,40 @@
+"""Restart backoff and give-up, on hand-given times; and the supervisor restarting a real child
+killed with -9 (a stand-in gRPC child, tests/tokenmill/standin_child.py)."""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import time
+
+from tests.tokenmill.test_supervisor import pid_gone, standin
+from tokenmill.restart_policy import RestartHistory, RestartPolicy
+from tokenmill.supervisor import ChildExited, Supervisor
+
+
+def test_backoff_doubles_up_to_the_cap_and_gives_up_past_max_restarts_in_the_window():
+    history = RestartHistory(RestartPolicy(backoff_initial_s=0.5, backoff_max_s=1.5, max_restarts=3, window_s=10))
+    assert [history.next_delay(t) for t in (0, 1, 2)] == [0.5, 1.0, 1.5]
+    assert history.next_delay(3) is None
+    # once the early crashes leave the window, restarts resume from the short backoff
+    assert history.next_delay(12.5) == 0.5
+
+
+def test_a_child_killed_with_9_is_restarted_and_one_that_keeps_crashing_is_given_up():
+    echo = io.StringIO()
+    policy = RestartPolicy(backoff_initial_s=0.1, backoff_max_s=0.2, max_restarts=1, window_s=60)
+    with Supervisor([standin("worker")], echo=echo, restart_policies={"worker": policy}) as supervisor:
+        first = supervisor.pid("worker")
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while supervisor.pid("worker") == first and time.monotonic() < deadline:
+            supervisor.check()  # a crash it restarts is not reported
+            time.sleep(0.05)
+        assert supervisor.pid("worker") != first and pid_gone(first)
+        os.kill(supervisor.pid("worker"), signal.SIGKILL)  # the second crash in the window: given up
+        try:
+            supervisor.wait(timeout_s=30)
+            raise AssertionError("the supervisor should report the child it gave up")
+        except ChildExited as error:
+            assert error.name == "worker"
+    assert "restarting in 0.1s" in echo.getvalue() and "giving up" in echo.getvalue()

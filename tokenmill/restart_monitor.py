@@ -1,0 +1,57 @@
+"""The supervisor's watcher thread: starts crashed children again under their RestartPolicy.
+
+A child counts as crashed when it exited without the supervisor stopping or killing it on purpose
+(ChildProcess.exit_expected). The restarted child is not waited for: the processes that depend on it
+notice it coming back by themselves (the scheduler re-registers a new worker, gateways reconnect).
+A child that crashes more often than its policy allows is given up: from then on the supervisor's
+check()/wait() report it as ChildExited, as for a child without a policy.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenmill.supervisor import Supervisor
+
+
+class RestartMonitor:
+    def __init__(self, supervisor: Supervisor) -> None:
+        self._supervisor = supervisor
+        self._given_up: set[str] = set()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="restart-monitor", daemon=True)
+
+    def handles(self, name: str) -> bool:
+        """True while crashes of this child are restarted rather than reported."""
+        return name in self._supervisor.restarts and name not in self._given_up
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        supervisor = self._supervisor
+        while not self._stopping.wait(supervisor.poll_interval_s):
+            for name, history in supervisor.restarts.items():
+                child = supervisor.children[name]
+                if name in self._given_up or child.returncode is None or child.exit_expected:
+                    continue
+                child.drain_output()
+                delay = history.next_delay(time.monotonic())
+                if delay is None:
+                    policy = history.policy
+                    supervisor._say(f"{name} {child.describe_exit()}: crashed more than {policy.max_restarts} "
+                                    f"times in {policy.window_s:g}s, giving up")
+                    self._given_up.add(name)
+                    continue
+                supervisor._say(f"{name} {child.describe_exit()}: restarting in {delay:.1f}s "
+                                f"(restart {history.num_restarts})")
+                if self._stopping.wait(delay):
+                    return
+                child.start()
+                supervisor._say(f"restarted {name} (pid {child.pid})")
