@@ -10,7 +10,8 @@ from gateway.service import GenerationServicer
 from gateway.tokenizer import load_tokenizer
 from gateway.validation import Limits
 from protos.tokenmill.v1 import generation_pb2_grpc
-from tokenmill import rpc
+from tokenmill import rpc, telemetry
+from tokenmill.telemetry.gateway_requests import set_model_name
 from tokenmill.process import run_process, wait_for_stop_signal
 
 logger = logging.getLogger("tokenmill.gateway")
@@ -29,10 +30,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--drain-timeout-s", type=float, default=30.0)
     parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API; 0 disables")
     parser.add_argument("--http-api-key", default="", help="HTTP clients must send 'Authorization: Bearer KEY'")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     return parser.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
+    await telemetry.start_process("gateway", args.metrics_port, args.host)  # before any gRPC channel or server
     tokenizer = await asyncio.to_thread(load_tokenizer, args.model)
     scheduler = SchedulerClient(args.scheduler)
     server = rpc.create_server()
@@ -43,6 +47,7 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"gateway: cannot listen on {address} (in use?); change --port")
     logger.info("gateway waiting for scheduler %s", args.scheduler)
     model_info = await scheduler.wait_ready(args.scheduler_timeout_s)
+    set_model_name(model_info.model_config.name)
     # the worker knows the weights; the chat template lives with the tokenizer, which is ours
     model_info.model_config.has_chat_template = bool(tokenizer.chat_template)
     limits = Limits(max_model_len=model_info.model_config.max_context_length, vocab_size=tokenizer.vocab_size,

@@ -32,6 +32,7 @@ from gateway.tokenizer import TextTokenizer
 from gateway.validation import Limits
 from protos.tokenmill.v1 import common_pb2
 from tokenmill.errors import InvalidArgument, Unauthenticated, Unavailable
+from tokenmill.telemetry.gateway_requests import http_server_span, tokenize_span
 
 _dumps = functools.partial(json.dumps, ensure_ascii=False, separators=(",", ":"))
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -51,7 +52,8 @@ class OpenAIHTTP:
     def app(self) -> web.Application:
         # a prompt of max_prompt_chars characters may take 4 bytes each in UTF-8, plus the JSON around it
         max_body = 4 * self.limits.max_prompt_chars + 2**20
-        app = web.Application(middlewares=[_errors, self._auth], client_max_size=max_body)
+        app = web.Application(middlewares=[web.middleware(http_server_span), _errors, self._auth],
+                              client_max_size=max_body)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model}", self.get_model)
         app.router.add_post("/v1/completions", self.completions)
@@ -106,7 +108,8 @@ class OpenAIHTTP:
         body = await _json_object(request)
         request_id = request.headers.get("X-Request-Id") or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         parse = parse_chat if chat else parse_completion
-        parsed = parse(body, self.tokenizer, self.limits, self.model_name, request_id)
+        with tokenize_span():
+            parsed = parse(body, self.tokenizer, self.limits, self.model_name, request_id)
         request_id = parsed.prepared.request.request_id
         builder = ResponseBuilder(chat=chat, request_id=request_id, model=self.model_name, logprobs=parsed.logprobs,
                                   include_usage=parsed.stream and parsed.include_usage)

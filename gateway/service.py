@@ -13,6 +13,7 @@ from kvstore.records import RecordStatus
 from protos import codec
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tokenmill.errors import NotFound, Unavailable
+from tokenmill.telemetry.gateway_requests import tokenize_span
 
 _STATUS = {
     RecordStatus.QUEUED: generation_pb2.REQUEST_STATUS_QUEUED,
@@ -52,7 +53,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _generate(self, request, context):
         arrival = time.monotonic()
-        prepared = prepare(request, self.tokenizer, self.limits, self.model_name)
+        with tokenize_span():
+            prepared = prepare(request, self.tokenizer, self.limits, self.model_name)
         deltas = stream_generation(prepared, self.tokenizer, self.scheduler, context.time_remaining(), arrival)
         async with contextlib.aclosing(deltas):
             async for delta in deltas:

@@ -10,7 +10,8 @@ from scheduler.loop import EngineLoop
 from scheduler.scheduler import Scheduler
 from scheduler.service import SchedulerServicer, drain
 from scheduler.worker_client import WorkerClient
-from tokenmill import rpc
+from tokenmill import rpc, telemetry
+from tokenmill.telemetry.metrics import watch_scheduler
 from tokenmill.process import run_process, wait_for_stop_signal
 
 logger = logging.getLogger("tokenmill.scheduler")
@@ -32,10 +33,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--worker-timeout-s", type=float, default=600.0, help="how long to wait for the worker")
     parser.add_argument("--drain-timeout-s", type=float, default=30.0)
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     return parser.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
+    await telemetry.start_process("scheduler", args.metrics_port, args.host)  # before any gRPC channel or server
     server = rpc.create_server()
     health = rpc.add_health_and_reflection(server, [rpc.SCHEDULER_SERVICE])
     address = f"{args.host}:{args.port}"
@@ -67,6 +71,7 @@ async def serve(args: argparse.Namespace) -> None:
         kv_cache_policy=common_pb2.KV_CACHE_POLICY_STATIC if args.kv_policy == "static"
         else common_pb2.KV_CACHE_POLICY_PAGED, device=capacity.device)
     servicer.attach(loop, model_info)
+    watch_scheduler(loop.scheduler.stats)
     if state:
         state.start()
     loop.start()

@@ -7,6 +7,7 @@ from protos import codec
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.loop import DEADLINE_EXCEEDED, EngineLoop, RequestTimes
 from tokenmill.errors import DeadlineExceeded, Unavailable
+from tokenmill.telemetry.scheduler_requests import current_traceparent, record_request_end
 
 
 def _timings(times: RequestTimes) -> common_pb2.Timings:
@@ -35,8 +36,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return self._loop
 
     async def Submit(self, request, context):
-        stream = self.loop.submit(codec.request_from_submit_proto(request),
-                                  codec.deadline_from_submit_proto(request))
+        domain_request = codec.request_from_submit_proto(request)
+        domain_request.trace_context = current_traceparent()  # this call's span: worker step spans link to it
+        stream = self.loop.submit(domain_request, codec.deadline_from_submit_proto(request))
         finished = False
         try:
             while not finished:
@@ -48,6 +50,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     more.logprobs = output.logprobs + more.logprobs
                     output = more
                 finished = output.finished
+                if finished:
+                    record_request_end(stream.times, output.num_preemptions)
                 if output.error == DEADLINE_EXCEEDED:
                     raise DeadlineExceeded(f"request {request.request_id!r} passed its deadline after "
                                            f"{output.num_output_tokens} tokens; its pages are freed")

@@ -83,6 +83,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token budget per step (default: %(default)s)")
     parser.add_argument("--max-model-len", type=POSITIVE, help="context limit (default: the model's)")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--no-metrics", action="store_true", help="no Prometheus /metrics endpoints")
+    parser.add_argument("--gateway-metrics-port", type=PORT, default=9400,
+                        help="Prometheus /metrics of the gateway; 0 picks a free port (default: %(default)s)")
+    parser.add_argument("--scheduler-metrics-port", type=PORT, default=9401, help="(default: %(default)s)")
+    parser.add_argument("--worker-metrics-port", type=PORT, default=9402, help="(default: %(default)s)")
     parser.add_argument("--startup-timeout-s", type=_ranged(float, 0.0, low_open=True, what="> 0"), default=300.0,
                         help="how long each component may take to become ready (default: %(default)s)")
     parser.add_argument("--grace-period-s", type=NON_NEGATIVE_FLOAT, default=10.0,
@@ -135,7 +140,10 @@ def serve(args: argparse.Namespace) -> int:
         redis_port=args.redis_port, kv_policy=args.kv_policy, queue_policy=args.queue_policy,
         block_size=args.block_size, kv_cache_mb=args.kv_cache_mb, num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching))
+        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+        **({} if args.no_metrics else {"gateway_metrics_port": args.gateway_metrics_port,
+                                       "scheduler_metrics_port": args.scheduler_metrics_port,
+                                       "worker_metrics_port": args.worker_metrics_port})))
     try:
         specs = cluster_specs(config)
     except FileNotFoundError as error:  # no redis-server binary
@@ -156,6 +164,9 @@ def serve(args: argparse.Namespace) -> int:
             rows.append(("http", f"http://{config.http_address}/v1  (OpenAI-compatible)"))
         rows += [("scheduler", config.scheduler_address), ("worker", config.worker_address),
                  ("redis", config.effective_redis_url + ("" if config.redis_url is None else " (external)"))]
+        if config.gateway_metrics_port is not None:
+            rows.append(("metrics", ", ".join(f"http://{config.host}:{port}/metrics" for port in (
+                config.gateway_metrics_port, config.scheduler_metrics_port, config.worker_metrics_port))))
         print("\n".join(f"{name:<10} {address}" for name, address in rows))
         print(f'ready: try  tokenmill generate "Hello" --address {config.gateway_address}', flush=True)
 

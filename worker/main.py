@@ -9,7 +9,7 @@ import time
 import torch
 
 from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc
-from tokenmill import rpc
+from tokenmill import rpc, telemetry
 from tokenmill.process import run_process, wait_for_stop_signal
 from worker.build import DTYPES, build_runner, model_name
 from worker.kv_cache import bytes_per_block
@@ -29,6 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-mb", type=int, default=512, help="memory budget for the KV cache")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV pages; overrides --kv-cache-mb")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     args = parser.parse_args(argv)
     if args.block_size <= 0 or args.block_size & (args.block_size - 1):
         parser.error(f"--block-size={args.block_size} must be a positive power of two")
@@ -49,6 +51,7 @@ def build_worker(args: argparse.Namespace) -> tuple[ModelRunner, worker_pb2.GetC
 
 
 async def serve(args: argparse.Namespace) -> None:
+    await telemetry.start_process("worker", args.metrics_port, args.host)  # before any gRPC server
     server = rpc.create_server(options=[("grpc.max_receive_message_length", 64 * 2**20)])
     health = rpc.add_health_and_reflection(server, [rpc.WORKER_SERVICE])
     servicer = WorkerServicer()
