@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -116,3 +117,24 @@ def test_json_logs_carry_trace_span_and_request_ids(traced_cluster):
     assert len(entry["span_id"]) == 16 and int(entry["span_id"], 16)
     assert entry["service"] == "gateway" and entry["level"] == "INFO" and "finished" in entry["message"]
     assert all({"time", "level", "logger", "message"} <= set(e) for e in lines)  # every line is JSON
+
+
+def test_http_request_continues_the_clients_trace(traced_cluster, otlp_receiver):
+    """The OpenAI-compatible HTTP API honours an incoming traceparent header the same way."""
+    config, _ = traced_cluster
+    trace_id, client_span_id = secrets.token_hex(16), secrets.token_hex(8)
+    body = json.dumps({"model": "tiny-llama", "prompt": "hello http", "max_tokens": 3}).encode()
+    request = urllib.request.Request(f"http://{config.http_address}/v1/completions", data=body, headers={
+        "Content-Type": "application/json", "traceparent": f"00-{trace_id}-{client_span_id}-01"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert json.loads(response.read())["usage"]["completion_tokens"] == 3
+
+    def server_span(spans):
+        return [s for s in spans if s.trace_id == trace_id and s.kind == SERVER and s.service == "gateway"]
+
+    spans = otlp_receiver.wait_for(lambda spans: server_span(spans) and any(
+        s.trace_id == trace_id and s.service == "scheduler" for s in spans))
+    (span,) = server_span(spans)
+    assert span.name == "POST /v1/completions" and span.parent_span_id == client_span_id
+    assert span.attributes["gen_ai.usage.output_tokens"] == 3
+    assert span.attributes["http.response.status_code"] == 200
