@@ -6,6 +6,7 @@
     tokenmill bench [...]                                       the standard benchmark (sweep, reports, plots)
     tokenmill bench-engine [...]                                in-process engine vs transformers
     tokenmill bench-cluster [...]                               through the gateway vs in-process
+    tokenmill bench-tracing [...]                               tracing off vs every request traced
 
 Nothing here imports torch: serve and generate start in well under a second.
 """
@@ -23,6 +24,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "bench-engine": ("tokenmill.bench_engine", "in-process engine vs transformers generate (loads torch)"),
     "bench-cluster": ("tokenmill.bench_cluster", "the engine workload through the gateway over gRPC vs in-process"),
     "bench": ("tokenmill.bench.cli", "the standard benchmark: paged vs static vs transformers, tables and plots"),
+    "bench-tracing": ("tokenmill.bench_tracing", "throughput with tracing off vs every request traced"),
 }
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -154,6 +156,10 @@ def serve(args: argparse.Namespace) -> int:
         supervisor.check_ports()
         if config.http_port is not None and port_in_use(f"{config.host}:{config.http_port}"):
             raise PortInUse("gateway HTTP", f"{config.host}:{config.http_port}", "--http-port (or --no-http)")
+        for name in ("gateway", "scheduler", "worker"):
+            port = getattr(config, f"{name}_metrics_port")
+            if port is not None and port_in_use(f"{config.host}:{port}"):
+                raise PortInUse(f"{name} metrics", f"{config.host}:{port}", f"--{name}-metrics-port (or --no-metrics)")
     except SupervisorError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
