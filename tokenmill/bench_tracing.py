@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import threading
@@ -23,6 +24,9 @@ import grpc
 
 from gateway.tokenizer import load_tokenizer
 from tokenmill.bench_cluster import stream_one, text_prompts
+
+
+PROCESSES = ("gateway", "scheduler", "worker")
 
 
 class SpanSink:
@@ -49,6 +53,12 @@ class SpanSink:
 
     def stop(self) -> None:
         self._server.stop(grace=None)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (Linux /proc), all its threads."""
+    fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def run_workload(address: str, prompts: list[str], output_len: int) -> float:
@@ -94,20 +104,32 @@ def main(argv: list[str] | None = None) -> int:
 
     configs = {"off": cluster(()), "on": cluster(traced_env)}
     results: dict[str, list[float]] = {"off": [], "on": []}
+    # CPU seconds per process per run: on a machine shared with others, the CPU a run costs is a
+    # steadier measure of overhead than its wall time
+    cpu: dict[str, dict[str, list[float]]] = {name: {p: [] for p in PROCESSES} for name in configs}
     try:
-        with Supervisor(cluster_specs(configs["off"]), echo=False), \
-                Supervisor(cluster_specs(configs["on"]), echo=False):
+        with Supervisor(cluster_specs(configs["off"]), echo=False) as off, \
+                Supervisor(cluster_specs(configs["on"]), echo=False) as on:
+            supervisors = {"off": off, "on": on}
             for name, config in configs.items():  # warm-up, not timed
                 asyncio.run(run_workload(config.gateway_address, prompts[:2], 4))
             for round_index in range(args.rounds):
                 order = ("off", "on") if round_index % 2 == 0 else ("on", "off")
                 for name in order:
+                    pids = {p: supervisors[name].pid(p) for p in PROCESSES}
+                    cpu_before = {p: cpu_seconds(pid) for p, pid in pids.items()}
                     tokens_per_s = asyncio.run(run_workload(configs[name].gateway_address, prompts, args.output_len))
+                    time.sleep(0.5)  # let the run's last span exports and state writes finish
+                    for p, pid in pids.items():
+                        cpu[name][p].append(cpu_seconds(pid) - cpu_before[p])
                     results[name].append(tokens_per_s)
-                    log(f"round {round_index + 1}: tracing {name:<3} {tokens_per_s:7.1f} output tok/s")
+                    log(f"round {round_index + 1}: tracing {name:<3} {tokens_per_s:7.1f} output tok/s, CPU s "
+                        + " ".join(f"{p} {cpu[name][p][-1]:.2f}" for p in PROCESSES))
             time.sleep(1.0)  # the last batch of spans reaches the sink
     finally:
         sink.stop()
+    cpu_medians = {name: {p: statistics.median(values) for p, values in per.items()} for name, per in cpu.items()}
+    cpu_total = {name: sum(per.values()) for name, per in cpu_medians.items()}
     median_off, median_on = statistics.median(results["off"]), statistics.median(results["on"])
     paired = [on / off for off, on in zip(results["off"], results["on"])]
     result = {
@@ -118,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         "throughput_ratio_on_over_off": median_on / median_off,
         "paired_ratio_median": statistics.median(paired),
         "spans_exported": sink.num_spans,
+        "cpu_s_median_per_run": cpu_medians,
+        "cpu_ratio_on_over_off": cpu_total["on"] / cpu_total["off"],
     }
     if args.json:
         print(json.dumps(result))
@@ -127,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{sink.num_spans} spans exported")
         print(f"throughput on / off: {result['throughput_ratio_on_over_off']:.3f} (medians), "
               f"{result['paired_ratio_median']:.3f} (median of the {args.rounds} paired rounds)")
+        for name in ("off", "on"):
+            print(f"CPU seconds per run, tracing {name:<3}: " + ", ".join(
+                f"{p} {cpu_medians[name][p]:.2f}" for p in PROCESSES) + f"; total {cpu_total[name]:.2f}")
+        print(f"CPU on / off: {result['cpu_ratio_on_over_off']:.3f}")
     return 0
 
 
