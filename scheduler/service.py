@@ -7,7 +7,7 @@ from protos import codec
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.loop import DEADLINE_EXCEEDED, EngineLoop, RequestTimes
 from tokenmill.errors import DeadlineExceeded, Unavailable
-from tokenmill.telemetry.scheduler_requests import current_traceparent, record_request_end
+from tokenmill.telemetry.scheduler_requests import record_request_end, start_request
 
 
 def _timings(times: RequestTimes) -> common_pb2.Timings:
@@ -37,7 +37,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Submit(self, request, context):
         domain_request = codec.request_from_submit_proto(request)
-        domain_request.trace_context = current_traceparent()  # this call's span: worker step spans link to it
+        domain_request.trace_context = start_request(request.request_id)  # worker step spans link to this call's span
         stream = self.loop.submit(domain_request, codec.deadline_from_submit_proto(request))
         finished = False
         try:

@@ -4,9 +4,11 @@ One run starts two real clusters on the same model: one with nothing configured 
 with OTEL_TRACES_SAMPLER=always_on exporting OTLP/gRPC to a sink in this process (every request and
 every step traced and exported). It then alternates the workload between them, round after round
 (which goes first alternates too), so the drift of a shared machine lands on both, and reports the
-median output tokens/s of each and their ratio. A command, not a test.
+median output tokens/s of each and their ratio, and the CPU seconds each process spent per run.
+With --concurrent each round runs both at the same moment instead, so both see the same machine.
+A command, not a test.
 
-    tokenmill bench-tracing [--rounds 5] [--num-requests 16] [--prompt-len 64] [--output-len 64]
+    tokenmill bench-tracing [--rounds 5] [--num-requests 16] [--prompt-len 64] [--output-len 64] [--concurrent]
 """
 from __future__ import annotations
 
@@ -74,6 +76,12 @@ async def run_workload(address: str, prompts: list[str], output_len: int) -> flo
     return len(prompts) * output_len / elapsed
 
 
+async def run_together(addresses: dict[str, str], prompts: list[str], output_len: int) -> dict[str, float]:
+    """The workload against each address at the same time; output tokens/s of each."""
+    speeds = await asyncio.gather(*(run_workload(address, prompts, output_len) for address in addresses.values()))
+    return dict(zip(addresses, speeds))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenmill bench-tracing", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -84,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--kv-cache-mb", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--concurrent", action="store_true",
+                        help="each round runs both clusters' workloads at the same time (same machine "
+                             "conditions for both; each gets about half the CPU) instead of one after the other")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
@@ -115,16 +126,18 @@ def main(argv: list[str] | None = None) -> int:
                 asyncio.run(run_workload(config.gateway_address, prompts[:2], 4))
             for round_index in range(args.rounds):
                 order = ("off", "on") if round_index % 2 == 0 else ("on", "off")
-                for name in order:
-                    pids = {p: supervisors[name].pid(p) for p in PROCESSES}
-                    cpu_before = {p: cpu_seconds(pid) for p, pid in pids.items()}
-                    tokens_per_s = asyncio.run(run_workload(configs[name].gateway_address, prompts, args.output_len))
+                for group in [order] if args.concurrent else [(name,) for name in order]:
+                    pids = {(name, p): supervisors[name].pid(p) for name in group for p in PROCESSES}
+                    cpu_before = {key: cpu_seconds(pid) for key, pid in pids.items()}
+                    speeds = asyncio.run(run_together({name: configs[name].gateway_address for name in group},
+                                                      prompts, args.output_len))
                     time.sleep(0.5)  # let the run's last span exports and state writes finish
-                    for p, pid in pids.items():
-                        cpu[name][p].append(cpu_seconds(pid) - cpu_before[p])
-                    results[name].append(tokens_per_s)
-                    log(f"round {round_index + 1}: tracing {name:<3} {tokens_per_s:7.1f} output tok/s, CPU s "
-                        + " ".join(f"{p} {cpu[name][p][-1]:.2f}" for p in PROCESSES))
+                    for (name, p), pid in pids.items():
+                        cpu[name][p].append(cpu_seconds(pid) - cpu_before[name, p])
+                    for name, tokens_per_s in speeds.items():
+                        results[name].append(tokens_per_s)
+                        log(f"round {round_index + 1}: tracing {name:<3} {tokens_per_s:7.1f} output tok/s, CPU s "
+                            + " ".join(f"{p} {cpu[name][p][-1]:.2f}" for p in PROCESSES))
             time.sleep(1.0)  # the last batch of spans reaches the sink
     finally:
         sink.stop()
@@ -134,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     paired = [on / off for off, on in zip(results["off"], results["on"])]
     result = {
         "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
-                     "output_len": args.output_len, "rounds": args.rounds, "model": args.model or "default"},
+                     "output_len": args.output_len, "rounds": args.rounds, "model": args.model or "default",
+                     "concurrent": args.concurrent},
         "tokens_per_s_off": results["off"], "tokens_per_s_on": results["on"],
         "median_off": median_off, "median_on": median_on,
         "throughput_ratio_on_over_off": median_on / median_off,

@@ -9,6 +9,12 @@ no-op spans. Metrics are served only when a metrics port is given. docs/observab
 """
 from __future__ import annotations
 
-from tokenmill.telemetry.process import start_process
-
 __all__ = ["start_process"]
+
+
+async def start_process(service: str, metrics_port: int | None = None, host: str = "127.0.0.1"):
+    """See tokenmill.telemetry.process.start_process (imported here only when called: the other
+    submodules, which tokenmill.rpc and the CLI import, stay light)."""
+    from tokenmill.telemetry.process import start_process as start
+
+    return await start(service, metrics_port, host)

@@ -20,6 +20,7 @@ from opentelemetry.trace import SpanKind
 
 from scheduler.request import Request
 from tokenmill.telemetry import metrics
+from tokenmill.telemetry.logs import bind_request
 from tokenmill.telemetry.tracing import tracer, tracing_enabled
 
 logger = logging.getLogger("tokenmill.gateway.requests")
@@ -42,6 +43,7 @@ class RequestObserver:
         self.last_token = arrival
         self.num_tokens = 0
         self.span = trace.get_current_span()
+        bind_request(request.request_id)
         if self.span.is_recording():
             params = request.sampling_params
             self.span.set_attributes({

@@ -27,6 +27,11 @@ current_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 _service = ""
 
 
+def bind_request(request_id: str) -> None:
+    """Tags the current task's log lines with request_id (a gRPC call is a task of its own)."""
+    current_request_id.set(request_id)
+
+
 def set_service(name: str) -> None:
     global _service
     _service = name

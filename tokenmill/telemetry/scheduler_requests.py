@@ -15,9 +15,17 @@ import time
 from opentelemetry import trace
 
 from tokenmill.telemetry import metrics
+from tokenmill.telemetry.logs import bind_request
 from tokenmill.telemetry.tracing import current_traceparent, tracer, tracing_enabled
 
-__all__ = ["current_traceparent", "record_request_end"]
+__all__ = ["start_request", "record_request_end"]
+
+
+def start_request(request_id: str) -> str:
+    """Called as a Submit call starts: tags the call's log lines with the request id and returns the
+    call's span as a traceparent ("" untraced), for the worker's step spans to link to."""
+    bind_request(request_id)
+    return current_traceparent()
 
 
 def record_request_end(times, num_preemptions: int = 0) -> None:
