@@ -74,3 +74,10 @@ def test_collector_pipelines_name_components_it_defines():
     assert "otlp/jaeger" in pipelines["traces"]["exporters"]
     prometheus_exporter = config["exporters"]["prometheus"]["endpoint"]
     assert prometheus_exporter.rpartition(":")[2] == "8889"  # what prometheus.yml scrapes
+
+
+def test_dashboard_label_selectors_match_the_scrape_labels():
+    config = load_yaml("prometheus.yml")
+    components = {group["labels"]["component"] for job in config["scrape_configs"] for group in job["static_configs"]}
+    selected = {match for expr in dashboard_exprs() for match in re.findall(r'component="([^"]+)"', expr)}
+    assert selected and selected <= components
