@@ -24,6 +24,7 @@ from tokenmill.telemetry.logs import bind_request
 from tokenmill.telemetry.tracing import tracer, tracing_enabled
 
 logger = logging.getLogger("tokenmill.gateway.requests")
+_UNTRACED_PATHS = frozenset({"/health", "/ready"})  # probes poll; they are not request work
 _model_name = ""
 
 
@@ -104,7 +105,7 @@ async def http_server_span(request, handler):
 
     (opentelemetry-instrumentation-aiohttp-server has no release matching the 0.66b2 gRPC and Redis
     instrumentations, and this is all of it we need.)"""
-    if not tracing_enabled():
+    if not tracing_enabled() or request.path in _UNTRACED_PATHS:
         return await handler(request)
     route = request.match_info.route.resource
     name = f"{request.method} {route.canonical if route is not None else request.path}"
