@@ -87,7 +87,8 @@ def test_running_and_waiting_gauges_follow_the_load(traced_cluster):
         stub = generation_pb2_grpc.GenerationStub(channel)
         call = stub.GenerateStream(generation_pb2.GenerateRequest(
             request_id="long-one", prompt="gauges",
-            parameters=generation_pb2.GenerateParameters(max_tokens=400, temperature=0.0, ignore_eos=True)),
+            # long enough (the tiny model's context is 512) to be still running when scraped
+            parameters=generation_pb2.GenerateParameters(max_tokens=500, temperature=0.0, ignore_eos=True)),
             timeout=120)
         next(call)  # running now
         seen = scrape("127.0.0.1", config.scheduler_metrics_port)
