@@ -81,10 +81,10 @@ def exported_metric_names() -> set[str]:
     names = set(SCHEDULER_METRICS)
     for metric in (TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME,
                    WORKER_STEP_TIME):
-        base = metric._name  # noqa: SLF001 - prometheus_client keeps the name only there
-        names |= {base, f"{base}_bucket", f"{base}_sum", f"{base}_count"}
+        for family in metric.describe():
+            names |= {family.name, f"{family.name}_bucket", f"{family.name}_sum", f"{family.name}_count"}
     for metric in (PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, REQUEST_ERRORS):
-        names.add(f"{metric._name}_total")  # noqa: SLF001
+        names |= {f"{family.name}_total" for family in metric.describe()}  # the family name drops _total
     return names
 
 
