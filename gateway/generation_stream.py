@@ -25,6 +25,7 @@ from gateway.tokenizer import TextTokenizer
 from protos import codec
 from protos.tokenmill.v1 import common_pb2
 from tokenmill.errors import Unavailable
+from tokenmill.telemetry.gateway_requests import RequestObserver
 
 
 @dataclass(slots=True)
@@ -84,6 +85,7 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
     # The client's deadline travels twice: as the call's gRPC timeout, and in the request, so the
     # scheduler ends the request (and frees its pages) itself when it passes.
     deadline = time.time() + timeout_s if timeout_s is not None else None
+    observer = RequestObserver(prepared.request, arrival)  # GenAI span attributes, latency metrics
     breaker = scheduler.breaker
     probe = breaker.before_call()  # UNAVAILABLE at once while the scheduler is known to be down
     submit = codec.submit_request_to_proto(prepared.request, deadline)
@@ -99,6 +101,7 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
             token_ids = list(response.new_token_ids)
             if token_ids and first_token is None:
                 first_token = time.monotonic()
+            observer.on_tokens(len(token_ids))
             delta = GenerationDelta(request_id, text_stream.push(token_ids), token_ids,
                                     _logprobs(tokenizer, token_ids, response.logprobs))
             if text_stream.stopped or response.finished:
@@ -107,6 +110,7 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
                     await scheduler.abort([request_id], common_pb2.FINISH_REASON_STOP)
                 delta.text += text_stream.finish()
                 delta.finish = _finish(response, text_stream, arrival, first_token)
+                observer.on_finish(delta.finish)
                 yield delta
                 return
             yield delta

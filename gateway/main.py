@@ -12,9 +12,10 @@ from gateway.service import GenerationServicer
 from gateway.tokenizer import load_tokenizer
 from gateway.validation import Limits
 from protos.tokenmill.v1 import generation_pb2_grpc
-from tokenmill import rpc, tls
+from tokenmill import rpc, telemetry, tls
 from tokenmill.drain import DrainInterceptor
 from tokenmill.message_size import PUBLIC_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
+from tokenmill.telemetry.gateway_requests import set_model_name
 from tokenmill.process import run_process, wait_for_stop_signal
 
 logger = logging.getLogger("tokenmill.gateway")
@@ -46,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     tls.add_server_arguments(parser)  # the HTTP API serves HTTPS with the same files
     tls.add_client_arguments(parser, "scheduler")
     add_access_arguments(parser)
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     return parser
 
 
@@ -70,6 +73,7 @@ def scheduler_client(args: argparse.Namespace):
 
 
 async def serve(args: argparse.Namespace) -> None:
+    await telemetry.start_process("gateway", args.metrics_port, args.host)  # before any gRPC channel or server
     if args.redis_url:
         from kvstore.credentials import check_redis_credentials
 
@@ -90,6 +94,7 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"gateway: cannot listen on {address} (in use?); change --port")
     logger.info("gateway waiting for scheduler %s", scheduler.address)
     model_info = await scheduler.wait_ready(args.scheduler_timeout_s)
+    set_model_name(model_info.model_config.name)
     # the worker knows the weights; the chat template lives with the tokenizer, which is ours
     model_info.model_config.has_chat_template = bool(tokenizer.chat_template)
     limits = Limits(max_model_len=model_info.model_config.max_context_length, vocab_size=tokenizer.vocab_size,

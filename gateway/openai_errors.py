@@ -17,6 +17,7 @@ from aiohttp import web
 
 from tokenmill import errors
 from tokenmill.rpc import status_for
+from tokenmill.telemetry import metrics
 
 logger = logging.getLogger("tokenmill.gateway.http")
 
@@ -65,6 +66,7 @@ def openai_error(exc: BaseException, where: str = "") -> OpenAIError:
         reason = exc.text if exc.status == 413 and exc.text else exc.reason
         return OpenAIError(exc.status, f"{reason}: {where}" if where else reason, type_)
     grpc_status, message = status_for(exc)
+    metrics.REQUEST_ERRORS.labels(code=grpc_status.name).inc()
     status, type_, code = _BY_STATUS.get(grpc_status, _INTERNAL)
     if status == 500:
         logger.error("unexpected error in %s", where or "an HTTP handler", exc_info=exc)

@@ -34,6 +34,7 @@ from gateway.tokenizer import TextTokenizer
 from gateway.validation import Limits
 from protos.tokenmill.v1 import common_pb2
 from tokenmill.errors import InvalidArgument, Unauthenticated, Unavailable
+from tokenmill.telemetry.gateway_requests import http_server_span, tokenize_span
 
 _dumps = functools.partial(json.dumps, ensure_ascii=False, separators=(",", ":"))
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -55,7 +56,7 @@ class OpenAIHTTP:
         """max_body_bytes: the gateway's --max-message-bytes; a larger body is answered 413."""
         # a prompt of max_prompt_chars characters may take 4 bytes each in UTF-8, plus the JSON around it
         max_body = min(4 * self.limits.max_prompt_chars + 2**20, max_body_bytes or 2**62)
-        middlewares = [_errors, self._auth]
+        middlewares = [web.middleware(http_server_span), _errors, self._auth]
         if self.access is not None:
             middlewares.append(access_middleware(self.access))
         app = web.Application(middlewares=middlewares, client_max_size=max_body)
@@ -113,7 +114,8 @@ class OpenAIHTTP:
         body = await _json_object(request)
         request_id = request.headers.get("X-Request-Id") or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         parse = parse_chat if chat else parse_completion
-        parsed = parse(body, self.tokenizer, self.limits, self.model_name, request_id)
+        with tokenize_span():
+            parsed = parse(body, self.tokenizer, self.limits, self.model_name, request_id)
         request_id = parsed.prepared.request.request_id
         builder = ResponseBuilder(chat=chat, request_id=request_id, model=self.model_name, logprobs=parsed.logprobs,
                                   include_usage=parsed.stream and parsed.include_usage)

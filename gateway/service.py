@@ -14,6 +14,7 @@ from kvstore.records import RecordStatus
 from protos import codec
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tokenmill.errors import NotFound, Unavailable
+from tokenmill.telemetry.gateway_requests import tokenize_span
 
 _STATUS = {
     RecordStatus.QUEUED: generation_pb2.REQUEST_STATUS_QUEUED,
@@ -54,7 +55,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _generate(self, request, context):
         arrival = time.monotonic()
-        prepared = prepare(request, self.tokenizer, self.limits, self.model_name)
+        with tokenize_span():
+            prepared = prepare(request, self.tokenizer, self.limits, self.model_name)
         if self.token_reader is None:
             if request.HasField("resume_from_index"):
                 raise Unavailable("resume_from_index needs Redis; this gateway runs without --redis-url")

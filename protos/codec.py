@@ -176,6 +176,7 @@ def step_plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
             sampling_params=sampling_params_to_proto(new.sampling_params),
             block_ids=new.block_ids,
             num_computed_tokens=new.num_computed_tokens,
+            trace_context=new.trace_context,
         )
     cached_requests = msg.cached_requests
     for cached in plan.cached_requests:
@@ -202,6 +203,7 @@ def step_plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlan:
                 sampling_params=sampling_params_from_proto(new.sampling_params),
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                trace_context=new.trace_context,
             )
             for new in msg.new_requests
         ],

@@ -17,9 +17,10 @@ from scheduler.scheduler import Scheduler
 from scheduler.service import SchedulerServicer, drain
 from scheduler.worker_client import WorkerClient
 from scheduler.worker_recovery import WorkerRecovery
-from tokenmill import rpc, tls
+from tokenmill import rpc, telemetry, tls
 from tokenmill.drain import DrainInterceptor
 from tokenmill.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
+from tokenmill.telemetry.metrics import watch_scheduler
 from tokenmill.process import run_process, wait_for_stop_signal
 
 logger = logging.getLogger("tokenmill.scheduler")
@@ -59,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--advertise-address", default="",
                         help="HOST:PORT gateways dial to reach this scheduler; names its load and prefix keys "
                              "in Redis (default: --host:--port)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     return parser
 
 
@@ -71,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    await telemetry.start_process("scheduler", args.metrics_port, args.host)  # before any gRPC channel or server
     if args.redis_url:
         from kvstore.credentials import check_redis_credentials
 
@@ -119,6 +123,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     worker.watch_connection(worker_lost)
     servicer.attach(loop, model_info)
+    watch_scheduler(loop.scheduler.stats)
     redis_watch = None
     if state:
         state.start()

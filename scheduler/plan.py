@@ -19,6 +19,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]  # the whole block table so far
     num_computed_tokens: int  # already in the cache (prefix-cache hit), 0 otherwise
+    trace_context: str = ""  # the request's W3C traceparent, opaque here; worker step spans link to it
 
 
 @dataclass(slots=True)

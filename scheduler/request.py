@@ -74,6 +74,7 @@ class Request:
     # chained content hashes of the full blocks of all_token_ids (see scheduler.prefix_cache)
     block_hashes: list[bytes] = field(default_factory=list)
     finish_reason: str | None = None
+    trace_context: str = ""  # W3C traceparent of the request's span (tokenmill.telemetry); opaque here
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

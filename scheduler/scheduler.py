@@ -137,6 +137,7 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=list(self.kv.block_table(request.request_id)),
                 num_computed_tokens=num_cached_tokens,
+                trace_context=request.trace_context,
             ))
             plan.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new

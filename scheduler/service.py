@@ -8,6 +8,7 @@ from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.loop import DEADLINE_EXCEEDED, EngineLoop, RequestTimes
 from scheduler.worker_recovery import WORKER_UNAVAILABLE
 from tokenmill.errors import DeadlineExceeded, Unavailable
+from tokenmill.telemetry.scheduler_requests import record_request_end, start_request
 
 
 def _timings(times: RequestTimes) -> common_pb2.Timings:
@@ -38,8 +39,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Submit(self, request, context):
         # a resumable request outlives this call (its gateway may die): its caller aborts it explicitly
         resumable = request.resumable and self.loop.tokens is not None
-        stream = self.loop.submit(codec.request_from_submit_proto(request),
-                                  codec.deadline_from_submit_proto(request), resumable)
+        domain_request = codec.request_from_submit_proto(request)
+        domain_request.trace_context = start_request(request.request_id)  # worker step spans link to this call's span
+        stream = self.loop.submit(domain_request, codec.deadline_from_submit_proto(request), resumable)
         finished = False
         try:
             while not finished:
@@ -51,6 +53,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     more.logprobs = output.logprobs + more.logprobs
                     output = more
                 finished = output.finished
+                if finished:
+                    record_request_end(stream.times, output.num_preemptions)
                 if output.error == DEADLINE_EXCEEDED:
                     raise DeadlineExceeded(f"request {request.request_id!r} passed its deadline after "
                                            f"{output.num_output_tokens} tokens; its pages are freed")

@@ -7,6 +7,7 @@
     tokenmill bench [...]                                       the standard benchmark (sweep, reports, plots)
     tokenmill bench-engine [...]                                in-process engine vs transformers
     tokenmill bench-cluster [...]                               through the gateway vs in-process
+    tokenmill bench-tracing [...]                               tracing off vs every request traced
 
 Nothing here imports torch: serve and generate start in well under a second.
 """
@@ -24,6 +25,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "bench-engine": ("tokenmill.bench_engine", "in-process engine vs transformers generate (loads torch)"),
     "bench-cluster": ("tokenmill.bench_cluster", "the engine workload through the gateway over gRPC vs in-process"),
     "bench": ("tokenmill.bench.cli", "the standard benchmark: paged vs static vs transformers, tables and plots"),
+    "bench-tracing": ("tokenmill.bench_tracing", "throughput with tracing off vs every request traced"),
 }
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -106,6 +108,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests/s per API key unless its line says; 0: no limit (default: %(default)s)")
     parser.add_argument("--rate-limit-burst", type=NON_NEGATIVE_INT, default=0,
                         help="requests a key may send at once (default: the rate, rounded up)")
+    parser.add_argument("--no-metrics", action="store_true", help="no Prometheus /metrics endpoints")
+    parser.add_argument("--gateway-metrics-port", type=PORT, default=9400,
+                        help="Prometheus /metrics of the gateway; 0 picks a free port (default: %(default)s)")
+    parser.add_argument("--scheduler-metrics-port", type=PORT, default=9401, help="(default: %(default)s)")
+    parser.add_argument("--worker-metrics-port", type=PORT, default=9402, help="(default: %(default)s)")
     parser.add_argument("--startup-timeout-s", type=_ranged(float, 0.0, low_open=True, what="> 0"), default=300.0,
                         help="how long each component may take to become ready (default: %(default)s)")
     parser.add_argument("--grace-period-s", type=NON_NEGATIVE_FLOAT, default=10.0,
@@ -230,7 +237,10 @@ def serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
         api_keys_file=args.api_keys_file, rate_limit_rps=args.rate_limit_rps,
         rate_limit_burst=args.rate_limit_burst,
-        drain_timeout_s=args.drain_timeout_s, retry_on_worker_failure=not args.no_retry_on_worker_failure))
+        drain_timeout_s=args.drain_timeout_s, retry_on_worker_failure=not args.no_retry_on_worker_failure,
+        **({} if args.no_metrics else {"gateway_metrics_port": args.gateway_metrics_port,
+                                       "scheduler_metrics_port": args.scheduler_metrics_port,
+                                       "worker_metrics_port": args.worker_metrics_port})))
     try:
         specs = cluster_specs(config)
     except (FileNotFoundError, ValueError) as error:  # no redis-server binary; a password redis.conf cannot hold
@@ -244,6 +254,10 @@ def serve(args: argparse.Namespace) -> int:
         supervisor.check_ports()
         if config.http_port is not None and port_in_use(f"{config.host}:{config.http_port}"):
             raise PortInUse("gateway HTTP", f"{config.host}:{config.http_port}", "--http-port (or --no-http)")
+        for name in ("gateway", "scheduler", "worker"):
+            port = getattr(config, f"{name}_metrics_port")
+            if port is not None and port_in_use(f"{config.host}:{port}"):
+                raise PortInUse(f"{name} metrics", f"{config.host}:{port}", f"--{name}-metrics-port (or --no-metrics)")
     except SupervisorError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -255,6 +269,9 @@ def serve(args: argparse.Namespace) -> int:
             rows.append(("http", f"{scheme}://{config.http_address}/v1  (OpenAI-compatible)"))
         rows += [("scheduler", config.scheduler_address), ("worker", config.worker_address),
                  ("redis", redact_url(config.effective_redis_url) + ("" if config.redis_url is None else " (external)"))]
+        if config.gateway_metrics_port is not None:
+            rows.append(("metrics", ", ".join(f"http://{config.host}:{port}/metrics" for port in (
+                config.gateway_metrics_port, config.scheduler_metrics_port, config.worker_metrics_port))))
         print("\n".join(f"{name:<10} {address}" for name, address in rows))
         tls_flags = ""
         if config.tls:

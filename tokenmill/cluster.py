@@ -71,6 +71,13 @@ class ClusterConfig:
     # a lost worker's requests are re-queued and recomputed once it is back; False: they fail (UNAVAILABLE)
     retry_on_worker_failure: bool = True
     python: str = sys.executable
+    # Prometheus /metrics of each process; None: off (so parallel test clusters never clash; `tokenmill
+    # serve` passes 9400 / 9401 / 9402); 0: pick a free port (resolve_ports).
+    gateway_metrics_port: int | None = None
+    scheduler_metrics_port: int | None = None
+    worker_metrics_port: int | None = None
+    # extra environment for the three servers, e.g. (("OTEL_EXPORTER_OTLP_ENDPOINT", "http://..."),)
+    child_env: tuple[tuple[str, str], ...] = ()
 
     @property
     def gateway_address(self) -> str:
@@ -95,12 +102,16 @@ class ClusterConfig:
         return self.redis_url or redis_url(self.redis_port, self.redis_user, self.redis_password)
 
 
+_METRICS_PORTS = ("gateway_metrics_port", "scheduler_metrics_port", "worker_metrics_port")
+
+
 def resolve_ports(config: ClusterConfig) -> ClusterConfig:
     """The same config with every port given as 0 replaced by a currently free one."""
     # free ports are drawn so as not to clash with ports given explicitly (kept as given: a clash
     # between two explicit ports is the supervisor's check_ports to report)
     taken = {port for port in (config.worker_port, config.scheduler_port, config.gateway_port,
-                               config.http_port, config.redis_port) if port}
+                               config.http_port, config.redis_port, config.gateway_metrics_port,
+                               config.scheduler_metrics_port, config.worker_metrics_port) if port}
 
     def pick(port: int, host: str) -> int:
         while port == 0:
@@ -116,6 +127,8 @@ def resolve_ports(config: ClusterConfig) -> ClusterConfig:
                    scheduler_port=pick(config.scheduler_port, internal_host),
                    gateway_port=pick(config.gateway_port, local_host),
                    http_port=None if config.http_port is None else pick(config.http_port, local_host),
+                   **{name: None if getattr(config, name) is None else pick(getattr(config, name), local_host)
+                      for name in _METRICS_PORTS},
                    redis_port=config.redis_port if config.redis_url else pick(config.redis_port, "127.0.0.1"))
 
 
@@ -132,12 +145,13 @@ def torch_thread_env() -> dict[str, str]:
 def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
     """Children in start order: [redis,] worker, scheduler, gateway. Ports must be resolved already."""
     ports = [config.worker_port, config.scheduler_port, config.gateway_port]
-    if 0 in ports or config.http_port == 0 or (config.redis_url is None and config.redis_port == 0):
+    if (0 in ports or config.http_port == 0 or (config.redis_url is None and config.redis_port == 0)
+            or 0 in [getattr(config, name) for name in _METRICS_PORTS]):
         raise ValueError("cluster_specs needs concrete ports: call resolve_ports(config) first")
     env = {"PYTHONPATH": os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p),
            # the mains read it as their --redis-url default: a password in argv is in every `ps` listing
            "TOKENMILL_REDIS_URL": config.effective_redis_url,
-           **torch_thread_env()}
+           **torch_thread_env(), **dict(config.child_env)}
     model = ["--model", config.model] if config.model else []
     server_tls = config.tls.server().argv() if config.tls else []
     probe_tls = config.tls.client() if config.tls else None
@@ -175,6 +189,10 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
                "--rate-limit-rps", str(config.rate_limit_rps), "--rate-limit-burst", str(config.rate_limit_burst)]
     if config.api_keys_file:
         gateway += ["--api-keys-file", config.api_keys_file]
+    for argv, port in ((worker, config.worker_metrics_port), (scheduler, config.scheduler_metrics_port),
+                       (gateway, config.gateway_metrics_port)):
+        if port is not None:
+            argv += ["--metrics-port", str(port)]
     specs = [] if config.redis_url else [redis_spec(config.redis_port, user=config.redis_user,
                                                     password=config.redis_password)]
     return specs + [

@@ -2,14 +2,19 @@
 from __future__ import annotations
 
 import asyncio
-import logging
+import os
 import signal
 from collections.abc import Coroutine
 
+from tokenmill.telemetry.logs import configure_logging
+
 
 def run_process(main: Coroutine) -> None:
-    """Runs a process's main coroutine on uvloop (plain asyncio where uvloop is missing)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Runs a process's main coroutine on uvloop (plain asyncio where uvloop is missing).
+
+    Logs go to stderr as text, or as JSON lines with trace and request ids when
+    TOKENMILL_LOG_FORMAT=json (tokenmill.telemetry.logs)."""
+    configure_logging(os.environ.get("TOKENMILL_LOG_FORMAT", "text").strip().lower() or "text")
     try:
         import uvloop
     except ImportError:

@@ -25,6 +25,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from tokenmill import errors
+from tokenmill.telemetry import metrics
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 async def abort_with_status(context: grpc.aio.ServicerContext, exc: BaseException, method: str = "") -> None:
     """Ends the call with exc's status (always raises). Unexpected exceptions are logged in full."""
     code, message = status_for(exc)
+    metrics.REQUEST_ERRORS.labels(code=code.name).inc()
     if code is grpc.StatusCode.INTERNAL:
         logger.error("unexpected error in %s", method or "an RPC handler", exc_info=exc)
     else:

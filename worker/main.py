@@ -9,7 +9,7 @@ import time
 import torch
 
 from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc
-from tokenmill import rpc, tls
+from tokenmill import rpc, telemetry, tls
 from tokenmill.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
 from tokenmill.process import run_process, wait_for_stop_signal
 from worker.backends import add_execution_flags, execution_options_from_args
@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_execution_flags(parser)
     add_message_size_argument(parser, INTERNAL_MAX_MESSAGE_BYTES)
     tls.add_server_arguments(parser)
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     return parser
 
 
@@ -65,6 +67,7 @@ def build_worker(args: argparse.Namespace) -> tuple[ModelRunner, worker_pb2.GetC
 
 
 async def serve(args: argparse.Namespace) -> None:
+    await telemetry.start_process("worker", args.metrics_port, args.host)  # before any gRPC server
     server = rpc.create_server(options=message_size_options(args.max_message_bytes))
     health = rpc.add_health_and_reflection(server, [rpc.WORKER_SERVICE])
     servicer = WorkerServicer()

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from protos import codec
 from protos.tokenmill.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tokenmill.errors import FailedPrecondition, Unavailable
+from tokenmill.telemetry.worker_steps import StepTelemetry
 from worker.config import ModelConfig
 from worker.model_runner import ModelRunner, PlanMismatchError
 
@@ -26,6 +27,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.capacity: worker_pb2.GetCapacityResponse | None = None
         self.runner: ModelRunner | None = None  # set once the model is loaded and warmed up
         self.num_steps = 0
+        self.step_telemetry = StepTelemetry()  # one span per step, linked to its requests; step time
         # One step at a time, always on the same thread: the forward pass leaves the event loop free
         # for health checks, and OpenMP keeps one warm thread team (a team belongs to the thread
         # that calls into torch, so a pool handing steps to different threads would build several).
@@ -53,7 +55,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         plan = codec.step_plan_from_proto(request)
         async with self._step_lock:
             try:
-                result = await self.run_compute(runner.execute, plan)
+                with self.step_telemetry.step(plan) as step:
+                    result = step.result = await self.run_compute(runner.execute, plan)
             except PlanMismatchError as error:
                 raise FailedPrecondition(str(error)) from error
         self.num_steps += 1

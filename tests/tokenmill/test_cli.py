@@ -180,3 +180,13 @@ def test_generate_without_a_gateway_says_so(capsys):
     code, _, err = run(capsys, "generate", "hi", "--address", address, "--connect-timeout-s", "0.5")
     assert code == 1
     assert f"UNAVAILABLE: no tokenmill gateway at {address}" in err
+
+
+def test_serve_reports_a_taken_metrics_port_with_the_flag_to_change_it(capsys):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        code, _, err = run(capsys, "serve", "--gateway-port", "0", "--scheduler-port", "0", "--worker-port", "0",
+                           "--redis-port", "0", "--no-http", "--scheduler-metrics-port", str(port))
+    assert code == 1
+    assert f"port {port} for scheduler metrics is already in use" in err
+    assert "--scheduler-metrics-port (or --no-metrics)" in err

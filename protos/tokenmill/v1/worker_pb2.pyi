@@ -27,20 +27,22 @@ class GetCapacityResponse(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_config: _Optional[_Union[_common_pb2.ModelConfig, _Mapping]] = ..., device: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class NewRequestData(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling_params", "block_ids", "num_computed_tokens")
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling_params", "block_ids", "num_computed_tokens", "trace_context")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
     sampling_params: _sampling_pb2.SamplingParams
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling_params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+    trace_context: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling_params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., trace_context: _Optional[str] = ...) -> None: ...
 
 class CachedRequestData(_message.Message):
     __slots__ = ("request_id", "new_block_ids", "num_computed_tokens")

@@ -1,0 +1,30 @@
+"""One real cluster (redis-server, worker, scheduler, gateway) on a tiny random-weight model, with
+tracing exported to an OTLP receiver this test process runs, JSON logs and all three metrics ports."""
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.otlp_receiver import OtlpReceiver
+from tests.helpers.tiny_models import make_tiny_hf_model
+from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
+from tokenmill.supervisor import Supervisor
+
+
+@pytest.fixture(scope="package")
+def otlp_receiver():
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="package")
+def traced_cluster(tmp_path_factory, otlp_receiver):
+    model, _ = make_tiny_hf_model(tmp_path_factory.mktemp("telemetry-model"))
+    env = (("OTEL_EXPORTER_OTLP_ENDPOINT", otlp_receiver.endpoint), ("OTEL_EXPORTER_OTLP_INSECURE", "true"),
+           ("OTEL_TRACES_SAMPLER", "always_on"), ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+           ("TOKENMILL_LOG_FORMAT", "json"))
+    config = resolve_ports(ClusterConfig(
+        model=str(model), gateway_port=0, http_port=0, scheduler_port=0, worker_port=0, redis_port=0,
+        num_blocks=64, max_num_batched_tokens=128, gateway_metrics_port=0, scheduler_metrics_port=0,
+        worker_metrics_port=0, child_env=env))
+    with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300, tail_lines=400) as supervisor:
+        yield config, supervisor
