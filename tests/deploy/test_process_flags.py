@@ -13,10 +13,6 @@ from tests.deploy.conftest import OVERLAYS, container, find
 from tokenmill import rpc
 
 MODULES = ("gateway.main", "scheduler.main", "worker.main")
-# Flags other branches add (observability: --metrics-port on all three). Until they are merged the
-# parser lacks them and they are dropped before parsing; once a parser has one, it is checked like
-# any other flag (nothing to change here after the merge).
-AFTER_MERGE = {"--metrics-port"}
 METRICS_PORTS = {"gateway.main": 9400, "scheduler.main": 9401, "worker.main": 9402}
 
 
@@ -37,21 +33,13 @@ def parse(command: list[str]):
     module, args = command[2], [_interpolate(a) for a in command[3:]]
     parser = _parser(module)
     known = set(parser._option_string_actions)
-    kept, skip = [], False
     for arg in args:
         flag = arg.split("=", 1)[0]
-        if skip:
-            skip = False
-            continue
-        if flag.startswith("--") and flag not in known:
-            assert flag in AFTER_MERGE, f"{module} has no flag {flag} (used in {command})"
-            skip = "=" not in arg
-            continue
-        kept.append(arg)
+        assert not flag.startswith("--") or flag in known, f"{module} has no flag {flag} (used in {command})"
     try:
-        namespace = parser.parse_args(kept)
+        namespace = parser.parse_args(args)
     except SystemExit as exit_:
-        raise AssertionError(f"{module} refuses {kept}") from exit_
+        raise AssertionError(f"{module} refuses {args}") from exit_
     metrics = [a.split("=", 1)[1] if "=" in a else args[i + 1] for i, a in enumerate(args)
                if a.split("=", 1)[0] == "--metrics-port"]
     return module, namespace, metrics
