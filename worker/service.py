@@ -9,6 +9,7 @@ from protos.tokenmill.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tokenmill.errors import FailedPrecondition, Unavailable
 from worker.config import ModelConfig
 from worker.model_runner import ModelRunner, PlanMismatchError
+from worker.step_order import StepOrder
 
 
 def model_config_to_proto(config: ModelConfig, name: str, dtype: str) -> common_pb2.ModelConfig:
@@ -29,7 +30,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # One step at a time, always on the same thread: the forward pass leaves the event loop free
         # for health checks, and OpenMP keeps one warm thread team (a team belongs to the thread
         # that calls into torch, so a pool handing steps to different threads would build several).
-        self._step_lock = asyncio.Lock()
+        # Steps are also taken in step-id order: with async scheduling step N+1 arrives while N runs.
+        self._step_order = StepOrder()
         self._compute_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
 
     async def run_compute(self, fn, *args):
@@ -51,7 +53,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def ExecuteStep(self, request, context):
         runner = self._ready_runner()
         plan = codec.step_plan_from_proto(request)
-        async with self._step_lock:
+        async with self._step_order.turn(plan.step_id):
             try:
                 result = await self.run_compute(runner.execute, plan)
             except PlanMismatchError as error:
@@ -61,4 +63,5 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Health(self, request, context):
         return worker_pb2.HealthResponse(ready=self.runner is not None, num_steps_executed=self.num_steps,
-                                         num_requests=len(self.runner.requests) if self.runner else 0)
+                                         num_requests=len(self.runner.requests) if self.runner else 0,
+                                         num_steps_queued=self._step_order.num_steps_queued)
