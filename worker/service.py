@@ -53,11 +53,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def ExecuteStep(self, request, context):
         runner = self._ready_runner()
         plan = codec.step_plan_from_proto(request)
-        async with self._step_order.turn(plan.step_id):
-            try:
-                result = await self.run_compute(runner.execute, plan)
-            except PlanMismatchError as error:
-                raise FailedPrecondition(str(error)) from error
+        try:  # prepared on this thread, while the compute thread may still run the previous step
+            async with self._step_order.turn(plan.step_id, lambda: runner.prepare(plan)) as prepared:
+                result = await self.run_compute(runner.run, prepared)
+        except PlanMismatchError as error:
+            raise FailedPrecondition(str(error)) from error
         self.num_steps += 1
         return codec.step_result_to_proto(result)
 
