@@ -152,3 +152,52 @@ def test_flag_reaches_the_scheduler_command_line_and_is_off_by_default():
         config = ClusterConfig(redis_url="redis://127.0.0.1:1", device="cpu", async_scheduling=enabled)
         scheduler = next(spec for spec in cluster_specs(config) if spec.name == "scheduler")
         assert parse_args(list(scheduler.argv[3:])).async_scheduling is enabled  # past "python -m scheduler.main"
+
+
+class LosesWorkerOnce(RecordingExecutor):
+    """The worker dies when step fail_at arrives: that step and any it still held fail, and the next
+    steps go to a new worker with an empty cache."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at: int | None = fail_at
+        self.worker_generation = 0
+
+    async def execute(self, plan):
+        if plan.step_id == self.fail_at:
+            self.fail_at, self.fake = None, FakeExecutor(64, 4)
+            self.worker_generation += 1
+            raise ConnectionError("worker gone")
+        generation = self.worker_generation
+        self.events.append(("received", plan.step_id))
+        async with self._one_at_a_time:
+            await asyncio.sleep(0.002)
+            if generation != self.worker_generation:
+                raise ConnectionError("worker gone")
+            result = self.fake.execute(plan)
+        self.events.append(("end", plan.step_id))
+        return result
+
+
+async def test_worker_lost_with_two_steps_in_flight_recomputes_to_the_same_tokens():
+    from scheduler.worker_recovery import WorkerRecovery
+
+    async def reconnect(timeout_s: float) -> None:
+        return None
+
+    expected, _ = await loop_tokens(False)
+    executor = LosesWorkerOnce(fail_at=6)
+    loop = EngineLoop(Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_batched_tokens=10)),
+                      executor, worker_recovery=WorkerRecovery(reconnect), async_scheduling=True)
+    loop.start()
+    streams = [loop.submit(make_request(p, max_tokens=m, request_id=f"l{i}")) for i, (p, m)
+               in enumerate(zip(PROMPTS, MAX_TOKENS))]
+    tokens = []
+    for stream in streams:
+        outputs = [await asyncio.wait_for(stream.queue.get(), 10)]
+        while not outputs[-1].finished:
+            outputs.append(await asyncio.wait_for(stream.queue.get(), 10))
+        tokens.append([t for o in outputs for t in o.new_token_ids])
+    await loop.stop()
+    assert tokens == expected
+    assert loop.worker_recovery.num_recoveries == 1 and loop.scheduler.kv.pool.num_used == 0
