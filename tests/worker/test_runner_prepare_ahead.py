@@ -9,6 +9,7 @@ import torch
 from scheduler.plan import PLACEHOLDER_TOKEN_ID, CachedRequestData, NewRequestData, StepPlan
 from scheduler.request import SamplingParams
 from tests.helpers.tiny_models import make_tiny_hf_model
+from worker.backends import ExecutionOptions
 from worker.loader import load_model
 from worker.model_runner import ModelRunner, PlanMismatchError
 
@@ -27,9 +28,10 @@ def model_and_config(tmp_path_factory):
     return load_model(folder, progress=False)
 
 
-def fresh_runner(model_and_config) -> ModelRunner:
+def fresh_runner(model_and_config, kernel_backend: str = "torch") -> ModelRunner:
     model, config = model_and_config
-    return ModelRunner(model, config, num_blocks=64, block_size=BLOCK_SIZE, dtype=torch.float32)
+    return ModelRunner(model, config, num_blocks=64, block_size=BLOCK_SIZE, dtype=torch.float32,
+                       options=ExecutionOptions(kernel_backend=kernel_backend))
 
 
 def plans(num_decode_steps: int) -> list[StepPlan]:
@@ -43,12 +45,14 @@ def plans(num_decode_steps: int) -> list[StepPlan]:
     return steps
 
 
-def test_prepared_ahead_equals_one_after_the_other(model_and_config):
-    steps = plans(6)
-    one_by_one = fresh_runner(model_and_config)
+# triton: the kernel path (host metadata prepared ahead), in the Triton interpreter on CPU
+@pytest.mark.parametrize("kernel_backend, num_decode_steps", [("torch", 6), ("triton", 3)])
+def test_prepared_ahead_equals_one_after_the_other(model_and_config, kernel_backend, num_decode_steps):
+    steps = plans(num_decode_steps)
+    one_by_one = fresh_runner(model_and_config, kernel_backend)
     expected = [one_by_one.execute(plan) for plan in steps]
 
-    runner = fresh_runner(model_and_config)
+    runner = fresh_runner(model_and_config, kernel_backend)
     results = []
     prepared = runner.prepare(steps[0])
     for plan in steps[1:]:
