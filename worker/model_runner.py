@@ -5,7 +5,8 @@ tokens it samples) and block table (extended by the plan's diffs). Each step pac
 tokens of all requests into one flat batch, runs the model once, and samples one token for every
 request whose computed count reaches its token count (mid-prefill chunks sample nothing).
 
-A step is prepare()d (plan state applied, batch packed, attention metadata built) and then run().
+A step is prepare()d (plan state applied, batch packed, on the Triton backend its host metadata built:
+plain Python, no torch op, so the RPC thread never starts an OpenMP team of its own) and then run().
 With the scheduler's async scheduling, the worker service prepares step N+1 on its RPC thread while
 the compute thread runs step N: a decode row whose input is the token step N samples is packed as a
 placeholder and filled in by run(), which comes after step N's run() on the same thread.
@@ -62,7 +63,7 @@ class _PackedStep:
 class PreparedStep:
     step_id: int
     packed: _PackedStep | None = None  # None: an empty plan
-    metadata: object = None  # HostMetadata (Triton backend) or AttentionMetadata (torch backend)
+    metadata: object = None  # HostMetadata (Triton backend); None: the torch backend builds it in run()
 
 
 class ModelRunner:
@@ -170,11 +171,10 @@ class ModelRunner:
             if plan.is_empty:
                 return PreparedStep(plan.step_id)
             packed = self._pack(plan)
+        if self.kernel_path is None:
+            return PreparedStep(plan.step_id, packed)
         try:
-            if self.kernel_path is not None:
-                metadata = self.kernel_path.host_metadata(packed.spans)
-            else:
-                metadata = build_attention_metadata(packed.spans, self.block_size, self.device, self.gather_workspace)
+            metadata = self.kernel_path.host_metadata(packed.spans)
         except ValueError as exc:
             raise PlanMismatchError(f"step {plan.step_id}: {exc}") from None
         return PreparedStep(plan.step_id, packed, metadata)
@@ -190,6 +190,11 @@ class ModelRunner:
                     raise PlanMismatchError(f"step {prepared.step_id}: the token at position {position} "
                                             f"was never sampled (steps run out of order?)")
                 packed.input_ids[row] = state.token_ids[position]
+        if metadata is None:  # torch backend: built here, on the compute thread (it makes tensors)
+            try:
+                metadata = build_attention_metadata(packed.spans, self.block_size, self.device, self.gather_workspace)
+            except ValueError as exc:
+                raise PlanMismatchError(f"step {prepared.step_id}: {exc}") from None
         with torch.inference_mode():
             started = time.perf_counter_ns()
             if self.kernel_path is not None:
