@@ -40,7 +40,7 @@ class KVCacheManager:
         """
         if not self.prefix_caching:
             return []
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.num_known_tokens)
         hits = []
         for key in request.block_hashes:
             block_id = self.pool.lookup(key)
@@ -85,7 +85,7 @@ class KVCacheManager:
         # Registered as soon as the step that fills them is planned: the worker writes a step's K/V
         # before any attention of that step reads, so a request scheduled later in the same step may
         # already share them.
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.num_known_tokens)
         start = self._num_registered.get(request.request_id, 0)
         end = min(num_tokens // self.block_size, len(request.block_hashes))
         for index in range(start, end):

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from scheduler.admission import Admission, AdmissionConfig
 from scheduler.outputs import RequestOutput
+from scheduler.pipelined_loop import run_pipelined
 from scheduler.plan import StepPlan, StepResult
 from scheduler.request import Request
 from scheduler.scheduler import RequestTooLarge, Scheduler
@@ -69,8 +70,10 @@ class RequestStream:
 class EngineLoop:
     def __init__(self, scheduler: Scheduler, executor: AsyncExecutor, state: StateSink | None = None,
                  model_name: str = "", admission: Admission | None = None,
-                 worker_recovery: WorkerRecovery | None = None, tokens: TokenSink | None = None) -> None:
+                 worker_recovery: WorkerRecovery | None = None, tokens: TokenSink | None = None,
+                 async_scheduling: bool = False) -> None:
         self.scheduler = scheduler
+        self.async_scheduling = async_scheduling  # plan step N+1 while N runs (scheduler/pipelined_loop.py)
         self.executor = executor
         # None: a failed step fails the requests it held (the executor cannot be reconnected)
         self.worker_recovery = worker_recovery
@@ -150,6 +153,8 @@ class EngineLoop:
                 pass
 
     async def run(self) -> None:
+        if self.async_scheduling:
+            return await run_pipelined(self)
         while True:
             if self.worker_recovery is not None and self.worker_recovery.lost:
                 await self.worker_recovery.recover(self, "the connection to the worker broke", step_failed=False)

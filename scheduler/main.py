@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-waiting-tokens", type=int, default=0,
                         help="prompt tokens queued beyond the running batch; 0: no bound")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="plan and send step N+1 while the worker runs step N (docs/gpu.md)")
     parser.add_argument("--worker-timeout-s", type=float, default=600.0, help="how long to wait for the worker")
     parser.add_argument("--drain-timeout-s", "--drain-timeout", type=float, default=30.0,
                         help="on SIGTERM: readiness off, new requests UNAVAILABLE, in-flight ones get this long")
@@ -111,7 +113,8 @@ async def serve(args: argparse.Namespace) -> None:
     recovery = WorkerRecovery(worker.reconnect, retry=not args.no_retry_on_worker_failure,
                               reconnect_timeout_s=args.worker_reconnect_timeout_s)
     loop = EngineLoop(Scheduler(config), worker, state, model_name=capacity.model_config.name,
-                      admission=admission, worker_recovery=recovery, tokens=tokens)
+                      admission=admission, worker_recovery=recovery, tokens=tokens,
+                      async_scheduling=args.async_scheduling)
     model_info = common_pb2.GetModelInfoResponse(
         model_config=capacity.model_config, block_size=capacity.block_size, num_blocks=capacity.num_blocks,
         kv_cache_policy=common_pb2.KV_CACHE_POLICY_STATIC if args.kv_policy == "static"

@@ -10,6 +10,11 @@ from dataclasses import dataclass, field
 
 from scheduler.request import SamplingParams
 
+# Async scheduling: the scheduler's stand-in for a token its worker has sampled but not yet returned.
+# It never leaves the scheduler: the worker appends the tokens it samples to its own copy of each
+# request, so a decode row that follows an in-flight step is packed from the worker's real token.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass(slots=True)
 class NewRequestData:

@@ -19,9 +19,11 @@ def hash_block(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
     return digest.digest()
 
 
-def extend_block_hashes(block_hashes: list[bytes], token_ids: Sequence[int], block_size: int) -> None:
-    """Appends the keys of blocks of token_ids that became full since block_hashes was last extended."""
-    num_full = len(token_ids) // block_size
+def extend_block_hashes(block_hashes: list[bytes], token_ids: Sequence[int], block_size: int,
+                        num_tokens: int | None = None) -> None:
+    """Appends the keys of blocks of token_ids that became full since block_hashes was last extended.
+    num_tokens: hash only token_ids[:num_tokens] (async scheduling: the rest are placeholders)."""
+    num_full = (len(token_ids) if num_tokens is None else num_tokens) // block_size
     for index in range(len(block_hashes), num_full):
         parent = block_hashes[-1] if block_hashes else ROOT_KEY
         block_hashes.append(hash_block(parent, token_ids[index * block_size:(index + 1) * block_size]))

@@ -75,6 +75,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     finish_reason: str | None = None
     trace_context: str = ""  # W3C traceparent of the request's span (tokenmill.telemetry); opaque here
+    # async scheduling: placeholders (PLACEHOLDER_TOKEN_ID) at the tail of all_token_ids for tokens
+    # of steps still in flight; the oldest is replaced first, as results arrive in step order
+    num_pending_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -99,6 +102,18 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status in FINISHED_STATUSES
+
+    @property
+    def num_known_tokens(self) -> int:
+        """num_tokens without the placeholders of steps in flight."""
+        return len(self.all_token_ids) - self.num_pending_tokens
+
+    def drop_pending_tokens(self) -> None:
+        """Forgets the placeholders (their steps' tokens will never be used)."""
+        if self.num_pending_tokens:
+            del self.all_token_ids[-self.num_pending_tokens:]
+            self.num_pending_tokens = 0
+            self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from scheduler.config import SchedulerConfig
 from scheduler.kv_manager import KVCacheManager
 from scheduler.outputs import RequestOutput, SchedulerStats
-from scheduler.plan import CachedRequestData, NewRequestData, StepPlan, StepResult
+from scheduler.plan import PLACEHOLDER_TOKEN_ID, CachedRequestData, NewRequestData, StepPlan, StepResult
 from scheduler.queue_policy import make_waiting_queue
 from scheduler.request import FINISH_REASONS, Request, RequestStatus
 
@@ -67,6 +67,8 @@ class Scheduler:
         head of the queue (in its running order) to be recomputed from prompt + tokens so far, and
         the prefix cache forgets every page's content. Returns the re-queued ids."""
         requeued = [request.request_id for request in self.running]
+        for request in [*self.running, *self.waiting]:
+            request.drop_pending_tokens()  # async scheduling: the steps in flight died with the worker
         for request in reversed(self.running):  # add_preempted puts each at the head
             self.kv.free(request)
             request.num_computed_tokens = 0
@@ -90,6 +92,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0 or self._ends_on_pending_token(request):
+                index += 1  # async scheduling: its step in flight is its last, whatever it samples
+                continue
             added = self.kv.allocate_slots(request, num_new)
             while added is None:
                 victim = self._pick_victim()
@@ -118,6 +123,8 @@ class Scheduler:
         while (not preempted_now and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek()
+            if request.num_pending_tokens:
+                break  # preempted while its step is in flight: sent in full once its token is known
             cached = self.kv.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.config.block_size
             num_new = min(request.num_tokens - num_cached_tokens, budget)
@@ -168,15 +175,64 @@ class Scheduler:
             outputs.append(self._output(request, [token_id], [logprobs] if logprobs else []))
         return outputs
 
+    # --- async scheduling: plan step N+1 while step N is in flight ------------------------------
+
+    def assume_done(self, plan: StepPlan) -> None:
+        """Takes a plan that was just sent as done, so the next one can be planned before its result:
+        every scheduled request's computed count advances, and each that samples this step gets a
+        placeholder token that update_assumed() replaces with the real one."""
+        for request_id, num_scheduled in plan.num_scheduled_tokens.items():
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_scheduled
+            if request.num_computed_tokens == request.num_tokens:
+                request.all_token_ids.append(PLACEHOLDER_TOKEN_ID)
+                request.num_pending_tokens += 1
+
+    def update_assumed(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """update() for a plan that went through assume_done(); results must come in step order.
+
+        A request that stops here may already be in the next plan (in flight): it is finished and its
+        pages freed now, and that step's token for it is dropped (it is no longer in self.requests).
+        The worker drops its copy with the plan after that one, so its pages are written at most by
+        that in-flight step, which runs before any later step can hand them to another request."""
+        outputs = []
+        for request_id in plan.num_scheduled_tokens:
+            token_id = result.sampled_token_ids.get(request_id)
+            request = self.requests.get(request_id)
+            if token_id is None or request is None or not request.num_pending_tokens:
+                continue  # a mid-prompt chunk, or a request that ended while the step ran
+            index = request.num_known_tokens
+            request.all_token_ids[index] = token_id
+            request.num_pending_tokens -= 1
+            logprobs = result.logprobs.get(request_id)
+            status = self._stop_status(request, token_id, num_tokens=index + 1)
+            if status is not None:
+                if request.status == RequestStatus.RUNNING:
+                    self.running.remove(request)
+                else:  # preempted while the step ran
+                    self.waiting.remove(request)
+                self._finish(request, status)
+            outputs.append(self._output(request, [token_id], [logprobs] if logprobs else []))
+        return outputs
+
+    def _ends_on_pending_token(self, request: Request) -> bool:
+        # its newest placeholder reaches max_tokens or the model length: planning past it is waste
+        return bool(request.num_pending_tokens) and self._length_reached(request, request.num_tokens)
+
     # --- helpers ----------------------------------------------------------------------------------
 
-    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+    def _length_reached(self, request: Request, num_tokens: int) -> bool:
+        return (num_tokens - request.num_prompt_tokens >= request.sampling_params.max_tokens
+                or num_tokens >= self.config.max_model_len)
+
+    def _stop_status(self, request: Request, token_id: int, num_tokens: int | None = None) -> RequestStatus | None:
+        """num_tokens: the request's length up to and including token_id (default: all of it)."""
         params = request.sampling_params
         if token_id in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token_id == request.eos_token_id and not params.ignore_eos:
             return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+        if self._length_reached(request, request.num_tokens if num_tokens is None else num_tokens):
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -201,6 +257,7 @@ class Scheduler:
         request.status = status
         request.finish_reason = FINISH_REASONS[status]
         self.kv.free(request)
+        request.drop_pending_tokens()  # async scheduling: the steps in flight no longer count for it
         self._drop_from_worker(request.request_id)
         del self.requests[request.request_id]
 
@@ -217,7 +274,7 @@ class Scheduler:
             finished=request.is_finished,
             finish_reason=request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
+            num_output_tokens=request.num_output_tokens - request.num_pending_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             num_preemptions=request.num_preemptions,
         )

@@ -89,6 +89,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token budget per step (default: %(default)s)")
     parser.add_argument("--max-model-len", type=POSITIVE, help="context limit (default: the model's)")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="the scheduler plans step N+1 while the worker runs step N")
     # the worker's execution; the same names and choices as worker.backends (not imported: it needs torch)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="worker device; auto: cuda when torch sees a GPU (default: %(default)s)")
@@ -232,7 +234,7 @@ def serve(args: argparse.Namespace) -> int:
         block_size=args.block_size, kv_cache_mb=args.kv_cache_mb, num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-        device=args.device, kernel_backend=args.kernel_backend, quantization=args.quantization,
+        async_scheduling=args.async_scheduling, device=args.device, kernel_backend=args.kernel_backend, quantization=args.quantization,
         cuda_graphs=not args.no_cuda_graphs, stream_overlap=not args.no_stream_overlap,
         max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
         api_keys_file=args.api_keys_file, rate_limit_rps=args.rate_limit_rps,

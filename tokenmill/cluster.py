@@ -55,6 +55,7 @@ class ClusterConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    async_scheduling: bool = False  # the scheduler plans step N+1 while the worker runs step N
     # the worker's execution (worker.backends): device auto = cuda when visible; backend auto = triton on CUDA
     device: str = "auto"
     kernel_backend: str = "auto"
@@ -176,6 +177,8 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
         scheduler += ["--max-model-len", str(config.max_model_len)]
     if not config.enable_prefix_caching:
         scheduler.append("--no-prefix-caching")
+    if config.async_scheduling:
+        scheduler.append("--async-scheduling")
     scheduler += ["--max-waiting-requests", str(config.max_waiting_requests),
                   "--max-waiting-tokens", str(config.max_waiting_tokens),
                   "--drain-timeout-s", str(config.drain_timeout_s)]

@@ -25,6 +25,7 @@ class EngineConfig:
     kv_policy: str = "paged"
     queue_policy: str = "fcfs"
     enable_prefix_caching: bool = True
+    async_scheduling: bool = False  # plan step N+1 before step N's tokens are applied (scheduler.engine)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's own limit
@@ -63,7 +64,7 @@ class LLM:
         """A fresh scheduler over the same worker (e.g. the other KV policy on the same weights)."""
         sched_config = scheduler_config_for(config, self.runner.num_blocks,
                                             self.model_config.max_position_embeddings)
-        return EngineCore(Scheduler(sched_config), self.runner)
+        return EngineCore(Scheduler(sched_config), self.runner, async_scheduling=config.async_scheduling)
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams]) -> list[list[RequestOutput]]:

@@ -4,15 +4,22 @@ The runner keeps its own copy of each request's tokens (sent in full once, then 
 tokens it samples) and block table (extended by the plan's diffs). Each step packs the scheduled
 tokens of all requests into one flat batch, runs the model once, and samples one token for every
 request whose computed count reaches its token count (mid-prefill chunks sample nothing).
+
+A step is prepare()d (plan state applied, batch packed, on the Triton backend its host metadata built:
+plain Python, no torch op, so the RPC thread never starts an OpenMP team of its own) and then run().
+With the scheduler's async scheduling, the worker service prepares step N+1 on its RPC thread while
+the compute thread runs step N: a decode row whose input is the token step N samples is packed as a
+placeholder and filled in by run(), which comes after step N's run() on the same thread.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from scheduler.plan import StepPlan, StepResult
+from scheduler.plan import PLACEHOLDER_TOKEN_ID, StepPlan, StepResult
 from scheduler.request import SamplingParams
 from worker.attention import DECODE_GROUP_BYTES, GatherWorkspace, RequestSpan, build_attention_metadata
 from worker.backends import ExecutionOptions, resolve_execution
@@ -32,7 +39,12 @@ class RunnerRequestState:
     num_prompt_tokens: int
     sampling_params: SamplingParams
     block_table: list[int]
-    num_computed_tokens: int
+    num_computed_tokens: int  # in the cache, or scheduled by a step already prepared
+    num_pending_tokens: int = 0  # tokens that prepared steps will sample and have not yet
+
+    @property
+    def num_planned_tokens(self) -> int:
+        return len(self.token_ids) + self.num_pending_tokens
 
 
 @dataclass(slots=True)
@@ -41,7 +53,17 @@ class _PackedStep:
     positions: list[int] = field(default_factory=list)  # [T]
     spans: list[RequestSpan] = field(default_factory=list)  # one per scheduled request, batch order
     sampling_ids: list[str] = field(default_factory=list)  # requests that sample this step
+    sampling_states: list[RunnerRequestState] = field(default_factory=list)  # theirs, held past a drop
     sample_rows: list[int] = field(default_factory=list)  # their last row in the batch
+    # (row, request, position): input tokens that an earlier step samples, known once it has run
+    placeholder_rows: list[tuple[int, RunnerRequestState, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    step_id: int
+    packed: _PackedStep | None = None  # None: an empty plan
+    metadata: object = None  # HostMetadata (Triton backend); None: the torch backend builds it in run()
 
 
 class ModelRunner:
@@ -63,6 +85,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.kv_cache = allocate_kv_cache(model_config, num_blocks, block_size, dtype, self.device)
         self.requests: dict[str, RunnerRequestState] = {}
+        # prepare() (RPC thread) and run()'s bookkeeping (compute thread) may overlap across steps
+        self._state_lock = threading.Lock()
         block_numel = block_size * model_config.num_kv_heads * model_config.head_dim
         self.gather_workspace = GatherWorkspace(block_numel, dtype, self.device, decode_group_bytes)
         self.execution = resolve_execution(options, self.device)
@@ -94,7 +118,7 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
             )
         for cached in plan.cached_requests:
-            state = self._state(cached.request_id, plan.step_id)
+            state = self._state(cached.request_id, plan.step_id)  # counts include prepared steps
             if cached.num_computed_tokens != state.num_computed_tokens:
                 raise PlanMismatchError(
                     f"step {plan.step_id}: request {cached.request_id!r} has num_computed_tokens="
@@ -115,31 +139,62 @@ class ModelRunner:
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
             state = self._state(request_id, plan.step_id)
             start, end = state.num_computed_tokens, state.num_computed_tokens + num_tokens
-            if num_tokens < 1 or end > len(state.token_ids):
+            if num_tokens < 1 or end > state.num_planned_tokens:
                 raise PlanMismatchError(
                     f"step {plan.step_id}: request {request_id!r} scheduled {num_tokens} tokens from "
-                    f"{start}, but it has {len(state.token_ids)} tokens"
+                    f"{start}, but it has {state.num_planned_tokens} tokens"
                 )
             packed.spans.append(RequestSpan(len(packed.input_ids), num_tokens, end, state.block_table))
-            packed.input_ids.extend(state.token_ids[start:end])
+            known = min(end, len(state.token_ids))
+            for position in range(known, end):  # sampled by a step that has not run yet
+                packed.placeholder_rows.append((len(packed.input_ids) + position - start, state, position))
+            packed.input_ids.extend(state.token_ids[start:known])
+            packed.input_ids.extend([PLACEHOLDER_TOKEN_ID] * (end - known))
             packed.positions.extend(range(start, end))
-            if end == len(state.token_ids):  # caught up: its last row predicts the next token
+            state.num_computed_tokens = end
+            if end == state.num_planned_tokens:  # caught up: its last row predicts the next token
                 packed.sampling_ids.append(request_id)
+                packed.sampling_states.append(state)
                 packed.sample_rows.append(len(packed.input_ids) - 1)
+                state.num_pending_tokens += 1
         return packed
 
     def execute(self, plan: StepPlan) -> StepResult:
-        self._apply_plan_state(plan)
-        if plan.is_empty:
-            return StepResult(step_id=plan.step_id)
-        packed = self._pack(plan)
+        return self.run(self.prepare(plan))
+
+    def prepare(self, plan: StepPlan) -> PreparedStep:
+        """Applies the plan to the runner's request state and packs the batch; runs nothing.
+
+        Steps must be prepared and run in step order; a step may be prepared while the one before it runs."""
+        with self._state_lock:
+            self._apply_plan_state(plan)
+            if plan.is_empty:
+                return PreparedStep(plan.step_id)
+            packed = self._pack(plan)
+        if self.kernel_path is None:
+            return PreparedStep(plan.step_id, packed)
         try:
-            if self.kernel_path is not None:
-                metadata = self.kernel_path.host_metadata(packed.spans)
-            else:
-                metadata = build_attention_metadata(packed.spans, self.block_size, self.device, self.gather_workspace)
+            metadata = self.kernel_path.host_metadata(packed.spans)
         except ValueError as exc:
             raise PlanMismatchError(f"step {plan.step_id}: {exc}") from None
+        return PreparedStep(plan.step_id, packed, metadata)
+
+    def run(self, prepared: PreparedStep) -> StepResult:
+        """Forward pass and sampling of a prepared step; call after the previous step's run()."""
+        packed, metadata = prepared.packed, prepared.metadata
+        if packed is None:
+            return StepResult(step_id=prepared.step_id)
+        with self._state_lock:
+            for row, state, position in packed.placeholder_rows:
+                if position >= len(state.token_ids):
+                    raise PlanMismatchError(f"step {prepared.step_id}: the token at position {position} "
+                                            f"was never sampled (steps run out of order?)")
+                packed.input_ids[row] = state.token_ids[position]
+        if metadata is None:  # torch backend: built here, on the compute thread (it makes tensors)
+            try:
+                metadata = build_attention_metadata(packed.spans, self.block_size, self.device, self.gather_workspace)
+            except ValueError as exc:
+                raise PlanMismatchError(f"step {prepared.step_id}: {exc}") from None
         with torch.inference_mode():
             started = time.perf_counter_ns()
             if self.kernel_path is not None:
@@ -153,18 +208,21 @@ class ModelRunner:
                 )  # [T, hidden]
                 logits = self.model.compute_logits(hidden[packed.sample_rows])  # [R, vocab] float32
             forward_ns = time.perf_counter_ns() - started
-            for request_id, num_tokens in plan.num_scheduled_tokens.items():
-                self.requests[request_id].num_computed_tokens += num_tokens
-            rows = [self._sampling_row(self.requests[rid]) for rid in packed.sampling_ids]
+            # token_ids hold exactly the tokens sampled before this step: what penalties and seeds read
+            rows = [self._sampling_row(state) for state in packed.sampling_states]
             if self.kernel_path is not None:
                 token_ids, logprobs = self.kernel_path.sample(logits, rows)
             else:
                 token_ids, logprobs = sample(logits, rows) if rows else ([], [])
-        result = StepResult(step_id=plan.step_id, forward_ns=forward_ns)
-        for request_id, token_id, token_logprobs in zip(packed.sampling_ids, token_ids, logprobs):
-            self.requests[request_id].token_ids.append(token_id)
+        result = StepResult(step_id=prepared.step_id, forward_ns=forward_ns)
+        with self._state_lock:
+            for state, token_id in zip(packed.sampling_states, token_ids):
+                state.token_ids.append(token_id)
+                state.num_pending_tokens -= 1
+        for request_id, state, token_id, token_logprobs in zip(packed.sampling_ids, packed.sampling_states,
+                                                                token_ids, logprobs):
             result.sampled_token_ids[request_id] = token_id
-            if self.requests[request_id].sampling_params.logprobs is not None and token_logprobs is not None:
+            if state.sampling_params.logprobs is not None and token_logprobs is not None:
                 result.logprobs[request_id] = token_logprobs
         return result
 

@@ -10,6 +10,7 @@ from tokenmill.errors import FailedPrecondition, Unavailable
 from tokenmill.telemetry.worker_steps import StepTelemetry
 from worker.config import ModelConfig
 from worker.model_runner import ModelRunner, PlanMismatchError
+from worker.step_order import StepOrder
 
 
 def model_config_to_proto(config: ModelConfig, name: str, dtype: str) -> common_pb2.ModelConfig:
@@ -31,7 +32,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # One step at a time, always on the same thread: the forward pass leaves the event loop free
         # for health checks, and OpenMP keeps one warm thread team (a team belongs to the thread
         # that calls into torch, so a pool handing steps to different threads would build several).
-        self._step_lock = asyncio.Lock()
+        # Steps are also taken in step-id order: with async scheduling step N+1 arrives while N runs.
+        self._step_order = StepOrder()
         self._compute_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
 
     async def run_compute(self, fn, *args):
@@ -53,15 +55,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def ExecuteStep(self, request, context):
         runner = self._ready_runner()
         plan = codec.step_plan_from_proto(request)
-        async with self._step_lock:
-            try:
+        try:  # prepared on this thread, while the compute thread may still run the previous step
+            async with self._step_order.turn(plan.step_id, lambda: runner.prepare(plan)) as prepared:
                 with self.step_telemetry.step(plan) as step:
-                    result = step.result = await self.run_compute(runner.execute, plan)
-            except PlanMismatchError as error:
-                raise FailedPrecondition(str(error)) from error
+                    result = step.result = await self.run_compute(runner.run, prepared)
+        except PlanMismatchError as error:
+            raise FailedPrecondition(str(error)) from error
         self.num_steps += 1
         return codec.step_result_to_proto(result)
 
     async def Health(self, request, context):
         return worker_pb2.HealthResponse(ready=self.runner is not None, num_steps_executed=self.num_steps,
-                                         num_requests=len(self.runner.requests) if self.runner else 0)
+                                         num_requests=len(self.runner.requests) if self.runner else 0,
+                                         num_steps_queued=self._step_order.num_steps_queued)

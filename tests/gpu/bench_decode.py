@@ -6,7 +6,10 @@ Requests start with their context already "computed" (the pages hold random K/V)
 are measured. Per batch size and per (CUDA graphs, stream overlap) setting it prints the step time,
 output tokens/s and the achieved memory bandwidth, bytes read per step (every weight once, plus each
 request's K and V over all layers) / step time, next to a device-to-device copy bandwidth measured
-here first. --dry-run runs the same code on a tiny model on the CPU (what the CPU test does).
+here first. With CUDA graphs and stream overlap on, it also measures async scheduling: each step is
+prepared on this thread while the previous one runs on a compute thread, as worker.service does when
+the scheduler sends step N+1 before step N's tokens are back. --dry-run runs the same code on a tiny
+model on the CPU (what the CPU test does).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import json
 import random
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
@@ -42,6 +46,7 @@ class Row:
     bytes_per_step: int
     bandwidth_gb_s: float
     fraction_of_copy: float
+    async_scheduling: bool = False  # step N+1 prepared while step N runs
 
 
 def copy_bandwidth_gb_s(device: torch.device, num_bytes: int, repeats: int) -> float:
@@ -95,17 +100,31 @@ class DecodeDriver:
             raise ValueError(f"the batch needs {next_block} KV blocks, the runner has {runner.num_blocks}")
         self.pending_new = new_requests
 
-    def step(self) -> None:
+    def next_plan(self) -> StepPlan:
         self.step_id += 1
         plan = StepPlan(self.step_id, num_scheduled_tokens={rid: 1 for rid in self.num_computed})
         if self.pending_new:
             plan.new_requests, self.pending_new = self.pending_new, []
         else:
             plan.cached_requests = [CachedRequestData(rid, [], n) for rid, n in self.num_computed.items()]
-        result = self.runner.execute(plan)
-        assert len(result.sampled_token_ids) == len(self.num_computed)
         for rid in self.num_computed:
             self.num_computed[rid] += 1
+        return plan
+
+    def step(self) -> None:
+        result = self.runner.execute(self.next_plan())
+        assert len(result.sampled_token_ids) == len(self.num_computed)
+
+    def steps_ahead(self, num_steps: int, compute: ThreadPoolExecutor) -> None:
+        """num_steps steps, each prepared here while the one before runs on `compute` (as the worker
+        does under async scheduling)."""
+        running = None
+        for _ in range(num_steps):
+            prepared = self.runner.prepare(self.next_plan())
+            if running is not None:
+                assert len(running.result().sampled_token_ids) == len(self.num_computed)
+            running = compute.submit(self.runner.run, prepared)
+        assert len(running.result().sampled_token_ids) == len(self.num_computed)
 
     def finish(self) -> None:
         self.step_id += 1
@@ -113,15 +132,20 @@ class DecodeDriver:
 
 
 def measure(runner: ModelRunner, config: ModelConfig, dtype: torch.dtype, batch_size: int, context_range: tuple[int, int],
-            warmup_steps: int, timed_steps: int, copy_gb_s: float, tag: str) -> Row:
+            warmup_steps: int, timed_steps: int, copy_gb_s: float, tag: str,
+            compute: ThreadPoolExecutor | None = None) -> Row:
+    """compute: run each step there while the next is prepared here (async scheduling); None: in turn."""
     context_lens = [random.randint(*context_range) for _ in range(batch_size)]
     driver = DecodeDriver(runner, context_lens, warmup_steps + timed_steps + 1, tag)
     for _ in range(warmup_steps + 1):
         driver.step()
     synchronize(runner.device)
     started = time.perf_counter()
-    for _ in range(timed_steps):
-        driver.step()
+    if compute is not None:
+        driver.steps_ahead(timed_steps, compute)
+    else:
+        for _ in range(timed_steps):
+            driver.step()
     synchronize(runner.device)
     step_s = (time.perf_counter() - started) / timed_steps
     driver.finish()
@@ -130,7 +154,7 @@ def measure(runner: ModelRunner, config: ModelConfig, dtype: torch.dtype, batch_
     bandwidth = num_bytes / step_s / 1e9
     execution = runner.execution
     return Row(batch_size, execution.cuda_graphs, execution.stream_overlap, execution.kernel_backend,
-               step_s * 1e3, batch_size / step_s, num_bytes, bandwidth, bandwidth / copy_gb_s)
+               step_s * 1e3, batch_size / step_s, num_bytes, bandwidth, bandwidth / copy_gb_s, compute is not None)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -177,7 +201,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     num_blocks = 1 + max(batch_sizes) * blocks_per_request
     rows: list[Row] = []
     settings = SETTINGS if args.settings == "all" else SETTINGS[:1]
-    header = f"{'batch':>5} {'graphs':>6} {'overlap':>7} {'backend':>7} {'step ms':>9} {'tok/s':>10} {'GB/step':>8} {'GB/s':>8} {'of copy':>7}"
+    header = (f"{'batch':>5} {'graphs':>6} {'overlap':>7} {'async':>5} {'backend':>7} {'step ms':>9} {'tok/s':>10} "
+              f"{'GB/step':>8} {'GB/s':>8} {'of copy':>7}")
     print(header, flush=True)
     for cuda_graphs, stream_overlap in settings:
         options = ExecutionOptions(kernel_backend=args.kernel_backend, cuda_graphs=cuda_graphs, stream_overlap=stream_overlap,
@@ -187,13 +212,19 @@ def main(argv: list[str] | None = None) -> list[Row]:
         runner.warm_up()  # captures the graphs when they are on
         print(f"# runner graphs={runner.execution.cuda_graphs} overlap={runner.execution.stream_overlap}: "
               f"warm-up {time.perf_counter() - started:.1f} s", flush=True)
-        for batch_size in batch_sizes:
-            row = measure(runner, config, dtype, batch_size, context_range, warmup, timed, copy_gb_s,
-                          tag=f"g{int(cuda_graphs)}o{int(stream_overlap)}b{batch_size}")
-            rows.append(row)
-            print(f"{row.batch_size:>5} {str(row.cuda_graphs):>6} {str(row.stream_overlap):>7} {row.kernel_backend:>7} "
-                  f"{row.step_ms:>9.2f} {row.tokens_per_s:>10.0f} {row.bytes_per_step / 1e9:>8.2f} "
-                  f"{row.bandwidth_gb_s:>8.0f} {row.fraction_of_copy:>7.0%}", flush=True)
+        # async scheduling on vs off, measured with the default (graphs and overlap on) setting only
+        modes = (False, True) if (cuda_graphs, stream_overlap) == SETTINGS[0] else (False,)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute") as compute:
+            for async_scheduling in modes:
+                for batch_size in batch_sizes:
+                    row = measure(runner, config, dtype, batch_size, context_range, warmup, timed, copy_gb_s,
+                                  tag=f"g{int(cuda_graphs)}o{int(stream_overlap)}a{int(async_scheduling)}b{batch_size}",
+                                  compute=compute if async_scheduling else None)
+                    rows.append(row)
+                    print(f"{row.batch_size:>5} {str(row.cuda_graphs):>6} {str(row.stream_overlap):>7} "
+                          f"{str(row.async_scheduling):>5} {row.kernel_backend:>7} {row.step_ms:>9.2f} "
+                          f"{row.tokens_per_s:>10.0f} {row.bytes_per_step / 1e9:>8.2f} "
+                          f"{row.bandwidth_gb_s:>8.0f} {row.fraction_of_copy:>7.0%}", flush=True)
         del runner
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device script: on one H200, in about 5-8 minutes, (1) every kernel test and the CUDA-path tests on
 # CUDA (TRITON_INTERPRET=0), (2) the decode-step benchmark on a Llama-3-8B-shaped random-weight model in
-# bfloat16 (batch 1/16/64/256, 512-1536 tokens of context; CUDA graphs on/off x stream overlap on/off).
+# bfloat16 (batch 1/16/64/256, 512-1536 tokens of context; CUDA graphs on/off x stream overlap on/off,
+# and async scheduling on/off with both on).
 #
 #   tests/gpu/run.sh [OUTPUT_DIR]     # default: $OUT if set, else ./gpu-output
 #

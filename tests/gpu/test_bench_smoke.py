@@ -10,8 +10,10 @@ from tests.gpu.bench_decode import main
 def test_dry_run_measures_every_setting(tmp_path):
     output = tmp_path / "bench.json"
     rows = main(["--dry-run", "--kernel-backend", "torch", "--output", str(output)])
-    # 2 batch sizes x 4 (graphs, overlap) settings; on CPU both resolve off but every setting still runs
-    assert [(row.batch_size, row.cuda_graphs, row.stream_overlap) for row in rows] == [(b, False, False) for b in (1, 3)] * 4
+    # 2 batch sizes x 4 (graphs, overlap) settings, the first also with async scheduling; on CPU graphs
+    # and overlap resolve off but every setting still runs
+    assert [(row.batch_size, row.cuda_graphs, row.stream_overlap) for row in rows] == [(b, False, False) for b in (1, 3)] * 5
+    assert [row.async_scheduling for row in rows] == [False] * 2 + [True] * 2 + [False] * 6
     assert all(row.step_ms > 0 and row.tokens_per_s > 0 and row.bytes_per_step > 0 for row in rows)
     saved = json.loads(output.read_text())
-    assert saved["copy_gb_s"] > 0 and len(saved["rows"]) == 8
+    assert saved["copy_gb_s"] > 0 and len(saved["rows"]) == 10

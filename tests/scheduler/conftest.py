@@ -18,9 +18,9 @@ def make_request(prompt, max_tokens=8, request_id=None, **kwargs) -> Request:
     return Request(request_id or f"r{next(_ids)}", list(prompt), params, **kwargs)
 
 
-def make_engine(num_blocks=64, block_size=4, **config) -> EngineCore:
+def make_engine(num_blocks=64, block_size=4, async_scheduling=False, **config) -> EngineCore:
     scheduler = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=block_size, **config))
-    return EngineCore(scheduler, FakeExecutor(num_blocks, block_size))
+    return EngineCore(scheduler, FakeExecutor(num_blocks, block_size), async_scheduling=async_scheduling)
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from scheduler.plan import PLACEHOLDER_TOKEN_ID
 from scheduler.request import RequestStatus
 from tests.scheduler.conftest import make_engine, make_request
 
@@ -39,10 +40,11 @@ def check_pool(engine) -> None:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(operations, st.sampled_from(["paged", "static"]), st.sampled_from(["fcfs", "priority"]))
-def test_page_pool_stays_consistent(ops, kv_policy, queue_policy):
+@given(operations, st.sampled_from(["paged", "static"]), st.sampled_from(["fcfs", "priority"]), st.booleans())
+def test_page_pool_stays_consistent(ops, kv_policy, queue_policy, async_scheduling):
+    """async_scheduling: each step is planned while the previous one's result is still pending."""
     engine = make_engine(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_batched_tokens=9,
-                         kv_policy=kv_policy, queue_policy=queue_policy)
+                         kv_policy=kv_policy, queue_policy=queue_policy, async_scheduling=async_scheduling)
     added = []
     for op in ops:
         kind = op[0]
@@ -66,5 +68,6 @@ def test_page_pool_stays_consistent(ops, kv_policy, queue_policy):
     for request in added:
         assert request.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
                                   RequestStatus.FINISHED_STOPPED)
+        assert request.num_pending_tokens == 0 and PLACEHOLDER_TOKEN_ID not in request.all_token_ids
         if request.status == RequestStatus.FINISHED_LENGTH:
             assert request.num_output_tokens == request.sampling_params.max_tokens

@@ -101,11 +101,13 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ready", "num_steps_executed", "num_requests")
+    __slots__ = ("ready", "num_steps_executed", "num_requests", "num_steps_queued")
     READY_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_EXECUTED_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_QUEUED_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     num_steps_executed: int
     num_requests: int
-    def __init__(self, ready: _Optional[bool] = ..., num_steps_executed: _Optional[int] = ..., num_requests: _Optional[int] = ...) -> None: ...
+    num_steps_queued: int
+    def __init__(self, ready: _Optional[bool] = ..., num_steps_executed: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_steps_queued: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,80 @@
+"""ModelRunner.prepare(step N+1) before run(step N), as the worker does under async scheduling: the
+decode rows that need step N's tokens are packed as placeholders and filled in by run(), and every
+sampling option (penalties, seeds, logprobs) gives what running the steps one after the other gives."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scheduler.plan import PLACEHOLDER_TOKEN_ID, CachedRequestData, NewRequestData, StepPlan
+from scheduler.request import SamplingParams
+from tests.helpers.tiny_models import make_tiny_hf_model
+from worker.backends import ExecutionOptions
+from worker.loader import load_model
+from worker.model_runner import ModelRunner, PlanMismatchError
+
+BLOCK_SIZE = 4
+PARAMS = {
+    "greedy": SamplingParams(temperature=0.0, max_tokens=32),
+    "penalised": SamplingParams(temperature=0.0, repetition_penalty=1.8, frequency_penalty=0.7, max_tokens=32),
+    "seeded": SamplingParams(temperature=0.9, top_k=20, seed=1234, max_tokens=32, logprobs=2),
+}
+PROMPTS = {"greedy": [5, 9, 2, 77, 31], "penalised": [8, 8, 8, 4, 120, 3, 3, 8, 1], "seeded": [60, 61]}
+
+
+@pytest.fixture(scope="module")
+def model_and_config(tmp_path_factory):
+    folder, _ = make_tiny_hf_model(tmp_path_factory.mktemp("ahead"), "llama_gqa")
+    return load_model(folder, progress=False)
+
+
+def fresh_runner(model_and_config, kernel_backend: str = "torch") -> ModelRunner:
+    model, config = model_and_config
+    return ModelRunner(model, config, num_blocks=64, block_size=BLOCK_SIZE, dtype=torch.float32,
+                       options=ExecutionOptions(kernel_backend=kernel_backend))
+
+
+def plans(num_decode_steps: int) -> list[StepPlan]:
+    """A prefill step, then decode steps, with the block tables an async scheduler would send."""
+    blocks = {rid: list(range(16 * i, 16 * i + 16)) for i, rid in enumerate(PARAMS)}
+    new = [NewRequestData(rid, PROMPTS[rid], len(PROMPTS[rid]), PARAMS[rid], blocks[rid], 0) for rid in PARAMS]
+    steps = [StepPlan(0, new_requests=new, num_scheduled_tokens={rid: len(PROMPTS[rid]) for rid in PARAMS})]
+    for step in range(1, num_decode_steps + 1):
+        cached = [CachedRequestData(rid, [], len(PROMPTS[rid]) + step - 1) for rid in PARAMS]
+        steps.append(StepPlan(step, cached_requests=cached, num_scheduled_tokens={rid: 1 for rid in PARAMS}))
+    return steps
+
+
+# triton: the kernel path (host metadata prepared ahead), in the Triton interpreter on CPU
+@pytest.mark.parametrize("kernel_backend, num_decode_steps", [("torch", 6), ("triton", 3)])
+def test_prepared_ahead_equals_one_after_the_other(model_and_config, kernel_backend, num_decode_steps):
+    steps = plans(num_decode_steps)
+    one_by_one = fresh_runner(model_and_config, kernel_backend)
+    expected = [one_by_one.execute(plan) for plan in steps]
+
+    runner = fresh_runner(model_and_config, kernel_backend)
+    results = []
+    prepared = runner.prepare(steps[0])
+    for plan in steps[1:]:
+        following = runner.prepare(plan)  # before the step it depends on has run
+        rows = following.packed.placeholder_rows
+        assert len(rows) == len(PARAMS) and all(following.packed.input_ids[row] == PLACEHOLDER_TOKEN_ID
+                                                for row, _, _ in rows)
+        results.append(runner.run(prepared))
+        prepared = following
+    results.append(runner.run(prepared))
+
+    assert [r.sampled_token_ids for r in results] == [r.sampled_token_ids for r in expected]
+    for ours, theirs in zip(results, expected):
+        assert ours.logprobs["seeded"].top == theirs.logprobs["seeded"].top
+    assert all(state.num_pending_tokens == 0 for state in runner.requests.values())
+
+
+def test_running_a_step_before_the_one_it_depends_on_is_refused(model_and_config):
+    steps = plans(1)
+    runner = fresh_runner(model_and_config)
+    first = runner.prepare(steps[0])
+    second = runner.prepare(steps[1])
+    with pytest.raises(PlanMismatchError, match="never sampled"):
+        runner.run(second)
+    runner.run(first)
