@@ -31,6 +31,8 @@ class KernelPath:
         self.execution = execution
         self.kernels = load_kernels()
         self.stager = self.readback = self.graphs = None
+        self.last_device_tokens: torch.Tensor | None = None  # [R] int64: what the last sample() drew on the device
+        self.num_device_fills = 0  # staged steps whose placeholder rows were written from device tokens
         if execution.stream_overlap:  # resolve_execution() leaves these off unless the device is CUDA
             from worker.step_staging import StepStager, TokenReadback
 
@@ -51,29 +53,44 @@ class KernelPath:
 
     def logits(self, input_ids: Sequence[int], positions: Sequence[int], host: HostMetadata,
                sample_rows: Sequence[int]) -> torch.Tensor:
-        """[R, vocab] float32 for the rows in sample_rows."""
+        """[R, vocab] float32 for the rows in sample_rows; stages the inputs here (stream overlap) or copies them."""
         if self.stager is not None:
-            ids, pos, metadata = self.stager.stage(input_ids, positions, host)
-        else:
-            ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-            pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-            metadata = to_device(host, self.device)
+            return self.staged_logits(self.stager.stage(input_ids, positions, host), sample_rows)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return self._forward(ids, pos, to_device(host, self.device), sample_rows)
+
+    def staged_logits(self, staged, sample_rows: Sequence[int], placeholder_tokens=None) -> torch.Tensor:
+        """The same for a step that stage() sent up already (StagedStep). placeholder_tokens: what goes into
+        its placeholder rows, either (tokens [S] int64 on the device, e.g. the previous step's sampled ids,
+        indexed by the staged sources) or a list of host ints, one per placeholder row; written on the
+        compute stream, no host sync."""
+        ids, pos, metadata, rows, sources = self.stager.take(staged)
+        if staged.num_placeholders:
+            if isinstance(placeholder_tokens, torch.Tensor):
+                values = placeholder_tokens.index_select(0, sources)  # [P]
+                self.num_device_fills += 1
+            else:
+                values = torch.tensor(placeholder_tokens, dtype=torch.int64, device=self.device)
+            ids.index_copy_(0, rows, values)
+        logits = self._forward(ids, pos, metadata, sample_rows)
+        self.stager.mark_consumed(staged)
+        return logits
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, metadata, sample_rows: Sequence[int]) -> torch.Tensor:
         bucket = None
         if self.graphs is not None and metadata.decode_only:
-            bucket = self.graphs.bucket_for(len(host.context_lens), metadata.block_tables.shape[1])
+            bucket = self.graphs.bucket_for(metadata.context_lens.shape[0], metadata.block_tables.shape[1])
         if bucket is not None:
             all_logits = self.graphs.replay(ids, pos, metadata)  # [B, vocab]: decode rows, one per request
-            logits = all_logits[list(sample_rows)] if len(sample_rows) != ids.shape[0] else all_logits
-        else:
-            hidden = triton_forward(self.model, ids, pos, self.kv_cache, metadata, self.kernels)
-            logits = self.model.compute_logits(hidden[list(sample_rows)])
-        if self.stager is not None:
-            self.stager.mark_consumed()
-        return logits
+            return all_logits[list(sample_rows)] if len(sample_rows) != ids.shape[0] else all_logits
+        hidden = triton_forward(self.model, ids, pos, self.kv_cache, metadata, self.kernels)
+        return self.model.compute_logits(hidden[list(sample_rows)])
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Batches without penalties or logprobs are sampled on the device (sample_tokens) and read back once;
         the others go through worker.sampler."""
+        self.last_device_tokens = None
         if not rows:
             return [], []
         if any(has_penalties(row.params) or row.params.logprobs is not None for row in rows):
@@ -82,6 +99,7 @@ class KernelPath:
             token_ids = logits.argmax(dim=-1)  # [R]
         else:
             token_ids = self.kernels.sample_tokens(logits, **self._row_params(rows))  # [R] int64, no host sync
+        self.last_device_tokens = token_ids  # the next step's placeholder rows read these on the device
         if self.readback is not None:
             self.readback.start(token_ids)
             return self.readback.finish(), [None] * len(rows)

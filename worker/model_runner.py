@@ -10,6 +10,12 @@ plain Python, no torch op, so the RPC thread never starts an OpenMP team of its 
 With the scheduler's async scheduling, the worker service prepares step N+1 on its RPC thread while
 the compute thread runs step N: a decode row whose input is the token step N samples is packed as a
 placeholder and filled in by run(), which comes after step N's run() on the same thread.
+
+On CUDA with stream overlap, prepare() also stages the step's integer inputs (pinned buffer, H2D copy on
+the copy stream: worker.step_staging), so that copy overlaps step N's compute; run() then writes the
+placeholder rows on the device from step N's sampled ids, which stay on the device (an index_copy on the
+compute stream, indices staged with the inputs). Elsewhere the placeholders are filled on the host and
+the inputs go up in run().
 """
 from __future__ import annotations
 
@@ -41,6 +47,8 @@ class RunnerRequestState:
     block_table: list[int]
     num_computed_tokens: int  # in the cache, or scheduled by a step already prepared
     num_pending_tokens: int = 0  # tokens that prepared steps will sample and have not yet
+    # position of a pending token -> (step id, its index among that step's sampled tokens)
+    pending_sources: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def num_planned_tokens(self) -> int:
@@ -57,6 +65,7 @@ class _PackedStep:
     sample_rows: list[int] = field(default_factory=list)  # their last row in the batch
     # (row, request, position): input tokens that an earlier step samples, known once it has run
     placeholder_rows: list[tuple[int, RunnerRequestState, int]] = field(default_factory=list)
+    placeholder_sources: list[tuple[int, int]] = field(default_factory=list)  # (step id, sample index), per row
 
 
 @dataclass(slots=True)
@@ -64,6 +73,7 @@ class PreparedStep:
     step_id: int
     packed: _PackedStep | None = None  # None: an empty plan
     metadata: object = None  # HostMetadata (Triton backend); None: the torch backend builds it in run()
+    staged: object = None  # StagedStep: inputs already on their way up (CUDA, stream overlap); else None
 
 
 class ModelRunner:
@@ -92,6 +102,7 @@ class ModelRunner:
         self.execution = resolve_execution(options, self.device)
         # the Triton path (and everything CUDA-only) lives in its own object; None on the torch backend
         self.kernel_path = None
+        self._device_tokens: tuple[int, torch.Tensor | None] = (-1, None)  # (step id, its sampled ids [R] on the device)
         if self.execution.kernel_backend == "triton":
             from worker.kernel_path import KernelPath
 
@@ -148,6 +159,7 @@ class ModelRunner:
             known = min(end, len(state.token_ids))
             for position in range(known, end):  # sampled by a step that has not run yet
                 packed.placeholder_rows.append((len(packed.input_ids) + position - start, state, position))
+                packed.placeholder_sources.append(state.pending_sources.get(position, (-1, -1)))
             packed.input_ids.extend(state.token_ids[start:known])
             packed.input_ids.extend([PLACEHOLDER_TOKEN_ID] * (end - known))
             packed.positions.extend(range(start, end))
@@ -156,6 +168,7 @@ class ModelRunner:
                 packed.sampling_ids.append(request_id)
                 packed.sampling_states.append(state)
                 packed.sample_rows.append(len(packed.input_ids) - 1)
+                state.pending_sources[end] = (plan.step_id, len(packed.sampling_ids) - 1)
                 state.num_pending_tokens += 1
         return packed
 
@@ -177,7 +190,12 @@ class ModelRunner:
             metadata = self.kernel_path.host_metadata(packed.spans)
         except ValueError as exc:
             raise PlanMismatchError(f"step {plan.step_id}: {exc}") from None
-        return PreparedStep(plan.step_id, packed, metadata)
+        staged = None
+        if self.kernel_path.stager is not None:  # CUDA: the H2D copy starts now, while the step before runs
+            staged = self.kernel_path.stager.stage(packed.input_ids, packed.positions, metadata,
+                                                   [row for row, _, _ in packed.placeholder_rows],
+                                                   [index for _, index in packed.placeholder_sources])
+        return PreparedStep(plan.step_id, packed, metadata, staged)
 
     def run(self, prepared: PreparedStep) -> StepResult:
         """Forward pass and sampling of a prepared step; call after the previous step's run()."""
@@ -197,7 +215,10 @@ class ModelRunner:
                 raise PlanMismatchError(f"step {prepared.step_id}: {exc}") from None
         with torch.inference_mode():
             started = time.perf_counter_ns()
-            if self.kernel_path is not None:
+            if prepared.staged is not None:
+                logits = self.kernel_path.staged_logits(prepared.staged, packed.sample_rows,
+                                                        self._placeholder_tokens(packed))
+            elif self.kernel_path is not None:
                 logits = self.kernel_path.logits(packed.input_ids, packed.positions, metadata, packed.sample_rows)
             else:
                 hidden = self.model(
@@ -212,11 +233,13 @@ class ModelRunner:
             rows = [self._sampling_row(state) for state in packed.sampling_states]
             if self.kernel_path is not None:
                 token_ids, logprobs = self.kernel_path.sample(logits, rows)
+                self._device_tokens = (prepared.step_id, self.kernel_path.last_device_tokens)
             else:
                 token_ids, logprobs = sample(logits, rows) if rows else ([], [])
         result = StepResult(step_id=prepared.step_id, forward_ns=forward_ns)
         with self._state_lock:
             for state, token_id in zip(packed.sampling_states, token_ids):
+                state.pending_sources.pop(len(state.token_ids), None)
                 state.token_ids.append(token_id)
                 state.num_pending_tokens -= 1
         for request_id, state, token_id, token_logprobs in zip(packed.sampling_ids, packed.sampling_states,
@@ -225,6 +248,16 @@ class ModelRunner:
             if state.sampling_params.logprobs is not None and token_logprobs is not None:
                 result.logprobs[request_id] = token_logprobs
         return result
+
+    def _placeholder_tokens(self, packed: _PackedStep):
+        """What a staged step's placeholder rows get: the last step's sampled ids still on the device when
+        every placeholder is one of them (async scheduling's decode rows), else the host-filled ids."""
+        if not packed.placeholder_rows:
+            return None
+        step_id, tokens = self._device_tokens
+        if tokens is not None and all(source == step_id for source, _ in packed.placeholder_sources):
+            return tokens
+        return [packed.input_ids[row] for row, _, _ in packed.placeholder_rows]
 
     @staticmethod
     def _sampling_row(state: RunnerRequestState) -> SamplingRow:

@@ -8,7 +8,9 @@ output tokens/s and the achieved memory bandwidth, bytes read per step (every we
 request's K and V over all layers) / step time, next to a device-to-device copy bandwidth measured
 here first. With CUDA graphs and stream overlap on, it also measures async scheduling: each step is
 prepared on this thread while the previous one runs on a compute thread, as worker.service does when
-the scheduler sends step N+1 before step N's tokens are back. --dry-run runs the same code on a tiny
+the scheduler sends step N+1 before step N's tokens are back (with stream overlap, that prepare also
+starts step N+1's H2D copy, and step N+1's decode ids are written from step N's sampled ids on the
+device), against the same steps run in turn. --dry-run runs the same code on a tiny
 model on the CPU (what the CPU test does).
 """
 from __future__ import annotations

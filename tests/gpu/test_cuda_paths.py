@@ -65,20 +65,24 @@ def test_graph_replay_pads_to_the_bucket_and_matches_eager(model_and_config):
     assert int((graphs.slot_mapping[3:4] == -1).sum()) == 1  # the padded row wrote nothing
 
 
-def test_staging_alternates_slots_and_grows(model_and_config):
-    model, config = model_and_config
-    stager = runner_with(model, config, stream_overlap=True).kernel_path.stager
-    stager.slots = [type(stager.slots[0])(CUDA, 8) for _ in stager.slots]  # tiny buffers: the big step must grow one
-    for num_rows in (1, 3, 40, 2):
+def test_staging_rotates_slots_and_grows():
+    from worker.step_staging import NUM_SLOTS, StepStager
+
+    stager = StepStager(CUDA, initial_capacity=8)  # tiny buffers: the big step must grow one
+    for num_rows in (1, 3, 40, 2, 5):
         spans = [RequestSpan(r, 1, 4 * r + 1, list(range(1, r + 2))) for r in range(num_rows)]
         host = host_metadata(spans, BLOCK_SIZE)
         ids, positions = list(range(num_rows)), [4 * r for r in range(num_rows)]
-        staged_ids, staged_positions, staged = stager.stage(ids, positions, host)
+        rows, sources = list(range(0, num_rows, 2)), [7 * r for r in range(0, num_rows, 2)]
+        staged = stager.stage(ids, positions, host, rows, sources)
+        staged_ids, staged_positions, metadata, staged_rows, staged_sources = stager.take(staged)
         expected = to_device(host, CUDA)
-        stager.mark_consumed()
+        stager.mark_consumed(staged)
         assert staged_ids.tolist() == ids and staged_positions.tolist() == positions
+        assert staged_rows.tolist() == rows and staged_sources.tolist() == sources
         for name in ("slot_mapping", "block_tables", "query_start_loc", "context_lens"):
-            assert torch.equal(getattr(staged, name), getattr(expected, name)), name
+            assert torch.equal(getattr(metadata, name), getattr(expected, name)), name
+    assert len(stager.slots) == NUM_SLOTS and max(slot.capacity for slot in stager.slots) >= 40 * 40
 
 
 def test_token_readback_returns_the_ids(model_and_config):
