@@ -47,8 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     tls.add_server_arguments(parser)  # the HTTP API serves HTTPS with the same files
     tls.add_client_arguments(parser, "scheduler")
     add_access_arguments(parser)
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
+    telemetry.add_metrics_argument(parser)
     return parser
 
 

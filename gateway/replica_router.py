@@ -25,6 +25,7 @@ from kvstore.replica_keys import REPORT_INTERVAL_S, load_key, prefixes_key
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2
 from scheduler.prefix_cache import extend_block_hashes  # pure Python: the same keys the replicas publish
 from tokenmill.errors import Unavailable
+from tokenmill.process import cancel_and_wait
 from tokenmill.tls import ClientTLS
 
 logger = logging.getLogger("tokenmill.gateway.replicas")
@@ -153,12 +154,7 @@ class ReplicaRouter(FailureHandling):
         return sorted({rid for reply in replies if isinstance(reply, list) for rid in reply})
 
     async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
         for replica in [*self.replicas.values(), *self._retired]:
             await replica.client.close()
         if self._redis is not None:

@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 from kvstore.client import connect
 from kvstore.replica_keys import LOAD_TTL_S, PREFIX_TTL_S, REPORT_INTERVAL_S, load_key, prefixes_key
 from scheduler.loop import EngineLoop
+from tokenmill.process import cancel_and_wait
 
 logger = logging.getLogger("tokenmill.scheduler.load_report")
 
@@ -85,12 +86,7 @@ class LoadReporter:
         self._num_reports += 1
 
     async def aclose(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
         try:  # leave now rather than attract traffic until the keys expire
             await self._client.delete(load_key(self.replica), prefixes_key(self.replica))
         except (RedisError, OSError):

@@ -21,6 +21,7 @@ from scheduler.request import Request
 from scheduler.scheduler import RequestTooLarge, Scheduler
 from scheduler.worker_recovery import WORKER_UNAVAILABLE, WorkerRecovery
 from tokenmill.errors import AlreadyExists, InvalidArgument
+from tokenmill.process import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 DEADLINE_EXCEEDED = "deadline exceeded"
@@ -145,12 +146,7 @@ class EngineLoop:
         self._task = asyncio.get_running_loop().create_task(self.run(), name="engine-loop")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
 
     async def run(self) -> None:
         if self.async_scheduling:

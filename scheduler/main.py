@@ -62,8 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--advertise-address", default="",
                         help="HOST:PORT gateways dial to reach this scheduler; names its load and prefix keys "
                              "in Redis (default: --host:--port)")
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
+    telemetry.add_metrics_argument(parser)
     return parser
 
 

@@ -29,3 +29,14 @@ async def wait_for_stop_signal() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
+
+
+async def cancel_and_wait(task: asyncio.Task | None) -> None:
+    """Cancels a background task and waits until it has unwound (its finally blocks ran); None: nothing."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass

@@ -34,8 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_execution_flags(parser)
     add_message_size_argument(parser, INTERNAL_MAX_MESSAGE_BYTES)
     tls.add_server_arguments(parser)
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
+    telemetry.add_metrics_argument(parser)
     return parser
 
 

@@ -9,7 +9,15 @@ no-op spans. Metrics are served only when a metrics port is given. docs/observab
 """
 from __future__ import annotations
 
-__all__ = ["start_process"]
+import argparse
+
+__all__ = ["add_metrics_argument", "start_process"]
+
+
+def add_metrics_argument(parser: argparse.ArgumentParser) -> None:
+    """--metrics-port, the same on gateway, scheduler and worker (deploy/ and tokenmill serve pass it)."""
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
 
 
 async def start_process(service: str, metrics_port: int | None = None, host: str = "127.0.0.1"):
