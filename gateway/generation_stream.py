@@ -90,7 +90,12 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
     probe = breaker.before_call()  # UNAVAILABLE at once while the scheduler is known to be down
     submit = codec.submit_request_to_proto(prepared.request, deadline)
     submit.resumable = resumable
-    call = scheduler.submit(submit, timeout_s)
+    try:
+        call = scheduler.submit(submit, timeout_s)
+    except BaseException:  # e.g. the router has no ready replica: the probe must not stay taken
+        if probe:
+            breaker.release_probe()
+        raise
     first_token = None
     finished = answered = False
     try:

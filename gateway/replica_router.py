@@ -87,7 +87,6 @@ class ReplicaRouter(FailureHandling):
         self.replicas: dict[str, Replica] = {}
         self._retired: list[Replica] = []  # left DNS; closed once their calls are done
         self._routed: dict[str, Replica] = {}  # request id -> replica, while its call runs
-        self._in_flight: dict[str, int] = {}
         self._rotation = 0
         self.block_size = 0  # from the model info; 0: no prefix keys until known
         self._redis = None
@@ -142,14 +141,14 @@ class ReplicaRouter(FailureHandling):
         return call
 
     async def abort(self, request_ids: list[str], reason: int = common_pb2.FINISH_REASON_ABORT) -> list[str]:
-        targets: dict[str, list[str]] = {}
+        targets: dict[str, tuple[Replica, list[str]]] = {}
         for request_id in request_ids:
-            replica = self._routed.get(request_id)
-            # unknown here (another gateway routed it): ask every replica
-            for address in [replica.address] if replica else list(self.replicas):
-                targets.setdefault(address, []).append(request_id)
-        replies = await asyncio.gather(*(self.replicas[address].client.abort(ids, reason)
-                                         for address, ids in targets.items() if address in self.replicas),
+            routed = self._routed.get(request_id)
+            # unknown here (another gateway routed it): ask every replica; a routed one may have left
+            # DNS (retired) with this call still running on it, so it is asked by object, not address
+            for replica in [routed] if routed else list(self.replicas.values()):
+                targets.setdefault(replica.address, (replica, []))[1].append(request_id)
+        replies = await asyncio.gather(*(replica.client.abort(ids, reason) for replica, ids in targets.values()),
                                        return_exceptions=True)
         return sorted({rid for reply in replies if isinstance(reply, list) for rid in reply})
 

@@ -2,11 +2,18 @@
 their LoadReporters publishing real prefix caches to a real Redis, and DNS resolution."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from gateway.circuit_breaker import CircuitBreaker
+from gateway.generation_stream import stream_generation
 from gateway.replica_router import ReplicaRouter, resolve_all
+from gateway.request_builder import PreparedRequest
+from gateway.tokenizer import load_tokenizer
 from scheduler.load_report import LoadReporter
 from scheduler.loop import EngineLoop
+from tests.helpers.tiny_models import write_tiny_tokenizer
 from tests.scheduler.conftest import make_engine, make_request
 from tokenmill import rpc
 from tokenmill.errors import Unavailable
@@ -61,6 +68,27 @@ async def test_no_ready_replica_is_unavailable_naming_them():
         await router.refresh()
         with pytest.raises(Unavailable, match=address):
             router.choose([1, 2, 3])
+    finally:
+        await router.close()
+        await server.stop(None)
+
+
+async def test_a_probe_the_router_refuses_at_once_leaves_the_breaker_able_to_probe(tmp_path):
+    # choose() raises before any call exists; the half-open probe taken for it must be given back,
+    # or the breaker would refuse every later call even once a replica is ready
+    write_tiny_tokenizer(tmp_path)
+    server, address = await _health_server(False)
+    router = ReplicaRouter([address])
+    router.breaker = CircuitBreaker("model replicas", failure_threshold=1, open_s=0.01)
+    try:
+        await router.refresh()
+        router.breaker.record_failure()
+        await asyncio.sleep(0.05)  # open_s passed: the next call is the probe
+        prepared = PreparedRequest(make_request([1, 2, 3], max_tokens=2), [])
+        with pytest.raises(Unavailable, match=address):
+            async for _ in stream_generation(prepared, load_tokenizer(tmp_path), router):
+                pass
+        assert router.breaker.before_call()  # probing again, not "circuit open"
     finally:
         await router.close()
         await server.stop(None)
