@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 
 import grpc
 from aiohttp import web
@@ -42,13 +43,15 @@ class AccessControl:
 
 
 class AccessInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, access: AccessControl) -> None:
+    def __init__(self, access: AccessControl, skip: Callable[[str], bool] = lambda method: False) -> None:
         self.access = access
+        # methods refused anyway (a draining server): no key check, no rate-limit token spent
+        self.skip = skip
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
-        if handler is None or method.startswith(OPEN_GRPC_PREFIXES):
+        if handler is None or method.startswith(OPEN_GRPC_PREFIXES) or self.skip(method):
             return handler
         metadata = handler_call_details.invocation_metadata or ()
         authorization = next((value for key, value in metadata if key == "authorization"), None)
@@ -81,12 +84,13 @@ def _refusing(handler: grpc.RpcMethodHandler, refusal: ServingError, method: str
                 response_serializer=handler.response_serializer)
 
 
-def access_middleware(access: AccessControl):
-    """aiohttp middleware: raises the refusal, for the app's error middleware (outside it) to answer."""
+def access_middleware(access: AccessControl, skip: Callable[[], bool] = lambda: False):
+    """aiohttp middleware: raises the refusal, for the app's error middleware (outside it) to answer.
+    skip(): requests are refused anyway (draining), so no key check and no rate-limit token."""
 
     @web.middleware
     async def check_access(request: web.Request, handler):
-        if request.path not in OPEN_HTTP_PATHS:
+        if request.path not in OPEN_HTTP_PATHS and not skip():
             access.admit(request.headers.get("Authorization"))
         return await handler(request)
 

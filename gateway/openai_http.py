@@ -58,7 +58,7 @@ class OpenAIHTTP:
         max_body = min(4 * self.limits.max_prompt_chars + 2**20, max_body_bytes or 2**62)
         middlewares = [web.middleware(http_server_span), _errors, self._auth]
         if self.access is not None:
-            middlewares.append(access_middleware(self.access))
+            middlewares.append(access_middleware(self.access, skip=lambda: not self.ready))
         app = web.Application(middlewares=middlewares, client_max_size=max_body)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model}", self.get_model)

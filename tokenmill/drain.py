@@ -48,6 +48,10 @@ class DrainInterceptor(grpc.aio.ServerInterceptor):
             logger.warning("drain timeout %.1fs passed with %d calls in flight", timeout_s, self.in_flight)
         return self.in_flight
 
+    def refuses(self, method: str) -> bool:
+        """True when a call of `method` would be refused now (for interceptors that run before ours)."""
+        return self.draining and method.startswith(self.guarded)
+
     def _admit(self, method: str) -> None:
         if self.draining:
             raise Unavailable(f"this server is shutting down (draining); {method} was not started, retry elsewhere")
