@@ -83,8 +83,8 @@ async def serve(args: argparse.Namespace) -> None:
     # on SIGTERM: calls that start generation are refused (UNAVAILABLE) and in-flight ones awaited
     drain = DrainInterceptor(["/tokenmill.v1.Generation/Generate", "/inference.GRPCInferenceService/ModelInfer",
                               "/inference.GRPCInferenceService/ModelStreamInfer"])
-    # drain outside access: a draining gateway answers UNAVAILABLE before it spends a rate-limit token
-    server = rpc.create_server(interceptors=[drain, AccessInterceptor(access)],
+    # a draining gateway answers UNAVAILABLE without checking the key or spending a rate-limit token
+    server = rpc.create_server(interceptors=[drain, AccessInterceptor(access, skip=drain.refuses)],
                                options=message_size_options(args.max_message_bytes))
     from gateway.kserve_service import KSERVE_SERVICE, add_kserve_servicer  # not at the top: tritonclient (its doc)
     health = rpc.add_health_and_reflection(server, [rpc.GENERATION_SERVICE, KSERVE_SERVICE])
@@ -131,6 +131,7 @@ async def serve(args: argparse.Namespace) -> None:
         http_api.ready = False
         stopping.append(http_runner.cleanup())
     await asyncio.gather(*stopping)
+    scheduler.shutting_down = True  # what server.stop cuts now is ours, not the clients' cancels
     await server.stop(grace=1.0)
     await scheduler.close()
     if state_reader:

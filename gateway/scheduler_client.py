@@ -28,6 +28,9 @@ class FailureHandling:
     # (request_id, error, accepted): a request whose scheduler stream broke; the gateway ends its record
     on_request_lost: Callable[[str, str, bool], None] | None
     _background: set[asyncio.Task]
+    # set by the gateway before it stops its server: calls cancelled by that are not client cancels,
+    # and resumable requests must keep running for a client to resume them on another gateway
+    shutting_down: bool = False
 
     async def abort(self, request_ids: list[str], reason: int = common_pb2.FINISH_REASON_ABORT) -> list[str]:
         raise NotImplementedError
@@ -39,6 +42,8 @@ class FailureHandling:
 
     def abort_in_background(self, request_id: str) -> None:
         """Abort without waiting (from a cancelled handler's clean-up); a failure is only logged."""
+        if self.shutting_down:
+            return
         task = asyncio.get_running_loop().create_task(self._abort_quietly(request_id))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -48,6 +53,8 @@ class FailureHandling:
             await self.abort([request_id])
         except grpc.aio.AioRpcError as error:
             logger.warning("abort of %r failed: %s", request_id, error.details())
+        except Exception as error:  # e.g. the channel closed under it while the gateway stops
+            logger.warning("abort of %r failed: %r", request_id, error)
 
 
 class SchedulerClient(FailureHandling):
