@@ -198,9 +198,10 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
             argv += ["--metrics-port", str(port)]
     specs = [] if config.redis_url else [redis_spec(config.redis_port, user=config.redis_user,
                                                     password=config.redis_password)]
+    worker_env = {name: value for name, value in env.items() if name != "TOKENMILL_REDIS_URL"}  # no Redis there
     return specs + [
         ChildSpec("worker", worker, WORKER_SERVICE, f"{config.internal_host}:{config.worker_port}",
-                  port_hint="--worker-port", env=env, tls=probe_tls),
+                  port_hint="--worker-port", env=worker_env, tls=probe_tls),
         ChildSpec("scheduler", scheduler, SCHEDULER_SERVICE, f"{config.internal_host}:{config.scheduler_port}",
                   port_hint="--scheduler-port", env=env, tls=probe_tls),
         ChildSpec("gateway", gateway, GENERATION_SERVICE, f"{config.host}:{config.gateway_port}",

@@ -51,8 +51,9 @@ def test_redis_has_a_password_and_persistence(compose):
     assert command[command.index("--appendonly") + 1] == "yes"
     assert "redis-data:/data" in redis["volumes"] and "redis-data" in compose["volumes"]
     for name in ("gateway", "scheduler"):
-        url = next(a for a in compose["services"][name]["command"] if a.startswith("redis://"))
-        assert url.startswith("redis://:${REDIS_PASSWORD:?")
+        service = compose["services"][name]
+        assert service["environment"]["TOKENMILL_REDIS_URL"].startswith("redis://:${REDIS_PASSWORD:?")
+        assert not [a for a in service["command"] if "redis://" in a], "no password in the command line"
 
 
 def test_cpu_worker_by_default_and_a_gpu_profile_with_a_device_reservation(compose):

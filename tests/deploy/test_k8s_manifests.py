@@ -115,9 +115,9 @@ def test_credentials_come_from_secrets_only(rendered, overlay):
                 if ref:
                     assert ref["key"] in SECRETS[ref["name"]]
                     referenced.add(ref["name"])
-            for arg in c.get("args", []):
-                if "redis://" in arg:
-                    assert "redis://:$(REDIS_PASSWORD)@" in arg, f"password must come from the Secret: {arg}"
+                if "redis://" in env.get("value", ""):
+                    assert "redis://:$(REDIS_PASSWORD)@" in env["value"], f"password must come from the Secret: {env}"
+            assert not [a for a in c.get("args", []) if "redis://" in a], "no Redis password in argv (ps shows it)"
     assert referenced == set(SECRETS)
     gateway = container(objects, "tokenmill-gateway", "gateway")
     assert _flag(gateway["args"], "--http-api-key") == "$(TOKENMILL_HTTP_API_KEY)"

@@ -75,8 +75,13 @@ def test_k8s_command_lines_parse_and_ports_agree(rendered, overlay):
     assert scheduler.worker == f"127.0.0.1:{worker.port}"
     assert scheduler.advertise_address == f"10.0.0.7:{scheduler.port}"
     redis = find(objects, "Service", "tokenmill-redis")
-    for args in (gateway, scheduler):
-        assert args.redis_url == f"redis://:secret@{redis['metadata']['name']}:{redis['spec']['ports'][0]['port']}/0"
+    for workload, name in (("tokenmill-gateway", "gateway"), ("tokenmill-model", "scheduler")):
+        env = {e["name"]: e.get("value") for e in container(objects, workload, name)["env"]}
+        url = _interpolate(env["TOKENMILL_REDIS_URL"])
+        assert url == f"redis://:secret@{redis['metadata']['name']}:{redis['spec']['ports'][0]['port']}/0"
+        with pytest.MonkeyPatch.context() as patch:  # the process must take its --redis-url from there
+            patch.setenv("TOKENMILL_REDIS_URL", url)
+            assert _parser(f"{name}.main").parse_args([]).redis_url == url
 
 
 def test_compose_command_lines_parse_and_ports_agree(compose):
