@@ -24,7 +24,6 @@ from gateway.request_builder import PreparedRequest
 from gateway.scheduler_client import SchedulerClient
 from gateway.text_stream import TextStream
 from gateway.tokenizer import TextTokenizer
-from kvstore.records import RecordStatus
 from kvstore.state_reader import RequestStateReader
 from kvstore.token_streams import TokenEntry, TokenStreamReader
 from scheduler.loop import DEADLINE_EXCEEDED
