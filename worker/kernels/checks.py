@@ -15,20 +15,31 @@ def check_tensor(
     dtypes: tuple[torch.dtype, ...],
     device: torch.device | None = None,
     last_dim_contiguous: bool = True,
+    dtype_from: str | None = None,
 ) -> torch.Tensor:
-    """shape: expected sizes, None where any size goes; device: where the first argument lives."""
+    """shape: expected sizes, None where any size goes; device: where the first argument lives;
+    where: the function, prefixed to the message ("" for none); dtype_from: the argument whose dtype
+    this one must share, named in the error."""
+    prefix = f"{where}: " if where else ""
     if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"{where}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+        raise ValueError(f"{prefix}{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dim() != len(shape) or any(want is not None and got != want for got, want in zip(tensor.shape, shape)):
         expected = "[" + ", ".join("*" if size is None else str(size) for size in shape) + "]"
-        raise ValueError(f"{where}: {name} has shape {list(tensor.shape)}, expected {expected}")
+        raise ValueError(f"{prefix}{name} has shape {list(tensor.shape)}, expected {expected}")
     if tensor.dtype not in dtypes:
-        raise ValueError(
-            f"{where}: {name} has dtype {tensor.dtype}, expected {' or '.join(str(dtype) for dtype in dtypes)}"
-        )
+        raise ValueError(f"{prefix}{name} has dtype {tensor.dtype}, expected {_expected_dtypes(dtypes, dtype_from)}")
     if device is not None and tensor.device != device:
-        raise ValueError(f"{where}: {name} is on {tensor.device}, expected {device} (where the first argument is)")
+        raise ValueError(f"{prefix}{name} is on {tensor.device}, expected {device} (where the first argument is)")
     # the kernels load whole rows / head vectors along the last dim; a strided one would gather element-wise
     if last_dim_contiguous and tensor.dim() > 0 and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
-        raise ValueError(f"{where}: {name} has strides {list(tensor.stride())}, expected stride 1 in its last dim")
+        raise ValueError(f"{prefix}{name} has strides {list(tensor.stride())}, expected stride 1 in its last dim")
     return tensor
+
+
+def _expected_dtypes(dtypes: tuple[torch.dtype, ...], dtype_from: str | None) -> str:
+    if dtype_from:
+        return f"{dtypes[0]} ({dtype_from}'s dtype)"
+    names = [str(dtype) for dtype in dtypes]
+    if len(names) <= 2:
+        return " or ".join(names)
+    return "one of " + ", ".join(names[:-1]) + " or " + names[-1]

@@ -6,7 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from worker.kernels import checks
+
+FLOAT_DTYPES = checks.FLOAT_DTYPES
 
 
 def check_tensor(
@@ -18,21 +20,9 @@ def check_tensor(
     unit_last_stride: bool = False,
     dtype_from: str | None = None,
 ) -> None:
-    """shape: expected sizes, None where any size goes; unit_last_stride: the last dim must be dense;
-    dtype_from: the argument whose dtype this one must share, named in the error."""
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dim() != len(shape) or any(want is not None and got != want for got, want in zip(tensor.shape, shape)):
-        expected = "[" + ", ".join("*" if size is None else str(size) for size in shape) + "]"
-        raise ValueError(f"{name} has shape {list(tensor.shape)}, expected {expected}")
-    if tensor.dtype not in dtypes:
-        expected = f"{dtypes[0]} ({dtype_from}'s dtype)" if dtype_from else "one of " + ", ".join(map(str, dtypes))
-        raise ValueError(f"{name} has dtype {tensor.dtype}, expected {expected}")
-    if tensor.device != device:
-        raise ValueError(f"{name} is on {tensor.device}, expected {device} (where the first argument is)")
-    # the kernels load whole head vectors along the last dim; a strided one would gather element by element
-    if unit_last_stride and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
-        raise ValueError(f"{name} has strides {tensor.stride()}, expected stride 1 in its last dim")
+    """worker.kernels.checks.check_tensor without the function prefix (the attention wrappers' messages
+    name only the argument); unit_last_stride: the last dim must be dense."""
+    checks.check_tensor("", name, tensor, shape, dtypes, device, unit_last_stride, dtype_from)
 
 
 def check_head_dim(name: str, head_dim: int) -> None:
