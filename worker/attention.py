@@ -84,8 +84,18 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
 
 
-def _slot(block_table: Sequence[int], position: int, block_size: int) -> int:
-    return block_table[position // block_size] * block_size + position % block_size
+def span_slots(span: RequestSpan, block_size: int) -> tuple[int, list[int]]:
+    """(pages its context fills, the cache slot of each token computed this step); raises ValueError
+    if its block table cannot hold its context. Shared by the torch and Triton backends."""
+    num_blocks = -(-span.context_len // block_size)
+    if len(span.block_table) < num_blocks:
+        raise ValueError(
+            f"block table of {len(span.block_table)} blocks cannot hold context_len={span.context_len} "
+            f"at block_size={block_size} (needs {num_blocks})"
+        )
+    table = span.block_table
+    positions = range(span.context_len - span.query_len, span.context_len)
+    return num_blocks, [table[p // block_size] * block_size + p % block_size for p in positions]
 
 
 def _prefill_chunk(span: RequestSpan, num_blocks: int, device) -> PrefillChunk:
@@ -144,14 +154,8 @@ def build_attention_metadata(
     decode_spans: list[RequestSpan] = []
     prefills: list[PrefillChunk] = []
     for span in spans:
-        num_blocks = -(-span.context_len // block_size)
-        if len(span.block_table) < num_blocks:
-            raise ValueError(
-                f"block table of {len(span.block_table)} blocks cannot hold context_len={span.context_len} "
-                f"at block_size={block_size} (needs {num_blocks})"
-            )
-        positions = range(span.context_len - span.query_len, span.context_len)
-        slot_mapping.extend(_slot(span.block_table, p, block_size) for p in positions)
+        num_blocks, slots = span_slots(span, block_size)
+        slot_mapping.extend(slots)
         if span.query_len == 1:
             decode_spans.append(span)
         else:

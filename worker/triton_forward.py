@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from worker.attention import RequestSpan
+from worker.attention import RequestSpan, span_slots
 from worker.kv_cache import KVCache
 from worker.model import LlamaModel, rope_cos_sin
 
@@ -49,14 +49,8 @@ def host_metadata(spans: Sequence[RequestSpan], block_size: int) -> HostMetadata
     tables: list[list[int]] = []
     starts = [0]
     for span in spans:
-        num_blocks = -(-span.context_len // block_size)
-        if len(span.block_table) < num_blocks:
-            raise ValueError(
-                f"block table of {len(span.block_table)} blocks cannot hold context_len={span.context_len} "
-                f"at block_size={block_size} (needs {num_blocks})"
-            )
-        for position in range(span.context_len - span.query_len, span.context_len):
-            slot_mapping.append(span.block_table[position // block_size] * block_size + position % block_size)
+        num_blocks, slots = span_slots(span, block_size)
+        slot_mapping.extend(slots)
         tables.append(list(span.block_table[:num_blocks]))
         starts.append(starts[-1] + span.query_len)
     max_blocks = max((len(table) for table in tables), default=1)

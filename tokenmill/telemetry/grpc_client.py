@@ -56,26 +56,25 @@ def _end_when_done(span: trace.Span, call) -> None:
     call.add_done_callback(lambda done: asyncio.ensure_future(_end_span(span, done)))
 
 
+async def _traced_call(continuation, client_call_details, request):
+    """The call under a CLIENT span (traceparent in its metadata), ended when the call is done."""
+    started = _start(client_call_details)
+    if started is None:
+        return await continuation(client_call_details, request)
+    span, details = started
+    call = await continuation(details, request)
+    _end_when_done(span, call)
+    return call
+
+
 class UnaryUnaryTracing(grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
-        started = _start(client_call_details)
-        if started is None:
-            return await continuation(client_call_details, request)
-        span, details = started
-        call = await continuation(details, request)
-        _end_when_done(span, call)
-        return call
+        return await _traced_call(continuation, client_call_details, request)
 
 
 class UnaryStreamTracing(grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
-        started = _start(client_call_details)
-        if started is None:
-            return await continuation(client_call_details, request)
-        span, details = started
-        call = await continuation(details, request)
-        _end_when_done(span, call)
-        return call
+        return await _traced_call(continuation, client_call_details, request)
 
 
 def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
