@@ -62,6 +62,7 @@ class ClusterConfig:
     quantization: str = "none"
     cuda_graphs: bool = True
     stream_overlap: bool = True
+    packed_linears: bool = True  # CPU float32 (worker.cpu_linear)
     max_waiting_requests: int = 4096  # beyond these the scheduler answers RESOURCE_EXHAUSTED at once
     max_waiting_tokens: int = 0  # prompt tokens waiting; 0: no bound
     api_keys_file: str | None = None  # the gateway's keys (gateway.api_keys); None: authentication off
@@ -167,6 +168,8 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
         worker.append("--no-cuda-graphs")
     if not config.stream_overlap:
         worker.append("--no-stream-overlap")
+    if not config.packed_linears:
+        worker.append("--no-packed-linears")
     scheduler = [config.python, "-m", "scheduler.main", "--host", config.internal_host,
                  "--port", str(config.scheduler_port), "--worker", config.worker_address,
                  *server_tls, *(probe_tls.argv("worker") if probe_tls else []), *internal_size,

@@ -34,10 +34,12 @@ class EngineConfig:
     quantization: str = "none"  # int8: weight-only INT8 linears
     cuda_graphs: bool = True  # CUDA + triton only
     stream_overlap: bool = True  # CUDA only
+    packed_linears: bool = True  # CPU float32: weights reordered once for oneDNN (worker.cpu_linear)
 
     def execution_options(self) -> ExecutionOptions:
         return ExecutionOptions(kernel_backend=self.kernel_backend, quantization=self.quantization,
-                                cuda_graphs=self.cuda_graphs, stream_overlap=self.stream_overlap)
+                                cuda_graphs=self.cuda_graphs, stream_overlap=self.stream_overlap,
+                                packed_linears=self.packed_linears)
 
 
 def scheduler_config_for(config: EngineConfig, num_blocks: int, model_max_len: int) -> SchedulerConfig:

@@ -24,6 +24,7 @@ class ExecutionOptions:
     cuda_graphs: bool = True  # decode-only steps replay a graph per batch bucket (CUDA + triton only)
     stream_overlap: bool = True  # pinned staging + copy stream + event-ordered token readback (CUDA only)
     graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
+    packed_linears: bool = True  # float32 linears on oneDNN-reordered weights (CPU, torch backend: worker.cpu_linear)
 
     def __post_init__(self) -> None:
         if self.kernel_backend not in KERNEL_BACKENDS:
@@ -44,6 +45,7 @@ class ResolvedExecution:
     cuda_graphs: bool
     stream_overlap: bool
     graph_batch_sizes: tuple[int, ...]
+    packed_linears: bool  # worker.cpu_linear.pack_linears applies (it still skips non-float32 linears)
 
 
 def resolve_execution(options: ExecutionOptions, device: torch.device | str) -> ResolvedExecution:
@@ -57,6 +59,7 @@ def resolve_execution(options: ExecutionOptions, device: torch.device | str) -> 
         cuda_graphs=options.cuda_graphs and on_cuda and backend == "triton",
         stream_overlap=options.stream_overlap and on_cuda,
         graph_batch_sizes=options.graph_batch_sizes,
+        packed_linears=options.packed_linears and not on_cuda and backend == "torch" and options.quantization == "none",
     )
 
 
@@ -91,9 +94,12 @@ def add_execution_flags(parser) -> None:
                         help="decode batch buckets with a captured graph (default: %(default)s)")
     parser.add_argument("--no-stream-overlap", action="store_true",
                         help="no pinned staging / copy stream / async token readback (CUDA only)")
+    parser.add_argument("--no-packed-linears", action="store_true",
+                        help="plain nn.Linear instead of weights reordered once for oneDNN (CPU, float32 only)")
 
 
 def execution_options_from_args(args) -> ExecutionOptions:
     return ExecutionOptions(
         kernel_backend=args.kernel_backend, quantization=args.quantization, cuda_graphs=not args.no_cuda_graphs,
-        stream_overlap=not args.no_stream_overlap, graph_batch_sizes=parse_batch_sizes(args.cuda_graph_batch_sizes))
+        stream_overlap=not args.no_stream_overlap, graph_batch_sizes=parse_batch_sizes(args.cuda_graph_batch_sizes),
+        packed_linears=not args.no_packed_linears)

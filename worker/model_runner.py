@@ -100,6 +100,10 @@ class ModelRunner:
         block_numel = block_size * model_config.num_kv_heads * model_config.head_dim
         self.gather_workspace = GatherWorkspace(block_numel, dtype, self.device, decode_group_bytes)
         self.execution = resolve_execution(options, self.device)
+        if self.execution.packed_linears:
+            from worker.cpu_linear import pack_linears
+
+            pack_linears(model)  # in place: the model's linears now read oneDNN-reordered weights
         # the Triton path (and everything CUDA-only) lives in its own object; None on the torch backend
         self.kernel_path = None
         self._device_tokens: tuple[int, torch.Tensor | None] = (-1, None)  # (step id, its sampled ids [R] on the device)

@@ -1,0 +1,77 @@
+"""worker.cpu_linear: oneDNN-reordered weights give nn.Linear's results, the CPU runner uses them by
+default (so the parity tests against transformers run through them), and the switch turns them off."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from scheduler.plan import CachedRequestData, NewRequestData, StepPlan
+from scheduler.request import SamplingParams
+from tests.gpu.random_model import random_llama, tiny_config
+from worker.backends import ExecutionOptions, resolve_execution
+from worker.cpu_linear import PackedLinear, pack_linears
+from worker.main import parse_args
+from worker.model_runner import ModelRunner
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_packed_linear_matches_nn_linear(bias, rows):
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 200, bias=bias)
+    packed = PackedLinear(linear)
+    x = torch.randn(rows, 160)[:, 32:128]  # a strided view, as a slice of a fused projection is
+    torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+def test_pack_linears_replaces_float32_linears_and_leaves_the_rest():
+    config = tiny_config(num_layers=2)
+    model = random_llama(config, torch.float32, "cpu")
+    embedding = model.embed_tokens.weight
+    assert pack_linears(model) == 2 * 4 + 1  # wqkv, wo, w_gate_up, w_down per layer + lm_head
+    assert not any(isinstance(module, nn.Linear) for module in model.modules())
+    assert model.embed_tokens.weight is embedding  # the lookup keeps its plain weight
+    assert pack_linears(model) == 0  # idempotent
+    assert pack_linears(random_llama(config, torch.bfloat16, "cpu")) == 0  # float32 only
+
+
+def _greedy_tokens(options: ExecutionOptions) -> tuple[ModelRunner, list[int]]:
+    config = tiny_config(num_layers=2)
+    runner = ModelRunner(random_llama(config, torch.float32, "cpu", seed=3), config, num_blocks=16, block_size=4,
+                         dtype=torch.float32, options=options)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    prompt = list(range(3, 40, 3))
+    request = NewRequestData("r", prompt, len(prompt), params, list(range(16)), 0)
+    tokens = [runner.execute(StepPlan(1, [request], num_scheduled_tokens={"r": len(prompt)})).sampled_token_ids["r"]]
+    for step in range(2, 12):
+        cached = CachedRequestData("r", [], len(prompt) + len(tokens) - 1)
+        tokens.append(runner.execute(StepPlan(step, cached_requests=[cached], num_scheduled_tokens={"r": 1})).sampled_token_ids["r"])
+    return runner, tokens
+
+
+def test_cpu_runner_packs_by_default_and_the_switch_turns_it_off():
+    packed_runner, packed_tokens = _greedy_tokens(ExecutionOptions())
+    plain_runner, plain_tokens = _greedy_tokens(ExecutionOptions(packed_linears=False))
+    assert isinstance(packed_runner.model.lm_head, PackedLinear)
+    assert isinstance(plain_runner.model.lm_head, nn.Linear)
+    assert packed_tokens == plain_tokens
+
+
+def test_packing_resolves_off_where_it_does_not_apply():
+    assert resolve_execution(ExecutionOptions(), "cpu").packed_linears
+    assert not resolve_execution(ExecutionOptions(), "cuda").packed_linears
+    assert not resolve_execution(ExecutionOptions(kernel_backend="triton"), "cpu").packed_linears
+    assert not resolve_execution(ExecutionOptions(quantization="int8"), "cpu").packed_linears
+
+
+def test_flag_reaches_the_worker_from_serve():
+    from tokenmill.cli import build_parser
+    from tokenmill.cluster import ClusterConfig, cluster_specs
+
+    assert parse_args(["--no-packed-linears"]).execution == ExecutionOptions(packed_linears=False)
+    serve = build_parser().parse_args(["serve", "--no-packed-linears"])
+    assert serve.no_packed_linears
+    config = ClusterConfig(redis_url="redis://127.0.0.1:1", http_port=None, packed_linears=False)
+    worker = next(spec for spec in cluster_specs(config) if spec.name == "worker")
+    assert parse_args(list(worker.argv[3:])).execution.packed_linears is False
