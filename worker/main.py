@@ -59,7 +59,8 @@ def build_worker(args: argparse.Namespace) -> tuple[ModelRunner, worker_pb2.GetC
     logger.info("warm-up forward pass done in %.0f ms", (time.perf_counter() - started) * 1e3)
     capacity = worker_pb2.GetCapacityResponse(
         num_blocks=runner.num_blocks, block_size=runner.block_size,
-        model_config=model_config_to_proto(runner.model_config, model_name(args.model), args.dtype),
+        model_config=model_config_to_proto(runner.model_config, model_name(args.model), args.dtype,
+                                           runner.execution.quantization),
         device=str(runner.device),
         kv_cache_bytes=runner.num_blocks * bytes_per_block(runner.model_config, runner.dtype, runner.block_size))
     return runner, capacity

@@ -13,14 +13,15 @@ from worker.model_runner import ModelRunner, PlanMismatchError
 from worker.step_order import StepOrder
 
 
-def model_config_to_proto(config: ModelConfig, name: str, dtype: str) -> common_pb2.ModelConfig:
+def model_config_to_proto(config: ModelConfig, name: str, dtype: str, quantization: str = "none") -> common_pb2.ModelConfig:
+    """quantization: the worker's --quantization; the proto says "" for none."""
     return common_pb2.ModelConfig(
         name=name, architecture=config.architecture, vocab_size=config.vocab_size,
         max_context_length=config.max_position_embeddings, num_layers=config.num_layers,
         hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_attention_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         rope_theta=config.rope_theta, eos_token_id=config.eos_token_id, bos_token_id=config.bos_token_id,
-        dtype=dtype, quantization="none")
+        dtype=dtype, quantization="" if quantization == "none" else quantization)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):

@@ -46,3 +46,15 @@ def test_build_runner_quantizes_at_load(tmp_path):
     assert isinstance(wqkv, Int8Linear) and not wqkv.use_kernel and wqkv.bias is not None
     plan = StepPlan(1, [NewRequestData("r", [1, 2, 3], 3, SamplingParams(temperature=0.0), [1], 0)], num_scheduled_tokens={"r": 3})
     assert set(runner.execute(plan).sampled_token_ids) == {"r"}
+
+
+def test_model_info_names_the_quantization(tmp_path):
+    from tests.helpers.tiny_models import make_tiny_hf_model
+    from worker.main import build_worker, parse_args
+
+    folder, _ = make_tiny_hf_model(tmp_path, "llama")
+    common = ["--model", str(folder), "--device", "cpu", "--num-blocks", "8", "--block-size", "4"]
+    _, quantized = build_worker(parse_args([*common, "--quantization", "int8"]))
+    _, plain = build_worker(parse_args(common))
+    assert quantized.model_config.quantization == "int8"
+    assert plain.model_config.quantization == ""  # the proto's "none"
