@@ -72,8 +72,9 @@ class GenerationDelta:
 
 async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer, scheduler: SchedulerClient,
                             timeout_s: float | None = None, arrival: float | None = None,
-                            resumable: bool = False) -> AsyncIterator[GenerationDelta]:
+                            resumable: bool = False, owner: str | None = None) -> AsyncIterator[GenerationDelta]:
     """arrival: time.monotonic() when the request reached the gateway (default: now), for the timings.
+    owner: the API key name that sent it (gateway.ownership), recorded with the request.
     resumable: the scheduler keeps the request running if this gateway dies (see gateway.resume),
     so a client's cancel is sent as an explicit Abort.
 
@@ -90,6 +91,7 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
     probe = breaker.before_call()  # UNAVAILABLE at once while the scheduler is known to be down
     submit = codec.submit_request_to_proto(prepared.request, deadline)
     submit.resumable = resumable
+    submit.owner = owner or ""
     try:
         call = scheduler.submit(submit, timeout_s)
     except BaseException:  # e.g. the router has no ready replica: the probe must not stay taken

@@ -107,7 +107,7 @@ async def serve(args: argparse.Namespace) -> None:
         state_reader = RequestStateReader(args.redis_url)
         scheduler.on_request_lost = LostRequestRecorder(state_reader)
         token_reader = TokenStreamReader(args.redis_url)  # resume by request id
-    servicer = GenerationServicer(tokenizer, scheduler, limits, model_info, state_reader, token_reader)
+    servicer = GenerationServicer(tokenizer, scheduler, limits, model_info, state_reader, token_reader, access)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     add_kserve_servicer(server, tokenizer, scheduler, limits, model_info)
     http_api = http_runner = None

@@ -20,6 +20,7 @@ import grpc
 from redis.exceptions import RedisError
 
 from gateway.generation_stream import Finish, GenerationDelta, stream_generation
+from gateway.ownership import RequestOwners
 from gateway.request_builder import PreparedRequest
 from gateway.scheduler_client import SchedulerClient
 from gateway.text_stream import TextStream
@@ -27,7 +28,7 @@ from gateway.tokenizer import TextTokenizer
 from kvstore.state_reader import RequestStateReader
 from kvstore.token_streams import TokenEntry, TokenStreamReader
 from scheduler.loop import DEADLINE_EXCEEDED
-from tokenmill.errors import DeadlineExceeded, NotFound, Unavailable
+from tokenmill.errors import AlreadyExists, DeadlineExceeded, NotFound, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -95,33 +96,43 @@ async def _raise_if_lost(records: RequestStateReader | None, request_id: str) ->
 
 async def submit_or_attach(message, prepared: PreparedRequest, tokenizer: TextTokenizer, scheduler: SchedulerClient,
                            tokens: TokenStreamReader, records: RequestStateReader | None,
-                           timeout_s: float | None, arrival: float) -> AsyncIterator[GenerationDelta]:
+                           timeout_s: float | None, arrival: float, owner: str | None = None,
+                           owners: RequestOwners | None = None) -> AsyncIterator[GenerationDelta]:
     """The tokenmill.v1 Generate path with Redis: a request_id the cluster knows (its token stream or
     record exists, or the scheduler has it live) attaches to that request; any other is submitted as
-    resumable. message: the GenerateRequest (its request_id and resume_from_index as the client sent them)."""
+    resumable. message: the GenerateRequest (its request_id and resume_from_index as the client sent them).
+    owner: the caller's API key name (None: keys off); only the owner attaches to a known id (owners)."""
     request_id = prepared.request.request_id
     resume = message.HasField("resume_from_index")
     from_index = message.resume_from_index if resume else 0
     if message.request_id and await _is_known(request_id, tokens, records):
+        if not await _owned(request_id, owner, owners):  # another key's request: it does not exist for this one,
+            raise NotFound("request", request_id) if resume else AlreadyExists("request", request_id)  # but its id is taken
         deltas = attach_generation(prepared, tokenizer, tokens, records, from_index, timeout_s)
     elif resume:
         raise NotFound("request", request_id)
     else:
-        deltas = _submit_then_attach_if_taken(prepared, tokenizer, scheduler, tokens, records, timeout_s, arrival)
+        deltas = _submit_then_attach_if_taken(prepared, tokenizer, scheduler, tokens, records, timeout_s, arrival,
+                                              owner, owners)
     async with contextlib.aclosing(deltas):
         async for delta in deltas:
             yield delta
 
 
-async def _submit_then_attach_if_taken(prepared, tokenizer, scheduler, tokens, records, timeout_s, arrival):
-    deltas = stream_generation(prepared, tokenizer, scheduler, timeout_s, arrival, resumable=True)
+async def _owned(request_id: str, owner: str | None, owners: RequestOwners | None) -> bool:
+    return owner is None or (owners is not None and await owners.recorded_owner(request_id, wait_s=1.0) == owner)
+
+
+async def _submit_then_attach_if_taken(prepared, tokenizer, scheduler, tokens, records, timeout_s, arrival,
+                                       owner=None, owners=None):
+    deltas = stream_generation(prepared, tokenizer, scheduler, timeout_s, arrival, resumable=True, owner=owner)
     try:
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
                 yield delta
         return
     except grpc.aio.AioRpcError as error:
-        if error.code() != grpc.StatusCode.ALREADY_EXISTS:
+        if error.code() != grpc.StatusCode.ALREADY_EXISTS or not await _owned(prepared.request.request_id, owner, owners):
             raise
     # the same id was submitted a moment ago (its records not written yet): follow that one
     attached = attach_generation(prepared, tokenizer, tokens, records, 0, timeout_s)

@@ -5,6 +5,7 @@ import contextlib
 import time
 
 from gateway.generation_stream import GenerationDelta, stream_generation
+from gateway.ownership import RequestOwners, caller_name
 from gateway.request_builder import prepare, prompt_token_ids
 from gateway.resume import submit_or_attach
 from gateway.scheduler_client import SchedulerClient
@@ -27,7 +28,8 @@ _STATUS = {
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: TextTokenizer, scheduler: SchedulerClient, limits: Limits,
-                 model_info: common_pb2.GetModelInfoResponse, state_reader=None, token_reader=None) -> None:
+                 model_info: common_pb2.GetModelInfoResponse, state_reader=None, token_reader=None,
+                 access=None) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.limits = limits
@@ -35,6 +37,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.model_name = model_info.model_config.name
         self.state_reader = state_reader  # kvstore.RequestStateReader, or None without Redis
         self.token_reader = token_reader  # kvstore.TokenStreamReader (resume), or None without Redis
+        self.access = access  # gateway.access.AccessControl: whose request an id is (None: keys off)
+        self.owners = RequestOwners(state_reader)
 
     async def GenerateStream(self, request, context):
         async for message in self._generate(request, context):
@@ -57,16 +61,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         arrival = time.monotonic()
         with tokenize_span():
             prepared = prepare(request, self.tokenizer, self.limits, self.model_name)
+        caller = caller_name(self.access, context)
         if self.token_reader is None:
             if request.HasField("resume_from_index"):
                 raise Unavailable("resume_from_index needs Redis; this gateway runs without --redis-url")
-            deltas = stream_generation(prepared, self.tokenizer, self.scheduler, context.time_remaining(), arrival)
+            deltas = stream_generation(prepared, self.tokenizer, self.scheduler, context.time_remaining(), arrival,
+                                       owner=caller)
         else:
             deltas = submit_or_attach(request, prepared, self.tokenizer, self.scheduler, self.token_reader,
-                                      self.state_reader, context.time_remaining(), arrival)
-        async with contextlib.aclosing(deltas):
-            async for delta in deltas:
-                yield _stream_response(delta)
+                                      self.state_reader, context.time_remaining(), arrival, caller, self.owners)
+        # only an id this gateway made is surely the caller's before the scheduler takes it; a client-chosen
+        # one may name another key's request, and its owner is then known from its Redis record
+        with self.owners.streaming(prepared.request.request_id, None if request.request_id else caller):
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    yield _stream_response(delta)
 
     async def Tokenize(self, request, context):
         ids = prompt_token_ids(request, self.tokenizer, self.limits, request.add_special_tokens)
@@ -86,11 +95,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if self.state_reader is None:
             raise Unavailable("request status needs Redis; this gateway runs without --redis-url")
         record = await self.state_reader.get_record(request.request_id)
-        if record is None:
+        caller = caller_name(self.access, context)
+        if record is None or (caller is not None and record.owner != caller):
             raise NotFound("request", request.request_id)
         return self._status_reply(record)
 
     async def CancelRequest(self, request, context):
+        await self.owners.check(request.request_id, caller_name(self.access, context))
         aborted = await self.scheduler.abort([request.request_id])
         status = generation_pb2.REQUEST_STATUS_CANCELLED if aborted else generation_pb2.REQUEST_STATUS_UNSPECIFIED
         if not aborted and self.state_reader is not None:

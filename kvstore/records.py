@@ -52,10 +52,11 @@ FIELD_TYPES: dict[str, type] = {
     "error": str,
     "model": str,
     "priority": int,
+    "owner": str,  # API key name that submitted it (gateway checks on status / cancel / resume)
 }
 
 # Set once: a later write (a re-queue after preemption, a retried batch) must not move them.
-FIRST_WRITE_WINS = frozenset({"created_at", "first_scheduled_at", "first_token_at"})
+FIRST_WRITE_WINS = frozenset({"created_at", "first_scheduled_at", "first_token_at", "owner"})
 
 
 def record_key(request_id: str) -> str:
@@ -96,6 +97,7 @@ class RequestRecord:
     error: str | None = None
     model: str | None = None
     priority: int = 0
+    owner: str | None = None  # None: submitted without API keys
 
     @property
     def is_terminal(self) -> bool:

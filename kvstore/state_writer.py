@@ -133,6 +133,7 @@ class RequestStateWriter:
         model: str | None = None,
         priority: int | None = None,
         created_at: float | None = None,
+        owner: str | None = None,
     ) -> None:
         self.update(
             request_id,
@@ -140,6 +141,7 @@ class RequestStateWriter:
             num_prompt_tokens=num_prompt_tokens,
             model=model,
             priority=priority,
+            owner=owner,
             created_at=time.time() if created_at is None else created_at,
         )
 

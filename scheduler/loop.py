@@ -94,9 +94,11 @@ class EngineLoop:
 
     # --- called by RPC handlers: check, enqueue, return -------------------------------------------
 
-    def submit(self, request: Request, deadline: float | None = None, resumable: bool = False) -> RequestStream:
+    def submit(self, request: Request, deadline: float | None = None, resumable: bool = False,
+               owner: str | None = None) -> RequestStream:
         """deadline: wall-clock Unix seconds after which the request ends (pages freed) unfinished.
-        resumable: its tokens also go to the token sink (ignored without one)."""
+        resumable: its tokens also go to the token sink (ignored without one).
+        owner: the API key name that submitted it, recorded for the gateways' by-id checks."""
         self.admission.check_request(request)
         if request.request_id in self.streams:
             raise AlreadyExists("request_id", request.request_id)
@@ -119,7 +121,8 @@ class EngineLoop:
         self._inbox.append(("add", request))
         if self.state:
             self.state.queued(request.request_id, num_prompt_tokens=request.num_prompt_tokens,
-                              model=self.model_name, priority=request.priority, created_at=time.time())
+                              model=self.model_name, priority=request.priority, created_at=time.time(),
+                              owner=owner)
         self._wakeup.set()
         return stream
 

@@ -41,7 +41,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         resumable = request.resumable and self.loop.tokens is not None
         domain_request = codec.request_from_submit_proto(request)
         domain_request.trace_context = start_request(request.request_id)  # worker step spans link to this call's span
-        stream = self.loop.submit(domain_request, codec.deadline_from_submit_proto(request), resumable)
+        stream = self.loop.submit(domain_request, codec.deadline_from_submit_proto(request), resumable,
+                                  owner=request.owner or None)
         finished = False
         try:
             while not finished:

@@ -205,3 +205,15 @@ async def test_hung_redis_does_not_stall_the_event_loop():
     await writer.aclose()  # gives up after close_timeout_s instead of hanging
     assert time.perf_counter() - started < 1.5
     black_hole.close()
+
+
+async def test_owner_is_recorded_once_and_a_later_queued_cannot_change_it(make_writer, reader):
+    writer = make_writer()
+    writer.queued("r-owned", num_prompt_tokens=3, owner="alice")
+    await drained(writer)
+    writer.queued("r-owned", num_prompt_tokens=3, owner="mallory")  # a re-queue must not move the owner
+    await drained(writer)
+    assert (await reader.get_record("r-owned")).owner == "alice"
+    writer.queued("r-anonymous", num_prompt_tokens=3)  # keys off: no owner field at all
+    await drained(writer)
+    assert (await reader.get_record("r-anonymous")).owner is None

@@ -19,6 +19,7 @@ from tokenmill.supervisor import Supervisor
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
 MAIN_KEY, LIMITED_KEY = "tm-main-0123456789abcdef", "tm-limited-fedcba9876543210"
+OTHER_KEY = "tm-other-5555aaaa5555aaaa"  # unlimited, to show one key cannot reach another's requests
 LIMITED_RATE, LIMITED_BURST = 0.2, 3  # requests/s and burst of the "limited" key
 MAX_NUM_SEQS, MAX_WAITING_REQUESTS, MAX_WAITING_TOKENS = 2, 6, 600
 MAX_MODEL_LEN = 512  # the tiny model's max_position_embeddings
@@ -43,6 +44,7 @@ def guarded(tmp_path_factory) -> GuardedCluster:
     keys = root / "keys.jsonl"
     keys.write_text("# test keys\n" + "\n".join(json.dumps(line) for line in (
         {"name": "main", "sha256": hash_api_key(MAIN_KEY)},
+        {"name": "other", "sha256": hash_api_key(OTHER_KEY)},
         {"name": "limited", "sha256": hash_api_key(LIMITED_KEY), "requests_per_s": LIMITED_RATE,
          "burst": LIMITED_BURST})) + "\n")
     config = resolve_ports(ClusterConfig(

@@ -4,6 +4,7 @@ UNAUTHENTICATED / 401 naming what was wrong and never repeating the key; health 
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -16,8 +17,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
-from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc
-from tests.e2e.guarded.conftest import MAIN_KEY
+from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.e2e.guarded.conftest import MAIN_KEY, OTHER_KEY
 from tokenmill.rpc import GENERATION_SERVICE
 
 WRONG_KEY = "tm-wrong-key-that-must-never-be-echoed"
@@ -119,3 +120,55 @@ def test_health_and_reflection_stay_open(guarded):
 def test_the_keys_file_holds_only_hashes(guarded):
     text = open(guarded.config.api_keys_file).read()
     assert MAIN_KEY not in text and '"sha256"' in text
+
+
+def test_a_request_id_answers_only_to_the_key_that_submitted_it(guarded):
+    """Status, cancel and resume by id: another key is told the id is not found (the same answer as for
+    an id that never existed), cannot cancel it, and cannot take the id over; the owner can do all three."""
+    other = (("authorization", f"Bearer {OTHER_KEY}"),)
+    request_id = "owned-by-main-7f3a"
+    max_tokens = 300
+    request = generation_pb2.GenerateRequest(prompt="hi", request_id=request_id, parameters=generation_pb2.GenerateParameters(
+        max_tokens=max_tokens, ignore_eos=True))
+    with grpc.insecure_channel(guarded.config.gateway_address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        stream = stub.GenerateStream(request, metadata=guarded.metadata, timeout=120)
+        received = list(next(stream).token_ids)  # running now, and its record written with its owner
+        for _ in range(50):  # the record is written a few ms after the request is queued
+            try:
+                stub.GetRequestStatus(generation_pb2.GetRequestStatusRequest(request_id=request_id),
+                                      metadata=guarded.metadata, timeout=10)
+                break
+            except grpc.RpcError as error:
+                assert error.code() == grpc.StatusCode.NOT_FOUND
+        refusals = {
+            "status": lambda: stub.GetRequestStatus(generation_pb2.GetRequestStatusRequest(request_id=request_id),
+                                                    metadata=other, timeout=10),
+            "cancel": lambda: stub.CancelRequest(generation_pb2.CancelRequestRequest(request_id=request_id),
+                                                 metadata=other, timeout=10),
+            "resume": lambda: list(stub.GenerateStream(generation_pb2.GenerateRequest(
+                prompt="hi", request_id=request_id, resume_from_index=0), metadata=other, timeout=10)),
+        }
+        for name, call in refusals.items():
+            with pytest.raises(grpc.RpcError) as caught:
+                call()
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND, name
+            assert caught.value.details() == f"request {request_id!r} not found", name
+        with pytest.raises(grpc.RpcError) as caught:  # the same id sent again by another key: taken, not shared
+            stub.Generate(request, metadata=other, timeout=10)
+        assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        for message in stream:  # the other key's cancel did not reach it: it runs to its length
+            received += message.token_ids
+            if message.finish_reason:
+                assert message.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert len(received) == max_tokens
+        for _ in range(100):  # the record catches up a few ms after the stream ends
+            status = stub.GetRequestStatus(generation_pb2.GetRequestStatusRequest(request_id=request_id),
+                                           metadata=guarded.metadata, timeout=10)
+            if status.status == generation_pb2.REQUEST_STATUS_FINISHED:
+                break
+            time.sleep(0.05)
+        assert status.status == generation_pb2.REQUEST_STATUS_FINISHED and status.num_output_tokens == max_tokens
+        resumed = list(stub.GenerateStream(generation_pb2.GenerateRequest(
+            prompt="hi", request_id=request_id, resume_from_index=max_tokens - 5), metadata=guarded.metadata, timeout=30))
+        assert sum(len(m.token_ids) for m in resumed) == 5
