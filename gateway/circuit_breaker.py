@@ -37,6 +37,14 @@ class CircuitBreaker:
         self._opened_at = 0.0
         self._probe_in_flight = False
 
+    def can_call(self) -> bool:
+        """Whether before_call() would let a call through now (changes nothing): what a router asks
+        before choosing this breaker's replica."""
+        if self.state is BreakerState.CLOSED:
+            return True
+        return not self._probe_in_flight and (self.state is BreakerState.HALF_OPEN
+                                              or self._clock() - self._opened_at >= self.open_s)
+
     def before_call(self) -> bool:
         """Raises Unavailable while open; returns True when this call is the half-open probe (its
         outcome must be reported through record_success / record_failure / release_probe)."""

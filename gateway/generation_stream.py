@@ -87,14 +87,15 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
     # scheduler ends the request (and frees its pages) itself when it passes.
     deadline = time.time() + timeout_s if timeout_s is not None else None
     observer = RequestObserver(prepared.request, arrival)  # GenAI span attributes, latency metrics
-    breaker = scheduler.breaker
+    target = scheduler.route(prepared.request.prompt_token_ids)  # Unavailable when no scheduler can take it
+    breaker = target.breaker
     probe = breaker.before_call()  # UNAVAILABLE at once while the scheduler is known to be down
     submit = codec.submit_request_to_proto(prepared.request, deadline)
     submit.resumable = resumable
     submit.owner = owner or ""
     try:
-        call = scheduler.submit(submit, timeout_s)
-    except BaseException:  # e.g. the router has no ready replica: the probe must not stay taken
+        call = target.submit(submit, timeout_s)
+    except BaseException:  # e.g. a channel closed under it: the probe must not stay taken
         if probe:
             breaker.release_probe()
         raise
@@ -127,7 +128,7 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
             breaker.record_failure()
             # the scheduler (or its worker) is gone: the record must not stay "running" in Redis
             scheduler.report_lost(request_id, f"scheduler unavailable: {error.details()}", accepted=answered)
-            raise Unavailable(f"scheduler at {scheduler.address} is unavailable: {error.details()}") from error
+            raise Unavailable(f"scheduler at {target.address} is unavailable: {error.details()}") from error
         if not answered and error.code() != grpc.StatusCode.CANCELLED:
             breaker.record_success()  # it answered, with a refusal: it is up
         raise

@@ -19,7 +19,6 @@ import grpc
 from redis.exceptions import RedisError
 
 from gateway.replica_choice import DEFAULT_MAX_LOAD_IMBALANCE, ReplicaView, choose_replica
-from gateway.circuit_breaker import CircuitBreaker
 from gateway.scheduler_client import FailureHandling, SchedulerClient
 from kvstore.replica_keys import REPORT_INTERVAL_S, load_key, prefixes_key
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2
@@ -57,6 +56,25 @@ class Replica:
         self.view = ReplicaView(self.address, prefixes=self.prefixes)
 
 
+@dataclass(slots=True)
+class ReplicaRoute:
+    """One call's target: the chosen replica, guarded by its own breaker."""
+
+    router: ReplicaRouter
+    replica: Replica
+
+    @property
+    def address(self) -> str:
+        return self.replica.address
+
+    @property
+    def breaker(self):
+        return self.replica.client.breaker
+
+    def submit(self, request: scheduler_pb2.SubmitRequest, timeout_s: float | None = None):
+        return self.router._submit_to(self.replica, request, timeout_s)
+
+
 async def resolve_all(name: str) -> list[str]:
     """HOST:PORT -> every address the host resolves to, as HOST:PORT (IPv6 bracketed), sorted."""
     host, _, port = name.rpartition(":")
@@ -79,9 +97,8 @@ class ReplicaRouter(FailureHandling):
         self.dns_refresh_s = dns_refresh_s
         self.max_load_imbalance = max_load_imbalance
         self.tls = tls  # every replica's link, like the single scheduler's
-        # Opens only when calls fail on whichever replicas were chosen in a row, i.e. all look down;
-        # a single failed replica drops out of routing by its health check instead.
-        self.breaker = CircuitBreaker("model replicas")
+        # each replica's SchedulerClient has its own circuit breaker: calls failing on one replica
+        # open only its breaker, and route() sends requests to the others until it answers again
         self.on_request_lost = None
         self._background: set[asyncio.Task] = set()
         self.replicas: dict[str, Replica] = {}
@@ -125,8 +142,13 @@ class ReplicaRouter(FailureHandling):
                     return model_info
                 await asyncio.sleep(self.refresh_s)
 
+    def route(self, prompt_token_ids) -> ReplicaRoute:
+        return ReplicaRoute(self, self.choose(prompt_token_ids))
+
     def submit(self, request: scheduler_pb2.SubmitRequest, timeout_s: float | None = None):
-        replica = self.choose(request.prompt_token_ids)
+        return self.route(request.prompt_token_ids).submit(request, timeout_s)
+
+    def _submit_to(self, replica: Replica, request: scheduler_pb2.SubmitRequest, timeout_s: float | None):
         call = replica.client.submit(request, timeout_s)
         request_id = request.request_id
         self._routed[request_id] = replica
@@ -165,6 +187,11 @@ class ReplicaRouter(FailureHandling):
         ready = [replica for replica in self.replicas.values() if replica.ready]
         if not ready:
             raise Unavailable(f"no ready model replica among {self.address}")
+        callable_ = [replica for replica in ready if replica.client.breaker.can_call()]
+        if not callable_:
+            raise Unavailable(f"no model replica among {self.address} can take a request: each ready one "
+                              f"failed its last calls (circuit open; retried within {ready[0].client.breaker.open_s}s)")
+        ready = callable_
         block_keys: list[bytes] = []
         if self.block_size:
             extend_block_hashes(block_keys, list(prompt_token_ids), self.block_size)

@@ -22,15 +22,21 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reco
 
 class FailureHandling:
     """What the generation paths need beside submit/abort, shared by SchedulerClient and ReplicaRouter:
-    a circuit breaker, the lost-request callback and aborts that nobody waits for."""
+    where a request goes (route), the lost-request callback and aborts that nobody waits for.
 
-    breaker: CircuitBreaker
+    route(prompt_token_ids) returns the target of one call: something with .address, .breaker (the
+    circuit breaker of that scheduler: each replica has its own, so one dead replica never refuses
+    calls that would go to a live one) and .submit(request, timeout_s)."""
+
     # (request_id, error, accepted): a request whose scheduler stream broke; the gateway ends its record
     on_request_lost: Callable[[str, str, bool], None] | None
     _background: set[asyncio.Task]
     # set by the gateway before it stops its server: calls cancelled by that are not client cancels,
     # and resumable requests must keep running for a client to resume them on another gateway
     shutting_down: bool = False
+
+    def route(self, prompt_token_ids):
+        raise NotImplementedError
 
     async def abort(self, request_ids: list[str], reason: int = common_pb2.FINISH_REASON_ABORT) -> list[str]:
         raise NotImplementedError
@@ -92,6 +98,9 @@ class SchedulerClient(FailureHandling):
         except grpc.aio.AioRpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def route(self, prompt_token_ids) -> SchedulerClient:
+        return self  # one scheduler: every call goes to it, guarded by its breaker
 
     def submit(self, request: scheduler_pb2.SubmitRequest, timeout_s: float | None = None):
         """A streaming call; iterate it for SubmitResponses, cancel() it to abort the request."""

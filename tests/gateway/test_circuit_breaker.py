@@ -57,3 +57,17 @@ def test_a_success_resets_the_failure_count():
     breaker.record_success()
     breaker.record_failure()
     assert breaker.state is BreakerState.CLOSED
+
+
+def test_can_call_answers_what_before_call_would_do_without_changing_anything():
+    clock = Clock()
+    breaker = CircuitBreaker("s", failure_threshold=1, open_s=1.0, clock=clock)
+    assert breaker.can_call()
+    breaker.record_failure()
+    assert not breaker.can_call() and breaker.state is BreakerState.OPEN
+    clock.now += 1.0
+    assert breaker.can_call() and breaker.state is BreakerState.OPEN  # asking took no probe
+    assert breaker.before_call()  # this one is the probe
+    assert not breaker.can_call()  # while it is out, nobody else gets through
+    breaker.record_success()
+    assert breaker.can_call()

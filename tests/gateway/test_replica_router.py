@@ -73,25 +73,56 @@ async def test_no_ready_replica_is_unavailable_naming_them():
         await server.stop(None)
 
 
-async def test_a_probe_the_router_refuses_at_once_leaves_the_breaker_able_to_probe(tmp_path):
-    # choose() raises before any call exists; the half-open probe taken for it must be given back,
-    # or the breaker would refuse every later call even once a replica is ready
+async def test_a_request_the_router_refuses_at_once_takes_no_probe(tmp_path):
+    # route() raises before any breaker is asked; a half-open breaker must still be able to probe after
     write_tiny_tokenizer(tmp_path)
     server, address = await _health_server(False)
     router = ReplicaRouter([address])
-    router.breaker = CircuitBreaker("model replicas", failure_threshold=1, open_s=0.01)
+    breaker = router.replicas[address].client.breaker = CircuitBreaker("one replica", failure_threshold=1, open_s=0.01)
     try:
         await router.refresh()
-        router.breaker.record_failure()
+        breaker.record_failure()
         await asyncio.sleep(0.05)  # open_s passed: the next call is the probe
         prepared = PreparedRequest(make_request([1, 2, 3], max_tokens=2), [])
         with pytest.raises(Unavailable, match=address):
             async for _ in stream_generation(prepared, load_tokenizer(tmp_path), router):
                 pass
-        assert router.breaker.before_call()  # probing again, not "circuit open"
+        assert breaker.before_call()  # probing again, not "circuit open"
     finally:
         await router.close()
         await server.stop(None)
+
+
+async def test_a_dead_replica_opens_only_its_own_breaker_and_the_others_keep_serving(tmp_path):
+    """One replica dies with calls on it: its failures open its breaker only; requests then go to the
+    live replica instead of being refused for everyone (one shared breaker refused them all)."""
+    write_tiny_tokenizer(tmp_path)
+    tokenizer = load_tokenizer(tmp_path)
+    live_server, live = await _health_server(True)
+    dead_server, dead = await _health_server(True)
+    router = ReplicaRouter([live, dead])
+    try:
+        await router.refresh()
+        await dead_server.stop(None)  # still "ready" until the next refresh: calls routed there fail
+        for replica in router.replicas.values():
+            replica.client.breaker = CircuitBreaker(replica.address, failure_threshold=2, open_s=60.0)
+        dead_breaker = router.replicas[dead].client.breaker
+        failures = 0
+        for i in range(12):  # distinct prompts: the rotation sends about half to the dead replica
+            prepared = PreparedRequest(make_request([100 + i] * 3, max_tokens=2), [])
+            with pytest.raises(Exception) as caught:  # the live one is a health server only: UNIMPLEMENTED
+                async for _ in stream_generation(prepared, tokenizer, router):
+                    pass
+            if isinstance(caught.value, Unavailable):
+                assert dead in str(caught.value)
+                failures += 1
+        assert failures == 2  # after two, the dead replica's breaker is open and it is no longer chosen
+        assert not dead_breaker.can_call()
+        assert router.replicas[live].client.breaker.can_call()
+        assert all(router.choose([200 + i] * 3).address == live for i in range(6))
+    finally:
+        await router.close()
+        await live_server.stop(None)
 
 
 async def test_dns_name_resolves_to_every_address():
