@@ -12,7 +12,7 @@ from tokenmill import rpc
 KUBERNETES_VERSIONS = ("1.28.0", kubernetes_validate.latest_version())
 # CRDs have no schema in kubernetes-validate; their shape is checked by hand below
 CRD_KINDS = {"ServiceMonitor"}
-SECRETS = {"tokenmill-redis": {"password"}, "tokenmill-api-keys": {"http-api-key"}}
+SECRETS = {"tokenmill-redis": {"password"}, "tokenmill-api-keys": {"keys.jsonl"}}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -118,9 +118,19 @@ def test_credentials_come_from_secrets_only(rendered, overlay):
                 if "redis://" in env.get("value", ""):
                     assert "redis://:$(REDIS_PASSWORD)@" in env["value"], f"password must come from the Secret: {env}"
             assert not [a for a in c.get("args", []) if "redis://" in a], "no Redis password in argv (ps shows it)"
+        for volume in pod_spec(obj).get("volumes", []):
+            if "secret" in volume:
+                assert {item["key"] for item in volume["secret"]["items"]} <= SECRETS[volume["secret"]["secretName"]]
+                referenced.add(volume["secret"]["secretName"])
     assert referenced == set(SECRETS)
+    # API keys guard every public API (not only HTTP), read from the mounted Secret, never from argv
+    gateway_pod = pod_spec(find(objects, "Deployment", "tokenmill-gateway"))
     gateway = container(objects, "tokenmill-gateway", "gateway")
-    assert _flag(gateway["args"], "--http-api-key") == "$(TOKENMILL_HTTP_API_KEY)"
+    keys_file = _flag(gateway["args"], "--api-keys-file")
+    mount = next(m for m in gateway["volumeMounts"] if keys_file.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in gateway_pod["volumes"] if v["name"] == mount["name"])
+    assert mount.get("readOnly") and volume["secret"]["secretName"] == "tokenmill-api-keys"
+    assert not [a for a in gateway["args"] if a.startswith("--http-api-key")]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
