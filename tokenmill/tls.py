@@ -85,6 +85,9 @@ class ClientTLS:
     cert: str | None = None
     key: str | None = None
     option_prefix: str = "--tls"  # how the options were spelled, for error messages
+    # the name the server's certificate must carry when it is not the host dialed: replicas found by
+    # --scheduler-dns are dialed by pod IP, while one certificate names their Service
+    server_name: str | None = None
 
     def credentials(self) -> grpc.ChannelCredentials:
         prefix = self.option_prefix
@@ -96,10 +99,13 @@ class ClientTLS:
     def argv(self, peer: str) -> list[str]:
         """The flags that give a main this configuration for its link to peer ("scheduler", "worker")."""
         flags = []
-        for name, value in (("ca", self.ca), ("cert", self.cert), ("key", self.key)):
+        for name, value in (("ca", self.ca), ("cert", self.cert), ("key", self.key), ("server-name", self.server_name)):
             if value:
                 flags += [f"--{peer}-tls-{name}", value]
         return flags
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
 
 def listen(server: grpc.aio.Server, address: str, tls: ServerTLS | None) -> int:
@@ -112,13 +118,13 @@ def listen(server: grpc.aio.Server, address: str, tls: ServerTLS | None) -> int:
 def aio_channel(address: str, tls: ClientTLS | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
     if tls is None:
         return grpc.aio.insecure_channel(address, options=list(options))
-    return grpc.aio.secure_channel(address, tls.credentials(), options=list(options))
+    return grpc.aio.secure_channel(address, tls.credentials(), options=list(options) + tls.channel_options())
 
 
 def channel(address: str, tls: ClientTLS | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
     if tls is None:
         return grpc.insecure_channel(address, options=list(options))
-    return grpc.secure_channel(address, tls.credentials(), options=list(options))
+    return grpc.secure_channel(address, tls.credentials(), options=list(options) + tls.channel_options())
 
 
 # -- command-line flags ------------------------------------------------------------------------------
@@ -150,18 +156,22 @@ def add_client_arguments(parser: argparse.ArgumentParser, peer: str) -> None:
     group.add_argument(f"--{peer}-tls-ca", help=f"PEM CA that signed the {peer}'s certificate; turns TLS on for the link")
     group.add_argument(f"--{peer}-tls-cert", help=f"PEM client certificate presented to the {peer} (mutual TLS)")
     group.add_argument(f"--{peer}-tls-key", help=f"PEM private key of --{peer}-tls-cert")
+    group.add_argument(f"--{peer}-tls-server-name",
+                       help=f"name the {peer}'s certificate must carry when it is not the dialed host "
+                            f"(e.g. a Service name when addresses are pod IPs)")
 
 
 def client_tls_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, peer: str) -> ClientTLS | None:
     attribute = peer.replace("-", "_")
-    ca, cert, key = (getattr(args, f"{attribute}_tls_{name}") for name in ("ca", "cert", "key"))
-    if not (ca or cert or key):
+    ca, cert, key, server_name = (getattr(args, f"{attribute}_tls_{name}") for name in ("ca", "cert", "key", "server_name"))
+    if not (ca or cert or key or server_name):
         return None
     if bool(cert) != bool(key):
         parser.error(f"--{peer}-tls-cert and --{peer}-tls-key go together")
     if not ca:
-        parser.error(f"--{peer}-tls-cert needs --{peer}-tls-ca (the CA that signed the {peer}'s certificate)")
-    tls = ClientTLS(ca, cert, key, option_prefix=f"--{peer}-tls")
+        first = f"--{peer}-tls-cert" if cert else f"--{peer}-tls-server-name"
+        parser.error(f"{first} needs --{peer}-tls-ca (the CA that signed the {peer}'s certificate)")
+    tls = ClientTLS(ca, cert, key, option_prefix=f"--{peer}-tls", server_name=server_name)
     try:
         tls.credentials()
     except TLSConfigError as error:

@@ -44,8 +44,10 @@ def make_authority(name: str) -> Authority:
     return Authority(name, key, builder.sign(key, hashes.SHA256()))
 
 
-def issue(authority: Authority, common_name: str, *, server: bool) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    """A leaf certificate signed by authority: for a server (SAN 127.0.0.1, ::1, localhost) or a client."""
+def issue(authority: Authority, common_name: str, *, server: bool,
+          dns_names: list[str] | None = None) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A leaf certificate signed by authority: for a server (SAN 127.0.0.1, ::1, localhost, or only
+    dns_names when given) or a client."""
     key = ec.generate_private_key(ec.SECP256R1())
     builder = _validity(x509.CertificateBuilder().subject_name(_name(common_name)).issuer_name(authority.cert.subject)
                         .public_key(key.public_key()).serial_number(x509.random_serial_number()))
@@ -53,9 +55,10 @@ def issue(authority: Authority, common_name: str, *, server: bool) -> tuple[x509
     usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
     builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
     if server:
-        builder = builder.add_extension(x509.SubjectAlternativeName([
+        names = [x509.DNSName(name) for name in dns_names] if dns_names else [
             x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-            x509.IPAddress(ipaddress.ip_address("::1"))]), critical=False)
+            x509.IPAddress(ipaddress.ip_address("::1"))]
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     return builder.sign(authority.key, hashes.SHA256()), key
 
 

@@ -119,3 +119,32 @@ def test_flags_build_the_configuration_and_give_it_back_as_argv(pki):
     assert server_tls.argv() + client_tls.argv("worker") == argv
     args, parser = _parse()
     assert tls.server_tls_from_args(parser, args) is None and tls.client_tls_from_args(parser, args, "worker") is None
+
+
+async def test_a_server_named_only_by_its_service_is_reached_by_ip_with_server_name(tmp_path):
+    """Replicas found by --scheduler-dns are dialed by pod IP; their certificate names the Service."""
+    from tests.helpers.certificates import issue, make_authority, write_pem
+
+    authority = make_authority("replica CA")
+    ca, _ = write_pem(tmp_path, "ca", authority.cert, None)
+    service = "tokenmill-model.tokenmill.svc.cluster.local"
+    cert, key = write_pem(tmp_path, "replica", *issue(authority, "replica", server=True, dns_names=[service]))
+    server, address = await _serve(tls.ServerTLS(cert, key))  # dialed as 127.0.0.1:port
+    try:
+        assert await _check(address, tls.ClientTLS(ca)) == grpc.StatusCode.UNAVAILABLE  # name mismatch
+        named = tls.ClientTLS(ca, server_name=service)
+        assert await _check(address, named) == health_pb2.HealthCheckResponse.SERVING
+        assert await _check(address, tls.ClientTLS(ca, server_name="someone-else.example")) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await server.stop(0)
+
+
+def test_server_name_flag_builds_the_option_and_needs_the_ca(pki, capsys):
+    args, parser = _parse("--worker-tls-ca", pki.ca, "--worker-tls-server-name", "worker.svc")
+    client_tls = tls.client_tls_from_args(parser, args, "worker")
+    assert client_tls.server_name == "worker.svc"
+    assert client_tls.argv("worker") == ["--worker-tls-ca", pki.ca, "--worker-tls-server-name", "worker.svc"]
+    args, parser = _parse("--worker-tls-server-name", "worker.svc")
+    with pytest.raises(SystemExit):
+        tls.client_tls_from_args(parser, args, "worker")
+    assert "--worker-tls-server-name needs --worker-tls-ca" in capsys.readouterr().err
