@@ -17,9 +17,9 @@ import triton
 import triton.language as tl
 
 from worker.kernels.paged_shared import (
+    attend_keys,
     check_query_and_caches,
     check_tensor,
-    dot,
     dot_precision,
     dot_upcast,
 )
@@ -83,28 +83,11 @@ def _paged_decode_kernel(
     table_row = block_tables_ptr + request * stride_tb
     for block_start in range(start, end, BLOCK_N):
         positions = block_start + tl.arange(0, BLOCK_N)
-        key_valid = positions < end
-        page = tl.load(table_row + (positions // BLOCK_SIZE) * stride_tm, mask=key_valid, other=0).to(tl.int64)
-        offset = positions % BLOCK_SIZE
-        k = tl.load(
-            key_cache_ptr + page[:, None] * stride_kn + offset[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
-            mask=key_valid[:, None],
-            other=0.0,
-        )  # [BLOCK_N, D]
-        scores = dot(q, tl.trans(k), PRECISION, UPCAST) * scale_log2  # [BLOCK_G, BLOCK_N]
-        scores = tl.where(key_valid[None, :], scores, float("-inf"))
-        # every step holds at least one valid key, so m_new is finite
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            value_cache_ptr + page[:, None] * stride_vn + offset[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
-            mask=key_valid[:, None],
-            other=0.0,
-        )  # [BLOCK_N, D]
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION, UPCAST)
-        m_i = m_new
+        key_valid = positions < end  # every step holds at least one valid key, so the max stays finite
+        m_i, l_i, acc = attend_keys(
+            q, m_i, l_i, acc, positions, key_valid, key_valid[None, :], table_row, stride_tm, kv_head, dims,
+            scale_log2, key_cache_ptr, stride_kn, stride_kt, stride_kh, value_cache_ptr, stride_vn, stride_vt,
+            stride_vh, BLOCK_SIZE, PRECISION, UPCAST)
 
     # a split past the end of a short context saw no key: l_i == 0, its output is 0, its lse -inf
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -77,3 +77,37 @@ def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def attend_keys(
+    q, m_i, l_i, acc,  # [M, D] queries; running max [M], running sum [M], unnormalised output [M, D]
+    positions, key_valid, visible,  # [N] key positions, [N] in range, [M, N] which scores count
+    table_row, stride_tm, kv_head, dims, scale_log2,
+    key_cache_ptr, stride_kn, stride_kt, stride_kh,
+    value_cache_ptr, stride_vn, stride_vt, stride_vh,
+    BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One online-softmax step (base 2) over N keys read through a request's block table: both
+    attention kernels' inner loop. Every row must see at least one key by its first step (so the
+    running max is finite); rows that see none of these keys keep their state."""
+    page = tl.load(table_row + (positions // BLOCK_SIZE) * stride_tm, mask=key_valid, other=0).to(tl.int64)
+    offset = positions % BLOCK_SIZE
+    k = tl.load(
+        key_cache_ptr + page[:, None] * stride_kn + offset[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
+        mask=key_valid[:, None],
+        other=0.0,
+    )  # [N, D]
+    scores = dot(q, tl.trans(k), PRECISION, UPCAST) * scale_log2  # [M, N]
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(
+        value_cache_ptr + page[:, None] * stride_vn + offset[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
+        mask=key_valid[:, None],
+        other=0.0,
+    )  # [N, D]
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION, UPCAST)
+    return m_new, l_i, acc
