@@ -4,8 +4,8 @@ nn.Linear on CPU calls MKL sgemm on the row-major weight, which repacks panels o
 Decode steps multiply a few rows by every weight of the model, so that repacking is paid each step
 and the weights stream from memory at well below the machine's bandwidth. Reordering each weight
 once at load (what torch.compile's CPU freezing does) and calling oneDNN's matmul on it, measured on
-this 2-core AVX2 machine over the default model's 30 layers of weights (scripts/bench_cpu_linear.py):
-1 row 43.7 -> 22.9 ms, 8 rows 90.7 -> 44.6 ms, 32 rows 110.7 -> 75.2 ms, 512 rows about equal.
+this 2-core AVX2 machine over all 121 linears of the default model (scripts/bench_cpu_linear.py):
+1 row 44.8 -> 30.9 ms, 8 rows 78.5 -> 42.2 ms, 32 rows 128.1 -> 84.7 ms, 512 rows 1.08x.
 
 The ops are torch's own (torch.ops.mkldnn, the ones inductor emits); the torch pin in pyproject keeps
 them. Where oneDNN is missing, pack_linears() leaves the model as it is.
