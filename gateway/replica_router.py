@@ -1,6 +1,6 @@
 """The gateway's side of the gateway -> scheduler hop when there are several model replicas.
 
-Stands in for one SchedulerClient (wait_ready / submit / abort / close), and picks a replica per
+Stands in for one SchedulerClient (wait_ready / route / abort / close), and picks a replica per
 request with gateway/replica_choice.py. Replicas come from a static list (--scheduler given more than
 once) or from a DNS name resolved to all its addresses (a Kubernetes headless Service), re-resolved
 every dns_refresh_s. Every refresh_s a background task reads each replica's load and cached prefix
@@ -144,9 +144,6 @@ class ReplicaRouter(FailureHandling):
 
     def route(self, prompt_token_ids) -> ReplicaRoute:
         return ReplicaRoute(self, self.choose(prompt_token_ids))
-
-    def submit(self, request: scheduler_pb2.SubmitRequest, timeout_s: float | None = None):
-        return self.route(request.prompt_token_ids).submit(request, timeout_s)
 
     def _submit_to(self, replica: Replica, request: scheduler_pb2.SubmitRequest, timeout_s: float | None):
         call = replica.client.submit(request, timeout_s)

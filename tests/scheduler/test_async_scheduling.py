@@ -115,6 +115,13 @@ async def loop_tokens(async_scheduling: bool):
     executor = RecordingExecutor()
     loop = EngineLoop(Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_batched_tokens=10)),
                       executor, async_scheduling=async_scheduling)
+    tokens = await run_prompts(loop)
+    assert loop.scheduler.kv.pool.num_used == 0
+    return tokens, executor.events
+
+
+async def run_prompts(loop: EngineLoop) -> list[list[int]]:
+    """Starts loop, submits PROMPTS with MAX_TOKENS, returns each one's tokens once all finish, stops it."""
     loop.start()
     streams = [loop.submit(make_request(p, max_tokens=m, request_id=f"l{i}")) for i, (p, m)
                in enumerate(zip(PROMPTS, MAX_TOKENS))]
@@ -125,8 +132,7 @@ async def loop_tokens(async_scheduling: bool):
             outputs.append(await asyncio.wait_for(stream.queue.get(), 10))
         tokens.append([t for o in outputs for t in o.new_token_ids])
     await loop.stop()
-    assert loop.scheduler.kv.pool.num_used == 0
-    return tokens, executor.events
+    return tokens
 
 
 async def test_engine_loop_pipelines_steps_with_the_same_tokens():
@@ -189,15 +195,6 @@ async def test_worker_lost_with_two_steps_in_flight_recomputes_to_the_same_token
     executor = LosesWorkerOnce(fail_at=6)
     loop = EngineLoop(Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_batched_tokens=10)),
                       executor, worker_recovery=WorkerRecovery(reconnect), async_scheduling=True)
-    loop.start()
-    streams = [loop.submit(make_request(p, max_tokens=m, request_id=f"l{i}")) for i, (p, m)
-               in enumerate(zip(PROMPTS, MAX_TOKENS))]
-    tokens = []
-    for stream in streams:
-        outputs = [await asyncio.wait_for(stream.queue.get(), 10)]
-        while not outputs[-1].finished:
-            outputs.append(await asyncio.wait_for(stream.queue.get(), 10))
-        tokens.append([t for o in outputs for t in o.new_token_ids])
-    await loop.stop()
+    tokens = await run_prompts(loop)
     assert tokens == expected
     assert loop.worker_recovery.num_recoveries == 1 and loop.scheduler.kv.pool.num_used == 0
