@@ -19,8 +19,8 @@ from aiohttp import web
 
 from gateway.api_keys import ApiKey, ApiKeyStore, load_api_keys
 from gateway.rate_limit import ANONYMOUS, RateLimiter
-from tokenmill.errors import ServingError
-from tokenmill.rpc import abort_with_status
+from core.errors import ServingError
+from plumbing.rpc import abort_with_status
 
 # gRPC methods (full names start with "/service/") that need no key: health checks (KServe's own
 # liveness/readiness calls included, which load balancers use like grpc.health) and reflection.

@@ -20,7 +20,7 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenmill.errors import Unauthenticated
+from core.errors import Unauthenticated
 
 _FIELDS = {"name", "sha256", "requests_per_s", "burst"}
 _HINT = "send the header / metadata 'authorization: Bearer <key>'"

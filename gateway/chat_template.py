@@ -16,7 +16,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from tokenmill.errors import InvalidArgument
+from core.errors import InvalidArgument
 
 
 class TemplateRaised(jinja2.exceptions.TemplateError):

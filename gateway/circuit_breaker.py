@@ -14,7 +14,7 @@ import enum
 import time
 from collections.abc import Callable
 
-from tokenmill.errors import Unavailable
+from core.errors import Unavailable
 
 
 class BreakerState(enum.Enum):

@@ -24,8 +24,9 @@ from gateway.text_stream import TextStream
 from gateway.tokenizer import TextTokenizer
 from protos import codec
 from protos.tokenmill.v1 import common_pb2
-from tokenmill.errors import Unavailable
-from tokenmill.telemetry.gateway_requests import RequestObserver
+from core.errors import Unavailable
+from core.outputs import FinishReason
+from gateway.telemetry import RequestObserver
 
 
 @dataclass(slots=True)
@@ -49,7 +50,7 @@ class TokenLogprob:
 class Finish:
     """What the last delta of a request carries."""
 
-    reason: str  # "stop" | "length" | "abort" | "error" (scheduler.request.FINISH_REASONS values)
+    reason: FinishReason  # the public APIs write its .value ("stop", "length", "abort", "error")
     matched_stop: str  # the stop string that ended generation, "" if none did
     prompt_tokens: int
     completion_tokens: int
@@ -79,7 +80,7 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
     so a client's cancel is sent as an explicit Abort.
 
     Raises Unavailable when the scheduler cannot be reached; other scheduler statuses come through
-    as grpc.aio.AioRpcError (tokenmill.rpc.status_for passes their code on)."""
+    as grpc.aio.AioRpcError (plumbing.rpc.status_for passes their code on)."""
     arrival = time.monotonic() if arrival is None else arrival
     request_id = prepared.request.request_id
     text_stream = TextStream(tokenizer, prepared.request.prompt_token_ids, prepared.stop)
@@ -127,7 +128,8 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
         if error.code() == grpc.StatusCode.UNAVAILABLE:
             breaker.record_failure()
             # the scheduler (or its worker) is gone: the record must not stay "running" in Redis
-            scheduler.report_lost(request_id, f"scheduler unavailable: {error.details()}", accepted=answered)
+            scheduler.report_lost(request_id, Unavailable(f"scheduler unavailable: {error.details()}"),
+                                  accepted=answered)
             raise Unavailable(f"scheduler at {target.address} is unavailable: {error.details()}") from error
         if not answered and error.code() != grpc.StatusCode.CANCELLED:
             breaker.record_success()  # it answered, with a refusal: it is up
@@ -150,8 +152,8 @@ def _logprobs(tokenizer: TextTokenizer, token_ids: list[int], entries) -> list[T
 
 def _finish(response, text_stream: TextStream, arrival: float, first_token: float | None) -> Finish:
     now = time.monotonic()
-    reason = "stop" if text_stream.stopped else codec.finish_reason_from_proto(response.finish_reason)
-    return Finish(reason=reason or "error", matched_stop=text_stream.matched_stop,
+    reason = FinishReason.STOP if text_stream.stopped else codec.finish_reason_from_proto(response.finish_reason)
+    return Finish(reason=reason or FinishReason.ERROR, matched_stop=text_stream.matched_stop,
                   prompt_tokens=response.num_prompt_tokens, completion_tokens=response.num_output_tokens,
                   cached_prompt_tokens=response.num_cached_tokens, queue_ns=response.timings.queue_ns,
                   time_to_first_token_ns=int(((first_token or now) - arrival) * 1e9),

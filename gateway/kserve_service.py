@@ -27,8 +27,8 @@ from gateway.tokenizer import TextTokenizer
 from gateway.validation import Limits
 from protos.kserve import codec, grpc_service_pb2 as pb, grpc_service_pb2_grpc, model_config_pb2
 from protos.tokenmill.v1 import common_pb2
-from tokenmill.errors import InvalidArgument, NotFound, ServingError
-from tokenmill.rpc import status_for
+from core.errors import InvalidArgument, NotFound, ServingError
+from plumbing.rpc import status_for
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         if final is not None:
             response.parameters[codec.FINAL_RESPONSE_PARAMETER].bool_param = final
         if finish is not None:
-            response.parameters["finish_reason"].string_param = finish.reason
+            response.parameters["finish_reason"].string_param = finish.reason.value
             response.parameters["prompt_tokens"].int64_param = finish.prompt_tokens
             response.parameters["completion_tokens"].int64_param = finish.completion_tokens
         return response

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from core.errors import ServingError
 from kvstore.state_reader import RequestStateReader
 
 logger = logging.getLogger(__name__)
@@ -22,12 +23,12 @@ class LostRequestRecorder:
         self._state_reader = state_reader
         self._tasks: set[asyncio.Task] = set()
 
-    def __call__(self, request_id: str, error: str, accepted: bool) -> None:
+    def __call__(self, request_id: str, error: ServingError, accepted: bool) -> None:
         task = asyncio.get_running_loop().create_task(self._mark(request_id, error, accepted))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _mark(self, request_id: str, error: str, accepted: bool) -> None:
+    async def _mark(self, request_id: str, error: ServingError, accepted: bool) -> None:
         try:
             # an accepted request's record is created if missing (the scheduler may have died before
             # its batched first write); one that may never have reached the scheduler is not invented

@@ -12,11 +12,11 @@ from gateway.service import GenerationServicer
 from gateway.tokenizer import load_tokenizer
 from gateway.validation import Limits
 from protos.tokenmill.v1 import generation_pb2_grpc
-from tokenmill import rpc, telemetry, tls
-from tokenmill.drain import DrainInterceptor
-from tokenmill.message_size import PUBLIC_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
-from tokenmill.telemetry.gateway_requests import set_model_name
-from tokenmill.process import run_process, wait_for_stop_signal
+from plumbing import rpc, telemetry, tls
+from plumbing.drain import DrainInterceptor
+from plumbing.message_size import PUBLIC_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
+from gateway.telemetry import set_model_name
+from plumbing.process import run_process, wait_for_stop_signal
 
 logger = logging.getLogger("tokenmill.gateway")
 

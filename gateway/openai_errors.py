@@ -3,7 +3,7 @@
     {"error": {"message": "invalid temperature=-1: must be a finite number in [0, 100]",
                "type": "invalid_request_error", "param": "temperature", "code": null}}
 
-It goes through tokenmill.rpc.status_for, so a tokenmill.errors exception and a downstream gRPC status
+It goes through plumbing.rpc.status_for, so a core.errors exception and a downstream gRPC status
 (the scheduler's RESOURCE_EXHAUSTED, say) get the same answer here as on the gRPC API.
 """
 from __future__ import annotations
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import grpc
 from aiohttp import web
 
-from tokenmill import errors
-from tokenmill.rpc import status_for
-from tokenmill.telemetry import metrics
+from core import errors
+from plumbing.rpc import status_for
+from plumbing.telemetry import metrics
 
 logger = logging.getLogger("tokenmill.gateway.http")
 
@@ -81,7 +81,7 @@ def openai_error(exc: BaseException, where: str = "") -> OpenAIError:
 def _retry_after_s(exc: BaseException) -> float | None:
     if getattr(exc, "retry_after_s", None) is not None:
         return exc.retry_after_s  # type: ignore[attr-defined]
-    if isinstance(exc, grpc.aio.AioRpcError):  # a scheduler's hint, as tokenmill.rpc sends it
+    if isinstance(exc, grpc.aio.AioRpcError):  # a scheduler's hint, as plumbing.rpc sends it
         for key, value in exc.trailing_metadata() or ():
             if key == "retry-after-ms" and value.isdigit():
                 return int(value) / 1000

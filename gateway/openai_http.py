@@ -33,8 +33,8 @@ from gateway.scheduler_client import SchedulerClient
 from gateway.tokenizer import TextTokenizer
 from gateway.validation import Limits
 from protos.tokenmill.v1 import common_pb2
-from tokenmill.errors import InvalidArgument, Unauthenticated, Unavailable
-from tokenmill.telemetry.gateway_requests import http_server_span, tokenize_span
+from core.errors import InvalidArgument, Unauthenticated, Unavailable
+from gateway.telemetry import http_server_span, tokenize_span
 
 _dumps = functools.partial(json.dumps, ensure_ascii=False, separators=(",", ":"))
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from gateway.request_builder import PreparedRequest, chat_token_ids, prepare_request, text_token_ids
 from gateway.tokenizer import TextTokenizer
 from gateway.validation import Limits, validate_prompt_ids
-from tokenmill.errors import InvalidArgument, NotFound
+from core.errors import InvalidArgument, NotFound
 
 # Passed to validate_sampling as they are: OpenAI's own names match ours.
 _SAMPLING_FIELDS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",

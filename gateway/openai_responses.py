@@ -14,7 +14,8 @@ import math
 import time
 
 from gateway.generation_stream import Finish, GenerationDelta, TokenLogprob
-from tokenmill.errors import ServingError
+from core.errors import ServingError
+from core.outputs import FinishReason
 
 _MIN_LOGPROB = -9999.0  # JSON has no -Infinity; vLLM reports impossible tokens with this value
 
@@ -55,7 +56,7 @@ class ResponseBuilder:
         else:
             choice["text"] = text
         choice["logprobs"] = self._logprobs(self.token_logprobs)
-        choice["finish_reason"] = self.finish.reason
+        choice["finish_reason"] = self.finish.reason.value
         choice["stop_reason"] = self.finish.matched_stop or None  # vLLM's field: the stop string that matched
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
                 "usage": usage(self.finish)}
@@ -84,7 +85,7 @@ class ResponseBuilder:
 
     def _chunk(self, content: dict | str, logprobs: dict | None, finish: Finish | None) -> dict:
         choice: dict = {"index": 0, ("delta" if self.chat else "text"): content, "logprobs": logprobs,
-                        "finish_reason": finish.reason if finish else None}
+                        "finish_reason": finish.reason.value if finish else None}
         if finish is not None:
             choice["stop_reason"] = finish.matched_stop or None
         chunk = {**self._head(self._chunk_object), "choices": [choice]}
@@ -129,6 +130,6 @@ def _finite(logprob: float) -> float:
 
 
 def _checked(finish: Finish) -> Finish:
-    if finish.reason == "error":
+    if finish.reason is FinishReason.ERROR:
         raise GenerationFailed("the request failed inside the cluster (scheduler or worker); see their logs")
     return finish

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import grpc
 
 from kvstore.state_reader import RequestStateReader
-from tokenmill.errors import NotFound
+from core.errors import NotFound
 
 
 def caller_name(access, context: grpc.aio.ServicerContext) -> str | None:

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from gateway.api_keys import ApiKey
-from tokenmill.errors import ResourceExhausted
+from core.errors import ResourceExhausted
 
 ANONYMOUS = ApiKey(name="anonymous", sha256="")  # every client, when no keys are configured
 

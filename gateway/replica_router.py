@@ -22,10 +22,10 @@ from gateway.replica_choice import DEFAULT_MAX_LOAD_IMBALANCE, ReplicaView, choo
 from gateway.scheduler_client import FailureHandling, SchedulerClient
 from kvstore.replica_keys import REPORT_INTERVAL_S, load_key, prefixes_key
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2
-from scheduler.prefix_cache import extend_block_hashes  # pure Python: the same keys the replicas publish
-from tokenmill.errors import Unavailable
-from tokenmill.process import cancel_and_wait
-from tokenmill.tls import ClientTLS
+from core.prefix_keys import extend_block_hashes  # pure Python: the same keys the replicas publish
+from core.errors import Unavailable
+from plumbing.process import cancel_and_wait
+from plumbing.tls import ClientTLS
 
 logger = logging.getLogger("tokenmill.gateway.replicas")
 

@@ -1,4 +1,4 @@
-"""A client's request -> a validated, tokenized Request (everything a client can get wrong).
+"""A client's request -> a validated, tokenized GenerationRequest (everything a client can get wrong).
 
 Every public API funnels through prepare_request: the tokenmill.v1 GenerateRequest (prepare) and the
 HTTP/JSON front ends, which turn their own fields into prompt ids (text_token_ids / chat_token_ids)
@@ -14,8 +14,8 @@ from gateway.tokenizer import TextTokenizer
 from gateway.validation import (Limits, validate_chat_size, validate_priority, validate_prompt_ids,
                                 validate_prompt_text, validate_sampling, validate_stop_strings)
 from protos.tokenmill.v1 import generation_pb2
-from scheduler.request import Request
-from tokenmill.errors import InvalidArgument, NotFound
+from core.requests import GenerationRequest
+from core.errors import InvalidArgument, NotFound
 
 _OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed", "logprobs")
@@ -33,7 +33,7 @@ class UnknownModel(NotFound):
 
 @dataclass(slots=True)
 class PreparedRequest:
-    request: Request
+    request: GenerationRequest
     stop: list[str]
 
 
@@ -86,7 +86,7 @@ def prepare_request(prompt_ids: list[int], tokenizer: TextTokenizer, limits: Lim
     params = validate_sampling(limits, prompt_len=len(ids), stop_token_ids=stop_token_ids,
                                ignore_eos=ignore_eos, **sampling)
     stop = validate_stop_strings(stop, limits)
-    request = Request(request_id, ids, params, eos_token_id=tokenizer.eos_token_id,
+    request = GenerationRequest(request_id, ids, params, eos_token_id=tokenizer.eos_token_id,
                       priority=validate_priority(priority, limits))
     return PreparedRequest(request, stop)
 

@@ -27,8 +27,8 @@ from gateway.text_stream import TextStream
 from gateway.tokenizer import TextTokenizer
 from kvstore.state_reader import RequestStateReader
 from kvstore.token_streams import TokenEntry, TokenStreamReader
-from scheduler.loop import DEADLINE_EXCEEDED
-from tokenmill.errors import AlreadyExists, DeadlineExceeded, NotFound, Unavailable
+from core.errors import AlreadyExists, DeadlineExceeded, NotFound, Unavailable
+from core.outputs import FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -73,13 +73,13 @@ async def attach_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
 
 def _last(delta: GenerationDelta, entry: TokenEntry, text_stream: TextStream, arrival: float,
           num_output_tokens: int) -> GenerationDelta:
-    if entry.error == DEADLINE_EXCEEDED:
-        raise DeadlineExceeded(f"request {delta.request_id!r} passed its deadline after {num_output_tokens} tokens")
-    if entry.finish_reason == "error":
-        raise Unavailable(f"request {delta.request_id!r} failed: {entry.error or 'unknown error'}")
+    if entry.error is not None:  # the same type the scheduler ended it with (deadline, lost worker, ...)
+        raise entry.error
+    if entry.finish_reason is FinishReason.ERROR:
+        raise Unavailable(f"request {delta.request_id!r} failed after {num_output_tokens} tokens")
     delta.text += text_stream.finish()
     e2e_ns = int((time.monotonic() - arrival) * 1e9)
-    delta.finish = Finish(reason="stop" if text_stream.stopped else entry.finish_reason or "stop",
+    delta.finish = Finish(reason=FinishReason.STOP if text_stream.stopped else entry.finish_reason or FinishReason.STOP,
                           matched_stop=text_stream.matched_stop, prompt_tokens=entry.num_prompt_tokens,
                           completion_tokens=num_output_tokens, cached_prompt_tokens=0, queue_ns=0,
                           time_to_first_token_ns=0, decode_ns=0, e2e_ns=e2e_ns)

@@ -8,11 +8,12 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from core.errors import ServingError
 from gateway.circuit_breaker import CircuitBreaker
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tokenmill import tls as tls_config
-from tokenmill.message_size import INTERNAL_MAX_MESSAGE_BYTES, message_size_options
-from tokenmill.rpc import SCHEDULER_SERVICE
+from plumbing import tls as tls_config
+from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, message_size_options
+from plumbing.rpc import SCHEDULER_SERVICE
 
 logger = logging.getLogger(__name__)
 # A restarted scheduler is found within a second, not after gRPC's default reconnect backoff (up to 120 s).
@@ -29,7 +30,7 @@ class FailureHandling:
     calls that would go to a live one) and .submit(request, timeout_s)."""
 
     # (request_id, error, accepted): a request whose scheduler stream broke; the gateway ends its record
-    on_request_lost: Callable[[str, str, bool], None] | None
+    on_request_lost: Callable[[str, ServingError, bool], None] | None
     _background: set[asyncio.Task]
     # set by the gateway before it stops its server: calls cancelled by that are not client cancels,
     # and resumable requests must keep running for a client to resume them on another gateway
@@ -41,7 +42,7 @@ class FailureHandling:
     async def abort(self, request_ids: list[str], reason: int = common_pb2.FINISH_REASON_ABORT) -> list[str]:
         raise NotImplementedError
 
-    def report_lost(self, request_id: str, error: str, accepted: bool) -> None:
+    def report_lost(self, request_id: str, error: ServingError, accepted: bool) -> None:
         """accepted: the scheduler had sent tokens, so the request surely existed there."""
         if self.on_request_lost is not None:
             self.on_request_lost(request_id, error, accepted)
@@ -65,7 +66,7 @@ class FailureHandling:
 
 class SchedulerClient(FailureHandling):
     def __init__(self, address: str, breaker: CircuitBreaker | None = None,
-                 on_request_lost: Callable[[str, str, bool], None] | None = None, *,
+                 on_request_lost: Callable[[str, ServingError, bool], None] | None = None, *,
                  tls: tls_config.ClientTLS | None = None,
                  max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES) -> None:
         self.address = address

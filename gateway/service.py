@@ -14,8 +14,8 @@ from gateway.validation import Limits
 from kvstore.records import RecordStatus
 from protos import codec
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tokenmill.errors import NotFound, Unavailable
-from tokenmill.telemetry.gateway_requests import tokenize_span
+from core.errors import NotFound, Unavailable
+from gateway.telemetry import tokenize_span
 
 _STATUS = {
     RecordStatus.QUEUED: generation_pb2.REQUEST_STATUS_QUEUED,

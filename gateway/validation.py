@@ -12,13 +12,11 @@ Arguments left as None take the server default (SamplingParams' defaults, Limits
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from scheduler.request import SamplingParams
-from tokenmill.errors import InvalidArgument
-
-_SEED_RANGE = (-(2**63), 2**64 - 1)  # int64 from JSON clients, uint64 from the proto; the worker masks to 64 bits
+from core.errors import InvalidArgument
+from core.sampling import (MAX_LOGPROBS, SamplingLimits, SamplingParams, check_int_range, check_sampling_field,
+                           is_int)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,11 +32,17 @@ class Limits:
     max_stop_strings: int = 16
     max_stop_string_len: int = 256  # characters
     max_stop_token_ids: int = 64
-    max_logprobs: int = 20
+    max_logprobs: int = MAX_LOGPROBS
     max_temperature: float = 100.0  # far past uniform sampling already; caps only nonsense
     max_repetition_penalty: float = 100.0
     min_priority: int = -1_000_000
     max_priority: int = 1_000_000
+
+    @property
+    def sampling_limits(self) -> SamplingLimits:
+        return SamplingLimits(max_tokens=self.max_tokens_limit, max_temperature=self.max_temperature,
+                              max_repetition_penalty=self.max_repetition_penalty, max_abs_penalty=2.0,
+                              max_logprobs=self.max_logprobs)
 
 
 def validate_prompt_text(prompt: object, limits: Limits) -> str:
@@ -98,7 +102,7 @@ def validate_sampling(
     if max_tokens is None:
         max_tokens = max(1, min(limits.default_max_tokens, limits.max_tokens_limit, room))
     else:
-        _check_int_range("max_tokens", max_tokens, 1, limits.max_tokens_limit)
+        check_sampling_field("max_tokens", max_tokens, limits.sampling_limits)
         if prompt_len is not None and prompt_len + max_tokens > limits.max_model_len:  # type: ignore[operator]
             raise InvalidArgument(
                 "max_tokens",
@@ -106,25 +110,12 @@ def validate_sampling(
                 f"prompt_tokens={prompt_len} + max_tokens must be <= max_model_len={limits.max_model_len} "
                 f"(at most {max(room, 0)} here)",
             )
-    if temperature is not None:
-        _check_float_range("temperature", temperature, 0.0, limits.max_temperature)
-    if top_p is not None:
-        _check_float_range("top_p", top_p, 0.0, 1.0, low_open=True)
-    if top_k is not None:
-        _check_int_range("top_k", top_k, -1, None, note="-1 or 0 disables")
-    if min_p is not None:
-        _check_float_range("min_p", min_p, 0.0, 1.0)
-    if repetition_penalty is not None:
-        _check_float_range("repetition_penalty", repetition_penalty, 0.0, limits.max_repetition_penalty, low_open=True)
-    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
-        if value is not None:
-            _check_float_range(name, value, -2.0, 2.0)
-    if seed is not None:
-        _check_int_range("seed", seed, *_SEED_RANGE)
-    if logprobs is not None:
-        _check_int_range("logprobs", logprobs, 0, limits.max_logprobs)
-    if ignore_eos is not None and not isinstance(ignore_eos, bool):
-        raise InvalidArgument("ignore_eos", ignore_eos, "must be true or false")
+    raw = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+           "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
+           "frequency_penalty": frequency_penalty, "seed": seed, "logprobs": logprobs, "ignore_eos": ignore_eos}
+    sampling_limits = limits.sampling_limits
+    for name, value in raw.items():
+        check_sampling_field(name, value, sampling_limits)
     return SamplingParams(
         max_tokens=max_tokens,  # type: ignore[arg-type]
         temperature=_float_or(temperature, defaults.temperature),
@@ -162,7 +153,7 @@ def validate_stop_strings(stop: object, limits: Limits) -> list[str]:
 def validate_priority(priority: object, limits: Limits) -> int:
     if priority is None:
         return 0
-    _check_int_range("priority", priority, limits.min_priority, limits.max_priority)
+    check_int_range("priority", priority, limits.min_priority, limits.max_priority)
     return priority  # type: ignore[return-value]
 
 
@@ -179,7 +170,7 @@ def _validate_stop_token_ids(stop_token_ids: object, limits: Limits) -> tuple[in
 
 
 def _check_token_id(field: str, token_id: object, limits: Limits) -> None:
-    if not _is_int(token_id) or not 0 <= token_id < limits.vocab_size:  # type: ignore[operator]
+    if not is_int(token_id) or not 0 <= token_id < limits.vocab_size:  # type: ignore[operator]
         reason = f"must be a token id in [0, {limits.vocab_size - 1}] (vocab_size={limits.vocab_size})"
         raise InvalidArgument(field, token_id, reason)
 
@@ -189,26 +180,5 @@ def _check_at_most(field: str, value: object, count: int, limit: int, unit: str)
         raise InvalidArgument(field, value, f"must hold at most {limit} {unit}, got {count}")
 
 
-def _check_int_range(field: str, value: object, low: int, high: int | None, note: str = "") -> None:
-    bounds = f"[{low}, {high}]" if high is not None else f">= {low}"
-    suffix = f" ({note})" if note else ""
-    if not _is_int(value):
-        raise InvalidArgument(field, value, f"must be an integer {bounds}{suffix}")
-    if value < low or (high is not None and value > high):  # type: ignore[operator]
-        raise InvalidArgument(field, value, f"must be {'in ' if high is not None else ''}{bounds}{suffix}")
-
-
-def _check_float_range(field: str, value: object, low: float, high: float, low_open: bool = False) -> None:
-    bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidArgument(field, value, f"must be a number in {bounds}")
-    if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
-        raise InvalidArgument(field, value, f"must be a finite number in {bounds}")
-
-
 def _float_or(value: object, default: float) -> float:
     return float(value) if value is not None else default  # type: ignore[arg-type]
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -9,6 +9,9 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from core.errors import ErrorCode
+from core.outputs import FinishReason
+
 RECORD_KEY_PREFIX = "tokenmill:req:"
 
 
@@ -48,8 +51,9 @@ FIELD_TYPES: dict[str, type] = {
     "first_scheduled_at": float,
     "first_token_at": float,
     "finished_at": float,
-    "finish_reason": str,
-    "error": str,
+    "finish_reason": FinishReason,  # stored as the enum's name ("STOP", "LENGTH", ...)
+    "error": str,  # the message
+    "error_code": ErrorCode,  # the kind of failure, stored as the enum's name ("DEADLINE_EXCEEDED", ...)
     "model": str,
     "priority": int,
     "owner": str,  # API key name that submitted it (gateway checks on status / cancel / resume)
@@ -71,13 +75,15 @@ def encode_field(name: str, value: object) -> str:
     if field_type is float and (value_type is float or value_type is int):
         return repr(float(value))  # repr round-trips a float exactly
     if field_type is value_type:
-        return value if value_type is str else str(value)
+        return value.name if isinstance(value, enum.Enum) else value if value_type is str else str(value)
     if field_type is None:
         raise ValueError(f"unknown record field {name!r}; settable fields: {sorted(FIELD_TYPES)}")
     if field_type is int and isinstance(value, int) and not isinstance(value, bool):
         return str(int(value))  # an int subclass such as IntEnum
     if field_type is str and isinstance(value, str):
         return str(value)
+    if isinstance(field_type, enum.EnumMeta):
+        raise ValueError(f"record field {name!r} must be a {field_type.__name__}, got {value!r}")
     kind = {int: "an int", float: "unix seconds (float)", str: "a str"}[field_type]
     raise ValueError(f"record field {name!r} must be {kind}, got {value!r}")
 
@@ -93,8 +99,9 @@ class RequestRecord:
     first_scheduled_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
+    error_code: ErrorCode | None = None
     model: str | None = None
     priority: int = 0
     owner: str | None = None  # None: submitted without API keys
@@ -130,8 +137,12 @@ class RequestRecord:
         }
         for name, field_type in FIELD_TYPES.items():
             if name in text:
-                values[name] = field_type(text[name])
+                values[name] = _decode_field(field_type, text[name])
         return cls(**values)
+
+
+def _decode_field(field_type: type, text: str) -> object:
+    return field_type[text] if isinstance(field_type, enum.EnumMeta) else field_type(text)
 
 
 def _text(value: str | bytes) -> str:

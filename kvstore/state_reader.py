@@ -13,6 +13,8 @@ from redis.exceptions import ResponseError
 
 from kvstore.client import connect
 from kvstore.record_update import UPDATE_RECORDS_LUA, RecordUpdate, parse_results, script_args
+from core.errors import ServingError
+from core.outputs import FinishReason
 from kvstore.records import RecordStatus, RequestRecord, encode_field, record_key
 
 _ORPHANS_PER_CALL = 1000
@@ -29,7 +31,7 @@ class RequestStateReader:
         return RequestRecord.from_mapping(mapping) if mapping else None
 
     async def mark_orphans_failed(
-        self, request_ids: Iterable[str], error: str, *, at: float | None = None, must_exist: bool = True
+        self, request_ids: Iterable[str], error: ServingError, *, at: float | None = None, must_exist: bool = True
     ) -> list[str]:
         """End as failed the records of requests a restarted scheduler no longer has.
 
@@ -49,8 +51,9 @@ class RequestStateReader:
             for index, request_id in enumerate(chunk, start):
                 update = RecordUpdate(request_id, write_id_prefix + str(index), must_exist=must_exist)
                 update.add_status(RecordStatus.FAILED.value)
-                update.set_field("error", encode_field("error", error))
-                update.set_field("finish_reason", "error")
+                update.set_field("error", encode_field("error", str(error)))
+                update.set_field("error_code", encode_field("error_code", error.code))
+                update.set_field("finish_reason", encode_field("finish_reason", FinishReason.ERROR))
                 update.set_field("finished_at", finished_at)
                 updates.append(update)
             keys, args = script_args(updates, self._ttl_s)

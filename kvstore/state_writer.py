@@ -20,6 +20,8 @@ from redis.exceptions import RedisError
 
 from kvstore.client import connect
 from kvstore.record_update import UPDATE_RECORDS_LUA, RecordUpdate, parse_results, script_args
+from core.errors import ServingError
+from core.outputs import FinishReason
 from kvstore.records import RecordStatus, encode_field
 
 logger = logging.getLogger(__name__)
@@ -160,7 +162,7 @@ class RequestStateWriter:
         self,
         request_id: str,
         *,
-        finish_reason: str = "stop",
+        finish_reason: FinishReason = FinishReason.STOP,
         num_output_tokens: int | None = None,
         at: float | None = None,
     ) -> None:
@@ -172,13 +174,13 @@ class RequestStateWriter:
             finished_at=_now(at),
         )
 
-    def failed(self, request_id: str, *, error: str, at: float | None = None) -> None:
-        self.update(
-            request_id, status=RecordStatus.FAILED, error=error, finish_reason="error", finished_at=_now(at)
-        )
+    def failed(self, request_id: str, *, error: ServingError, at: float | None = None) -> None:
+        self.update(request_id, status=RecordStatus.FAILED, error=str(error), error_code=error.code,
+                    finish_reason=FinishReason.ERROR, finished_at=_now(at))
 
     def cancelled(self, request_id: str, *, at: float | None = None) -> None:
-        self.update(request_id, status=RecordStatus.CANCELLED, finish_reason="abort", finished_at=_now(at))
+        self.update(request_id, status=RecordStatus.CANCELLED, finish_reason=FinishReason.ABORT,
+                    finished_at=_now(at))
 
     @property
     def healthy(self) -> bool:

@@ -6,8 +6,9 @@ when its gateway goes away):
 
     i  index of the entry's first token among the request's output tokens (0-based)
     t  the token ids, space-separated ("" on a finish-only entry)
-    f  on the last entry only: the finish reason ("stop" | "length" | "abort" | "error")
-    e  on the last entry, when it failed: the error
+    f  on the last entry only: the finish reason, core.outputs.FinishReason's name ("STOP", "LENGTH", ...)
+    c  on the last entry, when it failed: the error's core.errors.ErrorCode name ("DEADLINE_EXCEEDED", ...)
+    e  on the last entry, when it failed: the error's message
     p  on the last entry: prompt tokens
 
 Writes follow the state writer's rules (DESIGN invariant 6): `append()` and `finish()` only queue;
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
+from core.errors import ErrorCode, ServingError, error_from_code
+from core.outputs import FinishReason
 from kvstore.client import connect
 
 logger = logging.getLogger(__name__)
@@ -40,15 +43,17 @@ class TokenEntry:
 
     index: int
     token_ids: list[int]
-    finish_reason: str | None = None
-    error: str | None = None
+    finish_reason: FinishReason | None = None
+    error: ServingError | None = None  # rebuilt from its code and message: the same type it was written as
     num_prompt_tokens: int = 0
 
     @classmethod
     def from_fields(cls, fields: dict[str, str]) -> TokenEntry:
         text = fields.get("t", "")
+        finish, code = fields.get("f"), fields.get("c")
         return cls(index=int(fields.get("i", "0")), token_ids=[int(t) for t in text.split()] if text else [],
-                   finish_reason=fields.get("f") or None, error=fields.get("e") or None,
+                   finish_reason=FinishReason[finish] if finish else None,
+                   error=error_from_code(ErrorCode[code], fields.get("e", "")) if code else None,
                    num_prompt_tokens=int(fields.get("p", "0")))
 
 
@@ -77,11 +82,11 @@ class TokenStreamWriter:
     def append(self, request_id: str, start_index: int, token_ids: list[int]) -> None:
         self._queue(request_id, {"i": str(start_index), "t": " ".join(map(str, token_ids))})
 
-    def finish(self, request_id: str, end_index: int, finish_reason: str, error: str | None,
+    def finish(self, request_id: str, end_index: int, finish_reason: FinishReason, error: ServingError | None,
                num_prompt_tokens: int) -> None:
-        fields = {"i": str(end_index), "t": "", "f": finish_reason, "p": str(num_prompt_tokens)}
-        if error:
-            fields["e"] = error
+        fields = {"i": str(end_index), "t": "", "f": finish_reason.name, "p": str(num_prompt_tokens)}
+        if error is not None:
+            fields["c"], fields["e"] = error.code.name, str(error)
         self._queue(request_id, fields)
 
     def _queue(self, request_id: str, fields: dict[str, str]) -> None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from protos.tokenmill.v1 import common_pb2, generation_pb2, sampling_pb2, scheduler_pb2, worker_pb2
-from scheduler.outputs import RequestOutput
-from scheduler.plan import CachedRequestData, NewRequestData, StepPlan, StepResult, TokenLogprobs
-from scheduler.request import Request, RequestStatus, SamplingParams
+from core.outputs import FinishReason, RequestOutput, RequestTimings
+from core.requests import GenerationRequest
+from core.sampling import SamplingParams
+from core.step import CachedRequestData, NewRequestData, StepPlan, StepResult, TokenLogprobs
+from protos.tokenmill.v1 import common_pb2, sampling_pb2, scheduler_pb2, worker_pb2
 
 _DEFAULTS = SamplingParams()
 
@@ -78,55 +79,37 @@ def token_logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> TokenLogprobs:
     return TokenLogprobs(logprob=msg.logprob, top=list(zip(msg.top_token_ids, msg.top_logprobs)))
 
 
-# scheduler.request.FINISH_REASONS values <-> the proto enum; None is "not finished".
+# core.outputs.FinishReason <-> the proto enum; None is "not finished".
 _FINISH_REASON_TO_PROTO = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-    "error": common_pb2.FINISH_REASON_ERROR,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
 }
 _FINISH_REASON_FROM_PROTO = {code: reason for reason, code in _FINISH_REASON_TO_PROTO.items()}
 
 
-def finish_reason_to_proto(reason: str | None) -> int:
+def finish_reason_to_proto(reason: FinishReason | None) -> int:
     try:
         return _FINISH_REASON_TO_PROTO[reason]
     except KeyError:
-        raise ValueError(
-            f"finish_reason={reason!r} has no FinishReason value; expected one of "
-            f"{sorted(r for r in _FINISH_REASON_TO_PROTO if r)} or None"
-        ) from None
+        raise ValueError(f"finish_reason={reason!r} is not a FinishReason or None") from None
 
 
-def finish_reason_from_proto(code: int) -> str | None:
+def finish_reason_from_proto(code: int) -> FinishReason | None:
     try:
         return _FINISH_REASON_FROM_PROTO[code]
     except KeyError:
         raise ValueError(f"finish_reason={code} is not a known FinishReason value") from None
 
 
-# The public API's coarser view of scheduler.request.RequestStatus.
-_REQUEST_STATUS_TO_PROTO = {
-    RequestStatus.WAITING: generation_pb2.REQUEST_STATUS_QUEUED,
-    RequestStatus.PREEMPTED: generation_pb2.REQUEST_STATUS_QUEUED,
-    RequestStatus.RUNNING: generation_pb2.REQUEST_STATUS_RUNNING,
-    RequestStatus.FINISHED_STOPPED: generation_pb2.REQUEST_STATUS_FINISHED,
-    RequestStatus.FINISHED_LENGTH: generation_pb2.REQUEST_STATUS_FINISHED,
-    RequestStatus.FINISHED_ABORTED: generation_pb2.REQUEST_STATUS_CANCELLED,
-    RequestStatus.FINISHED_ERROR: generation_pb2.REQUEST_STATUS_FAILED,
-}
-
-
-def request_status_to_proto(status: RequestStatus) -> int:
-    return _REQUEST_STATUS_TO_PROTO[status]
-
-
 # ---- gateway -> scheduler -------------------------------------------------------------------
 
 
 def submit_request_to_proto(
-    request: Request, deadline_unix_s: float | None = None
+    request: GenerationRequest, deadline_unix_s: float | None = None, *, resumable: bool = False,
+    owner: str | None = None,
 ) -> scheduler_pb2.SubmitRequest:
     msg = scheduler_pb2.SubmitRequest(
         request_id=request.request_id,
@@ -134,15 +117,16 @@ def submit_request_to_proto(
         sampling_params=sampling_params_to_proto(request.sampling_params),
         eos_token_id=request.eos_token_id,
         priority=request.priority,
+        resumable=resumable,
+        owner=owner or "",
     )
     if deadline_unix_s is not None:
         msg.deadline.FromNanoseconds(round(deadline_unix_s * 1e9))
     return msg
 
 
-def request_from_submit_proto(msg: scheduler_pb2.SubmitRequest) -> Request:
-    """A fresh WAITING request; its arrival time is now, on the scheduler's own monotonic clock."""
-    return Request(
+def generation_request_from_submit_proto(msg: scheduler_pb2.SubmitRequest) -> GenerationRequest:
+    return GenerationRequest(
         request_id=msg.request_id,
         prompt_token_ids=list(msg.prompt_token_ids),
         sampling_params=sampling_params_from_proto(msg.sampling_params),
@@ -259,8 +243,21 @@ def step_result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
 # ---- scheduler -> gateway token deltas ------------------------------------------------------
 
 
-def request_output_to_proto(output: RequestOutput, timings: common_pb2.Timings | None = None
-                            ) -> scheduler_pb2.SubmitResponse:
+def timings_to_proto(timings: RequestTimings) -> common_pb2.Timings:
+    return common_pb2.Timings(queue_ns=timings.queue_ns, time_to_first_token_ns=timings.time_to_first_token_ns,
+                              decode_ns=timings.decode_ns, e2e_ns=timings.e2e_ns,
+                              first_token_forward_ns=timings.first_token_forward_ns)
+
+
+def timings_from_proto(msg: common_pb2.Timings) -> RequestTimings:
+    return RequestTimings(queue_ns=msg.queue_ns, time_to_first_token_ns=msg.time_to_first_token_ns,
+                          decode_ns=msg.decode_ns, e2e_ns=msg.e2e_ns,
+                          first_token_forward_ns=msg.first_token_forward_ns)
+
+
+def request_output_to_proto(output: RequestOutput) -> scheduler_pb2.SubmitResponse:
+    """output.error is not sent: a failed request ends its Submit call with the error's status instead."""
+    timings = timings_to_proto(output.timings) if output.timings is not None else None
     msg = scheduler_pb2.SubmitResponse(
         request_id=output.request_id,
         new_token_ids=output.new_token_ids,
@@ -275,3 +272,18 @@ def request_output_to_proto(output: RequestOutput, timings: common_pb2.Timings |
     for token_logprobs in output.logprobs:
         msg.logprobs.append(token_logprobs_to_proto(token_logprobs))
     return msg
+
+
+def request_output_from_proto(msg: scheduler_pb2.SubmitResponse) -> RequestOutput:
+    return RequestOutput(
+        request_id=msg.request_id,
+        new_token_ids=list(msg.new_token_ids),
+        logprobs=[token_logprobs_from_proto(entry) for entry in msg.logprobs],
+        finished=msg.finished,
+        finish_reason=finish_reason_from_proto(msg.finish_reason),
+        num_prompt_tokens=msg.num_prompt_tokens,
+        num_output_tokens=msg.num_output_tokens,
+        num_cached_tokens=msg.num_cached_tokens,
+        num_preemptions=msg.num_preemptions,
+        timings=timings_from_proto(msg.timings) if msg.HasField("timings") else None,
+    )

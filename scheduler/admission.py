@@ -12,17 +12,16 @@ once (RESOURCE_EXHAUSTED naming the limit) instead of letting waits grow without
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from core.errors import InvalidArgument, ResourceExhausted
+from core.sampling import MAX_LOGPROBS, SamplingLimits, check_sampling_params
 from scheduler.request import Request
-from tokenmill.errors import InvalidArgument, ResourceExhausted
 
 # What a client told "queue full" should wait before trying again: about the time a few requests
 # take to leave the queue; a hint, not a promise.
 RETRY_AFTER_S = 1.0
-MAX_LOGPROBS = 20  # alternatives per token; the gateway's Limits.max_logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +37,7 @@ class Admission:
         self.config = config
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self._sampling_limits = SamplingLimits(max_logprobs=min(MAX_LOGPROBS, vocab_size))
 
     def check_request(self, request: Request) -> None:
         prompt = request.prompt_token_ids
@@ -52,11 +52,9 @@ class Admission:
             if bad is not None:
                 raise InvalidArgument(f"{field}[{bad}]", ids[bad],
                                       f"must be a token id in [0, {self.vocab_size - 1}] (vocab_size={self.vocab_size})")
-        _check_sampling(request)
-        logprobs = request.sampling_params.logprobs
-        if logprobs is not None and not 0 <= logprobs <= min(MAX_LOGPROBS, self.vocab_size):
-            raise InvalidArgument("sampling_params.logprobs", logprobs,
-                                  f"must be in [0, {min(MAX_LOGPROBS, self.vocab_size)}]")
+        # what a worker can run at all: a NaN temperature or a zero top_p would turn the whole batch's
+        # logits into NaN on the worker
+        check_sampling_params(request.sampling_params, self._sampling_limits, prefix="sampling_params.")
 
     def check_room(self, request: Request, num_waiting: int, waiting_tokens: Callable[[], int]) -> None:
         """Raises ResourceExhausted when request would push the waiting queue past a bound.
@@ -75,22 +73,3 @@ class Admission:
             raise ResourceExhausted(
                 f"scheduler waiting queue is full: {num_waiting_tokens} tokens waiting + {request.num_tokens} "
                 f"in this prompt > --max-waiting-tokens={token_limit}; retry later", retry_after_s=RETRY_AFTER_S)
-
-
-def _check_sampling(request: Request) -> None:
-    # The sampler divides by temperature and normalises by top_p: a NaN or a zero here would turn the
-    # whole batch's logits into NaN on the worker.
-    params = request.sampling_params
-    if params.max_tokens < 1:
-        raise InvalidArgument("sampling_params.max_tokens", params.max_tokens, "must be >= 1")
-    for field, value, low, high, low_open in (("temperature", params.temperature, 0.0, math.inf, False),
-                                              ("top_p", params.top_p, 0.0, 1.0, True),
-                                              ("min_p", params.min_p, 0.0, 1.0, False),
-                                              ("repetition_penalty", params.repetition_penalty, 0.0, math.inf, True),
-                                              ("presence_penalty", params.presence_penalty, -math.inf, math.inf, False),
-                                              ("frequency_penalty", params.frequency_penalty, -math.inf, math.inf, False)):
-        if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
-            bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-            raise InvalidArgument(f"sampling_params.{field}", value, f"must be a finite number in {bounds}")
-    if params.top_k < -1:
-        raise InvalidArgument("sampling_params.top_k", params.top_k, "must be >= -1 (-1 or 0 disables)")

@@ -10,7 +10,7 @@ from collections import deque
 from typing import Iterable
 
 from scheduler.executor import Executor
-from scheduler.outputs import RequestOutput
+from core.outputs import RequestOutput
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 

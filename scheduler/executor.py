@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from scheduler.plan import StepPlan, StepResult
+from core.step import StepPlan, StepResult
 
 
 class Executor(Protocol):

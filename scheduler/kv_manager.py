@@ -8,7 +8,7 @@ Both report KV utilization = live tokens / reserved slots.
 from __future__ import annotations
 
 from scheduler.block_pool import BlockPool
-from scheduler.prefix_cache import extend_block_hashes
+from core.prefix_keys import extend_block_hashes
 from scheduler.request import Request
 
 

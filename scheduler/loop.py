@@ -13,18 +13,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from core.errors import AlreadyExists, DeadlineExceeded, ServingError, WorkerUnavailable
+from core.outputs import FinishReason, RequestOutput
+from core.step import StepPlan, StepResult
+from plumbing.process import cancel_and_wait
 from scheduler.admission import Admission, AdmissionConfig
-from scheduler.outputs import RequestOutput
 from scheduler.pipelined_loop import run_pipelined
-from scheduler.plan import StepPlan, StepResult
 from scheduler.request import Request
-from scheduler.scheduler import RequestTooLarge, Scheduler
-from scheduler.worker_recovery import WORKER_UNAVAILABLE, WorkerRecovery
-from tokenmill.errors import AlreadyExists, InvalidArgument
-from tokenmill.process import cancel_and_wait
+from scheduler.scheduler import Scheduler
+from scheduler.worker_recovery import WorkerRecovery
 
 logger = logging.getLogger(__name__)
-DEADLINE_EXCEEDED = "deadline exceeded"
 
 
 class AsyncExecutor(Protocol):
@@ -39,9 +38,9 @@ class StateSink(Protocol):
     def running(self, request_id: str) -> None: ...
     def preempted(self, request_id: str) -> None: ...
     def progress(self, request_id: str, *, num_output_tokens: int) -> None: ...
-    def finished(self, request_id: str, *, finish_reason: str = "stop",
+    def finished(self, request_id: str, *, finish_reason: FinishReason = FinishReason.STOP,
                  num_output_tokens: int | None = None) -> None: ...
-    def failed(self, request_id: str, *, error: str) -> None: ...
+    def failed(self, request_id: str, *, error: ServingError) -> None: ...
     def cancelled(self, request_id: str) -> None: ...
 
 
@@ -49,7 +48,7 @@ class TokenSink(Protocol):
     """Where resumable requests' tokens go (kvstore.TokenStreamWriter in production)."""
 
     def append(self, request_id: str, start_index: int, token_ids: list[int]) -> None: ...
-    def finish(self, request_id: str, end_index: int, finish_reason: str, error: str | None,
+    def finish(self, request_id: str, end_index: int, finish_reason: FinishReason, error: ServingError | None,
                num_prompt_tokens: int) -> None: ...
 
 
@@ -102,12 +101,7 @@ class EngineLoop:
         self.admission.check_request(request)
         if request.request_id in self.streams:
             raise AlreadyExists("request_id", request.request_id)
-        needed = self.scheduler.kv.blocks_needed_at_most(request)
-        if needed > self.scheduler.config.num_blocks:
-            raise InvalidArgument(
-                "max_tokens", request.sampling_params.max_tokens,
-                f"prompt ({request.num_prompt_tokens}) + max_tokens needs {needed} KV pages; "
-                f"this replica has {self.scheduler.config.num_blocks}")
+        self.scheduler.check_fits(request)
         arriving = [payload for kind, payload in self._inbox if kind == "add"]
         self.admission.check_room(request, len(self.scheduler.waiting) + len(arriving),
                                   lambda: self._waiting_tokens(arriving))
@@ -131,7 +125,7 @@ class EngineLoop:
         waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
         return waiting + sum(r.num_tokens for r in arriving)
 
-    def abort(self, request_id: str, finish_reason: str = "abort") -> bool:
+    def abort(self, request_id: str, finish_reason: FinishReason = FinishReason.ABORT) -> bool:
         """Ends the request at the next loop iteration; False if it is unknown or already ended."""
         if request_id not in self.streams:
             return False
@@ -173,7 +167,7 @@ class EngineLoop:
                 raise
             except Exception as error:  # the worker is gone or broke
                 if self.worker_recovery is None:
-                    self._fail_all(f"{WORKER_UNAVAILABLE}: step failed: {error}")
+                    self._fail_all(WorkerUnavailable(f"worker unavailable: step failed: {error}"))
                 else:
                     await self.worker_recovery.recover(self, error)
                 continue
@@ -190,9 +184,9 @@ class EngineLoop:
             if kind == "add":
                 try:
                     self.scheduler.add_request(payload)
-                except (RequestTooLarge, ValueError) as error:
-                    self._end_stream(RequestOutput(payload.request_id, finished=True, finish_reason="error",
-                                                   error=str(error)))
+                except ServingError as error:  # too large for the KV cache, or the id is taken
+                    self._end_stream(RequestOutput(payload.request_id, finished=True,
+                                                   finish_reason=FinishReason.ERROR, error=error))
             else:
                 request_id, finish_reason = payload
                 output = self.scheduler.abort_request(request_id)
@@ -210,7 +204,9 @@ class EngineLoop:
             if output is None:  # still in the inbox: never scheduled
                 self._inbox = [(kind, p) for kind, p in self._inbox if not (kind == "add" and p.request_id == request_id)]
                 output = RequestOutput(request_id, finished=True)
-            output.finish_reason, output.error = "abort", DEADLINE_EXCEEDED
+            output.finish_reason = FinishReason.ABORT
+            output.error = DeadlineExceeded(f"request {request_id!r} passed its deadline after "
+                                            f"{output.num_output_tokens} tokens; its pages are freed")
             self._end_stream(output)
 
     def _note_scheduled(self, plan: StepPlan) -> None:
@@ -254,14 +250,12 @@ class EngineLoop:
             self._write_tokens(output)
         if not self.state:
             return
-        if output.error == DEADLINE_EXCEEDED:
-            self.state.failed(output.request_id, error=DEADLINE_EXCEEDED)
-        elif output.finish_reason == "error":
-            self.state.failed(output.request_id, error=output.error or "unknown error")
-        elif output.finish_reason == "abort":
+        if output.error is not None:
+            self.state.failed(output.request_id, error=output.error)
+        elif output.finish_reason is FinishReason.ABORT:
             self.state.cancelled(output.request_id)
         else:
-            self.state.finished(output.request_id, finish_reason=output.finish_reason or "stop",
+            self.state.finished(output.request_id, finish_reason=output.finish_reason or FinishReason.STOP,
                                 num_output_tokens=output.num_output_tokens)
 
     def _write_tokens(self, output: RequestOutput) -> None:
@@ -269,16 +263,16 @@ class EngineLoop:
         if output.new_token_ids:
             self.tokens.append(output.request_id, end - len(output.new_token_ids), output.new_token_ids)
         if output.finished:
-            self.tokens.finish(output.request_id, end, output.finish_reason or "error", output.error,
+            self.tokens.finish(output.request_id, end, output.finish_reason or FinishReason.ERROR, output.error,
                                output.num_prompt_tokens)
 
-    def _fail_all(self, error: str, request_ids: list[str] | None = None) -> None:
+    def _fail_all(self, error: ServingError, request_ids: list[str] | None = None) -> None:
         """Ends the given requests (default: all) with finish reason error."""
         request_ids = list(self.scheduler.requests) if request_ids is None else request_ids
         logger.error("%s; failing %d requests", error, len(request_ids))
         for request_id in request_ids:
             output = self.scheduler.abort_request(request_id)
             if output is not None:
-                output.finish_reason, output.error = "error", error
+                output.finish_reason, output.error = FinishReason.ERROR, error
                 self._end_stream(output)
 

@@ -17,11 +17,11 @@ from scheduler.scheduler import Scheduler
 from scheduler.service import SchedulerServicer, drain
 from scheduler.worker_client import WorkerClient
 from scheduler.worker_recovery import WorkerRecovery
-from tokenmill import rpc, telemetry, tls
-from tokenmill.drain import DrainInterceptor
-from tokenmill.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
-from tokenmill.telemetry.metrics import watch_scheduler
-from tokenmill.process import run_process, wait_for_stop_signal
+from plumbing import rpc, telemetry, tls
+from plumbing.drain import DrainInterceptor
+from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
+from plumbing.telemetry.metrics import watch_scheduler
+from plumbing.process import run_process, wait_for_stop_signal
 
 logger = logging.getLogger("tokenmill.scheduler")
 SERVING, NOT_SERVING = HealthCheckResponse.SERVING, HealthCheckResponse.NOT_SERVING

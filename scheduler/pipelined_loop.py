@@ -13,7 +13,7 @@ import contextlib
 from collections import deque
 from typing import TYPE_CHECKING
 
-from scheduler.worker_recovery import WORKER_UNAVAILABLE
+from core.errors import WorkerUnavailable
 
 if TYPE_CHECKING:
     from scheduler.loop import EngineLoop
@@ -52,7 +52,7 @@ async def run_pipelined(loop: EngineLoop) -> None:
             except Exception as error:  # the worker is gone or broke: the later step is lost too
                 await _cancel(in_flight)
                 if loop.worker_recovery is None:
-                    loop._fail_all(f"{WORKER_UNAVAILABLE}: step failed: {error}")
+                    loop._fail_all(WorkerUnavailable(f"worker unavailable: step failed: {error}"))
                 else:
                     await loop.worker_recovery.recover(loop, error)
                 continue

@@ -5,6 +5,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from core.outputs import FinishReason
+from core.requests import GenerationRequest
+from core.sampling import SamplingParams
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -27,33 +31,11 @@ FINISHED_STATUSES = frozenset(
 )
 
 FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
-
-
-@dataclass(slots=True, frozen=True)
-class SamplingParams:
-    """How to pick each next token. Validated at the edge (gateway); defaults follow vLLM."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
-    top_k: int = -1  # -1 (or 0) disables
-    top_p: float = 1.0  # in (0, 1]; 1 disables
-    min_p: float = 0.0  # in [0, 1]; 0 disables
-    repetition_penalty: float = 1.0  # HF semantics, over prompt + output tokens; 1 disables
-    presence_penalty: float = 0.0  # OpenAI semantics, over output tokens only
-    frequency_penalty: float = 0.0  # OpenAI semantics, over output tokens only
-    seed: int | None = None  # same seed => same output whatever else is in the batch
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: none; 0: the chosen token's; n: plus the top n
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 @dataclass(slots=True)
@@ -71,10 +53,10 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit of the first scheduling; -1 until then
     num_preemptions: int = 0
-    # chained content hashes of the full blocks of all_token_ids (see scheduler.prefix_cache)
+    # chained content hashes of the full blocks of all_token_ids (see core.prefix_keys)
     block_hashes: list[bytes] = field(default_factory=list)
-    finish_reason: str | None = None
-    trace_context: str = ""  # W3C traceparent of the request's span (tokenmill.telemetry); opaque here
+    finish_reason: FinishReason | None = None
+    trace_context: str = ""  # W3C traceparent of the request's span (plumbing.telemetry); opaque here
     # async scheduling: placeholders (PLACEHOLDER_TOKEN_ID) at the tail of all_token_ids for tokens
     # of steps still in flight; the oldest is replaced first, as results arrive in step order
     num_pending_tokens: int = 0
@@ -82,6 +64,12 @@ class Request:
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+
+    @classmethod
+    def from_generation_request(cls, spec: GenerationRequest, trace_context: str = "") -> Request:
+        """A fresh WAITING request; its arrival time is now, on this process's monotonic clock."""
+        return cls(spec.request_id, list(spec.prompt_token_ids), spec.sampling_params,
+                   eos_token_id=spec.eos_token_id, priority=spec.priority, trace_context=trace_context)
 
     @property
     def num_tokens(self) -> int:

@@ -8,16 +8,18 @@ The scheduler is owned by a single loop: schedule() -> executor -> update(); not
 """
 from __future__ import annotations
 
+from core.errors import AlreadyExists, InvalidArgument
+from core.outputs import RequestOutput
+from core.step import PLACEHOLDER_TOKEN_ID, CachedRequestData, NewRequestData, StepPlan, StepResult
 from scheduler.config import SchedulerConfig
 from scheduler.kv_manager import KVCacheManager
-from scheduler.outputs import RequestOutput, SchedulerStats
-from scheduler.plan import PLACEHOLDER_TOKEN_ID, CachedRequestData, NewRequestData, StepPlan, StepResult
 from scheduler.queue_policy import make_waiting_queue
 from scheduler.request import FINISH_REASONS, Request, RequestStatus
+from scheduler.stats import SchedulerStats
 
 
-class RequestTooLarge(ValueError):
-    """The request could never fit the KV cache, even alone."""
+class RequestTooLarge(InvalidArgument):
+    """The request could never fit the KV cache, even alone (prompt + max_tokens past every page)."""
 
 
 class Scheduler:
@@ -34,15 +36,20 @@ class Scheduler:
 
     # --- intake -----------------------------------------------------------------------------------
 
+    def check_fits(self, request: Request) -> None:
+        """Raises RequestTooLarge when prompt + max_tokens could never fit the KV cache, even alone."""
+        needed = self.kv.blocks_needed_at_most(request)
+        if needed > self.config.num_blocks:
+            raise RequestTooLarge(
+                "max_tokens", request.sampling_params.max_tokens,
+                f"prompt ({request.num_prompt_tokens}) + max_tokens = "
+                f"{request.num_prompt_tokens + request.sampling_params.max_tokens} tokens needs {needed} pages; "
+                f"the KV cache has {self.config.num_blocks} pages of {self.config.block_size} tokens")
+
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
-            raise ValueError(f"request_id={request.request_id!r} is already queued or running")
-        worst_case = request.num_prompt_tokens + request.sampling_params.max_tokens
-        if self.kv.blocks_needed_at_most(request) > self.config.num_blocks:
-            raise RequestTooLarge(
-                f"prompt + max_tokens = {worst_case} tokens needs "
-                f"{self.kv.blocks_needed_at_most(request)} pages; the KV cache has {self.config.num_blocks} "
-                f"pages of {self.config.block_size} tokens")
+            raise AlreadyExists("request_id", request.request_id)
+        self.check_fits(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)

@@ -3,23 +3,23 @@ from __future__ import annotations
 
 import asyncio
 
+from core.errors import Unavailable
+from core.outputs import FinishReason, RequestTimings
 from protos import codec
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler.loop import DEADLINE_EXCEEDED, EngineLoop, RequestTimes
-from scheduler.worker_recovery import WORKER_UNAVAILABLE
-from tokenmill.errors import DeadlineExceeded, Unavailable
-from tokenmill.telemetry.scheduler_requests import record_request_end, start_request
+from scheduler.loop import EngineLoop, RequestTimes
+from scheduler.request import Request
+from scheduler.telemetry import record_request_end, start_request
 
 
-def _timings(times: RequestTimes) -> common_pb2.Timings:
+def _timings(times: RequestTimes) -> RequestTimings:
     def ns(start: float | None, end: float | None) -> int:
         return int((end - start) * 1e9) if start is not None and end is not None else 0
 
-    return common_pb2.Timings(queue_ns=ns(times.arrival, times.first_scheduled),
-                              time_to_first_token_ns=ns(times.arrival, times.first_token),
-                              decode_ns=ns(times.first_token, times.finished),
-                              e2e_ns=ns(times.arrival, times.finished),
-                              first_token_forward_ns=times.first_token_forward_ns)
+    return RequestTimings(queue_ns=ns(times.arrival, times.first_scheduled),
+                          time_to_first_token_ns=ns(times.arrival, times.first_token),
+                          decode_ns=ns(times.first_token, times.finished), e2e_ns=ns(times.arrival, times.finished),
+                          first_token_forward_ns=times.first_token_forward_ns)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -39,8 +39,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Submit(self, request, context):
         # a resumable request outlives this call (its gateway may die): its caller aborts it explicitly
         resumable = request.resumable and self.loop.tokens is not None
-        domain_request = codec.request_from_submit_proto(request)
-        domain_request.trace_context = start_request(request.request_id)  # worker step spans link to this call's span
+        # worker step spans link to this call's span through the request's trace context
+        domain_request = Request.from_generation_request(codec.generation_request_from_submit_proto(request),
+                                                         trace_context=start_request(request.request_id))
         stream = self.loop.submit(domain_request, codec.deadline_from_submit_proto(request), resumable,
                                   owner=request.owner or None)
         finished = False
@@ -56,19 +57,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 finished = output.finished
                 if finished:
                     record_request_end(stream.times, output.num_preemptions)
-                if output.error == DEADLINE_EXCEEDED:
-                    raise DeadlineExceeded(f"request {request.request_id!r} passed its deadline after "
-                                           f"{output.num_output_tokens} tokens; its pages are freed")
-                if output.error and output.error.startswith(WORKER_UNAVAILABLE):
-                    raise Unavailable(f"request {request.request_id!r} failed after {output.num_output_tokens} "
-                                      f"tokens: {output.error}")
-                yield codec.request_output_to_proto(output, _timings(stream.times) if finished else None)
+                    output.timings = _timings(stream.times)
+                if output.error is not None:  # typed: the edge maps it to its status (plumbing.rpc)
+                    raise output.error
+                yield codec.request_output_to_proto(output)
         finally:
             if not finished and not resumable:  # the client went away or cancelled: free its pages
                 self.loop.abort(request.request_id)
 
     async def Abort(self, request, context):
-        reason = codec.finish_reason_from_proto(request.reason) or "abort"
+        reason = codec.finish_reason_from_proto(request.reason) or FinishReason.ABORT
         aborted = [rid for rid in request.request_ids if self.loop.abort(rid, finish_reason=reason)]
         return scheduler_pb2.AbortResponse(aborted_request_ids=aborted)
 

@@ -8,10 +8,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import codec
 from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc
-from scheduler.plan import StepPlan, StepResult
-from tokenmill import tls as tls_config
-from tokenmill.message_size import INTERNAL_MAX_MESSAGE_BYTES, message_size_options
-from tokenmill.rpc import WORKER_SERVICE
+from core.step import StepPlan, StepResult
+from plumbing import tls as tls_config
+from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, message_size_options
+from plumbing.rpc import WORKER_SERVICE
 
 # A restarted worker is found within a second, not after gRPC's default reconnect backoff (up to 120 s).
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
@@ -23,7 +23,7 @@ class WorkerClient:
                  max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES) -> None:
         self.address = address
         self.step_timeout_s = step_timeout_s
-        # step plans carry whole prompts of new requests (tokenmill.message_size sizes the limit)
+        # step plans carry whole prompts of new requests (plumbing.message_size sizes the limit)
         self._channel = tls_config.aio_channel(
             address, tls, message_size_options(max_message_bytes) + RECONNECT_OPTIONS)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)

@@ -4,7 +4,7 @@ The worker holds the KV cache, so a restarted worker (the supervisor or Kubernet
 knows nothing of the requests in flight. The loop puts them back at the head of the queue with
 num_computed_tokens = 0: the one scheduling rule then recomputes prompt + tokens generated so far
 (exactly as after a preemption), and greedy output continues unchanged. With retry switched off they
-fail at once with WORKER_UNAVAILABLE instead (the servicer answers UNAVAILABLE).
+fail at once with a WorkerUnavailable error instead (the servicer answers UNAVAILABLE).
 
 Either way the loop then waits for a worker to answer again (re-registration: healthy, same KV
 capacity), still applying submits, aborts and deadlines meanwhile, and fails what is left if none
@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from scheduler.loop import EngineLoop
 
+from core.errors import WorkerUnavailable
+
 logger = logging.getLogger(__name__)
-WORKER_UNAVAILABLE = "worker unavailable"  # prefix of the error of requests a lost worker took with it
 
 
 class WorkerRecovery:
@@ -56,7 +57,7 @@ class WorkerRecovery:
                 loop.state.preempted(request_id)
         if not self.retry or self._consecutive_failures > self.max_consecutive_failures:
             why = "retry is off" if self.retry is False else f"{self._consecutive_failures} failed steps in a row"
-            loop._fail_all(f"{WORKER_UNAVAILABLE}: step failed ({why}): {error}", requeued)
+            loop._fail_all(WorkerUnavailable(f"worker unavailable: step failed ({why}): {error}"), requeued)
         else:
             logger.warning("worker step failed (%s); %d requests re-queued for recompute", error, len(requeued))
         await self._wait_for_worker(loop)
@@ -74,7 +75,8 @@ class WorkerRecovery:
                 if time.monotonic() < deadline:
                     await asyncio.sleep(0.1)
                     continue
-                loop._fail_all(f"{WORKER_UNAVAILABLE}: not back after {self.reconnect_timeout_s:g}s: {error}")
+                loop._fail_all(WorkerUnavailable(
+                    f"worker unavailable: not back after {self.reconnect_timeout_s:g}s: {error}"))
                 return
             self.num_recoveries += 1
             self.lost = False  # what the watcher saw while we waited is this same loss

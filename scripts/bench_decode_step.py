@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from scheduler.plan import CachedRequestData, NewRequestData, StepPlan
-from scheduler.request import SamplingParams
+from core.step import CachedRequestData, NewRequestData, StepPlan
+from core.sampling import SamplingParams
 from worker.loader import load_model
 from worker.model_runner import ModelRunner
 

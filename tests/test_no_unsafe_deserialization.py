@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE_DIRS = ("gateway", "scheduler", "worker", "kvstore", "protos", "tokenmill", "scripts")
+SOURCE_DIRS = ("core", "plumbing", "gateway", "scheduler", "worker", "kvstore", "protos", "tokenmill", "scripts")
 
 PICKLING_MODULES = {"pickle", "cPickle", "_pickle", "marshal", "shelve", "dill", "cloudpickle", "jsonpickle",
                     "joblib", "multiprocessing"}

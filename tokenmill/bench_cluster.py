@@ -16,7 +16,8 @@ import sys
 import time
 
 from gateway.tokenizer import TextTokenizer, load_tokenizer
-from scheduler.request import Request, SamplingParams
+from core.sampling import SamplingParams
+from scheduler.request import Request
 from tokenmill.bench_engine import make_workload
 from tokenmill.llm import LLM, EngineConfig
 

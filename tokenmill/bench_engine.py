@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from scheduler.request import SamplingParams
+from core.sampling import SamplingParams
 from tokenmill.llm import LLM, EngineConfig
 
 

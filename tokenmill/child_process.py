@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
-from tokenmill.tls import ClientTLS
+from plumbing.tls import ClientTLS
 
 # A readiness probe answers (ready, what it saw), e.g. (False, "NOT_SERVING"); it must not raise.
 Probe = Callable[[], tuple[bool, str]]

@@ -130,7 +130,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_serve_security_arguments(parser: argparse.ArgumentParser) -> None:
-    from tokenmill.message_size import PUBLIC_MAX_MESSAGE_BYTES, add_message_size_argument
+    from plumbing.message_size import PUBLIC_MAX_MESSAGE_BYTES, add_message_size_argument
 
     parser.add_argument("--redis-user", help="ACL user of the redis-server started here (needs --redis-password-file)")
     parser.add_argument("--redis-password-file", help="file whose first line is the password of the redis-server "
@@ -290,7 +290,7 @@ def serve(args: argparse.Namespace) -> int:
 def serve_security_options(args: argparse.Namespace) -> dict:
     """ClusterConfig fields from serve's TLS, Redis credential and message size flags; raises
     ValueError naming the flag when they cannot work."""
-    from tokenmill.tls import ClusterTLS
+    from plumbing.tls import ClusterTLS
 
     options: dict = {"max_message_bytes": args.max_message_bytes}
     if args.redis_user and not args.redis_password_file:
@@ -346,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def generate_tls(args: argparse.Namespace):
     """ClientTLS for `generate` (None: plaintext); TLS with the system's roots when only a cert is given."""
-    from tokenmill.tls import ClientTLS
+    from plumbing.tls import ClientTLS
 
     if not (args.tls_ca or args.tls_cert or args.tls_key):
         return None

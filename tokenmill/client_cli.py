@@ -13,7 +13,7 @@ from typing import TextIO
 import grpc
 
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tokenmill import tls as tls_config
+from plumbing import tls as tls_config
 
 
 @dataclass(slots=True)

@@ -13,12 +13,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tokenmill.child_process import ChildSpec
-from tokenmill.message_size import INTERNAL_MAX_MESSAGE_BYTES, PUBLIC_MAX_MESSAGE_BYTES
+from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, PUBLIC_MAX_MESSAGE_BYTES
 from tokenmill.readiness import connect_address, free_port
 from tokenmill.redis_process import redis_spec, redis_url
 from tokenmill.restart_policy import RestartPolicy
-from tokenmill.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
-from tokenmill.tls import ClusterTLS
+from plumbing.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
+from plumbing.tls import ClusterTLS
 
 # The checkout (or site-packages) holding the worker/scheduler/gateway packages, put on the children's
 # PYTHONPATH so `python -m worker.main` works whatever directory `tokenmill serve` runs in.

@@ -7,8 +7,9 @@ from typing import Sequence
 
 from scheduler.config import SchedulerConfig
 from scheduler.engine import EngineCore
-from scheduler.outputs import RequestOutput
-from scheduler.request import Request, SamplingParams
+from core.outputs import RequestOutput
+from core.sampling import SamplingParams
+from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from worker.backends import ExecutionOptions
 from worker.build import build_runner

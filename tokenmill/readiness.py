@@ -7,7 +7,7 @@ import socket
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tokenmill import tls as tls_config
+from plumbing import tls as tls_config
 
 # Short reconnect backoff: by default a channel that found nobody listening waits up to 120 s before
 # trying again, which would hide a worker that starts listening after a minute of model loading.

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from scheduler.plan import TokenLogprobs
+from core.step import TokenLogprobs
 from worker.attention import RequestSpan
 from worker.backends import ResolvedExecution
 from worker.kv_cache import KVCache

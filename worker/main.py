@@ -9,9 +9,9 @@ import time
 import torch
 
 from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc
-from tokenmill import rpc, telemetry, tls
-from tokenmill.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
-from tokenmill.process import run_process, wait_for_stop_signal
+from plumbing import rpc, telemetry, tls
+from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
+from plumbing.process import run_process, wait_for_stop_signal
 from worker.backends import add_execution_flags, execution_options_from_args
 from worker.build import DTYPES, build_runner, model_name, resolve_device
 from worker.kv_cache import bytes_per_block

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scheduler.plan import PLACEHOLDER_TOKEN_ID, StepPlan, StepResult
-from scheduler.request import SamplingParams
+from core.step import PLACEHOLDER_TOKEN_ID, StepPlan, StepResult
+from core.sampling import SamplingParams
 from worker.attention import DECODE_GROUP_BYTES, GatherWorkspace, RequestSpan, build_attention_metadata
 from worker.backends import ExecutionOptions, resolve_execution
 from worker.config import ModelConfig

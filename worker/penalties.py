@@ -14,7 +14,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from scheduler.request import SamplingParams
+from core.sampling import SamplingParams
 
 
 class PenaltyRow(Protocol):

@@ -26,8 +26,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from scheduler.plan import TokenLogprobs
-from scheduler.request import SamplingParams
+from core.step import TokenLogprobs
+from core.sampling import SamplingParams
 from worker.penalties import apply_penalties, has_penalties
 
 # Below this temperature vLLM samples greedily; dividing by it could overflow the logits to inf.

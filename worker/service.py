@@ -6,8 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from protos import codec
 from protos.tokenmill.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from tokenmill.errors import FailedPrecondition, Unavailable
-from tokenmill.telemetry.worker_steps import StepTelemetry
+from core.errors import FailedPrecondition, Unavailable
+from worker.step_telemetry import StepTelemetry
 from worker.config import ModelConfig
 from worker.model_runner import ModelRunner, PlanMismatchError
 from worker.step_order import StepOrder

@@ -23,7 +23,7 @@ import math
 import struct
 from dataclasses import dataclass, field
 
-from tokenmill.errors import InvalidArgument
+from core.errors import InvalidArgument
 
 TEXT_INPUT = "text_input"
 STREAM_INPUT = "stream"

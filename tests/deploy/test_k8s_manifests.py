@@ -6,7 +6,7 @@ import kubernetes_validate
 import pytest
 
 from tests.deploy.conftest import OVERLAYS, container, find, pod_spec, workloads
-from tokenmill import rpc
+from plumbing import rpc
 
 # the oldest release with GA gRPC probes that is still common, and the newest the package knows
 KUBERNETES_VERSIONS = ("1.28.0", kubernetes_validate.latest_version())

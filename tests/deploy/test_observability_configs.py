@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from tokenmill.telemetry.metrics import exported_metric_names
+from plumbing.telemetry.metrics import exported_metric_names
 
 ROOT = Path(__file__).resolve().parents[2] / "deploy" / "observability"
 METRIC = re.compile(r"\btokenmill:[A-Za-z0-9_:]+")

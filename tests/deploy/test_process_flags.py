@@ -10,7 +10,7 @@ import re
 import pytest
 
 from tests.deploy.conftest import OVERLAYS, container, find
-from tokenmill import rpc
+from plumbing import rpc
 
 MODULES = ("gateway.main", "scheduler.main", "worker.main")
 METRICS_PORTS = {"gateway.main": 9400, "scheduler.main": 9401, "worker.main": 9402}

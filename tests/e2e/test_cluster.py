@@ -10,9 +10,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.tokenizer import load_tokenizer
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from scheduler.request import SamplingParams
+from core.sampling import SamplingParams
 from tokenmill.llm import LLM, EngineConfig
-from tokenmill.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
+from plumbing.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from kvstore.redis_health import REDIS_HEALTH_SERVICE
 from protos.tokenmill.v1 import (common_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2,
                                  scheduler_pb2_grpc)
 from tests.e2e.faults_cluster import generate_ok, kill9, request, scheduler_load, tiny_cluster, wait_until
-from tokenmill.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE
+from plumbing.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE
 
 pytestmark = pytest.mark.slow
 
@@ -223,7 +223,7 @@ async def test_gateway_killed_mid_stream_the_client_resumes_by_request_id_withou
     with redis.Redis.from_url(config.effective_redis_url) as client:
         entries = [fields for _, fields in client.xrange("tokenmill:tokens:resume-me")]
     assert sum(len(fields[b"t"].split()) for fields in entries) == 480, "the scheduler ran it once"
-    assert [fields.get(b"f") for fields in entries].count(b"length") == 1
+    assert [fields.get(b"f") for fields in entries].count(b"LENGTH") == 1
 
 
 async def test_sigterm_drains_the_gateway_refuses_new_requests_and_exits_zero(cluster):

@@ -16,11 +16,11 @@ import redis
 
 from kvstore.replica_keys import load_key, prefixes_key
 from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler.prefix_cache import extend_block_hashes
+from core.prefix_keys import extend_block_hashes
 from tests.helpers.tiny_models import make_tiny_hf_model
 from tokenmill.child_process import ChildSpec
 from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
-from tokenmill.rpc import GENERATION_SERVICE
+from plumbing.rpc import GENERATION_SERVICE
 from tokenmill.supervisor import Supervisor
 
 BLOCK_SIZE = 16

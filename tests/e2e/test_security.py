@@ -23,9 +23,9 @@ from tokenmill import cli
 from tokenmill.client import Client, ClientError
 from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
 from tokenmill.readiness import free_port
-from tokenmill.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
+from plumbing.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
 from tokenmill.supervisor import Supervisor
-from tokenmill.tls import ClientTLS, ClusterTLS, aio_channel
+from plumbing.tls import ClientTLS, ClusterTLS, aio_channel
 
 pytestmark = pytest.mark.slow
 

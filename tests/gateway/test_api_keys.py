@@ -10,7 +10,7 @@ import pytest
 from gateway.access import AccessControl, build_access
 from gateway.api_keys import ApiKey, ApiKeyStore, hash_api_key, load_api_keys
 from gateway.rate_limit import RateLimiter
-from tokenmill.errors import ResourceExhausted, Unauthenticated
+from core.errors import ResourceExhausted, Unauthenticated
 
 
 def write_keys(tmp_path, *lines: str):

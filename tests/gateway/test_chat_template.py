@@ -6,7 +6,7 @@ from transformers import PreTrainedTokenizerFast
 
 from gateway.chat_template import render_chat
 from gateway.tokenizer import load_tokenizer
-from tokenmill.errors import InvalidArgument
+from core.errors import InvalidArgument
 
 CHATS = [
     [{"role": "user", "content": "Hi!"}],

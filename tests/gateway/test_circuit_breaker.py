@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.circuit_breaker import BreakerState, CircuitBreaker
-from tokenmill.errors import Unavailable
+from core.errors import Unavailable
 
 
 class Clock:

@@ -20,7 +20,7 @@ from tritonclient.utils import InferenceServerException, deserialize_bytes_tenso
 
 from protos.kserve import codec
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from tokenmill.errors import InvalidArgument
+from core.errors import InvalidArgument
 
 PROMPT = "The capital of France is"
 OTHER_PROMPT = "Three colours of the rainbow are"

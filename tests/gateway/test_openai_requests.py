@@ -5,13 +5,14 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from core.outputs import FinishReason
 from gateway.generation_stream import Finish, GenerationDelta, TokenLogprob, TopLogprob
 from gateway.openai_errors import openai_error
 from gateway.openai_requests import ModelNotFound, parse_chat, parse_completion
 from gateway.openai_responses import GenerationFailed, ResponseBuilder
 from gateway.tokenizer import load_tokenizer
 from gateway.validation import Limits
-from tokenmill import errors
+from core import errors
 
 MODEL = "SmolLM2"
 LIMITS = Limits(max_model_len=2048, vocab_size=49152)
@@ -122,7 +123,7 @@ def test_exceptions_and_downstream_statuses_map_to_http(exc, status, code):
 
 def _deltas() -> list[GenerationDelta]:
     entry = TokenLogprob(5, " Pa", -0.5, [TopLogprob(5, " Pa", -0.5), TopLogprob(6, " Lo", -1.5)])
-    finish = Finish("stop", "\n", 6, 2, 0, 0, 0, 0, 0)
+    finish = Finish(FinishReason.STOP, "\n", 6, 2, 0, 0, 0, 0, 0)
     return [GenerationDelta("id-1", " Pa", [5], [entry]),
             GenerationDelta("id-1", "ris", [7], [TokenLogprob(7, "ris", -0.25, [])], finish)]
 
@@ -153,4 +154,4 @@ def test_stream_chunks_add_up_to_the_whole_body(chat_api):
 def test_a_failed_request_raises_instead_of_answering():
     builder = ResponseBuilder(chat=True, request_id="id-1", model=MODEL, logprobs=None)
     with pytest.raises(GenerationFailed):
-        builder.chunks(GenerationDelta("id-1", "", [], [], Finish("error", "", 1, 0, 0, 0, 0, 0, 0)))
+        builder.chunks(GenerationDelta("id-1", "", [], [], Finish(FinishReason.ERROR, "", 1, 0, 0, 0, 0, 0, 0)))

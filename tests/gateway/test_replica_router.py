@@ -15,8 +15,8 @@ from scheduler.load_report import LoadReporter
 from scheduler.loop import EngineLoop
 from tests.helpers.tiny_models import write_tiny_tokenizer
 from tests.scheduler.conftest import make_engine, make_request
-from tokenmill import rpc
-from tokenmill.errors import Unavailable
+from plumbing import rpc
+from core.errors import Unavailable
 
 
 async def _health_server(ready: bool):
@@ -136,7 +136,7 @@ def test_the_router_imports_without_torch():
     import sys
 
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import gateway.replica_router, gateway.main, scheduler.prefix_cache\n"
+            "import gateway.replica_router, gateway.main, core.prefix_keys\n"
             "print('ok')\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout == "ok\n", result.stderr

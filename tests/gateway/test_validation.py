@@ -12,8 +12,8 @@ from gateway.validation import (
     validate_sampling,
     validate_stop_strings,
 )
-from scheduler.request import SamplingParams
-from tokenmill.errors import InvalidArgument
+from core.sampling import SamplingParams
+from core.errors import InvalidArgument
 
 LIMITS = Limits(max_model_len=1000, max_tokens_limit=512, vocab_size=100, max_stop_strings=2,
                 max_stop_string_len=5, max_logprobs=5, max_prompt_chars=50, max_messages=3,

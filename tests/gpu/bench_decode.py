@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from scheduler.plan import CachedRequestData, NewRequestData, StepPlan
-from scheduler.request import SamplingParams
+from core.step import CachedRequestData, NewRequestData, StepPlan
+from core.sampling import SamplingParams
 from tests.gpu.random_model import llama3_8b_config, random_llama, tiny_config
 from worker.backends import ExecutionOptions
 from worker.config import ModelConfig

@@ -2,8 +2,8 @@
 scattered block tables) that two runners are compared over, on CPU (interpreter) or CUDA."""
 from __future__ import annotations
 
-from scheduler.plan import CachedRequestData, NewRequestData, StepPlan
-from scheduler.request import SamplingParams
+from core.step import CachedRequestData, NewRequestData, StepPlan
+from core.sampling import SamplingParams
 from worker.model_runner import ModelRunner
 
 WITH_LOGPROBS = SamplingParams(temperature=0.0, logprobs=3, max_tokens=64)

@@ -11,7 +11,7 @@ from tests.gpu.random_model import random_llama, tiny_config
 from tests.gpu.steps import BLOCK_SIZE, NUM_BLOCKS, PLAIN_GREEDY, assert_same_steps, run_mixed_steps
 from worker.attention import RequestSpan
 from worker.backends import ExecutionOptions
-from worker.int8_agreement import window_logits
+from tokenmill.int8_agreement import window_logits
 from worker.model_runner import ModelRunner
 from worker.quantization import quantize_linears_int8
 from worker.triton_forward import host_metadata, to_device
@@ -106,7 +106,7 @@ def test_int8_kernel_model_matches_the_torch_int8_path(model_and_config):
 
 
 def test_seeded_sampling_is_the_same_with_and_without_graphs(model_and_config):
-    from scheduler.request import SamplingParams
+    from core.sampling import SamplingParams
 
     model, config = model_and_config
     seeded = SamplingParams(temperature=1.3, top_k=50, top_p=0.95, seed=99, max_tokens=64)

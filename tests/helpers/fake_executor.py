@@ -6,7 +6,7 @@ hit or a lost block therefore change the output, the way they would with a real 
 """
 from __future__ import annotations
 
-from scheduler.plan import StepPlan, StepResult, TokenLogprobs
+from core.step import StepPlan, StepResult, TokenLogprobs
 
 VOCAB = 1000
 

@@ -1,3 +1,4 @@
+from core.outputs import FinishReason
 from dataclasses import fields
 
 import pytest
@@ -16,7 +17,7 @@ def test_mapping_round_trip_keeps_every_field_exactly():
         first_scheduled_at=1_700_000_000.25,
         first_token_at=1_700_000_000.5,
         finished_at=1_700_000_001.0,
-        finish_reason="length",
+        finish_reason=FinishReason.LENGTH,
         model="smollm2-135m",
         priority=-3,
     )

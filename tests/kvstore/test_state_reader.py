@@ -1,6 +1,8 @@
 """RequestStateReader against a real redis-server: reads and the clean-up after a scheduler restart."""
 import redis
 
+from core.errors import ErrorCode, Unavailable
+from core.outputs import FinishReason
 from kvstore.records import RecordStatus, RequestRecord, record_key
 from tests.kvstore.conftest import drained
 
@@ -37,13 +39,14 @@ async def test_mark_orphans_failed_only_ends_live_records(make_writer, reader, f
     await drained(writer)
 
     ids = ["waiting", "running", "done", "cancelled", "unknown"]
-    marked = await reader.mark_orphans_failed(ids, "scheduler restarted", at=1_800_000_000.0)
+    marked = await reader.mark_orphans_failed(ids, Unavailable("scheduler restarted"), at=1_800_000_000.0)
 
     assert marked == ["waiting", "running"]
     for request_id in marked:
         record = await reader.get_record(request_id)
         assert (record.status, record.error) == (RecordStatus.FAILED, "scheduler restarted")
-        assert (record.finish_reason, record.finished_at) == ("error", 1_800_000_000.0)
+        assert (record.finish_reason, record.finished_at) == (FinishReason.ERROR, 1_800_000_000.0)
+        assert record.error_code is ErrorCode.UNAVAILABLE
     done = await reader.get_record("done")
     assert (done.status, done.error, done.num_output_tokens) == (RecordStatus.FINISHED, None, 3)
     assert (await reader.get_record("cancelled")).status == RecordStatus.CANCELLED
@@ -53,7 +56,7 @@ async def test_mark_orphans_failed_only_ends_live_records(make_writer, reader, f
 
 
 async def test_mark_orphans_failed_with_no_ids(reader):
-    assert await reader.mark_orphans_failed([], "scheduler restarted") == []
+    assert await reader.mark_orphans_failed([], Unavailable("scheduler restarted")) == []
 
 
 async def test_mark_orphans_failed_over_many_script_calls(make_writer, reader):
@@ -61,6 +64,6 @@ async def test_mark_orphans_failed_over_many_script_calls(make_writer, reader):
     for request_index in range(0, 2100, 2):  # every other id has a live record
         writer.queued(f"r{request_index}")
     await drained(writer)
-    marked = await reader.mark_orphans_failed([f"r{i}" for i in range(2100)], "scheduler restarted")
+    marked = await reader.mark_orphans_failed([f"r{i}" for i in range(2100)], Unavailable("scheduler restarted"))
     assert marked == [f"r{i}" for i in range(0, 2100, 2)]
     assert (await reader.get_record("r2098")).status == RecordStatus.FAILED

@@ -1,4 +1,5 @@
 """RequestStateWriter against a real redis-server: batching, TTL, terminal states, outages."""
+from core.outputs import FinishReason
 import asyncio
 import time
 
@@ -23,7 +24,7 @@ async def test_lifecycle_lands_in_the_hash_with_preemptions_counted(make_writer,
     writer.preempted("r1")  # and a second preemption inside one batch
     writer.running("r1", at=104.0)
     writer.progress("r1", num_output_tokens=7, at=105.0)
-    writer.finished("r1", finish_reason="length", at=106.0)
+    writer.finished("r1", finish_reason=FinishReason.LENGTH, at=106.0)
     await drained(writer)
 
     record = await reader.get_record("r1")
@@ -31,7 +32,7 @@ async def test_lifecycle_lands_in_the_hash_with_preemptions_counted(make_writer,
     assert record.num_preemptions == 2
     assert (record.num_prompt_tokens, record.num_output_tokens) == (12, 7)
     assert (record.created_at, record.first_scheduled_at, record.first_token_at) == (100.0, 101.0, 101.5)
-    assert (record.finished_at, record.finish_reason) == (106.0, "length")
+    assert (record.finished_at, record.finish_reason) == (106.0, FinishReason.LENGTH)
     assert (record.model, record.priority) == ("smollm2", 2)
     assert writer.stats.rejected == 0 and writer.stats.failures == 0
 

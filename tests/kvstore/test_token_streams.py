@@ -2,6 +2,7 @@
 Redis is down and written in order once it is back."""
 from __future__ import annotations
 
+from core.outputs import FinishReason
 from kvstore.token_streams import TokenStreamReader, TokenStreamWriter
 from tests.kvstore.conftest import wait_until
 
@@ -21,11 +22,11 @@ async def test_entries_come_back_in_order_with_their_indexes_and_the_finish(fres
     try:
         writer.append("r1", 0, [5, 6])
         writer.append("r1", 2, [7])
-        writer.finish("r1", 3, "length", None, num_prompt_tokens=4)
+        writer.finish("r1", 3, FinishReason.LENGTH, None, num_prompt_tokens=4)
         await wait_until(lambda: writer.pending == 0, what="the writer to flush")
         entries = await read_all(reader, "r1")
         assert [(e.index, e.token_ids, e.finish_reason) for e in entries] == [
-            (0, [5, 6], None), (2, [7], None), (3, [], "length")]
+            (0, [5, 6], None), (2, [7], None), (3, [], FinishReason.LENGTH)]
         assert entries[-1].num_prompt_tokens == 4 and await reader.exists("r1")
         assert not await reader.exists("never")
     finally:
@@ -39,7 +40,7 @@ async def test_redis_down_keeps_the_entries_and_they_land_in_order_after_the_res
     own_redis.stop()
     for index in range(50):
         writer.append("r1", index, [index])
-    writer.finish("r1", 50, "stop", None, num_prompt_tokens=1)
+    writer.finish("r1", 50, FinishReason.STOP, None, num_prompt_tokens=1)
     await wait_until(lambda: not writer.healthy, what="the writer to notice Redis is down")
     own_redis.start()  # same port, empty
     await wait_until(lambda: writer.pending == 0, timeout_s=10, what="the writer to catch up")
@@ -50,4 +51,4 @@ async def test_redis_down_keeps_the_entries_and_they_land_in_order_after_the_res
         await reader.aclose()
         await writer.aclose()
     assert [token for entry in entries for token in entry.token_ids] == list(range(50))
-    assert entries[-1].finish_reason == "stop" and writer.healthy and writer.dropped == 0
+    assert entries[-1].finish_reason is FinishReason.STOP and writer.healthy and writer.dropped == 0

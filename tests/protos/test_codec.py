@@ -5,10 +5,12 @@ import time
 
 import pytest
 
+from core.outputs import FinishReason, RequestOutput, RequestTimings
+from core.requests import GenerationRequest
+from core.sampling import SamplingParams
+from core.step import CachedRequestData, NewRequestData, StepPlan, StepResult, TokenLogprobs
 from protos import codec
-from protos.tokenmill.v1 import common_pb2, generation_pb2, sampling_pb2, worker_pb2
-from scheduler.plan import CachedRequestData, NewRequestData, StepPlan, StepResult, TokenLogprobs
-from scheduler.request import FINISH_REASONS, Request, RequestStatus, SamplingParams
+from protos.tokenmill.v1 import common_pb2, sampling_pb2, worker_pb2
 
 
 def over_the_wire(msg):
@@ -119,37 +121,36 @@ def test_step_result_rejects_logprobs_without_a_sampled_token():
 
 
 def test_submit_request_round_trip_with_deadline():
-    request = Request("r-1", [5, 6, 7], FULL_PARAMS, eos_token_id=2, priority=-3)
-    msg = over_the_wire(codec.submit_request_to_proto(request, deadline_unix_s=1_700_000_000.25))
-    decoded = codec.request_from_submit_proto(msg)
-    assert (decoded.request_id, decoded.prompt_token_ids, decoded.sampling_params) == (
-        "r-1", [5, 6, 7], FULL_PARAMS,
-    )
-    assert (decoded.eos_token_id, decoded.priority, decoded.status) == (2, -3, RequestStatus.WAITING)
+    request = GenerationRequest("r-1", [5, 6, 7], FULL_PARAMS, eos_token_id=2, priority=-3)
+    msg = over_the_wire(codec.submit_request_to_proto(request, deadline_unix_s=1_700_000_000.25, resumable=True,
+                                                      owner="alice"))
+    assert codec.generation_request_from_submit_proto(msg) == request
+    assert (msg.resumable, msg.owner) == (True, "alice")
     assert codec.deadline_from_submit_proto(msg) == pytest.approx(1_700_000_000.25, abs=1e-6)
 
 
 def test_submit_request_without_eos_or_deadline():
-    msg = over_the_wire(codec.submit_request_to_proto(Request("r-2", [1], SamplingParams())))
-    assert codec.request_from_submit_proto(msg).eos_token_id is None
+    msg = over_the_wire(codec.submit_request_to_proto(GenerationRequest("r-2", [1], SamplingParams())))
+    assert codec.generation_request_from_submit_proto(msg).eos_token_id is None
     assert codec.deadline_from_submit_proto(msg) is None
+    assert (msg.resumable, msg.owner) == (False, "")
 
 
 def test_finish_reasons_cover_every_domain_reason():
-    for reason in [None, *FINISH_REASONS.values()]:
-        assert codec.finish_reason_from_proto(codec.finish_reason_to_proto(reason)) == reason
-    with pytest.raises(ValueError, match="finish_reason='timeout' has no FinishReason value"):
+    for reason in [None, *FinishReason]:
+        assert codec.finish_reason_from_proto(codec.finish_reason_to_proto(reason)) is reason
+    with pytest.raises(ValueError, match="finish_reason='timeout' is not a FinishReason or None"):
         codec.finish_reason_to_proto("timeout")
-    assert set(common_pb2.FinishReason.values()) == {
-        codec.finish_reason_to_proto(r) for r in [None, *FINISH_REASONS.values()]
-    }
+    assert set(common_pb2.FinishReason.values()) == {codec.finish_reason_to_proto(r) for r in [None, *FinishReason]}
 
 
-def test_every_domain_status_has_a_public_status():
-    public = {status: codec.request_status_to_proto(status) for status in RequestStatus}
-    assert public[RequestStatus.PREEMPTED] == generation_pb2.REQUEST_STATUS_QUEUED
-    assert public[RequestStatus.FINISHED_ABORTED] == generation_pb2.REQUEST_STATUS_CANCELLED
-    assert generation_pb2.REQUEST_STATUS_UNSPECIFIED not in public.values()
+def test_request_output_round_trip_with_timings():
+    output = RequestOutput("r-3", [4, 5], [TokenLogprobs(-0.5, [(4, -0.5)]), TokenLogprobs(-1.0)], finished=True,
+                           finish_reason=FinishReason.LENGTH, num_prompt_tokens=3, num_output_tokens=2,
+                           num_cached_tokens=1, num_preemptions=1, timings=RequestTimings(1, 2, 3, 4, 5))
+    assert codec.request_output_from_proto(over_the_wire(codec.request_output_to_proto(output))) == output
+    unfinished = RequestOutput("r-4", [7])
+    assert codec.request_output_from_proto(over_the_wire(codec.request_output_to_proto(unfinished))) == unfinished
 
 
 def test_decode_plan_codec_speed():

@@ -6,7 +6,8 @@ import pytest
 
 from scheduler.config import SchedulerConfig
 from scheduler.engine import EngineCore
-from scheduler.request import Request, SamplingParams
+from core.sampling import SamplingParams
+from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.helpers.fake_executor import FakeExecutor
 

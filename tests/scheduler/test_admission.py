@@ -8,10 +8,11 @@ import pytest
 from scheduler.admission import Admission, AdmissionConfig
 from scheduler.config import SchedulerConfig
 from scheduler.loop import EngineLoop
-from scheduler.request import Request, SamplingParams
+from core.sampling import SamplingParams
+from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.helpers.fake_executor import FakeExecutor
-from tokenmill.errors import InvalidArgument, ResourceExhausted
+from core.errors import InvalidArgument, ResourceExhausted
 
 
 def loop_with(max_waiting_requests: int = 100, max_waiting_tokens: int = 0) -> EngineLoop:

@@ -5,11 +5,12 @@ placeholder token reaching a page or a prefix hash, or a lost token changes the 
 """
 from __future__ import annotations
 
+from core.outputs import FinishReason
 import asyncio
 
 from scheduler.config import SchedulerConfig
 from scheduler.loop import EngineLoop
-from scheduler.plan import PLACEHOLDER_TOKEN_ID
+from core.step import PLACEHOLDER_TOKEN_ID
 from scheduler.scheduler import Scheduler
 from tests.helpers.fake_executor import FakeExecutor
 from tests.scheduler.conftest import make_engine, make_request
@@ -34,7 +35,7 @@ def test_same_outputs_as_sync_with_chunked_prefill_and_length_finishes():
     sync_tokens, sync_finishes, _ = run(False)
     tokens, finishes, engine = run(True)
     assert tokens == sync_tokens and finishes == sync_finishes
-    assert all(reason == "length" for reason, _ in finishes.values())
+    assert all(reason is FinishReason.LENGTH for reason, _ in finishes.values())
     assert all(t >= 0 for ts in tokens.values() for t in ts)
     # the 22-token prompt needs three chunks of at most 10: chunked prefill happened
     assert sum(1 for plan in engine.executor.plans if "r1" in plan.num_scheduled_tokens) >= 3 + 3
@@ -46,7 +47,7 @@ def test_stop_token_at_step_n_discards_step_n_plus_1_and_frees_pages():
     expected_tokens, expected_finishes, _ = run(False, stop_token_ids=(stop,))
     tokens, finishes, engine = run(True, stop_token_ids=(stop,))
     assert tokens == expected_tokens and finishes == expected_finishes
-    assert finishes["r2"] == ("stop", 5)
+    assert finishes["r2"] == (FinishReason.STOP, 5)
     # r2 was already in the plan after the one that sampled its stop token: the executor computed
     # a sixth token for it, which no output carries, and the plan after that dropped it
     plans = engine.executor.plans

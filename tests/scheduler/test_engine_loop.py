@@ -5,7 +5,9 @@ import asyncio
 import time
 
 from scheduler.config import SchedulerConfig
-from scheduler.loop import DEADLINE_EXCEEDED, EngineLoop
+from core.errors import DeadlineExceeded
+from core.outputs import FinishReason
+from scheduler.loop import EngineLoop
 from scheduler.scheduler import Scheduler
 from tests.helpers.fake_executor import FakeExecutor
 from tests.scheduler.conftest import make_request
@@ -41,7 +43,7 @@ async def test_loop_streams_every_token_then_finishes():
     results = await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams)), 5)
     await loop.stop()
     for outputs in results:
-        assert sum(len(o.new_token_ids) for o in outputs) == 6 and outputs[-1].finish_reason == "length"
+        assert sum(len(o.new_token_ids) for o in outputs) == 6 and outputs[-1].finish_reason is FinishReason.LENGTH
     assert not loop.streams and loop.scheduler.kv.pool.num_used == 0
 
 
@@ -50,7 +52,7 @@ async def test_deadline_mid_generation_ends_the_request_and_frees_its_pages():
     loop.start()
     stream = loop.submit(make_request([3] * 5, max_tokens=200), deadline=time.time() + 0.2)
     outputs = await asyncio.wait_for(drain(stream), 5)
-    assert outputs[-1].error == DEADLINE_EXCEEDED and 0 < len(outputs) < 200
+    assert isinstance(outputs[-1].error, DeadlineExceeded) and 0 < len(outputs) < 200
     await asyncio.sleep(0.05)
     assert loop.scheduler.kv.pool.num_used == 0 and not loop.scheduler.requests
     await loop.stop()
@@ -62,5 +64,5 @@ async def test_deadline_already_past_never_runs():
     loop.start()
     outputs = await asyncio.wait_for(drain(stream), 5)
     await loop.stop()
-    assert len(outputs) == 1 and outputs[0].error == DEADLINE_EXCEEDED and not outputs[0].new_token_ids
+    assert len(outputs) == 1 and isinstance(outputs[0].error, DeadlineExceeded) and not outputs[0].new_token_ids
     assert loop.num_steps == 0

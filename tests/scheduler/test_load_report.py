@@ -7,7 +7,7 @@ import redis
 from kvstore.replica_keys import LOAD_FIELDS, LOAD_TTL_S, load_key, prefixes_key
 from scheduler.load_report import LoadReporter
 from scheduler.loop import EngineLoop
-from scheduler.prefix_cache import extend_block_hashes
+from core.prefix_keys import extend_block_hashes
 from tests.scheduler.conftest import make_engine, make_request
 
 REPLICA = "10.0.0.7:50052"

@@ -4,7 +4,7 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler.plan import PLACEHOLDER_TOKEN_ID
+from core.step import PLACEHOLDER_TOKEN_ID
 from scheduler.request import RequestStatus
 from tests.scheduler.conftest import make_engine, make_request
 

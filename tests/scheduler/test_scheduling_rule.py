@@ -1,4 +1,6 @@
 """The one rule: num_computed_tokens catches up with num_tokens under a token budget."""
+from core.errors import InvalidArgument
+from core.outputs import FinishReason
 from scheduler.request import RequestStatus
 from tests.scheduler.conftest import make_engine, make_request
 
@@ -54,9 +56,9 @@ def test_stop_conditions():
     ignores = make_request([5, 6, 7], max_tokens=50, eos_token_id=eos, params={"ignore_eos": True})
     by_stop_id = make_request([5, 6, 7], max_tokens=50, params={"stop_token_ids": (tokens[1],)})
     results = engine.run_to_completion([stops, ignores, by_stop_id])
-    assert stops.output_token_ids == tokens[:4] and stops.finish_reason == "stop"
-    assert ignores.output_token_ids == tokens and ignores.finish_reason == "length"
-    assert by_stop_id.output_token_ids == tokens[:2] and by_stop_id.finish_reason == "stop"
+    assert stops.output_token_ids == tokens[:4] and stops.finish_reason == FinishReason.STOP
+    assert ignores.output_token_ids == tokens and ignores.finish_reason == FinishReason.LENGTH
+    assert by_stop_id.output_token_ids == tokens[:2] and by_stop_id.finish_reason == FinishReason.STOP
     assert results[stops.request_id][-1].finished
 
 
@@ -90,7 +92,7 @@ def test_request_that_can_never_fit_is_refused_with_numbers():
     engine = make_engine(num_blocks=4, block_size=4)
     try:
         engine.add_request(make_request(range(1, 10), max_tokens=10))
-    except ValueError as error:
+    except InvalidArgument as error:
         assert "19 tokens" in str(error) and "5 pages" in str(error) and "4 pages" in str(error)
     else:
         raise AssertionError("expected a refusal")

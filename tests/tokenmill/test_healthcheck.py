@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from tokenmill import rpc
+from plumbing import rpc
 from tokenmill.readiness import free_port
 
 

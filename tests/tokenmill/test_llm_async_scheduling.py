@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from scheduler.request import SamplingParams
+from core.sampling import SamplingParams
 from tests.helpers.tiny_models import make_tiny_hf_model
 from tokenmill.llm import LLM, EngineConfig
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gateway.tokenizer import load_tokenizer
-from scheduler.request import SamplingParams
+from core.sampling import SamplingParams
 from tokenmill.bench_engine import load_transformers_model
 from tokenmill.llm import LLM, EngineConfig
 

@@ -10,9 +10,9 @@ from scheduler.main import parse_args as scheduler_args
 from tests.helpers.certificates import make_pki
 from tokenmill import cli
 from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
-from tokenmill.message_size import INTERNAL_MAX_MESSAGE_BYTES, PUBLIC_MAX_MESSAGE_BYTES
+from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, PUBLIC_MAX_MESSAGE_BYTES
 from tokenmill.redis_process import redis_spec
-from tokenmill.tls import ClusterTLS
+from plumbing.tls import ClusterTLS
 from worker.main import parse_args as worker_args
 
 LOOPBACK = "127.0.0.1"

@@ -2,6 +2,7 @@
 runs step N, and greedy outputs are token for token those of the synchronous loop."""
 from __future__ import annotations
 
+from core.outputs import FinishReason
 import asyncio
 import sys
 
@@ -10,13 +11,14 @@ import grpc
 from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc
 from scheduler.config import SchedulerConfig
 from scheduler.loop import EngineLoop
-from scheduler.request import Request, SamplingParams
+from core.sampling import SamplingParams
+from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from scheduler.worker_client import WorkerClient
 from tests.helpers.tiny_models import make_tiny_hf_model
 from tokenmill.child_process import ChildSpec
 from tokenmill.readiness import free_port
-from tokenmill.rpc import WORKER_SERVICE
+from plumbing.rpc import WORKER_SERVICE
 from tokenmill.supervisor import Supervisor
 
 # different lengths; a budget of 24 tokens splits the longer prompts into chunks mixed with decodes
@@ -66,11 +68,11 @@ async def test_async_scheduling_matches_sync_and_the_worker_gets_plans_ahead(tmp
         free_running = await generate(client, False, "a")
         stop = free_running[1][0][4]  # request 1 stops at its 5th token (others may stop on it too)
         expected = await generate(client, False, "b", stop_token_ids=(stop,))
-        assert expected[1] == (free_running[1][0][:5], "stop")
+        assert expected[1] == (free_running[1][0][:5], FinishReason.STOP)
         assert await num_steps_queued(address) == 0  # synchronous: a plan leaves only after a result
         ours = await generate(client, True, "c", stop_token_ids=(stop,))
         assert ours == expected
-        assert {reason for _, reason in ours.values()} == {"stop", "length"}
+        assert {reason for _, reason in ours.values()} == {FinishReason.STOP, FinishReason.LENGTH}
         # plans that reached the worker while it still ran the previous step
         assert await num_steps_queued(address) >= 5
         await client.close()

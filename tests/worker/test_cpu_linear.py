@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from scheduler.plan import CachedRequestData, NewRequestData, StepPlan
-from scheduler.request import SamplingParams
+from core.step import CachedRequestData, NewRequestData, StepPlan
+from core.sampling import SamplingParams
 from tests.gpu.random_model import random_llama, tiny_config
 from worker.backends import ExecutionOptions, resolve_execution
 from worker.cpu_linear import PackedLinear, pack_linears

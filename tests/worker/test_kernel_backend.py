@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler.plan import CachedRequestData, NewRequestData, StepPlan
-from scheduler.request import SamplingParams
+from core.step import CachedRequestData, NewRequestData, StepPlan
+from core.sampling import SamplingParams
 from tests.gpu.random_model import random_llama, tiny_config
 from tests.gpu.steps import BLOCK_SIZE, NUM_BLOCKS, assert_same_steps, run_mixed_steps
 from worker.backends import ExecutionOptions

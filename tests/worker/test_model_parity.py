@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from scheduler.plan import CachedRequestData, NewRequestData, StepPlan
-from scheduler.request import SamplingParams
+from core.step import CachedRequestData, NewRequestData, StepPlan
+from core.sampling import SamplingParams
 from tests.helpers.tiny_models import FLAVOURS, VOCAB_SIZE, make_tiny_hf_model
 from worker.loader import load_model
 from worker.model_runner import ModelRunner

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from scheduler.executor import Executor
-from scheduler.plan import CachedRequestData, NewRequestData, StepPlan
-from scheduler.request import SamplingParams
+from core.step import CachedRequestData, NewRequestData, StepPlan
+from core.sampling import SamplingParams
 from tests.helpers.tiny_models import make_tiny_hf_model
 from worker.kv_cache import num_blocks_for_budget
 from worker.loader import load_model

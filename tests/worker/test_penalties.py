@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler.request import SamplingParams
+from core.sampling import SamplingParams
 from worker.penalties import apply_penalties, has_penalties
 from worker.sampler import SamplingRow
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from tests.gpu.random_model import random_llama, tiny_config
-from worker.int8_agreement import window_logits
+from tokenmill.int8_agreement import window_logits
 from worker.quantization import Int8Linear, quantize_linears_int8
 
 
@@ -33,8 +33,8 @@ def test_int8_model_stays_close_to_float32():
 
 
 def test_build_runner_quantizes_at_load(tmp_path):
-    from scheduler.plan import NewRequestData, StepPlan
-    from scheduler.request import SamplingParams
+    from core.step import NewRequestData, StepPlan
+    from core.sampling import SamplingParams
     from tests.helpers.tiny_models import make_tiny_hf_model
     from worker.backends import ExecutionOptions
     from worker.build import build_runner

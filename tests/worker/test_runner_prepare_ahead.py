@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler.plan import PLACEHOLDER_TOKEN_ID, CachedRequestData, NewRequestData, StepPlan
-from scheduler.request import SamplingParams
+from core.step import PLACEHOLDER_TOKEN_ID, CachedRequestData, NewRequestData, StepPlan
+from core.sampling import SamplingParams
 from tests.helpers.tiny_models import make_tiny_hf_model
 from worker.backends import ExecutionOptions
 from worker.loader import load_model

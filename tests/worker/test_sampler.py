@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler.request import SamplingParams
+from core.sampling import SamplingParams
 from worker.sampler import SamplingRow, sample
 
 # probabilities with gaps wide enough that float rounding never decides a top-p / min-p boundary

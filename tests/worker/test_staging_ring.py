@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler.plan import CachedRequestData, NewRequestData, StepPlan
-from scheduler.request import SamplingParams
+from core.step import CachedRequestData, NewRequestData, StepPlan
+from core.sampling import SamplingParams
 from tests.helpers.tiny_models import make_tiny_hf_model
 from worker.loader import load_model
 from worker.model_runner import ModelRunner

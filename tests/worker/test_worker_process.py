@@ -10,7 +10,7 @@ from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc
 from tests.helpers.tiny_models import make_tiny_hf_model
 from tokenmill.child_process import ChildSpec
 from tokenmill.readiness import free_port
-from tokenmill.rpc import WORKER_SERVICE
+from plumbing.rpc import WORKER_SERVICE
 from tokenmill.supervisor import Supervisor
 
 

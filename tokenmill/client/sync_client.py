@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 import grpc
 
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tokenmill import tls as tls_config
+from plumbing import tls as tls_config
 from tokenmill.client.retry import RetryPolicy, deadline_after, time_left, wait_before_retry
 from tokenmill.client.types import (Delta, GenerationResult, ModelInfo, RequestStatus, chat_messages,
                                     delta_from_proto, generate_request, model_info_from_proto,

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.api_keys import hash_api_key
 from tests.helpers.tiny_models import make_tiny_hf_model
 from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
-from tokenmill.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
+from plumbing.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
 from tokenmill.supervisor import Supervisor
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"

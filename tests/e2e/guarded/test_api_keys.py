@@ -19,7 +19,7 @@ from tritonclient.utils import InferenceServerException
 
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.e2e.guarded.conftest import MAIN_KEY, OTHER_KEY
-from tokenmill.rpc import GENERATION_SERVICE
+from plumbing.rpc import GENERATION_SERVICE
 
 WRONG_KEY = "tm-wrong-key-that-must-never-be-echoed"
 REFUSED = [  # (authorization value or None, what the message must say)

@@ -11,9 +11,9 @@ import logging
 
 from aiohttp import web
 
-from tokenmill.telemetry.logs import set_service
-from tokenmill.telemetry.metrics import REGISTRY
-from tokenmill.telemetry.tracing import setup_tracing
+from plumbing.telemetry.logs import set_service
+from plumbing.telemetry.metrics import REGISTRY
+from plumbing.telemetry.tracing import setup_tracing
 
 logger = logging.getLogger(__name__)
 

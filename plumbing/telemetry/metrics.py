@@ -1,7 +1,7 @@
 """Every Prometheus metric tokenmill exports, named like vLLM's (`vllm:` -> `tokenmill:`).
 
 Each process updates the ones that are its to see and serves them all on its --metrics-port
-(tokenmill.telemetry.metrics_server); those it never touches simply stay at zero there.
+(plumbing.telemetry.metrics_server); those it never touches simply stay at zero there.
 
     gateway    TTFT, inter-token and end-to-end latency as the client sees them, prompt and
                generation tokens, finished requests by reason, errors by gRPC status code
@@ -89,7 +89,7 @@ def exported_metric_names() -> set[str]:
 
 
 class SchedulerStatsCollector(Collector):
-    """Reads scheduler.outputs.SchedulerStats at scrape time.
+    """Reads scheduler.stats.SchedulerStats at scrape time.
 
     The metrics server runs on the scheduler's event loop, so the read happens between two
     iterations of the step loop, never during one (invariant 4: one owner of scheduler state)."""

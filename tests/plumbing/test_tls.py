@@ -1,4 +1,4 @@
-"""tokenmill.tls against a real grpc.aio server in this process with certificates made here: who gets
+"""plumbing.tls against a real grpc.aio server in this process with certificates made here: who gets
 in under TLS and mutual TLS, the supervisor's readiness probe over mTLS, and the flags' errors."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.helpers.certificates import make_pki
-from tokenmill import rpc, tls
+from plumbing import rpc, tls
 from tokenmill.readiness import GrpcHealthProbe
 
 SERVICE = rpc.WORKER_SERVICE

@@ -1,6 +1,6 @@
 """Log output for tokenmill processes: plain text (default) or one JSON object per line.
 
-TOKENMILL_LOG_FORMAT=json (read once, in tokenmill.process.run_process) gives lines like
+TOKENMILL_LOG_FORMAT=json (read once, in plumbing.process.run_process) gives lines like
 
     {"time": "2026-11-29T17:01:02.345Z", "level": "INFO", "service": "gateway",
      "logger": "tokenmill.gateway.requests", "message": "request r-1 finished: length, 16 tokens",

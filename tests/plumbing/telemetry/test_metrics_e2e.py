@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc
-from tokenmill.telemetry.metrics import SCHEDULER_METRICS
+from plumbing.telemetry.metrics import SCHEDULER_METRICS
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from tokenmill.errors import Unavailable
+from core.errors import Unavailable
 
 logger = logging.getLogger(__name__)
 

@@ -71,7 +71,7 @@ def _instrument_libraries() -> None:
     from opentelemetry.instrumentation.grpc.filters import any_of, health_check, negate, service_prefix
     from opentelemetry.instrumentation.redis import RedisInstrumentor
 
-    from tokenmill.telemetry.grpc_client import instrument_channels
+    from plumbing.telemetry.grpc_client import instrument_channels
 
     # Health probes (the supervisor's, Kubernetes', the gateway waiting for its scheduler) and
     # reflection would each start a trace of their own every poll: not request work, left out.

@@ -1,10 +1,31 @@
 """Failures a client can cause or must be told about, as plain exceptions.
 
 Domain code (gateway validation, the scheduler, the worker) raises these without knowing about gRPC;
-tokenmill.rpc maps each class to one gRPC status code at the edge. Messages are written for the
+plumbing.rpc maps each class to one gRPC status code at the edge. Messages are written for the
 person reading the client's error: they name the field, the value and the limit.
+
+An error that must outlive its process (a request's ending written to Redis and read back by another
+gateway) travels as its ErrorCode's name plus its message, and error_from_code rebuilds it: nobody
+ever compares message text to learn what kind of failure it was.
 """
 from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.Enum):
+    """The kind of a ServingError; the names are gRPC's status names, so they read the same everywhere."""
+
+    INVALID_ARGUMENT = enum.auto()
+    NOT_FOUND = enum.auto()
+    ALREADY_EXISTS = enum.auto()
+    RESOURCE_EXHAUSTED = enum.auto()
+    UNAVAILABLE = enum.auto()
+    DEADLINE_EXCEEDED = enum.auto()
+    CANCELLED = enum.auto()
+    UNAUTHENTICATED = enum.auto()
+    FAILED_PRECONDITION = enum.auto()
+    INTERNAL = enum.auto()
 
 # Long values (a whole prompt, a token list) are cut in messages so a status stays readable.
 _MAX_VALUE_REPR = 120
@@ -18,6 +39,8 @@ def _short_repr(value: object) -> str:
 class ServingError(Exception):
     """Base class; str(error) is the message the client sees."""
 
+    code = ErrorCode.INTERNAL
+
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
@@ -25,6 +48,8 @@ class ServingError(Exception):
 
 class InvalidArgument(ServingError):
     """A request field is out of range or malformed (INVALID_ARGUMENT)."""
+
+    code = ErrorCode.INVALID_ARGUMENT
 
     def __init__(self, field: str, value: object, limit_or_reason: str) -> None:
         self.field = field
@@ -36,6 +61,8 @@ class InvalidArgument(ServingError):
 class NotFound(ServingError):
     """Something named by the client does not exist, e.g. an unknown request id (NOT_FOUND)."""
 
+    code = ErrorCode.NOT_FOUND
+
     def __init__(self, kind: str, key: object) -> None:
         self.kind = kind
         self.key = key
@@ -44,6 +71,8 @@ class NotFound(ServingError):
 
 class AlreadyExists(ServingError):
     """A client-chosen id is already taken by a live request (ALREADY_EXISTS)."""
+
+    code = ErrorCode.ALREADY_EXISTS
 
     def __init__(self, kind: str, key: object) -> None:
         self.kind = kind
@@ -57,6 +86,8 @@ class ResourceExhausted(ServingError):
     retry_after_s, when known, reaches the client as the trailing metadata "retry-after-ms".
     """
 
+    code = ErrorCode.RESOURCE_EXHAUSTED
+
     def __init__(self, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
@@ -65,19 +96,48 @@ class ResourceExhausted(ServingError):
 class Unavailable(ServingError):
     """No backend can take the request right now: not ready, shutting down, circuit open (UNAVAILABLE)."""
 
+    code = ErrorCode.UNAVAILABLE
+
 
 class DeadlineExceeded(ServingError):
     """The request's deadline passed before it finished (DEADLINE_EXCEEDED)."""
+
+    code = ErrorCode.DEADLINE_EXCEEDED
 
 
 class Cancelled(ServingError):
     """The request was cancelled by its client or by an abort (CANCELLED)."""
 
+    code = ErrorCode.CANCELLED
+
 
 class Unauthenticated(ServingError):
     """Missing or wrong credentials (UNAUTHENTICATED)."""
+
+    code = ErrorCode.UNAUTHENTICATED
 
 
 class FailedPrecondition(ServingError):
     """The call disagrees with the server's state, e.g. a step plan naming a request the worker
     does not hold (FAILED_PRECONDITION)."""
+
+    code = ErrorCode.FAILED_PRECONDITION
+
+
+class WorkerUnavailable(Unavailable):
+    """The worker running the request died or broke and the request could not be recovered
+    (UNAVAILABLE). A separate class so the scheduler's outputs say which failure it was by type."""
+
+
+def error_from_code(code: ErrorCode, message: str) -> ServingError:
+    """The error read back from storage: the class of its kind, carrying the stored message as is
+    (the subclasses' constructors build messages from fields, which storage does not keep)."""
+    error = ServingError.__new__(_BY_CODE.get(code, ServingError))
+    ServingError.__init__(error, message)
+    return error
+
+
+_BY_CODE: dict[ErrorCode, type[ServingError]] = {
+    cls.code: cls for cls in (InvalidArgument, NotFound, AlreadyExists, ResourceExhausted, Unavailable,
+                              DeadlineExceeded, Cancelled, Unauthenticated, FailedPrecondition)
+}

@@ -1,4 +1,4 @@
-"""How often INT8 weight-only greedy next tokens agree with float32: `python -m worker.int8_agreement`.
+"""How often INT8 weight-only greedy next tokens agree with float32: `python -m tokenmill.int8_agreement`.
 
 Teacher-forced: fixed texts (the prose below, then files of this repository, in a fixed order) are
 tokenized and cut into windows; every position of every window is one comparison of argmax(logits)
@@ -95,7 +95,7 @@ def agreement(reference: LlamaModel, candidate: LlamaModel, config: ModelConfig,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m worker.int8_agreement", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tokenmill.int8_agreement", description=__doc__)
     parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--positions", type=int, default=4096, help="positions compared (default: %(default)s)")
     parser.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window")

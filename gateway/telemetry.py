@@ -18,10 +18,10 @@ import time
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
-from scheduler.request import Request
-from tokenmill.telemetry import metrics
-from tokenmill.telemetry.logs import bind_request
-from tokenmill.telemetry.tracing import tracer, tracing_enabled
+from core.requests import GenerationRequest
+from plumbing.telemetry import metrics
+from plumbing.telemetry.logs import bind_request
+from plumbing.telemetry.tracing import tracer, tracing_enabled
 
 logger = logging.getLogger("tokenmill.gateway.requests")
 _UNTRACED_PATHS = frozenset({"/health", "/ready"})  # probes poll; they are not request work
@@ -37,7 +37,7 @@ def set_model_name(name: str) -> None:
 class RequestObserver:
     __slots__ = ("request_id", "arrival", "span", "first_token", "last_token", "num_tokens")
 
-    def __init__(self, request: Request, arrival: float) -> None:
+    def __init__(self, request: GenerationRequest, arrival: float) -> None:
         self.request_id = request.request_id
         self.arrival = arrival  # time.monotonic() when the request reached the gateway
         self.first_token: float | None = None
@@ -82,16 +82,16 @@ class RequestObserver:
         metrics.E2E_REQUEST_LATENCY.observe(e2e_s)
         metrics.PROMPT_TOKENS.inc(finish.prompt_tokens)
         metrics.GENERATION_TOKENS.inc(finish.completion_tokens)
-        metrics.REQUEST_SUCCESS.labels(finished_reason=finish.reason).inc()
+        metrics.REQUEST_SUCCESS.labels(finished_reason=finish.reason.value).inc()
         if self.span.is_recording():
             self.span.set_attributes({
                 "gen_ai.usage.output_tokens": finish.completion_tokens,
-                "gen_ai.response.finish_reasons": [finish.reason],
+                "gen_ai.response.finish_reasons": [finish.reason.value],
                 "gen_ai.response.id": self.request_id,
                 "tokenmill.cached_prompt_tokens": finish.cached_prompt_tokens,
             })
         logger.info("request %s finished: %s, %d prompt + %d output tokens, TTFT %.1f ms, total %.1f ms",
-                    self.request_id, finish.reason, finish.prompt_tokens, finish.completion_tokens,
+                    self.request_id, finish.reason.value, finish.prompt_tokens, finish.completion_tokens,
                     finish.time_to_first_token_ns / 1e6, e2e_s * 1e3, extra={"request_id": self.request_id})
 
 

@@ -24,8 +24,8 @@ from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from tokenmill import errors
-from tokenmill.telemetry import metrics
+from core import errors
+from plumbing.telemetry import metrics
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.request import SamplingParams
+from core.sampling import SamplingParams
 
 # Async scheduling: the scheduler's stand-in for a token its worker has sampled but not yet returned.
 # It never leaves the scheduler: the worker appends the tokens it samples to its own copy of each

@@ -6,14 +6,14 @@ import os
 import signal
 from collections.abc import Coroutine
 
-from tokenmill.telemetry.logs import configure_logging
+from plumbing.telemetry.logs import configure_logging
 
 
 def run_process(main: Coroutine) -> None:
     """Runs a process's main coroutine on uvloop (plain asyncio where uvloop is missing).
 
     Logs go to stderr as text, or as JSON lines with trace and request ids when
-    TOKENMILL_LOG_FORMAT=json (tokenmill.telemetry.logs)."""
+    TOKENMILL_LOG_FORMAT=json (plumbing.telemetry.logs)."""
     configure_logging(os.environ.get("TOKENMILL_LOG_FORMAT", "text").strip().lower() or "text")
     try:
         import uvloop

@@ -1,4 +1,4 @@
-"""A real grpc.aio server in-process, with tiny servicers, through tokenmill.rpc's plumbing."""
+"""A real grpc.aio server in-process, with tiny servicers, through plumbing.rpc's plumbing."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +10,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from protos.tokenmill.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tokenmill import errors, rpc
+from core import errors
+from plumbing import rpc
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -154,7 +155,7 @@ async def test_not_found_names_the_request(served):
 
 async def test_unexpected_exception_is_internal_with_its_text_and_logged(served, caplog):
     _, channel, _ = served
-    with caplog.at_level(logging.ERROR, logger="tokenmill.rpc"):
+    with caplog.at_level(logging.ERROR, logger="plumbing.rpc"):
         with pytest.raises(grpc.aio.AioRpcError) as failure:
             await worker_pb2_grpc.WorkerStub(channel).ExecuteStep(worker_pb2.StepPlan(step_id=1))
     assert failure.value.code() == grpc.StatusCode.INTERNAL

@@ -1,10 +1,10 @@
 """Observability shared by every tokenmill process: OpenTelemetry tracing, Prometheus metrics, JSON logs.
 
-    from tokenmill import telemetry
+    from plumbing import telemetry
     telemetry.start_process("scheduler", metrics_port=args.metrics_port, host=args.host)  # in serve()
 
 Tracing turns on only when the standard OTEL_* environment names an OTLP endpoint (see
-tokenmill.telemetry.tracing); without it nothing is installed and the OpenTelemetry API hands out
+plumbing.telemetry.tracing); without it nothing is installed and the OpenTelemetry API hands out
 no-op spans. Metrics are served only when a metrics port is given. docs/observability.md has the lot.
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ def add_metrics_argument(parser: argparse.ArgumentParser) -> None:
 
 
 async def start_process(service: str, metrics_port: int | None = None, host: str = "127.0.0.1"):
-    """See tokenmill.telemetry.process.start_process (imported here only when called: the other
-    submodules, which tokenmill.rpc and the CLI import, stay light)."""
-    from tokenmill.telemetry.process import start_process as start
+    """See plumbing.telemetry.process.start_process (imported here only when called: the other
+    submodules, which plumbing.rpc and the CLI import, stay light)."""
+    from plumbing.telemetry.process import start_process as start
 
     return await start(service, metrics_port, host)

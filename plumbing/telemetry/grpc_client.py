@@ -17,7 +17,7 @@ from grpc.aio import ClientCallDetails, Metadata
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from tokenmill.telemetry.tracing import tracer
+from plumbing.telemetry.tracing import tracer
 
 _UNTRACED_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
 

@@ -13,7 +13,7 @@ to the end of the step that sampled its first token, linked to that step's span 
 again after a preemption, never per token).
 
     steps = StepTelemetry()
-    with steps.step(plan) as step:        # around the forward pass of scheduler.plan.StepPlan
+    with steps.step(plan) as step:        # around the forward pass of core.step.StepPlan
         step.result = runner.execute(plan)
 """
 from __future__ import annotations
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from opentelemetry import trace
 from opentelemetry.trace import Link, NonRecordingSpan
 
-from scheduler.plan import StepPlan, StepResult
-from tokenmill.telemetry import metrics
-from tokenmill.telemetry.tracing import span_context_of, tracer, tracing_enabled
+from core.step import StepPlan, StepResult
+from plumbing.telemetry import metrics
+from plumbing.telemetry.tracing import span_context_of, tracer, tracing_enabled
 
 
 def step_kind(plan: StepPlan) -> str:

@@ -14,9 +14,9 @@ import time
 
 from opentelemetry import trace
 
-from tokenmill.telemetry import metrics
-from tokenmill.telemetry.logs import bind_request
-from tokenmill.telemetry.tracing import current_traceparent, tracer, tracing_enabled
+from plumbing.telemetry import metrics
+from plumbing.telemetry.logs import bind_request
+from plumbing.telemetry.tracing import current_traceparent, tracer, tracing_enabled
 
 __all__ = ["start_request", "record_request_end"]
 

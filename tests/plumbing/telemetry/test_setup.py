@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from scheduler.plan import CachedRequestData, NewRequestData, StepPlan
-from scheduler.request import SamplingParams
-from tokenmill.telemetry.tracing import tracing_requested
-from tokenmill.telemetry.worker_steps import step_kind
+from core.step import CachedRequestData, NewRequestData, StepPlan
+from core.sampling import SamplingParams
+from plumbing.telemetry.tracing import tracing_requested
+from worker.step_telemetry import step_kind
 
 
 @pytest.mark.parametrize(("environ", "expected"), [
@@ -31,8 +31,8 @@ def test_unconfigured_process_installs_nothing_and_prints_nothing():
     script = """
 import asyncio, grpc, logging
 from opentelemetry import trace
-from tokenmill.telemetry.tracing import setup_tracing, current_traceparent, tracer
-from tokenmill.telemetry.logs import configure_logging
+from plumbing.telemetry.tracing import setup_tracing, current_traceparent, tracer
+from plumbing.telemetry.logs import configure_logging
 configure_logging("json")
 original = grpc.aio.server
 assert setup_tracing("gateway") is False
