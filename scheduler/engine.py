@@ -1,18 +1,17 @@
-"""The step loop: schedule() -> executor.execute(plan) -> update(). Three calls, one owner.
-
-With async_scheduling the loop is pipelined one step deep: step N+1 is planned (assume_done) and
-handed to the executor before step N's result is applied (update_assumed). A synchronous executor
-overlaps nothing; this is the offline form of what scheduler.pipelined_loop runs against a worker.
-"""
+"""The in-process engine: the step pipeline driven by a synchronous executor (tests, benchmarks,
+`tokenmill generate`). Sending a plan runs the step, so a step's result exists as soon as its plan
+does; with async scheduling the pipeline still plans step N+1 before applying N's tokens, which is
+the offline form of what the scheduler service overlaps with a worker."""
 from __future__ import annotations
 
-from collections import deque
-from typing import Iterable
+from collections.abc import Iterable
 
-from scheduler.executor import Executor
 from core.outputs import RequestOutput
+from core.step import StepResult
+from scheduler.executor import Executor
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
+from scheduler.step_pipeline import StepPipeline, depth_for
 
 
 class EngineCore:
@@ -21,10 +20,10 @@ class EngineCore:
             raise ValueError(f"scheduler block_size={scheduler.config.block_size} differs from the "
                              f"worker's block_size={executor.block_size}")
         self.scheduler = scheduler
-        self.executor = executor
-        self.kv_utilization_samples: list[float] = []  # one per step, for benchmarks
+        self.executor = executor  # replaceable between steps (a test swaps in a "restarted worker")
         self.async_scheduling = async_scheduling
-        self._in_flight: deque = deque()  # (plan, result) whose result is not applied yet
+        self.pipeline: StepPipeline[StepResult] = StepPipeline(scheduler, depth_for(async_scheduling))
+        self.kv_utilization_samples: list[float] = []  # one per applied step, for benchmarks
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -33,27 +32,14 @@ class EngineCore:
         return self.scheduler.abort_request(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._in_flight)
+        return self.pipeline.has_work()
 
     def step(self) -> list[RequestOutput]:
-        if self.async_scheduling:
-            return self._step_ahead()
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
+        sent = self.pipeline.send_next(lambda plan: self.executor.execute(plan))
+        step = self.pipeline.oldest_to_collect(sent)
+        if step is None:
             return []
-        result = self.executor.execute(plan)
-        outputs = self.scheduler.update(plan, result)
-        self.kv_utilization_samples.append(self.scheduler.kv.utilization(self.scheduler.running))
-        return outputs
-
-    def _step_ahead(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
-        if not plan.is_empty:
-            self.scheduler.assume_done(plan)
-            self._in_flight.append((plan, self.executor.execute(plan)))
-        if not self._in_flight or (len(self._in_flight) < 2 and not plan.is_empty):
-            return []
-        outputs = self.scheduler.update_assumed(*self._in_flight.popleft())
+        outputs = self.pipeline.apply(step.pending)
         self.kv_utilization_samples.append(self.scheduler.kv.utilization(self.scheduler.running))
         return outputs
 

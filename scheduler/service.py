@@ -7,8 +7,9 @@ from core.errors import Unavailable
 from core.outputs import FinishReason, RequestTimings
 from protos import codec
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler.loop import EngineLoop, RequestTimes
+from scheduler.loop import EngineLoop
 from scheduler.request import Request
+from scheduler.request_streams import RequestTimes
 from scheduler.telemetry import record_request_end, start_request
 
 

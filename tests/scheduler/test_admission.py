@@ -33,7 +33,7 @@ def test_waiting_requests_bound_names_the_flag():
         loop.submit(request("r3"))
     assert refused.value.retry_after_s > 0 and "r3" not in loop.streams
     loop.abort("r0")
-    loop._apply_inbox()  # the loop's own step: the abort frees a place
+    loop.apply_inbox()  # the loop's own step: the abort frees a place
     loop.submit(request("r3"))
 
 

@@ -1,0 +1,154 @@
+"""Each live request's stream in the scheduler process: the queue its Submit call reads, its timings,
+its deadline, and the sinks its transitions go to (request records and, for resumable requests,
+token streams in Redis). The step loop opens a stream on submit and hands it every delta; the last
+one ends it. Sinks never block: their writers batch to Redis off the loop (invariant 6).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Container
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from core.errors import ServingError
+from core.outputs import FinishReason, RequestOutput
+from core.step import StepPlan
+from scheduler.request import Request
+
+
+class StateSink(Protocol):
+    """What the loop reports request transitions to (kvstore.RequestStateWriter in production)."""
+
+    def queued(self, request_id: str, *, num_prompt_tokens: int | None = None, model: str | None = None,
+               priority: int | None = None, created_at: float | None = None, owner: str | None = None) -> None: ...
+    def running(self, request_id: str) -> None: ...
+    def preempted(self, request_id: str) -> None: ...
+    def progress(self, request_id: str, *, num_output_tokens: int) -> None: ...
+    def finished(self, request_id: str, *, finish_reason: FinishReason = FinishReason.STOP,
+                 num_output_tokens: int | None = None) -> None: ...
+    def failed(self, request_id: str, *, error: ServingError) -> None: ...
+    def cancelled(self, request_id: str) -> None: ...
+
+
+class TokenSink(Protocol):
+    """Where resumable requests' tokens go (kvstore.TokenStreamWriter in production)."""
+
+    def append(self, request_id: str, start_index: int, token_ids: list[int]) -> None: ...
+    def finish(self, request_id: str, end_index: int, finish_reason: FinishReason, error: ServingError | None,
+               num_prompt_tokens: int) -> None: ...
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    first_token_forward_ns: int = 0  # the worker's time for the step that produced it
+    finished: float | None = None
+
+
+@dataclass(slots=True)
+class RequestStream:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    times: RequestTimes = field(default_factory=RequestTimes)
+
+
+class RequestStreams:
+    def __init__(self, state: StateSink | None = None, tokens: TokenSink | None = None, model_name: str = "") -> None:
+        self.state = state
+        self.tokens = tokens
+        self.model_name = model_name  # recorded with each request
+        self._streams: dict[str, RequestStream] = {}
+        self._deadlines: dict[str, float] = {}  # request id -> wall-clock deadline
+        self._resumable: set[str] = set()  # ids whose tokens go to `tokens`, to outlive their caller
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def open(self, request: Request, deadline: float | None, resumable: bool, owner: str | None) -> RequestStream:
+        """deadline: wall-clock Unix seconds; resumable: its tokens also go to the token sink (if any);
+        owner: the API key name that submitted it, recorded for the gateways' by-id checks."""
+        request_id = request.request_id
+        stream = self._streams[request_id] = RequestStream()
+        if deadline is not None:
+            self._deadlines[request_id] = deadline
+        if resumable and self.tokens is not None:
+            self._resumable.add(request_id)
+        if self.state:
+            self.state.queued(request_id, num_prompt_tokens=request.num_prompt_tokens, model=self.model_name,
+                              priority=request.priority, created_at=time.time(), owner=owner)
+        return stream
+
+    def past_deadline(self) -> list[str]:
+        """Ids whose deadline has passed (they stay open until ended)."""
+        if not self._deadlines:
+            return []
+        now = time.time()
+        return [request_id for request_id, deadline in self._deadlines.items() if deadline <= now]
+
+    def scheduled(self, plan: StepPlan, live_request_ids: Container[str]) -> None:
+        """A plan is being sent. live_request_ids: the scheduler's requests (one the plan drops from
+        the worker while it lives was preempted)."""
+        now = time.monotonic()
+        self.preempted([rid for rid in plan.finished_request_ids if rid in live_request_ids])
+        for new in plan.new_requests:
+            stream = self._streams.get(new.request_id)
+            if stream and stream.times.first_scheduled is None:
+                stream.times.first_scheduled = now
+            if self.state:
+                self.state.running(new.request_id)
+
+    def preempted(self, request_ids: list[str]) -> None:
+        if self.state:
+            for request_id in request_ids:
+                self.state.preempted(request_id)
+
+    def deliver(self, outputs: list[RequestOutput], forward_ns: int) -> None:
+        """One step's deltas; forward_ns: the worker's time for that step."""
+        now = time.monotonic()
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if stream.times.first_token is None and output.new_token_ids:
+                stream.times.first_token = now
+                stream.times.first_token_forward_ns = forward_ns
+            if output.finished:
+                self.end(output)
+            else:
+                if output.request_id in self._resumable:
+                    self._write_tokens(output)
+                stream.queue.put_nowait(output)
+
+    def end(self, output: RequestOutput) -> None:
+        """Hands a request's last output to its stream and records how it ended."""
+        stream = self._streams.pop(output.request_id, None)
+        self._deadlines.pop(output.request_id, None)
+        if stream is None:
+            return
+        stream.times.finished = time.monotonic()
+        stream.queue.put_nowait(output)
+        if output.request_id in self._resumable:
+            self._resumable.discard(output.request_id)
+            self._write_tokens(output)
+        if not self.state:
+            return
+        if output.error is not None:
+            self.state.failed(output.request_id, error=output.error)
+        elif output.finish_reason is FinishReason.ABORT:
+            self.state.cancelled(output.request_id)
+        else:
+            self.state.finished(output.request_id, finish_reason=output.finish_reason or FinishReason.STOP,
+                                num_output_tokens=output.num_output_tokens)
+
+    def _write_tokens(self, output: RequestOutput) -> None:
+        end = output.num_output_tokens
+        if output.new_token_ids:
+            self.tokens.append(output.request_id, end - len(output.new_token_ids), output.new_token_ids)
+        if output.finished:
+            self.tokens.finish(output.request_id, end, output.finish_reason or FinishReason.ERROR, output.error,
+                               output.num_prompt_tokens)
