@@ -8,6 +8,8 @@ no Python work per request for decode rows and no host syncs (.item()/.tolist())
   - prefill chunks run one SDPA call each: causal over themselves plus the whole prefix already in
     the cache (from the prefix cache or earlier chunks).
 Padding exists only inside the decode gather; the token batch itself is packed (invariant 5).
+It is built in two halves: plan_attention() (host lists: slots, groups; plain Python, so the worker
+can build it on its RPC thread) and attention_metadata() (the tensors, on the compute thread).
 """
 from __future__ import annotations
 
@@ -143,6 +145,46 @@ def _decode_groups(decode_spans: list[RequestSpan], block_size: int, workspace: 
     return groups
 
 
+@dataclass(slots=True)
+class HostAttentionPlan:
+    """build_attention_metadata's host half: plain lists, no tensor, so it may be built on any thread
+    (the worker's RPC thread prepares a step while the one before computes)."""
+
+    slot_mapping: list[int]  # [T]: cache slot per token
+    decode_groups: list[list[RequestSpan]]  # decode rows, grouped as _decode_groups() cuts them
+    prefills: list[tuple[RequestSpan, int]]  # (prefill span, pages its context fills), batch order
+
+
+def plan_attention(
+    spans: Sequence[RequestSpan], block_size: int, workspace: GatherWorkspace | None = None
+) -> HostAttentionPlan:
+    """spans in packed-batch order; raises ValueError if a block table cannot hold its context."""
+    slot_mapping: list[int] = []
+    decode_spans: list[RequestSpan] = []
+    prefills: list[tuple[RequestSpan, int]] = []
+    for span in spans:
+        num_blocks, slots = span_slots(span, block_size)
+        slot_mapping.extend(slots)
+        if span.query_len == 1:
+            decode_spans.append(span)
+        else:
+            prefills.append((span, num_blocks))
+    groups = _decode_groups(decode_spans, block_size, workspace) if decode_spans else []
+    return HostAttentionPlan(slot_mapping, groups, prefills)
+
+
+def attention_metadata(
+    plan: HostAttentionPlan, block_size: int, device: torch.device | str = "cpu", workspace: GatherWorkspace | None = None
+) -> AttentionMetadata:
+    """The plan's tensors on the device; workspace must be the one plan_attention() grouped for."""
+    num_tokens = len(plan.slot_mapping)
+    return AttentionMetadata(
+        torch.tensor(plan.slot_mapping, dtype=torch.long, device=device),
+        [_decode_batch(group, block_size, num_tokens, device, workspace) for group in plan.decode_groups],
+        [_prefill_chunk(span, num_blocks, device) for span, num_blocks in plan.prefills],
+    )
+
+
 def build_attention_metadata(
     spans: Sequence[RequestSpan],
     block_size: int,
@@ -150,21 +192,7 @@ def build_attention_metadata(
     workspace: GatherWorkspace | None = None,
 ) -> AttentionMetadata:
     """spans in packed-batch order; raises ValueError if a block table cannot hold its context."""
-    slot_mapping: list[int] = []
-    decode_spans: list[RequestSpan] = []
-    prefills: list[PrefillChunk] = []
-    for span in spans:
-        num_blocks, slots = span_slots(span, block_size)
-        slot_mapping.extend(slots)
-        if span.query_len == 1:
-            decode_spans.append(span)
-        else:
-            prefills.append(_prefill_chunk(span, num_blocks, device))
-    decodes = [
-        _decode_batch(group, block_size, len(slot_mapping), device, workspace)
-        for group in (_decode_groups(decode_spans, block_size, workspace) if decode_spans else [])
-    ]
-    return AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long, device=device), decodes, prefills)
+    return attention_metadata(plan_attention(spans, block_size, workspace), block_size, device, workspace)
 
 
 def write_kv(
