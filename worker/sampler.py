@@ -1,7 +1,8 @@
 """Turn one step's logits into next tokens (and logprobs), with vLLM's sampling semantics.
 
 Per row, in vLLM's order: penalties (worker.penalties) on the raw logits; greedy rows take the
-argmax; the others divide by the temperature, then min-p, top-k and top-p remove tokens, then one
+argmax (SamplingParams.greedy: core.sampling's one threshold, which the sampling kernel shares); the
+others divide by the temperature, then min-p, top-k and top-p remove tokens, then one
 token is drawn from the softmax of what is left. Greedy rows ignore the filters: none of them can
 remove the most likely token.
 
@@ -26,12 +27,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from core.step import TokenLogprobs
 from core.sampling import SamplingParams
+from core.step import TokenLogprobs
 from worker.penalties import apply_penalties, has_penalties
-
-# Below this temperature vLLM samples greedily; dividing by it could overflow the logits to inf.
-GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(slots=True)
@@ -65,18 +63,14 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int]
     return _with_logprobs(logits, rows, token_ids, logprob_rows)
 
 
-def _is_greedy(params: SamplingParams) -> bool:
-    return params.temperature < GREEDY_TEMPERATURE
-
-
 def _is_plain_greedy(params: SamplingParams) -> bool:
-    return _is_greedy(params) and params.logprobs is None and not has_penalties(params)
+    return params.greedy and params.logprobs is None and not has_penalties(params)
 
 
 def _choose_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """[B] int64 token ids. Plain greedy rows read the raw logits; only the others are copied."""
     device = logits.device
-    work_rows = [i for i, row in enumerate(rows) if has_penalties(row.params) or not _is_greedy(row.params)]
+    work_rows = [i for i, row in enumerate(rows) if has_penalties(row.params) or not row.params.greedy]
     token_ids = logits.argmax(dim=-1)  # [B]; final for rows outside work_rows
     if not work_rows:
         return token_ids
@@ -88,7 +82,7 @@ def _choose_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     if penalized:
         _update_rows(work, penalized, lambda sub: apply_penalties(sub, [work_requests[j] for j in penalized]))
 
-    random_rows = [j for j, row in enumerate(work_requests) if not _is_greedy(row.params)]
+    random_rows = [j for j, row in enumerate(work_requests) if not row.params.greedy]
     if len(random_rows) < len(work_rows):
         chosen = work.argmax(dim=-1)  # [W]; final for the greedy rows with penalties
     else:

@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from core.sampling import GREEDY_TEMPERATURE
 from worker.kernels.checks import FLOAT_DTYPES, check_tensor
-from worker.sampler import GREEDY_TEMPERATURE
 
 BLOCK_VOCAB = 1024  # vocabulary entries per loop step of the sampling program
 ROW_BLOCK_ELEMENTS = 1024  # a program's tile is at most this many [rows x vocabulary] entries
