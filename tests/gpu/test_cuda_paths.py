@@ -11,6 +11,7 @@ from tests.gpu.random_model import random_llama, tiny_config
 from tests.gpu.steps import BLOCK_SIZE, NUM_BLOCKS, PLAIN_GREEDY, assert_same_steps, run_mixed_steps
 from worker.attention import RequestSpan
 from worker.backends import ExecutionOptions
+from worker.execution_path import StepBatch
 from tokenmill.int8_agreement import window_logits
 from worker.model_runner import ModelRunner
 from worker.quantization import quantize_linears_int8
@@ -50,7 +51,7 @@ def test_triton_runner_on_cuda_matches_torch_backend(model_and_config, cuda_grap
 def test_graph_replay_pads_to_the_bucket_and_matches_eager(model_and_config):
     model, config = model_and_config
     graphs_runner = runner_with(model, config, cuda_graphs=True)
-    graphs = graphs_runner.kernel_path.graphs
+    graphs = graphs_runner.execution_path.graphs
     assert sorted(graphs.graphs) == [1, 2, 4] and graphs.bucket_for(3, 2) == 4 and graphs.bucket_for(5, 2) is None
     spans = [RequestSpan(0, 1, 6, [3, 5]), RequestSpan(1, 1, 3, [7]), RequestSpan(2, 1, 8, [9, 10])]
     host = host_metadata(spans, BLOCK_SIZE)
@@ -60,7 +61,8 @@ def test_graph_replay_pads_to_the_bucket_and_matches_eager(model_and_config):
         replayed = graphs.replay(ids, positions, to_device(host, CUDA)).clone()  # bucket 4, one padded row
         eager_runner = runner_with(model, config, cuda_graphs=False)
         eager_runner.kv_cache.storage.copy_(graphs_runner.kv_cache.storage)
-        eager = eager_runner.kernel_path.logits(ids.tolist(), positions.tolist(), host, [0, 1, 2])
+        batch = StepBatch(0, ids.tolist(), positions.tolist(), spans, sample_rows=[0, 1, 2])
+        eager = eager_runner.execution_path.forward(batch, eager_runner.execution_path.prepare(batch))
     torch.testing.assert_close(replayed, eager, atol=1e-3, rtol=1e-3)
     assert int((graphs.slot_mapping[3:4] == -1).sum()) == 1  # the padded row wrote nothing
 
@@ -87,7 +89,7 @@ def test_staging_rotates_slots_and_grows():
 
 def test_token_readback_returns_the_ids(model_and_config):
     model, config = model_and_config
-    readback = runner_with(model, config, stream_overlap=True).kernel_path.readback
+    readback = runner_with(model, config, stream_overlap=True).execution_path.readback
     for count in (3, 2000):  # the second grows the pinned buffer
         tokens = torch.arange(count, device=CUDA) * 7
         readback.start(tokens)

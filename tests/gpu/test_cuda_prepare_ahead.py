@@ -55,13 +55,13 @@ def test_prepared_on_another_thread_equals_one_after_the_other(params, cuda_grap
         running = compute.submit(ahead.run, ahead.prepare(steps[0]))
         for plan in steps[1:]:
             prepared = ahead.prepare(plan)  # while the previous step may still run
-            num_with_placeholders += bool(prepared.packed.placeholder_rows)  # it had not sampled yet
+            num_with_placeholders += bool(prepared.batch.placeholder_rows)  # it had not sampled yet
             results.append(running.result().sampled_token_ids)
             running = compute.submit(ahead.run, prepared)
         results.append(running.result().sampled_token_ids)
     assert results == expected
     if stream_overlap:  # each step prepared before its predecessor sampled took those ids on the device
-        assert ahead.kernel_path.num_device_fills == num_with_placeholders
+        assert ahead.execution_path.num_device_fills == num_with_placeholders
 
 
 def test_next_steps_copy_finishes_while_the_step_before_computes():
@@ -84,11 +84,11 @@ def test_next_steps_copy_finishes_while_the_step_before_computes():
         running = compute.submit(runner.run, step_1)
         step_2 = runner.prepare(steps[2])  # stages its inputs on the copy stream
         deadline = time.monotonic() + 60
-        while not step_2.staged.slot.copied.query():
+        while not step_2.inputs.staged.slot.copied.query():
             assert time.monotonic() < deadline, "step 2's H2D copy never finished"
             time.sleep(0.001)
         assert not spun.query(), "step 2's copy waited for step 1's compute"
         results.append(running.result().sampled_token_ids)
     results.append(runner.run(step_2).sampled_token_ids)
     assert results == expected
-    assert runner.kernel_path.num_device_fills == 1  # step 2's decode rows took step 1's ids on the device
+    assert runner.execution_path.num_device_fills == 1  # step 2's decode rows took step 1's ids on the device

@@ -10,6 +10,7 @@ from worker.backends import (DEFAULT_GRAPH_BATCH_SIZES, ExecutionOptions, graph_
                              resolve_execution)
 from worker.main import parse_args
 from worker.model_runner import ModelRunner
+from worker.torch_path import TorchPath
 
 
 def test_auto_is_triton_on_cuda_and_torch_on_cpu():
@@ -57,7 +58,7 @@ def test_cpu_runner_takes_the_torch_path_and_builds_nothing_cuda():
     config = tiny_config(num_layers=1)
     runner = ModelRunner(random_llama(config, torch.float32, "cpu"), config, num_blocks=4, block_size=4,
                          dtype=torch.float32)
-    assert runner.execution.kernel_backend == "torch" and runner.kernel_path is None
+    assert runner.execution.kernel_backend == "torch" and type(runner.execution_path) is TorchPath
     runner.warm_up()
 
 

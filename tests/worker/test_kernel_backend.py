@@ -12,6 +12,8 @@ from tests.gpu.random_model import random_llama, tiny_config
 from tests.gpu.steps import BLOCK_SIZE, NUM_BLOCKS, assert_same_steps, run_mixed_steps
 from worker.backends import ExecutionOptions
 from worker.model_runner import ModelRunner
+from worker.torch_path import TorchPath
+from worker.triton_path import TritonPath
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +29,7 @@ def test_triton_backend_matches_torch_backend(model_and_config):
                              options=ExecutionOptions(kernel_backend=backend))
         for backend in ("torch", "triton")
     }
-    assert runners["triton"].kernel_path is not None and runners["torch"].kernel_path is None
+    assert type(runners["triton"].execution_path) is TritonPath and type(runners["torch"].execution_path) is TorchPath
     expected, actual = run_mixed_steps(runners["torch"]), run_mixed_steps(runners["triton"])
     assert [sorted(step) for step in expected] == [["b"], ["a", "b", "c"], ["a", "b", "c"], ["a", "b", "c"], ["a", "b", "c"]]
     assert_same_steps(expected, actual, logprob_atol=1e-4)
@@ -42,7 +44,8 @@ def test_triton_backend_warm_up_on_cpu_needs_no_cuda(model_and_config):
                          options=ExecutionOptions(kernel_backend="triton"))
     runner.warm_up()
     # on CPU the CUDA-only parts resolve off and are never built
-    assert (runner.kernel_path.stager, runner.kernel_path.readback, runner.kernel_path.graphs) == (None, None, None)
+    path = runner.execution_path
+    assert (path.stager, path.readback, path.graphs) == (None, None, None)
 
 
 def generate(runner: ModelRunner, requests: dict[str, SamplingParams], num_steps: int) -> dict[str, list[int]]:

@@ -57,9 +57,9 @@ def test_prepared_ahead_equals_one_after_the_other(model_and_config, kernel_back
     prepared = runner.prepare(steps[0])
     for plan in steps[1:]:
         following = runner.prepare(plan)  # before the step it depends on has run
-        rows = following.packed.placeholder_rows
-        assert len(rows) == len(PARAMS) and all(following.packed.input_ids[row] == PLACEHOLDER_TOKEN_ID
-                                                for row, _, _ in rows)
+        rows = following.batch.placeholder_rows
+        assert len(rows) == len(PARAMS) and all(following.batch.input_ids[row] == PLACEHOLDER_TOKEN_ID
+                                                for row in rows)
         results.append(runner.run(prepared))
         prepared = following
     results.append(runner.run(prepared))

@@ -53,12 +53,12 @@ def test_placeholder_rows_name_the_step_and_sample_index_of_their_token(runner):
     new = [NewRequestData(rid, p, len(p), greedy, list(range(8 * i, 8 * i + 8)), 0) for i, (rid, p) in enumerate(prompts.items())]
     # step 1: a and b whole (they sample, indices 0 and 1), c a first chunk (samples nothing)
     first = runner.prepare(StepPlan(1, new, num_scheduled_tokens={"a": 3, "b": 2, "c": 4}))
-    assert first.packed.sampling_ids == ["a", "b"] and first.packed.placeholder_rows == []
+    assert first.sampling_ids == ["a", "b"] and first.batch.placeholder_rows == []
     cached = [CachedRequestData("a", [], 3), CachedRequestData("b", [], 2), CachedRequestData("c", [], 4)]
     # step 2, prepared before step 1 ran: c's chunk first, then b and a decode on step 1's tokens
     second = runner.prepare(StepPlan(2, cached_requests=cached, num_scheduled_tokens={"c": 2, "b": 1, "a": 1}))
-    assert [row for row, _, _ in second.packed.placeholder_rows] == [2, 3]
-    assert second.packed.placeholder_sources == [(1, 1), (1, 0)]  # b was step 1's second sampled token
+    assert second.batch.placeholder_rows == [2, 3]
+    assert second.batch.placeholder_sources == [(1, 1), (1, 0)]  # b was step 1's second sampled token
     runner.run(first)
     result = runner.run(second)
     assert sorted(result.sampled_token_ids) == ["a", "b", "c"]

@@ -1,37 +1,50 @@
-"""The ModelRunner's Triton backend: kernel forward, and on CUDA the staging, readback and decode graphs.
+"""The Triton execution path: kernel forward, and on CUDA the staging, readback and decode graphs.
 
-One step: host metadata (plain lists) -> device tensors (through pinned staging on a copy stream when
-stream overlap is on, else plain torch.tensor copies) -> a replayed decode graph when the step is
-decode-only and fits a bucket, else the eager kernel forward -> logits of the rows that sample ->
-tokens. Batches without penalties or logprobs are sampled on the device (argmax, or the sampling
-kernel for temperature / top-k / top-p / min-p) and the ids come back in one copy (through the pinned
-readback on CUDA); batches with penalties or logprobs go through worker.sampler.
+One step: host metadata (plain lists, prepare()) -> device tensors (through pinned staging on a copy
+stream when stream overlap is on, started in prepare(); else plain torch.tensor copies in forward()) ->
+a replayed decode graph when the step is decode-only and fits a bucket, else the eager kernel forward ->
+logits of the rows that sample -> tokens. Batches without penalties or logprobs are sampled on the
+device (argmax, or the sampling kernel for temperature / top-k / top-p / min-p) and the ids come back
+in one copy (through the pinned readback on CUDA); batches with penalties or logprobs go through
+worker.sampler.
+
+Under async scheduling a staged step's placeholder rows (decode rows whose input the step before
+samples) are written on the device from that step's sampled ids, which never leave it: forward()
+index_copies them in on the compute stream, no host sync. When a placeholder reads another step's
+token (or the last step sampled on the host), the host-filled ids go up instead.
 """
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from core.step import TokenLogprobs
-from worker.attention import RequestSpan
 from worker.backends import ResolvedExecution
+from worker.execution_path import StepBatch
 from worker.kv_cache import KVCache
 from worker.model import LlamaModel
 from worker.penalties import has_penalties
-from worker.sampler import SamplingRow, _is_plain_greedy, draw_seed, sample
+from worker.sampler import SamplingRow, draw_seed, sample
 from worker.triton_forward import HostMetadata, host_metadata, load_kernels, to_device, triton_forward
 
 
-class KernelPath:
+@dataclass(slots=True)
+class TritonInputs:
+    host: HostMetadata
+    staged: object = None  # worker.step_staging.StagedStep: already on its way up (CUDA, stream overlap)
+
+
+class TritonPath:
     def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int, execution: ResolvedExecution,
                  device: torch.device) -> None:
         self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device
-        self.execution = execution
         self.kernels = load_kernels()
         self.stager = self.readback = self.graphs = None
-        self.last_device_tokens: torch.Tensor | None = None  # [R] int64: what the last sample() drew on the device
+        # (step id, its sampled ids [R] int64 on the device): what the next step's placeholder rows read
+        self.last_device_tokens: tuple[int, torch.Tensor | None] = (-1, None)
         self.num_device_fills = 0  # staged steps whose placeholder rows were written from device tokens
         if execution.stream_overlap:  # resolve_execution() leaves these off unless the device is CUDA
             from worker.step_staging import StepStager, TokenReadback
@@ -44,40 +57,36 @@ class KernelPath:
             self.graphs = DecodeGraphs(model, kv_cache, self.kernels, execution.graph_batch_sizes,
                                        min(max_blocks, kv_cache.num_blocks), device)
 
-    def warm_up(self) -> None:
-        if self.graphs is not None:
-            self.graphs.capture()
+    def prepare(self, batch: StepBatch) -> TritonInputs:
+        host = host_metadata(batch.spans, self.block_size)
+        if self.stager is None:
+            return TritonInputs(host)
+        # CUDA: the H2D copy starts now, while the step before runs
+        staged = self.stager.stage(batch.input_ids, batch.positions, host, batch.placeholder_rows,
+                                   [index for _, index in batch.placeholder_sources])
+        return TritonInputs(host, staged)
 
-    def host_metadata(self, spans: Sequence[RequestSpan]) -> HostMetadata:
-        return host_metadata(spans, self.block_size)
-
-    def logits(self, input_ids: Sequence[int], positions: Sequence[int], host: HostMetadata,
-               sample_rows: Sequence[int]) -> torch.Tensor:
-        """[R, vocab] float32 for the rows in sample_rows; stages the inputs here (stream overlap) or copies them."""
-        if self.stager is not None:
-            return self.staged_logits(self.stager.stage(input_ids, positions, host), sample_rows)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return self._forward(ids, pos, to_device(host, self.device), sample_rows)
-
-    def staged_logits(self, staged, sample_rows: Sequence[int], placeholder_tokens=None) -> torch.Tensor:
-        """The same for a step that stage() sent up already (StagedStep). placeholder_tokens: what goes into
-        its placeholder rows, either (tokens [S] int64 on the device, e.g. the previous step's sampled ids,
-        indexed by the staged sources) or a list of host ints, one per placeholder row; written on the
-        compute stream, no host sync."""
-        ids, pos, metadata, rows, sources = self.stager.take(staged)
-        if staged.num_placeholders:
-            if isinstance(placeholder_tokens, torch.Tensor):
-                values = placeholder_tokens.index_select(0, sources)  # [P]
+    def forward(self, batch: StepBatch, inputs: TritonInputs) -> torch.Tensor:
+        if inputs.staged is None:
+            ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
+            pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+            return self._logits(ids, pos, to_device(inputs.host, self.device), batch.sample_rows)
+        ids, pos, metadata, rows, sources = self.stager.take(inputs.staged)
+        if inputs.staged.num_placeholders:
+            step_id, tokens = self.last_device_tokens
+            if tokens is not None and all(source == step_id for source, _ in batch.placeholder_sources):
+                values = tokens.index_select(0, sources)  # [P]
                 self.num_device_fills += 1
             else:
-                values = torch.tensor(placeholder_tokens, dtype=torch.int64, device=self.device)
+                values = torch.tensor([batch.input_ids[row] for row in batch.placeholder_rows],
+                                      dtype=torch.int64, device=self.device)
             ids.index_copy_(0, rows, values)
-        logits = self._forward(ids, pos, metadata, sample_rows)
-        self.stager.mark_consumed(staged)
+        logits = self._logits(ids, pos, metadata, batch.sample_rows)
+        self.stager.mark_consumed(inputs.staged)
         return logits
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, metadata, sample_rows: Sequence[int]) -> torch.Tensor:
+    def _logits(self, ids: torch.Tensor, pos: torch.Tensor, metadata, sample_rows: Sequence[int]) -> torch.Tensor:
+        """[R, vocab] float32: a replayed decode graph when one fits, else the eager kernel forward."""
         bucket = None
         if self.graphs is not None and metadata.decode_only:
             bucket = self.graphs.bucket_for(metadata.context_lens.shape[0], metadata.block_tables.shape[1])
@@ -87,19 +96,20 @@ class KernelPath:
         hidden = triton_forward(self.model, ids, pos, self.kv_cache, metadata, self.kernels)
         return self.model.compute_logits(hidden[list(sample_rows)])
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """Batches without penalties or logprobs are sampled on the device (sample_tokens) and read back once;
-        the others go through worker.sampler."""
-        self.last_device_tokens = None
+    def sample(self, batch: StepBatch, logits: torch.Tensor,
+               rows: Sequence[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Batches without penalties or logprobs are sampled on the device (sample_tokens) and read back
+        once; the others go through worker.sampler."""
+        self.last_device_tokens = (batch.step_id, None)
         if not rows:
             return [], []
         if any(has_penalties(row.params) or row.params.logprobs is not None for row in rows):
             return sample(logits, rows)
-        if all(_is_plain_greedy(row.params) for row in rows):
+        if all(row.params.greedy for row in rows):
             token_ids = logits.argmax(dim=-1)  # [R]
         else:
             token_ids = self.kernels.sample_tokens(logits, **self._row_params(rows))  # [R] int64, no host sync
-        self.last_device_tokens = token_ids  # the next step's placeholder rows read these on the device
+        self.last_device_tokens = (batch.step_id, token_ids)
         if self.readback is not None:
             self.readback.start(token_ids)
             return self.readback.finish(), [None] * len(rows)
@@ -127,3 +137,7 @@ class KernelPath:
             "min_p": column([p.min_p for p in params], torch.float32, 0.0),
             "seeds": column(seeds, torch.int64, None),
         }
+
+    def warm_up(self) -> None:
+        if self.graphs is not None:
+            self.graphs.capture()

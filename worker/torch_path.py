@@ -1,0 +1,51 @@
+"""The torch execution path: worker.model.LlamaModel in plain torch, the reference every faster path matches.
+
+It runs on any device, and is the CPU path: float32 linears on weights reordered once for oneDNN
+(worker.cpu_linear, when the resolved options say so), decode attention batched through one reused
+gather workspace (worker.attention). Sampling is worker.sampler on the logits' device.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from core.step import TokenLogprobs
+from worker.attention import GatherWorkspace, HostAttentionPlan, attention_metadata, plan_attention
+from worker.backends import ResolvedExecution
+from worker.cpu_linear import pack_linears
+from worker.execution_path import StepBatch
+from worker.kv_cache import KVCache
+from worker.model import LlamaModel
+from worker.sampler import SamplingRow, sample
+
+
+class TorchPath:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int, execution: ResolvedExecution,
+                 device: torch.device, decode_group_bytes: int) -> None:
+        self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device
+        block_numel = block_size * model.config.num_kv_heads * model.config.head_dim
+        self.gather_workspace = GatherWorkspace(block_numel, kv_cache.storage.dtype, device, decode_group_bytes)
+        if execution.packed_linears:
+            pack_linears(model)  # in place: the model's linears now read oneDNN-reordered weights
+
+    def prepare(self, batch: StepBatch) -> HostAttentionPlan:
+        # the tensors are made in forward(), on the compute thread
+        return plan_attention(batch.spans, self.block_size, self.gather_workspace)
+
+    def forward(self, batch: StepBatch, inputs: HostAttentionPlan) -> torch.Tensor:
+        metadata = attention_metadata(inputs, self.block_size, self.device, self.gather_workspace)
+        hidden = self.model(
+            torch.tensor(batch.input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(batch.positions, dtype=torch.long, device=self.device),
+            self.kv_cache,
+            metadata,
+        )  # [T, hidden]
+        return self.model.compute_logits(hidden[batch.sample_rows])  # [R, vocab] float32
+
+    def sample(self, batch: StepBatch, logits: torch.Tensor,
+               rows: Sequence[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        return sample(logits, rows) if rows else ([], [])
+
+    def warm_up(self) -> None:
+        pass  # nothing to capture: the first forward pass was all the warming this path needs
