@@ -3,6 +3,8 @@ decode rows that need step N's tokens are packed as placeholders and filled in b
 sampling option (penalties, seeds, logprobs) gives what running the steps one after the other gives."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from tests.helpers.tiny_models import make_tiny_hf_model
 from worker.backends import ExecutionOptions
 from worker.loader import load_model
 from worker.model_runner import ModelRunner, PlanMismatchError
+from worker.triton_forward import to_device
 
 BLOCK_SIZE = 4
 PARAMS = {
@@ -34,14 +37,14 @@ def fresh_runner(model_and_config, kernel_backend: str = "torch") -> ModelRunner
                        options=ExecutionOptions(kernel_backend=kernel_backend))
 
 
-def plans(num_decode_steps: int) -> list[StepPlan]:
+def plans(num_decode_steps: int, params: dict[str, SamplingParams] = PARAMS) -> list[StepPlan]:
     """A prefill step, then decode steps, with the block tables an async scheduler would send."""
-    blocks = {rid: list(range(16 * i, 16 * i + 16)) for i, rid in enumerate(PARAMS)}
-    new = [NewRequestData(rid, PROMPTS[rid], len(PROMPTS[rid]), PARAMS[rid], blocks[rid], 0) for rid in PARAMS]
-    steps = [StepPlan(0, new_requests=new, num_scheduled_tokens={rid: len(PROMPTS[rid]) for rid in PARAMS})]
+    blocks = {rid: list(range(16 * i, 16 * i + 16)) for i, rid in enumerate(params)}
+    new = [NewRequestData(rid, PROMPTS[rid], len(PROMPTS[rid]), params[rid], blocks[rid], 0) for rid in params]
+    steps = [StepPlan(0, new_requests=new, num_scheduled_tokens={rid: len(PROMPTS[rid]) for rid in params})]
     for step in range(1, num_decode_steps + 1):
-        cached = [CachedRequestData(rid, [], len(PROMPTS[rid]) + step - 1) for rid in PARAMS]
-        steps.append(StepPlan(step, cached_requests=cached, num_scheduled_tokens={rid: 1 for rid in PARAMS}))
+        cached = [CachedRequestData(rid, [], len(PROMPTS[rid]) + step - 1) for rid in params]
+        steps.append(StepPlan(step, cached_requests=cached, num_scheduled_tokens={rid: 1 for rid in params}))
     return steps
 
 
@@ -78,3 +81,49 @@ def test_running_a_step_before_the_one_it_depends_on_is_refused(model_and_config
     with pytest.raises(PlanMismatchError, match="never sampled"):
         runner.run(second)
     runner.run(first)
+
+
+class HostStager:
+    """worker.step_staging.StepStager's contract on CPU tensors, without streams. The inputs are copied
+    when the step is prepared, placeholders (-1) and all, so a placeholder row gets its token only
+    through the fill the Triton path does in forward() (an embedding of -1 would raise)."""
+
+    def stage(self, input_ids, positions, host, placeholder_rows=(), placeholder_sources=()):
+        def as_long(values):
+            return torch.tensor(list(values), dtype=torch.int64)
+
+        return SimpleNamespace(views=(as_long(input_ids), as_long(positions), to_device(host, "cpu"),
+                                      as_long(placeholder_rows), as_long(placeholder_sources)),
+                               num_placeholders=len(placeholder_rows))
+
+    def take(self, staged):
+        return staged.views
+
+    def mark_consumed(self, staged):
+        pass
+
+
+DEVICE_SAMPLED = {"greedy": PARAMS["greedy"],  # argmax on the device
+                  "seeded": SamplingParams(temperature=0.9, top_k=20, seed=1234, max_tokens=32)}  # the kernel
+
+
+@pytest.mark.parametrize("params, num_device_fills", [(DEVICE_SAMPLED, 2), (PARAMS, 0)],
+                         ids=["sampled-on-the-device", "penalties-and-logprobs-on-the-host"])
+def test_staged_placeholder_rows_read_the_step_befores_tokens(model_and_config, params, num_device_fills):
+    """The Triton path with staged inputs (CUDA's stream overlap, here on CPU): each decode step prepared
+    before its predecessor ran takes that step's sampled ids on the device when they stayed there, and the
+    host-filled ids when that step sampled on the host; either way the tokens of running one by one."""
+    steps = plans(2, params)
+    one_by_one = fresh_runner(model_and_config, "triton")
+    expected = [one_by_one.execute(plan).sampled_token_ids for plan in steps]
+    runner = fresh_runner(model_and_config, "triton")
+    runner.execution_path.stager = HostStager()
+    results, prepared = [], runner.prepare(steps[0])
+    for plan in steps[1:]:
+        following = runner.prepare(plan)
+        assert following.inputs.staged.num_placeholders == len(params)
+        results.append(runner.run(prepared).sampled_token_ids)
+        prepared = following
+    results.append(runner.run(prepared).sampled_token_ids)
+    assert results == expected
+    assert runner.execution_path.num_device_fills == num_device_fills
