@@ -26,7 +26,7 @@ class EngineConfig:
     kv_policy: str = "paged"
     queue_policy: str = "fcfs"
     enable_prefix_caching: bool = True
-    async_scheduling: bool = False  # plan step N+1 before step N's tokens are applied (scheduler.engine)
+    async_scheduling: bool = False  # plan step N+1 before step N's tokens are applied (scheduler.step_pipeline)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's own limit
