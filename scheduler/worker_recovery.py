@@ -31,7 +31,7 @@ class RecoveryAction(enum.Enum):
     FAIL_REQUEUED = "fail_requeued"  # ... and end at once with `error` (retry off, or it keeps failing)
     WAIT = "wait"  # the worker is not back yet: apply the inbox, then ask again
     RESUME = "resume"  # the worker is back and registered: schedule again
-    FAIL_ALL = "fail_all"  # not back in time: every request left ends with `error`, then schedule again
+    FAIL_ALL = "fail_all"  # not back in time (or no recovery at all): every request left ends with `error`
 
 
 @dataclass(slots=True, frozen=True)
