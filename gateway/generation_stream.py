@@ -12,21 +12,19 @@ the request in the scheduler as finished with reason stop.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import grpc
-
+from core.errors import Cancelled, ServingError, Unavailable
+from core.outputs import FinishReason, RequestOutput, RequestTimings
+from core.step import TokenLogprobs
 from gateway.request_builder import PreparedRequest
 from gateway.scheduler_client import SchedulerClient
+from gateway.telemetry import RequestObserver
 from gateway.text_stream import TextStream
 from gateway.tokenizer import TextTokenizer
-from protos import codec
-from protos.tokenmill.v1 import common_pb2
-from core.errors import Unavailable
-from core.outputs import FinishReason
-from gateway.telemetry import RequestObserver
 
 
 @dataclass(slots=True)
@@ -79,8 +77,8 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
     resumable: the scheduler keeps the request running if this gateway dies (see gateway.resume),
     so a client's cancel is sent as an explicit Abort.
 
-    Raises Unavailable when the scheduler cannot be reached; other scheduler statuses come through
-    as grpc.aio.AioRpcError (plumbing.rpc.status_for passes their code on)."""
+    Raises Unavailable when the scheduler cannot be reached; the scheduler's other refusals and
+    failures come through as the core.errors type it sent (InvalidArgument, DeadlineExceeded, ...)."""
     arrival = time.monotonic() if arrival is None else arrival
     request_id = prepared.request.request_id
     text_stream = TextStream(tokenizer, prepared.request.prompt_token_ids, prepared.stop)
@@ -91,71 +89,64 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
     target = scheduler.route(prepared.request.prompt_token_ids)  # Unavailable when no scheduler can take it
     breaker = target.breaker
     probe = breaker.before_call()  # UNAVAILABLE at once while the scheduler is known to be down
-    submit = codec.submit_request_to_proto(prepared.request, deadline)
-    submit.resumable = resumable
-    submit.owner = owner or ""
-    try:
-        call = target.submit(submit, timeout_s)
-    except BaseException:  # e.g. a channel closed under it: the probe must not stay taken
-        if probe:
-            breaker.release_probe()
-        raise
+    outputs = target.submit(prepared.request, deadline_unix_s=deadline, resumable=resumable, owner=owner,
+                            timeout_s=timeout_s)
     first_token = None
     finished = answered = False
     try:
-        async for response in call:
-            if not answered:
-                answered = True
-                breaker.record_success()
-            token_ids = list(response.new_token_ids)
-            if token_ids and first_token is None:
-                first_token = time.monotonic()
-            observer.on_tokens(len(token_ids))
-            delta = GenerationDelta(request_id, text_stream.push(token_ids), token_ids,
-                                    _logprobs(tokenizer, token_ids, response.logprobs))
-            if text_stream.stopped or response.finished:
-                finished = True
-                if text_stream.stopped and not response.finished:
-                    await scheduler.abort([request_id], common_pb2.FINISH_REASON_STOP)
-                delta.text += text_stream.finish()
-                delta.finish = _finish(response, text_stream, arrival, first_token)
-                observer.on_finish(delta.finish)
+        async with contextlib.aclosing(outputs):  # leaving early cancels the call: the scheduler frees the pages
+            async for output in outputs:
+                if not answered:
+                    answered = True
+                    breaker.record_success()
+                token_ids = output.new_token_ids
+                if token_ids and first_token is None:
+                    first_token = time.monotonic()
+                observer.on_tokens(len(token_ids))
+                delta = GenerationDelta(request_id, text_stream.push(token_ids), token_ids,
+                                        _logprobs(tokenizer, token_ids, output.logprobs))
+                if text_stream.stopped or output.finished:
+                    finished = True
+                    if text_stream.stopped and not output.finished:
+                        await scheduler.abort([request_id], FinishReason.STOP)
+                    delta.text += text_stream.finish()
+                    delta.finish = _finish(output, text_stream, arrival, first_token)
+                    observer.on_finish(delta.finish)
+                    yield delta
+                    return
                 yield delta
-                return
-            yield delta
-    except grpc.aio.AioRpcError as error:
-        finished = True  # the call ended with a status: nothing to cancel or abort
-        if error.code() == grpc.StatusCode.UNAVAILABLE:
-            breaker.record_failure()
-            # the scheduler (or its worker) is gone: the record must not stay "running" in Redis
-            scheduler.report_lost(request_id, Unavailable(f"scheduler unavailable: {error.details()}"),
-                                  accepted=answered)
-            raise Unavailable(f"scheduler at {target.address} is unavailable: {error.details()}") from error
-        if not answered and error.code() != grpc.StatusCode.CANCELLED:
+    except Unavailable as error:
+        finished = True  # the call ended with a status: nothing to abort
+        breaker.record_failure()
+        # the scheduler (or its worker) is gone: the record must not stay "running" in Redis
+        scheduler.report_lost(request_id, Unavailable(f"scheduler unavailable: {error}"), accepted=answered)
+        raise Unavailable(f"scheduler at {target.address} is unavailable: {error}") from error
+    except ServingError as error:
+        finished = True
+        if not answered and not isinstance(error, Cancelled):
             breaker.record_success()  # it answered, with a refusal: it is up
         raise
     finally:
         if probe:
             breaker.release_probe()  # a no-op once the probe's outcome was recorded
-        if not finished:  # the client cancelled or went away: the scheduler frees the pages
-            call.cancel()
-            if resumable:
-                scheduler.abort_in_background(request_id)
+        if not finished and resumable:  # the client went away: a resumable request is aborted explicitly
+            scheduler.abort_in_background(request_id)
 
 
-def _logprobs(tokenizer: TextTokenizer, token_ids: list[int], entries) -> list[TokenLogprob]:
+def _logprobs(tokenizer: TextTokenizer, token_ids: list[int], entries: list[TokenLogprobs]) -> list[TokenLogprob]:
     return [TokenLogprob(token_id, tokenizer.decode([token_id], False), entry.logprob,
                          [TopLogprob(top_id, tokenizer.decode([top_id], False), top_logprob)
-                          for top_id, top_logprob in zip(entry.top_token_ids, entry.top_logprobs)])
+                          for top_id, top_logprob in entry.top])
             for token_id, entry in zip(token_ids, entries)]
 
 
-def _finish(response, text_stream: TextStream, arrival: float, first_token: float | None) -> Finish:
+def _finish(output: RequestOutput, text_stream: TextStream, arrival: float, first_token: float | None) -> Finish:
     now = time.monotonic()
-    reason = FinishReason.STOP if text_stream.stopped else codec.finish_reason_from_proto(response.finish_reason)
+    timings = output.timings or RequestTimings()
+    reason = FinishReason.STOP if text_stream.stopped else output.finish_reason
     return Finish(reason=reason or FinishReason.ERROR, matched_stop=text_stream.matched_stop,
-                  prompt_tokens=response.num_prompt_tokens, completion_tokens=response.num_output_tokens,
-                  cached_prompt_tokens=response.num_cached_tokens, queue_ns=response.timings.queue_ns,
+                  prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_output_tokens,
+                  cached_prompt_tokens=output.num_cached_tokens, queue_ns=timings.queue_ns,
                   time_to_first_token_ns=int(((first_token or now) - arrival) * 1e9),
                   decode_ns=int((now - (first_token or now)) * 1e9), e2e_ns=int((now - arrival) * 1e9),
-                  first_token_forward_ns=response.timings.first_token_forward_ns)
+                  first_token_forward_ns=timings.first_token_forward_ns)

@@ -16,7 +16,7 @@ import grpc
 from aiohttp import web
 
 from core import errors
-from plumbing.rpc import status_for
+from plumbing.rpc import retry_after_of, status_for
 from plumbing.telemetry import metrics
 
 logger = logging.getLogger("tokenmill.gateway.http")
@@ -75,14 +75,4 @@ def openai_error(exc: BaseException, where: str = "") -> OpenAIError:
     param = exc.field if isinstance(exc, errors.InvalidArgument) and exc.field else None
     if isinstance(exc, errors.NotFound) and exc.kind == "model":
         code = "model_not_found"
-    return OpenAIError(status, message, type_, param, code, _retry_after_s(exc))
-
-
-def _retry_after_s(exc: BaseException) -> float | None:
-    if getattr(exc, "retry_after_s", None) is not None:
-        return exc.retry_after_s  # type: ignore[attr-defined]
-    if isinstance(exc, grpc.aio.AioRpcError):  # a scheduler's hint, as plumbing.rpc sends it
-        for key, value in exc.trailing_metadata() or ():
-            if key == "retry-after-ms" and value.isdigit():
-                return int(value) / 1000
-    return None
+    return OpenAIError(status, message, type_, param, code, retry_after_of(exc))

@@ -11,21 +11,24 @@ Nothing here is awaited on a request's path except the chosen replica's own call
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import grpc
 from redis.exceptions import RedisError
 
+from core.errors import ServingError, Unavailable
+from core.outputs import FinishReason, RequestOutput
+from core.prefix_keys import extend_block_hashes  # the same keys the replicas publish
+from core.requests import GenerationRequest
 from gateway.replica_choice import DEFAULT_MAX_LOAD_IMBALANCE, ReplicaView, choose_replica
 from gateway.scheduler_client import FailureHandling, SchedulerClient
 from kvstore.replica_keys import REPORT_INTERVAL_S, load_key, prefixes_key
-from protos.tokenmill.v1 import common_pb2, scheduler_pb2
-from core.prefix_keys import extend_block_hashes  # pure Python: the same keys the replicas publish
-from core.errors import Unavailable
 from plumbing.process import cancel_and_wait
 from plumbing.tls import ClientTLS
+from protos.tokenmill.v1 import common_pb2
 
 logger = logging.getLogger("tokenmill.gateway.replicas")
 
@@ -71,8 +74,9 @@ class ReplicaRoute:
     def breaker(self):
         return self.replica.client.breaker
 
-    def submit(self, request: scheduler_pb2.SubmitRequest, timeout_s: float | None = None):
-        return self.router._submit_to(self.replica, request, timeout_s)
+    def submit(self, request: GenerationRequest, **options) -> AsyncIterator[RequestOutput]:
+        """SchedulerClient.submit on the chosen replica, counted in its in-flight load while it runs."""
+        return self.router.submit_to(self.replica, request, **options)
 
 
 async def resolve_all(name: str) -> list[str]:
@@ -145,21 +149,21 @@ class ReplicaRouter(FailureHandling):
     def route(self, prompt_token_ids) -> ReplicaRoute:
         return ReplicaRoute(self, self.choose(prompt_token_ids))
 
-    def _submit_to(self, replica: Replica, request: scheduler_pb2.SubmitRequest, timeout_s: float | None):
-        call = replica.client.submit(request, timeout_s)
+    async def submit_to(self, replica: Replica, request: GenerationRequest, **options) -> AsyncIterator[RequestOutput]:
         request_id = request.request_id
-        self._routed[request_id] = replica
+        self._routed[request_id] = replica  # aborts by id go where the request runs
         replica.view.in_flight += 1
-
-        def done(_call) -> None:
+        outputs = replica.client.submit(request, **options)
+        try:
+            async with contextlib.aclosing(outputs):
+                async for output in outputs:
+                    yield output
+        finally:
             replica.view.in_flight -= 1
             if self._routed.get(request_id) is replica:
                 del self._routed[request_id]
 
-        call.add_done_callback(done)
-        return call
-
-    async def abort(self, request_ids: list[str], reason: int = common_pb2.FINISH_REASON_ABORT) -> list[str]:
+    async def abort(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> list[str]:
         targets: dict[str, tuple[Replica, list[str]]] = {}
         for request_id in request_ids:
             routed = self._routed.get(request_id)
@@ -245,11 +249,10 @@ class ReplicaRouter(FailureHandling):
 
     async def _poll_load(self, replica: Replica) -> None:
         try:
-            load = await replica.client.stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=2.0)
-        except grpc.aio.AioRpcError:
+            load = await replica.client.get_load(timeout_s=2.0)
+        except ServingError:
             return
-        replica.view.reported_requests = load.num_waiting_requests + load.num_running_requests
-        replica.view.kv_usage = load.num_kv_pages_used / load.num_kv_pages_total if load.num_kv_pages_total else 0.0
+        replica.view.reported_requests, replica.view.kv_usage = load.num_requests, load.kv_usage
 
     async def _read_reports(self, replicas: list[Replica]) -> None:
         try:

@@ -16,7 +16,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-import grpc
 from redis.exceptions import RedisError
 
 from gateway.generation_stream import Finish, GenerationDelta, stream_generation
@@ -131,8 +130,8 @@ async def _submit_then_attach_if_taken(prepared, tokenizer, scheduler, tokens, r
             async for delta in deltas:
                 yield delta
         return
-    except grpc.aio.AioRpcError as error:
-        if error.code() != grpc.StatusCode.ALREADY_EXISTS or not await _owned(prepared.request.request_id, owner, owners):
+    except AlreadyExists:
+        if not await _owned(prepared.request.request_id, owner, owners):
             raise
     # the same id was submitted a moment ago (its records not written yet): follow that one
     attached = attach_generation(prepared, tokenizer, tokens, records, 0, timeout_s)

@@ -1,15 +1,32 @@
-"""The gateway's side of the gateway -> scheduler hop."""
+"""The gateway's side of the gateway -> scheduler hop: typed values in, typed values out.
+
+    outputs = client.submit(request, deadline_unix_s=..., resumable=False, owner="alice", timeout_s=30)
+    async with contextlib.aclosing(outputs):
+        async for output in outputs:        # core.outputs.RequestOutput, the last one finished
+            ...
+    await client.abort(["id"], FinishReason.STOP)
+
+A refused or failed call raises the core.errors type its status stands for (InvalidArgument,
+ResourceExhausted with the scheduler's retry hint, AlreadyExists, Unavailable, DeadlineExceeded, ...);
+closing the iterator early cancels the call, which aborts the request in the scheduler. Protobuf
+stays in here and in protos.codec.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from core.errors import ServingError
+from core.outputs import FinishReason, RequestOutput
+from core.requests import GenerationRequest
 from gateway.circuit_breaker import CircuitBreaker
+from plumbing.rpc import error_from_rpc_error
+from protos import codec
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from plumbing import tls as tls_config
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, message_size_options
@@ -21,13 +38,19 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reco
                      ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
+@dataclass(slots=True, frozen=True)
+class SchedulerLoad:
+    num_requests: int  # waiting + running
+    kv_usage: float  # pages used / pages in all
+
+
 class FailureHandling:
     """What the generation paths need beside submit/abort, shared by SchedulerClient and ReplicaRouter:
     where a request goes (route), the lost-request callback and aborts that nobody waits for.
 
     route(prompt_token_ids) returns the target of one call: something with .address, .breaker (the
     circuit breaker of that scheduler: each replica has its own, so one dead replica never refuses
-    calls that would go to a live one) and .submit(request, timeout_s)."""
+    calls that would go to a live one) and .submit(...) as SchedulerClient.submit."""
 
     # (request_id, error, accepted): a request whose scheduler stream broke; the gateway ends its record
     on_request_lost: Callable[[str, ServingError, bool], None] | None
@@ -39,7 +62,7 @@ class FailureHandling:
     def route(self, prompt_token_ids):
         raise NotImplementedError
 
-    async def abort(self, request_ids: list[str], reason: int = common_pb2.FINISH_REASON_ABORT) -> list[str]:
+    async def abort(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> list[str]:
         raise NotImplementedError
 
     def report_lost(self, request_id: str, error: ServingError, accepted: bool) -> None:
@@ -58,8 +81,8 @@ class FailureHandling:
     async def _abort_quietly(self, request_id: str) -> None:
         try:
             await self.abort([request_id])
-        except grpc.aio.AioRpcError as error:
-            logger.warning("abort of %r failed: %s", request_id, error.details())
+        except ServingError as error:
+            logger.warning("abort of %r failed: %s", request_id, error)
         except Exception as error:  # e.g. the channel closed under it while the gateway stops
             logger.warning("abort of %r failed: %r", request_id, error)
 
@@ -103,14 +126,41 @@ class SchedulerClient(FailureHandling):
     def route(self, prompt_token_ids) -> SchedulerClient:
         return self  # one scheduler: every call goes to it, guarded by its breaker
 
-    def submit(self, request: scheduler_pb2.SubmitRequest, timeout_s: float | None = None):
-        """A streaming call; iterate it for SubmitResponses, cancel() it to abort the request."""
-        return self.stub.Submit(request, timeout=timeout_s)
+    async def submit(self, request: GenerationRequest, *, deadline_unix_s: float | None = None,
+                     resumable: bool = False, owner: str | None = None,
+                     timeout_s: float | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as the scheduler streams them; leaving early cancels the call.
 
-    async def abort(self, request_ids: list[str], reason: int = common_pb2.FINISH_REASON_ABORT) -> list[str]:
-        reply = await self.stub.Abort(scheduler_pb2.AbortRequest(request_ids=request_ids, reason=reason),
-                                      timeout=5.0)
+        deadline_unix_s: the scheduler ends the request (and frees its pages) itself when it passes.
+        resumable: the scheduler keeps it running if this gateway goes away (gateway.resume).
+        owner: the API key name that sent it, recorded with the request."""
+        message = codec.submit_request_to_proto(request, deadline_unix_s, resumable=resumable, owner=owner)
+        call = self.stub.Submit(message, timeout=timeout_s)
+        try:
+            async for response in call:
+                yield codec.request_output_from_proto(response)
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc_error(error) from error
+        finally:
+            call.cancel()  # a no-op once the call has ended; otherwise the scheduler aborts the request
+
+    async def abort(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> list[str]:
+        """Ends the requests in the scheduler with reason; returns the ids it still had."""
+        message = scheduler_pb2.AbortRequest(request_ids=request_ids, reason=codec.finish_reason_to_proto(reason))
+        try:
+            reply = await self.stub.Abort(message, timeout=5.0)
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc_error(error) from error
         return list(reply.aborted_request_ids)
+
+    async def get_load(self, timeout_s: float = 2.0) -> SchedulerLoad:
+        try:
+            load = await self.stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc_error(error) from error
+        total = load.num_kv_pages_total
+        return SchedulerLoad(load.num_waiting_requests + load.num_running_requests,
+                             load.num_kv_pages_used / total if total else 0.0)
 
     async def close(self) -> None:
         await self._channel.close()

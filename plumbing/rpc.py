@@ -53,11 +53,23 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         code = STATUS_CODES.get(cls)
         if code is not None:
             return code, str(exc)
+    if isinstance(exc, errors.ServingError):  # e.g. a downstream INTERNAL, already logged where it happened
+        return grpc.StatusCode.INTERNAL, str(exc)
     if isinstance(exc, grpc.aio.AioRpcError):
         # A failed downstream call (gateway -> scheduler -> worker): pass its status through, so an
         # INVALID_ARGUMENT from the scheduler does not turn into INTERNAL at the gateway.
         return exc.code(), exc.details() or ""
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+def error_from_rpc_error(error: grpc.aio.AioRpcError) -> errors.ServingError:
+    """A downstream call's status as the typed error it stands for (the inverse of status_for), so a
+    client of an internal service handles kinds of failure, never status codes or message text. A
+    status no ServingError stands for (UNKNOWN, INTERNAL, ...) becomes the base class, answered INTERNAL."""
+    code = errors.ErrorCode.__members__.get(error.code().name, errors.ErrorCode.INTERNAL)
+    typed = errors.error_from_code(code, error.details() or "")
+    typed.retry_after_s = retry_after_of(error)  # the server's "retry-after-ms" hint, passed on
+    return typed
 
 
 async def abort_with_status(context: grpc.aio.ServicerContext, exc: BaseException, method: str = "") -> None:

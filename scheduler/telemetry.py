@@ -6,7 +6,7 @@ it went through, children of the request's Submit (SERVER) span:
     scheduler.decode   first token -> finished
 
 They are made when the request ends, from the times the step loop already keeps
-(scheduler.loop.RequestTimes), so the step loop itself does no tracing work per request per token.
+(scheduler.request_streams.RequestTimes), so the step loop itself does no tracing work per request per token.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def start_request(request_id: str) -> str:
 
 
 def record_request_end(times, num_preemptions: int = 0) -> None:
-    """times: scheduler.loop.RequestTimes of a request that just ended (monotonic seconds)."""
+    """times: scheduler.request_streams.RequestTimes of a request that just ended (monotonic seconds)."""
     if times.first_scheduled is not None:
         metrics.REQUEST_QUEUE_TIME.observe(times.first_scheduled - times.arrival)
     if not tracing_enabled() or not trace.get_current_span().is_recording():

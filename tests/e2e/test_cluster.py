@@ -111,7 +111,7 @@ async def test_finished_request_record_lives_in_redis(cluster):
     assert status.finish_time.ToNanoseconds() >= status.arrival_time.ToNanoseconds() > 0
     client = redis.Redis.from_url(config.effective_redis_url)
     record = client.hgetall("tokenmill:req:record-me")
-    assert record[b"status"] == b"finished" and record[b"finish_reason"] == b"length"
+    assert record[b"status"] == b"finished" and record[b"finish_reason"] == b"LENGTH"
     assert 0 < client.ttl("tokenmill:req:record-me") <= 3600
 
 
