@@ -51,6 +51,7 @@ class ChildProcess:
         self.name = spec.name
         self._echo = echo
         self._echo_lock = echo_lock
+        self.tail_lines = tail_lines  # how many of its last output lines are kept for error messages
         self._tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
         self._process: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None

@@ -45,13 +45,13 @@ class RestartMonitor:
                 delay = history.next_delay(time.monotonic())
                 if delay is None:
                     policy = history.policy
-                    supervisor._say(f"{name} {child.describe_exit()}: crashed more than {policy.max_restarts} "
+                    supervisor.say(f"{name} {child.describe_exit()}: crashed more than {policy.max_restarts} "
                                     f"times in {policy.window_s:g}s, giving up")
                     self._given_up.add(name)
                     continue
-                supervisor._say(f"{name} {child.describe_exit()}: restarting in {delay:.1f}s "
+                supervisor.say(f"{name} {child.describe_exit()}: restarting in {delay:.1f}s "
                                 f"(restart {history.num_restarts})")
                 if self._stopping.wait(delay):
                     return
                 child.start()
-                supervisor._say(f"restarted {name} (pid {child.pid})")
+                supervisor.say(f"restarted {name} (pid {child.pid})")

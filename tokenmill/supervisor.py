@@ -100,7 +100,7 @@ class Supervisor:
                 self._start_child(child)
         except BaseException as error:
             if isinstance(error, SupervisorError) and not isinstance(error, StopRequested):
-                self._say(f"{str(error).partition(';')[0]}: stopping the rest")
+                self.say(f"{str(error).partition(';')[0]}: stopping the rest")
             self.stop()
             raise
         if self.restarts:
@@ -135,13 +135,13 @@ class Supervisor:
         child = self.children[name]
         if child.alive or spec.name != name:
             raise SupervisorError(f"{name} must be stopped, and keep its name, to change its spec")
-        self.children[name] = ChildProcess(spec, self._echo, self._echo_lock, child._tail.maxlen)
+        self.children[name] = ChildProcess(spec, self._echo, self._echo_lock, child.tail_lines)
 
     def _start_child(self, child: ChildProcess) -> None:
         child.start()
-        self._say(f"started {child.name} (pid {child.pid})")
+        self.say(f"started {child.name} (pid {child.pid})")
         elapsed = self._wait_ready(child)
-        self._say(f"{child.name} ready at {child.spec.address or 'no address'} after {elapsed:.1f}s")
+        self.say(f"{child.name} ready at {child.spec.address or 'no address'} after {elapsed:.1f}s")
 
     def _wait_ready(self, child: ChildProcess) -> float:
         spec = child.spec
@@ -161,7 +161,7 @@ class Supervisor:
                 if now - started > self.startup_timeout_s:
                     raise StartupTimeout(child.name, self.startup_timeout_s, status, child.tail())
                 if now >= next_progress:
-                    self._say(f"waiting for {child.name} at {spec.address} ({status}): {now - started:.0f}s")
+                    self.say(f"waiting for {child.name} at {spec.address} ({status}): {now - started:.0f}s")
                     next_progress += self.progress_interval_s
                 time.sleep(self.poll_interval_s)
         finally:
@@ -209,7 +209,7 @@ class Supervisor:
             was_alive = child.alive
             returncodes[child.name] = child.stop(self.grace_s, force=lambda: self.force_stop)
             if was_alive:
-                self._say(f"stopped {child.name} ({child.describe_exit()})")
+                self.say(f"stopped {child.name} ({child.describe_exit()})")
         return returncodes
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> int | None:
@@ -231,7 +231,8 @@ class Supervisor:
     def tail(self, name: str) -> list[str]:
         return self.children[name].tail()
 
-    def _say(self, text: str) -> None:
+    def say(self, text: str) -> None:
+        """A line of the supervisor's own on its echo stream (the restart monitor reports through it too)."""
         if self._echo is not None:
             with self._echo_lock:
                 self._echo.write(f"[tokenmill] {text}\n")
