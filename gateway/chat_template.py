@@ -19,6 +19,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from core.errors import InvalidArgument
 
 
+# The roles every chat template knows; OpenAI's "developer" is mapped to "system" before this check.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
 class TemplateRaised(jinja2.exceptions.TemplateError):
     """The template itself rejected the chat (it called raise_exception)."""
 
@@ -114,3 +118,5 @@ def validate_messages(messages: object) -> None:
                 raise InvalidArgument(f"{field}.{key}", value, f"must be a string, not {type(value).__name__}")
         if not message["role"]:
             raise InvalidArgument(f"{field}.role", "", "must not be empty")
+        if message["role"] not in CHAT_ROLES:  # a template may print any role verbatim as a turn header
+            raise InvalidArgument(f"{field}.role", message["role"], f"must be one of {', '.join(CHAT_ROLES)}")

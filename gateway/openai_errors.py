@@ -63,7 +63,8 @@ def openai_error(exc: BaseException, where: str = "") -> OpenAIError:
     if isinstance(exc, web.HTTPException):  # routing (404 unknown path, 405) and aiohttp's own limits
         type_ = "invalid_request_error" if exc.status < 500 else "server_error"
         # aiohttp's 413 text names the limit and the size sent ("Maximum request body size N exceeded, ...")
-        reason = exc.text if exc.status == 413 and exc.text else exc.reason
+        # and our 415's text names the Content-Type sent
+        reason = exc.text if exc.status in (413, 415) and exc.text else exc.reason
         return OpenAIError(exc.status, f"{reason}: {where}" if where else reason, type_)
     grpc_status, message = status_for(exc)
     metrics.REQUEST_ERRORS.labels(code=grpc_status.name).inc()

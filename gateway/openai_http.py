@@ -166,14 +166,29 @@ def _event(payload: dict) -> bytes:
 
 
 async def _json_object(request: web.Request) -> dict:
+    _check_json_content_type(request)
     raw = await request.read()
     try:
         body = json.loads(raw)
     except ValueError as error:  # JSONDecodeError and UnicodeDecodeError both are
         raise InvalidArgument("body", raw[:80].decode(errors="replace"), f"is not valid JSON ({error})") from None
+    except RecursionError:  # a body of 100,000 "[" would otherwise be a 500
+        raise InvalidArgument("body", raw[:80].decode(errors="replace"),
+                              "nests arrays or objects deeper than the JSON parser allows (about 1,000 levels)") from None
     if not isinstance(body, dict):
         raise InvalidArgument("body", body, f"must be a JSON object, not {type(body).__name__}")
     return body
+
+
+def _check_json_content_type(request: web.Request) -> None:
+    """415 for a body that says it is something else (text/plain, a form). No Content-Type at all is
+    read as JSON, as OpenAI's server does, so a bare `curl --data-binary` keeps working."""
+    if "Content-Type" not in request.headers:
+        return
+    media_type = request.content_type  # lower-cased, without parameters such as charset
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise web.HTTPUnsupportedMediaType(
+            text=f"Content-Type {request.headers['Content-Type']!r} is not JSON; send 'Content-Type: application/json'")
 
 
 @web.middleware

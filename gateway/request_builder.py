@@ -9,7 +9,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from gateway.chat_template import render_chat, validate_messages
+from gateway.chat_encoding import encode_chat
+from gateway.chat_template import validate_messages
 from gateway.tokenizer import TextTokenizer
 from gateway.validation import (Limits, validate_chat_size, validate_priority, validate_prompt_ids,
                                 validate_prompt_text, validate_sampling, validate_stop_strings)
@@ -51,9 +52,7 @@ def chat_token_ids(messages: list[dict], tokenizer: TextTokenizer, limits: Limit
     validate_chat_size(messages, limits)
     if not tokenizer.chat_template:
         raise InvalidArgument("messages", "...", "this model has no chat template; send a prompt")
-    text = render_chat(tokenizer.chat_template, messages, add_generation_prompt=True,
-                       bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
-    return tokenizer.encode(text, add_special_tokens=False)  # the template wrote the specials
+    return encode_chat(tokenizer, messages)  # the template writes the specials; content stays text
 
 
 def prompt_token_ids(message: generation_pb2.GenerateRequest | generation_pb2.TokenizeRequest,

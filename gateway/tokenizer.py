@@ -56,6 +56,21 @@ class TextTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The strings of the control tokens (matched whole by encode, unless encode_as_text)."""
+        return tuple(t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special)
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Special-token strings in text become ordinary text tokens (a client's chat content)."""
+        # a flag on the shared tokenizer: set and reset within one synchronous call, and the gateway
+        # tokenizes on its event loop thread only
+        self.tokenizer.encode_special_tokens = True
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        finally:
+            self.tokenizer.encode_special_tokens = False
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -23,9 +23,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
+from google.protobuf.message import DecodeError
+from opentelemetry import trace
 
 from core import errors
 from plumbing.telemetry import metrics
+from plumbing.telemetry.span_policies import record_error
 
 logger = logging.getLogger(__name__)
 
@@ -122,11 +125,13 @@ def _wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethod
     else:
         make, behavior = grpc.stream_stream_rpc_method_handler, handler.stream_stream
 
+    streaming_requests = bool(handler.stream_unary or handler.stream_stream)
+
     if inspect.isasyncgenfunction(behavior):
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext):
             try:
-                async for response in behavior(request, context):
+                async for response in behavior(_decoded(request, streaming_requests), context):
                     yield response
             except grpc.aio.AbortError:
                 raise
@@ -137,7 +142,7 @@ def _wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethod
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext):
             try:
-                return await behavior(request, context)
+                return await behavior(_decoded(request, streaming_requests), context)
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:  # noqa: BLE001
@@ -150,9 +155,50 @@ def _wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethod
 
     return make(
         wrapped,
-        request_deserializer=handler.request_deserializer,
+        request_deserializer=_tolerant(handler.request_deserializer),
         response_serializer=handler.response_serializer,
     )
+
+
+class _Undecodable:
+    """What a request that is not valid protobuf (or has invalid UTF-8 in a string) decodes to. gRPC
+    would answer UNKNOWN naming a Python class; the wrapped handler raises INVALID_ARGUMENT instead."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def invalid_argument(self) -> errors.InvalidArgument:
+        # protobuf's own reason names the message type and the fault ("String field had bad UTF-8", ...)
+        return errors.InvalidArgument("request", "(undecodable bytes)", f"is not a valid protobuf message: {self.error}")
+
+
+def _tolerant(deserializer):
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except DecodeError as error:
+            return _Undecodable(error)
+
+    return deserialize
+
+
+def _decoded(request: Any, streaming: bool) -> Any:
+    """The request, raising INVALID_ARGUMENT where it could not be decoded (per message for a stream)."""
+    if isinstance(request, _Undecodable):
+        raise request.invalid_argument()
+    return _checked_stream(request) if streaming and hasattr(request, "__aiter__") else request
+
+
+async def _checked_stream(requests):
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            raise request.invalid_argument()
+        yield request
 
 
 def create_server(

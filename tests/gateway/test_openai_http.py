@@ -213,3 +213,28 @@ async def test_unreachable_scheduler_is_503(unused_tcp_port):
     finally:
         await runner.cleanup()
         await scheduler.close()
+
+
+async def test_deeply_nested_json_is_400_and_a_non_json_content_type_is_415(unused_tcp_port):
+    # both are refused before any scheduler is asked, so a dead one will do
+    runner, scheduler, base_url = await _local_server(f"127.0.0.1:{unused_tcp_port}")
+
+    def post(body: bytes, content_type: str) -> tuple[int, str]:
+        request = urllib.request.Request(f"{base_url}/completions", data=body, method="POST",
+                                         headers={"Content-Type": content_type})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())["error"]["message"]
+
+    try:
+        status, message = await asyncio.to_thread(post, b"[" * 100_000 + b"]" * 100_000, "application/json")
+        assert status == 400 and "nests arrays or objects deeper" in message
+        body = json.dumps({"model": "m", "prompt": PROMPT, "max_tokens": 2}).encode()
+        for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+            status, message = await asyncio.to_thread(post, body, content_type)
+            assert status == 415 and f"Content-Type '{content_type}' is not JSON" in message
+    finally:
+        await runner.cleanup()
+        await scheduler.close()

@@ -184,3 +184,24 @@ def test_error_messages_name_field_value_and_limit():
     assert str(error).startswith("invalid prompt='xxx")
     assert str(error).endswith("... (1002 chars): 4096 tokens is over max_context_length 2048")
     assert rpc.status_for(error) == (grpc.StatusCode.INVALID_ARGUMENT, str(error))
+
+
+@pytest.mark.parametrize("method, raw, reason", [
+    ("/tokenmill.v1.Worker/GetCapacity", b"\xff\xff\xff", "Wire format was corrupt"),
+    # field 1 (request_id, a string) holding the two bytes C3 28: not UTF-8
+    ("/tokenmill.v1.Scheduler/Submit", b"\x0a\x02\xc3\x28", "bad UTF-8"),
+])
+async def test_undecodable_bytes_are_invalid_argument_naming_the_message_not_unknown(served, method, raw, reason):
+    _, channel, _ = served
+    identity = dict(request_serializer=lambda data: data, response_deserializer=lambda data: data)
+    call = (channel.unary_stream if method.endswith("Submit") else channel.unary_unary)(method, **identity)
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        if method.endswith("Submit"):
+            async for _ in call(raw):
+                pass
+        else:
+            await call(raw)
+    assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "is not a valid protobuf message" in failure.value.details()
+    assert reason in failure.value.details() and "tokenmill.v1." in failure.value.details()
+    assert "<class" not in failure.value.details()
