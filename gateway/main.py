@@ -98,16 +98,19 @@ async def serve(args: argparse.Namespace) -> None:
     model_info.model_config.has_chat_template = bool(tokenizer.chat_template)
     limits = Limits(max_model_len=model_info.model_config.max_context_length, vocab_size=tokenizer.vocab_size,
                     max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens)
-    state_reader = token_reader = None
+    state_reader = token_reader = claims = None
     if args.redis_url:
         from gateway.lost_requests import LostRequestRecorder
+        from kvstore.request_claims import RequestClaims
         from kvstore.state_reader import RequestStateReader
         from kvstore.token_streams import TokenStreamReader
 
         state_reader = RequestStateReader(args.redis_url)
         scheduler.on_request_lost = LostRequestRecorder(state_reader)
         token_reader = TokenStreamReader(args.redis_url)  # resume by request id
-    servicer = GenerationServicer(tokenizer, scheduler, limits, model_info, state_reader, token_reader, access)
+        claims = RequestClaims(args.redis_url)  # one request per client-chosen id, across replicas
+    servicer = GenerationServicer(tokenizer, scheduler, limits, model_info, state_reader, token_reader, access,
+                                  claims)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     add_kserve_servicer(server, tokenizer, scheduler, limits, model_info)
     http_api = http_runner = None
@@ -137,6 +140,7 @@ async def serve(args: argparse.Namespace) -> None:
     if state_reader:
         await state_reader.aclose()
         await token_reader.aclose()
+        await claims.aclose()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,11 +19,13 @@ from collections.abc import AsyncIterator
 from redis.exceptions import RedisError
 
 from gateway.generation_stream import Finish, GenerationDelta, stream_generation
+from gateway.id_claims import claimed_generation
 from gateway.ownership import RequestOwners
 from gateway.request_builder import PreparedRequest
 from gateway.scheduler_client import SchedulerClient
 from gateway.text_stream import TextStream
 from gateway.tokenizer import TextTokenizer
+from kvstore.request_claims import RequestClaims, request_fingerprint
 from kvstore.state_reader import RequestStateReader
 from kvstore.token_streams import TokenEntry, TokenStreamReader
 from core.errors import AlreadyExists, DeadlineExceeded, NotFound, Unavailable
@@ -39,7 +41,9 @@ _KNOWN_CHECK_TIMEOUT_S = 0.5
 
 async def attach_generation(prepared: PreparedRequest, tokenizer: TextTokenizer, tokens: TokenStreamReader,
                             records: RequestStateReader | None, from_index: int = 0,
-                            timeout_s: float | None = None) -> AsyncIterator[GenerationDelta]:
+                            timeout_s: float | None = None, on_quiet=None) -> AsyncIterator[GenerationDelta]:
+    """on_quiet: awaited about once a second while the stream is still empty (gateway.id_claims checks
+    that the request it waits for is still coming)."""
     request_id = prepared.request.request_id
     text_stream = TextStream(tokenizer, prepared.request.prompt_token_ids, prepared.stop)
     arrival = time.monotonic()
@@ -50,6 +54,8 @@ async def attach_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
         if not entries:
             if deadline is not None and time.monotonic() > deadline:
                 raise DeadlineExceeded(f"request {request_id!r}: deadline passed while attached to its stream")
+            if on_quiet is not None and after == "0":
+                await on_quiet()
             if time.monotonic() - quiet_since > _LOST_AFTER_S:
                 await _raise_if_lost(records, request_id)
             continue
@@ -96,15 +102,27 @@ async def _raise_if_lost(records: RequestStateReader | None, request_id: str) ->
 async def submit_or_attach(message, prepared: PreparedRequest, tokenizer: TextTokenizer, scheduler: SchedulerClient,
                            tokens: TokenStreamReader, records: RequestStateReader | None,
                            timeout_s: float | None, arrival: float, owner: str | None = None,
-                           owners: RequestOwners | None = None) -> AsyncIterator[GenerationDelta]:
-    """The tokenmill.v1 Generate path with Redis: a request_id the cluster knows (its token stream or
-    record exists, or the scheduler has it live) attaches to that request; any other is submitted as
-    resumable. message: the GenerateRequest (its request_id and resume_from_index as the client sent them).
-    owner: the caller's API key name (None: keys off); only the owner attaches to a known id (owners)."""
+                           owners: RequestOwners | None = None,
+                           claims: RequestClaims | None = None) -> AsyncIterator[GenerationDelta]:
+    """The tokenmill.v1 Generate path with Redis. A client-chosen request_id is claimed first
+    (gateway.id_claims): free, it runs; held by the same request, this call attaches to it; held by
+    another, ALREADY_EXISTS. With resume_from_index a known id attaches from that index. Any other
+    request is submitted as resumable. message: the GenerateRequest (its request_id and
+    resume_from_index as the client sent them). owner: the caller's API key name (None: keys off);
+    only the owner attaches to a known id (owners)."""
     request_id = prepared.request.request_id
     resume = message.HasField("resume_from_index")
     from_index = message.resume_from_index if resume else 0
-    if message.request_id and await _is_known(request_id, tokens, records):
+    if message.request_id and not resume and claims is not None:
+        deltas = claimed_generation(
+            request_id, claims, request_fingerprint(owner, prepared.request),
+            run=lambda: stream_generation(prepared, tokenizer, scheduler, timeout_s, arrival, resumable=True,
+                                          owner=owner),
+            attach=lambda on_quiet: attach_generation(prepared, tokenizer, tokens, records, 0, timeout_s, on_quiet),
+            has_started=lambda: _is_known(request_id, tokens, records),
+            unclaimed=lambda: _submit_then_attach_if_taken(prepared, tokenizer, scheduler, tokens, records, timeout_s,
+                                                           arrival, owner, owners))
+    elif message.request_id and await _is_known(request_id, tokens, records):
         if not await _owned(request_id, owner, owners):  # another key's request: it does not exist for this one,
             raise NotFound("request", request_id) if resume else AlreadyExists("request", request_id)  # but its id is taken
         deltas = attach_generation(prepared, tokenizer, tokens, records, from_index, timeout_s)

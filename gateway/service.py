@@ -29,7 +29,7 @@ _STATUS = {
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: TextTokenizer, scheduler: SchedulerClient, limits: Limits,
                  model_info: common_pb2.GetModelInfoResponse, state_reader=None, token_reader=None,
-                 access=None) -> None:
+                 access=None, claims=None) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.limits = limits
@@ -39,6 +39,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.token_reader = token_reader  # kvstore.TokenStreamReader (resume), or None without Redis
         self.access = access  # gateway.access.AccessControl: whose request an id is (None: keys off)
         self.owners = RequestOwners(state_reader)
+        self.claims = claims  # kvstore.RequestClaims: client-chosen ids bound to one request (None without Redis)
 
     async def GenerateStream(self, request, context):
         async for message in self._generate(request, context):
@@ -69,7 +70,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                        owner=caller)
         else:
             deltas = submit_or_attach(request, prepared, self.tokenizer, self.scheduler, self.token_reader,
-                                      self.state_reader, context.time_remaining(), arrival, caller, self.owners)
+                                      self.state_reader, context.time_remaining(), arrival, caller, self.owners,
+                                      self.claims)
         # only an id this gateway made is surely the caller's before the scheduler takes it; a client-chosen
         # one may name another key's request, and its owner is then known from its Redis record
         with self.owners.streaming(prepared.request.request_id, None if request.request_id else caller):

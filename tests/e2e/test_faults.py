@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import signal
+import sys
 import time
 
 import grpc
@@ -17,6 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore.redis_health import REDIS_HEALTH_SERVICE
 from protos.tokenmill.v1 import (common_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2,
                                  scheduler_pb2_grpc)
+from tokenmill.child_process import ChildSpec
+from tokenmill.readiness import free_port
+from tokenmill.supervisor import Supervisor
 from tests.e2e.faults_cluster import generate_ok, kill9, request, scheduler_load, tiny_cluster, wait_until
 from plumbing.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE
 
@@ -224,6 +228,32 @@ async def test_gateway_killed_mid_stream_the_client_resumes_by_request_id_withou
         entries = [fields for _, fields in client.xrange("tokenmill:tokens:resume-me")]
     assert sum(len(fields[b"t"].split()) for fields in entries) == 480, "the scheduler ran it once"
     assert [fields.get(b"f") for fields in entries].count(b"LENGTH") == 1
+
+
+async def test_one_request_id_runs_one_request_even_through_two_gateways_at_once(cluster):
+    config, _ = cluster
+    port = free_port("127.0.0.1")
+    second = ChildSpec("gateway-2", [sys.executable, "-m", "gateway.main", "--port", str(port), "--http-port", "0",
+                                     "--scheduler", config.scheduler_address, "--model", config.model],
+                       GENERATION_SERVICE, f"127.0.0.1:{port}", env={"TOKENMILL_REDIS_URL": config.effective_redis_url})
+    with Supervisor([second], echo=False, startup_timeout_s=120):
+        async with grpc.aio.insecure_channel(config.gateway_address) as one, \
+                grpc.aio.insecure_channel(second.address) as two:
+            stubs = [generation_pb2_grpc.GenerationStub(one), generation_pb2_grpc.GenerationStub(two)]
+            # the same request under one id, 8 times at once over both replicas: it runs once, all get its tokens
+            same = await asyncio.gather(*(collect(stubs[i % 2].GenerateStream(request("Only once", 40, "one-id")))
+                                          for i in range(8)))
+            assert all(ids == same[0][0] and len(ids) == 40 for ids, _ in same)
+            # different prompts under one id at once: one runs, every other is refused naming the id
+            results = await asyncio.gather(*(collect(stubs[i % 2].GenerateStream(request(f"prompt {i}", 8, "contested")))
+                                             for i in range(6)), return_exceptions=True)
+    refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+    assert len(refused) == 5, results
+    assert all(e.code() == grpc.StatusCode.ALREADY_EXISTS and "request_id 'contested'" in e.details() for e in refused)
+    with redis.Redis.from_url(config.effective_redis_url) as client:
+        for request_id in ("one-id", "contested"):
+            finishes = [f.get(b"f") for _, f in client.xrange(f"tokenmill:tokens:{request_id}")]
+            assert len([f for f in finishes if f]) == 1, f"{request_id} ran {len([f for f in finishes if f])} times"
 
 
 async def test_sigterm_drains_the_gateway_refuses_new_requests_and_exits_zero(cluster):
