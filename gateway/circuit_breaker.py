@@ -5,6 +5,11 @@ open       calls fail at once with UNAVAILABLE (no connection attempt, no queuei
 half-open  after open_s one call goes through as a probe: success closes the breaker, failure
            opens it again for another open_s
 
+Besides the probe, the peer's readiness check closes it (record_ready): the owner of the breaker
+polls the peer's grpc.health.v1 readiness while it is open (on_open tells it when), so a restarted
+scheduler takes every call as soon as it reports SERVING, instead of one probe at a time while the
+others are refused.
+
 While a scheduler is down its clients learn it in microseconds instead of each waiting on a dead
 connection, and the gateway does not pile reconnect attempts onto a scheduler that is restarting.
 """
@@ -36,6 +41,7 @@ class CircuitBreaker:
         self._failures = 0  # consecutive
         self._opened_at = 0.0
         self._probe_in_flight = False
+        self.on_open: Callable[[], None] | None = None  # called each time it opens (not while open)
 
     def can_call(self) -> bool:
         """Whether before_call() would let a call through now (changes nothing): what a router asks
@@ -63,11 +69,18 @@ class CircuitBreaker:
     def record_success(self) -> None:
         self.state, self._failures, self._probe_in_flight = BreakerState.CLOSED, 0, False
 
+    def record_ready(self) -> None:
+        """The peer's readiness check reports SERVING: it is back, so calls go through again."""
+        self.record_success()
+
     def record_failure(self) -> None:
         self._failures += 1
         self._probe_in_flight = False
         if self.state is BreakerState.HALF_OPEN or self._failures >= self.failure_threshold:
+            was_open = self.state is BreakerState.OPEN
             self.state, self._opened_at = BreakerState.OPEN, self._clock()
+            if not was_open and self.on_open is not None:
+                self.on_open()
 
     def release_probe(self) -> None:
         """The probe ended without telling either way (its client cancelled): the next call probes."""

@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from core.errors import ServingError
 from core.outputs import FinishReason, RequestOutput
 from core.requests import GenerationRequest
-from gateway.circuit_breaker import CircuitBreaker
+from gateway.circuit_breaker import BreakerState, CircuitBreaker
 from plumbing.rpc import error_from_rpc_error
 from protos import codec
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 # A restarted scheduler is found within a second, not after gRPC's default reconnect backoff (up to 120 s).
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                      ("grpc.max_reconnect_backoff_ms", 1000)]
+# While the breaker is open, how often the scheduler's readiness is checked (each check also waits
+# up to this long for the channel to reconnect), so a restarted scheduler is used again at once.
+READINESS_POLL_S = 0.2
 
 
 @dataclass(slots=True, frozen=True)
@@ -94,6 +97,8 @@ class SchedulerClient(FailureHandling):
                  max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES) -> None:
         self.address = address
         self.breaker = breaker or CircuitBreaker(f"scheduler at {address}")
+        self.breaker.on_open = self._watch_readiness_while_open
+        self._readiness_watch: asyncio.Task | None = None
         self.on_request_lost = on_request_lost
         self._background: set[asyncio.Task] = set()
         self._channel = tls_config.aio_channel(
@@ -122,6 +127,27 @@ class SchedulerClient(FailureHandling):
         except grpc.aio.AioRpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def _watch_readiness_while_open(self) -> None:
+        """The breaker just opened: close it as soon as the scheduler reports SERVING again (a
+        half-open probe alone lets one call through per open_s, refusing the rest meanwhile)."""
+        if self._readiness_watch is None or self._readiness_watch.done():
+            self._readiness_watch = asyncio.get_running_loop().create_task(
+                self._close_breaker_when_ready(), name=f"breaker-readiness-{self.address}")
+
+    async def _close_breaker_when_ready(self) -> None:
+        check = health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE)
+        while self.breaker.state is not BreakerState.CLOSED:
+            try:
+                # wait_for_ready: the check goes out the moment the channel reconnects
+                reply = await self._health.Check(check, timeout=READINESS_POLL_S, wait_for_ready=True)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    self.breaker.record_ready()
+                    logger.info("scheduler at %s reports SERVING: circuit closed", self.address)
+                    return
+            except grpc.aio.AioRpcError:
+                pass  # still down or restarting
+            await asyncio.sleep(READINESS_POLL_S)
 
     def route(self, prompt_token_ids) -> SchedulerClient:
         return self  # one scheduler: every call goes to it, guarded by its breaker
@@ -163,4 +189,6 @@ class SchedulerClient(FailureHandling):
                              load.num_kv_pages_used / total if total else 0.0)
 
     async def close(self) -> None:
+        if self._readiness_watch is not None:
+            self._readiness_watch.cancel()
         await self._channel.close()

@@ -71,3 +71,16 @@ def test_can_call_answers_what_before_call_would_do_without_changing_anything():
     assert not breaker.can_call()  # while it is out, nobody else gets through
     breaker.record_success()
     assert breaker.can_call()
+
+
+def test_on_open_is_called_once_per_opening_and_a_ready_peer_closes_it_at_once():
+    clock = Clock()
+    breaker = CircuitBreaker("s", failure_threshold=2, open_s=5.0, clock=clock)
+    opened = []
+    breaker.on_open = lambda: opened.append(clock.now)
+    breaker.record_failure()
+    breaker.record_failure()
+    breaker.record_failure()  # already open: not reported again
+    assert breaker.state is BreakerState.OPEN and opened == [100.0]
+    breaker.record_ready()  # the scheduler's readiness check says SERVING, long before open_s ends
+    assert breaker.state is BreakerState.CLOSED and breaker.before_call() is False
