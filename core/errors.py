@@ -26,6 +26,7 @@ class ErrorCode(enum.Enum):
     UNAUTHENTICATED = enum.auto()
     FAILED_PRECONDITION = enum.auto()
     INTERNAL = enum.auto()
+    PERMISSION_DENIED = enum.auto()
 
 # Long values (a whole prompt, a token list) are cut in messages so a status stays readable.
 _MAX_VALUE_REPR = 120
@@ -117,6 +118,13 @@ class Unauthenticated(ServingError):
     code = ErrorCode.UNAUTHENTICATED
 
 
+class PermissionDenied(ServingError):
+    """The caller is authenticated but its role may not do this, e.g. a client certificate that does
+    not name the gateway role calling the scheduler (PERMISSION_DENIED)."""
+
+    code = ErrorCode.PERMISSION_DENIED
+
+
 class FailedPrecondition(ServingError):
     """The call disagrees with the server's state, e.g. a step plan naming a request the worker
     does not hold (FAILED_PRECONDITION)."""
@@ -139,5 +147,5 @@ def error_from_code(code: ErrorCode, message: str) -> ServingError:
 
 _BY_CODE: dict[ErrorCode, type[ServingError]] = {
     cls.code: cls for cls in (InvalidArgument, NotFound, AlreadyExists, ResourceExhausted, Unavailable,
-                              DeadlineExceeded, Cancelled, Unauthenticated, FailedPrecondition)
+                              DeadlineExceeded, Cancelled, Unauthenticated, FailedPrecondition, PermissionDenied)
 }

@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--http-api-key", default="", help="HTTP clients must send 'Authorization: Bearer KEY'")
     add_message_size_argument(parser, PUBLIC_MAX_MESSAGE_BYTES)
     tls.add_server_arguments(parser)  # the HTTP API serves HTTPS with the same files
+    parser.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
     tls.add_client_arguments(parser, "scheduler")
     add_access_arguments(parser)
     telemetry.add_metrics_argument(parser)
@@ -87,7 +88,8 @@ async def serve(args: argparse.Namespace) -> None:
     server = rpc.create_server(interceptors=[drain, AccessInterceptor(access, skip=drain.refuses)],
                                options=message_size_options(args.max_message_bytes))
     from gateway.kserve_service import KSERVE_SERVICE, add_kserve_servicer  # not at the top: tritonclient (its doc)
-    health = rpc.add_health_and_reflection(server, [rpc.GENERATION_SERVICE, KSERVE_SERVICE])
+    health = rpc.add_health_and_reflection(server, [rpc.GENERATION_SERVICE, KSERVE_SERVICE],
+                                           reflection_on=not args.no_reflection)
     address = f"{args.host}:{args.port}"
     if tls.listen(server, address, args.tls) == 0:
         raise SystemExit(f"gateway: cannot listen on {address} (in use?); change --port")

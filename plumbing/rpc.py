@@ -24,11 +24,9 @@ from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from google.protobuf.message import DecodeError
-from opentelemetry import trace
 
 from core import errors
 from plumbing.telemetry import metrics
-from plumbing.telemetry.span_policies import record_error
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +45,7 @@ STATUS_CODES: dict[type[errors.ServingError], grpc.StatusCode] = {
     errors.Cancelled: grpc.StatusCode.CANCELLED,
     errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -229,12 +228,15 @@ class ReadinessHealthServicer(health_aio.HealthServicer):
             await self.set(name, status)
 
 
-def add_health_and_reflection(server: grpc.aio.Server, service_full_names: Iterable[str]) -> ReadinessHealthServicer:
-    """Registers grpc.health.v1 and server reflection (listing our services, health and reflection).
-    Call before server.start(). The returned servicer's set_ready() flips readiness."""
+def add_health_and_reflection(server: grpc.aio.Server, service_full_names: Iterable[str],
+                              reflection_on: bool = True) -> ReadinessHealthServicer:
+    """Registers grpc.health.v1 and server reflection (listing our services, health and reflection;
+    reflection_on=False: --no-reflection). Call before server.start(). The returned servicer's
+    set_ready() flips readiness."""
     health = ReadinessHealthServicer(service_full_names)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        [*health.service_full_names, HEALTH_SERVICE, reflection.SERVICE_NAME], server
-    )
+    if reflection_on:
+        reflection.enable_server_reflection(
+            [*health.service_full_names, HEALTH_SERVICE, reflection.SERVICE_NAME], server
+        )
     return health

@@ -17,7 +17,7 @@ from scheduler.scheduler import Scheduler
 from scheduler.service import SchedulerServicer, drain
 from scheduler.worker_client import WorkerClient
 from scheduler.worker_recovery import WorkerRecovery
-from plumbing import rpc, telemetry, tls
+from plumbing import peer_roles, rpc, telemetry, tls
 from plumbing.drain import DrainInterceptor
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
 from plumbing.telemetry.metrics import watch_scheduler
@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how long requests wait for a crashed worker to come back before failing")
     add_message_size_argument(parser, INTERNAL_MAX_MESSAGE_BYTES)
     tls.add_server_arguments(parser)
+    peer_roles.add_arguments(parser, ["gateway"])
     tls.add_client_arguments(parser, "worker")
     parser.add_argument("--advertise-address", default="",
                         help="HOST:PORT gateways dial to reach this scheduler; names its load and prefix keys "
@@ -70,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.tls = tls.server_tls_from_args(parser, args)
+    args.allowed_roles = peer_roles.allowed_roles_from_args(parser, args)
     args.worker_tls = tls.client_tls_from_args(parser, args, "worker")
     return args
 
@@ -80,9 +82,13 @@ async def serve(args: argparse.Namespace) -> None:
         from kvstore.credentials import check_redis_credentials
 
         await check_redis_credentials(args.redis_url, "scheduler")
+    peer_roles.check_internal_exposure("scheduler", args.host, bool(args.tls and args.tls.client_ca),
+                                       args.insecure_internal)
     drain_calls = DrainInterceptor(["/tokenmill.v1.Scheduler/Submit"])  # SIGTERM: no new Submit, Abort still works
-    server = rpc.create_server(interceptors=[drain_calls], options=message_size_options(args.max_message_bytes))
-    health = rpc.add_health_and_reflection(server, [rpc.SCHEDULER_SERVICE])
+    callers = peer_roles.interceptors(args.tls, args.allowed_roles, "scheduler")  # mTLS: gateways only
+    server = rpc.create_server(interceptors=[drain_calls, *callers],
+                               options=message_size_options(args.max_message_bytes))
+    health = rpc.add_health_and_reflection(server, [rpc.SCHEDULER_SERVICE], reflection_on=not args.no_reflection)
     address = f"{args.host}:{args.port}"
     if tls.listen(server, address, args.tls) == 0:
         raise SystemExit(f"scheduler: cannot listen on {address} (in use?); change --port")

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import asyncio
 
-from core.errors import Unavailable
+from core.errors import PermissionDenied, Unavailable
+from plumbing import peer_roles
 from core.outputs import FinishReason, RequestTimings
 from protos import codec
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -38,6 +39,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return self._loop
 
     async def Submit(self, request, context):
+        roles = peer_roles.current_roles()  # None: callers are not told apart (no mutual TLS, loopback)
+        if request.owner and roles is not None and "gateway" not in roles:
+            # the owner decides who may read and cancel a request by id: only a gateway vouches for one
+            raise PermissionDenied(f"SubmitRequest.owner={request.owner!r}: only a caller whose certificate "
+                                   "names the gateway role may set owner")
         # a resumable request outlives this call (its gateway may die): its caller aborts it explicitly
         resumable = request.resumable and self.loop.tokens is not None
         # worker step spans link to this call's span through the request's trace context

@@ -39,7 +39,8 @@ class ChildSpec:
     probe: Probe | None = None  # readiness for children without gRPC health (redis PING)
     port_hint: str = ""  # how a user changes the port, e.g. "--worker-port", named when it is taken
     env: Mapping[str, str] | None = None  # extra environment variables on top of ours
-    use_temp_dir: bool = False  # run in a fresh temp dir (the cwd), removed when the child is stopped
+    # run in a fresh temp dir (the cwd), kept across restarts after a crash, removed when the child is stopped
+    use_temp_dir: bool = False
     # name -> text written (mode 0600) into the temp dir before start: secrets that must not be in argv
     files: Mapping[str, str] | None = None
     tls: ClientTLS | None = None  # how the supervisor's health probe connects when the child serves TLS
@@ -64,7 +65,9 @@ class ChildProcess:
         assert not self.alive, f"{self.name} is already running"
         self.exit_expected = False
         cwd = None
-        if self.spec.use_temp_dir:
+        if self.spec.use_temp_dir and self._temp_dir is not None:
+            cwd = self._temp_dir  # restarted after a crash: what it saved there (Redis's AOF) is still there
+        elif self.spec.use_temp_dir:
             self._temp_dir = cwd = tempfile.mkdtemp(prefix=f"tokenmill-{self.name}-")
             for name, text in (self.spec.files or {}).items():
                 descriptor = os.open(os.path.join(cwd, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -251,10 +251,11 @@ def serve(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as error:  # no redis-server binary; a password redis.conf cannot hold
         print(f"error: {error}", file=sys.stderr)
         return 2
-    # crashed worker/scheduler/gateway are restarted with backoff; the grace period covers the drain
+    # crashed worker/scheduler/gateway (and our own redis-server) are restarted with backoff; the
+    # grace period covers the drain
     supervisor = Supervisor(specs, startup_timeout_s=args.startup_timeout_s,
                             grace_s=max(args.grace_period_s, args.drain_timeout_s + 5.0),
-                            restart_policies=restart_policies())
+                            restart_policies=restart_policies(redis=config.redis_url is None))
     try:
         supervisor.check_ports()
         if config.http_port is not None and port_in_use(f"{config.host}:{config.http_port}"):

@@ -212,9 +212,11 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
     ]
 
 
-def restart_policies(policy: RestartPolicy | None = None) -> dict[str, RestartPolicy]:
+def restart_policies(policy: RestartPolicy | None = None, *, redis: bool = True) -> dict[str, RestartPolicy]:
     """Worker, scheduler and gateway are started again when they crash (the scheduler re-registers a
-    restarted worker, gateways reconnect to a restarted scheduler); Redis is not: a lost Redis only
-    degrades bookkeeping, and one started by somebody else is not ours to restart."""
+    restarted worker, gateways reconnect to a restarted scheduler), and so is the redis-server the
+    cluster started (redis=True; pass False with ClusterConfig.redis_url: one started by somebody else
+    is not ours to restart): its append-only file brings the records back, and the scheduler's
+    writers replay what they kept in memory meanwhile (kvstore.state_writer, kvstore.token_streams)."""
     policy = policy or RestartPolicy()
-    return {name: policy for name in ("worker", "scheduler", "gateway")}
+    return {name: policy for name in ("worker", "scheduler", "gateway", *(("redis",) if redis else ()))}

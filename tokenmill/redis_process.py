@@ -1,4 +1,5 @@
-"""A local redis-server as a supervised child: no persistence, loopback only, its own temp dir, and
+"""A local redis-server as a supervised child: loopback only, its own temp dir (with an append-only
+file, so a restart after a crash keeps its data), and
 optionally a password (requirepass) or an ACL user with the unauthenticated default user switched off."""
 from __future__ import annotations
 
@@ -50,12 +51,16 @@ def redis_config(user: str | None, password: str | None) -> str:
 
 def redis_spec(port: int, binary: str | None = None, port_hint: str = "--redis-port",
                user: str | None = None, password: str | None = None) -> ChildSpec:
-    """redis-server on 127.0.0.1:port. Request state is bookkeeping that a restart may lose (see
-    DESIGN.md: Redis is never on the hot path), so nothing is saved: no RDB snapshots, no AOF."""
+    """redis-server on 127.0.0.1:port, saving to an append-only file in its temp dir, which the
+    supervisor keeps when it restarts a crashed Redis: records and token streams written before a
+    crash are there after it. Redis writes each command to the file before it replies, so a killed
+    redis-server loses nothing it acknowledged (fsync once a second only matters if the machine
+    dies). No RDB snapshots: the AOF alone is read back at start."""
     config = redis_config(user, password)
     argv = [binary or find_redis_server(), *([REDIS_CONFIG_FILE] if config else []), "--port", str(port),
             "--bind", "127.0.0.1", "--protected-mode", "yes",
-            "--save", "", "--appendonly", "no", "--dir", ".", "--loglevel", "warning"]
+            "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
+            "--dir", ".", "--loglevel", "warning"]
     probe = partial(redis_ping_probe, "127.0.0.1", port, user=user, password=password)
     return ChildSpec("redis", argv, None, f"127.0.0.1:{port}", probe=probe, port_hint=port_hint, use_temp_dir=True,
                      files={REDIS_CONFIG_FILE: config} if config else None)

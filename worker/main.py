@@ -9,7 +9,7 @@ import time
 import torch
 
 from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc
-from plumbing import rpc, telemetry, tls
+from plumbing import peer_roles, rpc, telemetry, tls
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
 from plumbing.process import run_process, wait_for_stop_signal
 from worker.backends import add_execution_flags, execution_options_from_args
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_execution_flags(parser)
     add_message_size_argument(parser, INTERNAL_MAX_MESSAGE_BYTES)
     tls.add_server_arguments(parser)
+    peer_roles.add_arguments(parser, ["scheduler"])
     telemetry.add_metrics_argument(parser)
     return parser
 
@@ -42,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.tls = tls.server_tls_from_args(parser, args)
+    args.allowed_roles = peer_roles.allowed_roles_from_args(parser, args)
     if args.block_size <= 0 or args.block_size & (args.block_size - 1):
         parser.error(f"--block-size={args.block_size} must be a positive power of two")
     try:
@@ -68,8 +70,11 @@ def build_worker(args: argparse.Namespace) -> tuple[ModelRunner, worker_pb2.GetC
 
 async def serve(args: argparse.Namespace) -> None:
     await telemetry.start_process("worker", args.metrics_port, args.host)  # before any gRPC server
-    server = rpc.create_server(options=message_size_options(args.max_message_bytes))
-    health = rpc.add_health_and_reflection(server, [rpc.WORKER_SERVICE])
+    peer_roles.check_internal_exposure("worker", args.host, bool(args.tls and args.tls.client_ca),
+                                       args.insecure_internal)
+    callers = peer_roles.interceptors(args.tls, args.allowed_roles, "worker")  # mTLS: schedulers only
+    server = rpc.create_server(interceptors=callers, options=message_size_options(args.max_message_bytes))
+    health = rpc.add_health_and_reflection(server, [rpc.WORKER_SERVICE], reflection_on=not args.no_reflection)
     servicer = WorkerServicer()
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     address = f"{args.host}:{args.port}"

@@ -100,6 +100,29 @@ async def test_every_server_refuses_plaintext_no_certificate_and_another_cas_cer
                         "a client certificate from another CA": "UNAVAILABLE"}
 
 
+@pytest.mark.parametrize("server, role", [("scheduler", "gateway"), ("worker", "scheduler")])
+async def test_internal_servers_admit_only_certificates_naming_their_callers_role(secure_cluster, server, role):
+    config, pki = secure_cluster
+    certificates = {"gateway": (pki.gateway_cert, pki.gateway_key), "scheduler": (pki.scheduler_cert, pki.scheduler_key),
+                    "none": (pki.roleless_cert, pki.roleless_key)}
+    outcomes = {}
+    for name, (cert, key) in certificates.items():
+        async with aio_channel(_address(config, server), ClientTLS(pki.ca, cert, key)) as channel:
+            try:
+                if server == "scheduler":
+                    await scheduler_pb2_grpc.SchedulerStub(channel).GetLoad(scheduler_pb2.GetLoadRequest(), timeout=30)
+                else:
+                    await worker_pb2_grpc.WorkerStub(channel).GetCapacity(worker_pb2.GetCapacityRequest(), timeout=30)
+                outcomes[name] = "OK"
+            except grpc.aio.AioRpcError as error:
+                outcomes[name] = error.code().name
+                assert f"naming the role {role}" in error.details()
+            health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=SERVICES[server]), timeout=30)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING  # health stays open
+    assert outcomes == {name: "OK" if name == role else "PERMISSION_DENIED" for name in certificates}
+
+
 async def _over_the_limit(config: ClusterConfig, pki, server: str) -> grpc.aio.AioRpcError:
     too_many = MESSAGE_LIMIT + 1024
     async with aio_channel(_address(config, server), ClientTLS(pki.ca, pki.client_cert, pki.client_key)) as channel:

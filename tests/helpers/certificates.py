@@ -44,10 +44,11 @@ def make_authority(name: str) -> Authority:
     return Authority(name, key, builder.sign(key, hashes.SHA256()))
 
 
-def issue(authority: Authority, common_name: str, *, server: bool,
-          dns_names: list[str] | None = None) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+def issue(authority: Authority, common_name: str, *, server: bool, dns_names: list[str] | None = None,
+          roles: tuple[str, ...] = ()) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """A leaf certificate signed by authority: for a server (SAN 127.0.0.1, ::1, localhost, or only
-    dns_names when given) or a client."""
+    dns_names when given) or a client, naming roles as SAN URIs spiffe://tokenmill/<role>
+    (plumbing.peer_roles)."""
     key = ec.generate_private_key(ec.SECP256R1())
     builder = _validity(x509.CertificateBuilder().subject_name(_name(common_name)).issuer_name(authority.cert.subject)
                         .public_key(key.public_key()).serial_number(x509.random_serial_number()))
@@ -59,6 +60,9 @@ def issue(authority: Authority, common_name: str, *, server: bool,
             x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
             x509.IPAddress(ipaddress.ip_address("::1"))]
         builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    elif roles:
+        uris = [x509.UniformResourceIdentifier(f"spiffe://tokenmill/{role}") for role in roles]
+        builder = builder.add_extension(x509.SubjectAlternativeName(uris), critical=False)
     return builder.sign(authority.key, hashes.SHA256()), key
 
 
@@ -85,6 +89,12 @@ class CertificateSet:
     stranger_client_key: str
     stranger_server_cert: str  # a server certificate that CA signed (for 127.0.0.1 too)
     stranger_server_key: str
+    gateway_cert: str = ""  # signed by our CA, naming only the gateway role
+    gateway_key: str = ""
+    scheduler_cert: str = ""  # only the scheduler role
+    scheduler_key: str = ""
+    roleless_cert: str = ""  # no role at all: admitted by the handshake, refused past health and reflection
+    roleless_key: str = ""
 
 
 def make_pki(folder: Path) -> CertificateSet:
@@ -93,7 +103,12 @@ def make_pki(folder: Path) -> CertificateSet:
     ca, _ = write_pem(folder, "ca", ours.cert, None)
     stranger_ca, _ = write_pem(folder, "stranger-ca", stranger.cert, None)
     server = write_pem(folder, "server", *issue(ours, "tokenmill server", server=True))
-    client = write_pem(folder, "client", *issue(ours, "tokenmill client", server=False))
+    # one client certificate for every link of a local cluster: it names both internal callers' roles
+    client = write_pem(folder, "client", *issue(ours, "tokenmill client", server=False, roles=("gateway", "scheduler")))
+    gateway = write_pem(folder, "gateway", *issue(ours, "tokenmill gateway", server=False, roles=("gateway",)))
+    scheduler = write_pem(folder, "scheduler", *issue(ours, "tokenmill scheduler", server=False, roles=("scheduler",)))
+    roleless = write_pem(folder, "roleless", *issue(ours, "tokenmill roleless", server=False))
     stranger_client = write_pem(folder, "stranger-client", *issue(stranger, "stranger client", server=False))
     stranger_server = write_pem(folder, "stranger-server", *issue(stranger, "stranger server", server=True))
-    return CertificateSet(ca, *server, *client, stranger_ca, *stranger_client, *stranger_server)
+    return CertificateSet(ca, *server, *client, stranger_ca, *stranger_client, *stranger_server, *gateway, *scheduler,
+                          *roleless)
