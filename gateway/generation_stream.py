@@ -86,9 +86,13 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
     # scheduler ends the request (and frees its pages) itself when it passes.
     deadline = time.time() + timeout_s if timeout_s is not None else None
     observer = RequestObserver(prepared.request, arrival)  # GenAI span attributes, latency metrics
-    target = scheduler.route(prepared.request.prompt_token_ids)  # Unavailable when no scheduler can take it
-    breaker = target.breaker
-    probe = breaker.before_call()  # UNAVAILABLE at once while the scheduler is known to be down
+    try:
+        target = scheduler.route(prepared.request.prompt_token_ids)  # Unavailable when no scheduler can take it
+        breaker = target.breaker
+        probe = breaker.before_call()  # UNAVAILABLE at once while the scheduler is known to be down
+    except ServingError as error:
+        observer.on_error(error)
+        raise
     outputs = target.submit(prepared.request, deadline_unix_s=deadline, resumable=resumable, owner=owner,
                             timeout_s=timeout_s)
     first_token = None
@@ -117,18 +121,22 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
                 yield delta
     except Unavailable as error:
         finished = True  # the call ended with a status: nothing to abort
+        observer.on_error(error)
         breaker.record_failure()
         # the scheduler (or its worker) is gone: the record must not stay "running" in Redis
         scheduler.report_lost(request_id, Unavailable(f"scheduler unavailable: {error}"), accepted=answered)
         raise Unavailable(f"scheduler at {target.address} is unavailable: {error}") from error
     except ServingError as error:
         finished = True
+        observer.on_error(error)
         if not answered and not isinstance(error, Cancelled):
             breaker.record_success()  # it answered, with a refusal: it is up
         raise
     finally:
         if probe:
             breaker.release_probe()  # a no-op once the probe's outcome was recorded
+        if not finished:  # the client went away (cancelled the call, closed the connection)
+            observer.on_disconnect()
         if not finished and resumable:  # the client went away: a resumable request is aborted explicitly
             scheduler.abort_in_background(request_id)
 

@@ -15,7 +15,7 @@ from protos.tokenmill.v1 import generation_pb2_grpc
 from plumbing import rpc, telemetry, tls
 from plumbing.drain import DrainInterceptor
 from plumbing.message_size import PUBLIC_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
-from gateway.telemetry import set_model_name
+from gateway.telemetry import set_model_name, set_server_address
 from plumbing.process import run_process, wait_for_stop_signal
 
 logger = logging.getLogger("tokenmill.gateway")
@@ -96,6 +96,7 @@ async def serve(args: argparse.Namespace) -> None:
     logger.info("gateway waiting for scheduler %s", scheduler.address)
     model_info = await scheduler.wait_ready(args.scheduler_timeout_s)
     set_model_name(model_info.model_config.name)
+    set_server_address(args.host, args.port)  # server.address / server.port on request spans
     # the worker knows the weights; the chat template lives with the tokenizer, which is ours
     model_info.model_config.has_chat_template = bool(tokenizer.chat_template)
     limits = Limits(max_model_len=model_info.model_config.max_context_length, vocab_size=tokenizer.vocab_size,

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 
 import grpc
 from aiohttp import web
+from opentelemetry import trace
 
 from core import errors
 from plumbing.rpc import retry_after_of, status_for
 from plumbing.telemetry import metrics
+from plumbing.telemetry.span_policies import record_error
 
 logger = logging.getLogger("tokenmill.gateway.http")
 
@@ -67,7 +69,8 @@ def openai_error(exc: BaseException, where: str = "") -> OpenAIError:
         reason = exc.text if exc.status in (413, 415) and exc.text else exc.reason
         return OpenAIError(exc.status, f"{reason}: {where}" if where else reason, type_)
     grpc_status, message = status_for(exc)
-    metrics.REQUEST_ERRORS.labels(code=grpc_status.name).inc()
+    metrics.count_error(grpc_status.name)
+    record_error(trace.get_current_span(), exc, grpc_status.name, with_traceback=grpc_status is grpc.StatusCode.INTERNAL)
     status, type_, code = _BY_STATUS.get(grpc_status, _INTERNAL)
     if status == 500:
         logger.error("unexpected error in %s", where or "an HTTP handler", exc_info=exc)

@@ -34,7 +34,7 @@ from gateway.tokenizer import TextTokenizer
 from gateway.validation import Limits
 from protos.tokenmill.v1 import common_pb2
 from core.errors import InvalidArgument, Unauthenticated, Unavailable
-from gateway.telemetry import http_server_span, tokenize_span
+from gateway.telemetry import CHAT, TEXT_COMPLETION, http_server_span, request_scope
 
 _dumps = functools.partial(json.dumps, ensure_ascii=False, separators=(",", ":"))
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -114,7 +114,7 @@ class OpenAIHTTP:
         body = await _json_object(request)
         request_id = request.headers.get("X-Request-Id") or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         parse = parse_chat if chat else parse_completion
-        with tokenize_span():
+        with request_scope(request_id, CHAT if chat else TEXT_COMPLETION):  # a refusal still names its request
             parsed = parse(body, self.tokenizer, self.limits, self.model_name, request_id)
         request_id = parsed.prepared.request.request_id
         builder = ResponseBuilder(chat=chat, request_id=request_id, model=self.model_name, logprobs=parsed.logprobs,

@@ -15,7 +15,7 @@ from kvstore.records import RecordStatus
 from protos import codec
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from core.errors import NotFound, Unavailable
-from gateway.telemetry import tokenize_span
+from gateway.telemetry import CHAT, TEXT_COMPLETION, request_scope
 
 _STATUS = {
     RecordStatus.QUEUED: generation_pb2.REQUEST_STATUS_QUEUED,
@@ -60,7 +60,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _generate(self, request, context):
         arrival = time.monotonic()
-        with tokenize_span():
+        operation = CHAT if request.WhichOneof("input") == "messages" else TEXT_COMPLETION
+        with request_scope(request.request_id, operation):  # a refusal here still names its request
             prepared = prepare(request, self.tokenizer, self.limits, self.model_name)
         caller = caller_name(self.access, context)
         if self.token_reader is None:

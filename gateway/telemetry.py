@@ -1,23 +1,33 @@
-"""A request's telemetry at the gateway: GenAI attributes and the first-token event on the request's
-SERVER span, the client-facing latency histograms, token counters, and one log line when it ends.
+"""A request's telemetry at the gateway: OpenTelemetry GenAI attributes and the first-token event on
+the request's SERVER span, the client-facing latency histograms, token counters, and one log line
+when it ends, however it ends.
 
-gateway.generation_stream.stream_generation (the path every public API shares) drives it:
-
-    observer = RequestObserver(prepared.request, arrival)   # under the request's SERVER span
+    with request_scope(request_id, "chat"):      # around tokenizing + validating (refusals noted)
+        prepared = prepare(...)
+    observer = RequestObserver(prepared.request, arrival)  # in gateway.generation_stream
     observer.on_tokens(len(token_ids))                      # per message from the scheduler
-    observer.on_finish(finish)                              # the last one
+    observer.on_finish(finish)     # stop / length / abort (CancelRequest) / ...
+    observer.on_error(error)       # refused by the scheduler, failed, deadline, unavailable
+    observer.on_disconnect()       # the client went away mid-stream
 
 The SERVER span itself is the gRPC instrumentation's (tokenmill.v1, KServe), or http_server_span's
-for the OpenAI-compatible HTTP API; both continue a client's incoming `traceparent`.
+for the OpenAI-compatible HTTP API; both continue a client's incoming `traceparent`. The error's
+status and its one exception event are set where the error is mapped to a status (plumbing.rpc,
+gateway.openai_errors); here, what the request was and how it ended.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import contextvars
 import logging
 import time
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
+from core.errors import ServingError
+from core.outputs import FinishReason
 from core.requests import GenerationRequest
 from plumbing.telemetry import metrics
 from plumbing.telemetry.logs import bind_request
@@ -25,17 +35,62 @@ from plumbing.telemetry.tracing import tracer, tracing_enabled
 
 logger = logging.getLogger("tokenmill.gateway.requests")
 _UNTRACED_PATHS = frozenset({"/health", "/ready"})  # probes poll; they are not request work
+PROVIDER = "tokenmill"  # gen_ai.provider.name: who runs the model (a self-hosted server names itself)
+CHAT, TEXT_COMPLETION = "chat", "text_completion"  # gen_ai.operation.name values
+CLIENT_DISCONNECT = "client_disconnect"  # tokenmill.finish_cause when the client went away
 _model_name = ""
+_server_address: tuple[str, int] | None = None  # the gRPC listen address (HTTP spans use the URL's)
+_operation: contextvars.ContextVar[str] = contextvars.ContextVar("gen_ai_operation", default=TEXT_COMPLETION)
 
 
 def set_model_name(name: str) -> None:
-    """The model this gateway serves (gen_ai.request.model); set once the scheduler has told it."""
+    """The model this gateway serves (gen_ai.request.model, the metrics' model_name label); set once
+    the scheduler has told it."""
     global _model_name
     _model_name = name
+    metrics.set_model_name(name)
+
+
+def set_server_address(host: str, port: int) -> None:
+    global _server_address
+    _server_address = (host, port)
+
+
+def _base_attributes(request_id: str) -> dict:
+    attributes = {"gen_ai.operation.name": _operation.get(), "gen_ai.provider.name": PROVIDER,
+                  "gen_ai.request.model": _model_name, "tokenmill.request_id": request_id}
+    if _server_address is not None and "server.address" not in getattr(trace.get_current_span(), "attributes", {}):
+        attributes["server.address"], attributes["server.port"] = _server_address
+    return attributes
+
+
+@contextlib.contextmanager
+def request_scope(request_id: str, operation: str = TEXT_COMPLETION):
+    """Around turning a public request into a prepared one: tags the span and log lines with what is
+    known already, so a request refused here (invalid, too long, unknown model) is still found by its
+    id and operation. request_id: the client's ("" when it sent none)."""
+    _operation.set(operation)
+    if request_id:
+        bind_request(request_id)
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attributes(_base_attributes(request_id) if request_id else
+                            {k: v for k, v in _base_attributes("").items() if k != "tokenmill.request_id"})
+    try:
+        with tracer().start_as_current_span("gateway.tokenize"):
+            yield
+    except ServingError as error:
+        if span.is_recording():
+            span.set_attributes({"gen_ai.response.finish_reasons": [FinishReason.ERROR.value],
+                                 "tokenmill.refused": True})
+        logger.info("request %s refused: %s: %s", request_id or "(no id)", error.code.name, error,
+                    extra={"request_id": request_id} if request_id else None)
+        raise
 
 
 class RequestObserver:
-    __slots__ = ("request_id", "arrival", "span", "first_token", "last_token", "num_tokens")
+    __slots__ = ("request_id", "arrival", "span", "first_token", "last_token", "num_tokens", "num_prompt_tokens",
+                 "ended")
 
     def __init__(self, request: GenerationRequest, arrival: float) -> None:
         self.request_id = request.request_id
@@ -43,19 +98,18 @@ class RequestObserver:
         self.first_token: float | None = None
         self.last_token = arrival
         self.num_tokens = 0
+        self.num_prompt_tokens = request.num_prompt_tokens
+        self.ended = False
         self.span = trace.get_current_span()
         bind_request(request.request_id)
         if self.span.is_recording():
             params = request.sampling_params
             self.span.set_attributes({
-                "gen_ai.operation.name": "text_completion",
-                "gen_ai.system": "tokenmill",
-                "gen_ai.request.model": _model_name,
+                **_base_attributes(request.request_id),
                 "gen_ai.request.max_tokens": params.max_tokens,
                 "gen_ai.request.temperature": params.temperature,
                 "gen_ai.request.top_p": params.top_p,
                 "gen_ai.usage.input_tokens": request.num_prompt_tokens,
-                "tokenmill.request_id": request.request_id,
             })
 
     def on_tokens(self, count: int) -> None:
@@ -63,55 +117,90 @@ class RequestObserver:
             return
         now = time.monotonic()
         self.num_tokens += count
+        model = _model_name
         if self.first_token is None:
             self.first_token = now
-            metrics.TIME_TO_FIRST_TOKEN.observe(now - self.arrival)
+            metrics.TIME_TO_FIRST_TOKEN.labels(model).observe(now - self.arrival)
             if self.span.is_recording():
                 self.span.add_event("gen_ai.first_token", {"gen_ai.usage.output_tokens": count})
             count -= 1  # the first token has no inter-token gap
         if count:
             # tokens that arrive together (coalesced while the stream was slow to read) share the gap
             gap = (now - self.last_token) / count
+            itl = metrics.INTER_TOKEN_LATENCY.labels(model)
             for _ in range(count):
-                metrics.INTER_TOKEN_LATENCY.observe(gap)
+                itl.observe(gap)
         self.last_token = now
 
     def on_finish(self, finish) -> None:
-        """finish: gateway.generation_stream.Finish."""
-        e2e_s = time.monotonic() - self.arrival
-        metrics.E2E_REQUEST_LATENCY.observe(e2e_s)
-        metrics.PROMPT_TOKENS.inc(finish.prompt_tokens)
-        metrics.GENERATION_TOKENS.inc(finish.completion_tokens)
-        metrics.REQUEST_SUCCESS.labels(finished_reason=finish.reason.value).inc()
+        """finish: gateway.generation_stream.Finish (stop, length, or abort after a CancelRequest)."""
+        self._end(finish.reason, finish.prompt_tokens, finish.completion_tokens,
+                  {"tokenmill.cached_prompt_tokens": finish.cached_prompt_tokens})
+
+    def on_error(self, error: ServingError) -> None:
+        """The request ended with an error status (its count and span status are the edge's)."""
+        self._end(FinishReason.ERROR, self.num_prompt_tokens, self.num_tokens, {"error.type": error.code.name},
+                  detail=f"{error.code.name}: {error}", level=logging.WARNING)
+
+    def on_disconnect(self) -> None:
+        """The client cancelled the call or closed the connection before the request finished."""
+        self._end(FinishReason.ABORT, self.num_prompt_tokens, self.num_tokens,
+                  {"tokenmill.finish_cause": CLIENT_DISCONNECT}, detail="the client went away")
+
+    def _end(self, reason: FinishReason, prompt_tokens: int, completion_tokens: int, attributes: dict,
+             detail: str = "", level: int = logging.INFO) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        now = time.monotonic()
+        e2e_s = now - self.arrival
+        model = _model_name
+        metrics.E2E_REQUEST_LATENCY.labels(model).observe(e2e_s)
+        metrics.PROMPT_TOKENS.labels(model).inc(prompt_tokens)
+        metrics.GENERATION_TOKENS.labels(model).inc(completion_tokens)
+        metrics.REQUEST_PROMPT_TOKENS.labels(model).observe(prompt_tokens)
+        metrics.REQUEST_GENERATION_TOKENS.labels(model).observe(completion_tokens)
+        if completion_tokens > 1 and self.first_token is not None:
+            metrics.REQUEST_TIME_PER_OUTPUT_TOKEN.labels(model).observe(
+                (self.last_token - self.first_token) / (completion_tokens - 1))
+        if reason is not FinishReason.ERROR:  # errors are counted by status code, at the edge
+            metrics.REQUEST_SUCCESS.labels(model, reason.value).inc()
         if self.span.is_recording():
             self.span.set_attributes({
-                "gen_ai.usage.output_tokens": finish.completion_tokens,
-                "gen_ai.response.finish_reasons": [finish.reason.value],
+                **attributes,
+                "gen_ai.usage.output_tokens": completion_tokens,
+                "gen_ai.response.finish_reasons": [reason.value],
                 "gen_ai.response.id": self.request_id,
-                "tokenmill.cached_prompt_tokens": finish.cached_prompt_tokens,
+                "gen_ai.response.model": model,
             })
-        logger.info("request %s finished: %s, %d prompt + %d output tokens, TTFT %.1f ms, total %.1f ms",
-                    self.request_id, finish.reason.value, finish.prompt_tokens, finish.completion_tokens,
-                    finish.time_to_first_token_ns / 1e6, e2e_s * 1e3, extra={"request_id": self.request_id})
-
-
-def tokenize_span():
-    """A child span around tokenizing and validating a request (a no-op span when tracing is off)."""
-    return tracer().start_as_current_span("gateway.tokenize")
+        ttft_ms = (self.first_token - self.arrival) * 1e3 if self.first_token is not None else float("nan")
+        logger.log(level, "request %s ended: %s%s, %d prompt + %d output tokens, TTFT %.1f ms, total %.1f ms",
+                   self.request_id, reason.value, f" ({detail})" if detail else "", prompt_tokens,
+                   completion_tokens, ttft_ms, e2e_s * 1e3, extra={"request_id": self.request_id})
 
 
 async def http_server_span(request, handler):
     """aiohttp middleware: a SERVER span per HTTP request, continuing the client's traceparent.
 
     (opentelemetry-instrumentation-aiohttp-server has no release matching the 0.66b2 gRPC and Redis
-    instrumentations, and this is all of it we need.)"""
+    instrumentations, and this is all of it we need.) A client that goes away cancels the handler:
+    that is how the request ended (RequestObserver.on_disconnect), not an exception to record."""
     if not tracing_enabled() or request.path in _UNTRACED_PATHS:
         return await handler(request)
     route = request.match_info.route.resource
     name = f"{request.method} {route.canonical if route is not None else request.path}"
+    attributes = {"http.request.method": request.method, "url.path": request.path}
+    if request.url.host:
+        attributes["server.address"] = request.url.host
+        if request.url.port:
+            attributes["server.port"] = request.url.port
     with tracer().start_as_current_span(name, context=propagate.extract(request.headers), kind=SpanKind.SERVER,
-                                        attributes={"http.request.method": request.method,
-                                                    "url.path": request.path}) as span:
-        response = await handler(request)
+                                        attributes=attributes, record_exception=False,
+                                        set_status_on_exception=False) as span:
+        try:
+            response = await handler(request)
+        except asyncio.CancelledError:
+            span.set_attribute("tokenmill.finish_cause", CLIENT_DISCONNECT)
+            raise
         span.set_attribute("http.response.status_code", response.status)
         return response

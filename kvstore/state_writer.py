@@ -86,6 +86,9 @@ class RequestStateWriter:
         # write_id check can tell a half-applied pipeline from a new write
         self._batch: deque[RecordUpdate] = deque()
         self._sending = False
+        # written(): futures of callers waiting for a record's changes in _pending / in _batch
+        self._pending_waiters: dict[str, list[asyncio.Future]] = {}
+        self._batch_waiters: dict[str, list[asyncio.Future]] = {}
         self._task: asyncio.Task | None = None
         self._closing = False
         self._has_work_event = asyncio.Event()
@@ -174,13 +177,37 @@ class RequestStateWriter:
             finished_at=_now(at),
         )
 
-    def failed(self, request_id: str, *, error: ServingError, at: float | None = None) -> None:
+    def failed(self, request_id: str, *, error: ServingError, num_output_tokens: int | None = None,
+               at: float | None = None) -> None:
         self.update(request_id, status=RecordStatus.FAILED, error=str(error), error_code=error.code,
-                    finish_reason=FinishReason.ERROR, finished_at=_now(at))
+                    finish_reason=FinishReason.ERROR, num_output_tokens=num_output_tokens, finished_at=_now(at))
 
-    def cancelled(self, request_id: str, *, at: float | None = None) -> None:
+    def cancelled(self, request_id: str, *, num_output_tokens: int | None = None, at: float | None = None) -> None:
         self.update(request_id, status=RecordStatus.CANCELLED, finish_reason=FinishReason.ABORT,
-                    finished_at=_now(at))
+                    num_output_tokens=num_output_tokens, finished_at=_now(at))
+
+    async def written(self, request_id: str, timeout_s: float) -> bool:
+        """Waits until every change made so far to `request_id`'s record is in Redis, at most
+        timeout_s; True if it is. Writes it now rather than after the batching interval. Answers
+        False at once while Redis is failing: a caller that must not show a client something before
+        the record says it (the scheduler's first and last message of a stream) waits for a healthy
+        Redis only, never for an absent one (invariant 6)."""
+        if request_id in self._pending:
+            waiters = self._pending_waiters
+        elif any(update.request_id == request_id for update in self._batch):
+            waiters = self._batch_waiters
+        else:
+            return True
+        if not self._healthy or self._closing or timeout_s <= 0:
+            return False
+        done = asyncio.get_running_loop().create_future()
+        waiters.setdefault(request_id, []).append(done)
+        self._batch_full_event.set()  # a client waits on it: skip the coalescing interval
+        try:
+            await asyncio.wait_for(asyncio.shield(done), timeout_s)
+            return True
+        except TimeoutError:
+            return False
 
     @property
     def healthy(self) -> bool:
@@ -278,6 +305,8 @@ class RequestStateWriter:
                 update = self._pending.popitem(last=False)[1]
                 update.write_id = self._write_id_prefix + str(next(self._write_seq))
                 self._batch.append(update)
+                if update.request_id in self._pending_waiters:
+                    self._batch_waiters[update.request_id] = self._pending_waiters.pop(update.request_id)
         batch = list(self._batch)
         self._sending = True
         try:
@@ -294,11 +323,13 @@ class RequestStateWriter:
         except Exception:  # not Redis: a batch that cannot even be encoded will never succeed
             logger.exception("request state batch of %d records dropped", len(batch))
             self._batch.clear()
+            self._release_batch_waiters()
             self._failures += 1
             return True
         finally:
             self._sending = False
         self._batch.clear()
+        self._release_batch_waiters()
         for result in results:
             if result is None:
                 self._failures += 1
@@ -320,6 +351,14 @@ class RequestStateWriter:
         if first_error is not None:
             logger.error("Redis refused %d records of a batch: %s", results.count(None), first_error)
         return results
+
+
+    def _release_batch_waiters(self) -> None:
+        for waiters in self._batch_waiters.values():
+            for done in waiters:
+                if not done.done():
+                    done.set_result(None)
+        self._batch_waiters.clear()
 
 
 def _now(at: float | None) -> float:

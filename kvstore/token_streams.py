@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 from core.errors import ErrorCode, ServingError, error_from_code
 from core.outputs import FinishReason
 from kvstore.client import connect
+from plumbing.telemetry.tracing import WriteCauses
 
 logger = logging.getLogger(__name__)
 TOKEN_STREAM_PREFIX = "tokenmill:tokens:"
@@ -69,6 +70,7 @@ class TokenStreamWriter:
         self._has_work = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._flushing = False  # a pipeline is in flight: its entries are the first len(batch)
+        self._causes = WriteCauses()  # the step spans whose tokens the next pipeline carries
         self.dropped = 0  # entries dropped past max_pending while Redis was away (oldest first)
         self.healthy = True
 
@@ -90,6 +92,7 @@ class TokenStreamWriter:
         self._queue(request_id, fields)
 
     def _queue(self, request_id: str, fields: dict[str, str]) -> None:
+        self._causes.note()
         self._pending.append((request_id, fields))
         if len(self._pending) > self._max_pending and not self._flushing:
             self._pending.popleft()
@@ -136,7 +139,8 @@ class TokenStreamWriter:
             pipe.expire(key, self._ttl_s)
         self._flushing = True
         try:
-            await pipe.execute()
+            with self._causes.batch_span("kvstore.token_streams.write"):  # linked to the steps behind it
+                await pipe.execute()
         except (RedisError, OSError, TimeoutError) as error:
             if self.healthy:
                 logger.warning("token stream write failed, keeping %d entries to retry: %s", len(batch), error)

@@ -24,9 +24,11 @@ from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from google.protobuf.message import DecodeError
+from opentelemetry import trace
 
 from core import errors
 from plumbing.telemetry import metrics
+from plumbing.telemetry.span_policies import record_error
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +79,8 @@ def error_from_rpc_error(error: grpc.aio.AioRpcError) -> errors.ServingError:
 async def abort_with_status(context: grpc.aio.ServicerContext, exc: BaseException, method: str = "") -> None:
     """Ends the call with exc's status (always raises). Unexpected exceptions are logged in full."""
     code, message = status_for(exc)
-    metrics.REQUEST_ERRORS.labels(code=code.name).inc()
+    metrics.count_error(code.name)
+    record_error(trace.get_current_span(), exc, code.name, with_traceback=code is grpc.StatusCode.INTERNAL)
     if code is grpc.StatusCode.INTERNAL:
         logger.error("unexpected error in %s", method or "an RPC handler", exc_info=exc)
     else:

@@ -22,6 +22,8 @@ from scheduler.inbox import AbortRequest, AddRequest, Inbox
 from scheduler.request import Request
 from scheduler.request_streams import RequestStream, RequestStreams, StateSink, TokenSink
 from scheduler.scheduler import Scheduler
+from scheduler.stats import SchedulerStats
+from scheduler.telemetry import StepSpans
 from scheduler.step_pipeline import StepPipeline, depth_for
 from scheduler.worker_recovery import RecoveryAction, RecoveryDecision, WorkerRecovery
 
@@ -45,6 +47,7 @@ class EngineLoop:
         self.admission = admission or Admission(AdmissionConfig(), vocab_size=2**32, max_model_len=config.max_model_len)
         self.streams = RequestStreams(state, tokens, model_name)
         self._inbox = Inbox()
+        self.step_spans = StepSpans()  # scheduler.step spans: the ExecuteStep call and its Redis writes
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.num_steps = 0
@@ -69,6 +72,13 @@ class EngineLoop:
         self._inbox.put(AddRequest(request))
         self._wakeup.set()
         return stream
+
+    def stats(self) -> SchedulerStats:
+        """The scheduler's figures with the requests still in the inbox counted as waiting: a step in
+        flight leaves them there, and a scrape during it must still see them queued."""
+        stats = self.scheduler.stats()
+        stats.num_waiting += len(self._inbox.arriving())
+        return stats
 
     def _waiting_tokens(self, arriving: list[Request]) -> int:
         """Tokens still to compute over the waiting requests: in the scheduler's queue or the inbox."""
@@ -118,12 +128,14 @@ class EngineLoop:
                     raise
                 except Exception as error:  # noqa: BLE001 - the worker is gone or broke: later steps are lost too
                     await _cancel(pipeline.abandon())
+                    self.step_spans.abandon()
                     await self._recover(self._decide_after_failed_step(error))
                     continue
                 if recovery is not None:
                     recovery.step_succeeded()
                 self.num_steps += 1
-                self.streams.deliver(pipeline.apply(result), result.forward_ns)
+                with self.step_spans.delivering(step.plan.step_id):
+                    self.streams.deliver(pipeline.apply(result), result.forward_ns)
                 await asyncio.sleep(0)  # let handlers enqueue between steps
         finally:
             await _cancel(pipeline.abandon())
@@ -157,8 +169,9 @@ class EngineLoop:
             self.streams.end(output)
 
     def _send(self, plan: StepPlan) -> asyncio.Future:
-        self.streams.scheduled(plan, self.scheduler.requests)
-        return asyncio.ensure_future(self.executor.execute(plan))
+        with self.step_spans.sending(plan):  # the task copies the context: its call is the step's child
+            self.streams.scheduled(plan, self.scheduler.requests)
+            return asyncio.ensure_future(self.executor.execute(plan))
 
     # --- a lost worker: the recovery decides, the loop acts ----------------------------------------
 

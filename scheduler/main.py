@@ -20,6 +20,7 @@ from scheduler.worker_recovery import WorkerRecovery
 from plumbing import peer_roles, rpc, telemetry, tls
 from plumbing.drain import DrainInterceptor
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
+from plumbing.telemetry import metrics
 from plumbing.telemetry.metrics import watch_scheduler
 from plumbing.process import run_process, wait_for_stop_signal
 
@@ -131,7 +132,11 @@ async def serve(args: argparse.Namespace) -> None:
 
     worker.watch_connection(worker_lost)
     servicer.attach(loop, model_info)
-    watch_scheduler(loop.scheduler.stats)
+    metrics.set_model_name(capacity.model_config.name)
+    # waiting = queued + just arrived (still in the inbox while a step runs), exact at scrape time
+    watch_scheduler(loop.stats, cache_config={
+        "block_size": config.block_size, "num_gpu_blocks": config.num_blocks, "cache_dtype": "auto",
+        "enable_prefix_caching": config.prefix_caching, "kv_policy": config.kv_policy})
     redis_watch = None
     if state:
         state.start()

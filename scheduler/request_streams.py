@@ -16,6 +16,14 @@ from core.outputs import FinishReason, RequestOutput
 from core.step import StepPlan
 from scheduler.request import Request
 
+# A running request's record gets its output token count at least this often (and its first-token
+# time at once), batched like every other record change (invariant 6).
+PROGRESS_INTERVAL_S = 0.5
+PROGRESS_INTERVAL_TOKENS = 16
+# How long a stream's first and last message wait for the record to say what they say (QUEUED or
+# later; the end state). Only while Redis answers: a failing Redis is not waited for at all.
+RECORD_WAIT_S = 0.5
+
 
 class StateSink(Protocol):
     """What the loop reports request transitions to (kvstore.RequestStateWriter in production)."""
@@ -24,11 +32,12 @@ class StateSink(Protocol):
                priority: int | None = None, created_at: float | None = None, owner: str | None = None) -> None: ...
     def running(self, request_id: str) -> None: ...
     def preempted(self, request_id: str) -> None: ...
-    def progress(self, request_id: str, *, num_output_tokens: int) -> None: ...
+    def progress(self, request_id: str, *, num_output_tokens: int, at: float | None = None) -> None: ...
     def finished(self, request_id: str, *, finish_reason: FinishReason = FinishReason.STOP,
                  num_output_tokens: int | None = None) -> None: ...
-    def failed(self, request_id: str, *, error: ServingError) -> None: ...
-    def cancelled(self, request_id: str) -> None: ...
+    def failed(self, request_id: str, *, error: ServingError, num_output_tokens: int | None = None) -> None: ...
+    def cancelled(self, request_id: str, *, num_output_tokens: int | None = None) -> None: ...
+    async def written(self, request_id: str, timeout_s: float) -> bool: ...
 
 
 class TokenSink(Protocol):
@@ -52,6 +61,8 @@ class RequestTimes:
 class RequestStream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     times: RequestTimes = field(default_factory=RequestTimes)
+    num_output_tokens_recorded: int = 0  # the count last sent to the record
+    progress_recorded_at: float = 0.0  # monotonic time of that
 
 
 class RequestStreams:
@@ -117,12 +128,35 @@ class RequestStreams:
             if stream.times.first_token is None and output.new_token_ids:
                 stream.times.first_token = now
                 stream.times.first_token_forward_ns = forward_ns
+            if self.state:
+                self._record_progress(stream, output, now)
             if output.finished:
                 self.end(output)
             else:
                 if output.request_id in self._resumable:
                     self._write_tokens(output)
                 stream.queue.put_nowait(output)
+
+    def _record_progress(self, stream: RequestStream, output: RequestOutput, now: float) -> None:
+        """The first token at once (its time is first_token_at), then every PROGRESS_INTERVAL_TOKENS
+        tokens or PROGRESS_INTERVAL_S seconds, whichever comes first."""
+        count = output.num_output_tokens
+        recorded = stream.num_output_tokens_recorded
+        if count <= recorded:
+            return
+        if (recorded and count - recorded < PROGRESS_INTERVAL_TOKENS
+                and now - stream.progress_recorded_at < PROGRESS_INTERVAL_S):
+            return
+        stream.num_output_tokens_recorded, stream.progress_recorded_at = count, now
+        first_token = stream.times.first_token
+        first_token_at = None if first_token is None else time.time() - (now - first_token)  # wall clock
+        self.state.progress(output.request_id, num_output_tokens=count, at=first_token_at)
+
+    async def recorded(self, request_id: str) -> None:
+        """Returns once the request's record holds every change so far, or after RECORD_WAIT_S, or at
+        once without a state sink or while Redis is failing (the caller's message must not wait on it)."""
+        if self.state is not None:
+            await self.state.written(request_id, RECORD_WAIT_S)
 
     def end(self, output: RequestOutput) -> None:
         """Hands a request's last output to its stream and records how it ended."""
@@ -137,10 +171,11 @@ class RequestStreams:
             self._write_tokens(output)
         if not self.state:
             return
+        # cancelled and failed records keep the true count: tokens generated before the ending
         if output.error is not None:
-            self.state.failed(output.request_id, error=output.error)
+            self.state.failed(output.request_id, error=output.error, num_output_tokens=output.num_output_tokens)
         elif output.finish_reason is FinishReason.ABORT:
-            self.state.cancelled(output.request_id)
+            self.state.cancelled(output.request_id, num_output_tokens=output.num_output_tokens)
         else:
             self.state.finished(output.request_id, finish_reason=output.finish_reason or FinishReason.STOP,
                                 num_output_tokens=output.num_output_tokens)

@@ -52,6 +52,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         stream = self.loop.submit(domain_request, codec.deadline_from_submit_proto(request), resumable,
                                   owner=request.owner or None)
         finished = False
+        first = True
         try:
             while not finished:
                 output = await stream.queue.get()
@@ -61,6 +62,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     more.new_token_ids = output.new_token_ids + more.new_token_ids
                     more.logprobs = output.logprobs + more.logprobs
                     output = more
+                if first or output.finished:
+                    # GetRequestStatus (answered from Redis) must know the id by the time the client
+                    # has its first message, and know how it ended by the time it has the last
+                    first = False
+                    await self.loop.streams.recorded(request.request_id)
                 finished = output.finished
                 if finished:
                     record_request_end(stream.times, output.num_preemptions)

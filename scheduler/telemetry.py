@@ -1,56 +1,126 @@
-"""A request's telemetry in the scheduler: its queue time, and after the fact, spans for the phases
-it went through, children of the request's Submit (SERVER) span:
+"""A request's telemetry in the scheduler: its time histograms (queue, prefill, decode, inference), how
+it ended on its Submit (SERVER) span, and after the fact, spans for the phases it went through,
+children of that span:
 
     scheduler.queue    arrival -> first scheduled
     scheduler.prefill  first scheduled -> first token (event gen_ai.first_token at its end)
     scheduler.decode   first token -> finished
 
-They are made when the request ends, from the times the step loop already keeps
-(scheduler.request_streams.RequestTimes), so the step loop itself does no tracing work per request per token.
+They are made when the request ends (however it ends: finished, aborted, its client gone), from the
+times the step loop already keeps (scheduler.request_streams.RequestTimes), so the step loop itself
+does no tracing work per request per token.
+
+And one `scheduler.step` span per step (StepSpans), from sending its plan to delivering its outputs:
+the ExecuteStep call is its child, and the Redis writes its delivery causes link to it.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 from opentelemetry import trace
 
+from core.outputs import FinishReason
+from core.step import StepPlan
 from plumbing.telemetry import metrics
 from plumbing.telemetry.logs import bind_request
 from plumbing.telemetry.tracing import current_traceparent, tracer, tracing_enabled
 
-__all__ = ["start_request", "record_request_end"]
+__all__ = ["start_request", "record_request_end", "StepSpans", "CLIENT_DISCONNECT"]
+
+CLIENT_DISCONNECT = "client_disconnect"  # tokenmill.finish_cause of a Submit call its gateway dropped
 
 
 def start_request(request_id: str) -> str:
     """Called as a Submit call starts: tags the call's log lines with the request id and returns the
     call's span as a traceparent ("" untraced), for the worker's step spans to link to."""
     bind_request(request_id)
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attribute("tokenmill.request_id", request_id)
     return current_traceparent()
 
 
-def record_request_end(times, num_preemptions: int = 0) -> None:
-    """times: scheduler.request_streams.RequestTimes of a request that just ended (monotonic seconds)."""
-    if times.first_scheduled is not None:
-        metrics.REQUEST_QUEUE_TIME.observe(times.first_scheduled - times.arrival)
-    if not tracing_enabled() or not trace.get_current_span().is_recording():
+def record_request_end(times, num_preemptions: int = 0, finish_reason: FinishReason | None = None,
+                       cause: str = "") -> None:
+    """times: scheduler.request_streams.RequestTimes of a request that just ended (monotonic seconds);
+    finish_reason / cause: how (cause: CLIENT_DISCONNECT, or "" when the reason says it all)."""
+    end = times.finished if times.finished is not None else time.monotonic()
+    _observe_times(times, end)
+    span = trace.get_current_span()
+    if not tracing_enabled() or not span.is_recording():
         return
+    if finish_reason is not None:
+        span.set_attribute("gen_ai.response.finish_reasons", [finish_reason.value])
+    if cause:
+        span.set_attribute("tokenmill.finish_cause", cause)
     # monotonic -> wall-clock nanoseconds (span times are Unix ns)
     offset_ns = time.time_ns() - time.monotonic_ns()
 
     def wall_ns(monotonic_s: float) -> int:
         return int(monotonic_s * 1e9) + offset_ns
 
-    end = times.finished if times.finished is not None else time.monotonic()
     phases = (("scheduler.queue", times.arrival, times.first_scheduled or end),
               ("scheduler.prefill", times.first_scheduled, times.first_token or end),
               ("scheduler.decode", times.first_token, end))
     for name, start, stop in phases:
         if start is None:
             continue
-        span = tracer().start_span(name, start_time=wall_ns(start))
+        phase = tracer().start_span(name, start_time=wall_ns(start))
         if name == "scheduler.prefill" and times.first_token is not None:
-            span.add_event("gen_ai.first_token", timestamp=wall_ns(times.first_token),
-                           attributes={"tokenmill.first_token_forward_ns": times.first_token_forward_ns})
+            phase.add_event("gen_ai.first_token", timestamp=wall_ns(times.first_token),
+                            attributes={"tokenmill.first_token_forward_ns": times.first_token_forward_ns})
         if name == "scheduler.decode" and num_preemptions:
-            span.set_attribute("tokenmill.num_preemptions", num_preemptions)
-        span.end(end_time=wall_ns(stop))
+            phase.set_attribute("tokenmill.num_preemptions", num_preemptions)
+        phase.end(end_time=wall_ns(stop))
+
+
+def _observe_times(times, end: float) -> None:
+    """vLLM's per-request time histograms (each only once the request reached that phase)."""
+    model = metrics.model_name()
+    if times.first_scheduled is None:
+        return  # never scheduled: no queue time either (vLLM records these for scheduled requests)
+    metrics.REQUEST_QUEUE_TIME.labels(model).observe(times.first_scheduled - times.arrival)
+    metrics.REQUEST_INFERENCE_TIME.labels(model).observe(end - times.first_scheduled)
+    if times.first_token is not None:
+        metrics.REQUEST_PREFILL_TIME.labels(model).observe(times.first_token - times.first_scheduled)
+        metrics.REQUEST_DECODE_TIME.labels(model).observe(end - times.first_token)
+
+
+class StepSpans:
+    """`scheduler.step` spans, one per step in flight (two with async scheduling)."""
+
+    def __init__(self) -> None:
+        self._open: dict[int, trace.Span] = {}  # step id -> its span, from sending to delivery
+
+    @contextlib.contextmanager
+    def sending(self, plan: StepPlan):
+        """Around sending the plan: the ExecuteStep call (and the state writes of its newly scheduled
+        requests) happen under the step's span."""
+        if not tracing_enabled():
+            yield
+            return
+        span = tracer().start_span("scheduler.step", context=trace.set_span_in_context(trace.INVALID_SPAN),
+                                   attributes={"tokenmill.step_id": plan.step_id,
+                                               "tokenmill.step.num_requests": len(plan.num_scheduled_tokens),
+                                               "tokenmill.step.num_tokens": plan.total_num_scheduled_tokens})
+        self._open[plan.step_id] = span
+        with trace.use_span(span, end_on_exit=False):
+            yield
+
+    @contextlib.contextmanager
+    def delivering(self, step_id: int):
+        """Around handing the step's outputs to the request streams; ends the step's span."""
+        span = self._open.pop(step_id, None)
+        if span is None:
+            yield
+            return
+        with trace.use_span(span, end_on_exit=True):
+            yield
+
+    def abandon(self) -> None:
+        """Ends the spans of steps whose results no longer count (the worker failed)."""
+        for span in self._open.values():
+            span.set_status(trace.Status(trace.StatusCode.ERROR, "step abandoned: the worker failed"))
+            span.end()
+        self._open.clear()

@@ -3,7 +3,8 @@
 Each child runs in its own process group, so a Ctrl-C in the terminal reaches only the supervisor,
 which then stops the children in its own order; signals go to the whole group, so anything a child
 spawned goes with it. stdout and stderr are merged into one pipe that a thread drains line by line:
-the lines are echoed with a "[name] " prefix and the last few are kept for the failure report.
+the lines are echoed with a "[name] " prefix (with TOKENMILL_LOG_FORMAT=json, as JSON lines with a
+"process" field) and the last few are kept for the failure report.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
+from plumbing.telemetry.logs import echo_line, json_lines_requested
 from plumbing.tls import ClientTLS
 
 # A readiness probe answers (ready, what it saw), e.g. (False, "NOT_SERVING"); it must not raise.
@@ -58,6 +60,8 @@ class ChildProcess:
         self._reader: threading.Thread | None = None
         self._temp_dir: str | None = None
         self.exit_expected = False  # set when we stopped or killed it on purpose
+        # its output is JSON lines (TOKENMILL_LOG_FORMAT=json in the environment it gets): echoed as JSON
+        self.json_lines = json_lines_requested({**os.environ, **(spec.env or {})})
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -187,11 +191,11 @@ class ChildProcess:
         self._tail.append(text)
         if self._echo is not None:
             with self._echo_lock:
-                self._echo.write(f"[{self.name}] {text}\n")
+                self._echo.write(echo_line(self.name, text, self.json_lines) + "\n")
                 self._echo.flush()
 
     def _say(self, text: str) -> None:
         if self._echo is not None:
             with self._echo_lock:
-                self._echo.write(f"[tokenmill] {text}\n")
+                self._echo.write(echo_line("tokenmill", text, self.json_lines) + "\n")
                 self._echo.flush()

@@ -278,12 +278,17 @@ def serve(args: argparse.Namespace) -> int:
         if config.gateway_metrics_port is not None:
             rows.append(("metrics", ", ".join(f"http://{config.host}:{port}/metrics" for port in (
                 config.gateway_metrics_port, config.scheduler_metrics_port, config.worker_metrics_port))))
-        print("\n".join(f"{name:<10} {address}" for name, address in rows))
         tls_flags = ""
         if config.tls:
             tls_flags = f" --tls-ca {config.tls.ca}" + (
                 f" --tls-cert {config.tls.client_cert} --tls-key {config.tls.client_key}" if config.tls.mutual else "")
-        print(f'ready: try  tokenmill generate "Hello" --address {config.gateway_address}{tls_flags}', flush=True)
+        ready = f'ready: try  tokenmill generate "Hello" --address {config.gateway_address}{tls_flags}'
+        if any(child.json_lines for child in supervisor.children.values()):  # keep the output JSON lines
+            print("\n".join(supervisor.own_line(f"{name} {address}".strip()) for name, address in [*rows, ("", ready)]),
+                  flush=True)
+            return
+        print("\n".join(f"{name:<10} {address}" for name, address in rows))
+        print(ready, flush=True)
 
     return run_until_stopped(supervisor, on_ready)
 

@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
+from plumbing.telemetry.logs import echo_line
 from tokenmill.child_process import ChildProcess, ChildSpec, Probe
 from tokenmill.readiness import GrpcHealthProbe, port_in_use
 from tokenmill.restart_policy import RestartHistory, RestartPolicy
@@ -235,8 +236,12 @@ class Supervisor:
         """A line of the supervisor's own on its echo stream (the restart monitor reports through it too)."""
         if self._echo is not None:
             with self._echo_lock:
-                self._echo.write(f"[tokenmill] {text}\n")
+                self._echo.write(self.own_line(text) + "\n")
                 self._echo.flush()
+
+    def own_line(self, text: str) -> str:
+        """text as a line of the supervisor's own: JSON (process "tokenmill") when its children log JSON."""
+        return echo_line("tokenmill", text, any(child.json_lines for child in self.children.values()))
 
     def __enter__(self) -> Supervisor:
         self.start()
@@ -256,13 +261,13 @@ def run_until_stopped(supervisor: Supervisor, on_ready=lambda: None, out: TextIO
         supervisor.start()
         on_ready()
         supervisor.wait()
-        print("[tokenmill] shutting down", file=out, flush=True)
+        print(supervisor.own_line("shutting down"), file=out, flush=True)
         return 0
     except StopRequested:
-        print("[tokenmill] shutting down", file=out, flush=True)
+        print(supervisor.own_line("shutting down"), file=out, flush=True)
         return 0
     except SupervisorError as error:
-        print(f"[tokenmill] error: {error}", file=out, flush=True)
+        print(supervisor.own_line(f"error: {error}"), file=out, flush=True)
         return 1
     finally:
         supervisor.stop()  # a second Ctrl-C meanwhile skips the grace periods

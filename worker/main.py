@@ -10,6 +10,7 @@ import torch
 
 from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc
 from plumbing import peer_roles, rpc, telemetry, tls
+from plumbing.telemetry import metrics
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
 from plumbing.process import run_process, wait_for_stop_signal
 from worker.backends import add_execution_flags, execution_options_from_args
@@ -70,6 +71,7 @@ def build_worker(args: argparse.Namespace) -> tuple[ModelRunner, worker_pb2.GetC
 
 async def serve(args: argparse.Namespace) -> None:
     await telemetry.start_process("worker", args.metrics_port, args.host)  # before any gRPC server
+    metrics.set_model_name(model_name(args.model))  # the model_name label of the step metrics
     peer_roles.check_internal_exposure("worker", args.host, bool(args.tls and args.tls.client_ca),
                                        args.insecure_internal)
     callers = peer_roles.interceptors(args.tls, args.allowed_roles, "worker")  # mTLS: schedulers only

@@ -1,5 +1,5 @@
-"""Worker step telemetry: ONE span per step, linked to the requests in its batch, and the step time
-histogram by kind.
+"""Worker step telemetry: ONE span per step, linked to the requests in its batch, the step time
+histogram by kind and the tokens-per-step histogram (vLLM's iteration tokens).
 
 A step serves up to max_num_seqs requests, each from its own trace; a span per request per token
 would flood the trace store. Instead each `worker.step` span carries a span link to every request it
@@ -60,10 +60,12 @@ class StepTelemetry:
     def step(self, plan: StepPlan):
         kind = step_kind(plan)
         record = StepRecord()
+        step_time = metrics.WORKER_STEP_TIME.labels(metrics.model_name(), kind)
+        metrics.ITERATION_TOKENS.labels(metrics.model_name()).observe(plan.total_num_scheduled_tokens)
         if not tracing_enabled():
             started = time.perf_counter()
             yield record
-            metrics.WORKER_STEP_TIME.labels(kind=kind).observe(time.perf_counter() - started)
+            step_time.observe(time.perf_counter() - started)
             return
         started_ns = time.time_ns()
         self._admit(plan, started_ns)
@@ -75,7 +77,7 @@ class StepTelemetry:
         with tracer().start_as_current_span("worker.step", links=links, attributes=attributes) as span:
             started = time.perf_counter()
             yield record
-            metrics.WORKER_STEP_TIME.labels(kind=kind).observe(time.perf_counter() - started)
+            step_time.observe(time.perf_counter() - started)
         if record.result is not None:
             self._end_prefills(record.result, Link(span.get_span_context()))
 

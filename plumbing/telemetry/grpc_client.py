@@ -15,9 +15,10 @@ import asyncio
 import grpc
 from grpc.aio import ClientCallDetails, Metadata
 from opentelemetry import propagate, trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
-from plumbing.telemetry.tracing import tracer
+from plumbing.telemetry.tracing import tracer, tracing_background
 
 _UNTRACED_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
 
@@ -26,9 +27,19 @@ def _start(details: ClientCallDetails) -> tuple[trace.Span, ClientCallDetails] |
     method = details.method.decode() if isinstance(details.method, bytes) else details.method
     if method.startswith(_UNTRACED_PREFIXES):  # probes poll; they are not request work
         return None
+    parent = trace.get_current_span()
+    parent_context = parent.get_span_context()
+    if not parent_context.is_valid and not tracing_background():
+        return None  # no request or step around it: a background call (load poll, registration)
     service, _, name = method.lstrip("/").partition("/")
-    span = tracer().start_span(method, kind=SpanKind.CLIENT,
-                               attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
+    attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
+    if getattr(parent, "end_time", None) is not None:  # an SDK span that has ended
+        # its parent has ended (an abort sent after the client went away): a span starting after its
+        # parent's end would sit outside it in every trace view, so it starts a trace linked to it
+        span = tracer().start_span(method, context=Context(), kind=SpanKind.CLIENT, attributes=attributes,
+                                   links=[Link(parent_context)])
+    else:
+        span = tracer().start_span(method, kind=SpanKind.CLIENT, attributes=attributes)
     metadata = Metadata(*tuple(details.metadata or ()))
     propagate.inject(metadata, context=trace.set_span_in_context(span),
                      setter=_MetadataSetter())

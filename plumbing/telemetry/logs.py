@@ -65,3 +65,26 @@ def configure_logging(log_format: str = "text", level: int = logging.INFO) -> No
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+def echo_line(process: str, text: str, json_lines: bool) -> str:
+    """One line of a child process's output as a supervisor (`tokenmill serve`) echoes it: with a
+    "[process] " prefix, or with JSON logs on, as a JSON object with a "process" field, so the
+    combined output stays one JSON object per line (a child's non-JSON output, e.g. redis-server's
+    or a crash's traceback, becomes the "message" of a line of its own)."""
+    if not json_lines:
+        return f"[{process}] {text}"
+    entry = None
+    if text.startswith("{"):
+        try:
+            entry = json.loads(text)
+        except ValueError:
+            entry = None
+    if not isinstance(entry, dict):
+        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + "Z", "level": "INFO", "message": text}
+    return json.dumps({"process": process, **entry}, ensure_ascii=False)
+
+
+def json_lines_requested(environ) -> bool:
+    """Whether a process started with `environ` logs JSON lines (TOKENMILL_LOG_FORMAT=json)."""
+    return environ.get("TOKENMILL_LOG_FORMAT", "").strip().lower() == "json"

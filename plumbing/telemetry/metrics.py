@@ -1,13 +1,19 @@
-"""Every Prometheus metric tokenmill exports, named like vLLM's (`vllm:` -> `tokenmill:`).
+"""Every Prometheus metric tokenmill exports, named like vLLM's (`vllm:` -> `tokenmill:`), each with a
+`model_name` label (what vLLM's dashboards and the production-stack / llm-d tooling filter on).
 
-Each process updates the ones that are its to see and serves them all on its --metrics-port
-(plumbing.telemetry.metrics_server); those it never touches simply stay at zero there.
+Each process serves only the metrics it owns (register_owned, called by start_process):
 
-    gateway    TTFT, inter-token and end-to-end latency as the client sees them, prompt and
-               generation tokens, finished requests by reason, errors by gRPC status code
-    scheduler  queue time; running / waiting requests, KV cache usage, prefix cache, preemptions
-               (read from the scheduler's stats at scrape time: nothing on the step loop's path)
-    worker     step time by kind (prefill, decode, mixed)
+    gateway    TTFT, inter-token, time per output token and end-to-end latency as the client sees them,
+               prompt / generation tokens (totals and per-request histograms), requests by finish reason
+    scheduler  queue / prefill / decode / inference time per request; running / waiting requests, KV
+               cache usage, prefix cache, preemptions, cache config (read at scrape time: nothing on
+               the step loop's path)
+    worker     step time by kind, tokens per step (vLLM's iteration tokens)
+    all        calls that ended with an error status, by code
+
+Beside our names each process also serves the vLLM families a stock vLLM Grafana dashboard reads
+(`vllm:e2e_request_latency_seconds`, ...), made at scrape time from ours (VllmNames): same meaning,
+same buckets, no second update on the request path.
 
 The metrics live in their own registry (not prometheus_client's global one), so importing this
 module registers nothing process-wide; an update costs about a microsecond whether or not anything
@@ -15,77 +21,186 @@ is served.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-REGISTRY = CollectorRegistry()
+REGISTRY = CollectorRegistry()  # what this process serves: filled by register_owned()
+VLLM_REGISTRY = CollectorRegistry()  # the vLLM-named copies of REGISTRY's families
+MODEL = ("model_name",)
+_model_name = ""
 
-# latency buckets as vLLM's, so dashboards and alerts written for vLLM read the same
+# buckets as vLLM's, so dashboards and alerts written for vLLM read the same
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0, 7680.0)
-_QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
-                  300.0, 600.0)
+# vLLM builds 1-2-5 buckets up to max_model_len; ours stop at 100k tokens whatever the model's length
+_TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5) if m * 10**e <= 100_000)
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
 
-# ---- gateway -----------------------------------------------------------------------------------
-TIME_TO_FIRST_TOKEN = Histogram(
-    "tokenmill:time_to_first_token_seconds", "From the request reaching the gateway to its first token",
-    buckets=_TTFT_BUCKETS, registry=REGISTRY)
-INTER_TOKEN_LATENCY = Histogram(
-    "tokenmill:inter_token_latency_seconds", "Between consecutive output tokens of a request, at the gateway",
-    buckets=_ITL_BUCKETS, registry=REGISTRY)
-E2E_REQUEST_LATENCY = Histogram(
-    "tokenmill:e2e_request_latency_seconds", "From the request reaching the gateway to its last token",
-    buckets=_REQUEST_BUCKETS, registry=REGISTRY)
-PROMPT_TOKENS = Counter("tokenmill:prompt_tokens_total", "Prompt tokens of finished requests",
-                        registry=REGISTRY)
-GENERATION_TOKENS = Counter("tokenmill:generation_tokens_total", "Output tokens streamed to clients",
-                            registry=REGISTRY)
-REQUEST_SUCCESS = Counter("tokenmill:request_success_total", "Requests that ended with a finish reason",
-                          ["finished_reason"], registry=REGISTRY)
-REQUEST_ERRORS = Counter("tokenmill:request_errors_total", "Calls that ended with a gRPC error status "
-                         "(HTTP errors by the status they map to)", ["code"], registry=REGISTRY)
 
-# ---- scheduler ---------------------------------------------------------------------------------
-REQUEST_QUEUE_TIME = Histogram(
-    "tokenmill:request_queue_time_seconds", "From a request reaching the scheduler to its first step",
-    buckets=_QUEUE_BUCKETS, registry=REGISTRY)
+def _histogram(name: str, doc: str, buckets, labels=MODEL) -> Histogram:
+    return Histogram(name, doc, labels, buckets=buckets, registry=None)
+
+
+# ---- gateway -----------------------------------------------------------------------------------
+TIME_TO_FIRST_TOKEN = _histogram("tokenmill:time_to_first_token_seconds",
+                                 "From the request reaching the gateway to its first token", _TTFT_BUCKETS)
+INTER_TOKEN_LATENCY = _histogram("tokenmill:inter_token_latency_seconds",
+                                 "Between consecutive output tokens of a request, at the gateway", _ITL_BUCKETS)
+REQUEST_TIME_PER_OUTPUT_TOKEN = _histogram(
+    "tokenmill:request_time_per_output_token_seconds",
+    "Per request: (last token - first token) / (output tokens - 1), at the gateway", _ITL_BUCKETS)
+E2E_REQUEST_LATENCY = _histogram("tokenmill:e2e_request_latency_seconds",
+                                 "From the request reaching the gateway to its end", _REQUEST_BUCKETS)
+REQUEST_PROMPT_TOKENS = _histogram("tokenmill:request_prompt_tokens", "Prompt tokens per ended request",
+                                   _TOKEN_COUNT_BUCKETS)
+REQUEST_GENERATION_TOKENS = _histogram("tokenmill:request_generation_tokens",
+                                       "Output tokens per ended request (streamed to the client)",
+                                       _TOKEN_COUNT_BUCKETS)
+PROMPT_TOKENS = Counter("tokenmill:prompt_tokens_total", "Prompt tokens of ended requests", MODEL, registry=None)
+GENERATION_TOKENS = Counter("tokenmill:generation_tokens_total", "Output tokens streamed to clients", MODEL,
+                            registry=None)
+REQUEST_SUCCESS = Counter("tokenmill:request_success_total",
+                          "Requests that ended with a finish reason (abort: the client cancelled or went away)",
+                          [*MODEL, "finished_reason"], registry=None)
+
+# ---- scheduler (per request, observed when it ends) ----------------------------------------------
+REQUEST_QUEUE_TIME = _histogram("tokenmill:request_queue_time_seconds",
+                                "From a request reaching the scheduler to its first step", _REQUEST_BUCKETS)
+REQUEST_PREFILL_TIME = _histogram("tokenmill:request_prefill_time_seconds",
+                                  "From a request's first step to its first token", _REQUEST_BUCKETS)
+REQUEST_DECODE_TIME = _histogram("tokenmill:request_decode_time_seconds",
+                                 "From a request's first token to its end", _REQUEST_BUCKETS)
+REQUEST_INFERENCE_TIME = _histogram("tokenmill:request_inference_time_seconds",
+                                    "From a request's first step to its end", _REQUEST_BUCKETS)
 
 # ---- worker ------------------------------------------------------------------------------------
-WORKER_STEP_TIME = Histogram(
-    "tokenmill:worker_step_seconds", "Wall time of one worker step (forward pass and sampling), by kind",
-    ["kind"], buckets=_STEP_BUCKETS, registry=REGISTRY)
+WORKER_STEP_TIME = _histogram("tokenmill:worker_step_seconds",
+                              "Wall time of one worker step (forward pass and sampling), by kind", _STEP_BUCKETS,
+                              [*MODEL, "kind"])
+ITERATION_TOKENS = _histogram("tokenmill:iteration_tokens_total", "Tokens computed in one step",
+                              _ITERATION_BUCKETS)
+
+# ---- every process -------------------------------------------------------------------------------
+REQUEST_ERRORS = Counter("tokenmill:request_errors_total", "Calls that ended with a gRPC error status "
+                         "(HTTP errors by the status they map to)", [*MODEL, "code"], registry=None)
 
 # The scheduler's figures, read at scrape time by SchedulerStatsCollector (names listed here so the
 # dashboard test can check every expression against what is exported).
 SCHEDULER_METRICS = {
     "tokenmill:num_requests_running": "Requests in the running batch",
-    "tokenmill:num_requests_waiting": "Requests waiting to be scheduled (preempted ones included)",
+    "tokenmill:num_requests_waiting": "Requests waiting to be scheduled (preempted and just-arrived ones included)",
     "tokenmill:kv_cache_usage_perc": "Fraction of KV cache pages in use (0..1)",
     "tokenmill:kv_cache_utilization": "Live tokens / reserved token slots of running requests (0..1)",
     "tokenmill:prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache",
     "tokenmill:prefix_cache_hits_total": "Prompt tokens found in the prefix cache",
     "tokenmill:num_preemptions_total": "Requests preempted (pages freed, recomputed later)",
+    "tokenmill:cache_config_info": "The KV cache's configuration, as labels (value 1)",
+}
+
+OWNED = {
+    "gateway": (TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, REQUEST_TIME_PER_OUTPUT_TOKEN, E2E_REQUEST_LATENCY,
+                REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS, PROMPT_TOKENS, GENERATION_TOKENS,
+                REQUEST_SUCCESS, REQUEST_ERRORS),
+    "scheduler": (REQUEST_QUEUE_TIME, REQUEST_PREFILL_TIME, REQUEST_DECODE_TIME, REQUEST_INFERENCE_TIME,
+                  REQUEST_ERRORS),
+    "worker": (WORKER_STEP_TIME, ITERATION_TOKENS, REQUEST_ERRORS),
+}
+
+# our family -> the vLLM families that mean the same (vLLM >= 0.10 names, plus the older ones the
+# stock dashboard still reads: time_per_output_token_seconds, gpu_cache_usage_perc)
+VLLM_ALIASES: dict[str, tuple[str, ...]] = {
+    "tokenmill:time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "tokenmill:inter_token_latency_seconds": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    "tokenmill:request_time_per_output_token_seconds": ("vllm:request_time_per_output_token_seconds",),
+    "tokenmill:e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "tokenmill:request_prompt_tokens": ("vllm:request_prompt_tokens",),
+    "tokenmill:request_generation_tokens": ("vllm:request_generation_tokens",),
+    "tokenmill:prompt_tokens": ("vllm:prompt_tokens",),
+    "tokenmill:generation_tokens": ("vllm:generation_tokens",),
+    "tokenmill:request_success": ("vllm:request_success",),
+    "tokenmill:request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
+    "tokenmill:request_prefill_time_seconds": ("vllm:request_prefill_time_seconds",),
+    "tokenmill:request_decode_time_seconds": ("vllm:request_decode_time_seconds",),
+    "tokenmill:request_inference_time_seconds": ("vllm:request_inference_time_seconds",),
+    "tokenmill:iteration_tokens_total": ("vllm:iteration_tokens_total",),
+    "tokenmill:num_requests_running": ("vllm:num_requests_running",),
+    "tokenmill:num_requests_waiting": ("vllm:num_requests_waiting",),
+    "tokenmill:kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "tokenmill:prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "tokenmill:prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "tokenmill:num_preemptions": ("vllm:num_preemptions",),
+    "tokenmill:cache_config_info": ("vllm:cache_config_info",),
 }
 
 
+def set_model_name(name: str) -> None:
+    """The model this process serves, the model_name label of every sample it records from now on."""
+    global _model_name
+    _model_name = name
+
+
+def model_name() -> str:
+    return _model_name
+
+
+def register_owned(service: str) -> None:
+    """Puts the metrics `service` owns in REGISTRY (and their vLLM names in VLLM_REGISTRY)."""
+    for metric in OWNED.get(service, (REQUEST_ERRORS,)):
+        REGISTRY.register(metric)
+    VLLM_REGISTRY.register(VllmNames(REGISTRY))
+
+
 def exported_metric_names() -> set[str]:
-    """Every series name a scrape can show (histograms with their _bucket/_sum/_count)."""
-    names = set(SCHEDULER_METRICS)
-    for metric in (TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME,
-                   WORKER_STEP_TIME):
+    """Every series name a scrape of some process can show (histograms with _bucket/_sum/_count,
+    counters with _total), ours and the vLLM ones."""
+    families = {name.removesuffix("_total") if "cache" in name or "preemptions" in name else name
+                for name in SCHEDULER_METRICS}
+    kinds = {name: "gauge" for name in families}
+    for metric in {metric for owned in OWNED.values() for metric in owned}:
         for family in metric.describe():
-            names |= {family.name, f"{family.name}_bucket", f"{family.name}_sum", f"{family.name}_count"}
-    for metric in (PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, REQUEST_ERRORS):
-        names |= {f"{family.name}_total" for family in metric.describe()}  # the family name drops _total
+            families.add(family.name)
+            kinds[family.name] = family.type
+    for name in ("tokenmill:prefix_cache_queries", "tokenmill:prefix_cache_hits", "tokenmill:num_preemptions"):
+        kinds[name] = "counter"
+    names = set()
+    for family in families:
+        for alias in (family, *VLLM_ALIASES.get(family, ())):
+            names |= _series_names(alias, kinds[family])
     return names
+
+
+def _series_names(family: str, kind: str) -> set[str]:
+    if kind == "histogram":
+        return {family, f"{family}_bucket", f"{family}_sum", f"{family}_count"}
+    if kind == "counter":
+        return {f"{family}_total"}
+    return {family}
+
+
+class VllmNames(Collector):
+    """At scrape time, a copy of each of the registry's families under its vLLM name(s)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def describe(self):
+        return []  # nothing to check for clashes at registration (and no premature read of the stats)
+
+    def collect(self):
+        for family in self.registry.collect():
+            for alias in VLLM_ALIASES.get(family.name, ()):
+                copy = Metric(alias, family.documentation, family.type)
+                copy.samples = [sample._replace(name=alias + sample.name[len(family.name):])
+                                for sample in family.samples]
+                yield copy
 
 
 class SchedulerStatsCollector(Collector):
@@ -94,11 +209,16 @@ class SchedulerStatsCollector(Collector):
     The metrics server runs on the scheduler's event loop, so the read happens between two
     iterations of the step loop, never during one (invariant 4: one owner of scheduler state)."""
 
-    def __init__(self, read_stats: Callable[[], object]) -> None:
+    def __init__(self, read_stats: Callable[[], object], cache_config: Mapping[str, object]) -> None:
         self.read_stats = read_stats
+        self.cache_config = {key: str(value) for key, value in cache_config.items()}
 
-    def collect(self):
+    def describe(self):
+        return []
+
+    def collect(self) -> Iterable[Metric]:
         stats = self.read_stats()
+        model = [_model_name]
         values = {
             "tokenmill:num_requests_running": stats.num_running,
             "tokenmill:num_requests_waiting": stats.num_waiting,
@@ -106,13 +226,28 @@ class SchedulerStatsCollector(Collector):
             "tokenmill:kv_cache_utilization": stats.kv_utilization,
         }
         for name, value in values.items():
-            yield GaugeMetricFamily(name, SCHEDULER_METRICS[name], value=value)
+            gauge = GaugeMetricFamily(name, SCHEDULER_METRICS[name], labels=MODEL)
+            gauge.add_metric(model, value)
+            yield gauge
         for name, value in (("tokenmill:prefix_cache_queries_total", stats.prefix_cache_queries),
                             ("tokenmill:prefix_cache_hits_total", stats.prefix_cache_hits),
                             ("tokenmill:num_preemptions_total", stats.num_preemptions)):
-            yield CounterMetricFamily(name.removesuffix("_total"), SCHEDULER_METRICS[name], value=value)
+            counter = CounterMetricFamily(name.removesuffix("_total"), SCHEDULER_METRICS[name], labels=MODEL)
+            counter.add_metric(model, value)
+            yield counter
+        info = GaugeMetricFamily("tokenmill:cache_config_info", SCHEDULER_METRICS["tokenmill:cache_config_info"],
+                                 labels=[*MODEL, *self.cache_config])
+        info.add_metric([*model, *self.cache_config.values()], 1.0)
+        yield info
 
 
-def watch_scheduler(read_stats: Callable[[], object]) -> None:
-    """Exports the scheduler's live figures; read_stats() returns a SchedulerStats."""
-    REGISTRY.register(SchedulerStatsCollector(read_stats))
+def watch_scheduler(read_stats: Callable[[], object], cache_config: Mapping[str, object] | None = None) -> None:
+    """Exports the scheduler's live figures; read_stats() returns a SchedulerStats (waiting requests
+    counted at the moment of the scrape); cache_config: labels of cache_config_info (vLLM's names:
+    block_size, num_gpu_blocks, enable_prefix_caching, ...)."""
+    REGISTRY.register(SchedulerStatsCollector(read_stats, cache_config or {}))
+
+
+def count_error(code: str) -> None:
+    """One call ended with gRPC status `code` (its name: "INVALID_ARGUMENT", ...)."""
+    REQUEST_ERRORS.labels(model_name=_model_name, code=code).inc()

@@ -12,7 +12,7 @@ import logging
 from aiohttp import web
 
 from plumbing.telemetry.logs import set_service
-from plumbing.telemetry.metrics import REGISTRY
+from plumbing.telemetry.metrics import REGISTRY, VLLM_REGISTRY, register_owned
 from plumbing.telemetry.tracing import setup_tracing
 
 logger = logging.getLogger(__name__)
@@ -24,6 +24,7 @@ async def start_process(service: str, metrics_port: int | None = None, host: str
     Returns the metrics server's runner (None without one)."""
     set_service(service)
     setup_tracing(service)
+    register_owned(service)  # only what this process updates: no histograms that never move
     if metrics_port is None:
         return None
     return await start_metrics_server(host, metrics_port)
@@ -35,7 +36,7 @@ async def start_metrics_server(host: str, port: int) -> web.AppRunner:
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     async def metrics(request: web.Request) -> web.Response:
-        response = web.Response(body=generate_latest(REGISTRY))
+        response = web.Response(body=generate_latest(REGISTRY) + generate_latest(VLLM_REGISTRY))
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return response
 

@@ -9,20 +9,28 @@ Everything else is the SDK's own reading of the environment: OTEL_SERVICE_NAME (
 process's role, "gateway" / "scheduler" / "worker"), OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER(_ARG)
 (default parentbased_always_on), OTEL_BSP_* (batch span processor), OTEL_EXPORTER_OTLP_* (headers,
 TLS, timeout, compression).
+
+Background calls (Redis health PINGs, load-report heartbeats, load polls, health checks) start no
+trace of their own: they are traced only inside request or step work. TOKENMILL_TRACE_BACKGROUND=true
+traces them too (for debugging the background itself).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Mapping
 
 from opentelemetry import propagate, trace
+from opentelemetry.context import Context
 from opentelemetry.trace import Link, SpanContext
 
 logger = logging.getLogger(__name__)
 
 TRACER_NAME = "tokenmill"
+BACKGROUND_SWITCH = "TOKENMILL_TRACE_BACKGROUND"
 _enabled = False
+_trace_background = False  # health pings, heartbeats, load polls as traces of their own (off by default)
 
 
 def tracing_requested(environ: Mapping[str, str] = os.environ) -> bool:
@@ -42,9 +50,10 @@ def setup_tracing(service_name: str, environ: Mapping[str, str] = os.environ) ->
 
     Call once, from a process's main, before any gRPC server or channel is created (the gRPC
     instrumentation wraps grpc.aio.server / insecure_channel as they are called)."""
-    global _enabled
+    global _enabled, _trace_background
     if _enabled or not tracing_requested(environ):
         return _enabled
+    _trace_background = environ.get(BACKGROUND_SWITCH, "").strip().lower() in ("1", "true")
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_NAMESPACE, Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -58,7 +67,7 @@ def setup_tracing(service_name: str, environ: Mapping[str, str] = os.environ) ->
     provider = TracerProvider(resource=Resource.create(attributes))  # sampler from OTEL_TRACES_SAMPLER
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
-    _instrument_libraries()
+    _instrument_libraries(provider)
     _enabled = True
     logger.info("tracing on: OTLP to %s as service %s",
                 environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -66,25 +75,35 @@ def setup_tracing(service_name: str, environ: Mapping[str, str] = os.environ) ->
     return True
 
 
-def _instrument_libraries() -> None:
-    from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorServer
-    from opentelemetry.instrumentation.grpc.filters import any_of, health_check, negate, service_prefix
+def _instrument_libraries(provider) -> None:
+    from opentelemetry.instrumentation.grpc.filters import any_of, health_check, method_name, negate, service_prefix
     from opentelemetry.instrumentation.redis import RedisInstrumentor
 
     from plumbing.telemetry.grpc_client import instrument_channels
+    from plumbing.telemetry.grpc_server import instrument_servers
+    from plumbing.telemetry.span_policies import ChildSpansOnly
 
-    # Health probes (the supervisor's, Kubernetes', the gateway waiting for its scheduler) and
-    # reflection would each start a trace of their own every poll: not request work, left out.
-    # The server interceptor goes first in the chain, outside rpc.ErrorStatusInterceptor, so the
-    # status that interceptor aborts with lands on the span.
-    not_probes = negate(any_of(health_check(), service_prefix("grpc.reflection")))
-    GrpcAioInstrumentorServer(filter_=not_probes).instrument()
+    # Health probes (the supervisor's, Kubernetes', the gateway waiting for its scheduler),
+    # reflection and load polls would each start a trace of their own every poll: not request work,
+    # left out. The server interceptor goes first in the chain, outside rpc.ErrorStatusInterceptor,
+    # so the status that interceptor aborts with lands on the span.
+    background = [health_check(), service_prefix("grpc.reflection")]
+    if not _trace_background:
+        background.append(method_name("GetLoad"))
+    instrument_servers(provider, negate(any_of(*background)))  # see grpc_server for why not the package's
     instrument_channels()  # our client side: see grpc_client for why not the package's
-    RedisInstrumentor().instrument()
+    # a Redis call is traced inside request or step work only: the health PING and the load report
+    # heartbeat would be ~4 root traces a second per idle scheduler
+    RedisInstrumentor().instrument(tracer_provider=provider if _trace_background else ChildSpansOnly(provider))
 
 
 def tracing_enabled() -> bool:
     return _enabled
+
+
+def tracing_background() -> bool:
+    """Whether background calls (health, heartbeats, load polls) may start traces of their own."""
+    return _trace_background
 
 
 def tracer() -> trace.Tracer:
@@ -120,3 +139,34 @@ def link_to(traceparent: str) -> Link | None:
 def span_context_of(traceparent: str) -> SpanContext | None:
     link = link_to(traceparent)
     return link.context if link else None
+
+
+class WriteCauses:
+    """The spans (steps, requests) whose work queued the writes a background batch carries, so the
+    batch's span links to them instead of being a trace nobody can place.
+
+        causes.note()                                  # where a write is queued (cheap; no-op untraced)
+        with causes.batch_span("kvstore.state.write"):  # around sending the batch
+            await pipe.execute()                       # the Redis spans are its children
+    """
+
+    __slots__ = ("_contexts",)
+    MAX_LINKS = 64
+
+    def __init__(self) -> None:
+        self._contexts: dict[int, SpanContext] = {}
+
+    def note(self) -> None:
+        if not _enabled:
+            return
+        span_context = trace.get_current_span().get_span_context()
+        if span_context.is_valid and len(self._contexts) < self.MAX_LINKS:
+            self._contexts[span_context.span_id] = span_context
+
+    def batch_span(self, name: str):
+        """A root span linked to every cause noted since the last batch (no span when none was)."""
+        contexts, self._contexts = self._contexts, {}
+        if not contexts:
+            return contextlib.nullcontext()
+        return tracer().start_as_current_span(name, context=Context(), links=[Link(c) for c in contexts.values()],
+                                              attributes={"tokenmill.batch.num_causes": len(contexts)})

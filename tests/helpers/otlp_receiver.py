@@ -28,6 +28,11 @@ class ReceivedSpan:
     attributes: dict
     events: list[str]
     links: list[tuple[str, str]] = field(default_factory=list)  # (trace_id, span_id)
+    status_code: int = 0  # opentelemetry.proto.trace.v1.Status.StatusCode: 0 unset, 1 ok, 2 error
+    status_message: str = ""
+    event_attributes: list[dict] = field(default_factory=list)  # one dict per event, in events' order
+    start_ns: int = 0  # Unix nanoseconds
+    end_ns: int = 0
 
 
 def _value(any_value):
@@ -52,7 +57,11 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
                         span_id=span.span_id.hex(), parent_span_id=span.parent_span_id.hex(), kind=span.kind,
                         attributes={a.key: _value(a.value) for a in span.attributes},
                         events=[event.name for event in span.events],
-                        links=[(link.trace_id.hex(), link.span_id.hex()) for link in span.links]))
+                        links=[(link.trace_id.hex(), link.span_id.hex()) for link in span.links],
+                        status_code=span.status.code, status_message=span.status.message,
+                        event_attributes=[{a.key: _value(a.value) for a in event.attributes}
+                                          for event in span.events],
+                        start_ns=span.start_time_unix_nano, end_ns=span.end_time_unix_nano))
         with self.receiver.lock:
             self.receiver.spans.extend(spans)
         return trace_service_pb2.ExportTraceServiceResponse()

@@ -218,3 +218,28 @@ async def test_owner_is_recorded_once_and_a_later_queued_cannot_change_it(make_w
     writer.queued("r-anonymous", num_prompt_tokens=3)  # keys off: no owner field at all
     await drained(writer)
     assert (await reader.get_record("r-anonymous")).owner is None
+
+
+async def test_written_returns_once_the_record_holds_the_change_without_waiting_out_the_batch_interval(
+        make_writer, reader):
+    writer = make_writer(flush_interval_s=5.0)  # a batch would otherwise wait 5 s to coalesce
+    writer.queued("seen", num_prompt_tokens=3)
+    started = time.monotonic()
+    assert await writer.written("seen", timeout_s=2.0)
+    assert time.monotonic() - started < 1.0
+    assert (await reader.get_record("seen")).status == RecordStatus.QUEUED
+    writer.cancelled("seen", num_output_tokens=5)  # a cancelled record keeps its true count
+    assert await writer.written("seen", timeout_s=2.0)
+    record = await reader.get_record("seen")
+    assert (record.status, record.num_output_tokens) == (RecordStatus.CANCELLED, 5)
+    assert await writer.written("never-changed", timeout_s=0.0)  # nothing pending: at once
+
+
+async def test_written_does_not_wait_for_a_redis_that_is_failing(make_writer):
+    writer = make_writer("redis://127.0.0.1:1/0", socket_timeout_s=0.2, flush_interval_s=0.0)
+    writer.queued("lost", num_prompt_tokens=3)
+    await wait_until(lambda: not writer.healthy, 5.0, "the writer noticing Redis is away")
+    writer.running("lost")
+    started = time.monotonic()
+    assert not await writer.written("lost", timeout_s=5.0)
+    assert time.monotonic() - started < 0.1, "invariant 6: nothing waits on an absent Redis"

@@ -9,6 +9,9 @@ from tests.helpers.tiny_models import make_tiny_hf_model
 from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
 from tokenmill.supervisor import Supervisor
 
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
 
 @pytest.fixture(scope="package")
 def otlp_receiver():
@@ -19,6 +22,7 @@ def otlp_receiver():
 @pytest.fixture(scope="package")
 def traced_cluster(tmp_path_factory, otlp_receiver):
     model, _ = make_tiny_hf_model(tmp_path_factory.mktemp("telemetry-model"))
+    (model / "chat_template.jinja").write_text(CHATML)  # so chat requests (gen_ai operation "chat") run
     env = (("OTEL_EXPORTER_OTLP_ENDPOINT", otlp_receiver.endpoint), ("OTEL_EXPORTER_OTLP_INSECURE", "true"),
            ("OTEL_TRACES_SAMPLER", "always_on"), ("OTEL_BSP_SCHEDULE_DELAY", "100"),
            ("TOKENMILL_LOG_FORMAT", "json"))

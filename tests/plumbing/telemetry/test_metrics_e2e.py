@@ -1,5 +1,6 @@
-"""The Prometheus endpoints of real gateway, scheduler and worker processes: every metric is there,
-and the ones each process owns move when requests run (errors included)."""
+"""The Prometheus endpoints of real gateway, scheduler and worker processes: each serves the metrics
+it owns (and no other), with a model_name label, under our names and vLLM's, and they move when
+requests run (errors included)."""
 from __future__ import annotations
 
 import time
@@ -13,6 +14,7 @@ from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from plumbing.telemetry.metrics import SCHEDULER_METRICS
 
 pytestmark = pytest.mark.slow
+MODEL = "tiny-llama"  # the tiny model's name: every request metric carries it as model_name
 
 
 def scrape(host: str, port: int) -> dict[tuple[str, tuple], float]:
@@ -25,7 +27,12 @@ def scrape(host: str, port: int) -> dict[tuple[str, tuple], float]:
 
 
 def value(samples, name: str, **labels) -> float:
+    labels.setdefault("model_name", MODEL)
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def families(samples) -> set[str]:
+    return {name for name, _ in samples}
 
 
 def generate(stub, request_id: str, max_tokens: int) -> None:
@@ -64,12 +71,26 @@ def test_metrics_move_after_requests(traced_cluster):
     assert moved(gateway, "tokenmill:prompt_tokens_total") == 2 * len("metrics " * 8)
     assert moved(gateway, "tokenmill:request_success_total", finished_reason="length") == 2
     assert moved(gateway, "tokenmill:request_errors_total", code="INVALID_ARGUMENT") == 1
+    # vLLM's families beside ours, same values (what a stock vLLM dashboard reads)
+    assert moved(gateway, "vllm:request_success_total", finished_reason="length") == 2
+    assert moved(gateway, "vllm:e2e_request_latency_seconds_count") == 2
+    assert moved(gateway, "vllm:time_per_output_token_seconds_count") == 4 + 6
+    assert moved(gateway, "vllm:request_generation_tokens_count") == 2
+    assert moved(gateway, "vllm:request_generation_tokens_sum") == 12
+    assert moved(gateway, "vllm:request_prompt_tokens_bucket", le="100.0") == 2  # 64-token prompts
+    assert moved(gateway, "vllm:request_prompt_tokens_bucket", le="50.0") == 0
+    assert moved(gateway, "vllm:request_time_per_output_token_seconds_count") == 2
 
     assert moved("scheduler", "tokenmill:request_queue_time_seconds_count") == 2
     assert moved("scheduler", "tokenmill:prefix_cache_queries_total") == 2 * len("metrics " * 8)
     assert moved("scheduler", "tokenmill:prefix_cache_hits_total") >= 16  # the second request's first block
     for name in SCHEDULER_METRICS:  # all there, idle now
-        assert (name, ()) in after["scheduler"], name
+        assert any(sample == name for sample in families(after["scheduler"])), name
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert moved("scheduler", f"tokenmill:request_{phase}_time_seconds_count") == 2, phase
+        assert moved("scheduler", f"vllm:request_{phase}_time_seconds_count") == 2, phase
+    info = [labels for name, labels in after["scheduler"] if name == "vllm:cache_config_info"]
+    assert len(info) == 1 and ("block_size", "16") in info[0] and ("model_name", MODEL) in info[0]
     assert value(after["scheduler"], "tokenmill:num_requests_running") == 0
     assert value(after["scheduler"], "tokenmill:kv_cache_usage_perc") < 1.0
 
@@ -78,6 +99,27 @@ def test_metrics_move_after_requests(traced_cluster):
     assert steps >= 5 + 7  # each request: one prefill step, then a decode step per further token
     assert moved("worker", "tokenmill:worker_step_seconds_count", kind="prefill") >= 1
     assert moved("worker", "tokenmill:worker_step_seconds_count", kind="decode") >= 4
+    assert moved("worker", "vllm:iteration_tokens_total_count") == steps
+    # the first prompt in full, the second's uncached tail, one token per decode step
+    assert moved("worker", "vllm:iteration_tokens_total_sum") >= len("metrics " * 8) + 4 + 6
+
+
+def test_each_process_serves_only_what_it_owns(traced_cluster):
+    """No histogram that never moves: the scheduler serves no client latency, the worker no request
+    metric, the gateway no scheduler or worker figure."""
+    config, _ = traced_cluster
+    host = "127.0.0.1"
+    gateway = families(scrape(host, config.gateway_metrics_port))
+    scheduler = families(scrape(host, config.scheduler_metrics_port))
+    worker = families(scrape(host, config.worker_metrics_port))
+    client_side = {"tokenmill:time_to_first_token_seconds_count", "tokenmill:e2e_request_latency_seconds_count",
+                   "tokenmill:request_success_total", "vllm:time_to_first_token_seconds_count"}
+    scheduler_side = {"tokenmill:request_queue_time_seconds_count", "tokenmill:num_requests_waiting",
+                      "vllm:num_requests_waiting"}
+    worker_side = {"tokenmill:worker_step_seconds_count", "vllm:iteration_tokens_total_count"}
+    assert client_side <= gateway and not client_side & (scheduler | worker)
+    assert scheduler_side <= scheduler and not scheduler_side & (gateway | worker)
+    assert worker_side <= worker and not worker_side & (gateway | scheduler)
 
 
 def test_running_and_waiting_gauges_follow_the_load(traced_cluster):

@@ -92,15 +92,43 @@ def test_one_trace_crosses_gateway_scheduler_and_worker(traced_cluster, otlp_rec
     assert not [s for s in spans if "grpc.health" in s.name]  # probes are left out
 
 
-def test_redis_calls_are_traced(traced_cluster, otlp_receiver):
+def redis_span(span) -> bool:
+    return "redis" in (span.attributes.get("db.system"), span.attributes.get("db.system.name"))
+
+
+def test_per_step_redis_writes_link_to_their_steps(traced_cluster, otlp_receiver):
+    """The scheduler's batched state writes are traced as children of a kvstore write span that links
+    to the scheduler.step spans whose work they carry (not as traces nobody can place)."""
     config, _ = traced_cluster
-    traced_request(config, "traced-redis")  # its state records go to Redis through the scheduler's writer
+    traced_request(config, "traced-redis")  # its records go to Redis through the scheduler's writer
 
-    def redis_span(span) -> bool:
-        return "redis" in (span.attributes.get("db.system"), span.attributes.get("db.system.name"))
+    def linked_write(spans) -> bool:
+        steps = {s.span_id for s in spans if s.name == "scheduler.step"}
+        return any(s.name == "kvstore.request_state.write" and any(link[1] in steps for link in s.links)
+                   for s in spans)
 
-    spans = otlp_receiver.wait_for(lambda spans: any(redis_span(s) and s.service == "scheduler" for s in spans))
-    assert any(redis_span(s) for s in spans)
+    spans = otlp_receiver.wait_for(linked_write)
+    by_id = {s.span_id: s for s in spans}
+    writes = [s for s in spans if redis_span(s) and s.service == "scheduler"]
+    assert writes
+    for write in writes:  # every scheduler Redis call sits under a write span (no root of its own)
+        assert by_id[write.parent_span_id].name.startswith("kvstore."), write.name
+    # a step: a trace of its own, whose one child is the ExecuteStep call to the worker
+    step = next(s for s in spans if s.name == "scheduler.step" and s.attributes["tokenmill.step.num_tokens"] > 0)
+    assert step.service == "scheduler" and step.parent_span_id == ""
+    executes = [s for s in spans if s.parent_span_id == step.span_id]
+    assert [(s.kind, s.name) for s in executes] == [(CLIENT, "/tokenmill.v1.Worker/ExecuteStep")]
+
+
+def test_an_idle_cluster_starts_no_traces(traced_cluster, otlp_receiver):
+    """Health PINGs, load-report heartbeats, load polls and probes run all the time; over 5 idle
+    seconds none of them may start a trace (they would be ~350k traces a day per replica)."""
+    traced_cluster  # noqa: B018 - running, idle
+    time.sleep(1.0)  # spans of earlier tests still in the processes' export batches
+    seen = {s.span_id for s in otlp_receiver.snapshot()}
+    time.sleep(5.0)
+    new = [s for s in otlp_receiver.snapshot() if s.span_id not in seen]
+    assert not new, sorted({(s.service, s.name) for s in new})
 
 
 def test_json_logs_carry_trace_span_and_request_ids(traced_cluster):
@@ -115,7 +143,7 @@ def test_json_logs_carry_trace_span_and_request_ids(traced_cluster):
     entry = next(entry for entry in lines if entry.get("request_id") == "logged-1")
     assert entry["trace_id"] == trace_id
     assert len(entry["span_id"]) == 16 and int(entry["span_id"], 16)
-    assert entry["service"] == "gateway" and entry["level"] == "INFO" and "finished" in entry["message"]
+    assert entry["service"] == "gateway" and entry["level"] == "INFO" and "ended: length" in entry["message"]
     assert all({"time", "level", "logger", "message"} <= set(e) for e in lines)  # every line is JSON
 
 

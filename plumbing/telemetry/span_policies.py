@@ -1,0 +1,126 @@
+"""Tracer-provider wrappers that bend third-party instrumentations to what an operator can live with,
+and the one way tokenmill records an error on a span.
+
+    RedisInstrumentor().instrument(tracer_provider=ChildSpansOnly(provider))
+    GrpcAioInstrumentorServer(...).instrument(tracer_provider=OneExceptionEvent(provider))
+    record_error(span, exc, "INVALID_ARGUMENT")
+
+ChildSpansOnly: a span is made only under a live parent (request or step work); background calls
+(health PINGs, heartbeats) would otherwise each be a root trace, ~4 a second per idle scheduler.
+
+OneExceptionEvent: the gRPC server instrumentation records the AbortError our ErrorStatusInterceptor
+raises, and the SDK records it again as it leaves the span: two events naming neither the real
+error nor anything but absolute paths. Through this wrapper it records none; record_error (called
+where the error is mapped to its status) records the real one, once.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+import traceback
+
+from opentelemetry import trace
+from opentelemetry.trace import INVALID_SPAN, Status, StatusCode
+
+EXCEPTION_EVENT = "exception"
+# 'File "/abs/path/site-packages/grpc/aio/_call.py"' -> 'File "grpc/aio/_call.py"'
+_ROOTS = sorted({p.rstrip("/") + "/" for p in sys.path if p.startswith("/")}, key=len, reverse=True)
+_FILE = re.compile(r'File "(/[^"]+)"')
+
+
+def relative_traceback(exc: BaseException) -> str:
+    """exc's traceback with each file named relative to the import root it came from (no host paths)."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return _FILE.sub(lambda match: f'File "{_relative(match.group(1))}"', text)
+
+
+def _relative(path: str) -> str:
+    for root in _ROOTS:
+        if path.startswith(root):
+            return path[len(root):]
+    return path.rsplit("/", 1)[-1]
+
+
+def record_error(span: trace.Span, exc: BaseException, code: str, with_traceback: bool = False) -> None:
+    """Status ERROR ("CODE: message"), error.type, and one `exception` event (a second call for the
+    same span adds nothing). with_traceback: for unexpected errors; client-caused ones need none."""
+    if not span.is_recording():
+        return
+    if any(event.name == EXCEPTION_EVENT for event in getattr(span, "events", ())):
+        return
+    message = str(exc)
+    attributes = {"exception.type": type(exc).__name__, "exception.message": message}
+    if with_traceback:
+        attributes["exception.stacktrace"] = relative_traceback(exc)
+    span.add_event(EXCEPTION_EVENT, attributes)
+    span.set_attribute("error.type", code)
+    span.set_status(Status(StatusCode.ERROR, f"{code}: {message}"[:512]))
+
+
+def _has_live_parent(context) -> bool:
+    return trace.get_current_span(context).is_recording()
+
+
+class _ChildSpansOnlyTracer:
+    def __init__(self, tracer: trace.Tracer) -> None:
+        self._tracer = tracer
+
+    def start_span(self, name, context=None, *args, **kwargs):
+        if not _has_live_parent(context):
+            return INVALID_SPAN
+        return self._tracer.start_span(name, context, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def start_as_current_span(self, name, context=None, *args, **kwargs):
+        if not _has_live_parent(context):
+            yield INVALID_SPAN
+            return
+        with self._tracer.start_as_current_span(name, context, *args, **kwargs) as span:
+            yield span
+
+
+class ChildSpansOnly:
+    """A tracer provider whose tracers make no root spans (see the module docstring)."""
+
+    def __init__(self, provider) -> None:
+        self._provider = provider
+
+    def get_tracer(self, *args, **kwargs):
+        return _ChildSpansOnlyTracer(self._provider.get_tracer(*args, **kwargs))
+
+
+class _SpanWithoutExceptionEvents:
+    """Forwards everything to the span but record_exception (record_error does that, once)."""
+
+    def __init__(self, span) -> None:
+        self._span = span
+
+    def record_exception(self, *args, **kwargs) -> None:
+        pass
+
+    def __getattr__(self, name):
+        return getattr(self._span, name)
+
+
+class _OneExceptionEventTracer:
+    def __init__(self, tracer: trace.Tracer) -> None:
+        self._tracer = tracer
+
+    def start_span(self, *args, **kwargs):
+        return self._tracer.start_span(*args, **{**kwargs, "record_exception": False})
+
+    @contextlib.contextmanager
+    def start_as_current_span(self, *args, **kwargs):
+        with self._tracer.start_as_current_span(*args, **{**kwargs, "record_exception": False}) as span:
+            yield _SpanWithoutExceptionEvents(span)
+
+
+class OneExceptionEvent:
+    """A tracer provider whose spans record no exception events by themselves (module docstring)."""
+
+    def __init__(self, provider) -> None:
+        self._provider = provider
+
+    def get_tracer(self, *args, **kwargs):
+        return _OneExceptionEventTracer(self._provider.get_tracer(*args, **kwargs))
