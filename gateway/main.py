@@ -14,6 +14,7 @@ from gateway.validation import Limits
 from protos.tokenmill.v1 import generation_pb2_grpc
 from plumbing import rpc, telemetry, tls
 from plumbing.drain import DrainInterceptor
+from plumbing.keepalive import server_options
 from plumbing.message_size import PUBLIC_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
 from gateway.telemetry import set_model_name, set_server_address
 from plumbing.process import run_process, wait_for_stop_signal
@@ -43,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="on SIGTERM: readiness off, new requests UNAVAILABLE, in-flight ones get this long")
     parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API; 0 disables")
     parser.add_argument("--http-api-key", default="", help="HTTP clients must send 'Authorization: Bearer KEY'")
+    parser.add_argument("--stream-idle-timeout-s", type=float, default=120.0,
+                        help="a GenerateStream whose client has read nothing for this long (its messages back up "
+                             "under gRPC flow control) is cancelled (CANCELLED), its pages freed and its record "
+                             "failed with the reason; 0 disables")
+    parser.add_argument("--max-connection-age-s", type=float, default=1800.0,
+                        help="gRPC connections older than this get GOAWAY (calls in flight finish first), so "
+                             "clients behind a load balancer spread over new replicas; 0 disables")
     add_message_size_argument(parser, PUBLIC_MAX_MESSAGE_BYTES)
     tls.add_server_arguments(parser)  # the HTTP API serves HTTPS with the same files
     parser.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
@@ -86,7 +94,8 @@ async def serve(args: argparse.Namespace) -> None:
                               "/inference.GRPCInferenceService/ModelStreamInfer"])
     # a draining gateway answers UNAVAILABLE without checking the key or spending a rate-limit token
     server = rpc.create_server(interceptors=[drain, AccessInterceptor(access, skip=drain.refuses)],
-                               options=message_size_options(args.max_message_bytes))
+                               options=server_options(message_size_options(args.max_message_bytes),
+                                                      max_connection_age_s=args.max_connection_age_s))
     from gateway.kserve_service import KSERVE_SERVICE, add_kserve_servicer  # not at the top: tritonclient (its doc)
     health = rpc.add_health_and_reflection(server, [rpc.GENERATION_SERVICE, KSERVE_SERVICE],
                                            reflection_on=not args.no_reflection)
@@ -114,6 +123,7 @@ async def serve(args: argparse.Namespace) -> None:
         claims = RequestClaims(args.redis_url)  # one request per client-chosen id, across replicas
     servicer = GenerationServicer(tokenizer, scheduler, limits, model_info, state_reader, token_reader, access,
                                   claims)
+    servicer.stream_idle_timeout_s = args.stream_idle_timeout_s
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     add_kserve_servicer(server, tokenizer, scheduler, limits, model_info)
     http_api = http_runner = None

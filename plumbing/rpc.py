@@ -27,6 +27,7 @@ from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from core import errors
+from plumbing import keepalive
 from plumbing.telemetry import metrics
 from plumbing.telemetry.span_policies import record_error
 
@@ -208,8 +209,9 @@ def create_server(
     options: Sequence[tuple[str, Any]] = (),
 ) -> grpc.aio.Server:
     """A grpc.aio server with ErrorStatusInterceptor outermost, so it also maps errors raised by
-    the other interceptors' wrappers."""
-    return grpc.aio.server(interceptors=[ErrorStatusInterceptor(), *interceptors], options=list(options))
+    the other interceptors' wrappers, and keepalive on (plumbing.keepalive; options win)."""
+    return grpc.aio.server(interceptors=[ErrorStatusInterceptor(), *interceptors],
+                           options=keepalive.server_options(options))
 
 
 class ReadinessHealthServicer(health_aio.HealthServicer):

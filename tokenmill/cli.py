@@ -126,6 +126,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "the grace period is stretched to cover it (default: %(default)s)")
     parser.add_argument("--no-retry-on-worker-failure", action="store_true",
                         help="a crashed worker's requests fail (UNAVAILABLE) instead of being recomputed")
+    parser.add_argument("--stream-idle-timeout-s", type=NON_NEGATIVE_FLOAT, default=120.0,
+                        help="a stream whose client has read nothing for this long is cancelled, its pages "
+                             "freed and its record failed with the reason; 0 disables (default: %(default)s)")
     add_serve_security_arguments(parser)
 
 
@@ -243,6 +246,7 @@ def serve(args: argparse.Namespace) -> int:
         api_keys_file=args.api_keys_file, rate_limit_rps=args.rate_limit_rps,
         rate_limit_burst=args.rate_limit_burst,
         drain_timeout_s=args.drain_timeout_s, retry_on_worker_failure=not args.no_retry_on_worker_failure,
+        stream_idle_timeout_s=args.stream_idle_timeout_s,
         **({} if args.no_metrics else {"gateway_metrics_port": args.gateway_metrics_port,
                                        "scheduler_metrics_port": args.scheduler_metrics_port,
                                        "worker_metrics_port": args.worker_metrics_port})))

@@ -72,6 +72,8 @@ class ClusterConfig:
     drain_timeout_s: float = 30.0
     # a lost worker's requests are re-queued and recomputed once it is back; False: they fail (UNAVAILABLE)
     retry_on_worker_failure: bool = True
+    # a gateway stream whose client has read nothing for this long is cancelled (gateway.stream_idle); 0: never
+    stream_idle_timeout_s: float = 120.0
     python: str = sys.executable
     # Prometheus /metrics of each process; None: off (so parallel test clusters never clash; `tokenmill
     # serve` passes 9400 / 9401 / 9402); 0: pick a free port (resolve_ports).
@@ -190,6 +192,7 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
     gateway = [config.python, "-m", "gateway.main", "--host", config.host, "--port", str(config.gateway_port),
                "--scheduler", config.scheduler_address, *model, "--http-port", str(config.http_port or 0),
                "--drain-timeout-s", str(config.drain_timeout_s),
+               "--stream-idle-timeout-s", str(config.stream_idle_timeout_s),
                *server_tls, *(probe_tls.argv("scheduler") if probe_tls else []),
                "--max-message-bytes", str(config.max_message_bytes),
                "--rate-limit-rps", str(config.rate_limit_rps), "--rate-limit-burst", str(config.rate_limit_burst)]
