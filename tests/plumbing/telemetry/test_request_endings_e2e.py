@@ -110,6 +110,9 @@ def test_refused_request_carries_its_id_operation_and_one_error_event(traced_clu
                 if isinstance(v, str) and "/work/" in v]  # no host paths
     (line,) = log_entries(supervisor, "gateway", "refused-1", "refused")
     assert line["trace_id"] == trace_id
+    # the edge's own line (the status it answered) names the request too
+    (status_line,) = log_entries(supervisor, "gateway", "refused-1", "-> INVALID_ARGUMENT")
+    assert status_line["trace_id"] == trace_id
 
 
 def test_request_spans_follow_the_genai_conventions(traced_cluster, otlp_receiver):
