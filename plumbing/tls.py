@@ -120,15 +120,15 @@ def listen(server: grpc.aio.Server, address: str, tls: ServerTLS | None) -> int:
 def aio_channel(address: str, tls: ClientTLS | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
     options = keepalive.channel_options(options)  # every channel pings an idle peer (plumbing.keepalive)
     if tls is None:
-        return grpc.aio.insecure_channel(address, options=list(options))
-    return grpc.aio.secure_channel(address, tls.credentials(), options=list(options) + tls.channel_options())
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, tls.credentials(), options=options + tls.channel_options())
 
 
 def channel(address: str, tls: ClientTLS | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
     options = keepalive.channel_options(options)
     if tls is None:
-        return grpc.insecure_channel(address, options=list(options))
-    return grpc.secure_channel(address, tls.credentials(), options=list(options) + tls.channel_options())
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, tls.credentials(), options=options + tls.channel_options())
 
 
 # -- command-line flags ------------------------------------------------------------------------------

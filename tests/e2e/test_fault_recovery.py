@@ -1,0 +1,183 @@
+"""Recovering from faults without an outage, on a real cluster (tiny random model; issue 17 items 1, 2,
+6, 7): the embedded Redis killed and restarted by the supervisor, request status while streaming, a
+client that stops reading, keepalive pings on an idle connection, the gateway's breaker after a
+scheduler restart. One cluster for the module (stream idle timeout 1.5 s); each test leaves it serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from plumbing.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
+from tests.e2e.faults_cluster import generate_ok, kill9, request, scheduler_load, tiny_cluster, wait_until
+
+pytestmark = pytest.mark.slow
+
+IDLE_TIMEOUT_S = 1.5
+STATUS = generation_pb2.GetRequestStatusRequest
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with tiny_cluster(tmp_path_factory.mktemp("recovery"), stream_idle_timeout_s=IDLE_TIMEOUT_S) as running:
+        yield running
+
+
+def record(config, request_id: str) -> dict[bytes, bytes]:
+    with redis.Redis.from_url(config.effective_redis_url, socket_timeout=2) as client:
+        return client.hgetall(f"tokenmill:req:{request_id}")
+
+
+async def test_redis_killed_is_restarted_by_the_supervisor_and_no_record_is_lost(cluster):
+    config, supervisor = cluster
+    async with grpc.aio.insecure_channel(config.gateway_address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        await stub.Generate(request("before the crash", 4, "before-redis-kill"), timeout=60)
+        old_pid, ids, killed = supervisor.pid("redis"), [], False
+        async for message in stub.GenerateStream(request("Redis dies", 300, "across-redis-kill"), timeout=120):
+            ids += message.token_ids
+            if len(ids) >= 3 and not killed:
+                kill9(supervisor, "redis")
+                killed = True
+        assert len(ids) == 300 and message.finish_reason == common_pb2.FINISH_REASON_LENGTH, "generation went on"
+
+    async def redis_back():
+        return supervisor.pid("redis") != old_pid and record(config, "before-redis-kill")
+
+    await wait_until(redis_back, 30, "the supervisor restarting redis-server")
+    # written before the crash: kept by the append-only file
+    assert record(config, "before-redis-kill")[b"status"] == b"finished"
+
+    async def caught_up():  # written while Redis was away: kept by the scheduler's writer, then replayed
+        fields = record(config, "across-redis-kill")
+        return fields.get(b"status") == b"finished" and fields.get(b"num_output_tokens") == b"300"
+
+    await wait_until(caught_up, 30, "the record written during the outage reaching the restarted Redis")
+    assert await wait_until(lambda: generate_ok(config.gateway_address), 30, "serving after the Redis restart")
+
+
+async def test_request_status_shows_progress_while_streaming_and_true_counts_when_cancelled(cluster):
+    config, _ = cluster
+    async with grpc.aio.insecure_channel(config.gateway_address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        call = stub.GenerateStream(request("Progress", 480, "progress-me"))
+        received, first_status, progress = 0, None, None
+        async for message in call:
+            received += len(message.token_ids)
+            if first_status is None:  # known by the time the first message is here: no NOT_FOUND
+                first_status = await stub.GetRequestStatus(STATUS(request_id="progress-me"), timeout=5)
+            if received >= 40 and progress is None:
+                # written at least every 16 tokens or 0.5 s: soon after 40 tokens reached the client it says >= 16
+                async def counted():
+                    reply = await stub.GetRequestStatus(STATUS(request_id="progress-me"), timeout=5)
+                    return reply if reply.num_output_tokens >= 16 else None
+
+                progress = await wait_until(counted, 3.0, "num_output_tokens >= 16 while streaming", interval_s=0.05)
+            if progress is not None and received >= 60:
+                call.cancel()
+                break
+        assert first_status.status in (generation_pb2.REQUEST_STATUS_QUEUED, generation_pb2.REQUEST_STATUS_RUNNING)
+        assert progress.status == generation_pb2.REQUEST_STATUS_RUNNING and progress.HasField("first_token_time")
+        assert progress.first_token_time.ToNanoseconds() >= progress.arrival_time.ToNanoseconds()
+
+        async def cancelled():
+            reply = await stub.GetRequestStatus(STATUS(request_id="progress-me"), timeout=5)
+            return reply if reply.status == generation_pb2.REQUEST_STATUS_CANCELLED else None
+
+        ended = await wait_until(cancelled, 30, "the record ending cancelled")
+        assert received <= ended.num_output_tokens < 480, "a cancelled record keeps the tokens it generated"
+        # the end state is in the record before the last message leaves: no polling needed
+        reply = await stub.Generate(request("Done", 8, "finished-visible"), timeout=60)
+        status = await stub.GetRequestStatus(STATUS(request_id="finished-visible"), timeout=5)
+        assert len(reply.token_ids) == 8
+        assert status.status == generation_pb2.REQUEST_STATUS_FINISHED and status.num_output_tokens == 8
+
+
+async def test_a_client_that_stops_reading_is_cancelled_after_the_idle_timeout_and_its_pages_freed(cluster):
+    config, _ = cluster
+    # a small receive window and no window growth: the gateway's writes back up after a few messages
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    async with grpc.aio.insecure_channel(config.gateway_address, options=options) as channel:
+        call = generation_pb2_grpc.GenerationStub(channel).GenerateStream(request("Nobody reads", 480, "idle-reader"))
+        first = await call.read()
+        assert first.token_ids
+        started = time.monotonic()
+
+        async def freed():
+            load = await scheduler_load(config.scheduler_address)
+            return "idle-reader" not in load.running_request_ids and load.num_kv_pages_used == 0
+
+        await wait_until(freed, 30, "the idle stream's request leaving the scheduler", interval_s=0.05)
+        print(f"idle stream: pages freed {time.monotonic() - started:.2f}s after the client stopped reading "
+              f"(timeout {IDLE_TIMEOUT_S}s)")
+        fields = record(config, "idle-reader")
+        assert fields[b"status"] == b"failed" and b"stream idle timeout" in fields[b"error"], fields
+        assert int(fields.get(b"num_output_tokens", b"0")) < 480, "cancelled, not run to the end"
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            while await call.read() is not grpc.aio.EOF:
+                pass
+        assert caught.value.code() == grpc.StatusCode.CANCELLED and "--stream-idle-timeout-s" in caught.value.details()
+
+
+async def test_idle_connections_that_send_keepalive_pings_are_kept_by_every_server(cluster):
+    config, _ = cluster
+    # a client that pings every 6 s with no call open; gRPC's server default answers the third such
+    # ping with GOAWAY too_many_pings and the connection drops
+    options = [("grpc.keepalive_time_ms", 6000), ("grpc.keepalive_permit_without_calls", 1),
+               ("grpc.http2.max_pings_without_data", 0)]
+    targets = [(config.gateway_address, GENERATION_SERVICE), (config.scheduler_address, SCHEDULER_SERVICE),
+               (config.worker_address, WORKER_SERVICE)]
+    channels = [grpc.aio.insecure_channel(address, options=options) for address, _ in targets]
+    try:
+        for channel, (_, service) in zip(channels, targets):
+            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        states = [[channel.get_state()] for channel in channels]
+
+        async def follow(channel, seen):
+            while True:
+                await channel.wait_for_state_change(seen[-1])
+                seen.append(channel.get_state())
+
+        watchers = [asyncio.create_task(follow(channel, seen)) for channel, seen in zip(channels, states)]
+        await asyncio.sleep(20)
+        for watcher in watchers:
+            watcher.cancel()
+        ready = grpc.ChannelConnectivity.READY
+        assert all(seen == [ready] for seen in states), f"connections dropped: {states}"
+    finally:
+        for channel in channels:
+            await channel.close()
+
+
+async def test_the_gateway_breaker_closes_as_soon_as_the_restarted_scheduler_reports_ready(cluster):
+    config, supervisor = cluster
+    async with grpc.aio.insecure_channel(config.gateway_address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        kill9(supervisor, "scheduler")
+        details = []
+        for _ in range(6):  # fail until the breaker opens
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Generate(request("down", 2), timeout=30)
+            details.append(caught.value.details())
+            if "circuit open" in details[-1]:
+                break
+        assert "circuit open" in details[-1], details
+
+        async def scheduler_ready():
+            async with grpc.aio.insecure_channel(config.scheduler_address) as scheduler_channel:
+                reply = await health_pb2_grpc.HealthStub(scheduler_channel).Check(
+                    health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE), timeout=5)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+        await wait_until(scheduler_ready, 90, "the restarted scheduler reporting SERVING")
+        await asyncio.sleep(2.0)  # the gateway's reconnect backoff (<= 1 s) and readiness poll (0.2 s)
+        results = await asyncio.gather(*(stub.Generate(request(f"back {i}", 2), timeout=60) for i in range(16)),
+                                       return_exceptions=True)
+        refused = [r.details() for r in results if isinstance(r, grpc.aio.AioRpcError)]
+        assert not refused, f"{len(refused)} of 16 refused after the scheduler was ready: {refused[:3]}"
