@@ -11,7 +11,8 @@ import yaml
 from plumbing.telemetry.metrics import exported_metric_names
 
 ROOT = Path(__file__).resolve().parents[2] / "deploy" / "observability"
-METRIC = re.compile(r"\btokenmill:[A-Za-z0-9_:]+")
+METRIC = re.compile(r"\b(?:tokenmill|vllm):[A-Za-z0-9_:]+")
+DASHBOARDS = ("tokenmill.json", "vllm.json")  # ours, and the vLLM-compatible one over the vllm:* names
 
 
 def load_yaml(relative: str) -> dict:
@@ -19,8 +20,9 @@ def load_yaml(relative: str) -> dict:
 
 
 def dashboard_exprs() -> list[str]:
-    dashboard = json.loads((ROOT / "grafana/dashboards/tokenmill.json").read_text())
-    return [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    return [target["expr"] for name in DASHBOARDS
+            for panel in json.loads((ROOT / "grafana/dashboards" / name).read_text())["panels"]
+            for target in panel.get("targets", [])]
 
 
 def test_dashboard_reads_only_exported_metrics():
@@ -48,8 +50,9 @@ def test_dashboard_panels_use_the_provisioned_datasource():
     datasources = load_yaml("grafana/provisioning/datasources/datasources.yaml")["datasources"]
     uids = {source["uid"] for source in datasources}
     assert {"prometheus", "jaeger"} <= uids
-    dashboard = json.loads((ROOT / "grafana/dashboards/tokenmill.json").read_text())
-    assert {panel["datasource"]["uid"] for panel in dashboard["panels"]} <= uids
+    for name in DASHBOARDS:
+        dashboard = json.loads((ROOT / "grafana/dashboards" / name).read_text())
+        assert {panel["datasource"]["uid"] for panel in dashboard["panels"]} <= uids
     provider = load_yaml("grafana/provisioning/dashboards/dashboards.yaml")["providers"][0]
     assert provider["type"] == "file" and provider["options"]["path"]
 
