@@ -11,7 +11,7 @@ from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.loop import EngineLoop
 from scheduler.request import Request
 from scheduler.request_streams import RequestTimes
-from scheduler.telemetry import record_request_end, start_request
+from scheduler.telemetry import CLIENT_DISCONNECT, record_request_end, start_request
 
 
 def _timings(times: RequestTimes) -> RequestTimings:
@@ -69,12 +69,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     await self.loop.streams.recorded(request.request_id)
                 finished = output.finished
                 if finished:
-                    record_request_end(stream.times, output.num_preemptions)
+                    record_request_end(stream.times, output.num_preemptions, output.finish_reason)
                     output.timings = _timings(stream.times)
                 if output.error is not None:  # typed: the edge maps it to its status (plumbing.rpc)
                     raise output.error
                 yield codec.request_output_to_proto(output)
         finally:
+            if not finished:  # the gateway dropped the call: its client went away (or the gateway did)
+                record_request_end(stream.times, finish_reason=FinishReason.ABORT, cause=CLIENT_DISCONNECT)
             if not finished and not resumable:  # the client went away or cancelled: free its pages
                 self.loop.abort(request.request_id)
 
