@@ -23,6 +23,7 @@ from kvstore.record_update import UPDATE_RECORDS_LUA, RecordUpdate, parse_result
 from core.errors import ServingError
 from core.outputs import FinishReason
 from kvstore.records import RecordStatus, encode_field
+from plumbing.telemetry.tracing import WriteCauses
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class RequestStateWriter:
         self._writes = self._batches = self._failures = 0
         self._dropped = self._rejected = self._invalid = 0
         self._logged_invalid: set[str] = set()
+        self._causes = WriteCauses()  # the step spans whose changes the next batch carries
 
     # ---- caller side: synchronous, O(1), no I/O, never raises ----
 
@@ -113,6 +115,7 @@ class RequestStateWriter:
             return self._ignore_invalid(request_id, f"unknown record status {status!r}")
         except Exception as exc:  # a caller bug must not stop token generation; count it, log once
             return self._ignore_invalid(request_id, str(exc))
+        self._causes.note()
         pending = self._pending.get(request_id)
         if pending is None:
             pending = RecordUpdate(request_id)
@@ -310,7 +313,8 @@ class RequestStateWriter:
         batch = list(self._batch)
         self._sending = True
         try:
-            results = await self._send(batch)
+            with self._causes.batch_span("kvstore.request_state.write"):  # linked to the steps behind it
+                results = await self._send(batch)
         except (RedisError, OSError, TimeoutError) as exc:
             self._failures += 1
             if self._healthy:
