@@ -123,8 +123,10 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
         finished = True  # the call ended with a status: nothing to abort
         observer.on_error(error)
         breaker.record_failure()
-        # the scheduler (or its worker) is gone: the record must not stay "running" in Redis
-        scheduler.report_lost(request_id, Unavailable(f"scheduler unavailable: {error}"), accepted=answered)
+        # the scheduler (or its worker) is gone: the record must not stay "running" in Redis, unless the
+        # request is resumable, which the restarted scheduler re-admits (scheduler.readmission)
+        if not resumable:
+            scheduler.report_lost(request_id, Unavailable(f"scheduler unavailable: {error}"), accepted=answered)
         raise Unavailable(f"scheduler at {target.address} is unavailable: {error}") from error
     except ServingError as error:
         finished = True

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Protocol
 
 from core.errors import AlreadyExists, DeadlineExceeded, ServingError, WorkerUnavailable
 from core.outputs import FinishReason, RequestOutput
@@ -30,11 +31,17 @@ from scheduler.worker_recovery import RecoveryAction, RecoveryDecision, WorkerRe
 logger = logging.getLogger(__name__)
 
 
+class LiveSubmissions(Protocol):
+    """Where resumable requests' submissions are kept while they run (scheduler.readmission)."""
+
+    def admitted(self, request: Request, deadline: float | None, owner: str | None) -> None: ...
+
+
 class EngineLoop:
     def __init__(self, scheduler: Scheduler, executor: AsyncExecutor, state: StateSink | None = None,
                  model_name: str = "", admission: Admission | None = None,
                  worker_recovery: WorkerRecovery | None = None, tokens: TokenSink | None = None,
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False, live: LiveSubmissions | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.async_scheduling = async_scheduling  # plan step N+1 while N runs (pipeline depth 2)
@@ -42,6 +49,9 @@ class EngineLoop:
         # None: a failed step fails every request (the executor cannot be reconnected)
         self.worker_recovery = worker_recovery
         self.tokens = tokens
+        # keeps each resumable request's submission until it ends, so a restarted scheduler re-admits
+        # it (scheduler.readmission); None: a crash loses the requests
+        self.live = live
         self.model_name = model_name
         config = scheduler.config  # without vocabulary knowledge only the ids' sign is checked
         self.admission = admission or Admission(AdmissionConfig(), vocab_size=2**32, max_model_len=config.max_model_len)
@@ -68,6 +78,8 @@ class EngineLoop:
         self.admission.check_room(request, len(self.scheduler.waiting) + len(arriving),
                                   lambda: self._waiting_tokens(arriving))
         stream = self.streams.open(request, deadline, resumable, owner)
+        if resumable and self.live is not None and self.tokens is not None:
+            self.live.admitted(request, deadline, owner)
         self.num_requests_total += 1
         self._inbox.put(AddRequest(request))
         self._wakeup.set()

@@ -94,13 +94,18 @@ async def serve(args: argparse.Namespace) -> None:
     if tls.listen(server, address, args.tls) == 0:
         raise SystemExit(f"scheduler: cannot listen on {address} (in use?); change --port")
     worker = WorkerClient(args.worker, tls=args.worker_tls, max_message_bytes=args.max_message_bytes)
-    state = tokens = None
+    state = tokens = live = readmittable = None
+    scheduler_id = args.advertise_address or address  # the same after a restart: it names what to re-admit
     if args.redis_url:
+        from kvstore.live_requests import LiveRequestWriter
         from kvstore.state_writer import RequestStateWriter
         from kvstore.token_streams import TokenStreamWriter
+        from scheduler.readmission import ReadmittableTokens
 
         state = RequestStateWriter(args.redis_url, ttl_s=args.state_ttl_s)
         tokens = TokenStreamWriter(args.redis_url, ttl_s=args.state_ttl_s)  # for resumable requests
+        live = LiveRequestWriter(args.redis_url, scheduler_id, ttl_s=args.state_ttl_s)
+        readmittable = ReadmittableTokens(tokens, live)  # re-admitted after a crash (scheduler.readmission)
     # Listen (health, reflection) while the worker loads; the servicer answers UNAVAILABLE until the
     # worker has registered and the loop exists.
     servicer = SchedulerServicer()
@@ -119,8 +124,8 @@ async def serve(args: argparse.Namespace) -> None:
     recovery = WorkerRecovery(worker.reconnect, retry=not args.no_retry_on_worker_failure,
                               reconnect_timeout_s=args.worker_reconnect_timeout_s)
     loop = EngineLoop(Scheduler(config), worker, state, model_name=capacity.model_config.name,
-                      admission=admission, worker_recovery=recovery, tokens=tokens,
-                      async_scheduling=args.async_scheduling)
+                      admission=admission, worker_recovery=recovery, tokens=readmittable,
+                      async_scheduling=args.async_scheduling, live=readmittable)
     model_info = common_pb2.GetModelInfoResponse(
         model_config=capacity.model_config, block_size=capacity.block_size, num_blocks=capacity.num_blocks,
         kv_cache_policy=common_pb2.KV_CACHE_POLICY_STATIC if args.kv_policy == "static"
@@ -141,10 +146,18 @@ async def serve(args: argparse.Namespace) -> None:
     if state:
         state.start()
         tokens.start()
+        live.start()
         redis_watch = asyncio.get_running_loop().create_task(watch_redis(
             args.redis_url, lambda: state.healthy and tokens.healthy,
             lambda ok: health.set(REDIS_HEALTH_SERVICE, SERVING if ok else NOT_SERVING)))
     loop.start()
+    if live:
+        from kvstore.live_requests import LiveRequestReader
+        from scheduler.readmission import readmit
+
+        reader = LiveRequestReader(args.redis_url, scheduler_id)
+        await readmit(loop, reader)  # before ready: what this scheduler ran when it died runs on
+        await reader.aclose()
     reporter = None
     if args.redis_url:
         from scheduler.load_report import LoadReporter
@@ -171,6 +184,7 @@ async def serve(args: argparse.Namespace) -> None:
     if state:
         await state.aclose()
         await tokens.aclose()
+        await live.aclose()
     await worker.close()
 
 

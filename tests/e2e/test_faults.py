@@ -130,7 +130,7 @@ async def test_worker_killed_mid_generation_is_restarted_and_requests_finish_by_
     assert await wait_until(lambda: generate_ok(config.gateway_address), 60, "serving after the worker restart")
 
 
-async def test_scheduler_killed_answers_unavailable_fast_reconnects_and_ends_lost_records_failed(cluster):
+async def test_scheduler_killed_answers_unavailable_fast_reconnects_and_readmits_the_lost_request(cluster):
     config, supervisor = cluster
     async with grpc.aio.insecure_channel(config.gateway_address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
@@ -158,11 +158,49 @@ async def test_scheduler_killed_answers_unavailable_fast_reconnects_and_ends_los
     # the supervisor restarts it; the gateway's half-open probe closes the breaker
     assert await wait_until(lambda: generate_ok(config.gateway_address), 90, "serving after the scheduler restart")
 
-    async def record_failed():
+    async def record_finished():  # re-admitted by the restarted scheduler, not left running or failed
         with redis.Redis.from_url(config.effective_redis_url) as client:
-            return client.hget("tokenmill:req:lost-with-scheduler", "status") == b"failed"
+            return client.hget("tokenmill:req:lost-with-scheduler", "status") == b"finished"
 
-    await wait_until(record_failed, 30, "the lost request's record ending as failed")
+    await wait_until(record_finished, 90, "the lost request, re-admitted, finishing")
+
+
+async def test_scheduler_killed_mid_generation_readmits_its_requests_and_a_client_resumes_without_loss(cluster):
+    config, supervisor = cluster
+    async with grpc.aio.insecure_channel(config.gateway_address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        undisturbed, _ = await collect(stub.GenerateStream(request("Readmit me", LONG)))
+        alone = asyncio.ensure_future(collect(stub.GenerateStream(request("Nobody resumes me", LONG, "readmit-alone"))))
+        old_pid, ids = supervisor.pid("scheduler"), []
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for message in stub.GenerateStream(request("Readmit me", LONG, "readmit-me")):
+                ids += message.token_ids
+                if len(ids) >= 5 and supervisor.pid("scheduler") == old_pid:
+                    kill9(supervisor, "scheduler")
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and 5 <= len(ids) < LONG
+        with pytest.raises(grpc.aio.AioRpcError):  # its client goes away too, and never comes back
+            await alone
+    assert await wait_until(lambda: generate_ok(config.gateway_address), 90, "serving after the scheduler restart")
+    async with grpc.aio.insecure_channel(config.gateway_address) as channel:
+        resumed = request("Readmit me", LONG, "readmit-me")
+        resumed.resume_from_index = len(ids)
+        rest, last = await collect(generation_pb2_grpc.GenerationStub(channel).GenerateStream(resumed, timeout=120))
+    assert ids + rest == undisturbed, "recomputed from the streamed tokens: no token lost, repeated or different"
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+    async def alone_finished():
+        with redis.Redis.from_url(config.effective_redis_url) as client:
+            return client.hget("tokenmill:req:readmit-alone", "status") == b"finished"
+
+    await wait_until(alone_finished, 90, "the request nobody resumed running to its end")
+    with redis.Redis.from_url(config.effective_redis_url) as client:
+        entries = [fields for _, fields in client.xrange("tokenmill:tokens:readmit-alone")]
+        assert sum(len(fields[b"t"].split()) for fields in entries) == LONG
+        assert [fields.get(b"f") for fields in entries].count(b"LENGTH") == 1
+        assert int(client.hget("tokenmill:req:readmit-alone", "num_preemptions")) >= 1  # the re-admission
+        assert not client.hexists(f"tokenmill:live:{config.scheduler_address}", "readmit-alone")
+        for key in ("tokens", "req", "claim"):  # what is left of it is cleaned after its TTL
+            assert 0 < client.ttl(f"tokenmill:{key}:readmit-alone") <= 3600, key
 
 
 async def test_redis_down_generation_continues_readiness_reports_it_and_records_catch_up(cluster):

@@ -1,0 +1,129 @@
+"""The resumable requests a scheduler is running, so that the same scheduler, restarted after a
+crash, can take them up again: one Redis hash per scheduler, `tokenmill:live:{scheduler_id}`,
+request id -> what was submitted (opaque text here: the scheduler stores its SubmitRequest).
+
+Together with the request's token stream (kvstore.token_streams: the tokens already streamed) this
+is everything needed to re-admit it and recompute where it stood. Writes follow DESIGN invariant 6:
+admitted() and ended() only queue; a background task writes the queue in order and keeps it to
+retry with backoff while Redis is away. The hash's TTL is refreshed by every write, so the entries
+of a scheduler that never comes back go away with it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+
+from redis.exceptions import RedisError
+
+from core.outputs import FinishReason
+from kvstore.client import connect
+from kvstore.token_streams import TokenEntry, token_stream_key
+
+logger = logging.getLogger(__name__)
+LIVE_KEY_PREFIX = "tokenmill:live:"
+
+
+def live_key(scheduler_id: str) -> str:
+    return LIVE_KEY_PREFIX + scheduler_id
+
+
+class LiveRequestWriter:
+    def __init__(self, redis_url: str, scheduler_id: str, *, ttl_s: int = 3600, flush_interval_s: float = 0.01,
+                 retry_max_s: float = 1.0) -> None:
+        self._client = connect(redis_url)
+        self._key = live_key(scheduler_id)
+        self._ttl_s = ttl_s
+        self._flush_interval_s = flush_interval_s
+        self._retry_max_s = retry_max_s
+        self._pending: deque[tuple[str, str | None]] = deque()  # (request id, submitted; None: ended), in order
+        self._has_work = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def pending(self) -> int:
+        """Changes not yet written."""
+        return len(self._pending)
+
+    def admitted(self, request_id: str, submitted: str) -> None:
+        self._pending.append((request_id, submitted))
+        self._has_work.set()
+
+    def ended(self, request_id: str) -> None:
+        self._pending.append((request_id, None))
+        self._has_work.set()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="live-request-writer")
+
+    async def aclose(self, timeout_s: float = 2.0) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self._pending and await self._flush():
+                    pass
+        except TimeoutError:
+            logger.warning("live request writer closed with %d changes unwritten", len(self._pending))
+        await self._client.aclose()
+
+    async def _run(self) -> None:
+        retry_s = 0.05
+        while True:
+            if not self._pending:
+                self._has_work.clear()
+                await self._has_work.wait()
+            await asyncio.sleep(self._flush_interval_s)
+            if await self._flush():
+                retry_s = 0.05
+            else:
+                await asyncio.sleep(retry_s)
+                retry_s = min(retry_s * 2, self._retry_max_s)
+
+    async def _flush(self) -> bool:
+        batch = list(self._pending)
+        pipe = self._client.pipeline(transaction=False)
+        for request_id, submitted in batch:
+            if submitted is None:
+                pipe.hdel(self._key, request_id)
+            else:
+                pipe.hset(self._key, request_id, submitted)
+        pipe.expire(self._key, self._ttl_s)
+        try:
+            await pipe.execute()
+        except (RedisError, OSError, TimeoutError) as error:
+            logger.warning("live request write failed, keeping %d changes to retry: %s", len(batch), error)
+            return False
+        for _ in batch:
+            self._pending.popleft()
+        return True
+
+
+class LiveRequestReader:
+    """Start-up reads; they raise RedisError (or OSError / TimeoutError) when Redis is away."""
+
+    def __init__(self, redis_url: str, scheduler_id: str) -> None:
+        self._client = connect(redis_url, socket_timeout_s=5.0)
+        self._key = live_key(scheduler_id)
+
+    async def live(self) -> dict[str, str]:
+        """Request id -> what was submitted, for every request this scheduler had not ended."""
+        return await self._client.hgetall(self._key)
+
+    async def streamed(self, request_id: str) -> tuple[list[int], FinishReason | None]:
+        """The output tokens already in the request's token stream, in order, and its finish reason
+        if the stream says it ended."""
+        token_ids: list[int] = []
+        for _, fields in await self._client.xrange(token_stream_key(request_id)):
+            entry = TokenEntry.from_fields(fields)
+            token_ids += entry.token_ids[max(len(token_ids) - entry.index, 0):]  # a resent entry repeats
+            if entry.finish_reason is not None:
+                return token_ids, entry.finish_reason
+        return token_ids, None
+
+    async def forget(self, request_id: str) -> None:
+        await self._client.hdel(self._key, request_id)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
