@@ -240,9 +240,10 @@ class RequestStateWriter:
             self._batch.popleft()
         else:
             self._pending.popitem(last=False)
-        if self._dropped == 0:
-            logger.warning("request state writer over max_pending=%d; dropping oldest", self._max_pending)
         self._dropped += 1
+        if str(self._dropped).rstrip("0") == "1":  # at 1, 10, 100, ...: a long outage keeps saying so
+            logger.warning("Redis away past max_pending=%d record changes: %d dropped so far, oldest first "
+                           "(tokenmill:redis_writes_dropped_total)", self._max_pending, self._dropped)
 
     # ---- background side ----
 

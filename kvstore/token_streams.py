@@ -97,6 +97,9 @@ class TokenStreamWriter:
         if len(self._pending) > self._max_pending and not self._flushing:
             self._pending.popleft()
             self.dropped += 1
+            if str(self.dropped).rstrip("0") == "1":  # at 1, 10, 100, ...: a long outage keeps saying so
+                logger.warning("Redis away past max_pending=%d token-stream entries: %d dropped so far, oldest "
+                               "first (tokenmill:redis_writes_dropped_total)", self._max_pending, self.dropped)
         self._has_work.set()
 
     # ---- background side ----

@@ -21,7 +21,7 @@ from plumbing import peer_roles, rpc, telemetry, tls
 from plumbing.drain import DrainInterceptor
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
 from plumbing.telemetry import metrics
-from plumbing.telemetry.metrics import watch_scheduler
+from plumbing.telemetry.metrics import watch_redis_writers, watch_scheduler
 from plumbing.process import run_process, wait_for_stop_signal
 
 logger = logging.getLogger("tokenmill.scheduler")
@@ -147,6 +147,8 @@ async def serve(args: argparse.Namespace) -> None:
         state.start()
         tokens.start()
         live.start()
+        # what a Redis outage longer than the writers' buffers cost: counted, never silent
+        watch_redis_writers(lambda: {"record": state.stats.dropped, "token_stream": tokens.dropped})
         redis_watch = asyncio.get_running_loop().create_task(watch_redis(
             args.redis_url, lambda: state.healthy and tokens.healthy,
             lambda ok: health.set(REDIS_HEALTH_SERVICE, SERVING if ok else NOT_SERVING)))

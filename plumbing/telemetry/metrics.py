@@ -105,6 +105,10 @@ SCHEDULER_METRICS = {
     "tokenmill:cache_config_info": "The KV cache's configuration, as labels (value 1)",
 }
 
+REDIS_WRITES_DROPPED = "tokenmill:redis_writes_dropped_total"
+REDIS_WRITES_DROPPED_HELP = ("Request-record changes and token-stream entries the scheduler dropped, oldest first, "
+                             "because Redis stayed away longer than its in-memory buffers could hold")
+
 OWNED = {
     "gateway": (TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, REQUEST_TIME_PER_OUTPUT_TOKEN, E2E_REQUEST_LATENCY,
                 REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS, PROMPT_TOKENS, GENERATION_TOKENS,
@@ -168,7 +172,9 @@ def exported_metric_names() -> set[str]:
         for family in metric.describe():
             families.add(family.name)
             kinds[family.name] = family.type
-    for name in ("tokenmill:prefix_cache_queries", "tokenmill:prefix_cache_hits", "tokenmill:num_preemptions"):
+    families.add(REDIS_WRITES_DROPPED.removesuffix("_total"))
+    for name in ("tokenmill:prefix_cache_queries", "tokenmill:prefix_cache_hits", "tokenmill:num_preemptions",
+                 REDIS_WRITES_DROPPED.removesuffix("_total")):
         kinds[name] = "counter"
     names = set()
     for family in families:
@@ -239,6 +245,30 @@ class SchedulerStatsCollector(Collector):
                                  labels=[*MODEL, *self.cache_config])
         info.add_metric([*model, *self.cache_config.values()], 1.0)
         yield info
+
+
+class DroppedWritesCollector(Collector):
+    """What the scheduler's Redis writers dropped, at scrape time (read between step-loop iterations,
+    like SchedulerStatsCollector)."""
+
+    def __init__(self, read_dropped: Callable[[], Mapping[str, int]]) -> None:
+        self.read_dropped = read_dropped
+
+    def describe(self):
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        counter = CounterMetricFamily(REDIS_WRITES_DROPPED.removesuffix("_total"), REDIS_WRITES_DROPPED_HELP,
+                                      labels=["kind"])
+        for kind, value in self.read_dropped().items():
+            counter.add_metric([kind], value)
+        yield counter
+
+
+def watch_redis_writers(read_dropped: Callable[[], Mapping[str, int]]) -> None:
+    """Exports tokenmill:redis_writes_dropped_total{kind="record"|"token_stream"}; read_dropped()
+    returns those counts (kvstore's RequestStateWriter.stats.dropped, TokenStreamWriter.dropped)."""
+    REGISTRY.register(DroppedWritesCollector(read_dropped))
 
 
 def watch_scheduler(read_stats: Callable[[], object], cache_config: Mapping[str, object] | None = None) -> None:

@@ -52,3 +52,23 @@ async def test_redis_down_keeps_the_entries_and_they_land_in_order_after_the_res
         await writer.aclose()
     assert [token for entry in entries for token in entry.token_ids] == list(range(50))
     assert entries[-1].finish_reason is FinishReason.STOP and writer.healthy and writer.dropped == 0
+
+
+async def test_past_its_bound_a_writer_drops_the_oldest_and_counts_logs_and_exports_it(own_redis, caplog):
+    from plumbing.telemetry.metrics import DroppedWritesCollector
+
+    writer = TokenStreamWriter(own_redis.url, max_pending=5, retry_max_s=0.1)
+    writer.start()
+    own_redis.stop()
+    try:
+        with caplog.at_level("WARNING", logger="kvstore.token_streams"):
+            for index in range(15):
+                writer.append("r1", index, [index])
+        assert writer.dropped >= 10 - 1  # one batch may be in flight (kept for its retry)
+        assert any("dropped so far" in record.getMessage() for record in caplog.records)
+        collected = list(DroppedWritesCollector(lambda: {"token_stream": writer.dropped}).collect())
+        assert [(s.name, s.labels, s.value) for s in collected[0].samples] == [
+            ("tokenmill:redis_writes_dropped_total", {"kind": "token_stream"}, float(writer.dropped))]
+    finally:
+        own_redis.start()
+        await writer.aclose()
