@@ -36,6 +36,7 @@ async def write_within(context: grpc.aio.ServicerContext, message: object, timeo
         await context.write(message)
         return
     try:
-        await asyncio.wait_for(context.write(message), timeout_s)
+        async with asyncio.timeout(timeout_s):  # not wait_for: that makes a task per message
+            await context.write(message)
     except TimeoutError:
         raise StreamIdle(timeout_s) from None
