@@ -23,6 +23,7 @@ import grpc
 from gateway.generation_stream import Finish, stream_generation
 from gateway.request_builder import prepare_request, text_token_ids
 from gateway.scheduler_client import SchedulerClient
+from gateway.stream_idle import write_within
 from gateway.tokenizer import TextTokenizer
 from gateway.validation import Limits
 from protos.kserve import codec, grpc_service_pb2 as pb, grpc_service_pb2_grpc, model_config_pb2
@@ -58,6 +59,10 @@ class UnknownModel(NotFound):
 
 
 class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
+    # --stream-idle-timeout-s (gateway.main sets it): ModelStreamInfer's client must take each
+    # response within it, or the stream ends CANCELLED and its requests are aborted; 0: no limit
+    stream_idle_timeout_s: float = 0.0
+
     def __init__(self, tokenizer: TextTokenizer, scheduler: SchedulerClient, limits: Limits,
                  model_info: common_pb2.GetModelInfoResponse) -> None:
         self.tokenizer = tokenizer
@@ -156,7 +161,8 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         reader = asyncio.create_task(read_requests())
         try:
             while (response := await responses.get()) is not None:
-                yield response
+                # context.write, not yield, so a client that stopped reading can time out (gateway.stream_idle)
+                await write_within(context, response, self.stream_idle_timeout_s)
             await reader  # a broken request stream ends the call with its error
         finally:  # the client went away: cancelling each request aborts it in the scheduler
             for task in (reader, *running):

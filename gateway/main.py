@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API; 0 disables")
     parser.add_argument("--http-api-key", default="", help="HTTP clients must send 'Authorization: Bearer KEY'")
     parser.add_argument("--stream-idle-timeout-s", type=float, default=120.0,
-                        help="a GenerateStream whose client has read nothing for this long (its messages back up "
+                        help="a GenerateStream (or KServe ModelStreamInfer) whose client has read nothing for this long (its messages back up "
                              "under gRPC flow control) is cancelled (CANCELLED), its pages freed and its record "
                              "failed with the reason; 0 disables")
     parser.add_argument("--max-connection-age-s", type=float, default=1800.0,
@@ -125,7 +125,8 @@ async def serve(args: argparse.Namespace) -> None:
                                   claims)
     servicer.stream_idle_timeout_s = args.stream_idle_timeout_s
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    add_kserve_servicer(server, tokenizer, scheduler, limits, model_info)
+    kserve = add_kserve_servicer(server, tokenizer, scheduler, limits, model_info)
+    kserve.stream_idle_timeout_s = args.stream_idle_timeout_s
     http_api = http_runner = None
     if args.http_port:
         from gateway.openai_http import OpenAIHTTP, start_http

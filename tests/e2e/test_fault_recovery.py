@@ -125,6 +125,42 @@ async def test_a_client_that_stops_reading_is_cancelled_after_the_idle_timeout_a
         assert caught.value.code() == grpc.StatusCode.CANCELLED and "--stream-idle-timeout-s" in caught.value.details()
 
 
+async def test_a_kserve_stream_whose_client_stops_reading_is_cancelled_and_its_requests_aborted(cluster):
+    from tritonclient.grpc import service_pb2, service_pb2_grpc  # tritonclient's stubs, as tests/gateway do
+
+    config, _ = cluster
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    async with grpc.aio.insecure_channel(config.gateway_address, options=options) as channel:
+        model = (await generation_pb2_grpc.GenerationStub(channel).GetModelInfo(
+            common_pb2.GetModelInfoRequest(), timeout=10)).model_config.name
+        infer = service_pb2.ModelInferRequest(model_name=model, id="kserve-idle")
+        infer.inputs.add(name="text_input", datatype="BYTES", shape=[1]).contents.bytes_contents.append(b"Nobody reads")
+        infer.inputs.add(name="stream", datatype="BOOL", shape=[1]).contents.bool_contents.append(True)
+        for key, field, value in (("max_tokens", "int64_param", 480), ("temperature", "double_param", 0.0),
+                                  ("ignore_eos", "bool_param", True)):
+            setattr(infer.parameters[key], field, value)
+        requests_done = asyncio.Event()
+
+        async def one_request():
+            yield infer
+            await requests_done.wait()  # keep the request side open: only the reading stops
+
+        call = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(one_request())
+        first = await call.read()
+        assert not first.error_message, first.error_message
+
+        async def aborted():
+            load = await scheduler_load(config.scheduler_address)
+            return load.num_running_requests == 0 and load.num_kv_pages_used == 0
+
+        await wait_until(aborted, 30, "the idle KServe stream's request leaving the scheduler", interval_s=0.05)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            while await call.read() is not grpc.aio.EOF:
+                pass
+        requests_done.set()
+        assert caught.value.code() == grpc.StatusCode.CANCELLED and "--stream-idle-timeout-s" in caught.value.details()
+
+
 async def test_idle_connections_that_send_keepalive_pings_are_kept_by_every_server(cluster):
     config, _ = cluster
     # a client that pings every 6 s with no call open; gRPC's server default answers the third such
