@@ -87,7 +87,7 @@ async def test_reflection_can_be_turned_off(pki):
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 async for _ in listed:
                     pass
-        assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED, caught.value
     finally:
         await server.stop(None)
 
