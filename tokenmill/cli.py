@@ -67,7 +67,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--host", default="127.0.0.1", help="where the gateway listens (default: %(default)s)")
     parser.add_argument("--internal-host", default="127.0.0.1",
-                        help="where the scheduler and worker listen (default: %(default)s)")
+                        help="where the scheduler and worker listen (default: %(default)s); anything but "
+                             "loopback needs mutual TLS (--tls-client-cert) or --insecure-internal")
+    parser.add_argument("--insecure-internal", action="store_true",
+                        help="let scheduler and worker listen on a non-loopback --internal-host without mutual TLS "
+                             "(no caller authentication; each logs a warning)")
     parser.add_argument("--gateway-port", type=PORT, default=50051, help="public API; 0 picks a free port (default: %(default)s)")
     parser.add_argument("--scheduler-port", type=PORT, default=50052, help="(default: %(default)s)")
     parser.add_argument("--worker-port", type=PORT, default=50053, help="(default: %(default)s)")
@@ -232,6 +236,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     config = resolve_ports(ClusterConfig(
         **security, model=args.model, dtype=args.dtype, host=args.host, internal_host=args.internal_host,
+        insecure_internal=args.insecure_internal,
         gateway_port=args.gateway_port,
         http_port=None if args.no_http else args.http_port,
         scheduler_port=args.scheduler_port, worker_port=args.worker_port, redis_url=args.redis_url,

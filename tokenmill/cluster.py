@@ -30,7 +30,10 @@ class ClusterConfig:
     model: str | None = None  # GGUF file or HF folder; None: the default SmolLM2-135M-Instruct GGUF
     dtype: str = "float32"
     host: str = "127.0.0.1"  # where the gateway listens (gRPC and HTTP)
-    internal_host: str = "127.0.0.1"  # where the scheduler and worker listen: they have no auth of their own
+    # where the scheduler and worker listen; beyond loopback they need mutual TLS (they admit callers by
+    # the role their certificate names, plumbing.peer_roles) or insecure_internal
+    internal_host: str = "127.0.0.1"
+    insecure_internal: bool = False  # --insecure-internal: non-loopback internal_host without mTLS (logged)
     gateway_port: int = 50051  # 0: pick a free port (resolve_ports)
     # The gateway's OpenAI-compatible HTTP API; None: off (so test clusters never fight over one fixed
     # port; `tokenmill serve` passes 8000 unless told otherwise); 0: pick a free port.
@@ -189,6 +192,9 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
                   "--drain-timeout-s", str(config.drain_timeout_s)]
     if not config.retry_on_worker_failure:
         scheduler.append("--no-retry-on-worker-failure")
+    if config.insecure_internal:
+        worker.append("--insecure-internal")
+        scheduler.append("--insecure-internal")
     gateway = [config.python, "-m", "gateway.main", "--host", config.host, "--port", str(config.gateway_port),
                "--scheduler", config.scheduler_address, *model, "--http-port", str(config.http_port or 0),
                "--drain-timeout-s", str(config.drain_timeout_s),
