@@ -155,8 +155,9 @@ async def test_a_kserve_stream_whose_client_stops_reading_is_cancelled_and_its_r
 
         await wait_until(aborted, 30, "the idle KServe stream's request leaving the scheduler", interval_s=0.05)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            while await call.read() is not grpc.aio.EOF:
-                pass
+            async with asyncio.timeout(30):  # without the timeout the call never ends
+                while await call.read() is not grpc.aio.EOF:
+                    pass
         requests_done.set()
         assert caught.value.code() == grpc.StatusCode.CANCELLED and "--stream-idle-timeout-s" in caught.value.details()
 
