@@ -6,6 +6,8 @@ import contextlib
 import logging
 import time
 
+from redis.exceptions import RedisError
+
 from gateway.generation_stream import GenerationDelta, stream_generation
 from gateway.ownership import RequestOwners, caller_name
 from gateway.request_builder import prepare, prompt_token_ids
@@ -121,7 +123,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def GetRequestStatus(self, request, context):
         if self.state_reader is None:
             raise Unavailable("request status needs Redis; this gateway runs without --redis-url")
-        record = await self.state_reader.get_record(request.request_id)
+        record = await self._record(request.request_id)
         caller = caller_name(self.access, context)
         if record is None or (caller is not None and record.owner != caller):
             raise NotFound("request", request.request_id)
@@ -132,11 +134,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         aborted = await self.scheduler.abort([request.request_id])
         status = generation_pb2.REQUEST_STATUS_CANCELLED if aborted else generation_pb2.REQUEST_STATUS_UNSPECIFIED
         if not aborted and self.state_reader is not None:
-            record = await self.state_reader.get_record(request.request_id)
+            record = await self._record(request.request_id)
             if record is None:
                 raise NotFound("request", request.request_id)
             status = _STATUS[record.status]
         return generation_pb2.CancelRequestResponse(cancelled=bool(aborted), status=status)
+
+    async def _record(self, request_id: str):
+        """The request's Redis record; Unavailable (not INTERNAL) while Redis does not answer: status is
+        bookkeeping, and generation goes on without it (DESIGN invariant 6)."""
+        try:
+            return await self.state_reader.get_record(request_id)
+        except (RedisError, OSError) as error:
+            raise Unavailable(f"request status is unavailable while Redis does not answer ({error}); "
+                              f"generation is not affected, retry later") from error
 
     @staticmethod
     def _status_reply(record) -> generation_pb2.GetRequestStatusResponse:
