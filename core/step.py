@@ -43,6 +43,12 @@ class StepPlan:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # the worker drops its state for these before running the step (finished, aborted, preempted)
     finished_request_ids: list[str] = field(default_factory=list)
+    # page copies the worker makes before the step's forward pass, swap_out first, then swap_in:
+    # (device block id, host block id) pairs, device -> host and host -> device. An empty plan is
+    # never sent, so the scheduler keeps the copies of one for the next plan (still before any step
+    # that could write those device pages)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

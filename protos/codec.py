@@ -173,6 +173,10 @@ def step_plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
     scheduled = msg.num_scheduled_tokens
     for request_id, num_tokens in plan.num_scheduled_tokens.items():
         scheduled.add(request_id=request_id, num_tokens=num_tokens)
+    for device_block_id, host_block_id in plan.swap_out:
+        msg.swap_out.add(device_block_id=device_block_id, host_block_id=host_block_id)
+    for device_block_id, host_block_id in plan.swap_in:
+        msg.swap_in.add(device_block_id=device_block_id, host_block_id=host_block_id)
     return msg
 
 
@@ -201,6 +205,8 @@ def step_plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlan:
         ],
         num_scheduled_tokens={entry.request_id: entry.num_tokens for entry in msg.num_scheduled_tokens},
         finished_request_ids=list(msg.finished_request_ids),
+        swap_out=[(copy.device_block_id, copy.host_block_id) for copy in msg.swap_out],
+        swap_in=[(copy.device_block_id, copy.host_block_id) for copy in msg.swap_in],
     )
 
 

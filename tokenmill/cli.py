@@ -86,7 +86,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-policy", choices=("paged", "static"), default="paged")
     parser.add_argument("--queue-policy", choices=("fcfs", "priority"), default="fcfs")
     parser.add_argument("--block-size", type=POWER_OF_TWO, default=16, help="tokens per KV page (default: %(default)s)")
-    parser.add_argument("--kv-cache-mb", type=POSITIVE, default=512, help="KV cache memory (default: %(default)s)")
+    parser.add_argument("--kv-cache-mb", type=POSITIVE,
+                        help="KV cache memory; overrides --kv-cache-memory-fraction (default: sized from free memory)")
+    parser.add_argument("--kv-cache-memory-fraction", type=float,
+                        help="share of the memory free after the weights and a profile pass that the KV cache takes "
+                             "(default: 0.9 on CUDA, 0.1 of available RAM on CPU)")
+    parser.add_argument("--swap-space-gb", type=float, default=0.0,
+                        help="host memory for swapped-out KV pages (pinned on CUDA); preemption swaps or recomputes "
+                             "by cost (default: 0, recompute only)")
     parser.add_argument("--num-blocks", type=POSITIVE, help="KV pages; overrides --kv-cache-mb")
     parser.add_argument("--max-num-seqs", type=POSITIVE, default=64, help="batch size limit (default: %(default)s)")
     parser.add_argument("--max-num-batched-tokens", type=POSITIVE, default=512,
@@ -242,6 +249,7 @@ def serve(args: argparse.Namespace) -> int:
         scheduler_port=args.scheduler_port, worker_port=args.worker_port, redis_url=args.redis_url,
         redis_port=args.redis_port, kv_policy=args.kv_policy, queue_policy=args.queue_policy,
         block_size=args.block_size, kv_cache_mb=args.kv_cache_mb, num_blocks=args.num_blocks,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction, swap_space_gb=args.swap_space_gb,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         async_scheduling=args.async_scheduling, device=args.device, kernel_backend=args.kernel_backend, quantization=args.quantization,

@@ -52,8 +52,10 @@ class ClusterConfig:
     kv_policy: str = "paged"
     queue_policy: str = "fcfs"
     block_size: int = 16
-    kv_cache_mb: int = 512
+    kv_cache_mb: int | None = None  # None: sized from free memory (kv_cache_memory_fraction)
+    kv_cache_memory_fraction: float | None = None  # None: the worker's device default (worker.kv_sizing)
     num_blocks: int | None = None  # overrides kv_cache_mb
+    swap_space_gb: float = 0.0  # host memory for swapped-out KV pages; 0: preemption only recomputes
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
@@ -165,7 +167,12 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
     internal_size = ["--max-message-bytes", str(config.internal_max_message_bytes)]
     worker = [config.python, "-m", "worker.main", "--host", config.internal_host, "--port", str(config.worker_port),
               *model, "--dtype", config.dtype, "--block-size", str(config.block_size),
-              "--kv-cache-mb", str(config.kv_cache_mb), *server_tls, *internal_size]
+              "--max-num-batched-tokens", str(config.max_num_batched_tokens), "--swap-space-gb", str(config.swap_space_gb),
+              *server_tls, *internal_size]
+    if config.kv_cache_mb is not None:
+        worker += ["--kv-cache-mb", str(config.kv_cache_mb)]
+    if config.kv_cache_memory_fraction is not None:
+        worker += ["--kv-cache-memory-fraction", str(config.kv_cache_memory_fraction)]
     if config.num_blocks is not None:
         worker += ["--num-blocks", str(config.num_blocks)]
     worker += ["--device", config.device, "--kernel-backend", config.kernel_backend, "--quantization", config.quantization]

@@ -6,7 +6,9 @@ from pathlib import Path
 import torch
 
 from worker.backends import ExecutionOptions
-from worker.kv_cache import num_blocks_for_budget
+from worker.kv_cache import bytes_per_block
+from worker.kv_sizing import (KVCacheSizing, default_memory_fraction, free_memory_bytes,
+                               measure_activation_peak, profile_batch, size_from_budget, size_from_free_memory)
 from worker.loader import default_model_path, load_model
 from worker.model_runner import ModelRunner
 
@@ -33,11 +35,22 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_runner(model: str | Path | None, dtype: str, block_size: int, kv_cache_bytes: int,
+def build_runner(model: str | Path | None, dtype: str, block_size: int, kv_cache_bytes: int | None,
                  num_blocks: int | None = None, progress: bool = True, device: str = "cpu",
-                 options: ExecutionOptions = ExecutionOptions()) -> ModelRunner:
+                 options: ExecutionOptions = ExecutionOptions(), memory_fraction: float | None = None,
+                 profile_tokens: int = 512, swap_space_bytes: int = 0) -> ModelRunner:
+    return build_sized_runner(model, dtype, block_size, kv_cache_bytes, num_blocks, progress, device, options,
+                              memory_fraction, profile_tokens, swap_space_bytes)[0]
+
+
+def build_sized_runner(model: str | Path | None, dtype: str, block_size: int, kv_cache_bytes: int | None,
+                       num_blocks: int | None = None, progress: bool = True, device: str = "cpu",
+                       options: ExecutionOptions = ExecutionOptions(), memory_fraction: float | None = None,
+                       profile_tokens: int = 512, swap_space_bytes: int = 0) -> tuple[ModelRunner, KVCacheSizing]:
     """Loads the model (None: the default GGUF) onto the device, quantizes its linears if asked, and
-    sizes the KV cache from the memory budget."""
+    sizes the KV cache: num_blocks, else kv_cache_bytes, else memory_fraction (None: the device's
+    default) of the memory left after the weights and a profile pass of profile_tokens tokens.
+    swap_space_bytes of host memory become the swap tier's pages."""
     torch_dtype = resolve_dtype(dtype)
     torch_device = resolve_device(device)
     path = Path(model) if model else default_model_path()
@@ -47,9 +60,25 @@ def build_runner(model: str | Path | None, dtype: str, block_size: int, kv_cache
         from worker.quantization import quantize_linears_int8
 
         quantize_linears_int8(network, use_kernel=torch_device.type == "cuda")
-    num_blocks = num_blocks or num_blocks_for_budget(config, torch_dtype, block_size, kv_cache_bytes)
-    return ModelRunner(network, config, num_blocks=num_blocks, block_size=block_size, dtype=torch_dtype,
-                       options=options)
+    per_block = bytes_per_block(config, torch_dtype, block_size)
+    if num_blocks:
+        sizing = KVCacheSizing(num_blocks, num_blocks * per_block, f"--num-blocks {num_blocks}")
+    elif kv_cache_bytes:
+        sizing = size_from_budget(kv_cache_bytes, per_block)
+    else:
+        # a throw-away runner over just the pages the profile step needs: its peak is the activations'
+        profile = profile_batch(profile_tokens, block_size)
+        probe = ModelRunner(network, config, num_blocks=len(profile.spans[0].block_table), block_size=block_size,
+                            dtype=torch_dtype, options=options)
+        peak = measure_activation_peak(probe.execution_path, profile, torch_device)
+        del probe
+        if torch_device.type == "cuda":
+            torch.cuda.empty_cache()
+        fraction = memory_fraction if memory_fraction is not None else default_memory_fraction(torch_device)
+        sizing = size_from_free_memory(free_memory_bytes(torch_device), peak, fraction, per_block, torch_device)
+    runner = ModelRunner(network, config, num_blocks=sizing.num_blocks, block_size=block_size, dtype=torch_dtype,
+                         options=options, num_host_blocks=swap_space_bytes // per_block)
+    return runner, sizing
 
 
 def model_name(model: str | Path | None) -> str:

@@ -60,3 +60,50 @@ def allocate_kv_cache(
         num_blocks=num_blocks,
         block_size=block_size,
     )
+
+
+class HostSwapSpace:
+    """The host-memory tier: num_host_blocks pages beside the device cache, and the copies between them.
+
+    Host pages are laid out [num_host_blocks, 2, num_layers, block_size, KVH, D], one contiguous run
+    per page, pinned on CUDA so copies are DMA transfers. On CUDA they go on their own stream: it waits
+    for the compute work queued so far (earlier steps' K/V writes), and the step's compute waits for it.
+    The scheduler decides every copy; this only executes them (swap_out before swap_in).
+    """
+
+    def __init__(self, kv_cache: KVCache, num_host_blocks: int) -> None:
+        device_storage = kv_cache.storage
+        self.kv_cache = kv_cache
+        self.num_host_blocks = num_host_blocks
+        on_cuda = device_storage.device.type == "cuda"
+        shape = (num_host_blocks, 2, device_storage.shape[1], *device_storage.shape[3:])
+        self.storage = torch.zeros(shape, dtype=device_storage.dtype, pin_memory=on_cuda and num_host_blocks > 0)
+        self.copy_stream = torch.cuda.Stream(device_storage.device) if on_cuda and num_host_blocks else None
+
+    def copy(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """swap_out: (device, host) pages copied to the host; then swap_in: (device, host) pages copied back."""
+        if not swap_out and not swap_in:
+            return
+        if self.copy_stream is None:
+            self._copy(swap_out, swap_in, non_blocking=False)
+            return
+        compute_stream = torch.cuda.current_stream(self.copy_stream.device)
+        self.copy_stream.wait_stream(compute_stream)
+        with torch.cuda.stream(self.copy_stream):
+            self._copy(swap_out, swap_in, non_blocking=True)
+        compute_stream.wait_stream(self.copy_stream)
+
+    def _copy(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], non_blocking: bool) -> None:
+        device_storage = self.kv_cache.storage  # [2, L, num_blocks, bs, KVH, D]
+        for device_block_id, host_block_id in swap_out:
+            self.storage[host_block_id].copy_(device_storage[:, :, device_block_id], non_blocking=non_blocking)
+        if swap_out and non_blocking:
+            # a page swapped out and back in within one plan must not be read before it has landed
+            torch.cuda.current_stream(self.copy_stream.device).synchronize()
+        for device_block_id, host_block_id in swap_in:
+            device_storage[:, :, device_block_id].copy_(self.storage[host_block_id], non_blocking=non_blocking)
+
+
+def num_host_blocks_for(swap_space_bytes: int, model_config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
+    """Host pages that fit in swap_space_bytes (0 when none do: no swap tier)."""
+    return swap_space_bytes // bytes_per_block(model_config, dtype, block_size)

@@ -14,8 +14,7 @@ from plumbing.telemetry import metrics
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
 from plumbing.process import run_process, wait_for_stop_signal
 from worker.backends import add_execution_flags, execution_options_from_args
-from worker.build import DTYPES, build_runner, model_name, resolve_device
-from worker.kv_cache import bytes_per_block
+from worker.build import DTYPES, build_sized_runner, model_name, resolve_device
 from worker.model_runner import ModelRunner
 from worker.service import WorkerServicer, model_config_to_proto
 
@@ -29,7 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV page (a power of two)")
-    parser.add_argument("--kv-cache-mb", type=int, default=512, help="memory budget for the KV cache")
+    parser.add_argument("--kv-cache-mb", type=int, default=None,
+                        help="memory budget for the KV cache; overrides --kv-cache-memory-fraction")
+    parser.add_argument("--kv-cache-memory-fraction", type=float, default=None,
+                        help="share of the memory free after the weights and the profile pass's activation peak "
+                             "that the KV cache takes (default: 0.9 on CUDA, 0.1 of available RAM on CPU)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="the largest step the scheduler plans: the profile pass runs one that size")
+    parser.add_argument("--swap-space-gb", type=float, default=0.0,
+                        help="host memory for swapped-out KV pages (pinned on CUDA); 0: preemption only recomputes")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV pages; overrides --kv-cache-mb")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     add_execution_flags(parser)
@@ -47,6 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.allowed_roles = peer_roles.allowed_roles_from_args(parser, args)
     if args.block_size <= 0 or args.block_size & (args.block_size - 1):
         parser.error(f"--block-size={args.block_size} must be a positive power of two")
+    if args.kv_cache_memory_fraction is not None and not 0.0 < args.kv_cache_memory_fraction <= 1.0:
+        parser.error(f"--kv-cache-memory-fraction={args.kv_cache_memory_fraction} must be in (0, 1]")
+    if args.swap_space_gb < 0:
+        parser.error(f"--swap-space-gb={args.swap_space_gb} must be >= 0")
     try:
         args.execution = execution_options_from_args(args)
     except ValueError as exc:
@@ -55,8 +66,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_worker(args: argparse.Namespace) -> tuple[ModelRunner, worker_pb2.GetCapacityResponse]:
-    runner = build_runner(args.model, args.dtype, args.block_size, args.kv_cache_mb * 2**20, args.num_blocks,
-                          device=args.device, options=args.execution)
+    runner, sizing = build_sized_runner(
+        args.model, args.dtype, args.block_size, args.kv_cache_mb and args.kv_cache_mb * 2**20, args.num_blocks,
+        device=args.device, options=args.execution, memory_fraction=args.kv_cache_memory_fraction,
+        profile_tokens=args.max_num_batched_tokens, swap_space_bytes=int(args.swap_space_gb * 2**30))
+    logger.info("KV cache: %d pages of %d tokens (%.1f MiB), from %s; swap tier: %d host pages",
+                sizing.num_blocks, runner.block_size, sizing.kv_cache_bytes / 2**20, sizing.reason,
+                runner.swap_space.num_host_blocks)
     started = time.perf_counter()
     runner.warm_up()  # readiness waits for this: the first real request must not pay for it
     logger.info("warm-up forward pass done in %.0f ms", (time.perf_counter() - started) * 1e3)
@@ -65,7 +81,8 @@ def build_worker(args: argparse.Namespace) -> tuple[ModelRunner, worker_pb2.GetC
         model_config=model_config_to_proto(runner.model_config, model_name(args.model), args.dtype,
                                            runner.execution.quantization),
         device=str(runner.device),
-        kv_cache_bytes=runner.num_blocks * bytes_per_block(runner.model_config, runner.dtype, runner.block_size))
+        kv_cache_bytes=sizing.kv_cache_bytes, kv_cache_sizing=sizing.reason,
+        num_host_blocks=runner.swap_space.num_host_blocks)
     return runner, capacity
 
 

@@ -29,7 +29,7 @@ from worker.attention import DECODE_GROUP_BYTES, RequestSpan
 from worker.backends import ExecutionOptions, resolve_execution
 from worker.config import ModelConfig
 from worker.execution_path import StepBatch, build_execution_path
-from worker.kv_cache import allocate_kv_cache
+from worker.kv_cache import HostSwapSpace, allocate_kv_cache
 from worker.model import LlamaModel
 from worker.sampler import SamplingRow
 
@@ -62,6 +62,8 @@ class PreparedStep:
     sampling_states: list[RunnerRequestState] = field(default_factory=list)  # theirs, held past a drop
     placeholder_tokens: list[tuple[RunnerRequestState, int]] = field(default_factory=list)  # (request, position) per placeholder row
     inputs: object = None  # what the execution path's prepare() returned
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # the plan's page copies, made before forward
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -74,6 +76,7 @@ class ModelRunner:
         dtype: torch.dtype,
         decode_group_bytes: int = DECODE_GROUP_BYTES,  # K+V gathered per decode group (torch path, worker.attention)
         options: ExecutionOptions = ExecutionOptions(),  # kernel backend, CUDA graphs, stream overlap
+        num_host_blocks: int = 0,  # pages of the host swap tier (worker.kv_cache.HostSwapSpace)
     ) -> None:
         self.model = model
         self.model_config = model_config
@@ -82,6 +85,7 @@ class ModelRunner:
         self.dtype = dtype
         self.device = next(model.parameters()).device
         self.kv_cache = allocate_kv_cache(model_config, num_blocks, block_size, dtype, self.device)
+        self.swap_space = HostSwapSpace(self.kv_cache, num_host_blocks)
         self.requests: dict[str, RunnerRequestState] = {}
         # prepare() (RPC thread) and run()'s bookkeeping (compute thread) may overlap across steps
         self._state_lock = threading.Lock()
@@ -95,6 +99,13 @@ class ModelRunner:
                 raise PlanMismatchError(
                     f"step {step_id}: request {request_id!r} got block id {block_id}, outside 0..{self.num_blocks - 1}"
                 )
+
+    def _check_copies(self, plan: StepPlan) -> None:
+        for device_block_id, host_block_id in [*plan.swap_out, *plan.swap_in]:
+            if not (0 <= device_block_id < self.num_blocks and 0 <= host_block_id < self.swap_space.num_host_blocks):
+                raise PlanMismatchError(
+                    f"step {plan.step_id}: page copy between device block {device_block_id} and host block "
+                    f"{host_block_id}, outside 0..{self.num_blocks - 1} / 0..{self.swap_space.num_host_blocks - 1}")
 
     def _apply_plan_state(self, plan: StepPlan) -> None:
         for request_id in plan.finished_request_ids:
@@ -162,11 +173,13 @@ class ModelRunner:
         """Applies the plan to the runner's request state and packs the batch; runs nothing.
 
         Steps must be prepared and run in step order; a step may be prepared while the one before it runs."""
+        self._check_copies(plan)
         with self._state_lock:
             self._apply_plan_state(plan)
             if plan.is_empty:
-                return PreparedStep(plan.step_id)
+                return PreparedStep(plan.step_id, swap_out=plan.swap_out, swap_in=plan.swap_in)
             step = self._pack(plan)
+        step.swap_out, step.swap_in = plan.swap_out, plan.swap_in
         try:
             step.inputs = self.execution_path.prepare(step.batch)
         except ValueError as exc:  # a block table too short for its context
@@ -176,6 +189,8 @@ class ModelRunner:
     def run(self, prepared: PreparedStep) -> StepResult:
         """Forward pass and sampling of a prepared step; call after the previous step's run()."""
         batch = prepared.batch
+        # after the previous step's run(): the pages it wrote are final; before this one writes any
+        self.swap_space.copy(prepared.swap_out, prepared.swap_in)
         if batch is None:
             return StepResult(step_id=prepared.step_id)
         with self._state_lock:

@@ -80,6 +80,8 @@ def make_plan() -> StepPlan:
         # deliberately not sorted by id or by list order above
         num_scheduled_tokens={"old-c": 1, "new-a": 2, "old-b": 1},
         finished_request_ids=["gone-x", "gone-y"],
+        swap_out=[(4, 0), (5, 1)],  # (device page, host page), in the order the worker copies them
+        swap_in=[(2, 7)],
     )
 
 

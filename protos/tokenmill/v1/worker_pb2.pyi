@@ -13,18 +13,22 @@ class GetCapacityRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetCapacityResponse(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "model_config", "device", "kv_cache_bytes")
+    __slots__ = ("num_blocks", "block_size", "model_config", "device", "kv_cache_bytes", "kv_cache_sizing", "num_host_blocks")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_SIZING_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     model_config: _common_pb2.ModelConfig
     device: str
     kv_cache_bytes: int
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_config: _Optional[_Union[_common_pb2.ModelConfig, _Mapping]] = ..., device: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
+    kv_cache_sizing: str
+    num_host_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_config: _Optional[_Union[_common_pb2.ModelConfig, _Mapping]] = ..., device: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_sizing: _Optional[str] = ..., num_host_blocks: _Optional[int] = ...) -> None: ...
 
 class NewRequestData(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling_params", "block_ids", "num_computed_tokens", "trace_context")
@@ -62,19 +66,31 @@ class ScheduledTokens(_message.Message):
     num_tokens: int
     def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
+class BlockCopy(_message.Message):
+    __slots__ = ("device_block_id", "host_block_id")
+    DEVICE_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    device_block_id: int
+    host_block_id: int
+    def __init__(self, device_block_id: _Optional[int] = ..., host_block_id: _Optional[int] = ...) -> None: ...
+
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "num_scheduled_tokens", "finished_request_ids")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "num_scheduled_tokens", "finished_request_ids", "swap_out", "swap_in")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequestData]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequestData]
     num_scheduled_tokens: _containers.RepeatedCompositeFieldContainer[ScheduledTokens]
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequestData, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    swap_out: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    swap_in: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequestData, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("request_id", "token_id", "logprobs")

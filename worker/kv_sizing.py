@@ -1,0 +1,93 @@
+"""How many KV pages the worker allocates: from a fixed budget, or from the memory there is.
+
+--kv-cache-mb (or --num-blocks) fixes the size. Without it the cache takes --kv-cache-memory-fraction
+of the memory left once the weights are loaded and a profile pass of the largest step has run:
+
+    kv bytes = fraction * (free memory after the weights - activation peak of the profile pass)
+
+On CUDA "free" is torch.cuda.mem_get_info() and the peak is max_memory_allocated() over the pass. On
+CPU "free" is MemAvailable (the kernel's estimate of what can be allocated without swapping) and the
+peak is the growth of the process's maximum resident set over the pass (0 when loading the weights
+already peaked higher). The CPU default fraction is small because that memory is shared with the OS,
+other processes and the swap tier, and a CPU step is compute-bound long before the cache is full.
+"""
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass
+
+import torch
+
+from worker.attention import RequestSpan
+from worker.execution_path import ExecutionPath, StepBatch
+
+DEFAULT_MEMORY_FRACTION = {"cuda": 0.9, "cpu": 0.1}
+
+
+@dataclass(slots=True, frozen=True)
+class KVCacheSizing:
+    num_blocks: int
+    kv_cache_bytes: int
+    reason: str  # what the worker logs and reports in GetCapacity: the inputs of the choice
+
+
+def default_memory_fraction(device: torch.device) -> float:
+    return DEFAULT_MEMORY_FRACTION.get(device.type, DEFAULT_MEMORY_FRACTION["cpu"])
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def profile_batch(num_tokens: int, block_size: int) -> StepBatch:
+    """One prefill of num_tokens tokens over pages 0..: the largest step the scheduler may plan."""
+    block_table = list(range(-(-num_tokens // block_size)))
+    return StepBatch(-2, input_ids=[0] * num_tokens, positions=list(range(num_tokens)),
+                     sample_rows=[num_tokens - 1], spans=[RequestSpan(0, num_tokens, num_tokens, block_table)])
+
+
+def measure_activation_peak(path: ExecutionPath, batch: StepBatch, device: torch.device) -> int:
+    """Bytes the forward pass of batch needs above what was allocated before it."""
+    with torch.inference_mode():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            path.forward(batch, path.prepare(batch))
+            torch.cuda.synchronize(device)
+            return max(torch.cuda.max_memory_allocated(device) - before, 0)
+        before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        path.forward(batch, path.prepare(batch))
+        return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_kb, 0) * 1024
+
+
+def size_from_free_memory(free_bytes: int, activation_peak: int, fraction: float, bytes_per_block: int,
+                          device: torch.device) -> KVCacheSizing:
+    """The pages that fit in fraction of (free_bytes - activation_peak); ValueError if none do."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"kv_cache_memory_fraction={fraction} must be in (0, 1]")
+    budget = int(fraction * (free_bytes - activation_peak))
+    num_blocks = budget // bytes_per_block
+    reason = (f"{fraction:g} x ({free_bytes / 2**20:.0f} MiB free on {device.type} after the weights - "
+              f"{activation_peak / 2**20:.1f} MiB activation peak of the profile pass)")
+    if num_blocks < 1:
+        raise ValueError(f"the KV cache gets no page: {reason} = {budget} bytes, one page needs {bytes_per_block}")
+    return KVCacheSizing(num_blocks, num_blocks * bytes_per_block, reason)
+
+
+def size_from_budget(budget_bytes: int, bytes_per_block: int) -> KVCacheSizing:
+    num_blocks = budget_bytes // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(f"KV cache budget of {budget_bytes} bytes holds no block: one block needs {bytes_per_block} bytes")
+    return KVCacheSizing(num_blocks, num_blocks * bytes_per_block, f"--kv-cache-mb {budget_bytes / 2**20:g}")
