@@ -17,6 +17,12 @@ class SchedulerConfig:
     kv_policy: str = "paged"  # "paged": pages on demand; "static": prompt + max_tokens reserved up front
     queue_policy: str = "fcfs"  # "fcfs" or "priority" (lower value runs first)
     enable_prefix_caching: bool = True  # paged policy only
+    # the swap tier (worker --swap-space-gb): host pages a preempted request's K/V may move to
+    num_host_blocks: int = 0
+    bytes_per_block: int = 0  # K+V of one page, all layers (the worker's kv_cache_bytes / num_blocks)
+    # host <-> device copy rate the swap cost assumes: pinned PCIe on a GPU, memcpy on a CPU, both
+    # well above this; a slower guess only makes the scheduler recompute more often
+    swap_bytes_per_s: float = 4e9
 
     def __post_init__(self) -> None:
         if self.kv_policy not in KV_POLICIES:
@@ -28,6 +34,11 @@ class SchedulerConfig:
         for name in ("num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        for name in ("num_host_blocks", "bytes_per_block"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.swap_bytes_per_s <= 0:
+            raise ValueError(f"swap_bytes_per_s={self.swap_bytes_per_s} must be positive")
 
     @property
     def prefix_caching(self) -> bool:

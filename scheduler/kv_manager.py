@@ -4,6 +4,10 @@ paged:  pages are taken as tokens arrive; full pages are shared through the pref
 static: the first allocation reserves pages for prompt + max_tokens, the way servers without paging
         must; nothing more is ever needed, so a running request never waits for pages.
 Both report KV utilization = live tokens / reserved slots.
+
+With a swap tier (num_host_blocks > 0) a preempted request's computed pages may move to host pages
+(swap_out) and come back into fresh device pages when it resumes (swap_in); the manager keeps both
+tiers' tables and returns the page copies for the worker to make.
 """
 from __future__ import annotations
 
@@ -17,8 +21,11 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, policy: str, prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, policy: str, prefix_caching: bool,
+                 num_host_blocks: int = 0) -> None:
         self.pool = BlockPool(num_blocks)
+        self.host_pool = BlockPool(num_host_blocks)  # the swap tier; its pages carry no prefix keys
+        self.host_tables: dict[str, list[int]] = {}  # swapped-out requests: their computed pages, in order
         self.block_size = block_size
         self.policy = policy
         self.prefix_caching = prefix_caching
@@ -55,7 +62,8 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        cached_blocks: list[int] | tuple[int, ...] = ()) -> list[int] | None:
-        """Pages so that the request can hold num_new_tokens more computed tokens.
+        """Pages so that the request can hold num_new_tokens more computed tokens (a swapped request
+        gets all of its pages anew: call swap_in() after).
 
         Returns the newly added page ids (cached ones first), or None if the pool cannot supply
         them; on None nothing has changed.
@@ -92,7 +100,33 @@ class KVCacheManager:
             self.pool.register(table[index], request.block_hashes[index])
         self._num_registered[request.request_id] = max(start, end)
 
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self.host_tables
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Moves the request's computed pages to host pages and frees its device pages: the
+        (device, host) copies to make, or None (nothing changed) when the host tier lacks room."""
+        num_pages = cdiv(request.num_computed_tokens, self.block_size)
+        host_ids = self.host_pool.allocate(num_pages) if num_pages else None
+        if host_ids is None:
+            return None
+        copies = list(zip(self.block_tables[request.request_id][:num_pages], host_ids))
+        self._free_device(request)
+        self.host_tables[request.request_id] = host_ids
+        return copies
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """After allocate_slots gave a swapped request its device pages: the (device, host) copies that
+        fill them, the host pages freed."""
+        host_ids = self.host_tables.pop(request.request_id)
+        self.host_pool.release(host_ids)
+        return list(zip(self.block_tables[request.request_id], host_ids))
+
     def free(self, request: Request) -> None:
+        self.host_pool.release(self.host_tables.pop(request.request_id, ()))
+        self._free_device(request)
+
+    def _free_device(self, request: Request) -> None:
         table = self.block_tables.pop(request.request_id, [])
         num_registered = self._num_registered.pop(request.request_id, 0)
         # Pages registered for a step that will now never run (a preemption while planning it)

@@ -4,6 +4,10 @@ Every request has num_tokens (prompt + generated) and num_computed_tokens (in th
 step hands out a token budget so that computed catches up with total. Prefill, chunked prefill,
 decode, prefix hits and recompute after preemption are all that one rule.
 
+A preempted request either recomputes (pages freed, num_computed_tokens back to 0) or, with a swap
+tier, keeps its computed tokens in host pages (scheduler.preemption picks the cheaper per victim);
+it resumes like any waiting request, its pages copied back into fresh device pages.
+
 The scheduler is owned by a single loop: schedule() -> executor -> update(); nothing else mutates it.
 """
 from __future__ import annotations
@@ -12,7 +16,8 @@ from core.errors import AlreadyExists, InvalidArgument
 from core.outputs import RequestOutput
 from core.step import PLACEHOLDER_TOKEN_ID, CachedRequestData, NewRequestData, StepPlan, StepResult
 from scheduler.config import SchedulerConfig
-from scheduler.kv_manager import KVCacheManager
+from scheduler.kv_manager import KVCacheManager, cdiv
+from scheduler.preemption import RecomputeRate, swap_is_cheaper
 from scheduler.queue_policy import make_waiting_queue
 from scheduler.request import FINISH_REASONS, Request, RequestStatus
 from scheduler.stats import SchedulerStats
@@ -25,14 +30,20 @@ class RequestTooLarge(InvalidArgument):
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.kv_policy, config.prefix_caching)
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.kv_policy, config.prefix_caching,
+                                 config.num_host_blocks)
         self.waiting = make_waiting_queue(config.queue_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._on_worker: set[str] = set()  # requests whose state the worker holds
         self._dropped_since_last_plan: list[str] = []  # the worker must forget these
+        # page copies decided since the last plan sent (an empty plan is not sent: they wait for the next)
+        self._swap_out: list[tuple[int, int]] = []
+        self._swap_in: list[tuple[int, int]] = []
         self._step_id = 0
         self.num_preemptions = 0
+        self.num_swapped_preemptions = 0  # of which swapped rather than recomputed
+        self.recompute_rate = RecomputeRate()
 
     # --- intake -----------------------------------------------------------------------------------
 
@@ -81,9 +92,14 @@ class Scheduler:
             request.num_computed_tokens = 0
             request.status = RequestStatus.PREEMPTED
             self.waiting.add_preempted(request)
+        for request in self.waiting:  # swapped ones: the host tier died with the worker too
+            if self.kv.is_swapped(request.request_id):
+                self.kv.free(request)
+                request.num_computed_tokens = 0
         self.running = []
         self._on_worker.clear()  # the new worker holds nothing to drop
         self._dropped_since_last_plan = []
+        self._swap_out, self._swap_in = [], []
         self.kv.forget_cached_content()
         return requeued
 
@@ -132,11 +148,14 @@ class Scheduler:
             request = self.waiting.peek()
             if request.num_pending_tokens:
                 break  # preempted while its step is in flight: sent in full once its token is known
-            cached = self.kv.find_cached_prefix(request)
-            num_cached_tokens = len(cached) * self.config.block_size
+            swapped = self.kv.is_swapped(request.request_id)
+            cached = [] if swapped else self.kv.find_cached_prefix(request)
+            num_cached_tokens = request.num_computed_tokens if swapped else len(cached) * self.config.block_size
             num_new = min(request.num_tokens - num_cached_tokens, budget)
             if self.kv.allocate_slots(request, num_new, cached) is None:
                 break  # the head waits for pages; FCFS does not let later requests overtake it
+            if swapped:
+                self._swap_in.extend(self.kv.swap_in(request))
             self.waiting.pop()
             request.num_computed_tokens = num_cached_tokens
             if request.num_cached_tokens < 0:
@@ -156,14 +175,16 @@ class Scheduler:
             plan.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
 
-        if not plan.is_empty:  # an empty plan is never sent, so the drops wait for the next one
+        if not plan.is_empty:  # an empty plan is never sent, so the drops and copies wait for the next one
             plan.finished_request_ids = self._dropped_since_last_plan
-            self._dropped_since_last_plan = []
+            plan.swap_out, plan.swap_in = self._swap_out, self._swap_in
+            self._dropped_since_last_plan, self._swap_out, self._swap_in = [], [], []
             self._step_id += 1
         return plan
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Applies a step's result; returns a delta for every request that produced a token or ended."""
+        self.recompute_rate.observe(plan.total_num_scheduled_tokens, result.forward_ns)
         outputs = []
         for request_id, num_scheduled in plan.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
@@ -202,6 +223,7 @@ class Scheduler:
         pages freed now, and that step's token for it is dropped (it is no longer in self.requests).
         The worker drops its copy with the plan after that one, so its pages are written at most by
         that in-flight step, which runs before any later step can hand them to another request."""
+        self.recompute_rate.observe(plan.total_num_scheduled_tokens, result.forward_ns)
         outputs = []
         for request_id in plan.num_scheduled_tokens:
             token_id = result.sampled_token_ids.get(request_id)
@@ -249,16 +271,29 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
-        # Recompute, not swap: the pages go back (their content stays findable in the prefix cache)
-        # and the request restarts from num_computed_tokens = 0 at the head of the queue.
+        # Swap: its computed pages move to the host tier and it resumes where it was. Recompute: the
+        # pages go back (their content stays findable in the prefix cache) and it restarts from
+        # num_computed_tokens = 0. Either way it waits at the head of the queue.
         self.running.remove(request)
-        self.kv.free(request)
+        copies = self.kv.swap_out(request) if self._swap_is_cheaper(request) else None
+        if copies is None:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+        else:
+            self._swap_out.extend(copies)
+            self.num_swapped_preemptions += 1
         self._drop_from_worker(request.request_id)
-        request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_preempted(request)
+
+    def _swap_is_cheaper(self, request: Request) -> bool:
+        if not self.config.num_host_blocks:
+            return False
+        num_pages = cdiv(request.num_computed_tokens, self.config.block_size)
+        return swap_is_cheaper(request.num_computed_tokens, num_pages, self.config.bytes_per_block,
+                               self.config.swap_bytes_per_s, self.recompute_rate)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

@@ -23,6 +23,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_bytes: int = 512 * 2**20  # memory budget for the KV cache
     num_blocks: int | None = None  # overrides kv_cache_bytes
+    swap_space_bytes: int = 0  # host pages for preemption by swap (worker.kv_cache.HostSwapSpace); 0: recompute only
     kv_policy: str = "paged"
     queue_policy: str = "fcfs"
     enable_prefix_caching: bool = True
@@ -43,8 +44,9 @@ class EngineConfig:
                                 packed_linears=self.packed_linears)
 
 
-def scheduler_config_for(config: EngineConfig, num_blocks: int, model_max_len: int) -> SchedulerConfig:
-    return SchedulerConfig(
+def scheduler_config_for(config: EngineConfig, num_blocks: int, model_max_len: int, num_host_blocks: int = 0,
+                         bytes_per_block: int = 0) -> SchedulerConfig:
+    return SchedulerConfig(num_host_blocks=num_host_blocks, bytes_per_block=bytes_per_block,
         num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=min(config.max_model_len or model_max_len, model_max_len),
@@ -58,7 +60,8 @@ class LLM:
         self.config = config
         self.runner = runner or build_runner(config.model, config.dtype, config.block_size, config.kv_cache_bytes,
                                              config.num_blocks, progress, device=config.device,
-                                             options=config.execution_options())
+                                             options=config.execution_options(),
+                                             swap_space_bytes=config.swap_space_bytes)
         self.model_config = self.runner.model_config
         self.engine = self.new_engine(config)
         self._ids = itertools.count()
@@ -66,7 +69,9 @@ class LLM:
     def new_engine(self, config: EngineConfig) -> EngineCore:
         """A fresh scheduler over the same worker (e.g. the other KV policy on the same weights)."""
         sched_config = scheduler_config_for(config, self.runner.num_blocks,
-                                            self.model_config.max_position_embeddings)
+                                            self.model_config.max_position_embeddings,
+                                            self.runner.swap_space.num_host_blocks,
+                                            self.runner.kv_cache.storage[:, :, 0].nbytes)
         return EngineCore(Scheduler(sched_config), self.runner, async_scheduling=config.async_scheduling)
 
     def generate(self, prompts: Sequence[Sequence[int]],

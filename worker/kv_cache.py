@@ -97,9 +97,7 @@ class HostSwapSpace:
         device_storage = self.kv_cache.storage  # [2, L, num_blocks, bs, KVH, D]
         for device_block_id, host_block_id in swap_out:
             self.storage[host_block_id].copy_(device_storage[:, :, device_block_id], non_blocking=non_blocking)
-        if swap_out and non_blocking:
-            # a page swapped out and back in within one plan must not be read before it has landed
-            torch.cuda.current_stream(self.copy_stream.device).synchronize()
+        # swap_in after swap_out on one stream: a page swapped out and back in within a plan reads what landed
         for device_block_id, host_block_id in swap_in:
             device_storage[:, :, device_block_id].copy_(self.storage[host_block_id], non_blocking=non_blocking)
 

@@ -2,7 +2,8 @@
 # The device script: on one H200, in about 5-8 minutes, (1) every kernel test and the CUDA-path tests on
 # CUDA (TRITON_INTERPRET=0), (2) the decode-step benchmark on a Llama-3-8B-shaped random-weight model in
 # bfloat16 (batch 1/16/64/256, 512-1536 tokens of context; CUDA graphs on/off x stream overlap on/off,
-# and async scheduling on/off with both on).
+# and async scheduling on/off with both on). tests/gpu also holds the swap tier's pinned pages and copy
+# stream and the KV cache sized from free device memory (test_cuda_swap_and_sizing.py, issue 19).
 #
 #   tests/gpu/run.sh [OUTPUT_DIR]     # default: $OUT if set, else ./gpu-output
 #

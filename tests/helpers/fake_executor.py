@@ -21,6 +21,7 @@ class FakeExecutor:
         self.computed: dict[str, int] = {}
         self.wants_logprobs: dict[str, bool] = {}
         self.plans: list[StepPlan] = []
+        self.host_pages: dict[int, list[tuple[int, int] | None]] = {}  # the swap tier: host page -> its slots
 
     def _slot(self, request_id: str, position: int) -> int:
         table = self.tables[request_id]
@@ -32,6 +33,17 @@ class FakeExecutor:
         for request_id in plan.finished_request_ids:
             for store in (self.tokens, self.tables, self.computed, self.wants_logprobs):
                 store.pop(request_id, None)
+        # the plan's page copies, before any write of the step, swap_out first (as the real worker)
+        for device_block, host_block in plan.swap_out:
+            self.host_pages[host_block] = [self.slots.get(device_block * self.block_size + offset)
+                                           for offset in range(self.block_size)]
+        for device_block, host_block in plan.swap_in:
+            for offset, entry in enumerate(self.host_pages[host_block]):
+                slot = device_block * self.block_size + offset
+                if entry is None:
+                    self.slots.pop(slot, None)
+                else:
+                    self.slots[slot] = entry
         for new in plan.new_requests:
             assert new.request_id not in self.tokens, f"{new.request_id} sent in full twice"
             self.tokens[new.request_id] = list(new.token_ids)

@@ -1,4 +1,5 @@
-"""Any sequence of add / step / finish / abort / preempt keeps the page pool consistent."""
+"""Any sequence of add / step / finish / abort / preempt keeps both tiers' page pools consistent
+(device pages and, with a swap tier, the host pages of swapped-out requests)."""
 from collections import Counter
 
 from hypothesis import HealthCheck, given, settings
@@ -23,6 +24,23 @@ operations = st.lists(
 )
 
 
+def check_host_pool(scheduler) -> None:
+    host_pool, host_tables = scheduler.kv.host_pool, scheduler.kv.host_tables
+    owners = Counter(b for table in host_tables.values() for b in table)
+    for block_id in range(host_pool.num_blocks):
+        assert host_pool.ref_counts[block_id] == owners[block_id] <= 1, f"host block {block_id}: ref count != owner"
+    assert host_pool.num_free + len(owners) == host_pool.num_blocks  # no host page lost
+    # host pages belong to waiting requests only, covering exactly their computed tokens
+    assert set(host_tables) <= {request.request_id for request in scheduler.waiting}
+    assert not set(host_tables) & set(scheduler.kv.block_tables), "a request holds pages in both tiers"
+    for request in scheduler.waiting:
+        swapped = host_tables.get(request.request_id)
+        if swapped is None:
+            assert request.num_computed_tokens == 0
+        else:
+            assert len(swapped) == -(-request.num_computed_tokens // BLOCK_SIZE) > 0
+
+
 def check_pool(engine) -> None:
     scheduler = engine.scheduler
     pool = scheduler.kv.pool
@@ -35,16 +53,18 @@ def check_pool(engine) -> None:
     assert set(scheduler.kv.block_tables) <= set(scheduler.requests)
     for request in scheduler.running:
         assert len(scheduler.kv.block_table(request.request_id)) * BLOCK_SIZE >= request.num_computed_tokens
-    for request in scheduler.waiting:
-        assert request.num_computed_tokens == 0
+    check_host_pool(scheduler)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(operations, st.sampled_from(["paged", "static"]), st.sampled_from(["fcfs", "priority"]), st.booleans())
-def test_page_pool_stays_consistent(ops, kv_policy, queue_policy, async_scheduling):
-    """async_scheduling: each step is planned while the previous one's result is still pending."""
+@given(operations, st.sampled_from(["paged", "static"]), st.sampled_from(["fcfs", "priority"]), st.booleans(),
+       st.sampled_from([0, 3, 8]))
+def test_page_pool_stays_consistent(ops, kv_policy, queue_policy, async_scheduling, num_host_blocks):
+    """async_scheduling: each step is planned while the previous one's result is still pending.
+    num_host_blocks: the swap tier (3: often too small, so preemption falls back to recompute)."""
     engine = make_engine(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_batched_tokens=9,
-                         kv_policy=kv_policy, queue_policy=queue_policy, async_scheduling=async_scheduling)
+                         kv_policy=kv_policy, queue_policy=queue_policy, async_scheduling=async_scheduling,
+                         num_host_blocks=num_host_blocks)
     added = []
     for op in ops:
         kind = op[0]
@@ -65,6 +85,7 @@ def test_page_pool_stays_consistent(ops, kv_policy, queue_policy, async_scheduli
     engine.run_to_completion([])  # finish everything
     check_pool(engine)
     assert engine.scheduler.kv.pool.num_free == NUM_BLOCKS  # all pages free when idle
+    assert engine.scheduler.kv.host_pool.num_free == num_host_blocks
     for request in added:
         assert request.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
                                   RequestStatus.FINISHED_STOPPED)

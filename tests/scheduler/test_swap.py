@@ -1,0 +1,87 @@
+"""Preemption by swap: a victim's computed pages move to the host tier and back, chosen over recompute
+by cost, with the same output as an undisturbed run (the fake executor reads every token back through
+the pages, so a wrong copy changes the output)."""
+from __future__ import annotations
+
+from core.step import StepResult
+from scheduler.preemption import RecomputeRate, swap_is_cheaper
+from tests.scheduler.conftest import make_engine, make_request
+
+PROMPTS = [[i + 1] * (5 + 3 * i) for i in range(8)]
+
+
+def run(num_blocks, async_scheduling=False, **config):
+    engine = make_engine(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=32,
+                         async_scheduling=async_scheduling, **config)
+    requests = [make_request(p, max_tokens=24, request_id=f"q{i}") for i, p in enumerate(PROMPTS)]
+    engine.run_to_completion(requests)
+    return engine, {r.request_id: r.output_token_ids for r in requests}
+
+
+def computed_tokens(engine) -> int:
+    return sum(plan.total_num_scheduled_tokens for plan in engine.executor.plans)
+
+
+def test_swapped_requests_resume_where_they_were_with_the_same_output():
+    _, expected = run(num_blocks=256)
+    for async_scheduling in (False, True):
+        swapped, got = run(num_blocks=14, async_scheduling=async_scheduling, num_host_blocks=64)
+        assert got == expected
+        scheduler = swapped.scheduler
+        assert scheduler.num_swapped_preemptions == scheduler.num_preemptions > 0
+        plans = swapped.executor.plans
+        copied_out = [copy for plan in plans for copy in plan.swap_out]
+        copied_in = [copy for plan in plans for copy in plan.swap_in]
+        assert len(copied_out) == len(copied_in) > 0
+        # resumed requests arrive in full with their computed tokens, nothing recomputed
+        resumed = [new for plan in plans if plan.swap_in for new in plan.new_requests if new.num_computed_tokens]
+        assert resumed
+        recomputed, _ = run(num_blocks=14, async_scheduling=async_scheduling)
+        assert computed_tokens(swapped) < computed_tokens(recomputed)
+        assert scheduler.kv.pool.num_free == 14 and scheduler.kv.host_pool.num_free == 64
+
+
+def test_a_full_host_tier_falls_back_to_recompute():
+    _, expected = run(num_blocks=256)
+    engine, got = run(num_blocks=14, num_host_blocks=2)  # a victim holds more than 2 pages
+    assert got == expected
+    assert engine.scheduler.num_preemptions > engine.scheduler.num_swapped_preemptions
+
+
+def test_swap_or_recompute_by_cost():
+    rate = RecomputeRate()
+    assert swap_is_cheaper(64, 4, 10**6, 4e9, rate)  # nothing measured yet: swap
+    rate.observe(1000, 10**9)  # 1000 tokens/s
+    # 4 pages of 1 MB out and back at 4 GB/s = 2 ms < 64 tokens at 1000 tokens/s = 64 ms
+    assert swap_is_cheaper(64, 4, 10**6, 4e9, rate)
+    # 4 pages of 1 GB = 2 s > 64 ms
+    assert not swap_is_cheaper(64, 4, 10**9, 4e9, rate)
+
+
+def test_scheduler_recomputes_when_copies_cost_more_than_the_measured_compute():
+    engine = make_engine(num_blocks=14, block_size=4, max_num_batched_tokens=32, num_host_blocks=64,
+                         bytes_per_block=10**9)  # 1 GB pages: 2 s per page out and back at 4 GB/s
+    engine.scheduler.recompute_rate.observe(1000, 10**6)  # a step that ran a million tokens/s
+    requests = [make_request(p, max_tokens=24) for p in PROMPTS]
+    engine.run_to_completion(requests)
+    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.num_swapped_preemptions == 0
+
+
+def test_steps_teach_the_recompute_rate():
+    engine = make_engine(num_blocks=64, block_size=4)
+    engine.add_request(make_request([1, 2, 3, 4], max_tokens=2))
+    plan = engine.scheduler.schedule()
+    engine.scheduler.update(plan, StepResult(plan.step_id, {}, forward_ns=2_000_000))  # 4 tokens in 2 ms
+    assert engine.scheduler.recompute_rate.tokens_per_s == 2000
+
+
+def test_worker_loss_forgets_the_host_tier():
+    engine = make_engine(num_blocks=14, block_size=4, max_num_batched_tokens=32, num_host_blocks=64)
+    requests = [make_request(p, max_tokens=24) for p in PROMPTS]
+    for request in requests:
+        engine.add_request(request)
+    while not engine.scheduler.kv.host_tables:
+        engine.step()
+    engine.scheduler.requeue_after_worker_loss()
+    assert not engine.scheduler.kv.host_tables and engine.scheduler.kv.host_pool.num_free == 64
+    assert all(request.num_computed_tokens == 0 for request in engine.scheduler.waiting)
