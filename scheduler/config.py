@@ -23,6 +23,12 @@ class SchedulerConfig:
     # host <-> device copy rate the swap cost assumes: pinned PCIe on a GPU, memcpy on a CPU, both
     # well above this; a slower guess only makes the scheduler recompute more often
     swap_bytes_per_s: float = 4e9
+    # latency targets (scheduler.step_time): None keeps the fixed budgets above. With target_itl_ms each
+    # step's token budget and the running-set size follow a learnt step-time model (max_num_batched_tokens
+    # and max_num_seqs stay upper bounds); with target_ttft_ms a request close to missing it gets the
+    # full budget for its prefill
+    target_itl_ms: float | None = None
+    target_ttft_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.kv_policy not in KV_POLICIES:
@@ -37,6 +43,9 @@ class SchedulerConfig:
         for name in ("num_host_blocks", "bytes_per_block"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        for name in ("target_itl_ms", "target_ttft_ms"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.swap_bytes_per_s <= 0:
             raise ValueError(f"swap_bytes_per_s={self.swap_bytes_per_s} must be positive")
 

@@ -146,7 +146,8 @@ class EngineLoop:
                 if recovery is not None:
                     recovery.step_succeeded()
                 self.num_steps += 1
-                with self.step_spans.delivering(step.plan.step_id):
+                step_id = step.plan.step_id
+                with self.step_spans.delivering(step_id, lambda: self.scheduler.pop_step_tuning(step_id)):
                     self.streams.deliver(pipeline.apply(result), result.forward_ns)
                 await asyncio.sleep(0)  # let handlers enqueue between steps
         finally:

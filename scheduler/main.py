@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--queue-policy", choices=QUEUE_POLICIES, default="fcfs")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--target-itl-ms", type=float, default=None,
+                        help="inter-token latency target: each step's token budget and the running-set size follow "
+                             "a learnt step-time model (the two flags above become upper bounds)")
+    parser.add_argument("--target-ttft-ms", type=float, default=None,
+                        help="time-to-first-token target: a request about to miss it gets the full budget")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-waiting-requests", type=int, default=4096,
                         help="requests queued beyond the running batch; more are refused with RESOURCE_EXHAUSTED")
@@ -119,7 +124,8 @@ async def serve(args: argparse.Namespace) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=min(args.max_model_len or model_len, model_len), kv_policy=args.kv_policy,
         queue_policy=args.queue_policy, enable_prefix_caching=not args.no_prefix_caching,
-        num_host_blocks=capacity.num_host_blocks, bytes_per_block=capacity.kv_cache_bytes // capacity.num_blocks)
+        num_host_blocks=capacity.num_host_blocks, bytes_per_block=capacity.kv_cache_bytes // capacity.num_blocks,
+        target_itl_ms=args.target_itl_ms, target_ttft_ms=args.target_ttft_ms)
     admission = Admission(AdmissionConfig(args.max_waiting_requests, args.max_waiting_tokens),
                           vocab_size=capacity.model_config.vocab_size, max_model_len=config.max_model_len)
     recovery = WorkerRecovery(worker.reconnect, retry=not args.no_retry_on_worker_failure,

@@ -12,6 +12,9 @@ The scheduler is owned by a single loop: schedule() -> executor -> update(); not
 """
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 from core.errors import AlreadyExists, InvalidArgument
 from core.outputs import RequestOutput
 from core.step import PLACEHOLDER_TOKEN_ID, CachedRequestData, NewRequestData, StepPlan, StepResult
@@ -21,6 +24,12 @@ from scheduler.preemption import RecomputeRate, swap_is_cheaper
 from scheduler.queue_policy import make_waiting_queue
 from scheduler.request import FINISH_REASONS, Request, RequestStatus
 from scheduler.stats import SchedulerStats
+from scheduler.step_time import StepShape, StepTimeModel, StepTuning
+
+# A latency target is planned against this share of itself: the rest absorbs what the model does not
+# see (RPC and sampling overhead, the step-to-step spread that P99 is made of).
+TARGET_HEADROOM = 0.8
+KEPT_STEP_TUNINGS = 8  # steps whose tuning record waits for the loop's span (two are in flight at most)
 
 
 class RequestTooLarge(InvalidArgument):
@@ -28,8 +37,9 @@ class RequestTooLarge(InvalidArgument):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock  # the clock of Request.arrival_time, for the TTFT target
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.kv_policy, config.prefix_caching,
                                  config.num_host_blocks)
         self.waiting = make_waiting_queue(config.queue_policy)
@@ -44,6 +54,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swapped_preemptions = 0  # of which swapped rather than recomputed
         self.recompute_rate = RecomputeRate()
+        self.step_time = StepTimeModel()
+        self._step_shapes: dict[int, StepShape] = {}  # steps sent and not yet observed
+        self.step_tunings: dict[int, StepTuning] = {}  # the same steps' decisions, observed ones kept until read
+        self.token_budget = config.max_num_batched_tokens  # the latest step's
+        self.num_itl_target_misses = 0
 
     # --- intake -----------------------------------------------------------------------------------
 
@@ -100,6 +115,8 @@ class Scheduler:
         self._on_worker.clear()  # the new worker holds nothing to drop
         self._dropped_since_last_plan = []
         self._swap_out, self._swap_in = [], []
+        self._step_shapes.clear()  # the steps in flight died with the worker: nothing to learn from them
+        self.step_tunings.clear()
         self.kv.forget_cached_content()
         return requeued
 
@@ -107,7 +124,8 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan(step_id=self._step_id)
-        budget = self.config.max_num_batched_tokens
+        budget = self.token_budget = self._choose_token_budget()
+        targeted = budget < self.config.max_num_batched_tokens
         new_block_ids: dict[str, list[int]] = {}
         preempted_now = False
 
@@ -115,6 +133,8 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if targeted and num_new > 1:  # a prefill chunk shrinks so the decodes after it still run
+                num_new = max(1, min(num_new, budget - self._num_after_needing_tokens(index)))
             if num_new == 0 or self._ends_on_pending_token(request):
                 index += 1  # async scheduling: its step in flight is its last, whatever it samples
                 continue
@@ -152,6 +172,10 @@ class Scheduler:
             cached = [] if swapped else self.kv.find_cached_prefix(request)
             num_cached_tokens = request.num_computed_tokens if swapped else len(cached) * self.config.block_size
             num_new = min(request.num_tokens - num_cached_tokens, budget)
+            if targeted and self.running:
+                num_new = self._admissible_tokens(plan, num_new, num_cached_tokens + num_new)
+                if num_new < 1:
+                    break  # the running set is as large as the ITL target allows
             if self.kv.allocate_slots(request, num_new, cached) is None:
                 break  # the head waits for pages; FCFS does not let later requests overtake it
             if swapped:
@@ -179,12 +203,19 @@ class Scheduler:
             plan.finished_request_ids = self._dropped_since_last_plan
             plan.swap_out, plan.swap_in = self._swap_out, self._swap_in
             self._dropped_since_last_plan, self._swap_out, self._swap_in = [], [], []
+            shape = self._step_shapes[plan.step_id] = StepShape(
+                plan.total_num_scheduled_tokens, len(plan.num_scheduled_tokens),
+                sum(self.requests[request_id].num_computed_tokens + num_tokens
+                    for request_id, num_tokens in plan.num_scheduled_tokens.items()))
+            self.step_tunings[plan.step_id] = StepTuning(
+                budget, self.step_time.predict_s(shape) if self.step_time.ready else None)
+            self.step_tunings.pop(plan.step_id - KEPT_STEP_TUNINGS, None)  # nobody read it (no tracing)
             self._step_id += 1
         return plan
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Applies a step's result; returns a delta for every request that produced a token or ended."""
-        self.recompute_rate.observe(plan.total_num_scheduled_tokens, result.forward_ns)
+        self._observe_step(plan, result)
         outputs = []
         for request_id, num_scheduled in plan.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
@@ -223,7 +254,7 @@ class Scheduler:
         pages freed now, and that step's token for it is dropped (it is no longer in self.requests).
         The worker drops its copy with the plan after that one, so its pages are written at most by
         that in-flight step, which runs before any later step can hand them to another request."""
-        self.recompute_rate.observe(plan.total_num_scheduled_tokens, result.forward_ns)
+        self._observe_step(plan, result)
         outputs = []
         for request_id in plan.num_scheduled_tokens:
             token_id = result.sampled_token_ids.get(request_id)
@@ -247,6 +278,59 @@ class Scheduler:
     def _ends_on_pending_token(self, request: Request) -> bool:
         # its newest placeholder reaches max_tokens or the model length: planning past it is waste
         return bool(request.num_pending_tokens) and self._length_reached(request, request.num_tokens)
+
+    # --- latency targets (scheduler.step_time) ----------------------------------------------------
+
+    def _choose_token_budget(self) -> int:
+        """max_num_batched_tokens, or less when the ITL target says so (never below one token per
+        running request: decodes always progress; the running set is what admission keeps small)."""
+        ceiling = self.config.max_num_batched_tokens
+        if self.config.target_itl_ms is None or self._ttft_at_risk():
+            return ceiling
+        context = sum(request.num_tokens for request in self.running)
+        allowed = self.step_time.max_tokens_within(self.config.target_itl_ms / 1e3 * TARGET_HEADROOM,
+                                                   len(self.running), context)
+        if allowed is None:
+            return ceiling
+        return min(ceiling, max(allowed, len(self.running), 1))
+
+    def _ttft_at_risk(self) -> bool:
+        """The head of the queue would miss target_ttft_ms unless its prefill runs now."""
+        if self.config.target_ttft_ms is None or not self.waiting or not self.step_time.ready:
+            return False
+        head = self.waiting.peek()
+        prefill_s = self.step_time.predict_s(StepShape(head.num_tokens, 1, head.num_tokens))
+        waited_s = self.clock() - head.arrival_time
+        return (waited_s + prefill_s) * 1e3 >= self.config.target_ttft_ms * TARGET_HEADROOM
+
+    def _num_after_needing_tokens(self, index: int) -> int:
+        return sum(1 for request in self.running[index + 1:] if request.num_tokens > request.num_computed_tokens)
+
+    def _admissible_tokens(self, plan: StepPlan, num_new: int, num_context: int) -> int:
+        """num_new, cut to what one more request in this step may compute under the ITL target (< 1: none)."""
+        allowed = self.step_time.max_tokens_within(
+            self.config.target_itl_ms / 1e3 * TARGET_HEADROOM, len(plan.num_scheduled_tokens) + 1,
+            sum(request.num_tokens for request in self.running) + num_context)
+        return num_new if allowed is None else min(num_new, allowed - plan.total_num_scheduled_tokens)
+
+    def _observe_step(self, plan: StepPlan, result: StepResult) -> None:
+        shape = self._step_shapes.pop(plan.step_id, None)
+        self.recompute_rate.observe(plan.total_num_scheduled_tokens, result.forward_ns)
+        if shape is None or result.forward_ns <= 0:
+            return  # untimed (a fake executor)
+        seconds = result.forward_ns / 1e9
+        self.step_time.observe(shape, seconds)
+        tuning = self.step_tunings.get(plan.step_id)
+        if tuning is not None:
+            tuning.observed_s = seconds
+        if self.config.target_itl_ms is not None and seconds * 1e3 > self.config.target_itl_ms:
+            self.num_itl_target_misses += 1
+            if tuning is not None:
+                tuning.target_missed = True
+
+    def pop_step_tuning(self, step_id: int) -> StepTuning | None:
+        """The step's tuning record (observed once its result was applied); forgotten once read."""
+        return self.step_tunings.pop(step_id, None)
 
     # --- helpers ----------------------------------------------------------------------------------
 
@@ -333,4 +417,8 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.num_preemptions,
             step_id=self._step_id,
+            num_swapped_preemptions=self.num_swapped_preemptions,
+            token_budget=self.token_budget,
+            step_time_error_s=self.step_time.last_error_s,
+            num_itl_target_misses=self.num_itl_target_misses,
         )

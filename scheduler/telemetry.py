@@ -11,12 +11,15 @@ times the step loop already keeps (scheduler.request_streams.RequestTimes), so t
 does no tracing work per request per token.
 
 And one `scheduler.step` span per step (StepSpans), from sending its plan to delivering its outputs:
-the ExecuteStep call is its child, and the Redis writes its delivery causes link to it.
+the ExecuteStep call is its child, and the Redis writes its delivery causes link to it. Its attributes
+include the latency targets' decision (step_tuning_attributes): the token budget, the step-time
+model's prediction, the forward time observed, the error and whether the ITL target was missed.
 """
 from __future__ import annotations
 
 import contextlib
 import time
+from typing import Callable
 
 from opentelemetry import trace
 
@@ -25,8 +28,9 @@ from core.step import StepPlan
 from plumbing.telemetry import metrics
 from plumbing.telemetry.logs import bind_request
 from plumbing.telemetry.tracing import current_traceparent, tracer, tracing_enabled
+from scheduler.step_time import StepTuning
 
-__all__ = ["start_request", "record_request_end", "StepSpans", "CLIENT_DISCONNECT"]
+__all__ = ["start_request", "record_request_end", "StepSpans", "step_tuning_attributes", "CLIENT_DISCONNECT"]
 
 CLIENT_DISCONNECT = "client_disconnect"  # tokenmill.finish_cause of a Submit call its gateway dropped
 
@@ -87,6 +91,18 @@ def _observe_times(times, end: float) -> None:
         metrics.REQUEST_DECODE_TIME.labels(model).observe(end - times.first_token)
 
 
+def step_tuning_attributes(tuning: StepTuning) -> dict[str, int | float | bool]:
+    attributes: dict[str, int | float | bool] = {"tokenmill.step.token_budget": tuning.token_budget}
+    if tuning.predicted_s is not None:
+        attributes["tokenmill.step.predicted_ms"] = tuning.predicted_s * 1e3
+    if tuning.observed_s is not None:
+        attributes["tokenmill.step.forward_ms"] = tuning.observed_s * 1e3
+        attributes["tokenmill.step.itl_target_missed"] = tuning.target_missed
+        if tuning.predicted_s is not None:
+            attributes["tokenmill.step.prediction_error_ms"] = (tuning.observed_s - tuning.predicted_s) * 1e3
+    return attributes
+
+
 class StepSpans:
     """`scheduler.step` spans, one per step in flight (two with async scheduling)."""
 
@@ -109,14 +125,18 @@ class StepSpans:
             yield
 
     @contextlib.contextmanager
-    def delivering(self, step_id: int):
-        """Around handing the step's outputs to the request streams; ends the step's span."""
+    def delivering(self, step_id: int, tuning: Callable[[], StepTuning | None] = lambda: None):
+        """Around handing the step's outputs to the request streams; ends the step's span with what the
+        latency targets decided for it (tuning() is read after the outputs are applied)."""
         span = self._open.pop(step_id, None)
         if span is None:
             yield
             return
         with trace.use_span(span, end_on_exit=True):
             yield
+            record = tuning()
+            if record is not None:
+                span.set_attributes(step_tuning_attributes(record))
 
     def abandon(self) -> None:
         """Ends the spans of steps whose results no longer count (the worker failed)."""

@@ -99,6 +99,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=POSITIVE, default=512,
                         help="token budget per step (default: %(default)s)")
     parser.add_argument("--max-model-len", type=POSITIVE, help="context limit (default: the model's)")
+    parser.add_argument("--target-itl-ms", type=float,
+                        help="inter-token latency target: step budgets and batch size tuned online to meet it")
+    parser.add_argument("--target-ttft-ms", type=float, help="time-to-first-token target")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="the scheduler plans step N+1 while the worker runs step N")
@@ -250,6 +253,7 @@ def serve(args: argparse.Namespace) -> int:
         redis_port=args.redis_port, kv_policy=args.kv_policy, queue_policy=args.queue_policy,
         block_size=args.block_size, kv_cache_mb=args.kv_cache_mb, num_blocks=args.num_blocks,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction, swap_space_gb=args.swap_space_gb,
+        target_itl_ms=args.target_itl_ms, target_ttft_ms=args.target_ttft_ms,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         async_scheduling=args.async_scheduling, device=args.device, kernel_backend=args.kernel_backend, quantization=args.quantization,

@@ -56,6 +56,8 @@ class ClusterConfig:
     kv_cache_memory_fraction: float | None = None  # None: the worker's device default (worker.kv_sizing)
     num_blocks: int | None = None  # overrides kv_cache_mb
     swap_space_gb: float = 0.0  # host memory for swapped-out KV pages; 0: preemption only recomputes
+    target_itl_ms: float | None = None  # latency targets (scheduler.step_time); None: fixed budgets
+    target_ttft_ms: float | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
@@ -190,6 +192,9 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
                  "--max-num-batched-tokens", str(config.max_num_batched_tokens)]
     if config.max_model_len is not None:
         scheduler += ["--max-model-len", str(config.max_model_len)]
+    for flag, value in (("--target-itl-ms", config.target_itl_ms), ("--target-ttft-ms", config.target_ttft_ms)):
+        if value is not None:
+            scheduler += [flag, str(value)]
     if not config.enable_prefix_caching:
         scheduler.append("--no-prefix-caching")
     if config.async_scheduling:

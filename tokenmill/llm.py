@@ -23,6 +23,8 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_bytes: int = 512 * 2**20  # memory budget for the KV cache
     num_blocks: int | None = None  # overrides kv_cache_bytes
+    target_itl_ms: float | None = None  # latency targets (scheduler.step_time); None: the fixed budgets
+    target_ttft_ms: float | None = None
     swap_space_bytes: int = 0  # host pages for preemption by swap (worker.kv_cache.HostSwapSpace); 0: recompute only
     kv_policy: str = "paged"
     queue_policy: str = "fcfs"
@@ -47,6 +49,7 @@ class EngineConfig:
 def scheduler_config_for(config: EngineConfig, num_blocks: int, model_max_len: int, num_host_blocks: int = 0,
                          bytes_per_block: int = 0) -> SchedulerConfig:
     return SchedulerConfig(num_host_blocks=num_host_blocks, bytes_per_block=bytes_per_block,
+        target_itl_ms=config.target_itl_ms, target_ttft_ms=config.target_ttft_ms,
         num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=min(config.max_model_len or model_max_len, model_max_len),

@@ -102,6 +102,13 @@ SCHEDULER_METRICS = {
     "tokenmill:prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache",
     "tokenmill:prefix_cache_hits_total": "Prompt tokens found in the prefix cache",
     "tokenmill:num_preemptions_total": "Requests preempted (pages freed, recomputed later)",
+    "tokenmill:num_swapped_preemptions_total": "Preempted requests whose pages went to the host swap tier "
+                                               "instead of being recomputed",
+    "tokenmill:step_token_budget": "Token budget of the latest step (lower than max_num_batched_tokens when "
+                                   "--target-itl-ms holds it back)",
+    "tokenmill:step_time_prediction_error_seconds": "Latest step's forward time minus the step-time model's "
+                                                    "prediction for it",
+    "tokenmill:itl_target_misses_total": "Steps whose forward time exceeded --target-itl-ms",
     "tokenmill:cache_config_info": "The KV cache's configuration, as labels (value 1)",
 }
 
@@ -165,8 +172,7 @@ def register_owned(service: str) -> None:
 def exported_metric_names() -> set[str]:
     """Every series name a scrape of some process can show (histograms with _bucket/_sum/_count,
     counters with _total), ours and the vLLM ones."""
-    families = {name.removesuffix("_total") if "cache" in name or "preemptions" in name else name
-                for name in SCHEDULER_METRICS}
+    families = {name.removesuffix("_total") for name in SCHEDULER_METRICS}
     kinds = {name: "gauge" for name in families}
     for metric in {metric for owned in OWNED.values() for metric in owned}:
         for family in metric.describe():
@@ -174,6 +180,7 @@ def exported_metric_names() -> set[str]:
             kinds[family.name] = family.type
     families.add(REDIS_WRITES_DROPPED.removesuffix("_total"))
     for name in ("tokenmill:prefix_cache_queries", "tokenmill:prefix_cache_hits", "tokenmill:num_preemptions",
+                 "tokenmill:num_swapped_preemptions", "tokenmill:itl_target_misses",
                  REDIS_WRITES_DROPPED.removesuffix("_total")):
         kinds[name] = "counter"
     names = set()
@@ -230,6 +237,8 @@ class SchedulerStatsCollector(Collector):
             "tokenmill:num_requests_waiting": stats.num_waiting,
             "tokenmill:kv_cache_usage_perc": stats.num_used_blocks / stats.num_blocks if stats.num_blocks else 0.0,
             "tokenmill:kv_cache_utilization": stats.kv_utilization,
+            "tokenmill:step_token_budget": stats.token_budget,
+            "tokenmill:step_time_prediction_error_seconds": stats.step_time_error_s,
         }
         for name, value in values.items():
             gauge = GaugeMetricFamily(name, SCHEDULER_METRICS[name], labels=MODEL)
@@ -237,7 +246,9 @@ class SchedulerStatsCollector(Collector):
             yield gauge
         for name, value in (("tokenmill:prefix_cache_queries_total", stats.prefix_cache_queries),
                             ("tokenmill:prefix_cache_hits_total", stats.prefix_cache_hits),
-                            ("tokenmill:num_preemptions_total", stats.num_preemptions)):
+                            ("tokenmill:num_preemptions_total", stats.num_preemptions),
+                            ("tokenmill:num_swapped_preemptions_total", stats.num_swapped_preemptions),
+                            ("tokenmill:itl_target_misses_total", stats.num_itl_target_misses)):
             counter = CounterMetricFamily(name.removesuffix("_total"), SCHEDULER_METRICS[name], labels=MODEL)
             counter.add_metric(model, value)
             yield counter

@@ -1,0 +1,35 @@
+"""The latency targets' figures as Prometheus metrics (token budget, prediction error, target misses,
+swapped preemptions) and as attributes of the scheduler.step span."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from plumbing.telemetry.metrics import SchedulerStatsCollector
+from scheduler.telemetry import step_tuning_attributes
+from tests.scheduler.test_latency_targets import run_mixed_load, timed_engine
+
+
+def scrape(registry) -> dict[str, float]:
+    text = generate_latest(registry).decode()
+    return {sample.name: sample.value for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def test_tuning_metrics_and_step_attributes():
+    engine = timed_engine(target_itl_ms=4.5)  # tight: the first steps, before the fit, miss it
+    registry = CollectorRegistry()
+    registry.register(SchedulerStatsCollector(engine.scheduler.stats, {}))
+    run_mixed_load(engine)
+    metrics = scrape(registry)
+    assert metrics["tokenmill:step_token_budget"] == engine.scheduler.token_budget < 256
+    assert metrics["tokenmill:itl_target_misses_total"] == engine.scheduler.num_itl_target_misses > 0
+    assert abs(metrics["tokenmill:step_time_prediction_error_seconds"]) < 1e-4  # the fake machine is linear
+    assert metrics["tokenmill:num_swapped_preemptions_total"] == 0
+
+    step_id = engine.executor.plans[-1].step_id
+    attributes = step_tuning_attributes(engine.scheduler.pop_step_tuning(step_id))
+    assert engine.executor.plans[-1].total_num_scheduled_tokens <= attributes["tokenmill.step.token_budget"] < 256
+    assert abs(attributes["tokenmill.step.prediction_error_ms"]) < 0.1
+    assert attributes["tokenmill.step.forward_ms"] > 0 and attributes["tokenmill.step.itl_target_missed"] in (True, False)
+    assert engine.scheduler.pop_step_tuning(step_id) is None  # read once
+    assert len(engine.scheduler.step_tunings) <= 8  # unread records do not pile up
