@@ -68,6 +68,15 @@ class DecodeBatch:
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool: True where the key is in context
     covers_batch: bool  # token_index is exactly 0..T-1, so the output needs no scatter
     workspace: GatherWorkspace | None  # None: each layer allocates its own gather output
+    context_lens: torch.Tensor  # [B] long
+    window_masks: dict[int, torch.Tensor]  # sliding window -> mask as above, also False before the window (filled on first use)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """The query sits at context_len - 1: keys in its window are >= context_len - window."""
+        if window not in self.window_masks:
+            key_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            self.window_masks[window] = self.mask & (key_pos[None, :] >= self.context_lens[:, None] - window)[:, None, None, :]
+        return self.window_masks[window]
 
 
 @dataclass(slots=True)
@@ -77,6 +86,18 @@ class PrefillChunk:
     context_len: int
     context_blocks: torch.Tensor | None  # [num_blocks] long; None: no prefix, use this step's K/V
     mask: torch.Tensor | None  # [query_len, context_len] bool; None: plain causal
+    device: torch.device | str
+    window_masks: dict[int, torch.Tensor]  # sliding window -> [query_len, context_len] bool (filled on first use)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """Causal and in the window: a key is in a window of w when query - key < w (transformers'
+        sliding_window_overlay). Built by the first layer that asks, shared by the rest."""
+        if window not in self.window_masks:
+            device = self.device
+            key_pos = torch.arange(self.context_len, device=device)  # [ctx]
+            query_pos = torch.arange(self.context_len - (self.query_end - self.query_start), self.context_len, device=device)
+            self.window_masks[window] = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] > query_pos[:, None] - window)
+        return self.window_masks[window]
 
 
 @dataclass(slots=True)
@@ -104,7 +125,7 @@ def _prefill_chunk(span: RequestSpan, num_blocks: int, device) -> PrefillChunk:
     query_end = span.query_start + span.query_len
     prefix_len = span.context_len - span.query_len
     if prefix_len == 0:  # the chunk is its whole context: attend over this step's K/V, plain causal
-        return PrefillChunk(span.query_start, query_end, span.context_len, None, None)
+        return PrefillChunk(span.query_start, query_end, span.context_len, None, None, device, {})
     key_pos = torch.arange(span.context_len, device=device)  # [ctx]
     query_pos = torch.arange(prefix_len, span.context_len, device=device)  # [q_len]
     return PrefillChunk(
@@ -113,6 +134,8 @@ def _prefill_chunk(span: RequestSpan, num_blocks: int, device) -> PrefillChunk:
         span.context_len,
         torch.tensor(span.block_table[:num_blocks], dtype=torch.long, device=device),
         key_pos[None, :] <= query_pos[:, None],  # causal, shifted by the prefix
+        device,
+        {},
     )
 
 
@@ -129,6 +152,8 @@ def _decode_batch(group: list[RequestSpan], block_size: int, num_tokens: int, de
         mask=(key_pos[None, :] < context_lens[:, None])[:, None, None, :],
         covers_batch=rows == list(range(num_tokens)),
         workspace=workspace,
+        context_lens=context_lens,
+        window_masks={},
     )
 
 
@@ -206,7 +231,29 @@ def write_kv(
     value_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
 
-def _decode_attention(q, key_cache, value_cache, decode: DecodeBatch, scale: float) -> torch.Tensor:
+def _attend(queries, keys, values, mask, scale: float, softcap: float | None) -> torch.Tensor:
+    """SDPA over [.., H, q, D] x [.., KVH, k, D] (GQA when H > KVH); mask: bool, True = attend, or None
+    for plain causal. With a soft-cap (gemma2) the scores are capped before the mask, as transformers
+    does, which SDPA cannot express, so that case runs the math in float32 here."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale,
+            enable_gqa=queries.shape[-3] != keys.shape[-3],
+        )
+    group = queries.shape[-3] // keys.shape[-3]
+    if group > 1:
+        keys, values = keys.repeat_interleave(group, dim=-3), values.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale  # [.., H, q, k]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril(scores.shape[-1] - scores.shape[-2])
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.matmul(probs, values)
+
+
+def _decode_attention(q, key_cache, value_cache, decode: DecodeBatch, scale: float, window: int | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     batch = decode.token_index.shape[0]
     # GQA without repeating K/V: the G query heads sharing a KV head act as G queries against it
@@ -219,11 +266,13 @@ def _decode_attention(q, key_cache, value_cache, decode: DecodeBatch, scale: flo
     values = torch.index_select(value_cache.flatten(1), 0, decode.block_tables, out=value_out)
     keys = keys.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, KVH, L, D]
     values = values.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=decode.mask, scale=scale)  # [B, KVH, G, D]
+    mask = decode.mask if window is None else decode.window_mask(window)
+    out = _attend(queries, keys, values, mask, scale, softcap)  # [B, KVH, G, D]
     return out.reshape(batch, -1, head_dim)  # [B, H, D]
 
 
-def _prefill_attention(q, k, v, key_cache, value_cache, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+def _prefill_attention(q, k, v, key_cache, value_cache, chunk: PrefillChunk, scale: float, window: int | None = None,
+                       softcap: float | None = None) -> torch.Tensor:
     queries = q[chunk.query_start : chunk.query_end].transpose(0, 1)  # [H, q_len, D]
     if chunk.context_blocks is None:
         keys, values = k[chunk.query_start : chunk.query_end], v[chunk.query_start : chunk.query_end]
@@ -232,15 +281,8 @@ def _prefill_attention(q, k, v, key_cache, value_cache, chunk: PrefillChunk, sca
         keys = key_cache.index_select(0, chunk.context_blocks).view(-1, *kv_shape)[: chunk.context_len]
         values = value_cache.index_select(0, chunk.context_blocks).view(-1, *kv_shape)[: chunk.context_len]
     # 4-D inputs: with 3-D ones the CPU dispatcher falls back to the math kernel (4x slower at 1k tokens)
-    out = F.scaled_dot_product_attention(
-        queries[None],
-        keys.transpose(0, 1)[None],  # [1, KVH, ctx, D]
-        values.transpose(0, 1)[None],
-        attn_mask=chunk.mask,
-        is_causal=chunk.mask is None,
-        scale=scale,
-        enable_gqa=True,
-    )  # [1, H, q_len, D]
+    mask = chunk.mask if window is None else chunk.window_mask(window)
+    out = _attend(queries[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], mask, scale, softcap)  # [1, H, q_len, D]
     return out[0].transpose(0, 1)
 
 
@@ -252,14 +294,16 @@ def paged_attention(
     value_cache: torch.Tensor,
     attn_metadata: AttentionMetadata,
     scale: float,
+    window: int | None = None,  # sliding window (attn_metadata must carry its masks); None: full context
+    softcap: float | None = None,  # attention logit soft-cap (gemma2)
 ) -> torch.Tensor:
     """Returns [T, H, D]: each token attends to its own request's context up to its position."""
     decodes = attn_metadata.decodes
     if len(decodes) == 1 and decodes[0].covers_batch:
-        return _decode_attention(q, key_cache, value_cache, decodes[0], scale)
+        return _decode_attention(q, key_cache, value_cache, decodes[0], scale, window, softcap)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even though q is a strided view
     for decode in decodes:
-        out[decode.token_index] = _decode_attention(q, key_cache, value_cache, decode, scale)
+        out[decode.token_index] = _decode_attention(q, key_cache, value_cache, decode, scale, window, softcap)
     for chunk in attn_metadata.prefills:
-        out[chunk.query_start : chunk.query_end] = _prefill_attention(q, k, v, key_cache, value_cache, chunk, scale)
+        out[chunk.query_start : chunk.query_end] = _prefill_attention(q, k, v, key_cache, value_cache, chunk, scale, window, softcap)
     return out

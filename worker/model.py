@@ -1,4 +1,7 @@
-"""A Llama-family decoder (llama / mistral / qwen2) in plain torch, over one packed token batch.
+"""The decoder every supported family shares (llama, mistral, qwen2/3, gemma2/3, phi3) in plain torch,
+over one packed token batch. Family details are ModelConfig switches: q/k bias and q/k norms, sliding
+windows per layer, attention and final soft-caps, gemma's sandwich norms, embedding multiplier and
+GeLU-tanh, the rope variant (worker.rope). Gemma's (1 + w) norms are folded into the weights at load.
 
 gpt-fast style: small flat modules, q/k/v and gate/up fused into one weight each at load time (one
 matmul instead of three / two, which is what matters on CPU). The batch is packed with no padding
@@ -14,6 +17,7 @@ from torch import nn
 from worker.attention import AttentionMetadata, paged_attention, write_kv
 from worker.config import ModelConfig
 from worker.kv_cache import KVCache
+from worker.rope import rotary_tables
 
 
 class RMSNorm(nn.Module):
@@ -51,15 +55,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.scale = config.head_dim**-0.5
+        self.scale = config.scale
+        self.window = config.window(layer_index)
+        self.softcap = config.attn_logit_softcap
         self.wqkv = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.wo = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        # qwen3 / gemma3: one RMSNorm over head_dim, shared by every head, before RoPE
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -72,12 +81,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.wqkv(x)  # [T, (H + 2 * KVH) * D]
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)  # [T, H + KVH, D]
+        if self.q_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # q and k sit side by side, so one rotation pass covers both
-        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin)  # [T, H + KVH, D]
+        qk = apply_rope(qk, cos, sin)  # [T, H + KVH, D]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # q: [T, H, D], k: [T, KVH, D]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)  # v: [T, KVH, D]
         write_kv(key_cache, value_cache, k, v, attn_metadata.slot_mapping)
-        out = paged_attention(q, k, v, key_cache, value_cache, attn_metadata, self.scale)  # [T, H, D]
+        out = paged_attention(q, k, v, key_cache, value_cache, attn_metadata, self.scale, self.window, self.softcap)  # [T, H, D]
         return self.wo(out.view(num_tokens, self.q_size))
 
 
@@ -86,24 +99,32 @@ class MLP(nn.Module):
         super().__init__()
         self.w_gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.hidden_act = config.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # each [T, intermediate]
+        if self.hidden_act == "gelu_tanh":  # gemma
+            return self.w_down(F.gelu(gate, approximate="tanh") * up)
         return self.w_down(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config)
+        self.attn = Attention(config, layer_index)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        # gemma2/3: each branch's output is normed again before it joins the residual
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.sandwich_norms else None
+        self.post_mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.sandwich_norms else None
 
     def forward(self, x, cos, sin, key_cache, value_cache, attn_metadata) -> torch.Tensor:
         # x: [T, hidden]; pre-norm residual blocks
-        h = x + self.attn(self.attn_norm(x), cos, sin, key_cache, value_cache, attn_metadata)
-        return h + self.mlp(self.mlp_norm(h))
+        attn = self.attn(self.attn_norm(x), cos, sin, key_cache, value_cache, attn_metadata)
+        h = x + (attn if self.post_attn_norm is None else self.post_attn_norm(attn))
+        mlp = self.mlp(self.mlp_norm(h))
+        return h + (mlp if self.post_mlp_norm is None else self.post_mlp_norm(mlp))
 
 
 class LlamaModel(nn.Module):
@@ -111,7 +132,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -125,12 +146,34 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Returns the final-normed hidden states [T, hidden]; logits come from compute_logits()."""
-        h = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)
-        for layer, key_cache, value_cache in zip(self.layers, kv_cache.key_caches, kv_cache.value_caches):
+        h = self.embed_input(input_ids)  # [T, hidden]
+        tables = self.rotary_tables(positions, h.dtype)
+        for layer, key_cache, value_cache, (cos, sin) in zip(self.layers, kv_cache.key_caches, kv_cache.value_caches, tables):
             h = layer(h, cos, sin, key_cache, value_cache, attn_metadata)
         return self.norm(h)
 
+    def embed_input(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden]; gemma scales by sqrt(hidden) rounded to the model dtype, as transformers does."""
+        h = self.embed_tokens(input_ids)
+        if self.config.embedding_multiplier is not None:
+            h = h * torch.tensor(self.config.embedding_multiplier, dtype=h.dtype)
+        return h
+
+    def rotary_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, signed_sin) [T, 1, D] per layer; layers sharing a rope variant share one table."""
+        config = self.config
+        global_tables = rotary_tables(positions, config.head_dim, config.rope_theta, config.rope_scaling,
+                                      config.max_position_embeddings, dtype)
+        if config.local_rope_theta is None:
+            return [global_tables] * config.num_layers
+        # gemma3: sliding-window layers use plain RoPE at their own base
+        local_tables = rotary_tables(positions, config.head_dim, config.local_rope_theta, None, config.max_position_embeddings, dtype)
+        return [global_tables if config.window(i) is None else local_tables for i in range(config.num_layers)]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [R, hidden] (only the rows that sample) -> logits [R, vocab] float32."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if self.config.final_logit_softcap is not None:  # gemma2: in the model dtype, as transformers does
+            cap = self.config.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

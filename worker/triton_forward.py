@@ -2,6 +2,10 @@
 
 Per layer: fused residual-add + RMSNorm, the fused q/k/v matmul, rotary on q and k, write_kv into the
 pages, paged attention, the output matmul, fused add + RMSNorm, gate/up matmul, SiLU·mul, down matmul.
+The family switches ride along: sliding windows and soft-caps in the attention kernels, the sandwich
+norms (gemma) as rms_norm kernels on the branch outputs, and beside the kernels in torch: q/k norms
+(qwen3, gemma3), GeLU-tanh (gemma), the embedding multiplier and the rope variant's tables (the
+model's own embed_input / rotary_tables, so both paths share them).
 Attention is one launch per layer whatever the batch holds: the decode kernel when every row has one
 query token (the case CUDA graphs capture), otherwise the prefill kernel, which also takes the
 query_len == 1 rows of a mixed batch. Metadata is a few flat int tensors, so a decode step's metadata
@@ -20,7 +24,7 @@ import torch
 
 from worker.attention import RequestSpan, span_slots
 from worker.kv_cache import KVCache
-from worker.model import LlamaModel, rope_cos_sin
+from worker.model import LlamaModel
 
 
 @dataclass(slots=True)
@@ -102,11 +106,11 @@ def triton_forward(
     num_tokens = input_ids.shape[0]
     num_heads, num_kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
     q_size, kv_size = config.q_size, config.kv_size
-    scale = head_dim**-0.5
-    h = model.embed_tokens(input_ids)  # [T, hidden]
-    cos, sin = rope_cos_sin(positions, head_dim, config.rope_theta, h.dtype)  # [T, 1, D] each
+    scale = config.scale
+    h = model.embed_input(input_ids)  # [T, hidden]
+    tables = model.rotary_tables(positions, h.dtype)  # per layer: cos, sin [T, 1, D]
     residual = None
-    for layer, key_cache, value_cache in zip(model.layers, kv_cache.key_caches, kv_cache.value_caches):
+    for layer, key_cache, value_cache, (cos, sin) in zip(model.layers, kv_cache.key_caches, kv_cache.value_caches, tables):
         if residual is None:  # the first layer has no residual yet: plain norm, the input is the residual
             x, residual = kernels.rms_norm(h, layer.attn_norm.weight, layer.attn_norm.eps), h
         else:
@@ -115,17 +119,28 @@ def triton_forward(
         q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
         v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+        if layer.attn.q_norm is not None:  # per-head norms in torch, beside the kernels
+            q, k = layer.attn.q_norm(q), layer.attn.k_norm(k)
         q, k = kernels.apply_rotary(q, k, cos, sin)
         kernels.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+        window, softcap = layer.attn.window, layer.attn.softcap
         if metadata.decode_only:
             attn = kernels.paged_decode_attention(q, key_cache, value_cache, metadata.block_tables,
-                                                  metadata.context_lens, scale)  # [T, H, D]
+                                                  metadata.context_lens, scale, window=window, softcap=softcap)  # [T, H, D]
         else:
             attn = kernels.paged_prefill_attention(q, key_cache, value_cache, metadata.block_tables,
-                                                   metadata.query_start_loc, metadata.context_lens, scale)
+                                                   metadata.query_start_loc, metadata.context_lens, scale,
+                                                   window=window, softcap=softcap)
         h = layer.attn.wo(attn.reshape(num_tokens, q_size))
+        if layer.post_attn_norm is not None:  # gemma: the branch output is normed before the residual add
+            h = kernels.rms_norm(h, layer.post_attn_norm.weight, layer.post_attn_norm.eps)
         x, residual = kernels.fused_add_rms_norm(h, residual, layer.mlp_norm.weight, layer.mlp_norm.eps)
         gate, up = layer.mlp.w_gate_up(x).chunk(2, dim=-1)  # each [T, intermediate]
-        h = layer.mlp.w_down(kernels.silu_and_mul(gate, up))
+        if layer.mlp.hidden_act == "gelu_tanh":
+            h = layer.mlp.w_down(torch.nn.functional.gelu(gate, approximate="tanh") * up)
+        else:
+            h = layer.mlp.w_down(kernels.silu_and_mul(gate, up))
+        if layer.post_mlp_norm is not None:
+            h = kernels.rms_norm(h, layer.post_mlp_norm.weight, layer.post_mlp_norm.eps)
     normed, _ = kernels.fused_add_rms_norm(h, residual, model.norm.weight, model.norm.eps)
     return normed

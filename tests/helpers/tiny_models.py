@@ -12,7 +12,12 @@ from pathlib import Path
 
 import torch
 
-FLAVOURS = ("llama", "llama_gqa", "mistral", "qwen2")
+FLAVOURS = (
+    "llama", "llama_gqa", "llama3_rope", "llama_linear_rope", "llama_dynamic_rope", "llama_yarn_rope",
+    "mistral", "mistral_window", "qwen2", "qwen2_tied", "qwen3", "gemma2", "gemma3", "phi3",
+)
+# the windows are far shorter than the test prompts (25-50 tokens), so attending outside them shows
+SLIDING_WINDOW = 7
 BOS_TOKEN, EOS_TOKEN = "<s>", "</s>"
 VOCAB_SIZE = 258  # 256 byte symbols + <s> (256) + </s> (257)
 BOS_ID, EOS_ID = 256, 257
@@ -31,9 +36,40 @@ _COMMON = dict(
 )
 
 
-def _config(flavour: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+def tiny_hf_config(flavour: str):
+    """The transformers config of one flavour (the tiny model's sizes and the family's switches)."""
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config)
 
+    llama_rope = {  # original lengths below the test lengths where the type depends on it
+        "llama3_rope": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64),
+        "llama_linear_rope": dict(rope_type="linear", factor=4.0),
+        "llama_dynamic_rope": dict(rope_type="dynamic", factor=2.0),
+        "llama_yarn_rope": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128),
+    }
+    if flavour in llama_rope:
+        rope = dict(llama_rope[flavour], rope_theta=10000.0)
+        return LlamaConfig(**_COMMON, num_attention_heads=4, num_key_value_heads=2, rope_parameters=rope, tie_word_embeddings=False)
+    if flavour == "mistral_window":
+        return MistralConfig(**_COMMON, num_attention_heads=4, num_key_value_heads=2, rope_theta=3000.0, sliding_window=SLIDING_WINDOW, tie_word_embeddings=False)
+    if flavour == "qwen2_tied":
+        return Qwen2Config(**_COMMON, num_attention_heads=4, num_key_value_heads=2, rope_theta=7000.0, tie_word_embeddings=True)
+    if flavour == "qwen3":  # per-head q/k RMSNorm, no bias; heads * head_dim (128) != hidden (64)
+        return Qwen3Config(**dict(_COMMON, head_dim=32), num_attention_heads=4, num_key_value_heads=2, rope_theta=5000.0, tie_word_embeddings=False)
+    gemma = dict(_COMMON, hidden_size=48, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, pad_token_id=0,
+                 sliding_window=SLIDING_WINDOW, layer_types=["sliding_attention", "full_attention"])
+    if flavour == "gemma2":  # soft-caps small enough to bite with these weights
+        return Gemma2Config(**gemma, num_attention_heads=4, num_key_value_heads=2, attn_logit_softcapping=5.0,
+                            final_logit_softcapping=3.0, tie_word_embeddings=True)
+    if flavour == "gemma3":  # q/k norms; global layers linear-scaled rope, local ones their own base
+        rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}
+        return Gemma3TextConfig(**gemma, num_attention_heads=4, num_key_value_heads=1, rope_parameters=rope, tie_word_embeddings=True)
+    if flavour == "phi3":  # fused qkv / gate_up, longrope (short factors and the attention factor of 512 / 256 at test lengths)
+        rope = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + 0.1 * i for i in range(8)],
+                    long_factor=[1.0 + 0.5 * i for i in range(8)], original_max_position_embeddings=256)
+        return Phi3Config(**_COMMON, num_attention_heads=4, num_key_value_heads=2, rope_parameters=rope,
+                          original_max_position_embeddings=256, pad_token_id=0, sliding_window=None, tie_word_embeddings=False)
     if flavour == "llama":  # GQA ratio 1, tied embeddings like SmolLM2
         return LlamaConfig(**_COMMON, num_attention_heads=4, num_key_value_heads=4, rope_theta=500.0, tie_word_embeddings=True)
     if flavour == "llama_gqa":  # ratio 3; heads * head_dim (96) != hidden (48) on purpose
@@ -67,7 +103,7 @@ def make_tiny_hf_model(tmp_path: Path, flavour: str = "llama", seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(flavour), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(flavour), dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -108,9 +108,16 @@ def test_unsupported_architecture_is_named_with_the_supported_list(llama_copy):
         load_model(llama_copy, progress=False)
 
 
+@pytest.mark.parametrize("architecture", ["MixtralForCausalLM", "Gemma3ForConditionalGeneration", "T5ForConditionalGeneration"])
+def test_moe_multimodal_and_encoder_decoder_are_refused_by_name(llama_copy, architecture):
+    edit_config(llama_copy, architectures=[architecture])
+    with pytest.raises(ModelLoadError, match=f"architecture '{architecture}' is not supported; supported: .*Qwen3ForCausalLM.*Phi3ForCausalLM"):
+        load_model(llama_copy, progress=False)
+
+
 def test_unsupported_rope_scaling(llama_copy):
-    edit_config(llama_copy, rope_parameters={"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0})
-    with pytest.raises(ModelLoadError, match="rope type 'yarn' is not supported"):
+    edit_config(llama_copy, rope_parameters={"rope_type": "mrope", "rope_theta": 500.0, "factor": 4.0})
+    with pytest.raises(ModelLoadError, match="rope scaling type 'mrope' is not supported; supported: default, linear, dynamic, llama3, yarn, longrope"):
         load_model(llama_copy, progress=False)
 
 

@@ -19,6 +19,7 @@ import triton.language as tl
 from worker.kernels.paged_shared import (
     attend_keys,
     check_query_and_caches,
+    check_window_and_softcap,
     check_tensor,
     dot_precision,
     dot_upcast,
@@ -42,6 +43,8 @@ def _paged_decode_kernel(
     # sizes
     scale_log2,  # softmax scale * log2(e): the softmax runs in base 2
     num_queries_per_kv,  # G = H // KVH
+    window,  # sliding window: only the last `window` keys count; 0: full context
+    softcap,  # attention logit soft-cap; 0.0: none
     # strides (the last dim of query, caches and out is dense)
     stride_qb, stride_qh,
     stride_kn, stride_kt, stride_kh,
@@ -58,6 +61,7 @@ def _paged_decode_kernel(
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # softcap > 0
 ):
     request = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -66,6 +70,8 @@ def _paged_decode_kernel(
     split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(context_len, start + split_len)
+    # with a window the splits still cut the whole context (shape-only, for graphs); skip what is outside
+    start = tl.where(window > 0, tl.maximum(start, context_len - window), start)
 
     rows = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, HEAD_DIM)
@@ -86,8 +92,8 @@ def _paged_decode_kernel(
         key_valid = positions < end  # every step holds at least one valid key, so the max stays finite
         m_i, l_i, acc = attend_keys(
             q, m_i, l_i, acc, positions, key_valid, key_valid[None, :], table_row, stride_tm, kv_head, dims,
-            scale_log2, key_cache_ptr, stride_kn, stride_kt, stride_kh, value_cache_ptr, stride_vn, stride_vt,
-            stride_vh, BLOCK_SIZE, PRECISION, UPCAST)
+            scale_log2, softcap, key_cache_ptr, stride_kn, stride_kt, stride_kh, value_cache_ptr, stride_vn, stride_vt,
+            stride_vh, BLOCK_SIZE, PRECISION, UPCAST, SOFTCAP)
 
     # a split past the end of a short context saw no key: l_i == 0, its output is 0, its lse -inf
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -159,10 +165,13 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [B, H, D], query's dtype
     *,
     num_splits: int | None = None,  # None: default_num_splits(); the tests force it to cover the merge
+    window: int | None = None,  # sliding window: only the last `window` keys; None: the whole context
+    softcap: float | None = None,  # attention logit soft-cap (gemma2); None: none
 ) -> torch.Tensor:
-    """Returns out [B, H, D]: softmax(scale * q . k) . v over each request's context_len keys; a row
-    with context_len 0 (padding in a captured batch) gets zeros."""
+    """Returns out [B, H, D]: softmax(scale * q . k) . v over each request's context_len keys (the
+    last `window` of them when set); a row with context_len 0 (padding in a captured batch) gets zeros."""
     device = query.device
+    window, softcap = check_window_and_softcap(window, softcap)
     block_size, num_kv_heads = check_query_and_caches(query, key_cache, value_cache)
     batch, num_heads, head_dim = query.shape
     check_tensor("block_tables", block_tables, (batch, None), (torch.int32,), device)
@@ -190,7 +199,7 @@ def paged_decode_attention(
 
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, context_lens, partial, lse,
-        scale * LOG2_E, queries_per_kv,
+        scale * LOG2_E, queries_per_kv, window, softcap,
         query.stride(0), query.stride(1),
         *key_cache.stride()[:3],
         *value_cache.stride()[:3],
@@ -205,6 +214,7 @@ def paged_decode_attention(
         NUM_SPLITS=num_splits,
         PRECISION=dot_precision(query.dtype),
         UPCAST=dot_upcast(query.dtype, device),
+        SOFTCAP=softcap > 0,
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](

@@ -79,18 +79,38 @@ def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=PRECISION)
 
 
+LOG2_E = 1.4426950408889634
+
+
+def check_window_and_softcap(window: int | None, softcap: float | None) -> tuple[int, float]:
+    """The kernels' encoding: window 0 and softcap 0.0 mean none."""
+    if window is not None and window < 1:
+        raise ValueError(f"window is {window}, expected None or >= 1")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap is {softcap}, expected None or > 0")
+    return window or 0, softcap or 0.0
+
+
+@triton.jit
+def _tanh(x):
+    # 2 / (1 + e^-2x) - 1: exact at both ends in float32 (e^-2x over/underflows to inf / 0)
+    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
+
+
 @triton.jit
 def attend_keys(
     q, m_i, l_i, acc,  # [M, D] queries; running max [M], running sum [M], unnormalised output [M, D]
     positions, key_valid, visible,  # [N] key positions, [N] in range, [M, N] which scores count
     table_row, stride_tm, kv_head, dims, scale_log2,
+    softcap,  # attention logit soft-cap (gemma2): scores = softcap * tanh(scores / softcap); used if SOFTCAP
     key_cache_ptr, stride_kn, stride_kt, stride_kh,
     value_cache_ptr, stride_vn, stride_vt, stride_vh,
-    BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One online-softmax step (base 2) over N keys read through a request's block table: both
-    attention kernels' inner loop. Every row must see at least one key by its first step (so the
-    running max is finite); rows that see none of these keys keep their state."""
+    attention kernels' inner loop. A row that has seen no key yet (its running max still -inf, as
+    happens before a sliding window starts) keeps a zero state; rows that see none of these keys keep
+    their state."""
     page = tl.load(table_row + (positions // BLOCK_SIZE) * stride_tm, mask=key_valid, other=0).to(tl.int64)
     offset = positions % BLOCK_SIZE
     k = tl.load(
@@ -98,11 +118,16 @@ def attend_keys(
         mask=key_valid[:, None],
         other=0.0,
     )  # [N, D]
-    scores = dot(q, tl.trans(k), PRECISION, UPCAST) * scale_log2  # [M, N]
+    scores = dot(q, tl.trans(k), PRECISION, UPCAST)  # [M, N]
+    if SOFTCAP:  # cap the scaled score, then go to base 2
+        scores = softcap * _tanh(scores * (scale_log2 / LOG2_E) / softcap) * LOG2_E
+    else:
+        scores = scores * scale_log2
     scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: exp2(-inf - 0) = 0, not NaN
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(
         value_cache_ptr + page[:, None] * stride_vn + offset[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],

@@ -19,6 +19,7 @@ import triton.language as tl
 from worker.kernels.paged_shared import (
     attend_keys,
     check_query_and_caches,
+    check_window_and_softcap,
     check_tensor,
     dot_precision,
     dot_upcast,
@@ -63,6 +64,8 @@ def _prefill_kernel(
     # sizes
     scale_log2,  # softmax scale * log2(e): the softmax runs in base 2
     num_requests,  # R
+    window,  # sliding window: a token sees keys at positions > its own - window; 0: full context
+    softcap,  # attention logit soft-cap; 0.0: none
     # strides (the last dim of query, caches and out is dense)
     stride_qt, stride_qh,
     stride_kn, stride_kt, stride_kh,
@@ -79,6 +82,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # softcap > 0
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -110,17 +114,19 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table_row = block_tables_ptr + request.to(tl.int64) * stride_tb
-    for block_start in range(0, key_end, BLOCK_N):
+    # with a window, nothing before the window of the tile's first token
+    key_start = tl.where(window > 0, tl.maximum(prefix_len + first_token - window + 1, 0), 0)
+    for block_start in range(key_start, key_end, BLOCK_N):
         positions = block_start + tl.arange(0, BLOCK_N)
         key_valid = positions < key_end
-        # key 0 is visible to every row, so the running max is finite from the first step on
         visible = key_valid[None, :] & (positions[None, :] <= query_positions[:, None])
+        visible = visible & ((window == 0) | (positions[None, :] > query_positions[:, None] - window))
         m_i, l_i, acc = attend_keys(
             q, m_i, l_i, acc, positions, key_valid, visible, table_row, stride_tm, kv_head, dims,
-            scale_log2, key_cache_ptr, stride_kn, stride_kt, stride_kh, value_cache_ptr, stride_vn, stride_vt,
-            stride_vh, BLOCK_SIZE, PRECISION, UPCAST)
+            scale_log2, softcap, key_cache_ptr, stride_kn, stride_kt, stride_kh, value_cache_ptr, stride_vn, stride_vt,
+            stride_vh, BLOCK_SIZE, PRECISION, UPCAST, SOFTCAP)
 
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i is 0 only on rows that are not stored
     tl.store(
         out_ptr + query_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -137,10 +143,15 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,  # [R] int32: prefix already cached + this chunk; >= the chunk's length
     scale: float,
     out: torch.Tensor | None = None,  # [T, H, D], query's dtype
+    *,
+    window: int | None = None,  # sliding window (mistral, gemma local layers); None: full context
+    softcap: float | None = None,  # attention logit soft-cap (gemma2); None: none
 ) -> torch.Tensor:
-    """Returns out [T, H, D]: each query token attends causally to its request's cached keys. Rows past
-    query_start_loc[R] (padding) are left as they were in out (uninitialised if out is None)."""
+    """Returns out [T, H, D]: each query token attends causally to its request's cached keys (the last
+    `window` of them when set). Rows past query_start_loc[R] (padding) are left as they were in out
+    (uninitialised if out is None)."""
     device = query.device
+    window, softcap = check_window_and_softcap(window, softcap)
     block_size, num_kv_heads = check_query_and_caches(query, key_cache, value_cache)
     num_tokens, num_heads, head_dim = query.shape
     check_tensor("query_start_loc", query_start_loc, (None,), (torch.int32,), device)
@@ -163,7 +174,7 @@ def paged_prefill_attention(
     block_q = block_m // queries_per_kv  # tokens per tile; a group of heads never splits across tiles
     _prefill_kernel[(num_tokens // block_q + num_requests, num_kv_heads)](
         query, key_cache, value_cache, block_tables, query_start_loc, context_lens, out,
-        scale * LOG2_E, num_requests,
+        scale * LOG2_E, num_requests, window, softcap,
         query.stride(0), query.stride(1),
         *key_cache.stride()[:3],
         *value_cache.stride()[:3],
@@ -178,6 +189,7 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         PRECISION=dot_precision(query.dtype),
         UPCAST=dot_upcast(query.dtype, device),
+        SOFTCAP=softcap > 0,
         num_warps=num_warps,
     )
     return out

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from pathlib import Path
 
@@ -10,14 +9,24 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from worker.config import ModelConfig
+from worker.config import ModelConfig, RopeScaling
 from worker.loader.errors import ModelLoadError
 from worker.loader.weights import LM_HEAD, check_shape, expected_hf_shapes
 
-logger = logging.getLogger(__name__)
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
-MODEL_TYPES = {arch: arch for arch in ARCHITECTURES.values()}
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",  # the text-only model; Gemma3ForConditionalGeneration (vision) is refused
+    "Phi3ForCausalLM": "phi3",
+}
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+               "gemma3_text": "gemma3", "phi3": "phi3"}
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+GEMMA = ("gemma2", "gemma3")
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -46,13 +55,75 @@ def _architecture(raw: dict, config_path: Path) -> str:
     )
 
 
-def _rope(raw: dict, config_path: Path) -> float:
-    # transformers 5 writes rope_parameters; 4.x wrote rope_theta (+ rope_scaling) at the top level
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in (None, "default"):
-        raise ModelLoadError(f"{config_path}: rope type {rope_type!r} is not supported; supported: 'default'")
-    return float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+def _rope_dicts(raw: dict) -> tuple[dict, dict | None]:
+    """(the global layers' rope parameters, the sliding layers' own or None).
+
+    transformers 5 writes rope_parameters (nested by layer type for gemma3); 4.x wrote rope_theta,
+    rope_scaling and gemma3's rope_local_base_freq at the top level."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        return dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+    if isinstance(params, dict) and params:
+        return dict(params), None
+    rope = dict(raw.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    local = {"rope_theta": raw["rope_local_base_freq"]} if "rope_local_base_freq" in raw else None
+    return rope, local
+
+
+def _rope_scaling(rope: dict, raw: dict, config_path: Path) -> RopeScaling | None:
+    rope_type = rope.get("rope_type", rope.get("type")) or "default"
+    rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first name for it
+    if float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ModelLoadError(f"{config_path}: partial_rotary_factor != 1 is not supported")
+    if rope_type == "default":
+        return None
+    max_position = int(raw.get("max_position_embeddings", 4096))
+    original = rope.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    if original is None and rope_type == "yarn":  # transformers falls back to the model's length
+        original = max_position
+    factor = rope.get("factor")
+    if factor is None and original and rope_type in ("yarn", "longrope"):
+        factor = max_position / int(original)  # as transformers derives it
+    try:
+        return RopeScaling(
+            rope_type=rope_type,
+            factor=float(1.0 if factor is None else factor),
+            original_max_position_embeddings=None if original is None else int(original),
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            beta_fast=float(rope.get("beta_fast") or 32.0),
+            beta_slow=float(rope.get("beta_slow") or 1.0),
+            truncate=bool(rope.get("truncate", True)),
+            mscale=rope.get("mscale"),
+            mscale_all_dim=rope.get("mscale_all_dim"),
+            attention_factor=rope.get("attention_factor"),
+            short_factor=tuple(float(f) for f in rope.get("short_factor") or ()),
+            long_factor=tuple(float(f) for f in rope.get("long_factor") or ()),
+        )
+    except ValueError as exc:
+        raise ModelLoadError(f"{config_path}: {exc}") from None
+
+
+def _layer_windows(raw: dict, architecture: str, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention), as transformers applies them."""
+    window = raw.get("sliding_window")
+    layer_types = raw.get("layer_types")
+    if window is None:
+        return ()
+    if layer_types:  # transformers 5 names each layer's kind
+        return tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)
+    if architecture in ("mistral", "phi3"):  # every layer, whenever sliding_window is set
+        return (int(window),) * num_layers
+    if architecture == "gemma2":  # 4.x: even layers slide
+        return tuple(int(window) if i % 2 == 0 else None for i in range(num_layers))
+    if architecture == "gemma3":  # 4.x: every sliding_window_pattern-th layer is global
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        return tuple(None if (i + 1) % pattern == 0 else int(window) for i in range(num_layers))
+    if raw.get("use_sliding_window"):  # qwen2/3 4.x: layers from max_window_layers on slide
+        first = int(raw.get("max_window_layers", num_layers))
+        return tuple(int(window) if i >= first else None for i in range(num_layers))
+    return ()
 
 
 def _optional_token_id(value) -> int | None:
@@ -61,34 +132,56 @@ def _optional_token_id(value) -> int | None:
     return None if value is None else int(value)
 
 
+def _optional_float(value) -> float | None:
+    return None if value is None else float(value)
+
+
 def parse_hf_config(raw: dict, config_path: Path, tie_word_embeddings: bool) -> ModelConfig:
     architecture = _architecture(raw, config_path)
     try:
         if raw.get("mlp_bias"):
             raise ModelLoadError(f"{config_path}: mlp_bias=true is not supported")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(f"{config_path}: hidden_act={raw['hidden_act']!r} is not supported; supported: 'silu'")
-        window = raw.get("sliding_window") if raw.get("use_sliding_window", architecture == "mistral") else None
-        if window:
-            logger.warning("%s: sliding_window=%s is not applied; attention is full-context", config_path, window)
+        activation = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+        if activation not in ACTIVATIONS:
+            raise ModelLoadError(
+                f"{config_path}: hidden activation {activation!r} is not supported; supported: {', '.join(ACTIVATIONS)}"
+            )
         num_heads = int(raw["num_attention_heads"])
         hidden_size = int(raw["hidden_size"])
+        num_layers = int(raw["num_hidden_layers"])
+        global_rope, local_rope = _rope_dicts(raw)
+        if architecture == "gemma3" and local_rope is None:
+            local_rope = {"rope_theta": 10000.0}  # transformers' default rope_local_base_freq
+        if local_rope is not None and _rope_scaling(local_rope, raw, config_path) is not None:
+            raise ModelLoadError(f"{config_path}: rope scaling on sliding-window layers is not supported")
+        gemma = architecture in GEMMA
+        query_scalar = raw.get("query_pre_attn_scalar")
         return ModelConfig(
             architecture=architecture,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden_size,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
-            rope_theta=_rope(raw, config_path),
+            rope_theta=float(global_rope.get("rope_theta", 10000.0)),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=tie_word_embeddings,
             attention_bias=architecture == "qwen2" or bool(raw.get("attention_bias", False)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             bos_token_id=_optional_token_id(raw.get("bos_token_id")),
             eos_token_id=_optional_token_id(raw.get("eos_token_id")),
+            rope_scaling=_rope_scaling(global_rope, raw, config_path),
+            local_rope_theta=None if local_rope is None else float(local_rope.get("rope_theta", 10000.0)),
+            layer_windows=_layer_windows(raw, architecture, num_layers),
+            qk_norm=architecture in ("qwen3", "gemma3"),
+            sandwich_norms=gemma,
+            hidden_act=ACTIVATIONS[activation],
+            embedding_multiplier=hidden_size**0.5 if gemma else None,
+            attn_logit_softcap=_optional_float(raw.get("attn_logit_softcapping")),
+            final_logit_softcap=_optional_float(raw.get("final_logit_softcapping")),
+            query_scale=float(query_scalar) ** -0.5 if gemma and query_scalar else None,
         )
     except KeyError as exc:
         raise ModelLoadError(f"{config_path}: missing key {exc.args[0]!r}") from None

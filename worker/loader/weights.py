@@ -12,6 +12,12 @@ from worker.loader.errors import ModelLoadError
 from worker.model import LlamaModel
 
 LM_HEAD = "lm_head.weight"
+GEMMA_NORM_ARCHITECTURES = ("gemma2", "gemma3")  # RMSNorm scales by (1 + w): folded into w at load
+
+
+def fused_projections(config: ModelConfig) -> bool:
+    """phi3 checkpoints hold qkv_proj and gate_up_proj already fused."""
+    return config.architecture == "phi3"
 
 
 def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -21,17 +27,29 @@ def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}"
         shapes[f"{prefix}.input_layernorm.weight"] = (hidden,)
-        shapes[f"{prefix}.self_attn.q_proj.weight"] = (config.q_size, hidden)
-        shapes[f"{prefix}.self_attn.k_proj.weight"] = (config.kv_size, hidden)
-        shapes[f"{prefix}.self_attn.v_proj.weight"] = (config.kv_size, hidden)
+        if fused_projections(config):
+            shapes[f"{prefix}.self_attn.qkv_proj.weight"] = (config.q_size + 2 * config.kv_size, hidden)
+        else:
+            shapes[f"{prefix}.self_attn.q_proj.weight"] = (config.q_size, hidden)
+            shapes[f"{prefix}.self_attn.k_proj.weight"] = (config.kv_size, hidden)
+            shapes[f"{prefix}.self_attn.v_proj.weight"] = (config.kv_size, hidden)
         if config.attention_bias:
             shapes[f"{prefix}.self_attn.q_proj.bias"] = (config.q_size,)
             shapes[f"{prefix}.self_attn.k_proj.bias"] = (config.kv_size,)
             shapes[f"{prefix}.self_attn.v_proj.bias"] = (config.kv_size,)
+        if config.qk_norm:
+            shapes[f"{prefix}.self_attn.q_norm.weight"] = (config.head_dim,)
+            shapes[f"{prefix}.self_attn.k_norm.weight"] = (config.head_dim,)
         shapes[f"{prefix}.self_attn.o_proj.weight"] = (hidden, config.q_size)
         shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
-        shapes[f"{prefix}.mlp.gate_proj.weight"] = (inter, hidden)
-        shapes[f"{prefix}.mlp.up_proj.weight"] = (inter, hidden)
+        if config.sandwich_norms:
+            shapes[f"{prefix}.pre_feedforward_layernorm.weight"] = (hidden,)
+            shapes[f"{prefix}.post_feedforward_layernorm.weight"] = (hidden,)
+        if fused_projections(config):
+            shapes[f"{prefix}.mlp.gate_up_proj.weight"] = (2 * inter, hidden)
+        else:
+            shapes[f"{prefix}.mlp.gate_proj.weight"] = (inter, hidden)
+            shapes[f"{prefix}.mlp.up_proj.weight"] = (inter, hidden)
         shapes[f"{prefix}.mlp.down_proj.weight"] = (hidden, inter)
     shapes["model.norm.weight"] = (hidden,)
     if not config.tie_word_embeddings:
@@ -46,27 +64,46 @@ def check_shape(source: str, tensor_name: str, actual: tuple[int, ...], expected
         )
 
 
-def fuse_hf_state_dict(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF names -> LlamaModel names, with q/k/v and gate/up concatenated along the output rows."""
-    fused = {"embed_tokens.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+def fuse_hf_state_dict(config: ModelConfig, hf: dict[str, torch.Tensor], norm_offset: float = 0.0) -> dict[str, torch.Tensor]:
+    """HF names -> LlamaModel names, with q/k/v and gate/up concatenated along the output rows.
+    norm_offset is added to every norm weight (1.0 for gemma's (1 + w) norms as HF stores them)."""
+
+    def norm(name: str) -> torch.Tensor:
+        return hf[name] if not norm_offset else (hf[name].float() + norm_offset).to(hf[name].dtype)
+
+    fused = {"embed_tokens.weight": hf["model.embed_tokens.weight"], "norm.weight": norm("model.norm.weight")}
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}", f"layers.{i}"
         attn = f"{src}.self_attn"
-        fused[f"{dst}.attn_norm.weight"] = hf[f"{src}.input_layernorm.weight"]
-        fused[f"{dst}.attn.wqkv.weight"] = torch.cat([hf[f"{attn}.{p}_proj.weight"] for p in "qkv"])
+        fused[f"{dst}.attn_norm.weight"] = norm(f"{src}.input_layernorm.weight")
+        if fused_projections(config):
+            fused[f"{dst}.attn.wqkv.weight"] = hf[f"{attn}.qkv_proj.weight"]
+            fused[f"{dst}.mlp.w_gate_up.weight"] = hf[f"{src}.mlp.gate_up_proj.weight"]  # gate rows, then up
+        else:
+            fused[f"{dst}.attn.wqkv.weight"] = torch.cat([hf[f"{attn}.{p}_proj.weight"] for p in "qkv"])
+            fused[f"{dst}.mlp.w_gate_up.weight"] = torch.cat([hf[f"{src}.mlp.gate_proj.weight"], hf[f"{src}.mlp.up_proj.weight"]])
         if config.attention_bias:
             fused[f"{dst}.attn.wqkv.bias"] = torch.cat([hf[f"{attn}.{p}_proj.bias"] for p in "qkv"])
+        if config.qk_norm:
+            fused[f"{dst}.attn.q_norm.weight"] = norm(f"{attn}.q_norm.weight")
+            fused[f"{dst}.attn.k_norm.weight"] = norm(f"{attn}.k_norm.weight")
         fused[f"{dst}.attn.wo.weight"] = hf[f"{attn}.o_proj.weight"]
-        fused[f"{dst}.mlp_norm.weight"] = hf[f"{src}.post_attention_layernorm.weight"]
-        fused[f"{dst}.mlp.w_gate_up.weight"] = torch.cat([hf[f"{src}.mlp.gate_proj.weight"], hf[f"{src}.mlp.up_proj.weight"]])
+        if config.sandwich_norms:  # gemma: post_attention_layernorm norms the attention output
+            fused[f"{dst}.post_attn_norm.weight"] = norm(f"{src}.post_attention_layernorm.weight")
+            fused[f"{dst}.mlp_norm.weight"] = norm(f"{src}.pre_feedforward_layernorm.weight")
+            fused[f"{dst}.post_mlp_norm.weight"] = norm(f"{src}.post_feedforward_layernorm.weight")
+        else:
+            fused[f"{dst}.mlp_norm.weight"] = norm(f"{src}.post_attention_layernorm.weight")
         fused[f"{dst}.mlp.w_down.weight"] = hf[f"{src}.mlp.down_proj.weight"]
     fused["lm_head.weight"] = fused["embed_tokens.weight"] if config.tie_word_embeddings else hf[LM_HEAD]
     return fused
 
 
-def build_model(config: ModelConfig, hf: dict[str, torch.Tensor], dtype: torch.dtype) -> LlamaModel:
-    """hf: checked HF-named tensors (already in dtype). Builds on the meta device so no random init runs."""
-    fused = fuse_hf_state_dict(config, hf)
+def build_model(config: ModelConfig, hf: dict[str, torch.Tensor], dtype: torch.dtype, norms_hold_offset: bool = False) -> LlamaModel:
+    """hf: checked HF-named tensors (already in dtype). Builds on the meta device so no random init runs.
+    norms_hold_offset: gemma norm weights already hold the 1 (llama.cpp's converter adds it)."""
+    gemma_norms = config.architecture in GEMMA_NORM_ARCHITECTURES and not norms_hold_offset
+    fused = fuse_hf_state_dict(config, hf, norm_offset=1.0 if gemma_norms else 0.0)
     with torch.device("meta"):
         model = LlamaModel(config)
     model.load_state_dict({name: t.to(dtype).contiguous() for name, t in fused.items()}, strict=True, assign=True)

@@ -59,9 +59,12 @@ def reference_attention(
     cache: PagedCache,
     query_lens: list[int],
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """[T, H, D] float32: request r's i-th token (position context_len - query_len + i) attends to its
-    keys 0..position; query head h reads KV head h // (H // KVH)."""
+    keys 0..position (the last `window` of them when set; scores soft-capped as gemma2 does when
+    softcap is set); query head h reads KV head h // (H // KVH)."""
     num_heads = query.shape[1]
     block_size, num_kv_heads, head_dim = cache.key_cache.shape[1:]
     group = num_heads // num_kv_heads
@@ -76,7 +79,12 @@ def reference_attention(
         queries = query[start : start + query_len].float()  # [q, H, D]
         scores = torch.einsum("qhd,lhd->hql", queries, keys) * scale
         query_positions = torch.arange(context_len - query_len, context_len, device=query.device)
-        hidden = torch.arange(context_len, device=query.device)[None, :] > query_positions[:, None]  # [q, L]
+        key_positions = torch.arange(context_len, device=query.device)[None, :]
+        hidden = key_positions > query_positions[:, None]  # [q, L]
+        if window is not None:
+            hidden |= key_positions <= query_positions[:, None] - window
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
         outputs.append(torch.einsum("hql,lhd->qhd", probs, values))
         start += query_len

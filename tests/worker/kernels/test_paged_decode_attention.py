@@ -140,3 +140,20 @@ def test_rejects_head_dim_that_is_not_a_power_of_two():
     query = _query(1, 1, 24, torch.float32, generator)
     with pytest.raises(ValueError, match=r"query has head_dim 24, expected a power of two"):
         paged_decode_attention(query, cache.key_cache, cache.value_cache, cache.block_tables, cache.context_lens, 0.2)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window, softcap", [(7, None), (None, 2.0), (20, 1.5)])
+def test_sliding_window_and_softcap_match_reference(num_splits, window, softcap):
+    # windows shorter than some contexts (100, 33, 17) and longer than others (1); with 3 splits
+    # whole splits fall before the window; the cap is small enough to change the scores
+    generator = torch.Generator().manual_seed(6)
+    cache = make_paged_cache(CONTEXTS + [200], 16, 2, 32, torch.float32, generator)
+    query = 3 * _query(len(CONTEXTS) + 1, 6, 32, torch.float32, generator)
+
+    out = paged_decode_attention(query, cache.key_cache, cache.value_cache, cache.block_tables, cache.context_lens,
+                                 0.2, num_splits=num_splits, window=window, softcap=softcap)
+
+    expected = reference_attention(query, cache, [1] * (len(CONTEXTS) + 1), 0.2, window=window, softcap=softcap)
+    assert_close(out, expected, torch.float32)
+    assert not torch.allclose(expected, reference_attention(query, cache, [1] * (len(CONTEXTS) + 1), 0.2), atol=1e-3)

@@ -126,3 +126,28 @@ def test_rejects_bad_arguments(name, make_bad, message):
     args[name] = make_bad(args)
     with pytest.raises(ValueError, match=message):
         paged_prefill_attention(**args)
+
+
+@pytest.mark.parametrize("window, softcap", [(7, None), (None, 2.0), (50, 1.5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sliding_window_and_softcap_match_reference(window, softcap, dtype):
+    # the 40-token chunk after 60 cached tokens spans query tiles whose first rows start their windows
+    # in different key blocks; a decode row and a short whole prompt sit beside it
+    generator = torch.Generator().manual_seed(7)
+    cache = make_paged_cache(CONTEXTS, 16, 2, 32, dtype, generator)
+    query = 3 * _query(sum(QUERY_LENS), 6, 32, dtype, generator)
+
+    out = paged_prefill_attention(query, cache.key_cache, cache.value_cache, cache.block_tables,
+                                  _query_start_loc(QUERY_LENS), cache.context_lens, 0.2, window=window, softcap=softcap)
+
+    expected = reference_attention(query, cache, QUERY_LENS, 0.2, window=window, softcap=softcap)
+    assert_close(out, expected, dtype)
+    assert not torch.allclose(expected, reference_attention(query, cache, QUERY_LENS, 0.2), atol=1e-2)
+
+
+def test_rejects_a_bad_window():
+    generator = torch.Generator().manual_seed(8)
+    cache = make_paged_cache([4], 16, 1, 16, torch.float32, generator)
+    with pytest.raises(ValueError, match="window is 0, expected None or >= 1"):
+        paged_prefill_attention(_query(4, 1, 16, torch.float32, generator), cache.key_cache, cache.value_cache,
+                                cache.block_tables, _query_start_loc([4]), cache.context_lens, 0.25, window=0)
