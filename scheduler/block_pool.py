@@ -5,6 +5,7 @@ same prefix can take it back (a prefix hit) until allocation evicts it, oldest f
 """
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from typing import Iterable
 
@@ -28,6 +29,10 @@ class BlockPool:
 
     def is_free(self, block_id: int) -> bool:
         return block_id in self._free
+
+    def next_to_evict(self, count: int) -> list[int]:
+        """The free pages allocate(count) would take, in order (their keys are about to be dropped)."""
+        return list(itertools.islice(self._free, count))
 
     def allocate(self, count: int) -> list[int] | None:
         """count fresh pages with ref count 1, or None when there are not enough (never raises)."""

@@ -7,7 +7,12 @@ Both report KV utilization = live tokens / reserved slots.
 
 With a swap tier (num_host_blocks > 0) a preempted request's computed pages may move to host pages
 (swap_out) and come back into fresh device pages when it resumes (swap_in); the manager keeps both
-tiers' tables and returns the page copies for the worker to make.
+tiers' tables and collects the page copies for the worker to make, in the order they were decided
+(take_copies()). Prefix pages the device evicts are copied to free host pages first and stay findable
+there (the host pool's own prefix index, evicted oldest first, by swapped requests too); a prefix hit
+in the host tier comes back into a device page. Host pages that pending swap_in copies read stay
+taken until the plan carrying those copies is sent (take_copies()), so no swap_out of that plan,
+which the worker runs first, overwrites them.
 """
 from __future__ import annotations
 
@@ -26,6 +31,12 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.host_pool = BlockPool(num_host_blocks)  # the swap tier; its pages carry no prefix keys
         self.host_tables: dict[str, list[int]] = {}  # swapped-out requests: their computed pages, in order
+        # (device, host) copies decided since the last plan was sent, in decision order
+        self.swap_out_copies: list[tuple[int, int]] = []
+        self.swap_in_copies: list[tuple[int, int]] = []
+        self.host_reads: list[int] = []  # host pages the pending swap_in copies read: taken until sent
+        self._pending_fill: set[int] = set()  # device pages the pending swap_in copies write
+        self.host_prefix_hits = 0  # prompt tokens found in the host tier
         self.block_size = block_size
         self.policy = policy
         self.prefix_caching = prefix_caching
@@ -51,6 +62,10 @@ class KVCacheManager:
         hits = []
         for key in request.block_hashes:
             block_id = self.pool.lookup(key)
+            if block_id is None and self.host_pool.lookup(key) is not None:
+                self.pool.take(hits)  # pinned: the page allocated for the host copy must not evict them
+                block_id = self._from_host(key)
+                self.pool.release(hits)
             if block_id is None:
                 break
             hits.append(block_id)
@@ -59,6 +74,46 @@ class KVCacheManager:
         self.prefix_queries += request.num_tokens
         self.prefix_hits += len(hits) * self.block_size
         return hits
+
+    def _from_host(self, key: bytes) -> int | None:
+        """A device page holding the host tier's copy of key (free, findable), or None."""
+        host_id = self.host_pool.lookup(key)
+        if host_id is None or not self.pool.num_free:
+            return None
+        self.host_pool.take([host_id])  # read by a pending swap_in: not reused before it is sent
+        self.host_reads.append(host_id)
+        block_id = self._allocate_device(1)[0]
+        self.swap_in_copies.append((block_id, host_id))
+        self._pending_fill.add(block_id)
+        self.pool.register(block_id, key)
+        self.pool.release([block_id])  # free and findable: allocate_slots takes it like any cached page
+        self.host_prefix_hits += self.block_size
+        return block_id
+
+    def _allocate_device(self, count: int) -> list[int] | None:
+        """pool.allocate(), first copying the prefix pages it evicts to free host pages."""
+        if self.host_pool.num_blocks and self.prefix_caching:
+            for block_id in self.pool.next_to_evict(count):
+                key = self.pool.block_keys[block_id]
+                if key is None or self.host_pool.lookup(key) is not None or block_id in self._pending_fill:
+                    continue  # no content, already kept, or its content has not arrived yet
+                host_ids = self.host_pool.allocate(1)
+                if host_ids is None:
+                    break  # every host page is a swapped request's or read this plan
+                self.host_pool.register(host_ids[0], key)
+                self.host_pool.release(host_ids)  # cached: free, findable, evicted oldest first
+                self.swap_out_copies.append((block_id, host_ids[0]))
+        return self.pool.allocate(count)
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The copies for the plan being sent (swap_out, swap_in); after it the host pages they read may
+        be reused, since any later swap_out runs in a later plan."""
+        copies = self.swap_out_copies, self.swap_in_copies
+        self.swap_out_copies, self.swap_in_copies = [], []
+        self.host_pool.release(self.host_reads)
+        self.host_reads = []
+        self._pending_fill.clear()
+        return copies
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        cached_blocks: list[int] | tuple[int, ...] = ()) -> list[int] | None:
@@ -82,7 +137,7 @@ class KVCacheManager:
                 del self.block_tables[request.request_id]
             return None
         self.pool.take(cached_blocks)
-        fresh = self.pool.allocate(max(num_fresh, 0)) or []
+        fresh = self._allocate_device(max(num_fresh, 0)) or []
         added = list(cached_blocks) + fresh
         table.extend(added)
         if self.prefix_caching:
@@ -103,24 +158,26 @@ class KVCacheManager:
     def is_swapped(self, request_id: str) -> bool:
         return request_id in self.host_tables
 
-    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
-        """Moves the request's computed pages to host pages and frees its device pages: the
-        (device, host) copies to make, or None (nothing changed) when the host tier lacks room."""
+    def swap_out(self, request: Request) -> bool:
+        """Moves the request's computed pages to host pages (copies queued) and frees its device pages;
+        False (nothing changed) when the host tier lacks room."""
         num_pages = cdiv(request.num_computed_tokens, self.block_size)
         host_ids = self.host_pool.allocate(num_pages) if num_pages else None
         if host_ids is None:
-            return None
-        copies = list(zip(self.block_tables[request.request_id][:num_pages], host_ids))
+            return False
+        self.swap_out_copies.extend(zip(self.block_tables[request.request_id][:num_pages], host_ids))
         self._free_device(request)
         self.host_tables[request.request_id] = host_ids
-        return copies
+        return True
 
-    def swap_in(self, request: Request) -> list[tuple[int, int]]:
-        """After allocate_slots gave a swapped request its device pages: the (device, host) copies that
-        fill them, the host pages freed."""
+    def swap_in(self, request: Request) -> None:
+        """After allocate_slots gave a swapped request its device pages: queues the copies that fill
+        them; its host pages are freed once those are sent."""
         host_ids = self.host_tables.pop(request.request_id)
-        self.host_pool.release(host_ids)
-        return list(zip(self.block_tables[request.request_id], host_ids))
+        self.host_reads.extend(host_ids)
+        copies = list(zip(self.block_tables[request.request_id], host_ids))
+        self.swap_in_copies.extend(copies)
+        self._pending_fill.update(device_id for device_id, _ in copies)
 
     def free(self, request: Request) -> None:
         self.host_pool.release(self.host_tables.pop(request.request_id, ()))
@@ -138,9 +195,13 @@ class KVCacheManager:
         self.pool.release(reversed(table))
 
     def forget_cached_content(self) -> None:
-        """No page holds K/V any more (the worker was replaced): no prefix may hit them."""
+        """No page holds K/V any more (the worker was replaced, host tier too): no prefix may hit them,
+        and copies not yet sent are void."""
         for block_id in range(self.pool.num_blocks):
             self.pool.unregister(block_id)
+        for block_id in range(self.host_pool.num_blocks):
+            self.host_pool.unregister(block_id)
+        self.take_copies()
 
     def utilization(self, requests: list[Request]) -> float:
         """Live tokens / reserved slots over the given (running) requests; 0 with none."""

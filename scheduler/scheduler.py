@@ -47,9 +47,6 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._on_worker: set[str] = set()  # requests whose state the worker holds
         self._dropped_since_last_plan: list[str] = []  # the worker must forget these
-        # page copies decided since the last plan sent (an empty plan is not sent: they wait for the next)
-        self._swap_out: list[tuple[int, int]] = []
-        self._swap_in: list[tuple[int, int]] = []
         self._step_id = 0
         self.num_preemptions = 0
         self.num_swapped_preemptions = 0  # of which swapped rather than recomputed
@@ -114,7 +111,6 @@ class Scheduler:
         self.running = []
         self._on_worker.clear()  # the new worker holds nothing to drop
         self._dropped_since_last_plan = []
-        self._swap_out, self._swap_in = [], []
         self._step_shapes.clear()  # the steps in flight died with the worker: nothing to learn from them
         self.step_tunings.clear()
         self.kv.forget_cached_content()
@@ -179,7 +175,7 @@ class Scheduler:
             if self.kv.allocate_slots(request, num_new, cached) is None:
                 break  # the head waits for pages; FCFS does not let later requests overtake it
             if swapped:
-                self._swap_in.extend(self.kv.swap_in(request))
+                self.kv.swap_in(request)
             self.waiting.pop()
             request.num_computed_tokens = num_cached_tokens
             if request.num_cached_tokens < 0:
@@ -201,8 +197,8 @@ class Scheduler:
 
         if not plan.is_empty:  # an empty plan is never sent, so the drops and copies wait for the next one
             plan.finished_request_ids = self._dropped_since_last_plan
-            plan.swap_out, plan.swap_in = self._swap_out, self._swap_in
-            self._dropped_since_last_plan, self._swap_out, self._swap_in = [], [], []
+            plan.swap_out, plan.swap_in = self.kv.take_copies()
+            self._dropped_since_last_plan = []
             shape = self._step_shapes[plan.step_id] = StepShape(
                 plan.total_num_scheduled_tokens, len(plan.num_scheduled_tokens),
                 sum(self.requests[request_id].num_computed_tokens + num_tokens
@@ -359,13 +355,11 @@ class Scheduler:
         # pages go back (their content stays findable in the prefix cache) and it restarts from
         # num_computed_tokens = 0. Either way it waits at the head of the queue.
         self.running.remove(request)
-        copies = self.kv.swap_out(request) if self._swap_is_cheaper(request) else None
-        if copies is None:
+        if self._swap_is_cheaper(request) and self.kv.swap_out(request):
+            self.num_swapped_preemptions += 1
+        else:
             self.kv.free(request)
             request.num_computed_tokens = 0
-        else:
-            self._swap_out.extend(copies)
-            self.num_swapped_preemptions += 1
         self._drop_from_worker(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
