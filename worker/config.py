@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
-ROPE_SCALING_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+# freq_factors: llama.cpp's rope_freqs tensor (how its converter stores llama3 scaling), each frequency divided by its factor
+ROPE_SCALING_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "freq_factors")
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
@@ -30,6 +31,7 @@ class RopeScaling:
     attention_factor: float | None = None  # yarn / longrope: cos/sin multiplier (None: derived from factor)
     short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors up to the original length
     long_factor: tuple[float, ...] = ()  # longrope: beyond it
+    freq_factors: tuple[float, ...] = ()  # freq_factors: one divisor per frequency
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_SCALING_TYPES or self.rope_type == "default":
@@ -39,6 +41,8 @@ class RopeScaling:
             raise ValueError(f"rope scaling {self.rope_type!r} needs original_max_position_embeddings")
         if self.rope_type == "longrope" and not (self.short_factor and self.long_factor):
             raise ValueError("rope scaling 'longrope' needs short_factor and long_factor")
+        if self.rope_type == "freq_factors" and not self.freq_factors:
+            raise ValueError("rope scaling 'freq_factors' needs freq_factors")
 
 
 @dataclass(slots=True, frozen=True)

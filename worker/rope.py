@@ -87,6 +87,8 @@ def rotary_tables(
     inv_freq = _default_inv_freq(theta, head_dim, device)  # [D/2]
     if rope_type == "linear":
         freqs = pos * (inv_freq / scaling.factor)[None, :]
+    elif rope_type == "freq_factors":
+        freqs = pos * (inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32, device=device))[None, :]
     elif rope_type == "llama3":
         freqs = pos * _llama3(inv_freq, scaling)[None, :]
     elif rope_type == "yarn":

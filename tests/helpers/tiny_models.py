@@ -98,12 +98,16 @@ def write_tiny_tokenizer(folder: Path) -> None:
     )
 
 
-def make_tiny_hf_model(tmp_path: Path, flavour: str = "llama", seed: int = 0):
-    """Writes a tiny model folder under tmp_path; returns (folder, transformers model in eval, float32)."""
+def make_tiny_hf_model(tmp_path: Path, flavour: str = "llama", seed: int = 0, **overrides):
+    """Writes a tiny model folder under tmp_path; returns (folder, transformers model in eval, float32).
+    overrides: config attributes set after the flavour's (e.g. what a GGUF file cannot express)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_hf_config(flavour), dtype=torch.float32)
+    config = tiny_hf_config(flavour)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):

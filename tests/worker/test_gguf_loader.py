@@ -1,11 +1,12 @@
 """GGUF loading: tiny GGUF files written the way llama.cpp's convert script writes them (q/k rows
-permuted), error cases, and (slow) the real default model against transformers' own GGUF reader."""
+permuted), error cases, split files, and (slow) the real default model against transformers' own GGUF
+reader. Every family through the scheduler-shaped scenario: test_gguf_families.py."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
+from tests.helpers.tiny_gguf import write_converter_gguf
 from tests.helpers.tiny_models import make_tiny_hf_model
 from worker.attention import RequestSpan, build_attention_metadata
 from worker.kv_cache import allocate_kv_cache
@@ -14,56 +15,8 @@ from worker.loader import ModelLoadError, default_model_path, load_model
 MAX_REL_ERR = 1e-4
 
 
-def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
-    """As in llama.cpp's convert_hf_to_gguf.py (LlamaModel.permute)."""
-    return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
-
-
-def write_gguf(path, hf_model, architecture: str = "llama", skip: tuple[str, ...] = ()) -> None:
-    import gguf
-
-    config = hf_model.config
-    writer = gguf.GGUFWriter(str(path), architecture)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_dimension_count(config.head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_bos_token_id(config.bos_token_id)
-    writer.add_eos_token_id(config.eos_token_id)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
-    layer_names = {
-        "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
-        "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
-        "self_attn.o_proj.weight": "attn_output.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-        "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
-    }  # fmt: skip
-    state = hf_model.state_dict()
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # llama.cpp writes no output.weight for tied models
-    for hf_name, tensor in state.items():
-        if hf_name.startswith("model.layers."):
-            _, _, layer, inner = hf_name.split(".", 3)
-            gguf_name = f"blk.{layer}.{layer_names[inner]}"
-        else:
-            gguf_name = names[hf_name]
-        if gguf_name in skip:
-            continue
-        values = tensor.detach().float().numpy()
-        if gguf_name.endswith("attn_q.weight"):
-            values = llama_cpp_permute(values, config.num_attention_heads)
-        elif gguf_name.endswith("attn_k.weight"):
-            values = llama_cpp_permute(values, config.num_key_value_heads)
-        writer.add_tensor(gguf_name, np.ascontiguousarray(values))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+def write_gguf(path, hf_model, architecture: str | None = None, skip: tuple[str, ...] = ()) -> None:
+    write_converter_gguf(path, hf_model, skip=skip, architecture=architecture)
 
 
 def all_row_logits(model, config, token_ids: list[int]) -> torch.Tensor:
@@ -152,3 +105,19 @@ def test_default_model_config_and_logits_match_transformers():
     with torch.no_grad():
         reference = reference_model(torch.tensor([token_ids])).logits[0]
     assert max_rel_err(all_row_logits(model, config, token_ids), reference) <= MAX_REL_ERR
+
+
+def test_split_gguf_loads_from_any_part(tmp_path):
+    _, hf_model = make_tiny_hf_model(tmp_path, "qwen2")
+    write_converter_gguf(tmp_path / "tiny.gguf", hf_model, split_max_tensors=10)
+    parts = sorted(tmp_path.glob("tiny-*-of-*.gguf"))
+    assert len(parts) >= 3
+    token_ids = torch.randint(0, 258, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        reference = hf_model(torch.tensor([token_ids])).logits[0]
+    for part in (parts[0], parts[-1]):
+        model, config = load_model(part, progress=False)
+        assert max_rel_err(all_row_logits(model, config, token_ids), reference) <= MAX_REL_ERR
+    parts[1].unlink()
+    with pytest.raises(ModelLoadError, match=f"split part {parts[1].name} \\(2 of {len(parts)}\\) does not exist"):
+        load_model(parts[0], progress=False)

@@ -45,4 +45,5 @@ def load_model(
         config, tensors = read_gguf(path, dtype, progress)
     else:
         raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model folder")
-    return build_model(config, tensors, dtype), config
+    # llama.cpp's converter stores gemma's norm weights as 1 + w; HF folders hold w
+    return build_model(config, tensors, dtype, norms_hold_offset=not path.is_dir()), config

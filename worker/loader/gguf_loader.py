@@ -1,11 +1,18 @@
-"""Read a llama.cpp GGUF file: config from its metadata, tensors dequantized and renamed to HF names.
+"""Read a llama.cpp GGUF file (or a split set of them): config from its metadata, tensors dequantized
+and renamed to Hugging Face names.
 
-llama.cpp's convert script permutes the rows of attn_q / attn_k for its interleaved rotary layout:
-    w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2)
-We invert that so the HF "rotate_half" RoPE applies unchanged (k uses n_kv_heads).
+Tensor names are the converter's own table (gguf.get_tensor_name_map, what convert_hf_to_gguf.py
+names each HF tensor with), per architecture. Layout differences the converter introduces, undone here:
+  - llama (and Mistral, which it writes as llama): attn_q / attn_k rows permuted for its interleaved
+    rotary layout, w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2) (k uses n_kv_heads);
+    the other families use the NeoX layout, which is HF's, and are stored as they are;
+  - gemma2/3: norm weights stored as 1 + w (the model's build step is told so);
+  - llama3 rope scaling: stored as per-frequency divisors (rope_freqs), phi3 longrope as
+    rope_factors_short / rope_factors_long plus an attention factor.
 """
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -13,41 +20,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from worker.config import ModelConfig
+from worker.config import ModelConfig, RopeScaling
 from worker.loader.errors import ModelLoadError
 from worker.loader.weights import check_shape, expected_hf_shapes
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
-
-_LAYER_TENSORS = {  # GGUF name inside blk.N -> HF name inside model.layers.N
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
-
-
-def gguf_to_hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
-    parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
-    return None  # e.g. rope_freqs: not used by this model
-
-
-def hf_to_gguf_name(hf_name: str) -> str:
-    for gguf_name, name in _GLOBAL_TENSORS.items():
-        if name == hf_name:
-            return gguf_name
-    _, _, layer, inner = hf_name.split(".", 3)  # model.layers.N.<inner>
-    return f"blk.{layer}." + next(g for g, h in _LAYER_TENSORS.items() if h == inner)
+# GGUF general.architecture -> ours (llama.cpp's converter writes Mistral 7B as "llama")
+SUPPORTED_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+                                "gemma3": "gemma3", "phi3": "phi3"}
+PERMUTED_ROTARY = ("llama",)  # the only converter classes that permute q/k rows
+SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+# llama.cpp's 27B rule: gemma 27B scales queries by (hidden / heads) ** -0.5, others by head_dim ** -0.5
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}  # every n-th layer is global, as llama.cpp sets them
 
 
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -57,43 +41,111 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _field(reader, key: str, path: Path, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        if default is None:
-            raise ModelLoadError(f"{path}: GGUF metadata key {key!r} is missing")
-        return default
-    return field.contents()
+def hf_to_gguf_name(gguf_arch: str, num_layers: int, hf_name: str) -> str:
+    """The converter's name for an HF tensor name (weight / bias suffix kept)."""
+    import gguf
+
+    tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[gguf_arch.upper()], num_layers)
+    name = tensor_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if name is None:
+        raise ModelLoadError(f"no GGUF name for tensor {hf_name!r} in architecture {gguf_arch!r}")
+    return name
 
 
-def parse_gguf_config(reader, path: Path, tensor_names: set[str]) -> ModelConfig:
-    arch = _field(reader, "general.architecture", path)
+class _Metadata:
+    def __init__(self, reader, path: Path) -> None:
+        self.reader, self.path = reader, path
+
+    def get(self, key: str, default=None, required: bool = False):
+        field = self.reader.fields.get(key)
+        if field is None:
+            if required:
+                raise ModelLoadError(f"{self.path}: GGUF metadata key {key!r} is missing")
+            return default
+        return field.contents()
+
+
+def _rope_scaling(meta: _Metadata, arch: str, tensors: dict) -> RopeScaling | None:
+    if "rope_freqs.weight" in tensors:  # llama3: llama.cpp divides each frequency by its factor
+        factors = _dequantize(tensors["rope_freqs.weight"], meta.path).reshape(-1)
+        return RopeScaling("freq_factors", freq_factors=tuple(float(f) for f in factors))
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if "rope_factors_long.weight" in tensors:  # phi3 longrope / su
+        long = _dequantize(tensors["rope_factors_long.weight"], meta.path).reshape(-1)
+        short = _dequantize(tensors["rope_factors_short.weight"], meta.path).reshape(-1)
+        return RopeScaling("longrope", original_max_position_embeddings=int(original),
+                           attention_factor=float(meta.get(f"{arch}.rope.scaling.attn_factor", 1.0)),
+                           short_factor=tuple(float(f) for f in short), long_factor=tuple(float(f) for f in long))
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0))
+    if kind == "linear":
+        return RopeScaling("linear", factor=factor)
+    if kind == "yarn":
+        return RopeScaling("yarn", factor=factor, original_max_position_embeddings=int(original))
+    raise ModelLoadError(f"{meta.path}: GGUF rope scaling type {kind!r} is not supported; supported: none, linear, yarn")
+
+
+def _layer_windows(meta: _Metadata, arch: str, model_arch: str, num_layers: int) -> tuple[int | None, ...]:
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if not window:
+        return ()
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # per layer: True where the layer slides
+        return tuple(int(window) if sliding else None for sliding in pattern)
+    if model_arch in GEMMA_SLIDING_PATTERN:
+        every = int(pattern or GEMMA_SLIDING_PATTERN[model_arch])
+        return tuple(None if (i + 1) % every == 0 else int(window) for i in range(num_layers))
+    return (int(window),) * num_layers
+
+
+def parse_gguf_config(reader, path: Path, tensors: dict) -> ModelConfig:
+    meta = _Metadata(reader, path)
+    arch = meta.get("general.architecture", required=True)
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: GGUF general.architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
-    hidden_size = int(_field(reader, f"{arch}.embedding_length", path))
-    num_heads = int(_field(reader, f"{arch}.attention.head_count", path))
+    model_arch = SUPPORTED_GGUF_ARCHITECTURES[arch]
+    hidden_size = int(meta.get(f"{arch}.embedding_length", required=True))
+    num_heads = int(meta.get(f"{arch}.attention.head_count", required=True))
+    num_layers = int(meta.get(f"{arch}.block_count", required=True))
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden_size // num_heads)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab_default = len(tokens.data) if tokens is not None else None
-    eos = reader.fields.get("tokenizer.ggml.eos_token_id")
-    bos = reader.fields.get("tokenizer.ggml.bos_token_id")
+    eos, bos = meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.bos_token_id")
+    gemma = model_arch in GEMMA_SLIDING_PATTERN
+    query_scale = meta.get(f"{arch}.attention.scale")
+    if query_scale is None and gemma and num_layers == GEMMA_27B_LAYERS[model_arch]:
+        query_scale = (hidden_size / num_heads) ** -0.5
+    attn_softcap, final_softcap = meta.get(f"{arch}.attn_logit_softcapping"), meta.get(f"{arch}.final_logit_softcapping")
     return ModelConfig(
-        architecture="llama",
-        vocab_size=int(_field(reader, f"{arch}.vocab_size", path, vocab_default)),
+        architecture=model_arch,
+        vocab_size=int(meta.get(f"{arch}.vocab_size", vocab_default, required=vocab_default is None)),
         hidden_size=hidden_size,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length", path)),
-        num_layers=int(_field(reader, f"{arch}.block_count", path)),
+        intermediate_size=int(meta.get(f"{arch}.feed_forward_length", required=True)),
+        num_layers=num_layers,
         num_heads=num_heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", path, num_heads)),
-        head_dim=int(_field(reader, f"{arch}.rope.dimension_count", path, hidden_size // num_heads)),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", path, 10000.0)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", path, 1e-5)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias=False,
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", path, 4096)),
-        bos_token_id=None if bos is None else int(bos.contents()),
-        eos_token_id=None if eos is None else int(eos.contents()),
+        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        max_position_embeddings=int(meta.get(f"{arch}.context_length", 4096)),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_id=None if eos is None else int(eos),
+        rope_scaling=_rope_scaling(meta, arch, tensors),
+        local_rope_theta=float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)) if model_arch == "gemma3" else None,
+        layer_windows=_layer_windows(meta, arch, model_arch, num_layers),
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        sandwich_norms=gemma,
+        hidden_act="gelu_tanh" if gemma else "silu",
+        embedding_multiplier=hidden_size**0.5 if gemma else None,
+        attn_logit_softcap=None if attn_softcap is None else float(attn_softcap),
+        final_logit_softcap=None if final_softcap is None else float(final_softcap),
+        query_scale=None if query_scale is None else float(query_scale),
     )
 
 
@@ -108,32 +160,59 @@ def _dequantize(tensor, path: Path) -> np.ndarray:
     return values.reshape([int(d) for d in reversed(tensor.shape.tolist())])
 
 
-def read_gguf(path: Path, dtype: torch.dtype, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Returns the config and the checked, dequantized, un-permuted HF-named tensors in dtype."""
+def _open(path: Path):
     from gguf import GGUFReader
 
     try:
-        reader = GGUFReader(str(path))
+        return GGUFReader(str(path))
     except Exception as exc:  # GGUFReader raises ValueError / struct errors / OSError on a bad file
         raise ModelLoadError(f"{path}: not a readable GGUF file: {exc}") from None
-    by_hf_name = {gguf_to_hf_name(t.name): t for t in reader.tensors}
+
+
+def _split_readers(path: Path, first) -> list:
+    """All readers of a split model (gguf-split's NAME-0000i-of-0000n.gguf), path being any of them."""
+    count = _Metadata(first, path).get("split.count", 1)
+    if int(count) <= 1:
+        return [first]
+    match = SPLIT_NAME.match(path.name)
+    if match is None:
+        raise ModelLoadError(f"{path}: GGUF split.count is {count} but the name is not NAME-0000i-of-0000n.gguf")
+    readers = []
+    for index in range(1, int(count) + 1):
+        part = path.with_name(f"{match['prefix']}-{index:05d}-of-{int(count):05d}.gguf")
+        if not part.is_file():
+            raise ModelLoadError(f"{path}: split part {part.name} ({index} of {count}) does not exist")
+        readers.append(first if part == path else _open(part))
+    return readers
+
+
+def read_gguf(path: Path, dtype: torch.dtype, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Returns the config and the checked, dequantized, un-permuted HF-named tensors in dtype (gemma
+    norms still holding their 1, as the converter stored them)."""
+    first = _open(path)
+    readers = _split_readers(path, first)
+    by_gguf_name = {tensor.name: tensor for reader in readers for tensor in reader.tensors}
+    # metadata lives in the first part; path may name any part
+    meta_reader = next((r for r in readers if r.fields.get("general.architecture") is not None), first)
     try:
-        config = parse_gguf_config(reader, path, {t.name for t in reader.tensors})
+        config = parse_gguf_config(meta_reader, path, by_gguf_name)
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ModelLoadError):
             raise
         raise ModelLoadError(f"{path}: bad GGUF metadata: {exc}") from None
+    gguf_arch = meta_reader.fields["general.architecture"].contents()
     tensors: dict[str, torch.Tensor] = {}
     expected = expected_hf_shapes(config)
     for hf_name, shape in tqdm(expected.items(), desc=f"loading {path.name}", unit="tensor", file=sys.stderr, disable=not progress):
-        tensor = by_hf_name.get(hf_name)
+        gguf_name = hf_to_gguf_name(gguf_arch, config.num_layers, hf_name)
+        tensor = by_gguf_name.get(gguf_name)
         if tensor is None:
-            raise ModelLoadError(f"{path}: tensor {hf_to_gguf_name(hf_name)!r} is missing from the GGUF file")
+            raise ModelLoadError(f"{path}: tensor {gguf_name!r} is missing from the GGUF file")
         values = _dequantize(tensor, path)
         check_shape(str(path), tensor.name, values.shape, shape)
-        if hf_name.endswith("q_proj.weight"):
+        if gguf_arch in PERMUTED_ROTARY and hf_name.endswith("q_proj.weight"):
             values = unpermute_rotary_rows(values, config.num_heads)
-        elif hf_name.endswith("k_proj.weight"):
+        elif gguf_arch in PERMUTED_ROTARY and hf_name.endswith("k_proj.weight"):
             values = unpermute_rotary_rows(values, config.num_kv_heads)
         tensors[hf_name] = torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
     return config, tensors
