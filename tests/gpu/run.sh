@@ -3,7 +3,8 @@
 # CUDA (TRITON_INTERPRET=0), (2) the decode-step benchmark on a Llama-3-8B-shaped random-weight model in
 # bfloat16 (batch 1/16/64/256, 512-1536 tokens of context; CUDA graphs on/off x stream overlap on/off,
 # and async scheduling on/off with both on). tests/gpu also holds the swap tier's pinned pages and copy
-# stream and the KV cache sized from free device memory (test_cuda_swap_and_sizing.py, issue 19).
+# stream and the KV cache sized from free device memory (test_cuda_swap_and_sizing.py, issue 19), and
+# (3) the memory-pressure benchmark: swap vs recompute vs static (bench_swap.py; OUTPUT_DIR/bench_swap.json).
 #
 #   tests/gpu/run.sh [OUTPUT_DIR]     # default: $OUT if set, else ./gpu-output
 #
@@ -39,6 +40,8 @@ run() {
   run timeout 240 "$PYTHON" -m pytest -q --noconftest -p no:cacheprovider -o addopts="" \
       tests/worker/kernels tests/gpu || status=1
   run timeout 330 "$PYTHON" -m tests.gpu.bench_decode --output "$OUTPUT_DIR/bench_decode.json" || status=1
+  # issue 19: memory pressure on the GPU, preemption by swap (pinned host pages, copy stream) vs recompute vs static
+  run timeout 240 "$PYTHON" -m tests.gpu.bench_swap --output "$OUTPUT_DIR/bench_swap.json" || status=1
   echo "== done: status=$status"
   exit $status
 } 2>&1 | tee "$LOG"

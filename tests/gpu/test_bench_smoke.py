@@ -17,3 +17,12 @@ def test_dry_run_measures_every_setting(tmp_path):
     assert all(row.step_ms > 0 and row.tokens_per_s > 0 and row.bytes_per_step > 0 for row in rows)
     saved = json.loads(output.read_text())
     assert saved["copy_gb_s"] > 0 and len(saved["rows"]) == 10
+
+
+def test_swap_benchmark_dry_run_compares_the_three_modes(tmp_path):
+    from tests.gpu.bench_swap import main as bench_swap
+
+    results = bench_swap(["--dry-run", "--kernel-backend", "torch", "--output", str(tmp_path / "swap.json")])
+    assert list(results) == ["swap", "recompute", "static"]
+    assert results["swap"]["swapped"] > 0 and results["recompute"]["swapped"] == 0
+    assert all(row["tokens_per_s"] > 0 and row["step_p99_ms"] >= row["step_p50_ms"] for row in results.values())
