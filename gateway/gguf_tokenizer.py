@@ -146,11 +146,107 @@ class GgufTokenizerSpec:
     chat_template: str | None
 
 
+SPM_SPACE = "\u2581"  # SentencePiece's visible space
+# files without tokenizer.ggml.eot_token_id: the end-of-turn token is found by its text, as llama.cpp does
+END_OF_TURN_TEXTS = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>", "<|end_of_turn|>", "<EOT>")
+
+
 def build_gguf_tokenizer(metadata: dict[str, object]) -> GgufTokenizerSpec:
-    """A byte-level BPE `tokenizers.Tokenizer` from the metadata of a GGUF file (see read_gguf_metadata)."""
+    """A `tokenizers.Tokenizer` from the metadata of a GGUF file (see read_gguf_metadata): byte-level
+    BPE (tokenizer.ggml.model 'gpt2') or SentencePiece BPE with byte fallback ('llama': Llama 2,
+    Mistral, Gemma, Phi-3)."""
     model = metadata.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ValueError(f"tokenizer.ggml.model={model!r} is not supported: must be 'gpt2' (byte-level BPE)")
+    if model == "gpt2":
+        tokenizer, tokens = _byte_level_bpe(metadata)
+    elif model == "llama":
+        tokenizer, tokens = _sentencepiece_bpe(metadata)
+    else:
+        raise ValueError(
+            f"tokenizer.ggml.model={model!r} is not supported: must be 'gpt2' (byte-level BPE) or 'llama' (SentencePiece)"
+        )
+    bos_token_id = _optional_id(metadata, "tokenizer.ggml.bos_token_id")
+    eos_token_id = _optional_id(metadata, "tokenizer.ggml.eos_token_id")
+    tokenizer.post_processor = _special_token_template(
+        tokens,
+        bos_token_id if metadata.get("tokenizer.ggml.add_bos_token", model == "llama") else None,
+        eos_token_id if metadata.get("tokenizer.ggml.add_eos_token", False) else None,
+    )
+    return GgufTokenizerSpec(
+        tokenizer=tokenizer,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        eot_token_id=_end_of_turn_id(metadata, tokens),
+        pad_token_id=_optional_id(metadata, "tokenizer.ggml.padding_token_id"),
+        chat_template=metadata.get("tokenizer.chat_template"),  # type: ignore[arg-type]
+    )
+
+
+def _end_of_turn_id(metadata: dict[str, object], tokens: list[str]) -> int | None:
+    explicit = _optional_id(metadata, "tokenizer.ggml.eot_token_id")
+    if explicit is not None:
+        return explicit
+    token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or []  # type: ignore[assignment]
+    marked = {index for index, kind in enumerate(token_types) if kind in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)}
+    by_text = {token: index for index, token in enumerate(tokens) if index in marked}
+    return next((by_text[text] for text in END_OF_TURN_TEXTS if text in by_text), None)
+
+
+def _add_typed_tokens(tokenizer: Tokenizer, tokens: list[str], token_types: list[int], usable) -> None:
+    # Control tokens (<|im_start|>, <start_of_turn>, ...) are matched whole and are "special" (skipped
+    # on decode); user-defined ones are matched whole but kept. Without this they would be cut into pieces.
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(token, special=True, normalized=False)
+            for token, token_type in zip(tokens, token_types)
+            if token_type == TOKEN_TYPE_CONTROL and usable(token)
+        ]
+    )
+    tokenizer.add_tokens(
+        [
+            AddedToken(token, special=False, normalized=False)
+            for token, token_type in zip(tokens, token_types)
+            if token_type == TOKEN_TYPE_USER_DEFINED and usable(token)
+        ]
+    )
+
+
+def _sentencepiece_bpe(metadata: dict[str, object]) -> tuple[Tokenizer, list[str]]:
+    """llama.cpp's SPM vocabulary (pieces with scores, <0xNN> byte tokens) as a BPE with byte fallback.
+
+    llama.cpp merges the adjacent pair whose joined piece scores highest; a BPE whose merges are
+    ranked by the joined piece's score does the same (how transformers converts SentencePiece BPE
+    models). Spaces become U+2581; llama files prepend one to the text, gemma's do not
+    (tokenizer.ggml.add_space_prefix)."""
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]  # type: ignore[assignment]
+    scores: list[float] = metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)  # type: ignore[assignment]
+    token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)  # type: ignore[assignment]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for token, score, token_type in zip(tokens, scores, token_types):
+        if token_type != 1:  # only normal pieces are merge results
+            continue
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-score, vocab[left], vocab[right], left, right))
+    ranked.sort()
+    unk_id = _optional_id(metadata, "tokenizer.ggml.unknown_token_id")
+    tokenizer = Tokenizer(models.BPE(
+        vocab=vocab, merges=[(left, right) for *_, left, right in ranked],
+        unk_token=None if unk_id is None else tokens[unk_id], fuse_unk=True, byte_fallback=True,
+    ))
+    add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    # one space before the text's first fragment only, not after each special token (llama.cpp's rule)
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=SPM_SPACE, prepend_scheme="first" if add_space_prefix else "never", split=False
+    )
+    steps = [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
+    _add_typed_tokens(tokenizer, tokens, token_types, lambda token: True)
+    return tokenizer, tokens
+
+
+def _byte_level_bpe(metadata: dict[str, object]) -> tuple[Tokenizer, list[str]]:
     pre = str(metadata.get("tokenizer.ggml.pre", "gpt-2"))
     if pre == "default":  # old files; llama.cpp then uses its own GPT-2-like split, we use GPT-2's
         pre = "gpt-2"
@@ -171,39 +267,8 @@ def build_gguf_tokenizer(metadata: dict[str, object]) -> GgufTokenizerSpec:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     tokenizer.pre_tokenizer = pre_tokenizer
     tokenizer.decoder = decoders.ByteLevel()
-
-    # Control tokens (<|im_start|>, ...) are matched whole and are "special" (skipped on decode);
-    # user-defined ones are matched whole but kept. Without this they would be cut into pieces.
-    tokenizer.add_special_tokens(
-        [
-            AddedToken(token, special=True, normalized=False)
-            for token, token_type in zip(tokens, token_types)
-            if token_type == TOKEN_TYPE_CONTROL and set(token) <= allowed
-        ]
-    )
-    tokenizer.add_tokens(
-        [
-            AddedToken(token, special=False, normalized=False)
-            for token, token_type in zip(tokens, token_types)
-            if token_type == TOKEN_TYPE_USER_DEFINED and token in vocab
-        ]
-    )
-
-    bos_token_id = _optional_id(metadata, "tokenizer.ggml.bos_token_id")
-    eos_token_id = _optional_id(metadata, "tokenizer.ggml.eos_token_id")
-    tokenizer.post_processor = _special_token_template(
-        tokens,
-        bos_token_id if metadata.get("tokenizer.ggml.add_bos_token", False) else None,
-        eos_token_id if metadata.get("tokenizer.ggml.add_eos_token", False) else None,
-    )
-    return GgufTokenizerSpec(
-        tokenizer=tokenizer,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        eot_token_id=_optional_id(metadata, "tokenizer.ggml.eot_token_id"),
-        pad_token_id=_optional_id(metadata, "tokenizer.ggml.padding_token_id"),
-        chat_template=metadata.get("tokenizer.chat_template"),  # type: ignore[arg-type]
-    )
+    _add_typed_tokens(tokenizer, tokens, token_types, lambda token: set(token) <= allowed and token in vocab)
+    return tokenizer, tokens
 
 
 def _optional_id(metadata: dict[str, object], key: str) -> int | None:

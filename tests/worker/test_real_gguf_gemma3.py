@@ -79,3 +79,25 @@ def test_real_gemma3_gguf_matches_transformers(gemma3_gguf):
         reference = reference_model(torch.tensor([token_ids]), logits_to_keep=NUM_CHECKED).logits[0]
     assert max_rel_err(ours, reference) <= 1e-4
     assert ours.argmax(-1).tolist() == reference.argmax(-1).tolist()
+
+
+MULTILINGUAL = ["Hello world", " leading space", "The quick brown fox jumps over the lazy dog.", "Ça va? Très bien, merci!",
+                "日本語のテキストです。", "Привет, мир!", "مرحبا بالعالم", "emoji 🤖🚀 and tabs\tand\nnewlines  double  spaces",
+                "code: def f(x):\n    return x**2", "1234567890 3.14159", "<start_of_turn>user\nhi<end_of_turn>\n"]
+
+
+def test_real_gemma3_tokenizer_matches_transformers(gemma3_gguf):
+    from transformers import AutoTokenizer
+
+    from gateway.detokenizer import IncrementalDetokenizer
+    from gateway.tokenizer import load_tokenizer
+
+    ours = load_tokenizer(gemma3_gguf)
+    reference = AutoTokenizer.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name)
+    assert ours.stop_token_ids == (1, ours.token_to_id("<end_of_turn>"))  # <eos>, and the turn end by its text
+    for text in MULTILINGUAL:
+        ids = ours.encode(text)
+        assert ids == reference.encode(text), text
+        assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+        detokenizer = IncrementalDetokenizer(ours)
+        assert "".join(detokenizer.push([token_id]) for token_id in ids) + detokenizer.finish() == ours.decode(ids)
