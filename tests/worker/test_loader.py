@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,3 +150,47 @@ def test_neither_gguf_nor_folder(tmp_path):
     path.write_bytes(b"x")
     with pytest.raises(ModelLoadError, match="weights.bin: expected a .gguf file or a Hugging Face model folder"):
         load_model(path, progress=False)
+
+
+CONFIG_PATH = Path("config.json")
+
+
+def _parse(raw: dict):
+    from worker.loader.hf_loader import parse_hf_config
+
+    base = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4)
+    return parse_hf_config(base | raw, CONFIG_PATH, tie_word_embeddings=False)
+
+
+def test_transformers_4_configs_of_each_family_parse():
+    """config.json as transformers 4.x wrote them (rope_scaling and rope_theta at the top level)."""
+    llama31 = _parse({"architectures": ["LlamaForCausalLM"], "rope_theta": 500000.0, "max_position_embeddings": 131072,
+                      "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192, "rope_type": "llama3"}})
+    assert llama31.rope_theta == 500000.0 and llama31.rope_scaling.rope_type == "llama3"
+    assert llama31.rope_scaling.original_max_position_embeddings == 8192 and llama31.layer_windows == ()
+    phi3 = _parse({"architectures": ["Phi3ForCausalLM"], "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+                   "sliding_window": 262144, "rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}})
+    assert phi3.rope_scaling.rope_type == "longrope" and phi3.rope_scaling.factor == 32.0
+    assert phi3.layer_windows == (262144,) * 6
+    gemma2 = _parse({"architectures": ["Gemma2ForCausalLM"], "head_dim": 32, "sliding_window": 4096, "query_pre_attn_scalar": 144,
+                     "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0})
+    assert gemma2.layer_windows == (4096, None) * 3 and gemma2.query_scale == 144**-0.5
+    assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap, gemma2.hidden_act) == (50.0, 30.0, "gelu_tanh")
+    assert gemma2.embedding_multiplier == 8.0 and gemma2.sandwich_norms and not gemma2.qk_norm
+    gemma3 = _parse({"architectures": ["Gemma3ForCausalLM"], "head_dim": 32, "sliding_window": 512, "sliding_window_pattern": 6,
+                     "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 32,
+                     "hidden_activation": "gelu_pytorch_tanh", "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert gemma3.layer_windows == (512,) * 5 + (None,) and gemma3.local_rope_theta == 10000.0
+    assert gemma3.rope_scaling.rope_type == "linear" and gemma3.rope_theta == 1000000.0 and gemma3.qk_norm
+    qwen2 = _parse({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 32, "max_window_layers": 4})
+    assert qwen2.layer_windows == (None,) * 4 + (32, 32) and qwen2.attention_bias
+    mistral = _parse({"architectures": ["MistralForCausalLM"], "sliding_window": 4096})
+    assert mistral.layer_windows == (4096,) * 6
+
+
+def test_partial_rotary_and_unknown_activations_are_refused():
+    with pytest.raises(ModelLoadError, match="partial_rotary_factor != 1 is not supported"):
+        _parse({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75})
+    with pytest.raises(ModelLoadError, match="hidden activation 'relu2' is not supported; supported: silu, gelu_pytorch_tanh"):
+        _parse({"architectures": ["LlamaForCausalLM"], "hidden_act": "relu2"})
