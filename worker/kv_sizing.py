@@ -7,8 +7,9 @@ of the memory left once the weights are loaded and a profile pass of the largest
 
 On CUDA "free" is torch.cuda.mem_get_info() and the peak is max_memory_allocated() over the pass. On
 CPU "free" is MemAvailable (the kernel's estimate of what can be allocated without swapping) and the
-peak is the growth of the process's maximum resident set over the pass (0 when loading the weights
-already peaked higher). The CPU default fraction is small because that memory is shared with the OS,
+peak is the process's peak resident set over the pass (VmHWM, reset first through /proc/self/clear_refs;
+where that is not allowed, the growth of ru_maxrss, 0 when loading the weights peaked higher). The
+CPU default fraction is small because that memory is shared with the OS,
 other processes and the swap tier, and a CPU step is compute-bound long before the cache is full.
 """
 from __future__ import annotations
@@ -67,9 +68,31 @@ def measure_activation_peak(path: ExecutionPath, batch: StepBatch, device: torch
             path.forward(batch, path.prepare(batch))
             torch.cuda.synchronize(device)
             return max(torch.cuda.max_memory_allocated(device) - before, 0)
+        if _reset_peak_rss():
+            before = _status_bytes("VmRSS")
+            path.forward(batch, path.prepare(batch))
+            return max(_status_bytes("VmHWM") - before, 0)
         before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         path.forward(batch, path.prepare(batch))
         return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_kb, 0) * 1024
+
+
+def _reset_peak_rss() -> bool:
+    """Resets VmHWM to the current resident set (Linux >= 4.0); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {field}")
 
 
 def size_from_free_memory(free_bytes: int, activation_peak: int, fraction: float, bytes_per_block: int,

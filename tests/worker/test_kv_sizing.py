@@ -65,3 +65,20 @@ def test_swapped_pages_come_back_bit_exact(tiny_folder):
     runner.execute(StepPlan(2, new_requests=[NewRequestData("c", [9], 1, params, [4], 0)],
                             num_scheduled_tokens={"c": 1}, swap_in=[(6, 3), (7, 5)]))
     assert torch.equal(runner.kv_cache.storage[:, :, [6, 7]], written)
+
+
+def test_cpu_activation_peak_is_measured(tiny_folder):
+    """The profile pass's peak resident set above where it started: more tokens, more activation memory."""
+    from worker.kv_sizing import measure_activation_peak, profile_batch
+    from worker.loader import load_model
+    from worker.model_runner import ModelRunner
+
+    model, config = load_model(tiny_folder, progress=False)
+    peaks = {}
+    for num_tokens in (16, 4096):
+        batch = profile_batch(num_tokens, BLOCK_SIZE)
+        runner = ModelRunner(model, config, num_blocks=len(batch.spans[0].block_table), block_size=BLOCK_SIZE,
+                             dtype=torch.float32)
+        peaks[num_tokens] = measure_activation_peak(runner.execution_path, batch, torch.device("cpu"))
+    # 4096 tokens x the MLP's width in float32 alone is over 1 MiB
+    assert peaks[4096] > 2**20 and peaks[4096] > peaks[16]
