@@ -5,8 +5,10 @@ Layout, from the scheduling rule outwards (the shared types it works on live in 
     the rule        scheduler.py      schedule() / update(), and assume_done() / update_assumed() for async
                                       scheduling; one rule for prefill, decode, prefix hits and recompute
                     request.py        the one state object per request
-    its parts       kv_manager.py     which pages each request owns (paged or static policy)
+    its parts       kv_manager.py     which pages each request owns (paged or static policy), in both tiers
                     block_pool.py     pages, reference counts, the prefix-cache index
+                    preemption.py     swap or recompute, per victim, by cost
+                    step_time.py      the step-time model behind --target-itl-ms / --target-ttft-ms
                     queue_policy.py   FCFS or priority waiting queues
                     config.py         the one config object; stats.py: the load figures it reports
     the step loop   step_pipeline.py  schedule -> send the plan -> apply its result, 1 (sync) or 2 (async

@@ -29,3 +29,16 @@ def test_defaults_size_from_memory_and_keep_fixed_budgets():
     assert "--kv-cache-mb" not in specs["worker"] and "--kv-cache-memory-fraction" not in specs["worker"]
     assert "--target-itl-ms" not in specs["scheduler"] and "--swap-space-gb 0.0" in specs["worker"]
     assert "--kv-cache-mb 64" in specs_for(["--kv-cache-mb", "64"])["worker"]
+
+
+def test_bench_starts_one_extra_cluster_per_tuning_setting():
+    from tokenmill.bench.cli import build_parser as bench_parser, tuning_clusters
+
+    args = bench_parser().parse_args(["--budgets", "64,32", "--target-itl-ms", "150", "--swap-space-gb", "0.5"])
+    assert tuning_clusters(args) == {
+        "tokenmill paged budget=32": {"max_num_batched_tokens": 32},
+        "tokenmill paged budget=64": {"max_num_batched_tokens": 64},
+        "tokenmill paged itl<=150ms": {"target_itl_ms": 150.0},
+        "tokenmill paged swap 0.5GB": {"swap_space_gb": 0.5},
+    }
+    assert tuning_clusters(bench_parser().parse_args([])) == {}

@@ -9,6 +9,12 @@
 
 Defaults are CPU scale (64-token prompts, outputs 16-64, concurrency 1,4,8,16); on a GPU use e.g.
 --prompt-len 512 --max-output 256 --concurrency 1,8,32,64,128.
+
+Self-tuning (issue 19), each an extra paged cluster beside the --kv-policies ones:
+    --budgets 32,64,128        one cluster per fixed --max-num-batched-tokens (a sweep of fixed budgets)
+    --target-itl-ms 120        one cluster with the ITL target (the default budget, 512, as its ceiling)
+    --swap-space-gb 0.25       one cluster whose preemptions may swap to host memory (a memory-pressure run:
+                               set --num-blocks small; the paged run beside it recomputes, the static one reserves)
 """
 from __future__ import annotations
 
@@ -58,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench_out"), help="report directory (default: %(default)s)")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--budgets", type=parse_levels, default=[],
+                        help="also a paged cluster per fixed token budget (--max-num-batched-tokens)")
+    parser.add_argument("--target-itl-ms", type=float, help="also a paged cluster with this ITL target")
+    parser.add_argument("--swap-space-gb", type=float, help="also a paged cluster with this much swap space")
     return parser
 
 
@@ -70,18 +80,30 @@ async def _sweep_address(make_target, args, workload, scheduler_address: str | N
         await target.close()
 
 
-def run_cluster(args, workload, kv_policy: str) -> dict:
+def run_cluster(args, workload, kv_policy: str, label: str | None = None, **settings) -> dict:
+    """settings: more ClusterConfig fields (a fixed budget, a latency target, swap space)."""
     from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
     from tokenmill.supervisor import Supervisor
 
     config = resolve_ports(ClusterConfig(
         model=args.model, gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
-        http_port=0 if args.protocol == "http" else None, kv_policy=kv_policy, num_blocks=args.num_blocks))
+        http_port=0 if args.protocol == "http" else None, kv_policy=kv_policy, num_blocks=args.num_blocks,
+        **settings))
     with Supervisor(cluster_specs(config), echo=False):
         def make_target():
             return (OpenAITarget(f"http://{config.http_address}/v1") if args.protocol == "http"
                     else TokenmillTarget(config.gateway_address))
-        return asyncio.run(_sweep_address(make_target, args, workload, config.scheduler_address, kv_policy))
+        return asyncio.run(_sweep_address(make_target, args, workload, config.scheduler_address, label or kv_policy))
+
+
+def tuning_clusters(args) -> dict[str, dict]:
+    """The extra paged clusters of --budgets, --target-itl-ms and --swap-space-gb: run name -> settings."""
+    clusters = {f"tokenmill paged budget={budget}": {"max_num_batched_tokens": budget} for budget in args.budgets}
+    if args.target_itl_ms is not None:
+        clusters[f"tokenmill paged itl<={args.target_itl_ms:g}ms"] = {"target_itl_ms": args.target_itl_ms}
+    if args.swap_space_gb is not None:
+        clusters[f"tokenmill paged swap {args.swap_space_gb:g}GB"] = {"swap_space_gb": args.swap_space_gb}
+    return clusters
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         for policy in [p.strip() for p in args.kv_policies.split(",") if p.strip()]:
             print(f"starting a cluster: kv_policy={policy}, num_blocks={args.num_blocks}", file=sys.stderr)
             runs[f"tokenmill {policy}"] = run_cluster(args, workload, policy)
+        for name, settings in tuning_clusters(args).items():
+            print(f"starting a cluster: {name}, num_blocks={args.num_blocks}", file=sys.stderr)
+            runs[name] = run_cluster(args, workload, "paged", name, **settings)
         if not args.no_baseline:
             print("transformers baseline (static batches)", file=sys.stderr)
             runs["transformers static batches"] = sweep_transformers(
