@@ -12,6 +12,7 @@ transformers up to the original length, and to its token-by-token decoding past 
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -71,6 +72,13 @@ def _longrope_attention_factor(scaling: RopeScaling) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(scaling.original_max_position_embeddings))
 
 
+@functools.lru_cache(maxsize=64)
+def _factor_tensor(factors: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """A per-frequency factor list on the device, made once: the first (eager) forward creates it, so a
+    CUDA graph captured later replays with no host-to-device copy inside it."""
+    return torch.tensor(factors, dtype=torch.float32, device=device)
+
+
 def rotary_tables(
     positions: torch.Tensor,  # [T] long
     head_dim: int,
@@ -88,7 +96,7 @@ def rotary_tables(
     if rope_type == "linear":
         freqs = pos * (inv_freq / scaling.factor)[None, :]
     elif rope_type == "freq_factors":
-        freqs = pos * (inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32, device=device))[None, :]
+        freqs = pos * (inv_freq / _factor_tensor(scaling.freq_factors, device))[None, :]
     elif rope_type == "llama3":
         freqs = pos * _llama3(inv_freq, scaling)[None, :]
     elif rope_type == "yarn":
@@ -103,8 +111,8 @@ def rotary_tables(
     elif rope_type == "longrope":
         attention_factor = _longrope_attention_factor(scaling)
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-        short = 1.0 / (torch.tensor(scaling.short_factor, dtype=torch.float32, device=device) * theta**exponents)
-        long = 1.0 / (torch.tensor(scaling.long_factor, dtype=torch.float32, device=device) * theta**exponents)
+        short = 1.0 / (_factor_tensor(scaling.short_factor, device) * theta**exponents)
+        long = 1.0 / (_factor_tensor(scaling.long_factor, device) * theta**exponents)
         beyond = (pos + 1) > scaling.original_max_position_embeddings  # [T, 1]
         freqs = pos * torch.where(beyond, long[None, :], short[None, :])
     else:
