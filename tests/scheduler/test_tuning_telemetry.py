@@ -33,3 +33,32 @@ def test_tuning_metrics_and_step_attributes():
     assert attributes["tokenmill.step.forward_ms"] > 0 and attributes["tokenmill.step.itl_target_missed"] in (True, False)
     assert engine.scheduler.pop_step_tuning(step_id) is None  # read once
     assert len(engine.scheduler.step_tunings) <= 8  # unread records do not pile up
+
+
+def test_step_span_carries_the_tuning_decision(monkeypatch):
+    """StepSpans end each scheduler.step span with its tuning record (an SDK tracer of this test's own)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    import scheduler.telemetry as scheduler_telemetry
+    from core.step import StepPlan
+    from scheduler.step_time import StepTuning
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(scheduler_telemetry, "tracing_enabled", lambda: True)
+    monkeypatch.setattr(scheduler_telemetry, "tracer", lambda: provider.get_tracer("test"))
+    spans = scheduler_telemetry.StepSpans()
+    plan = StepPlan(7, num_scheduled_tokens={"a": 40, "b": 1})
+    with spans.sending(plan):
+        pass
+    with spans.delivering(7, lambda: StepTuning(48, 0.030, observed_s=0.036, target_missed=True)):
+        pass
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "scheduler.step" and span.attributes["tokenmill.step.num_tokens"] == 41
+    assert span.attributes["tokenmill.step.token_budget"] == 48
+    assert span.attributes["tokenmill.step.predicted_ms"] == 30.0 and span.attributes["tokenmill.step.forward_ms"] == 36.0
+    assert abs(span.attributes["tokenmill.step.prediction_error_ms"] - 6.0) < 1e-9
+    assert span.attributes["tokenmill.step.itl_target_missed"] is True
