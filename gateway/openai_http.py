@@ -47,6 +47,7 @@ class OpenAIHTTP:
         self.scheduler = scheduler
         self.limits = limits
         self.model_name = model_info.model_config.name
+        self.model_facts = model_info.model_config  # architecture, context length, dtype, quantization
         self.api_key = api_key  # "": no authentication
         self.access = access  # gateway.access.AccessControl: API keys and rate limits; None: none
         self.created = int(time.time())
@@ -80,8 +81,11 @@ class OpenAIHTTP:
     # -- models and health ---------------------------------------------------------------------------
 
     def _model_card(self) -> dict:
+        facts = self.model_facts
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tokenmill",
-                "max_model_len": self.limits.max_model_len}
+                "max_model_len": self.limits.max_model_len, "architecture": facts.architecture,
+                "max_context_length": facts.max_context_length, "dtype": facts.dtype,
+                "quantization": facts.quantization or "none"}
 
     async def list_models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model_card()]})
