@@ -52,7 +52,7 @@ class Scheduler:
         self.num_swapped_preemptions = 0  # of which swapped rather than recomputed
         self.recompute_rate = RecomputeRate()
         self.step_time = StepTimeModel()
-        self._step_shapes: dict[int, StepShape] = {}  # steps sent and not yet observed
+        self._step_shapes: dict[int, tuple[StepShape, float]] = {}  # steps sent, not yet observed: (shape, planned at)
         self.step_tunings: dict[int, StepTuning] = {}  # the same steps' decisions, observed ones kept until read
         self.token_budget = config.max_num_batched_tokens  # the latest step's
         self.num_itl_target_misses = 0
@@ -199,10 +199,10 @@ class Scheduler:
             plan.finished_request_ids = self._dropped_since_last_plan
             plan.swap_out, plan.swap_in = self.kv.take_copies()
             self._dropped_since_last_plan = []
-            shape = self._step_shapes[plan.step_id] = StepShape(
-                plan.total_num_scheduled_tokens, len(plan.num_scheduled_tokens),
-                sum(self.requests[request_id].num_computed_tokens + num_tokens
-                    for request_id, num_tokens in plan.num_scheduled_tokens.items()))
+            shape = StepShape(plan.total_num_scheduled_tokens, len(plan.num_scheduled_tokens),
+                              sum(self.requests[request_id].num_computed_tokens + num_tokens
+                                  for request_id, num_tokens in plan.num_scheduled_tokens.items()))
+            self._step_shapes[plan.step_id] = (shape, self.clock())
             self.step_tunings[plan.step_id] = StepTuning(
                 budget, self.step_time.predict_s(shape) if self.step_time.ready else None)
             self.step_tunings.pop(plan.step_id - KEPT_STEP_TUNINGS, None)  # nobody read it (no tracing)
@@ -310,11 +310,15 @@ class Scheduler:
         return num_new if allowed is None else min(num_new, allowed - plan.total_num_scheduled_tokens)
 
     def _observe_step(self, plan: StepPlan, result: StepResult) -> None:
-        shape = self._step_shapes.pop(plan.step_id, None)
+        planned = self._step_shapes.pop(plan.step_id, None)
         self.recompute_rate.observe(plan.total_num_scheduled_tokens, result.forward_ns)
-        if shape is None or result.forward_ns <= 0:
+        if planned is None or result.forward_ns <= 0:
             return  # untimed (a fake executor)
-        seconds = result.forward_ns / 1e9
+        shape, planned_at = planned
+        # what a decoding request waits for: the forward pass, and around it the plan's trip to the
+        # worker, sampling and the result's trip back (with async scheduling also the end of the step
+        # before, which makes the model err on the safe side)
+        seconds = max(result.forward_ns / 1e9, self.clock() - planned_at)
         self.step_time.observe(shape, seconds)
         tuning = self.step_tunings.get(plan.step_id)
         if tuning is not None:

@@ -18,5 +18,5 @@ class SchedulerStats:
     step_id: int
     num_swapped_preemptions: int = 0  # of num_preemptions, those swapped to the host tier
     token_budget: int = 0  # of the latest step: max_num_batched_tokens, or what the latency target allowed
-    step_time_error_s: float = 0.0  # observed - predicted forward time of the latest step (latency targets)
-    num_itl_target_misses: int = 0  # steps whose forward time exceeded target_itl_ms, since start
+    step_time_error_s: float = 0.0  # observed - predicted time of the latest step (latency targets)
+    num_itl_target_misses: int = 0  # steps whose time (planning to result) exceeded target_itl_ms, since start

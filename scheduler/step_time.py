@@ -3,7 +3,8 @@
     step time ~ a + b * scheduled tokens + c * requests in the step + d * context tokens / 1000
 
 fitted by recursive least squares with forgetting (recent steps weigh more, so the fit follows the
-machine as its load changes), from the forward time the worker reports for each step. With a target
+machine as its load changes), from each step's time from planning to its result (the forward pass
+the worker reports, or more when the trip to the worker and back adds to it). With a target
 the scheduler asks it for the largest token budget whose predicted step time stays under the target
 (prefill chunks shrink first: decodes are planned before them) and whether one more request still
 fits (the running-set size). Until MIN_OBSERVATIONS steps have been seen it predicts nothing and the
@@ -34,7 +35,7 @@ class StepTuning:
 
     token_budget: int
     predicted_s: float | None  # None while the model is not fitted
-    observed_s: float | None = None  # the worker's forward time, once the result is in
+    observed_s: float | None = None  # planning to result (at least the worker's forward time), once it is in
     target_missed: bool = False
 
 

@@ -13,7 +13,8 @@ does no tracing work per request per token.
 And one `scheduler.step` span per step (StepSpans), from sending its plan to delivering its outputs:
 the ExecuteStep call is its child, and the Redis writes its delivery causes link to it. Its attributes
 include the latency targets' decision (step_tuning_attributes): the token budget, the step-time
-model's prediction, the forward time observed, the error and whether the ITL target was missed.
+model's prediction, the step time observed (planning to result), the error and whether the ITL
+target was missed.
 """
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ def step_tuning_attributes(tuning: StepTuning) -> dict[str, int | float | bool]:
     if tuning.predicted_s is not None:
         attributes["tokenmill.step.predicted_ms"] = tuning.predicted_s * 1e3
     if tuning.observed_s is not None:
-        attributes["tokenmill.step.forward_ms"] = tuning.observed_s * 1e3
+        attributes["tokenmill.step.observed_ms"] = tuning.observed_s * 1e3
         attributes["tokenmill.step.itl_target_missed"] = tuning.target_missed
         if tuning.predicted_s is not None:
             attributes["tokenmill.step.prediction_error_ms"] = (tuning.observed_s - tuning.predicted_s) * 1e3

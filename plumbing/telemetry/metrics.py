@@ -106,9 +106,9 @@ SCHEDULER_METRICS = {
                                                "instead of being recomputed",
     "tokenmill:step_token_budget": "Token budget of the latest step (lower than max_num_batched_tokens when "
                                    "--target-itl-ms holds it back)",
-    "tokenmill:step_time_prediction_error_seconds": "Latest step's forward time minus the step-time model's "
-                                                    "prediction for it",
-    "tokenmill:itl_target_misses_total": "Steps whose forward time exceeded --target-itl-ms",
+    "tokenmill:step_time_prediction_error_seconds": "Latest step's time (planning to result) minus the "
+                                                    "step-time model's prediction for it",
+    "tokenmill:itl_target_misses_total": "Steps whose time (planning to result) exceeded --target-itl-ms",
     "tokenmill:cache_config_info": "The KV cache's configuration, as labels (value 1)",
 }
 

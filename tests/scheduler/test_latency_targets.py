@@ -32,6 +32,7 @@ class TimedFakeExecutor(FakeExecutor):
 def timed_engine(**config):
     engine = make_engine(num_blocks=512, block_size=4, max_num_batched_tokens=256, **config)
     engine.executor = TimedFakeExecutor(512, 4)
+    engine.scheduler.clock = lambda: 0.0  # steps take their fake forward time, whatever this machine's load
     return engine
 
 
@@ -120,3 +121,16 @@ def test_a_target_changes_nothing_until_the_model_is_fitted():
     engine.add_request(make_request([1] * 300, max_tokens=2))
     engine.step()
     assert engine.scheduler.token_budget == 256 and engine.executor.plans[0].total_num_scheduled_tokens == 256
+
+
+def test_step_time_counts_the_trip_to_the_worker():
+    """A step's time runs from planning to its result: RPC and sampling around the forward pass count."""
+    import itertools
+
+    engine = timed_engine(target_itl_ms=100.0)
+    ticks = itertools.count()
+    engine.scheduler.clock = lambda: next(ticks) * 0.05  # each reading 50 ms later: steps take >= 50 ms
+    engine.add_request(make_request([1] * 8, max_tokens=40))
+    for _ in range(MIN_OBSERVATIONS + 4):
+        engine.step()
+    assert engine.scheduler.step_time.predict_s(StepShape(1, 1, 20)) > 0.04  # not the 2 ms forward pass

@@ -30,7 +30,7 @@ def test_tuning_metrics_and_step_attributes():
     attributes = step_tuning_attributes(engine.scheduler.pop_step_tuning(step_id))
     assert engine.executor.plans[-1].total_num_scheduled_tokens <= attributes["tokenmill.step.token_budget"] < 256
     assert abs(attributes["tokenmill.step.prediction_error_ms"]) < 0.1
-    assert attributes["tokenmill.step.forward_ms"] > 0 and attributes["tokenmill.step.itl_target_missed"] in (True, False)
+    assert attributes["tokenmill.step.observed_ms"] > 0 and attributes["tokenmill.step.itl_target_missed"] in (True, False)
     assert engine.scheduler.pop_step_tuning(step_id) is None  # read once
     assert len(engine.scheduler.step_tunings) <= 8  # unread records do not pile up
 
@@ -59,6 +59,6 @@ def test_step_span_carries_the_tuning_decision(monkeypatch):
     (span,) = exporter.get_finished_spans()
     assert span.name == "scheduler.step" and span.attributes["tokenmill.step.num_tokens"] == 41
     assert span.attributes["tokenmill.step.token_budget"] == 48
-    assert span.attributes["tokenmill.step.predicted_ms"] == 30.0 and span.attributes["tokenmill.step.forward_ms"] == 36.0
+    assert span.attributes["tokenmill.step.predicted_ms"] == 30.0 and span.attributes["tokenmill.step.observed_ms"] == 36.0
     assert abs(span.attributes["tokenmill.step.prediction_error_ms"] - 6.0) < 1e-9
     assert span.attributes["tokenmill.step.itl_target_missed"] is True
