@@ -7,6 +7,7 @@ check_sampling_field, so one value gets one verdict and one message, whichever d
 """
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
@@ -16,8 +17,30 @@ from core.errors import InvalidArgument
 # logits to inf. The one definition every sampler (torch and Triton) and SamplingParams.greedy use.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 # int64 from JSON clients, uint64 from the proto; the worker masks seeds to 64 bits
 SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+class ConstraintKind(enum.Enum):
+    """What a request's output must match (constrained decoding; plumbing.grammar compiles each kind)."""
+
+    JSON_SCHEMA = "json_schema"  # value: the schema as JSON text
+    JSON_OBJECT = "json_object"  # any JSON object; value unused ("")
+    REGEX = "regex"  # value: the regular expression (the whole output matches it)
+    CHOICE = "choice"  # choices: the output is exactly one of them
+    GRAMMAR = "grammar"  # value: a Lark or GBNF (llama.cpp) grammar
+
+
+@dataclass(slots=True, frozen=True)
+class OutputConstraint:
+    """One constraint on a request's whole output. Tokens that would break it are masked before
+    sampling, so the output parses (or, stopped by max_tokens, is a valid prefix). Content addressed:
+    two equal constraints compile once (the worker caches compiled grammars by content)."""
+
+    kind: ConstraintKind
+    value: str = ""
+    choices: tuple[str, ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,6 +59,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: plus the top n
+    constraint: OutputConstraint | None = None  # the output must match it (constrained decoding)
+    # (token id, bias) pairs added to the raw logits before sampling (OpenAI logit_bias), by token id
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:

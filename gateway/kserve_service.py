@@ -21,6 +21,7 @@ import time
 import grpc
 
 from gateway.generation_stream import Finish, stream_generation
+from gateway.openai_constraints import openai_constraint
 from gateway.request_builder import prepare_request, text_token_ids
 from gateway.scheduler_client import SchedulerClient
 from gateway.stream_idle import write_within
@@ -200,7 +201,8 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         except InvalidArgument as error:  # name the tensor the client filled, not the internal field
             raise InvalidArgument(codec.TEXT_INPUT, error.value, error.limit_or_reason) from None
         # A KServe id only correlates responses (clients reuse them), so the scheduler gets a fresh one.
-        prepared = prepare_request(prompt_ids, self.tokenizer, self.limits, sampling=llm.sampling, stop=llm.stop,
+        sampling = {**llm.sampling, "constraint": openai_constraint(llm.constraint_fields)}
+        prepared = prepare_request(prompt_ids, self.tokenizer, self.limits, sampling=sampling, stop=llm.stop,
                                    stop_token_ids=llm.stop_token_ids, ignore_eos=llm.ignore_eos,
                                    priority=llm.priority)
         return stream_generation(prepared, self.tokenizer, self.scheduler, context.time_remaining(), arrival)

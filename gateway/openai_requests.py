@@ -6,8 +6,9 @@
 Every bad value raises InvalidArgument naming the OpenAI field (e.g. "messages[1].content",
 "max_completion_tokens"), which becomes a 400 with that field as `param`; an unknown model raises
 ModelNotFound (404 model_not_found). Fields that would change the result in a way we cannot honour
-(n > 1, best_of > 1, echo, tools, logit_bias, a non-text response_format) are refused with a 400 rather
-than ignored. vLLM's extra sampling fields (top_k, min_p, repetition_penalty, stop_token_ids,
+(n > 1, best_of > 1, echo, tools) are refused with a 400 rather than ignored. Constrained
+output (response_format json_object / json_schema, vLLM's guided_json / guided_regex / guided_choice /
+guided_grammar) is gateway.openai_constraints'. vLLM's extra sampling fields (top_k, min_p, repetition_penalty, stop_token_ids,
 ignore_eos, priority) are accepted too.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+from gateway.openai_constraints import openai_constraint
 from gateway.request_builder import PreparedRequest, chat_token_ids, prepare_request, text_token_ids
 from gateway.tokenizer import TextTokenizer
 from gateway.validation import Limits, validate_prompt_ids
@@ -58,8 +60,6 @@ def parse_chat(body: dict, tokenizer: TextTokenizer, limits: Limits, model_name:
     _check_common(body, model_name)
     _refuse(body, "tools", lambda v: not v, "tool calling is not supported")
     _refuse(body, "functions", lambda v: not v, "function calling is not supported")
-    _refuse(body, "response_format", lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-            'only {"type": "text"} is supported')
     messages = body.get("messages")
     if messages is None:
         raise InvalidArgument("messages", None, "is required: a list of {role, content} objects")
@@ -105,7 +105,6 @@ def _check_common(body: dict, model_name: str) -> None:
         raise ModelNotFound(model, model_name)
     _refuse(body, "n", lambda v: v is None or v == 1,
             "only n=1 is supported; send several requests for several choices")
-    _refuse(body, "logit_bias", lambda v: not v, "logit_bias is not supported")
 
 
 def _refuse(body: dict, field: str, acceptable, reason: str) -> None:
@@ -120,6 +119,8 @@ def _sampling(body: dict, max_field: str) -> dict:
     if isinstance(seed, int) and not isinstance(seed, bool) and -(2**63) <= seed < 0:
         sampling["seed"] = seed + _UINT64  # OpenAI seeds are int64; ours are the same 64 bits unsigned
     sampling["max_tokens"] = body.get(max_field)
+    sampling["constraint"] = openai_constraint(body)
+    sampling["logit_bias"] = body.get("logit_bias")
     return sampling
 
 

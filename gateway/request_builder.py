@@ -14,6 +14,7 @@ from gateway.chat_template import validate_messages
 from gateway.tokenizer import TextTokenizer
 from gateway.validation import (Limits, validate_chat_size, validate_priority, validate_prompt_ids,
                                 validate_prompt_text, validate_sampling, validate_stop_strings)
+from protos.codec import constraint_from_proto
 from protos.tokenmill.v1 import generation_pb2
 from core.requests import GenerationRequest
 from core.errors import InvalidArgument, NotFound
@@ -90,6 +91,15 @@ def prepare_request(prompt_ids: list[int], tokenizer: TextTokenizer, limits: Lim
     return PreparedRequest(request, stop)
 
 
+def _logit_bias(entries) -> dict[int, float]:
+    biases: dict[int, float] = {}
+    for entry in entries:
+        if entry.token_id in biases:
+            raise InvalidArgument("parameters.logit_bias", entry.token_id, "names this token id twice")
+        biases[entry.token_id] = entry.bias
+    return biases
+
+
 def prepare(message: generation_pb2.GenerateRequest, tokenizer: TextTokenizer, limits: Limits,
             model_name: str) -> PreparedRequest:
     if message.model and message.model != model_name:
@@ -98,6 +108,10 @@ def prepare(message: generation_pb2.GenerateRequest, tokenizer: TextTokenizer, l
     ids = prompt_token_ids(message, tokenizer, limits)
     params = message.parameters
     sampling = {name: getattr(params, name) for name in _OPTIONAL_PARAMS if params.HasField(name)}
+    if params.HasField("constraint"):
+        sampling["constraint"] = constraint_from_proto(params.constraint)
+    if params.logit_bias:
+        sampling["logit_bias"] = _logit_bias(params.logit_bias)
     return prepare_request(ids, tokenizer, limits, sampling=sampling, stop=list(params.stop),
                            stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
                            request_id=request_id, priority=message.priority)

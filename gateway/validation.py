@@ -15,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.errors import InvalidArgument
-from core.sampling import (MAX_LOGPROBS, SamplingLimits, SamplingParams, check_int_range, check_sampling_field,
-                           is_int)
+from core.sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, OutputConstraint, SamplingLimits, SamplingParams,
+                           check_float_range, check_int_range, check_sampling_field, is_int)
+from plumbing.grammar import check_constraint
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,7 @@ class Limits:
     max_stop_strings: int = 16
     max_stop_string_len: int = 256  # characters
     max_stop_token_ids: int = 64
+    max_logit_bias_entries: int = 300  # OpenAI's limit
     max_logprobs: int = MAX_LOGPROBS
     max_temperature: float = 100.0  # far past uniform sampling already; caps only nonsense
     max_repetition_penalty: float = 100.0
@@ -95,6 +97,8 @@ def validate_sampling(
     stop_token_ids: object = None,
     ignore_eos: object = None,
     logprobs: object = None,
+    constraint: OutputConstraint | None = None,
+    logit_bias: object = None,
 ) -> SamplingParams:
     """Check each field against its range; with prompt_len, also that prompt + max_tokens fits the context."""
     defaults = SamplingParams()
@@ -116,6 +120,8 @@ def validate_sampling(
     sampling_limits = limits.sampling_limits
     for name, value in raw.items():
         check_sampling_field(name, value, sampling_limits)
+    if constraint is not None:
+        check_constraint(constraint)  # a malformed schema / regex / grammar, before any compute
     return SamplingParams(
         max_tokens=max_tokens,  # type: ignore[arg-type]
         temperature=_float_or(temperature, defaults.temperature),
@@ -129,6 +135,8 @@ def validate_sampling(
         stop_token_ids=_validate_stop_token_ids(stop_token_ids, limits),
         ignore_eos=bool(ignore_eos),
         logprobs=logprobs,  # type: ignore[arg-type]
+        constraint=constraint,
+        logit_bias=_validate_logit_bias(logit_bias, limits),
     )
 
 
@@ -155,6 +163,22 @@ def validate_priority(priority: object, limits: Limits) -> int:
         return 0
     check_int_range("priority", priority, limits.min_priority, limits.max_priority)
     return priority  # type: ignore[return-value]
+
+
+def _validate_logit_bias(logit_bias: object, limits: Limits) -> tuple[tuple[int, float], ...]:
+    """{token id (an int, or its decimal string as JSON keys are): bias in [-100, 100]} -> sorted pairs."""
+    if logit_bias is None:
+        return ()
+    if not isinstance(logit_bias, dict):
+        raise InvalidArgument("logit_bias", logit_bias, "must be an object mapping token ids to biases")
+    _check_at_most("logit_bias", "...", len(logit_bias), limits.max_logit_bias_entries, "entries")
+    pairs = {}
+    for key, bias in logit_bias.items():
+        token_id = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else key
+        _check_token_id(f"logit_bias[{key!r}]", token_id, limits)
+        check_float_range(f"logit_bias[{key!r}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        pairs[token_id] = float(bias)
+    return tuple(sorted(pairs.items()))
 
 
 def _validate_stop_token_ids(stop_token_ids: object, limits: Limits) -> tuple[int, ...]:

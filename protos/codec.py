@@ -13,7 +13,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from core.outputs import FinishReason, RequestOutput, RequestTimings
 from core.requests import GenerationRequest
-from core.sampling import SamplingParams
+from core.sampling import ConstraintKind, OutputConstraint, SamplingParams
 from core.step import CachedRequestData, NewRequestData, StepPlan, StepResult, TokenLogprobs
 from protos.tokenmill.v1 import common_pb2, sampling_pb2, scheduler_pb2, worker_pb2
 
@@ -38,7 +38,30 @@ def sampling_params_to_proto(params: SamplingParams) -> sampling_pb2.SamplingPar
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,
+        constraint=None if params.constraint is None else constraint_to_proto(params.constraint),
+        logit_bias=[sampling_pb2.TokenBias(token_id=token_id, bias=bias) for token_id, bias in params.logit_bias],
     )
+
+
+def constraint_to_proto(constraint: OutputConstraint) -> sampling_pb2.OutputConstraint:
+    kind = constraint.kind
+    if kind is ConstraintKind.CHOICE:
+        return sampling_pb2.OutputConstraint(choice=sampling_pb2.ChoiceList(choices=constraint.choices))
+    if kind is ConstraintKind.JSON_OBJECT:
+        return sampling_pb2.OutputConstraint(json_object=True)
+    return sampling_pb2.OutputConstraint(**{kind.value: constraint.value})
+
+
+def constraint_from_proto(msg: sampling_pb2.OutputConstraint) -> OutputConstraint | None:
+    """None when no kind is set."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return OutputConstraint(ConstraintKind.CHOICE, choices=tuple(msg.choice.choices))
+    if kind == "json_object":
+        return OutputConstraint(ConstraintKind.JSON_OBJECT)
+    return OutputConstraint(ConstraintKind(kind), getattr(msg, kind))
 
 
 def sampling_params_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingParams:
@@ -61,6 +84,8 @@ def sampling_params_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingPara
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if has("logprobs") else None,
+        constraint=constraint_from_proto(msg.constraint) if has("constraint") else None,
+        logit_bias=tuple((entry.token_id, entry.bias) for entry in msg.logit_bias),
     )
 
 

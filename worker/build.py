@@ -5,12 +5,14 @@ from pathlib import Path
 
 import torch
 
+from plumbing.grammar import GrammarCompiler
 from worker.backends import ExecutionOptions
 from worker.kv_cache import bytes_per_block
 from worker.kv_sizing import (KVCacheSizing, default_memory_fraction, free_memory_bytes,
                                measure_activation_peak, profile_batch, size_from_budget, size_from_free_memory)
 from worker.loader import default_model_path, load_model
 from worker.model_runner import ModelRunner
+from worker.structured_output import StructuredOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -78,6 +80,7 @@ def build_sized_runner(model: str | Path | None, dtype: str, block_size: int, kv
         sizing = size_from_free_memory(free_memory_bytes(torch_device), peak, fraction, per_block, torch_device)
     runner = ModelRunner(network, config, num_blocks=sizing.num_blocks, block_size=block_size, dtype=torch_dtype,
                          options=options, num_host_blocks=swap_space_bytes // per_block)
+    runner.structured_output = StructuredOutput(GrammarCompiler(path))
     return runner, sizing
 
 

@@ -32,6 +32,7 @@ from worker.backends import ResolvedExecution
 from worker.kv_cache import KVCache
 from worker.model import LlamaModel
 from worker.sampler import SamplingRow
+from worker.structured_output import TokenBitmask
 
 
 @dataclass(slots=True)
@@ -58,9 +59,10 @@ class ExecutionPath(Protocol):
         """Runs the model over batch, writing its K/V into the pages; -> logits [R, vocab] float32 of
         batch.sample_rows. On the compute thread, under torch.inference_mode()."""
 
-    def sample(self, batch: StepBatch, logits: torch.Tensor,
-               rows: Sequence[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """One token per row of logits (worker.sampler's semantics), and its logprobs where the row asks."""
+    def sample(self, batch: StepBatch, logits: torch.Tensor, rows: Sequence[SamplingRow],
+               token_bitmask: TokenBitmask | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """One token per row of logits (worker.sampler's semantics), and its logprobs where the row asks;
+        constrained rows pick only among the tokens token_bitmask allows."""
 
     def warm_up(self) -> None:
         """What the path does once before serving, after its first forward pass (capture decode graphs)."""

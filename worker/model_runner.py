@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from core.sampling import SamplingParams
-from core.step import PLACEHOLDER_TOKEN_ID, StepPlan, StepResult
+from core.step import PLACEHOLDER_TOKEN_ID, NewRequestData, StepPlan, StepResult
 from worker.attention import DECODE_GROUP_BYTES, RequestSpan
 from worker.backends import ExecutionOptions, resolve_execution
 from worker.config import ModelConfig
@@ -32,6 +32,7 @@ from worker.execution_path import StepBatch, build_execution_path
 from worker.kv_cache import HostSwapSpace, allocate_kv_cache
 from worker.model import LlamaModel
 from worker.sampler import SamplingRow
+from worker.structured_output import StructuredOutput
 
 
 class PlanMismatchError(RuntimeError):
@@ -48,6 +49,8 @@ class RunnerRequestState:
     num_pending_tokens: int = 0  # tokens that prepared steps will sample and have not yet
     # position of a pending token -> (step id, its index among that step's sampled tokens)
     pending_sources: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # constrained decoding: the grammar matcher at token_ids' end (worker.structured_output); None: unconstrained
+    matcher: object = None
 
     @property
     def num_planned_tokens(self) -> int:
@@ -87,6 +90,8 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(model_config, num_blocks, block_size, dtype, self.device)
         self.swap_space = HostSwapSpace(self.kv_cache, num_host_blocks)
         self.requests: dict[str, RunnerRequestState] = {}
+        # constrained decoding's matchers; worker.build sets it from the model's vocabulary
+        self.structured_output: StructuredOutput | None = None
         # prepare() (RPC thread) and run()'s bookkeeping (compute thread) may overlap across steps
         self._state_lock = threading.Lock()
         self.execution = resolve_execution(options, self.device)
@@ -119,6 +124,7 @@ class ModelRunner:
                 sampling_params=new.sampling_params,
                 block_table=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                matcher=self._new_matcher(new),
             )
         for cached in plan.cached_requests:
             state = self._state(cached.request_id, plan.step_id)  # counts include prepared steps
@@ -129,6 +135,16 @@ class ModelRunner:
                 )
             self._check_block_ids(cached.request_id, cached.new_block_ids, plan.step_id)
             state.block_table.extend(cached.new_block_ids)
+
+    def _new_matcher(self, new: NewRequestData) -> object:
+        """The request's grammar matcher, replayed over the output it arrives with (a recomputed
+        request continues from the same state, so it ends with the same output)."""
+        if new.sampling_params.constraint is None:
+            return None
+        if self.structured_output is None:
+            raise PlanMismatchError(f"request {new.request_id!r} is constrained, but this runner has no grammar "
+                                    f"vocabulary (built without worker.structured_output)")
+        return self.structured_output.new_matcher(new.sampling_params, new.token_ids[new.num_prompt_tokens:])
 
     def _state(self, request_id: str, step_id: int) -> RunnerRequestState:
         state = self.requests.get(request_id)
@@ -206,13 +222,18 @@ class ModelRunner:
             # token_ids hold exactly the tokens sampled before this step: what penalties and seeds read
             rows = [SamplingRow(state.sampling_params, state.token_ids, state.num_prompt_tokens)
                     for state in prepared.sampling_states]
-            token_ids, logprobs = self.execution_path.sample(batch, logits, rows)
+            matchers = [state.matcher for state in prepared.sampling_states]
+            token_bitmask = (self.structured_output.bitmask(matchers, logits.device)
+                             if any(matcher is not None for matcher in matchers) else None)
+            token_ids, logprobs = self.execution_path.sample(batch, logits, rows, token_bitmask)
         result = StepResult(step_id=prepared.step_id, forward_ns=forward_ns)
         with self._state_lock:
             for state, token_id in zip(prepared.sampling_states, token_ids):
                 state.pending_sources.pop(len(state.token_ids), None)
                 state.token_ids.append(token_id)
                 state.num_pending_tokens -= 1
+                if state.matcher is not None:
+                    state.matcher.consume_token(token_id)
         for request_id, state, token_id, token_logprobs in zip(prepared.sampling_ids, prepared.sampling_states,
                                                                 token_ids, logprobs):
             result.sampled_token_ids[request_id] = token_id
@@ -231,3 +252,5 @@ class ModelRunner:
         with torch.inference_mode():
             self.execution_path.forward(batch, self.execution_path.prepare(batch))
             self.execution_path.warm_up()
+        if self.structured_output is not None:
+            self.structured_output.warm_up()

@@ -16,6 +16,11 @@ bit-identical whatever its neighbours ask for.
 Logprobs are vLLM's default "raw" logprobs: log_softmax of the logits the model produced, before
 penalties, temperature and filters. They describe the model, not the sampling distribution.
 
+A row's logit_bias is added to its raw logits first (OpenAI semantics; logprobs stay unbiased).
+Constrained rows (worker.structured_output) come with a token bitmask: their disallowed tokens are
+set to -inf before anything else, so every mode (greedy, temperature, filters, seeds) picks among
+allowed tokens only; logprobs still describe the model's raw distribution.
+
 Hot path: an all-greedy batch without penalties or logprobs is one argmax and one .tolist(). Other
 batches only send the rows that need it through penalties and filters, vectorized across rows, and
 still copy to the host once.
@@ -30,6 +35,7 @@ import torch
 from core.sampling import SamplingParams
 from core.step import TokenLogprobs
 from worker.penalties import apply_penalties, has_penalties
+from worker.structured_output import TokenBitmask
 
 
 @dataclass(slots=True)
@@ -43,8 +49,10 @@ class SamplingRow:
         return len(self.token_ids) - self.num_prompt_tokens
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits: [B, V] float32, one row per request that samples this step, in the order of rows.
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow],
+           token_bitmask: TokenBitmask | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: [B, V] float32, one row per request that samples this step, in the order of rows;
+    token_bitmask: the allowed tokens of the constrained rows, if any.
 
     Returns the chosen token id of each row and, per row, its TokenLogprobs (None where
     params.logprobs is None). The caller's logits are not modified.
@@ -53,14 +61,52 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int]
         raise ValueError(f"sample: logits must be [len(rows)={len(rows)}, V], got {list(logits.shape)}")
     if not rows:
         return [], []
+    choice_logits = _biased(logits, rows)
+    if token_bitmask is not None:
+        choice_logits = masked_logits(choice_logits, token_bitmask)
     if all(_is_plain_greedy(row.params) for row in rows):
-        return logits.argmax(dim=-1).tolist(), [None] * len(rows)
+        return choice_logits.argmax(dim=-1).tolist(), [None] * len(rows)
 
-    token_ids = _choose_tokens(logits, rows)  # [B] int64, on the logits' device
+    token_ids = _choose_tokens(choice_logits, rows)  # [B] int64, on the logits' device
     logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not logprob_rows:
         return token_ids.tolist(), [None] * len(rows)
     return _with_logprobs(logits, rows, token_ids, logprob_rows)
+
+
+def _biased(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """logits, or a copy with each row's logit_bias added (OpenAI: to the raw logits, before anything)."""
+    biased_rows = [(i, row.params.logit_bias) for i, row in enumerate(rows) if row.params.logit_bias]
+    if not biased_rows:
+        return logits
+    biased = logits.clone()
+    row_index = [i for i, bias in biased_rows for _ in bias]
+    token_index = [token_id for _, bias in biased_rows for token_id, _ in bias]
+    values = torch.tensor([value for _, bias in biased_rows for _, value in bias], dtype=logits.dtype,
+                          device=logits.device)
+    biased.index_put_((torch.tensor(row_index, device=logits.device), torch.tensor(token_index, device=logits.device)),
+                      values, accumulate=True)
+    return biased
+
+
+def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[C, W] int32 bitmask -> [C, vocab_size] bool, True where the token is allowed (tokens past the
+    mask's 32 * W are not)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [C, 32 * W]
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
+    return allowed[:, :vocab_size]
+
+
+def masked_logits(logits: torch.Tensor, token_bitmask: TokenBitmask) -> torch.Tensor:
+    """A copy of logits [B, V] with the disallowed tokens of the constrained rows at -inf."""
+    masked = logits.clone()
+    index = torch.tensor(token_bitmask.rows, device=logits.device)
+    rows = masked.index_select(0, index)
+    rows.masked_fill_(~unpack_bitmask(token_bitmask.bits.to(logits.device), logits.shape[1]), float("-inf"))
+    masked.index_copy_(0, index, rows)
+    return masked
 
 
 def _is_plain_greedy(params: SamplingParams) -> bool:

@@ -18,6 +18,7 @@ from worker.execution_path import StepBatch
 from worker.kv_cache import KVCache
 from worker.model import LlamaModel
 from worker.sampler import SamplingRow, sample
+from worker.structured_output import TokenBitmask
 
 
 class TorchPath:
@@ -43,9 +44,9 @@ class TorchPath:
         )  # [T, hidden]
         return self.model.compute_logits(hidden[batch.sample_rows])  # [R, vocab] float32
 
-    def sample(self, batch: StepBatch, logits: torch.Tensor,
-               rows: Sequence[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        return sample(logits, rows) if rows else ([], [])
+    def sample(self, batch: StepBatch, logits: torch.Tensor, rows: Sequence[SamplingRow],
+               token_bitmask: TokenBitmask | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+        return sample(logits, rows, token_bitmask) if rows else ([], [])
 
     def warm_up(self) -> None:
         pass  # nothing to capture: the first forward pass was all the warming this path needs

@@ -28,6 +28,7 @@ from worker.kv_cache import KVCache
 from worker.model import LlamaModel
 from worker.penalties import has_penalties
 from worker.sampler import SamplingRow, draw_seed, sample
+from worker.structured_output import TokenBitmask
 from worker.triton_forward import HostMetadata, host_metadata, load_kernels, to_device, triton_forward
 
 
@@ -96,19 +97,22 @@ class TritonPath:
         hidden = triton_forward(self.model, ids, pos, self.kv_cache, metadata, self.kernels)
         return self.model.compute_logits(hidden[list(sample_rows)])
 
-    def sample(self, batch: StepBatch, logits: torch.Tensor,
-               rows: Sequence[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """Batches without penalties or logprobs are sampled on the device (sample_tokens) and read back
-        once; the others go through worker.sampler."""
+    def sample(self, batch: StepBatch, logits: torch.Tensor, rows: Sequence[SamplingRow],
+               token_bitmask: TokenBitmask | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Batches without penalties, logprobs or logit_bias are sampled on the device (sample_tokens, which applies
+        the constrained rows' token bitmask in its pass) and read back once; the others go through
+        worker.sampler."""
         self.last_device_tokens = (batch.step_id, None)
         if not rows:
             return [], []
-        if any(has_penalties(row.params) or row.params.logprobs is not None for row in rows):
-            return sample(logits, rows)
-        if all(row.params.greedy for row in rows):
+        if any(has_penalties(row.params) or row.params.logprobs is not None or row.params.logit_bias for row in rows):
+            return sample(logits, rows, token_bitmask)
+        if token_bitmask is None and all(row.params.greedy for row in rows):
             token_ids = logits.argmax(dim=-1)  # [R]
         else:
-            token_ids = self.kernels.sample_tokens(logits, **self._row_params(rows))  # [R] int64, no host sync
+            bitmask = None if token_bitmask is None else token_bitmask.full(len(rows)).to(logits.device).contiguous()
+            token_ids = self.kernels.sample_tokens(logits, **self._row_params(rows),
+                                                   token_bitmask=bitmask)  # [R] int64, no host sync
         self.last_device_tokens = (batch.step_id, token_ids)
         if self.readback is not None:
             self.readback.start(token_ids)

@@ -41,11 +41,13 @@ _INT_KEYS = ("max_tokens", "top_k", "seed")
 _FLOAT_KEYS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 SAMPLING_KEYS = _INT_KEYS + _FLOAT_KEYS  # validate_sampling's keywords
 _OTHER_KEYS = ("stop", "stop_token_ids", "ignore_eos", "stream", "priority")
+# constrained decoding, by vLLM's names (a schema / choice may be JSON, or JSON text); the gateway checks them
+CONSTRAINT_KEYS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "response_format")
 # Parameters tritonclient sets on its own: accepted and ignored (timeout only applies to Triton's dynamic
 # batcher; the gRPC deadline bounds a tokenmill request), or checked (sequence_id: no sequence batching).
 _IGNORED_PARAMETERS = ("timeout", "sequence_start", "sequence_end", EMPTY_FINAL_RESPONSE_PARAMETER,
                        "binary_data_output", "headers")
-ACCEPTED_KEYS = SAMPLING_KEYS + _OTHER_KEYS
+ACCEPTED_KEYS = SAMPLING_KEYS + _OTHER_KEYS + CONSTRAINT_KEYS
 
 
 @dataclass(slots=True)
@@ -61,6 +63,7 @@ class LlmInferRequest:
     stop_token_ids: object = None
     ignore_eos: object = False
     priority: object = 0
+    constraint_fields: dict = field(default_factory=dict)  # CONSTRAINT_KEYS given, their values as sent
 
 
 def llm_request_from_proto(request) -> LlmInferRequest:
@@ -98,7 +101,19 @@ def llm_request_from_proto(request) -> LlmInferRequest:
         empty_final_response=empty_final,
         sampling={key: _number(key, values[key]) for key in SAMPLING_KEYS if key in values},
         stop=_json_list_or_value(values.get("stop")), stop_token_ids=_json_list_or_value(values.get("stop_token_ids")),
-        ignore_eos=_bool("ignore_eos", values.get("ignore_eos", False)), priority=values.get("priority", 0))
+        ignore_eos=_bool("ignore_eos", values.get("ignore_eos", False)), priority=values.get("priority", 0),
+        constraint_fields={key: _constraint_value(key, values[key]) for key in CONSTRAINT_KEYS if key in values})
+
+
+def _constraint_value(key: str, value: object) -> object:
+    """A request parameter can only be a string: guided_choice, guided_json and response_format may come
+    as JSON text there (a JSON-schema string stays text: guided_json accepts either)."""
+    if key in ("guided_choice", "response_format") and isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise InvalidArgument(key, value, "must be JSON") from None
+    return value
 
 
 def decode_inputs(request) -> dict[str, bytes | bool]:

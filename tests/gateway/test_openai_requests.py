@@ -10,6 +10,7 @@ from gateway.generation_stream import Finish, GenerationDelta, TokenLogprob, Top
 from gateway.openai_errors import openai_error
 from gateway.openai_requests import ModelNotFound, parse_chat, parse_completion
 from gateway.openai_responses import GenerationFailed, ResponseBuilder
+from core.sampling import ConstraintKind, OutputConstraint
 from gateway.tokenizer import load_tokenizer
 from gateway.validation import Limits
 from core import errors
@@ -42,6 +43,17 @@ def test_sampling_fields_reach_the_request(tokenizer):
     assert parsed.stream and parsed.include_usage and parsed.logprobs == 2
     assert parsed.prepared.request.request_id == "cmpl-1"
     assert parsed.prepared.request.prompt_token_ids == tokenizer.encode("Hello")
+
+
+def test_logit_bias_and_constraints_reach_the_request(tokenizer):
+    params = chat(tokenizer, logit_bias={"5": 100, "3": -100.0},
+                  response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"},
+                                                                          "strict": True}}).prepared.request.sampling_params
+    assert params.logit_bias == ((3, -100.0), (5, 100.0))
+    assert params.constraint == OutputConstraint(ConstraintKind.JSON_SCHEMA, '{"type": "integer"}')
+    params = completion(tokenizer, guided_choice=["a", "b"]).prepared.request.sampling_params
+    assert params.constraint == OutputConstraint(ConstraintKind.CHOICE, choices=("a", "b"))
+    assert chat(tokenizer, response_format={"type": "text"}).prepared.request.sampling_params.constraint is None
 
 
 def test_prompt_forms_and_chat_content_parts(tokenizer):
@@ -77,7 +89,11 @@ def test_prompt_forms_and_chat_content_parts(tokenizer):
     (chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]",
      "only text parts"),
     (chat, {"tools": [{"type": "function"}]}, "tools", "not supported"),
-    (chat, {"logit_bias": {"1": 5}}, "logit_bias", "not supported"),
+    (chat, {"logit_bias": {"1": 500}}, "logit_bias['1']", "[-100, 100]"),
+    (completion, {"logit_bias": {"60000": 1}}, "logit_bias['60000']", "vocab_size=49152"),
+    (chat, {"logit_bias": [1, 2]}, "logit_bias", "mapping token ids"),
+    (chat, {"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
+    (completion, {"guided_choice": "yes"}, "guided_choice", "list of strings"),
 ])
 def test_bad_fields_name_the_openai_param(tokenizer, make, body, param, words):
     with pytest.raises(errors.InvalidArgument) as caught:

@@ -19,6 +19,10 @@ batch nor on the batch order. The caller supplies seeds [B] int64: for a seeded 
 worker.sampler.draw_seed(seed, num_output_tokens) (a resumed request redraws the same tokens); for
 the others any fresh random int64 (e.g. drawn on the host with the other step inputs).
 exponential_noise() materialises the same q for tests and debugging.
+
+Constrained decoding: an optional token bitmask [B, W] int32 (bit t % 32 of word t // 32 allows token
+t; -1 words allow everything) removes tokens before anything else, for greedy rows too. The kernel
+reads it in the same pass; the filters' thresholds are found on the masked logits.
 """
 from __future__ import annotations
 
@@ -51,15 +55,18 @@ def _sample_kernel(
     temperature_ptr,  # [B] float32
     threshold_ptr,  # [B] float32: lowest raw logit the row keeps (-inf keeps all)
     seeds_ptr,  # [B] int64
+    bitmask_ptr,  # [B, num_words] int32, contiguous: allowed tokens (read when USE_BITMASK)
     out_ptr,  # [B] int64
     # sizes
     batch_size,
     vocab_size,
+    num_words,  # bitmask words per row; tokens past 32 * num_words are not allowed
     greedy_temperature,
     # strides (the vocabulary dimension is contiguous)
     stride_logits_row,
     # meta-parameters
     USE_THRESHOLD: tl.constexpr,
+    USE_BITMASK: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,  # rows per program: 1 for real vocabularies, more for small ones
     BLOCK_VOCAB: tl.constexpr,
 ):
@@ -80,6 +87,10 @@ def _sample_kernel(
         cols = start + tl.arange(0, BLOCK_VOCAB)[None, :]  # [1, BLOCK_VOCAB]
         valid = in_batch[:, None] & (cols < vocab_size)  # [BLOCK_ROWS, BLOCK_VOCAB]
         logits = tl.load(logits_ptr + row_offsets + cols, mask=valid, other=float("-inf")).to(tl.float32)
+        if USE_BITMASK:
+            words = tl.load(bitmask_ptr + rows.to(tl.int64)[:, None] * num_words + cols // 32,
+                            mask=valid & (cols // 32 < num_words), other=0)
+            logits = tl.where(((words >> (cols % 32)) & 1) != 0, logits, float("-inf"))
         # noise offsets are vocabulary indices: a row's q depends on its seed alone
         drawn = logits / safe_temperature - tl.log(_exponential(seeds, cols))
         drawn = tl.where(logits >= threshold, drawn, float("-inf"))
@@ -152,6 +163,16 @@ def _keep_thresholds(
     return sorted_logits.gather(1, (num_kept - 1).unsqueeze(1)).squeeze(1)
 
 
+def _masked(logits: torch.Tensor, token_bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] as float32 with the tokens token_bitmask [B, W] disallows at -inf (device ops only)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((token_bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [B, 32 * W]
+    vocab_size = logits.shape[1]
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
+    return logits.float().masked_fill(~allowed[:, :vocab_size], float("-inf"))
+
+
 def sample_tokens(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -159,13 +180,16 @@ def sample_tokens(
     top_p: torch.Tensor | None,
     seeds: torch.Tensor,
     min_p: torch.Tensor | None = None,
+    token_bitmask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits: [B, V] float (the vocab dim contiguous) -> token ids [B] int64, on logits' device.
 
     temperature: [B] float32 (< GREEDY_TEMPERATURE: greedy); top_k: [B] int32/int64 (<= 0: off);
     top_p: [B] float32 (>= 1: off); min_p: [B] float32 (0: off); seeds: [B] int64, see the module
     docstring. Pass None for a filter no row uses: that skips the sort. Penalties are the caller's
-    (apply them to the logits first). Nothing here waits for the device or reads a value on the host.
+    (apply them to the logits first). token_bitmask: [B, W] int32, contiguous, the allowed tokens of
+    each row (-1 words for an unconstrained row); None: no constraint. Nothing here waits for the
+    device or reads a value on the host.
     """
     check_tensor("sample_tokens", "logits", logits, (None, None), FLOAT_DTYPES)
     if logits.shape[1] == 0:
@@ -175,18 +199,30 @@ def sample_tokens(
     _check_row_params(logits, "top_p", top_p, (torch.float32,))
     _check_row_params(logits, "min_p", min_p, (torch.float32,))
     _check_row_params(logits, "seeds", seeds, (torch.int64,))
+    if token_bitmask is not None:
+        check_tensor("sample_tokens", "token_bitmask", token_bitmask, (logits.shape[0], None), (torch.int32,),
+                     logits.device)
+        if not token_bitmask.is_contiguous():
+            raise ValueError("sample_tokens: token_bitmask must be contiguous")
     batch_size, vocab_size = logits.shape
     token_ids = torch.empty(batch_size, dtype=torch.int64, device=logits.device)
     if batch_size == 0:
         return token_ids
     use_threshold = top_k is not None or top_p is not None or min_p is not None
-    thresholds = _keep_thresholds(logits, temperature, top_k, top_p, min_p) if use_threshold else temperature
+    if use_threshold:
+        # the filters keep a prefix of the allowed tokens: find it on the masked logits
+        kept_from = logits if token_bitmask is None else _masked(logits, token_bitmask)
+        thresholds = _keep_thresholds(kept_from, temperature, top_k, top_p, min_p)
+    else:
+        thresholds = temperature
+    use_bitmask = token_bitmask is not None
+    bitmask = token_bitmask if use_bitmask else seeds  # any pointer: unread without USE_BITMASK
     block_vocab, block_rows = _block_sizes(batch_size, vocab_size)
     _sample_kernel[(triton.cdiv(batch_size, block_rows),)](
-        logits, temperature, thresholds, seeds, token_ids,
-        batch_size, vocab_size, GREEDY_TEMPERATURE,
+        logits, temperature, thresholds, seeds, bitmask, token_ids,
+        batch_size, vocab_size, bitmask.shape[1] if use_bitmask else 0, GREEDY_TEMPERATURE,
         logits.stride(0),
-        USE_THRESHOLD=use_threshold, BLOCK_ROWS=block_rows, BLOCK_VOCAB=block_vocab,
+        USE_THRESHOLD=use_threshold, USE_BITMASK=use_bitmask, BLOCK_ROWS=block_rows, BLOCK_VOCAB=block_vocab,
     )  # fmt: skip
     return token_ids
 

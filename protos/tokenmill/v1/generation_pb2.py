@@ -24,49 +24,50 @@ _sym_db = _symbol_database.Default()
 
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 from protos.tokenmill.v1 import common_pb2 as protos_dot_tokenmill_dot_v1_dot_common__pb2
+from protos.tokenmill.v1 import sampling_pb2 as protos_dot_tokenmill_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$protos/tokenmill/v1/generation.proto\x12\x0ctokenmill.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a protos/tokenmill/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.tokenmill.v1.ChatMessage\"\xdc\x03\n\x12GenerateParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\t\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xfd\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12.\n\x08messages\x18\x03 \x01(\x0b\x32\x1a.tokenmill.v1.ChatMessagesH\x00\x12\x34\n\nparameters\x18\x04 \x01(\x0b\x32 .tokenmill.v1.GenerateParameters\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x1e\n\x11resume_from_index\x18\x07 \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05inputB\x14\n\x12_resume_from_index\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"k\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.tokenmill.v1.TopLogprob\"\x85\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\'\n\x08logprobs\x18\x04 \x03(\x0b\x32\x15.tokenmill.v1.Logprob\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.tokenmill.v1.FinishReason\x12\x14\n\x0cmatched_stop\x18\x06 \x01(\t\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.tokenmill.v1.Usage\x12&\n\x07timings\x18\x08 \x01(\x0b\x32\x15.tokenmill.v1.Timings\"\x8b\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\'\n\x08logprobs\x18\x04 \x03(\x0b\x32\x15.tokenmill.v1.Logprob\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.tokenmill.v1.FinishReason\x12\x14\n\x0cmatched_stop\x18\x06 \x01(\t\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.tokenmill.v1.Usage\x12&\n\x07timings\x18\x08 \x01(\x0b\x32\x15.tokenmill.v1.Timings\"\x85\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12.\n\x08messages\x18\x03 \x01(\x0b\x32\x1a.tokenmill.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"R\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"-\n\x17GetRequestStatusRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xda\x03\n\x18GetRequestStatusResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.tokenmill.v1.RequestStatus\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.tokenmill.v1.FinishReason\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x30\n\x0c\x61rrival_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x38\n\x14\x66irst_scheduled_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x34\n\x10\x66irst_token_time\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inish_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"*\n\x14\x43\x61ncelRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"W\n\x15\x43\x61ncelRequestResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.tokenmill.v1.RequestStatus*\xbc\x01\n\rRequestStatus\x12\x1e\n\x1aREQUEST_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15REQUEST_STATUS_QUEUED\x10\x01\x12\x1a\n\x16REQUEST_STATUS_RUNNING\x10\x02\x12\x1b\n\x17REQUEST_STATUS_FINISHED\x10\x03\x12\x19\n\x15REQUEST_STATUS_FAILED\x10\x04\x12\x1c\n\x18REQUEST_STATUS_CANCELLED\x10\x05\x32\xe0\x04\n\nGeneration\x12I\n\x08Generate\x12\x1d.tokenmill.v1.GenerateRequest\x1a\x1e.tokenmill.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.tokenmill.v1.GenerateRequest\x1a$.tokenmill.v1.GenerateStreamResponse0\x01\x12I\n\x08Tokenize\x12\x1d.tokenmill.v1.TokenizeRequest\x1a\x1e.tokenmill.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.tokenmill.v1.DetokenizeRequest\x1a .tokenmill.v1.DetokenizeResponse\x12U\n\x0cGetModelInfo\x12!.tokenmill.v1.GetModelInfoRequest\x1a\".tokenmill.v1.GetModelInfoResponse\x12\x61\n\x10GetRequestStatus\x12%.tokenmill.v1.GetRequestStatusRequest\x1a&.tokenmill.v1.GetRequestStatusResponse\x12X\n\rCancelRequest\x12\".tokenmill.v1.CancelRequestRequest\x1a#.tokenmill.v1.CancelRequestResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$protos/tokenmill/v1/generation.proto\x12\x0ctokenmill.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a protos/tokenmill/v1/common.proto\x1a\"protos/tokenmill/v1/sampling.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.tokenmill.v1.ChatMessage\"\xbd\x04\n\x12GenerateParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\t\x88\x01\x01\x12\x32\n\nconstraint\x18\x0e \x01(\x0b\x32\x1e.tokenmill.v1.OutputConstraint\x12+\n\nlogit_bias\x18\x0f \x03(\x0b\x32\x17.tokenmill.v1.TokenBiasB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xfd\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12.\n\x08messages\x18\x03 \x01(\x0b\x32\x1a.tokenmill.v1.ChatMessagesH\x00\x12\x34\n\nparameters\x18\x04 \x01(\x0b\x32 .tokenmill.v1.GenerateParameters\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x1e\n\x11resume_from_index\x18\x07 \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05inputB\x14\n\x12_resume_from_index\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"k\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.tokenmill.v1.TopLogprob\"\x85\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\'\n\x08logprobs\x18\x04 \x03(\x0b\x32\x15.tokenmill.v1.Logprob\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.tokenmill.v1.FinishReason\x12\x14\n\x0cmatched_stop\x18\x06 \x01(\t\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.tokenmill.v1.Usage\x12&\n\x07timings\x18\x08 \x01(\x0b\x32\x15.tokenmill.v1.Timings\"\x8b\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\'\n\x08logprobs\x18\x04 \x03(\x0b\x32\x15.tokenmill.v1.Logprob\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.tokenmill.v1.FinishReason\x12\x14\n\x0cmatched_stop\x18\x06 \x01(\t\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.tokenmill.v1.Usage\x12&\n\x07timings\x18\x08 \x01(\x0b\x32\x15.tokenmill.v1.Timings\"\x85\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12.\n\x08messages\x18\x03 \x01(\x0b\x32\x1a.tokenmill.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"R\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"-\n\x17GetRequestStatusRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xda\x03\n\x18GetRequestStatusResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.tokenmill.v1.RequestStatus\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.tokenmill.v1.FinishReason\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x30\n\x0c\x61rrival_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x38\n\x14\x66irst_scheduled_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x34\n\x10\x66irst_token_time\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inish_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"*\n\x14\x43\x61ncelRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"W\n\x15\x43\x61ncelRequestResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.tokenmill.v1.RequestStatus*\xbc\x01\n\rRequestStatus\x12\x1e\n\x1aREQUEST_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15REQUEST_STATUS_QUEUED\x10\x01\x12\x1a\n\x16REQUEST_STATUS_RUNNING\x10\x02\x12\x1b\n\x17REQUEST_STATUS_FINISHED\x10\x03\x12\x19\n\x15REQUEST_STATUS_FAILED\x10\x04\x12\x1c\n\x18REQUEST_STATUS_CANCELLED\x10\x05\x32\xe0\x04\n\nGeneration\x12I\n\x08Generate\x12\x1d.tokenmill.v1.GenerateRequest\x1a\x1e.tokenmill.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.tokenmill.v1.GenerateRequest\x1a$.tokenmill.v1.GenerateStreamResponse0\x01\x12I\n\x08Tokenize\x12\x1d.tokenmill.v1.TokenizeRequest\x1a\x1e.tokenmill.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.tokenmill.v1.DetokenizeRequest\x1a .tokenmill.v1.DetokenizeResponse\x12U\n\x0cGetModelInfo\x12!.tokenmill.v1.GetModelInfoRequest\x1a\".tokenmill.v1.GetModelInfoResponse\x12\x61\n\x10GetRequestStatus\x12%.tokenmill.v1.GetRequestStatusRequest\x1a&.tokenmill.v1.GetRequestStatusResponse\x12X\n\rCancelRequest\x12\".tokenmill.v1.CancelRequestRequest\x1a#.tokenmill.v1.CancelRequestResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.tokenmill.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REQUESTSTATUS']._serialized_start=2623
-  _globals['_REQUESTSTATUS']._serialized_end=2811
-  _globals['_CHATMESSAGE']._serialized_start=121
-  _globals['_CHATMESSAGE']._serialized_end=165
-  _globals['_CHATMESSAGES']._serialized_start=167
-  _globals['_CHATMESSAGES']._serialized_end=226
-  _globals['_GENERATEPARAMETERS']._serialized_start=229
-  _globals['_GENERATEPARAMETERS']._serialized_end=705
-  _globals['_GENERATEREQUEST']._serialized_start=708
-  _globals['_GENERATEREQUEST']._serialized_end=961
-  _globals['_TOPLOGPROB']._serialized_start=963
-  _globals['_TOPLOGPROB']._serialized_end=1025
-  _globals['_LOGPROB']._serialized_start=1027
-  _globals['_LOGPROB']._serialized_end=1134
-  _globals['_GENERATERESPONSE']._serialized_start=1137
-  _globals['_GENERATERESPONSE']._serialized_end=1398
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1401
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1668
-  _globals['_TOKENIZEREQUEST']._serialized_start=1671
-  _globals['_TOKENIZEREQUEST']._serialized_end=1804
-  _globals['_TOKENIZERESPONSE']._serialized_start=1806
-  _globals['_TOKENIZERESPONSE']._serialized_end=1843
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1845
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1927
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1929
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1963
-  _globals['_GETREQUESTSTATUSREQUEST']._serialized_start=1965
-  _globals['_GETREQUESTSTATUSREQUEST']._serialized_end=2010
-  _globals['_GETREQUESTSTATUSRESPONSE']._serialized_start=2013
-  _globals['_GETREQUESTSTATUSRESPONSE']._serialized_end=2487
-  _globals['_CANCELREQUESTREQUEST']._serialized_start=2489
-  _globals['_CANCELREQUESTREQUEST']._serialized_end=2531
-  _globals['_CANCELREQUESTRESPONSE']._serialized_start=2533
-  _globals['_CANCELREQUESTRESPONSE']._serialized_end=2620
-  _globals['_GENERATION']._serialized_start=2814
-  _globals['_GENERATION']._serialized_end=3422
+  _globals['_REQUESTSTATUS']._serialized_start=2756
+  _globals['_REQUESTSTATUS']._serialized_end=2944
+  _globals['_CHATMESSAGE']._serialized_start=157
+  _globals['_CHATMESSAGE']._serialized_end=201
+  _globals['_CHATMESSAGES']._serialized_start=203
+  _globals['_CHATMESSAGES']._serialized_end=262
+  _globals['_GENERATEPARAMETERS']._serialized_start=265
+  _globals['_GENERATEPARAMETERS']._serialized_end=838
+  _globals['_GENERATEREQUEST']._serialized_start=841
+  _globals['_GENERATEREQUEST']._serialized_end=1094
+  _globals['_TOPLOGPROB']._serialized_start=1096
+  _globals['_TOPLOGPROB']._serialized_end=1158
+  _globals['_LOGPROB']._serialized_start=1160
+  _globals['_LOGPROB']._serialized_end=1267
+  _globals['_GENERATERESPONSE']._serialized_start=1270
+  _globals['_GENERATERESPONSE']._serialized_end=1531
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1534
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1801
+  _globals['_TOKENIZEREQUEST']._serialized_start=1804
+  _globals['_TOKENIZEREQUEST']._serialized_end=1937
+  _globals['_TOKENIZERESPONSE']._serialized_start=1939
+  _globals['_TOKENIZERESPONSE']._serialized_end=1976
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1978
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2060
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2062
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2096
+  _globals['_GETREQUESTSTATUSREQUEST']._serialized_start=2098
+  _globals['_GETREQUESTSTATUSREQUEST']._serialized_end=2143
+  _globals['_GETREQUESTSTATUSRESPONSE']._serialized_start=2146
+  _globals['_GETREQUESTSTATUSRESPONSE']._serialized_end=2620
+  _globals['_CANCELREQUESTREQUEST']._serialized_start=2622
+  _globals['_CANCELREQUESTREQUEST']._serialized_end=2664
+  _globals['_CANCELREQUESTRESPONSE']._serialized_start=2666
+  _globals['_CANCELREQUESTRESPONSE']._serialized_end=2753
+  _globals['_GENERATION']._serialized_start=2947
+  _globals['_GENERATION']._serialized_end=3555
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,60 @@
+"""plumbing.grammar: what the gateway refuses (each malformed constraint named, with the engine's reason)
+and what the worker compiles (the GGUF vocabulary as the tokenizer spells it; one compile per content)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from core.errors import InvalidArgument
+from core.sampling import ConstraintKind, OutputConstraint
+from gateway.tokenizer import load_tokenizer
+from plumbing.grammar import GrammarCompiler, check_constraint
+from worker.loader import default_model_path
+
+K = ConstraintKind
+
+
+@pytest.mark.parametrize("constraint", [
+    OutputConstraint(K.JSON_SCHEMA, json.dumps({"type": "object", "properties": {"a": {"$ref": "#"}}})),
+    OutputConstraint(K.JSON_OBJECT),
+    OutputConstraint(K.REGEX, r"\d{3}-[a-z]+"),
+    OutputConstraint(K.CHOICE, choices=("yes", 'a "quoted" one', "back\\slash")),
+    OutputConstraint(K.GRAMMAR, 'root ::= "a" root | "b"'),  # GBNF
+    OutputConstraint(K.GRAMMAR, 'start: "x"+'),  # Lark
+])
+def test_well_formed_constraints_pass(constraint):
+    check_constraint(constraint)
+
+
+@pytest.mark.parametrize("constraint, field, words", [
+    (OutputConstraint(K.JSON_SCHEMA, '{"type":'), "json_schema", "is not JSON"),
+    (OutputConstraint(K.JSON_SCHEMA, '[1, 2]'), "json_schema", "must be a JSON object"),
+    (OutputConstraint(K.JSON_SCHEMA, '{"type": "foo"}'), "json_schema", "foo"),
+    (OutputConstraint(K.REGEX, "a(b"), "regex", "unclosed group"),
+    (OutputConstraint(K.REGEX, ""), "regex", "must not be empty"),
+    (OutputConstraint(K.GRAMMAR, "root ::= ("), "grammar", "GBNF"),
+    (OutputConstraint(K.GRAMMAR, "start: foo"), "grammar", "unknown name"),
+    (OutputConstraint(K.CHOICE), "choice", "at least one"),
+    (OutputConstraint(K.CHOICE, choices=("a", "")), "choice", "non-empty"),
+])
+def test_malformed_constraints_are_named_with_the_engines_reason(constraint, field, words):
+    with pytest.raises(InvalidArgument) as caught:
+        check_constraint(constraint)
+    assert caught.value.field == field and words in str(caught.value)
+
+
+def test_the_gguf_vocabulary_spells_tokens_as_the_tokenizer_does_and_compiles_once():
+    compiler = GrammarCompiler(default_model_path())
+    tokenizer = load_tokenizer(None)
+    vocabulary = compiler.vocabulary
+    assert vocabulary.vocab_size == tokenizer.vocab_size and vocabulary.eos_token == tokenizer.eos_token_id
+    ids = tokenizer.encode("Héllo wörld, {\"key\": [1, 2.5e-3]} 日本語\n\ttabs", add_special_tokens=False)
+    assert vocabulary.decode_bytes(ids).decode() == tokenizer.decode(ids)
+    assert vocabulary.is_special_token(tokenizer.eos_token_id) and not vocabulary.is_special_token(ids[0])
+
+    constraint = OutputConstraint(K.CHOICE, choices=("yes", "no"))
+    first, second = compiler.matcher(constraint), compiler.matcher(OutputConstraint(K.CHOICE, choices=("yes", "no")))
+    assert compiler.num_compiled == 1
+    assert first.consume_tokens(tokenizer.encode("yes", add_special_tokens=False)) and first.is_accepting()
+    assert not second.is_accepting()  # a copy of its own, at the start
