@@ -26,7 +26,7 @@ class GenerationFailed(ServingError):
 
 class ResponseBuilder:
     def __init__(self, *, chat: bool, request_id: str, model: str, logprobs: int | None,
-                 include_usage: bool = False) -> None:
+                 include_usage: bool = False, echo: str = "") -> None:
         self.chat = chat
         self.request_id = request_id
         self.model = model
@@ -38,6 +38,7 @@ class ResponseBuilder:
         self.finish: Finish | None = None
         self._text_offset = 0  # completions logprobs: where the next token's text starts
         self._sent_role = False
+        self.echo = echo  # completions echo: the prompt text, before the first text of the completion
 
     # -- whole response ------------------------------------------------------------------------------
 
@@ -49,7 +50,7 @@ class ResponseBuilder:
 
     def body(self) -> dict:
         assert self.finish is not None, "body() before the last delta"
-        text = "".join(self.text_parts)
+        text = self.echo + "".join(self.text_parts)
         choice: dict = {"index": 0}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -70,8 +71,9 @@ class ResponseBuilder:
             self._sent_role = True
             out.append(self._chunk({"role": "assistant", "content": ""}, None, None))
         finish = _checked(delta.finish) if delta.finish is not None else None
-        if delta.text or delta.logprobs or finish is not None:
-            content = ({"content": delta.text} if delta.text or finish is None else {}) if self.chat else delta.text
+        text, self.echo = self.echo + delta.text, ""  # an echoed prompt goes out with the first chunk
+        if text or delta.logprobs or finish is not None:
+            content = ({"content": text} if text or finish is None else {}) if self.chat else text
             out.append(self._chunk(content, self._logprobs(delta.logprobs), finish))
         return out
 

@@ -148,3 +148,15 @@ def test_logit_bias_over_http_and_grpc(gateway_cluster, client):
         assert generate(stub, logit_bias=[sampling_pb2.TokenBias(token_id=equals, bias=100.0)]) == [equals]
         [first] = generate(stub)
         assert generate(stub, logit_bias=[sampling_pb2.TokenBias(token_id=first, bias=-100.0)]) != [first]
+
+
+@pytest.mark.slow
+def test_completions_echo_puts_the_prompt_first(client):
+    model = client.models.list().data[0].id
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0).choices[0].text
+    echoed = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + plain
+    streamed = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                         stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == prompt + plain

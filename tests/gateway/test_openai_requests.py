@@ -56,6 +56,11 @@ def test_logit_bias_and_constraints_reach_the_request(tokenizer):
     assert chat(tokenizer, response_format={"type": "text"}).prepared.request.sampling_params.constraint is None
 
 
+def test_echo_carries_the_prompt_text(tokenizer):
+    assert completion(tokenizer, echo=True).echo == tokenizer.decode(tokenizer.encode("Hello"), skip_special_tokens=False)
+    assert completion(tokenizer, echo=False).echo == "" and completion(tokenizer).echo == ""
+
+
 def test_prompt_forms_and_chat_content_parts(tokenizer):
     ids = tokenizer.encode("Hello")
     for prompt in ("Hello", ["Hello"], ids, [ids]):
@@ -74,7 +79,8 @@ def test_prompt_forms_and_chat_content_parts(tokenizer):
     (completion, {"temperature": -1}, "temperature", "[0, 100]"),
     (completion, {"n": 2}, "n", "only n=1"),
     (completion, {"best_of": 3}, "best_of", "best_of=1"),
-    (completion, {"echo": True}, "echo", "not supported"),
+    (completion, {"echo": True, "logprobs": 1}, "echo", "prompt logprobs"),
+    (completion, {"echo": "yes"}, "echo", "true or false"),
     (completion, {"prompt": ["a", "b"]}, "prompt", "2 prompts"),
     (completion, {"prompt": [1, 10**9]}, "prompt[1]", "vocab_size"),
     (completion, {"prompt": None}, "prompt", "required"),
