@@ -15,6 +15,7 @@ every sampling mode (worker.sampler on torch; the sampling kernel on Triton).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -24,6 +25,8 @@ import torch
 
 from core.sampling import SamplingParams
 from plumbing.grammar import GrammarCompiler
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -50,8 +53,14 @@ class StructuredOutput:
         self.executor = llguidance.LLExecutor(num_threads)
 
     def warm_up(self) -> None:
-        """Loads the vocabulary (a fraction of a second) so the first constrained request does not wait."""
-        self.compiler.vocabulary  # noqa: B018 - loads on first access
+        """Loads the vocabulary (a fraction of a second) so the first constrained request does not wait.
+        A model without a readable vocabulary still serves unconstrained requests: this logs why, and a
+        constrained request fails when it arrives, with the same reason."""
+        try:
+            self.compiler.vocabulary  # noqa: B018 - loads on first access
+        except (OSError, ValueError, KeyError) as exc:
+            logger.warning("constrained decoding unavailable: no grammar vocabulary from %s (%s: %s)",
+                           self.compiler.model_path, type(exc).__name__, exc)
 
     def new_matcher(self, params: SamplingParams, output_token_ids: Sequence[int]) -> llguidance.LLMatcher | None:
         """A matcher for a request arriving in full, advanced over the output it already has."""
