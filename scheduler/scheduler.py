@@ -419,4 +419,7 @@ class Scheduler:
             token_budget=self.token_budget,
             step_time_error_s=self.step_time.last_error_s,
             num_itl_target_misses=self.num_itl_target_misses,
+            num_swapped=len(self.kv.host_tables),
+            num_host_blocks=self.config.num_host_blocks,
+            num_used_host_blocks=self.kv.host_pool.num_used,
         )

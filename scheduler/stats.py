@@ -20,3 +20,6 @@ class SchedulerStats:
     token_budget: int = 0  # of the latest step: max_num_batched_tokens, or what the latency target allowed
     step_time_error_s: float = 0.0  # observed - predicted time of the latest step (latency targets)
     num_itl_target_misses: int = 0  # steps whose time (planning to result) exceeded target_itl_ms, since start
+    num_swapped: int = 0  # requests whose pages are in the host tier now (swapped out, waiting)
+    num_host_blocks: int = 0  # pages of the host swap tier (0: no swap tier)
+    num_used_host_blocks: int = 0

@@ -99,6 +99,8 @@ SCHEDULER_METRICS = {
     "tokenmill:num_requests_waiting": "Requests waiting to be scheduled (preempted and just-arrived ones included)",
     "tokenmill:kv_cache_usage_perc": "Fraction of KV cache pages in use (0..1)",
     "tokenmill:kv_cache_utilization": "Live tokens / reserved token slots of running requests (0..1)",
+    "tokenmill:num_requests_swapped": "Preempted requests whose pages are in the host swap tier now",
+    "tokenmill:cpu_cache_usage_perc": "Fraction of the host swap tier's pages in use (0..1; 0 without --swap-space-gb)",
     "tokenmill:prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache",
     "tokenmill:prefix_cache_hits_total": "Prompt tokens found in the prefix cache",
     "tokenmill:num_preemptions_total": "Requests preempted (pages freed, recomputed later)",
@@ -145,6 +147,8 @@ VLLM_ALIASES: dict[str, tuple[str, ...]] = {
     "tokenmill:num_requests_running": ("vllm:num_requests_running",),
     "tokenmill:num_requests_waiting": ("vllm:num_requests_waiting",),
     "tokenmill:kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "tokenmill:num_requests_swapped": ("vllm:num_requests_swapped",),
+    "tokenmill:cpu_cache_usage_perc": ("vllm:cpu_cache_usage_perc",),
     "tokenmill:prefix_cache_queries": ("vllm:prefix_cache_queries",),
     "tokenmill:prefix_cache_hits": ("vllm:prefix_cache_hits",),
     "tokenmill:num_preemptions": ("vllm:num_preemptions",),
@@ -237,6 +241,9 @@ class SchedulerStatsCollector(Collector):
             "tokenmill:num_requests_waiting": stats.num_waiting,
             "tokenmill:kv_cache_usage_perc": stats.num_used_blocks / stats.num_blocks if stats.num_blocks else 0.0,
             "tokenmill:kv_cache_utilization": stats.kv_utilization,
+            "tokenmill:num_requests_swapped": stats.num_swapped,
+            "tokenmill:cpu_cache_usage_perc": (stats.num_used_host_blocks / stats.num_host_blocks
+                                               if stats.num_host_blocks else 0.0),
             "tokenmill:step_token_budget": stats.token_budget,
             "tokenmill:step_time_prediction_error_seconds": stats.step_time_error_s,
         }

@@ -108,3 +108,20 @@ def test_evicted_prefix_pages_come_back_from_the_host_tier():
     twin = make_request(shared + [7, 8], max_tokens=3)
     cold.run_to_completion([twin])
     assert again.output_token_ids == twin.output_token_ids  # the pages came back with the right K/V
+
+
+def test_stats_count_swapped_requests_and_host_pages_while_they_are_out():
+    """What vllm:num_requests_swapped and vllm:cpu_cache_usage_perc read (scheduler.stats)."""
+    engine = make_engine(num_blocks=14, block_size=4, max_num_batched_tokens=32, num_host_blocks=64)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(make_request(prompt, max_tokens=24, request_id=f"q{i}"))
+    seen_swapped = 0
+    while engine.has_unfinished():
+        engine.step()
+        stats = engine.scheduler.stats()
+        assert stats.num_swapped == len(engine.scheduler.kv.host_tables)
+        assert stats.num_host_blocks == 64 and 0 <= stats.num_used_host_blocks <= 64
+        if stats.num_swapped:
+            seen_swapped += 1
+            assert stats.num_used_host_blocks > 0  # a swapped request's pages are in the host tier
+    assert seen_swapped and engine.scheduler.stats().num_swapped == 0

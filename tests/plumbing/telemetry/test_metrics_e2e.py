@@ -93,6 +93,9 @@ def test_metrics_move_after_requests(traced_cluster):
     assert len(info) == 1 and ("block_size", "16") in info[0] and ("model_name", MODEL) in info[0]
     assert value(after["scheduler"], "tokenmill:num_requests_running") == 0
     assert value(after["scheduler"], "tokenmill:kv_cache_usage_perc") < 1.0
+    # the swap tier's families a stock vLLM dashboard reads: present, 0 without --swap-space-gb
+    for name in ("vllm:num_requests_swapped", "vllm:cpu_cache_usage_perc"):
+        assert name in families(after["scheduler"]) and value(after["scheduler"], name) == 0, name
 
     steps = sum(moved("worker", "tokenmill:worker_step_seconds_count", kind=kind)
                 for kind in ("prefill", "decode", "mixed"))
