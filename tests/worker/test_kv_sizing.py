@@ -73,7 +73,7 @@ from worker.kv_sizing import measure_activation_peak, profile_batch
 from worker.loader import load_model
 from worker.model_runner import ModelRunner
 model, config = load_model(sys.argv[1], progress=False)
-for num_tokens in (16, 4096):
+for num_tokens in (16, 16, 4096):  # the first pass pays one-time costs (thread pools, kernels): not printed
     batch = profile_batch(num_tokens, int(sys.argv[2]))
     runner = ModelRunner(model, config, num_blocks=len(batch.spans[0].block_table), block_size=int(sys.argv[2]),
                          dtype=torch.float32)
@@ -93,5 +93,6 @@ def test_cpu_activation_peak_is_measured(tiny_folder):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     peaks = {int(tokens): int(peak) for tokens, peak in (line.split() for line in result.stdout.splitlines())}
+    # (the dict keeps the second 16-token pass: measured after the one-time costs, like the 4096 one)
     # 4096 tokens x the MLP's width in float32 alone is over 1 MiB
     assert peaks[4096] > 2**20 and peaks[4096] > peaks[16]
