@@ -17,6 +17,7 @@ from collections import deque
 from redis.exceptions import RedisError
 
 from core.outputs import FinishReason
+from kvstore.background_flush import BackgroundFlush
 from kvstore.client import connect
 from kvstore.token_streams import TokenEntry, token_stream_key
 
@@ -28,7 +29,9 @@ def live_key(scheduler_id: str) -> str:
     return LIVE_KEY_PREFIX + scheduler_id
 
 
-class LiveRequestWriter:
+class LiveRequestWriter(BackgroundFlush):
+    _task_name = "live-request-writer"
+
     def __init__(self, redis_url: str, scheduler_id: str, *, ttl_s: int = 3600, flush_interval_s: float = 0.01,
                  retry_max_s: float = 1.0) -> None:
         self._client = connect(redis_url)
@@ -38,7 +41,6 @@ class LiveRequestWriter:
         self._retry_max_s = retry_max_s
         self._pending: deque[tuple[str, str | None]] = deque()  # (request id, submitted; None: ended), in order
         self._has_work = asyncio.Event()
-        self._task: asyncio.Task | None = None
 
     @property
     def pending(self) -> int:
@@ -52,34 +54,6 @@ class LiveRequestWriter:
     def ended(self, request_id: str) -> None:
         self._pending.append((request_id, None))
         self._has_work.set()
-
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="live-request-writer")
-
-    async def aclose(self, timeout_s: float = 2.0) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        try:
-            async with asyncio.timeout(timeout_s):
-                while self._pending and await self._flush():
-                    pass
-        except TimeoutError:
-            logger.warning("live request writer closed with %d changes unwritten", len(self._pending))
-        await self._client.aclose()
-
-    async def _run(self) -> None:
-        retry_s = 0.05
-        while True:
-            if not self._pending:
-                self._has_work.clear()
-                await self._has_work.wait()
-            await asyncio.sleep(self._flush_interval_s)
-            if await self._flush():
-                retry_s = 0.05
-            else:
-                await asyncio.sleep(retry_s)
-                retry_s = min(retry_s * 2, self._retry_max_s)
 
     async def _flush(self) -> bool:
         batch = list(self._pending)

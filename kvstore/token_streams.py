@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 
 from core.errors import ErrorCode, ServingError, error_from_code
 from core.outputs import FinishReason
+from kvstore.background_flush import BackgroundFlush
 from kvstore.client import connect
 from plumbing.telemetry.tracing import WriteCauses
 
@@ -58,7 +59,9 @@ class TokenEntry:
                    num_prompt_tokens=int(fields.get("p", "0")))
 
 
-class TokenStreamWriter:
+class TokenStreamWriter(BackgroundFlush):
+    _task_name = "token-stream-writer"
+
     def __init__(self, redis_url: str, *, ttl_s: int = 3600, flush_interval_s: float = 0.01,
                  max_pending: int = 100_000, retry_max_s: float = 1.0) -> None:
         self._client = connect(redis_url)
@@ -68,7 +71,6 @@ class TokenStreamWriter:
         self._retry_max_s = retry_max_s
         self._pending: deque[tuple[str, dict[str, str]]] = deque()  # (request_id, entry fields), in order
         self._has_work = asyncio.Event()
-        self._task: asyncio.Task | None = None
         self._flushing = False  # a pipeline is in flight: its entries are the first len(batch)
         self._causes = WriteCauses()  # the step spans whose tokens the next pipeline carries
         self.dropped = 0  # entries dropped past max_pending while Redis was away (oldest first)
@@ -102,35 +104,7 @@ class TokenStreamWriter:
                                "first (tokenmill:redis_writes_dropped_total)", self._max_pending, self.dropped)
         self._has_work.set()
 
-    # ---- background side ----
-
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="token-stream-writer")
-
-    async def aclose(self, timeout_s: float = 2.0) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        try:
-            async with asyncio.timeout(timeout_s):
-                while self._pending and await self._flush():
-                    pass
-        except TimeoutError:
-            logger.warning("token stream writer closed with %d entries unwritten", len(self._pending))
-        await self._client.aclose()
-
-    async def _run(self) -> None:
-        retry_s = 0.05
-        while True:
-            if not self._pending:
-                self._has_work.clear()
-                await self._has_work.wait()
-            await asyncio.sleep(self._flush_interval_s)  # let a step's deltas gather into one pipeline
-            if await self._flush():
-                retry_s = 0.05
-            else:
-                await asyncio.sleep(retry_s)
-                retry_s = min(retry_s * 2, self._retry_max_s)
+    # ---- background side (start / aclose / the flush task: kvstore.background_flush) ----
 
     async def _flush(self) -> bool:
         """Writes what is pending, in order; False (entries kept) if Redis could not be reached."""
