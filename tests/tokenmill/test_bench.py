@@ -61,8 +61,8 @@ def fabricated_result() -> dict:
 
 def test_first_trouble_is_the_lowest_concurrency_that_preempted_or_failed():
     runs = fabricated_result()["runs"]
-    assert first_trouble(runs["tokenmill paged"]["levels"]) == 8
-    assert first_trouble(runs["tokenmill static"]["levels"]) == 4
+    assert first_trouble(runs["tokenmill paged"]["levels"]) == "concurrency 8"
+    assert first_trouble(runs["tokenmill static"]["levels"]) == "concurrency 4"
     assert first_trouble(runs["transformers static batches"]["levels"]) is None
 
 

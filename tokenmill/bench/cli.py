@@ -1,14 +1,20 @@
 """`tokenmill bench`: the standard benchmark, side by side, as a table, JSON, Markdown and plots.
 
-    tokenmill bench                                   start a cluster per KV policy (paged, static) with
-                                                      a small KV cache, sweep each, then the transformers
+    tokenmill bench                                   start a paged cluster with the KV cache `tokenmill
+                                                      serve` would size, sweep it, then the transformers
                                                       baseline; write bench_out/bench.{json,md} + PNGs
+    tokenmill bench --compare-kv-layouts              paged vs static clusters on a deliberately small KV
+                                                      cache (--num-blocks 40) so the policies differ
+    tokenmill bench --request-rate 0.5,1,2 [--seed S] open loop: Poisson arrivals at each rate (req/s)
+                                                      instead of the closed-loop concurrency sweep
     tokenmill bench --address 127.0.0.1:50051 [--scheduler-address 127.0.0.1:50052]
                                                       a running tokenmill gateway (load from the scheduler)
-    tokenmill bench --openai-url http://host:8000/v1  any OpenAI-compatible server, same workload
+    tokenmill bench --openai-url http://host:8000/v1  any OpenAI-compatible server (vLLM, llama-server),
+                                                      same workload, same client
 
-Defaults are CPU scale (64-token prompts, outputs 16-64, concurrency 1,4,8,16); on a GPU use e.g.
---prompt-len 512 --max-output 256 --concurrency 1,8,32,64,128.
+Defaults are CPU scale (100 requests per level so P99 is not the slowest request, 64-token prompts,
+outputs 16-64, concurrency 1,4,8,16); on a GPU use e.g. --prompt-len 512 --max-output 256
+--concurrency 1,8,32,64,128. --concurrency and --request-rate together run both loops.
 
 Self-tuning (issue 19), each an extra paged cluster beside the --kv-policies ones:
     --budgets 32,64,128        one cluster per fixed --max-num-batched-tokens (a sweep of fixed budgets)
@@ -24,9 +30,21 @@ import shlex
 import sys
 from pathlib import Path
 
-from tokenmill.bench.report import format_table, write_json, write_markdown, write_plots
+from tokenmill.bench.report import (
+    format_table,
+    p99_warning,
+    percentile_note,
+    write_json,
+    write_markdown,
+    write_plots,
+)
 from tokenmill.bench.runner import sweep, sweep_transformers
-from tokenmill.bench.targets import LoadPoller, OpenAITarget, TokenmillTarget, TransformersTarget
+from tokenmill.bench.targets import (
+    LoadPoller,
+    OpenAITarget,
+    TokenmillTarget,
+    TransformersTarget,
+)
 from tokenmill.bench.workload import build_workload
 
 
@@ -40,6 +58,30 @@ def parse_levels(text: str) -> list[int]:
     return sorted(set(levels))
 
 
+def parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--request-rate {text!r}: expected comma-separated numbers like 0.5,1,2") from None
+    if not rates or not all(0 < rate < float("inf") for rate in rates):
+        raise argparse.ArgumentTypeError(f"--request-rate {text!r}: every rate must be a finite number > 0 (requests/s)")
+    return sorted(set(rates))
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be >= 1")
+    return value
+
+
+DEFAULT_CONCURRENCY = [1, 4, 8, 16]
+SMALL_CACHE_BLOCKS = 40  # --compare-kv-layouts: 640 token slots, where paged and static differ at CPU scale
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -49,19 +91,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scheduler-address", help="with --address: poll this scheduler's GetLoad")
     parser.add_argument("--openai-model", default="", help="with --openai-url: the model field sent")
     parser.add_argument("--model", help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--kv-policies", default="paged,static", help="clusters to start (default: %(default)s)")
-    parser.add_argument("--num-blocks", type=int, default=40,
-                        help="KV pages per started cluster, small so the policies differ (default: %(default)s)")
+    parser.add_argument("--compare-kv-layouts", action="store_true",
+                        help=f"paged vs static KV policy on a deliberately small cache (--num-blocks default "
+                             f"{SMALL_CACHE_BLOCKS}, --kv-policies default paged,static, no transformers baseline "
+                             f"unless --baseline)")
+    parser.add_argument("--kv-policies", help="clusters to start (default: paged; paged,static with --compare-kv-layouts)")
+    parser.add_argument("--num-blocks", type=int,
+                        help="KV pages per started cluster (default: sized from memory as `tokenmill serve` does; "
+                             f"{SMALL_CACHE_BLOCKS} with --compare-kv-layouts)")
     parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
                         help="how to drive started clusters (default: %(default)s)")
-    parser.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
-    parser.add_argument("--concurrency", type=parse_levels, default=[1, 4, 8, 16])
-    parser.add_argument("--num-requests", type=int, default=16, help="per level (default: %(default)s)")
+    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction,
+                        help="the transformers baseline with static batches, closed loop only (default: on; "
+                             "off with --compare-kv-layouts)")
+    parser.add_argument("--concurrency", type=parse_levels,
+                        help="closed-loop levels (default: 1,4,8,16; none when --request-rate is given alone)")
+    parser.add_argument("--request-rate", type=parse_rates, default=[],
+                        help="open loop: requests/s, Poisson arrivals (exponential gaps seeded by --seed), one "
+                             "level per rate, e.g. 0.5,1,2")
+    parser.add_argument("--num-requests", type=positive_int, default=100,
+                        help="per level; below 100, P99 is mostly the slowest request (default: %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--min-output", type=int, default=16)
     parser.add_argument("--max-output", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=2, help="untimed requests first (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="output lengths and open-loop arrivals (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"), help="report directory (default: %(default)s)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--budgets", type=parse_levels, default=[],
@@ -71,24 +125,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Fills the defaults that depend on the mode (--compare-kv-layouts, --request-rate)."""
+    if args.concurrency is None:
+        args.concurrency = [] if args.request_rate else list(DEFAULT_CONCURRENCY)
+    if args.kv_policies is None:
+        args.kv_policies = "paged,static" if args.compare_kv_layouts else "paged"
+    if args.num_blocks is None and args.compare_kv_layouts:
+        args.num_blocks = SMALL_CACHE_BLOCKS
+    if args.baseline is None:
+        args.baseline = not args.compare_kv_layouts
+    return args
+
+
 async def _sweep_address(make_target, args, workload, scheduler_address: str | None, label: str) -> dict:
     target = make_target()  # inside the running loop: a grpc.aio channel belongs to the loop it was made in
     poller = LoadPoller(scheduler_address) if scheduler_address else None
     try:
-        return await sweep(target, workload, args.concurrency, args.num_requests, args.warmup, poller, label)
+        return await sweep(target, workload, args.concurrency, args.num_requests, args.warmup, poller, label,
+                           args.request_rate, args.seed)
     finally:
         await target.close()
 
 
-def run_cluster(args, workload, kv_policy: str, label: str | None = None, **settings) -> dict:
-    """settings: more ClusterConfig fields (a fixed budget, a latency target, swap space)."""
-    from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
-    from tokenmill.supervisor import Supervisor
+def cluster_config(args, kv_policy: str, **settings):
+    """The started cluster's config, with free ports: the KV cache sized as `tokenmill serve` sizes it
+    unless --num-blocks (or --compare-kv-layouts) says otherwise. settings: more ClusterConfig fields
+    (a fixed budget, a latency target, swap space)."""
+    from tokenmill.cluster import ClusterConfig, resolve_ports
 
-    config = resolve_ports(ClusterConfig(
+    return resolve_ports(ClusterConfig(
         model=args.model, gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
         http_port=0 if args.protocol == "http" else None, kv_policy=kv_policy, num_blocks=args.num_blocks,
         **settings))
+
+
+def run_cluster(args, workload, kv_policy: str, label: str | None = None, **settings) -> dict:
+    from tokenmill.cluster import cluster_specs
+    from tokenmill.supervisor import Supervisor
+
+    config = cluster_config(args, kv_policy, **settings)
     with Supervisor(cluster_specs(config), echo=False):
         def make_target():
             return (OpenAITarget(f"http://{config.http_address}/v1") if args.protocol == "http"
@@ -106,13 +182,20 @@ def tuning_clusters(args) -> dict[str, dict]:
     return clusters
 
 
+def cache_description(args) -> str:
+    return ("sized from memory as `tokenmill serve` does" if args.num_blocks is None
+            else f"num_blocks={args.num_blocks}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = resolve_defaults(build_parser().parse_args(argv))
     from gateway.tokenizer import load_tokenizer
 
+    if p99_warning(args.num_requests):
+        print(f"warning: {p99_warning(args.num_requests)}", file=sys.stderr)
     tokenizer = load_tokenizer(args.model)
     # enough distinct requests for the largest level; warm-up reuses the first ones
-    workload = build_workload(tokenizer, max(args.num_requests, *args.concurrency), args.prompt_len,
+    workload = build_workload(tokenizer, max([args.num_requests, *args.concurrency]), args.prompt_len,
                               args.min_output, args.max_output, args.seed)
     runs: dict[str, dict] = {}
     if args.address:
@@ -123,17 +206,17 @@ def main(argv: list[str] | None = None) -> int:
                                                          workload, None, "openai"))
     else:
         for policy in [p.strip() for p in args.kv_policies.split(",") if p.strip()]:
-            print(f"starting a cluster: kv_policy={policy}, num_blocks={args.num_blocks}", file=sys.stderr)
+            print(f"starting a cluster: kv_policy={policy}, KV cache {cache_description(args)}", file=sys.stderr)
             runs[f"tokenmill {policy}"] = run_cluster(args, workload, policy)
         for name, settings in tuning_clusters(args).items():
-            print(f"starting a cluster: {name}, num_blocks={args.num_blocks}", file=sys.stderr)
+            print(f"starting a cluster: {name}, KV cache {cache_description(args)}", file=sys.stderr)
             runs[name] = run_cluster(args, workload, "paged", name, **settings)
-        if not args.no_baseline:
+        if args.baseline and args.concurrency:  # static batches have no open loop
             print("transformers baseline (static batches)", file=sys.stderr)
             runs["transformers static batches"] = sweep_transformers(
                 TransformersTarget(args.model), workload, args.concurrency, args.num_requests, args.warmup)
     result = {"title": "tokenmill bench", "command": "tokenmill bench " + shlex.join(sys.argv[2:] if argv is None else argv),
-              "notes": notes(args), "runs": runs}
+              "notes": notes(args, runs), "runs": runs}
     args.out.mkdir(parents=True, exist_ok=True)
     plots = [] if args.no_plots else write_plots(result, args.out)
     write_json(result, args.out / "bench.json")
@@ -143,18 +226,39 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def notes(args) -> list[str]:
+def loops_description(args) -> str:
+    loops = []
+    if args.concurrency:
+        loops.append(f"closed loop at concurrency {','.join(map(str, args.concurrency))} (each client sends its "
+                     f"next request when its last one ends)")
+    if args.request_rate:
+        loops.append(f"open loop at {','.join(f'{rate:g}' for rate in args.request_rate)} req/s (Poisson arrivals, "
+                     f"exponential gaps, seed {args.seed})")
+    return " and ".join(loops)
+
+
+def cluster_note(args, runs: dict) -> str:
+    pages = sorted({level["kv_pages_total"] for run in runs.values() for level in run["levels"]
+                    if level.get("kv_pages_total")})
+    sizing = (f"{args.num_blocks} KV pages of 16 tokens" if args.num_blocks is not None
+              else "the KV cache sized from memory as `tokenmill serve` does")
+    if args.compare_kv_layouts:
+        sizing += " (deliberately small, --compare-kv-layouts, so the KV policies differ)"
+    return (f"started clusters: {sizing}" + (f"; {'/'.join(map(str, pages))} pages reported" if pages else "")
+            + "; KV util and preemptions from the scheduler's GetLoad, polled every 0.2 s")
+
+
+def notes(args, runs: dict) -> list[str]:
     import torch
 
     device = "GPU" if torch.cuda.is_available() else f"CPU ({torch.get_num_threads()} torch threads)"
-    return [f"workload: {args.num_requests} requests per level, {args.prompt_len}-token text prompts, output lengths "
-            f"uniform in {args.min_output}-{args.max_output} (seed {args.seed}), greedy, EOS ignored; closed loop, "
-            f"{args.warmup} warm-up requests excluded from the timed window",
+    return [(f"workload: {args.num_requests} requests per level, {args.prompt_len}-token text prompts, output lengths "
+            f"uniform in {args.min_output}-{args.max_output} (seed {args.seed}), greedy, EOS ignored; "
+            f"{loops_description(args)}; {args.warmup} warm-up requests excluded from the timed window"),
+            percentile_note(args.num_requests),
             f"device: {device}" + ("; workload scaled down for CPU (the standard sweep is 1..128)"
                                    if not torch.cuda.is_available() else ""),
-            *([] if args.address or args.openai_url else [
-              f"started clusters: num_blocks={args.num_blocks} KV pages of 16 tokens (the default, 40, is "
-              f"deliberately small so the KV policies differ); KV util and preemptions from the scheduler's GetLoad, polled every 0.2 s"])]
+            *([] if args.address or args.openai_url else [cluster_note(args, runs)])]
 
 
 if __name__ == "__main__":

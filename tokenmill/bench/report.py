@@ -1,8 +1,10 @@
 """Benchmark metrics and the four report forms: terminal table, JSON, Markdown, PNG plots.
 
 A result is a dict: {"title", "notes": [str], "command", "runs": {name: sweep dict}} where a sweep dict
-is {"target", "warmup": summary, "levels": [summary + {"concurrency", "kv_utilization_mean",
-"preemptions"}]}. Latencies are in seconds in the data, milliseconds in the tables.
+is {"target", "warmup": summary, "levels": [summary + load]}: a closed-loop level has "concurrency", an
+open-loop one "request_rate", "achieved_rate" and "peak_in_flight"; both may have
+"kv_utilization_mean", "preemptions" and "kv_pages_total". Latencies are in seconds in the data,
+milliseconds in the tables.
 """
 from __future__ import annotations
 
@@ -45,12 +47,54 @@ def summarize(records: list, elapsed_s: float) -> dict:
     return summary
 
 
-def first_trouble(levels: list[dict]) -> int | None:
-    """The lowest concurrency at which the run preempted or any request failed; None if none did."""
+def is_open_loop(level: dict) -> bool:
+    return level.get("request_rate") is not None
+
+
+def level_load(level: dict) -> str:
+    """The table's load cell: the concurrency, or the request rate asked for and the one achieved."""
+    if not is_open_loop(level):
+        return str(level["concurrency"])
+    achieved = level.get("achieved_rate")
+    return f"{level['request_rate']:g}/s" + ("" if achieved is None else f" (sent {achieved:.2f}/s)")
+
+
+def level_name(level: dict) -> str:
+    return f"rate {level['request_rate']:g} req/s" if is_open_loop(level) else f"concurrency {level['concurrency']}"
+
+
+def first_trouble(levels: list[dict]) -> str | None:
+    """The first level (lowest concurrency, then lowest rate) at which the run preempted or any request
+    failed, by level_name; None if none did."""
     for level in levels:
         if (level.get("preemptions") or 0) > 0 or level["num_errors"] > 0:
-            return level["concurrency"]
+            return level_name(level)
     return None
+
+
+def p99_weight_of_maximum(num_samples: int) -> float:
+    """How much of P99 (linear interpolation at rank 0.99 * (n - 1)) is the largest sample: 1 for n <= 1,
+    (101 - n) / 100 up to n = 100, 0 from 101 on. Below 100 samples P99 is mostly the maximum."""
+    if num_samples <= 1:
+        return 1.0
+    rank = 0.99 * (num_samples - 1)
+    return max(0.0, rank - (num_samples - 2))
+
+
+def p99_warning(num_requests: int) -> str | None:
+    """Says when P99 over num_requests per-request samples is mostly the slowest request; None from 100 on."""
+    if num_requests >= 100:
+        return None
+    return (f"with {num_requests} requests per level, TTFT/E2E P99 is weighted {p99_weight_of_maximum(num_requests):.0%} "
+            f"on the slowest request (interpolated at rank 0.99 x {num_requests - 1}): use --num-requests 100 or more")
+
+
+def percentile_note(num_requests: int) -> str:
+    """How the percentiles were computed, with p99_warning's warning when there is one."""
+    warning = p99_warning(num_requests)
+    return (f"percentiles: linear interpolation between closest ranks (numpy's default) over each level's "
+            f"successful requests (TTFT, E2E: {num_requests} per level) and over all their inter-token gaps (ITL)"
+            + ("" if warning is None else f"; WARNING: {warning}"))
 
 
 def _ms(value: float | None) -> str:
@@ -61,7 +105,7 @@ def _optional(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-HEADER = ["run", "conc", "QPS", "out tok/s", "TTFT P50/P90/P99 ms", "ITL P50/P90/P99 ms",
+HEADER = ["run", "conc / rate", "QPS", "out tok/s", "TTFT P50/P90/P99 ms", "ITL P50/P90/P99 ms",
           "E2E P50/P90/P99 ms", "err %", "KV util", "preempt"]
 
 
@@ -69,7 +113,7 @@ def rows(result: dict) -> list[list[str]]:
     table = []
     for name, run in result["runs"].items():
         for level in run["levels"]:
-            table.append([name, str(level["concurrency"]), f"{level['qps']:.2f}", f"{level['output_tokens_per_s']:.1f}",
+            table.append([name, level_load(level), f"{level['qps']:.2f}", f"{level['output_tokens_per_s']:.1f}",
                           *("/".join(_ms(level[f"{m}_p{q}_s"]) for q in PERCENTILES) for m in LATENCIES),
                           f"{level['error_rate'] * 100:.0f}", _optional(level.get("kv_utilization_mean"), ".2f"),
                           _optional(level.get("preemptions"), "d")])
@@ -82,10 +126,15 @@ def summary_lines(result: dict) -> list[str]:
         trouble = first_trouble(run["levels"])
         top = run["levels"][-1]
         lines.append(f"{name}: warm-up {run['warmup']['num_requests']} req, E2E P50 {_ms(run['warmup']['e2e_p50_s'])} ms "
-                     f"(not timed); first preemption or error at concurrency "
+                     f"(not timed); first preemption or error at "
                      f"{trouble if trouble is not None else 'none (in the sweep)'}; "
-                     f"at concurrency {top['concurrency']}: E2E P99 {_ms(top['e2e_p99_s'])} ms, "
+                     f"at {level_name(top)}: E2E P99 {_ms(top['e2e_p99_s'])} ms, "
                      f"{top['output_tokens_per_s']:.1f} tok/s")
+        for level in (lv for lv in run["levels"] if is_open_loop(lv)):
+            achieved = level.get("achieved_rate")
+            lines.append(f"{name} open loop at {level['request_rate']:g} req/s (seed {level['seed']}): arrivals "
+                         f"{'-' if achieved is None else f'{achieved:.2f}'} req/s, completed {level['qps']:.2f} req/s, "
+                         f"{level['output_tokens_per_s']:.1f} tok/s, at most {level['peak_in_flight']} in flight")
     return lines
 
 
@@ -114,8 +163,20 @@ def write_markdown(result: dict, path: Path, plots: list[str] = ()) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def _plot_axes(runs: dict) -> list[tuple[str, str, str, dict[str, list[dict]]]]:
+    """(file name part, x label, level key, {run: its levels}) for the closed loop, then the open loop."""
+    axes = []
+    for part, xlabel, key, wanted in (("", "concurrency", "concurrency", False),
+                                      ("rate_", "request rate, req/s", "request_rate", True)):
+        levels = {name: [lv for lv in run["levels"] if is_open_loop(lv) == wanted] for name, run in runs.items()}
+        if any(levels.values()):
+            axes.append((part, xlabel, key, levels))
+    return axes
+
+
 def write_plots(result: dict, directory: Path, prefix: str = "bench") -> list[Path]:
-    """Three PNGs: throughput vs concurrency, latency percentiles vs concurrency, E2E latency CDF."""
+    """PNGs: throughput and latency percentiles vs concurrency (closed loop), the E2E latency CDF at each
+    run's last level, then throughput and latency vs request rate (open loop, when it ran)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -123,41 +184,49 @@ def write_plots(result: dict, directory: Path, prefix: str = "bench") -> list[Pa
 
     directory.mkdir(parents=True, exist_ok=True)
     runs = result["runs"]
-    paths = [directory / f"{prefix}_{kind}.png" for kind in ("throughput", "latency", "cdf")]
+    color = {name: f"C{index}" for index, name in enumerate(runs)}
+    paths = []
 
-    fig, ax = plt.subplots(figsize=(5, 3.5), dpi=80)
-    for name, run in runs.items():
-        ax.plot([lv["concurrency"] for lv in run["levels"]], [lv["output_tokens_per_s"] for lv in run["levels"]],
-                marker="o", label=name)
-    ax.set(xlabel="concurrency", ylabel="output tokens/s", title="Throughput")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(paths[0])
-    plt.close(fig)
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(directory / name)
+        plt.close(fig)
+        paths.append(directory / name)
 
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.5), dpi=80)
-    for ax, metric in zip(axes, LATENCIES):
-        for index, (name, run) in enumerate(runs.items()):
-            for q, style in zip(PERCENTILES, ("-", "--", ":")):
-                points = [(lv["concurrency"], lv[f"{metric}_p{q}_s"] * 1e3) for lv in run["levels"]
-                          if lv[f"{metric}_p{q}_s"] is not None]
-                ax.plot(*zip(*points) if points else ([], []), style, color=f"C{index}", marker=".",
-                        label=f"{name} P{q}")
-        ax.set(xlabel="concurrency", ylabel="ms", title=metric.upper())
-    axes[0].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(paths[1])
-    plt.close(fig)
+    def throughput_and_latency(part: str, xlabel: str, key: str, by_run: dict[str, list[dict]]) -> None:
+        fig, ax = plt.subplots(figsize=(5, 3.5), dpi=80)
+        for name, levels in by_run.items():
+            ax.plot([lv[key] for lv in levels], [lv["output_tokens_per_s"] for lv in levels], marker="o",
+                    color=color[name], label=name)
+        ax.set(xlabel=xlabel, ylabel="output tokens/s", title="Throughput")
+        ax.legend(fontsize=7)
+        save(fig, f"{prefix}_{part}throughput.png")
+
+        fig, axes = plt.subplots(1, 3, figsize=(11, 3.5), dpi=80)
+        for ax, metric in zip(axes, LATENCIES):
+            for name, levels in by_run.items():
+                for q, style in zip(PERCENTILES, ("-", "--", ":")):
+                    points = [(lv[key], lv[f"{metric}_p{q}_s"] * 1e3) for lv in levels if lv[f"{metric}_p{q}_s"] is not None]
+                    ax.plot(*zip(*points) if points else ([], []), style, color=color[name], marker=".",
+                            label=f"{name} P{q}")
+            ax.set(xlabel=xlabel, ylabel="ms", title=metric.upper())
+        axes[0].legend(fontsize=6)
+        save(fig, f"{prefix}_{part}latency.png")
+
+    axes_by_loop = _plot_axes(runs)
+    if axes_by_loop and axes_by_loop[0][0] == "":
+        throughput_and_latency(*axes_by_loop.pop(0))
 
     fig, ax = plt.subplots(figsize=(5, 3.5), dpi=80)
     for name, run in runs.items():
         top = run["levels"][-1]
         values = [v * 1e3 for v in top["e2e_samples"]]
-        ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post",
-                label=f"{name} (c={top['concurrency']})")
-    ax.set(xlabel="end-to-end latency, ms", ylabel="fraction of requests", title="Latency CDF, highest concurrency")
+        ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", color=color[name],
+                label=f"{name} ({level_name(top)})")
+    ax.set(xlabel="end-to-end latency, ms", ylabel="fraction of requests", title="Latency CDF, last level")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(paths[2])
-    plt.close(fig)
+    save(fig, f"{prefix}_cdf.png")
+
+    for axis in axes_by_loop:
+        throughput_and_latency(*axis)
     return paths

@@ -1,12 +1,16 @@
-"""Runs a workload against a target: sync mode and the async concurrency sweep.
+"""Runs a workload against a target: sync mode, the closed-loop concurrency sweep, open-loop rates.
 
-At each concurrency level, `concurrency` clients each send their next request as soon as their last
-one finished (closed loop) until the level's requests are done; concurrency 1 is sync mode. Warm-up
-requests go first, outside the timed window, and are reported on their own.
+Closed loop: at each concurrency level, `concurrency` clients each send their next request as soon as
+their last one finished until the level's requests are done; concurrency 1 is sync mode. Open loop: at
+each request rate, requests are sent at Poisson arrival times (exponential gaps, seeded) whether or not
+earlier ones have finished, as vLLM's benchmark_serving does, so a server slower than the rate builds
+a queue instead of slowing the clients down. Warm-up requests go first, outside the timed window, and
+are reported on their own.
 """
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 from tqdm import tqdm
@@ -39,6 +43,56 @@ async def run_level(target, workload: BenchWorkload, concurrency: int, poller: L
     return {"concurrency": concurrency, **summarize(records, elapsed), **load}
 
 
+def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
+    """Send times in seconds from the start of a level: cumulative exponential gaps of mean 1 / rate
+    (a Poisson process at `rate` requests/s), the same times for the same seed."""
+    if not rate > 0 or rate == float("inf"):
+        raise ValueError(f"request rate {rate}: must be a finite number > 0 (requests/s)")
+    rng = random.Random(seed)
+    times, now = [], 0.0
+    for _ in range(count):
+        now += rng.expovariate(rate)
+        times.append(now)
+    return times
+
+
+async def run_open_level(target, workload: BenchWorkload, rate: float, seed: int,
+                         poller: LoadPoller | None = None, label: str = "") -> dict:
+    """Sends workload's requests at poisson_arrivals(rate, seed), never waiting for a response first."""
+    arrivals = poisson_arrivals(len(workload.prompts), rate, seed)
+    bar = tqdm(total=len(arrivals), desc=f"{label} {rate:g} req/s", unit="req", leave=False)
+    in_flight = peak_in_flight = 0
+
+    async def one(prompt: str, max_tokens: int) -> RequestRecord:
+        nonlocal in_flight, peak_in_flight
+        in_flight += 1
+        peak_in_flight = max(peak_in_flight, in_flight)
+        try:
+            return await target.send(prompt, max_tokens)
+        finally:
+            in_flight -= 1
+            bar.update(1)
+
+    if poller is not None:
+        poller.start()
+    start = time.perf_counter()
+    tasks, last_sent = [], 0.0
+    for at, prompt, max_tokens in zip(arrivals, workload.prompts, workload.output_lens):
+        delay = start + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        last_sent = time.perf_counter() - start
+        tasks.append(asyncio.create_task(one(prompt, max_tokens)))
+    records = await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - start
+    bar.close()
+    load = await poller.stop() if poller is not None else {}
+    # the rate the arrivals achieved (n arrivals over the time to the last one), beside the one asked for
+    achieved = len(arrivals) / last_sent if last_sent > 0 else None
+    return {"request_rate": rate, "seed": seed, "achieved_rate": achieved, "peak_in_flight": peak_in_flight,
+            **summarize(records, elapsed), **load}
+
+
 async def warm_up(target, workload: BenchWorkload, count: int) -> dict:
     """count requests one at a time before anything is timed (first-call costs: graphs, allocations)."""
     start = time.perf_counter()
@@ -47,11 +101,16 @@ async def warm_up(target, workload: BenchWorkload, count: int) -> dict:
 
 
 async def sweep(target, workload: BenchWorkload, levels: list[int], requests_per_level: int,
-                warmup: int, poller: LoadPoller | None = None, label: str = "") -> dict:
+                warmup: int, poller: LoadPoller | None = None, label: str = "",
+                rates: list[float] = (), seed: int = 0) -> dict:
+    """The closed-loop levels (concurrency), then the open-loop ones (request rates)."""
     result = {"target": target.name, "warmup": await warm_up(target, workload, warmup), "levels": []}
     for concurrency in levels:
         count = max(requests_per_level, concurrency)  # every client gets at least one request
         result["levels"].append(await run_level(target, workload.head(count), concurrency, poller, label))
+    for rate in rates:
+        result["levels"].append(await run_open_level(target, workload.head(requests_per_level), rate, seed,
+                                                     poller, label))
     return result
 
 

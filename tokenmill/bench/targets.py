@@ -77,7 +77,17 @@ class OpenAITarget:
 
         self.url = base_url.rstrip("/") + "/completions"
         self.model = model
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        # One fresh connection per request, closed after its response (force_close), and no cap on how
+        # many are open (limit=0; aiohttp's default of 100 would queue requests inside the client at high
+        # concurrency). Why not a keep-alive pool: llama.cpp's llama-server closes a connection right after
+        # each streamed response without saying so, and a pooled connection whose close the client has not
+        # yet read fails the next request ("Can not write request body" / ServerDisconnectedError: half the
+        # requests in sync mode). Retrying such a request instead would re-send a non-idempotent POST
+        # whenever the server dropped a connection for another reason, adding load the benchmark did not
+        # ask for. A loopback connect costs well under a millisecond inside TTFT, the same for every
+        # server, and is what vLLM's benchmark_serving does (a session per request).
+        connector = aiohttp.TCPConnector(force_close=True, limit=0)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
 
     async def send(self, prompt: str, max_tokens: int) -> RequestRecord:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
@@ -152,7 +162,8 @@ class LoadPoller:
 
     def __init__(self, scheduler_address: str, interval_s: float = 0.2) -> None:
         self.address, self.interval_s = scheduler_address, interval_s
-        self.samples: list[tuple[float, int, int, int]] = []  # (kv_utilization, preemptions_total, waiting, running)
+        # (kv_utilization, preemptions_total, waiting, running, kv_pages_total)
+        self.samples: list[tuple[float, int, int, int, int]] = []
         self._task: asyncio.Task | None = None
 
     async def _poll(self) -> None:
@@ -165,7 +176,7 @@ class LoadPoller:
             while True:
                 reply = await stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=5.0)
                 self.samples.append((reply.kv_utilization, reply.num_preemptions_total,
-                                     reply.num_waiting_requests, reply.num_running_requests))
+                                     reply.num_waiting_requests, reply.num_running_requests, reply.num_kv_pages_total))
                 await asyncio.sleep(self.interval_s)
 
     def start(self) -> None:
@@ -183,4 +194,5 @@ class LoadPoller:
         busy = [s[0] for s in self.samples if s[3] > 0]
         return {"kv_utilization_mean": sum(busy) / len(busy) if busy else None,
                 "preemptions": self.samples[-1][1] - self.samples[0][1] if self.samples else None,
-                "max_waiting": max((s[2] for s in self.samples), default=None)}
+                "max_waiting": max((s[2] for s in self.samples), default=None),
+                "kv_pages_total": self.samples[-1][4] if self.samples else None}

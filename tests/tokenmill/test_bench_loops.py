@@ -1,0 +1,225 @@
+"""tokenmill bench's client against a real HTTP server written here: connection handling (a server that
+closes each keep-alive connection after its response, as llama.cpp's llama-server does), the open loop
+(Poisson arrivals that never wait for a response) beside the closed loop, and the defaults of a run
+with no flags (a normal KV cache, 100 requests per level)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+from tokenmill.bench.cli import SMALL_CACHE_BLOCKS, build_parser, resolve_defaults
+from tokenmill.bench.report import (
+    format_table,
+    p99_weight_of_maximum,
+    percentile_note,
+    write_markdown,
+    write_plots,
+)
+from tokenmill.bench.runner import poisson_arrivals, sweep
+from tokenmill.bench.targets import OpenAITarget
+from tokenmill.bench.workload import BenchWorkload
+
+
+class _CompletionsHandler(BaseHTTPRequestHandler):
+    """POST /v1/completions streamed as server-sent events in chunked transfer encoding, one chunk per
+    token, then the connection is closed without a `Connection: close` header: HTTP/1.1 says the
+    connection stays open, and the server closes it anyway, as llama-server does."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        server = self.server
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with server.lock:
+            server.arrivals.append(time.perf_counter())
+            server.in_flight += 1
+            server.peak_in_flight = max(server.peak_in_flight, server.in_flight)
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for _ in range(body["max_tokens"]):
+                time.sleep(server.token_delay_s)
+                self._event({"choices": [{"index": 0, "text": "a"}]})
+            self._event({"choices": [], "usage": {"completion_tokens": body["max_tokens"]}})
+            self._chunk(b"data: [DONE]\n\n")
+        finally:
+            with server.lock:  # before the last chunk, so the client cannot have seen the end yet
+                server.in_flight -= 1
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+        self.close_connection = True
+
+    def _event(self, payload: dict) -> None:
+        self._chunk(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@contextmanager
+def closing_sse_server(token_delay_s: float = 0.0):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _CompletionsHandler)
+    server.daemon_threads = True
+    server.lock = threading.Lock()
+    server.arrivals, server.in_flight, server.peak_in_flight = [], 0, 0
+    server.token_delay_s = token_delay_s
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server, f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def text_workload(output_lens: list[int]) -> BenchWorkload:
+    return BenchWorkload(["hello"] * len(output_lens), [[1]] * len(output_lens), output_lens, 1, 0)
+
+
+async def _sweep_openai(url: str, workload: BenchWorkload, levels: list[int], rates: list[float] = (),
+                        seed: int = 0) -> dict:
+    target = OpenAITarget(url)
+    try:
+        return await sweep(target, workload, levels, len(workload.prompts), 0, rates=rates, seed=seed)
+    finally:
+        await target.close()
+
+
+def test_sync_mode_survives_a_server_that_closes_every_connection_after_its_response():
+    """Each next request goes out the moment the last one ended, before the client has read the
+    server's close: a pooled connection would be reused and fail half the requests."""
+    workload = text_workload([3] * 24)
+    with closing_sse_server() as (server, url):
+        result = asyncio.run(_sweep_openai(url, workload, [1, 4]))
+    for level in result["levels"]:
+        assert (level["num_requests"], level["num_errors"], level["errors"]) == (24, 0, [])
+        assert level["output_tokens"] == 3 * 24
+    assert len(server.arrivals) == 48
+
+
+def test_poisson_arrivals_are_seeded_exponential_gaps():
+    times = poisson_arrivals(4000, rate=5.0, seed=3)
+    gaps = np.diff([0.0, *times])
+    assert times == poisson_arrivals(4000, rate=5.0, seed=3) and times != poisson_arrivals(4000, 5.0, seed=4)
+    assert gaps.mean() == pytest.approx(1 / 5.0, rel=0.05)
+    # exponential: P(gap < mean) = 1 - 1/e, and the spread equals the mean (a fixed-interval sender fails both)
+    assert (gaps < 1 / 5.0).mean() == pytest.approx(1 - np.exp(-1), abs=0.03)
+    assert gaps.std() == pytest.approx(1 / 5.0, rel=0.08)
+    assert poisson_arrivals(3, rate=10.0, seed=0) == pytest.approx([t / 2 for t in poisson_arrivals(3, 5.0, seed=0)])
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="request rate"):
+            poisson_arrivals(3, bad, 0)
+
+
+def test_open_loop_sends_on_schedule_without_waiting_for_responses():
+    """Each request takes ~0.3 s at the server; arrivals every ~0.05 s (20 req/s) must overlap there,
+    and each must reach the server at its scheduled time, while the closed loop at concurrency 1 never
+    has two at once."""
+    workload = text_workload([6] * 12)
+    rate, seed = 20.0, 7
+    with closing_sse_server(token_delay_s=0.05) as (server, url):
+        result = asyncio.run(_sweep_openai(url, workload, [], rates=[rate], seed=seed))
+        open_peak, open_arrivals = server.peak_in_flight, list(server.arrivals)
+        server.peak_in_flight, server.arrivals = 0, []
+        closed = asyncio.run(_sweep_openai(url, text_workload([6] * 3), [1]))
+        assert server.peak_in_flight == 1 and closed["levels"][0]["num_errors"] == 0
+    (level,) = result["levels"]
+    assert (level["request_rate"], level["seed"], level["num_errors"]) == (rate, seed, 0)
+    assert "concurrency" not in level
+    schedule = poisson_arrivals(12, rate, seed)
+    assert open_peak >= 3 and level["peak_in_flight"] >= 3
+    # arrival times at the server, relative to the first, follow the schedule (the server's clock is ours)
+    observed = [t - open_arrivals[0] for t in sorted(open_arrivals)]
+    assert observed == pytest.approx([t - schedule[0] for t in schedule], abs=0.1)
+    assert level["achieved_rate"] == pytest.approx(12 / schedule[-1], rel=0.1)
+    assert level["elapsed_s"] >= schedule[-1] + 6 * 0.05
+
+
+def test_report_shows_open_loop_levels_by_rate(tmp_path):
+    with closing_sse_server() as (_, url):
+        run = asyncio.run(_sweep_openai(url, text_workload([2] * 6), [1, 2], rates=[50.0, 100.0]))
+    result = {"title": "t", "notes": [percentile_note(6)], "runs": {"peer": run}}
+    text = format_table(result)
+    assert "50/s (sent " in text and "100/s (sent " in text
+    assert "peer open loop at 100 req/s (seed 0): arrivals" in text and "at most " in text
+    assert "WARNING: with 6 requests per level" in text
+    write_markdown(result, tmp_path / "r.md")
+    table = [line for line in (tmp_path / "r.md").read_text().splitlines() if line.startswith("| peer |")]
+    assert [row.split(" | ")[1].split(" ")[0] for row in table] == ["1", "2", "50/s", "100/s"]
+    plots = write_plots(result, tmp_path)
+    assert [p.name for p in plots] == ["bench_throughput.png", "bench_latency.png", "bench_cdf.png",
+                                       "bench_rate_throughput.png", "bench_rate_latency.png"]
+
+
+def test_p99_weight_of_the_maximum_and_the_warning_below_100_requests():
+    for n in (2, 16, 99, 100, 101, 150):
+        only_max = [0.0] * (n - 1) + [1.0]  # P99 of this is exactly the weight the maximum gets
+        assert p99_weight_of_maximum(n) == pytest.approx(float(np.percentile(only_max, 99)), abs=1e-9)
+    assert p99_weight_of_maximum(16) == pytest.approx(0.85)
+    assert "WARNING: with 16 requests per level, TTFT/E2E P99 is weighted 85% on the slowest" in percentile_note(16)
+    assert "WARNING" not in percentile_note(100) and "linear interpolation" in percentile_note(100)
+
+
+def test_no_flags_means_a_normal_cache_and_100_requests_per_level():
+    from tokenmill.bench.cli import cluster_config
+    from tokenmill.cluster import ClusterConfig, cluster_specs
+
+    def parse(*argv: str):
+        return resolve_defaults(build_parser().parse_args(list(argv)))
+
+    def worker_argv(args) -> list[str]:
+        specs = cluster_specs(cluster_config(args, args.kv_policies.split(",")[0]))
+        return list(next(spec.argv for spec in specs if spec.name == "worker"))
+
+    default = parse()
+    assert (default.num_requests, default.kv_policies, default.num_blocks, default.baseline) == (100, "paged", None, True)
+    assert default.concurrency == [1, 4, 8, 16] and default.request_rate == []
+    # the worker sizes its KV cache exactly as one of `tokenmill serve` (ClusterConfig's defaults) would
+    serve_worker = next(spec.argv for spec in cluster_specs(ClusterConfig()) if spec.name == "worker")
+    assert not {"--num-blocks", "--kv-cache-mb", "--kv-cache-memory-fraction"} & set(worker_argv(default))
+    assert not {"--num-blocks", "--kv-cache-mb", "--kv-cache-memory-fraction"} & set(serve_worker)
+
+    layouts = parse("--compare-kv-layouts")
+    assert (layouts.kv_policies, layouts.num_blocks, layouts.baseline) == ("paged,static", SMALL_CACHE_BLOCKS, False)
+    assert worker_argv(layouts)[worker_argv(layouts).index("--num-blocks") + 1] == str(SMALL_CACHE_BLOCKS)
+    old_default = parse("--compare-kv-layouts", "--baseline", "--num-requests", "16")
+    assert (old_default.baseline, old_default.num_requests) == (True, 16)
+
+    open_loop = parse("--request-rate", "2,0.5", "--seed", "3")
+    assert (open_loop.request_rate, open_loop.concurrency, open_loop.seed) == ([0.5, 2.0], [], 3)
+    both = parse("--request-rate", "1", "--concurrency", "1,8")
+    assert (both.request_rate, both.concurrency) == ([1.0], [1, 8])
+    for bad in ("0", "-1", "fast", "inf"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--request-rate", bad])
+
+
+def test_cli_open_loop_against_an_openai_url(tmp_path, capsys):
+    from tokenmill.bench.cli import main
+
+    with closing_sse_server() as (server, url):
+        assert main(["--openai-url", url, "--request-rate", "40", "--num-requests", "10", "--warmup", "1",
+                     "--prompt-len", "8", "--min-output", "2", "--max-output", "4", "--no-plots",
+                     "--out", str(tmp_path)]) == 0
+    assert len(server.arrivals) == 11  # one warm-up, then the level
+    result = json.loads((tmp_path / "bench.json").read_text())
+    (level,) = result["runs"]["openai-http"]["levels"]
+    assert (level["request_rate"], level["num_requests"], level["num_errors"]) == (40.0, 10, 0)
+    assert any("open loop at 40 req/s (Poisson arrivals" in note for note in result["notes"])
+    captured = capsys.readouterr()
+    assert "warning: with 10 requests per level" in captured.err
+    assert "linear interpolation between closest ranks" in captured.out
