@@ -17,14 +17,19 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from core.errors import Cancelled, ServingError, Unavailable
+from core.errors import Cancelled, DeadlineExceeded, ServingError, Unavailable
 from core.outputs import FinishReason, RequestOutput, RequestTimings
 from core.step import TokenLogprobs
 from gateway.request_builder import PreparedRequest
 from gateway.scheduler_client import SchedulerClient
-from gateway.telemetry import RequestObserver
+from gateway.telemetry import DEADLINE, RequestObserver
 from gateway.text_stream import TextStream
 from gateway.tokenizer import TextTokenizer
+
+# gRPC cuts a call when its deadline passes, counted from the moment the handler read the time left,
+# a little before `deadline` is computed below from it: a call cut this close to its deadline was cut
+# by it (a client that left within this margin of its deadline is counted as timed out)
+DEADLINE_SLACK_S = 0.05
 
 
 @dataclass(slots=True)
@@ -137,10 +142,18 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
     finally:
         if probe:
             breaker.release_probe()  # a no-op once the probe's outcome was recorded
-        if not finished:  # the client went away (cancelled the call, closed the connection)
-            observer.on_disconnect()
+        if not finished:  # the call was cut: by its deadline or by the client
+            _record_cut(observer, deadline)
         if not finished and resumable:  # the client went away: a resumable request is aborted explicitly
             scheduler.abort_in_background(request_id)
+
+
+def _record_cut(observer: RequestObserver, deadline: float | None) -> None:
+    if deadline is not None and time.time() >= deadline - DEADLINE_SLACK_S:
+        observer.on_cut(DeadlineExceeded(f"request {observer.request_id!r} passed its deadline after "
+                                         f"{observer.num_tokens} tokens"), DEADLINE)
+    else:  # the client went away (cancelled the call, closed the connection)
+        observer.on_disconnect()
 
 
 def _logprobs(tokenizer: TextTokenizer, token_ids: list[int], entries: list[TokenLogprobs]) -> list[TokenLogprob]:

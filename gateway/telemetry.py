@@ -8,12 +8,14 @@ when it ends, however it ends.
     observer.on_tokens(len(token_ids))                      # per message from the scheduler
     observer.on_finish(finish)     # stop / length / abort (CancelRequest) / ...
     observer.on_error(error)       # refused by the scheduler, failed, deadline, unavailable
+    observer.on_cut(error, DEADLINE)  # gRPC cut the call at its deadline
     observer.on_disconnect()       # the client went away mid-stream
 
 The SERVER span itself is the gRPC instrumentation's (tokenmill.v1, KServe), or http_server_span's
 for the OpenAI-compatible HTTP API; both continue a client's incoming `traceparent`. The error's
 status and its one exception event are set where the error is mapped to a status (plumbing.rpc,
-gateway.openai_errors); here, what the request was and how it ended.
+gateway.openai_errors), except for a call that gRPC itself cut (on_cut), which no edge sees; here,
+what the request was and how it ended.
 """
 from __future__ import annotations
 
@@ -26,18 +28,21 @@ import time
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
-from core.errors import ServingError
+from core.errors import DeadlineExceeded, ServingError
 from core.outputs import FinishReason
 from core.requests import GenerationRequest
 from plumbing.telemetry import metrics
 from plumbing.telemetry.logs import bind_request
+from plumbing.telemetry.span_policies import record_error
 from plumbing.telemetry.tracing import tracer, tracing_enabled
 
 logger = logging.getLogger("tokenmill.gateway.requests")
 _UNTRACED_PATHS = frozenset({"/health", "/ready"})  # probes poll; they are not request work
 PROVIDER = "tokenmill"  # gen_ai.provider.name: who runs the model (a self-hosted server names itself)
 CHAT, TEXT_COMPLETION = "chat", "text_completion"  # gen_ai.operation.name values
-CLIENT_DISCONNECT = "client_disconnect"  # tokenmill.finish_cause when the client went away
+# tokenmill.finish_cause: what ended a request when its finish reason and status do not say it all
+CLIENT_DISCONNECT = "client_disconnect"  # the client went away
+DEADLINE = "deadline"  # the client's deadline passed
 _model_name = ""
 _server_address: tuple[str, int] | None = None  # the gRPC listen address (HTTP spans use the URL's)
 _operation: contextvars.ContextVar[str] = contextvars.ContextVar("gen_ai_operation", default=TEXT_COMPLETION)
@@ -139,7 +144,22 @@ class RequestObserver:
 
     def on_error(self, error: ServingError) -> None:
         """The request ended with an error status (its count and span status are the edge's)."""
-        self._end(FinishReason.ERROR, self.num_prompt_tokens, self.num_tokens, {"error.type": error.code.name},
+        attributes = {"error.type": error.code.name}
+        if isinstance(error, DeadlineExceeded):
+            attributes["tokenmill.finish_cause"] = DEADLINE
+        self._end(FinishReason.ERROR, self.num_prompt_tokens, self.num_tokens, attributes,
+                  detail=f"{error.code.name}: {error}", level=logging.WARNING)
+
+    def on_cut(self, error: ServingError, cause: str) -> None:
+        """gRPC cut the call (its deadline passed) with the status error stands for: no exception
+        reaches the edge, so the status, the exception event and the error count are recorded here.
+        cause: DEADLINE."""
+        if self.ended:
+            return
+        record_error(self.span, error, error.code.name)
+        metrics.count_error(error.code.name)
+        self._end(FinishReason.ERROR, self.num_prompt_tokens, self.num_tokens,
+                  {"error.type": error.code.name, "tokenmill.finish_cause": cause},
                   detail=f"{error.code.name}: {error}", level=logging.WARNING)
 
     def on_disconnect(self) -> None:

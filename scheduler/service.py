@@ -11,7 +11,8 @@ from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.loop import EngineLoop
 from scheduler.request import Request
 from scheduler.request_streams import RequestTimes
-from scheduler.telemetry import CLIENT_DISCONNECT, record_request_end, start_request
+from scheduler.telemetry import (CLIENT_DISCONNECT, finish_cause, record_deadline_cut, record_request_end,
+                                 start_request)
 
 
 def _timings(times: RequestTimes) -> RequestTimings:
@@ -68,14 +69,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     first = False
                     await self.loop.streams.recorded(request.request_id)
                 finished = output.finished
-                if finished:
-                    record_request_end(stream.times, output.num_preemptions, output.finish_reason)
+                if finished:  # an error ending reads "error" whatever the reason beside it (a deadline's is abort)
+                    reason = FinishReason.ERROR if output.error is not None else output.finish_reason
+                    record_request_end(stream.times, output.num_preemptions, reason, finish_cause(output.error))
                     output.timings = _timings(stream.times)
                 if output.error is not None:  # typed: the edge maps it to its status (plumbing.rpc)
                     raise output.error
                 yield codec.request_output_to_proto(output)
         finally:
-            if not finished:  # the gateway dropped the call: its client went away (or the gateway did)
+            if not finished and context.time_remaining() == 0:  # gRPC cut the call at its deadline
+                record_deadline_cut(stream.times, request.request_id)
+            elif not finished:  # the gateway dropped the call: its client went away (or the gateway did)
                 record_request_end(stream.times, finish_reason=FinishReason.ABORT, cause=CLIENT_DISCONNECT)
             if not finished and not resumable:  # the client went away or cancelled: free its pages
                 self.loop.abort(request.request_id)

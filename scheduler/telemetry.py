@@ -19,21 +19,36 @@ target was missed.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Callable
 
 from opentelemetry import trace
 
+from core.errors import DeadlineExceeded, ServingError
 from core.outputs import FinishReason
 from core.step import StepPlan
 from plumbing.telemetry import metrics
 from plumbing.telemetry.logs import bind_request
+from plumbing.telemetry.span_policies import record_error
 from plumbing.telemetry.tracing import current_traceparent, tracer, tracing_enabled
 from scheduler.step_time import StepTuning
 
-__all__ = ["start_request", "record_request_end", "StepSpans", "step_tuning_attributes", "CLIENT_DISCONNECT"]
+__all__ = ["start_request", "record_request_end", "record_deadline_cut", "finish_cause", "StepSpans",
+           "step_tuning_attributes", "CLIENT_DISCONNECT", "DEADLINE"]
 
-CLIENT_DISCONNECT = "client_disconnect"  # tokenmill.finish_cause of a Submit call its gateway dropped
+logger = logging.getLogger("tokenmill.scheduler.requests")
+
+# tokenmill.finish_cause: what ended a request when its finish reason and status do not say it all
+CLIENT_DISCONNECT = "client_disconnect"  # the gateway dropped the Submit call
+DEADLINE = "deadline"  # the request's deadline passed
+
+
+def finish_cause(error: ServingError | None) -> str:
+    """The finish cause an error output stands for ("" when its status says it all)."""
+    if isinstance(error, DeadlineExceeded):
+        return DEADLINE
+    return ""
 
 
 def start_request(request_id: str) -> str:
@@ -78,6 +93,17 @@ def record_request_end(times, num_preemptions: int = 0, finish_reason: FinishRea
         if name == "scheduler.decode" and num_preemptions:
             phase.set_attribute("tokenmill.num_preemptions", num_preemptions)
         phase.end(end_time=wall_ns(stop))
+
+
+def record_deadline_cut(times, request_id: str) -> None:
+    """gRPC cut the Submit call because its deadline passed (before the step loop ended the request
+    for the same reason): no exception reaches the edge (plumbing.rpc), so its status, exception event,
+    error count and log line are recorded here, as the edge would."""
+    error = DeadlineExceeded(f"request {request_id!r} passed its deadline; the call was cut")
+    record_request_end(times, finish_reason=FinishReason.ERROR, cause=DEADLINE)
+    record_error(trace.get_current_span(), error, error.code.name)
+    metrics.count_error(error.code.name)
+    logger.info("Submit cut -> %s: %s", error.code.name, error)
 
 
 def _observe_times(times, end: float) -> None:

@@ -1,6 +1,7 @@
 """How a request ended is visible the same way in spans, metrics and logs: a client that goes away
-mid-stream (the common cancel), a request refused at the door; and the GenAI semantic conventions
-on request spans. Real processes, a real OTLP receiver, real scrapes."""
+mid-stream (the common cancel), a CancelRequest, a deadline that passes mid-generation, a request
+refused at the door; and the GenAI semantic conventions on request spans. Real processes, a real
+OTLP receiver, real scrapes. (Endings that take a process down: test_request_endings_faults_e2e.)"""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ import urllib.request
 import grpc
 import pytest
 
-from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc
+from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.plumbing.telemetry.test_metrics_e2e import MODEL, scrape, value
 
 pytestmark = pytest.mark.slow
@@ -33,6 +34,20 @@ def log_entries(supervisor, process: str, request_id: str, needle: str, timeout_
         if found or time.monotonic() > deadline:
             return found
         time.sleep(0.1)  # the child's output reaches the supervisor's reader thread a moment later
+
+
+def ended_lines(supervisor, request_id: str) -> list[dict]:
+    """The gateway's lines saying how the request ended (one per request, however it ended)."""
+    return log_entries(supervisor, "gateway", request_id, f"request {request_id} ended: ")
+
+
+def request_spans(otlp_receiver, trace_id: str) -> list:
+    """The trace's spans once both the gateway's and the scheduler's request spans say how it ended."""
+    def ended(spans):
+        return {s.service for s in spans if s.trace_id == trace_id and s.kind == SERVER
+                and "gen_ai.response.finish_reasons" in s.attributes} >= {"gateway", "scheduler"}
+
+    return [s for s in otlp_receiver.wait_for(ended, timeout_s=60) if s.trace_id == trace_id]
 
 
 def test_client_disconnect_is_recorded_in_spans_metrics_and_log(traced_cluster, otlp_receiver):
@@ -82,6 +97,83 @@ def test_client_disconnect_is_recorded_in_spans_metrics_and_log(traced_cluster, 
 
     (line,) = log_entries(supervisor, "gateway", "gone-1", "ended: abort")
     assert line["trace_id"] == trace_id and "client went away" in line["message"]
+
+
+def test_cancel_request_is_recorded_as_an_abort_in_spans_metrics_and_log(traced_cluster, otlp_receiver):
+    config, supervisor = traced_cluster
+    before = scrape("127.0.0.1", config.gateway_metrics_port)
+    trace_id, parent = traceparent()
+    with grpc.insecure_channel(config.gateway_address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        call = stub.GenerateStream(generation_pb2.GenerateRequest(
+            request_id="cancelled-1", prompt="cancel me by id",
+            parameters=generation_pb2.GenerateParameters(max_tokens=400, temperature=0.0, ignore_eos=True)),
+            timeout=120, metadata=[("traceparent", parent)])
+        received = sum(len(next(call).token_ids) for _ in range(3))
+        reply = stub.CancelRequest(generation_pb2.CancelRequestRequest(request_id="cancelled-1"), timeout=30)
+        assert reply.cancelled
+        for message in call:  # the stream ends with the abort, as a finish reason (not a status)
+            received += len(message.token_ids)
+        assert message.finish_reason == common_pb2.FINISH_REASON_ABORT and received < 400
+
+    spans = request_spans(otlp_receiver, trace_id)
+    for service in ("gateway", "scheduler"):
+        (span,) = [s for s in spans if s.service == service and s.kind == SERVER]
+        assert span.status_code != STATUS_ERROR, service
+        assert span.attributes["gen_ai.response.finish_reasons"] == ["abort"], service
+        assert "tokenmill.finish_cause" not in span.attributes, service  # not a disconnect: asked for
+    assert {"scheduler.queue", "scheduler.prefill", "scheduler.decode"} <= {s.name for s in spans}
+
+    after = scrape("127.0.0.1", config.gateway_metrics_port)
+    for name in ("tokenmill:request_success_total", "vllm:request_success_total"):
+        assert value(after, name, finished_reason="abort") - value(before, name, finished_reason="abort") == 1
+    assert not [key for key in after if key[0] == "tokenmill:request_errors_total" and after[key] != before.get(key)]
+
+    (line,) = ended_lines(supervisor, "cancelled-1")
+    assert line["trace_id"] == trace_id and "ended: abort," in line["message"]
+
+
+def test_deadline_mid_generation_is_recorded_in_spans_metrics_and_log(traced_cluster, otlp_receiver):
+    """The client's deadline passes while tokens are streaming: the gateway's call is cut by gRPC (and the
+    scheduler's with it), which must read as DEADLINE_EXCEEDED everywhere, not as a client gone away."""
+    config, supervisor = traced_cluster
+    ports = {"gateway": config.gateway_metrics_port, "scheduler": config.scheduler_metrics_port}
+    before = {name: scrape("127.0.0.1", port) for name, port in ports.items()}
+    trace_id, parent = traceparent()
+    received = 0
+    with grpc.insecure_channel(config.gateway_address) as channel, pytest.raises(grpc.RpcError) as expired:
+        for message in generation_pb2_grpc.GenerationStub(channel).GenerateStream(generation_pb2.GenerateRequest(
+                request_id="deadline-1", prompt="too slow for its deadline",
+                parameters=generation_pb2.GenerateParameters(max_tokens=480, temperature=0.0, ignore_eos=True)),
+                timeout=1.0, metadata=[("traceparent", parent)]):
+            received += len(message.token_ids)
+    assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and 0 < received < 480
+
+    spans = request_spans(otlp_receiver, trace_id)
+    for service in ("gateway", "scheduler"):
+        (span,) = [s for s in spans if s.service == service and s.kind == SERVER]
+        assert span.status_code == STATUS_ERROR, service
+        assert span.attributes["error.type"] == "DEADLINE_EXCEEDED", service
+        assert span.attributes["gen_ai.response.finish_reasons"] == ["error"], service
+        assert span.attributes["tokenmill.finish_cause"] == "deadline", service
+        assert span.events.count("exception") == 1, service
+    (request_span,) = [s for s in spans if s.service == "gateway" and s.kind == SERVER]
+    assert request_span.attributes["gen_ai.usage.output_tokens"] >= received
+    assert {"scheduler.queue", "scheduler.prefill", "scheduler.decode"} <= {s.name for s in spans}
+
+    after = {name: scrape("127.0.0.1", port) for name, port in ports.items()}
+    for service in ports:
+        assert value(after[service], "tokenmill:request_errors_total", code="DEADLINE_EXCEEDED") - value(
+            before[service], "tokenmill:request_errors_total", code="DEADLINE_EXCEEDED") == 1, service
+    gateway_before, gateway_after = before["gateway"], after["gateway"]
+    assert value(gateway_after, "tokenmill:e2e_request_latency_seconds_count") - value(
+        gateway_before, "tokenmill:e2e_request_latency_seconds_count") == 1
+    assert value(gateway_after, "tokenmill:request_success_total", finished_reason="abort") == value(
+        gateway_before, "tokenmill:request_success_total", finished_reason="abort")  # not counted as a cancel
+
+    (line,) = ended_lines(supervisor, "deadline-1")
+    assert line["trace_id"] == trace_id and line["level"] == "WARNING"
+    assert "ended: error (DEADLINE_EXCEEDED: " in line["message"]
 
 
 def test_refused_request_carries_its_id_operation_and_one_error_event(traced_cluster, otlp_receiver):
