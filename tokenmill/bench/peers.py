@@ -1,0 +1,176 @@
+"""The peer comparison's helpers for scripts/peers/compare.sh: wait for a server, then one side-by-side table.
+
+    python -m tokenmill.bench.peers wait http://127.0.0.1:8000/v1 --pid 1234 [--timeout 900]
+        polls GET /v1/models until it answers 200 (prints the first model id), fails early if the
+        server process is gone
+    python -m tokenmill.bench.peers table --doc docs/benchmarks.md \\
+        --side "tokenmill serve" "bfloat16 (serve --dtype), GGUF Q4_1 file" out/tokenmill/bench.json ...
+        one row per side (each a `tokenmill bench --openai-url` result), a column group per load level,
+        the CPU (lscpu: model, cores, SIMD flags) and the workload, written between the markers below
+        in the doc (appended with a heading when the markers are absent)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from datetime import date
+from pathlib import Path
+
+from tokenmill.bench.report import is_open_loop
+
+BEGIN = "<!-- peers-table:begin (written by scripts/peers/compare.sh) -->"
+END = "<!-- peers-table:end -->"
+HEADING = "## Peers: tokenmill vs vLLM's CPU backend vs llama.cpp's llama-server (issue 15)"
+# the lscpu flags that decide which kernels a CPU server can run (avx512_bf16, avx512_vnni, amx_* included)
+SIMD_FLAG_PREFIXES = ("sse4", "avx", "fma", "f16c", "amx")
+
+
+def wait_ready(base_url: str, pid: int | None, timeout_s: float, interval_s: float = 1.0) -> str:
+    """The first model id of GET {base_url}/models once it answers 200 with one."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer yet"
+    while time.monotonic() < deadline:
+        if pid is not None and not _alive(pid):
+            raise RuntimeError(f"the server (pid {pid}) exited before {base_url}/models answered ({last})")
+        try:
+            with urllib.request.urlopen(base_url.rstrip("/") + "/models", timeout=5) as response:
+                models = json.loads(response.read()).get("data") or []
+                if models:
+                    return models[0]["id"]
+                last = "200 with no model listed"
+        except urllib.error.HTTPError as error:
+            last = f"HTTP {error.code}"  # llama-server answers 503 while it loads
+        except (OSError, ValueError) as error:
+            last = f"{type(error).__name__}: {error}"
+        time.sleep(interval_s)
+    raise RuntimeError(f"{base_url}/models did not answer within {timeout_s:g} s ({last})")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a child that exited but was not reaped yet is a zombie: gone for our purpose
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def cpu_summary(lscpu_text: str) -> str:
+    """Model name, CPUs / cores / threads, and the SIMD flags, from lscpu's output."""
+    fields = {}
+    for line in lscpu_text.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = [flag for flag in fields.get("Flags", "").split() if flag.startswith(SIMD_FLAG_PREFIXES)]
+    shape = ", ".join(f"{fields[key]} {label}" for key, label in
+                      (("CPU(s)", "CPUs"), ("Core(s) per socket", "cores per socket"),
+                       ("Thread(s) per core", "threads per core")) if key in fields)
+    return (f"{fields.get('Model name', 'unknown CPU')} ({shape}); SIMD flags (lscpu): "
+            + (" ".join(dict.fromkeys(flags)) or "none listed"))
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.0f}"
+
+
+def _load(level: dict) -> str:
+    return f"{level['request_rate']:g} req/s" if is_open_loop(level) else f"c={level['concurrency']}"
+
+
+def side_table(sides: list[tuple[str, str, dict]]) -> list[str]:
+    """Markdown rows: side, its dtype / format, then per load level (in first-seen order) output tok/s,
+    TTFT P50, ITL P50 and E2E P99, then the failed requests over all levels."""
+    loads: list[str] = []
+    for _, _, result in sides:
+        for run in result["runs"].values():
+            loads += [load for load in map(_load, run["levels"]) if load not in loads]
+    header = ["server", "dtype / format"]
+    for load in loads:
+        header += [f"{load} out tok/s", f"{load} TTFT P50 ms", f"{load} ITL P50 ms", f"{load} E2E P99 ms"]
+    header.append("failed")
+    table = ["| " + " | ".join(header) + " |", "| --- | --- " + "| ---: " * (len(header) - 2) + "|"]
+    for name, form, result in sides:
+        (run,) = result["runs"].values()  # one `tokenmill bench --openai-url` run per side
+        by_load = {_load(level): level for level in run["levels"]}
+        cells = [name, form]
+        for load in loads:
+            level = by_load.get(load)
+            cells += (["-"] * 4 if level is None else
+                      [f"{level['output_tokens_per_s']:.1f}", _ms(level["ttft_p50_s"]), _ms(level["itl_p50_s"]),
+                       _ms(level["e2e_p99_s"])])
+        failed = sum(level["num_errors"] for level in run["levels"])
+        cells.append(f"{failed}/{sum(level['num_requests'] for level in run['levels'])}")
+        table.append("| " + " | ".join(cells) + " |")
+    return table
+
+
+def section(sides: list[tuple[str, str, dict]], lscpu_text: str, command: str, notes: list[str],
+            day: str) -> list[str]:
+    """The doc's section: how it was run, the CPU, the workload (from the first side's notes), the table."""
+    workload = [note for note in sides[0][2].get("notes", []) if note.startswith(("workload:", "percentiles:"))]
+    intro = (f"Run on {day}, one server after the other on this machine, each through the same client "
+             "(`tokenmill bench --openai-url`, streamed `/v1/completions`):")
+    outro = ("Each side's full table (P50/P90/P99 of TTFT, ITL, E2E) is in the `bench.md` beside its "
+             "`bench.json` in the command's output directory.")
+    return [BEGIN, "", intro, "", "```bash", command, "```", "", f"- CPU: {cpu_summary(lscpu_text)}",
+            *(f"- {note}" for note in [*workload, *notes]), "", *side_table(sides), "", outro, "", END]
+
+
+def write_section(doc: Path, lines: list[str]) -> None:
+    """Replaces the text from BEGIN to END in doc, or appends a heading and the section."""
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    block = "\n".join(lines)
+    if BEGIN in text and END in text:
+        before, rest = text.split(BEGIN, 1)
+        text = before + block + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + f"\n\n{HEADING}\n\n{block}\n"
+    doc.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tokenmill.bench.peers", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    wait = commands.add_parser("wait", help="wait until an OpenAI-compatible server lists a model")
+    wait.add_argument("base_url", help="…/v1")
+    wait.add_argument("--pid", type=int, help="fail as soon as this process is gone")
+    wait.add_argument("--timeout", type=float, default=900.0, help="seconds (default: %(default)s)")
+    table = commands.add_parser("table", help="write the side-by-side table into a Markdown doc")
+    table.add_argument("--doc", type=Path, required=True)
+    table.add_argument("--side", nargs=3, action="append", required=True, metavar=("NAME", "FORMAT", "BENCH_JSON"))
+    table.add_argument("--command", default="scripts/peers/compare.sh", help="the command shown above the table")
+    table.add_argument("--note", action="append", default=[], help="a line under the CPU (versions, settings)")
+    table.add_argument("--lscpu-file", type=Path, help="lscpu's output saved in a file (default: run lscpu)")
+    table.add_argument("--date", default=date.today().isoformat())
+    args = parser.parse_args(argv)
+
+    if args.command == "wait":
+        try:
+            print(wait_ready(args.base_url, args.pid, args.timeout))
+        except RuntimeError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+        return 0
+    sides = [(name, form, json.loads(Path(path).read_text())) for name, form, path in args.side]
+    lscpu_text = (args.lscpu_file.read_text() if args.lscpu_file
+                  else subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout)
+    write_section(args.doc, section(sides, lscpu_text, args.command, args.note, args.date))
+    print("\n".join(side_table(sides)))
+    print(f"\nwritten into {args.doc}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
