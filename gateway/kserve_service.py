@@ -17,6 +17,7 @@ import importlib.metadata
 import logging
 import re
 import time
+import uuid
 
 import grpc
 
@@ -24,7 +25,7 @@ from gateway.generation_stream import Finish, stream_generation
 from gateway.openai_constraints import openai_constraint
 from gateway.request_builder import prepare_request, text_token_ids
 from gateway.scheduler_client import SchedulerClient
-from gateway.stream_idle import write_within
+from gateway.stream_idle import StreamIdle, record_idle, write_within
 from gateway.tokenizer import TextTokenizer
 from gateway.validation import Limits
 from protos.kserve import codec, grpc_service_pb2 as pb, grpc_service_pb2_grpc, model_config_pb2
@@ -65,11 +66,12 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     stream_idle_timeout_s: float = 0.0
 
     def __init__(self, tokenizer: TextTokenizer, scheduler: SchedulerClient, limits: Limits,
-                 model_info: common_pb2.GetModelInfoResponse) -> None:
+                 model_info: common_pb2.GetModelInfoResponse, state_reader=None) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.limits = limits
         self.model_info = model_info
+        self.state_reader = state_reader  # kvstore.RequestStateReader (records an idle stream's reason), or None
         self.model_name = model_info.model_config.name
         self.aliases = model_aliases(self.model_name)
 
@@ -140,13 +142,19 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         A failed request gets one response with error_message and the stream goes on."""
         responses: asyncio.Queue = asyncio.Queue()
         running: set[asyncio.Task] = set()
+        generating: set[str] = set()  # the scheduler ids of the requests still running
 
         async def run(request) -> None:
+            # A KServe id only correlates responses (clients reuse them), so the scheduler gets a fresh one.
+            scheduler_id = uuid.uuid4().hex
+            generating.add(scheduler_id)
             try:
-                async for response in self._stream_responses(request, context):
+                async for response in self._stream_responses(request, context, scheduler_id):
                     responses.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
             except Exception as exc:  # noqa: BLE001 - one request's failure is a message, not the stream's end
                 responses.put_nowait(_error_response(request, exc))
+            finally:
+                generating.discard(scheduler_id)
 
         async def read_requests() -> None:
             try:
@@ -163,19 +171,24 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             while (response := await responses.get()) is not None:
                 # context.write, not yield, so a client that stopped reading can time out (gateway.stream_idle)
-                await write_within(context, response, self.stream_idle_timeout_s)
+                try:
+                    await write_within(context.write(response), self.stream_idle_timeout_s)
+                except StreamIdle as error:
+                    # before the finally below aborts them (their records would say only "cancelled")
+                    await record_idle(self.state_reader, generating, error)
+                    raise
             await reader  # a broken request stream ends the call with its error
         finally:  # the client went away: cancelling each request aborts it in the scheduler
             for task in (reader, *running):
                 task.cancel()
 
-    async def _stream_responses(self, request, context):
+    async def _stream_responses(self, request, context, scheduler_id: str):
         llm = codec.llm_request_from_proto(request)
         if not llm.stream:  # the vLLM backend's default: one response with the whole text
-            text, finish = await self._whole_text(request, llm, context)
+            text, finish = await self._whole_text(request, llm, context, scheduler_id)
             yield self._response(request, text, finish, final=True)
             return
-        deltas = self._deltas(request, llm, context)
+        deltas = self._deltas(request, llm, context, scheduler_id)
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
                 last = delta.finish is not None and not llm.empty_final_response
@@ -184,27 +197,28 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
                 if delta.finish is not None and llm.empty_final_response:
                     yield self._response(request, None, delta.finish, final=True)
 
-    async def _whole_text(self, request, llm: codec.LlmInferRequest, context) -> tuple[str, Finish | None]:
+    async def _whole_text(self, request, llm: codec.LlmInferRequest, context,
+                          scheduler_id: str = "") -> tuple[str, Finish | None]:
         text, finish = (llm.prompt if not llm.exclude_input_in_output else ""), None
-        deltas = self._deltas(request, llm, context)
+        deltas = self._deltas(request, llm, context, scheduler_id)
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
                 text += delta.text
                 finish = delta.finish
         return text, finish
 
-    def _deltas(self, request, llm: codec.LlmInferRequest, context):
+    def _deltas(self, request, llm: codec.LlmInferRequest, context, scheduler_id: str = ""):
+        """scheduler_id: the request's id in the scheduler ("": a fresh one), never the KServe id."""
         self._check_model(request.model_name, request.model_version)
         arrival = time.monotonic()
         try:
             prompt_ids = text_token_ids(llm.prompt, self.tokenizer, self.limits)
         except InvalidArgument as error:  # name the tensor the client filled, not the internal field
             raise InvalidArgument(codec.TEXT_INPUT, error.value, error.limit_or_reason) from None
-        # A KServe id only correlates responses (clients reuse them), so the scheduler gets a fresh one.
         sampling = {**llm.sampling, "constraint": openai_constraint(llm.constraint_fields)}
         prepared = prepare_request(prompt_ids, self.tokenizer, self.limits, sampling=sampling, stop=llm.stop,
                                    stop_token_ids=llm.stop_token_ids, ignore_eos=llm.ignore_eos,
-                                   priority=llm.priority)
+                                   request_id=scheduler_id, priority=llm.priority)
         return stream_generation(prepared, self.tokenizer, self.scheduler, context.time_remaining(), arrival)
 
     def _response(self, request, text: str | None, finish: Finish | None, final: bool | None = None):
@@ -239,7 +253,8 @@ def _error_response(request, exc: Exception) -> pb.ModelStreamInferResponse:
 
 
 def add_kserve_servicer(server: grpc.aio.Server, tokenizer: TextTokenizer, scheduler: SchedulerClient,
-                        limits: Limits, model_info: common_pb2.GetModelInfoResponse) -> KServeServicer:
-    servicer = KServeServicer(tokenizer, scheduler, limits, model_info)
+                        limits: Limits, model_info: common_pb2.GetModelInfoResponse,
+                        state_reader=None) -> KServeServicer:
+    servicer = KServeServicer(tokenizer, scheduler, limits, model_info, state_reader)
     grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     return servicer

@@ -1,7 +1,6 @@
 """tokenmill.v1.Generation servicer: the public API. Thin: build the request, stream, convert back."""
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -13,7 +12,7 @@ from gateway.ownership import RequestOwners, caller_name
 from gateway.request_builder import prepare, prompt_token_ids
 from gateway.resume import submit_or_attach
 from gateway.scheduler_client import SchedulerClient
-from gateway.stream_idle import StreamIdle, write_within
+from gateway.stream_idle import StreamIdle, record_idle, write_within
 from gateway.tokenizer import TextTokenizer
 from gateway.validation import Limits
 from kvstore.records import RecordStatus
@@ -23,7 +22,6 @@ from core.errors import NotFound, Unavailable
 from gateway.telemetry import CHAT, TEXT_COMPLETION, request_scope
 
 logger = logging.getLogger(__name__)
-RECORD_IDLE_WAIT_S = 1.0  # an idle stream's request is aborted after this even if Redis has not answered
 
 _STATUS = {
     RecordStatus.QUEUED: generation_pb2.REQUEST_STATUS_QUEUED,
@@ -57,19 +55,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         async with contextlib.aclosing(self._generate(request, context)) as messages:
             async for message in messages:
                 try:
-                    await write_within(context, message, self.stream_idle_timeout_s)
+                    await write_within(context.write(message), self.stream_idle_timeout_s)
                 except StreamIdle as error:
                     # before leaving the block aborts the request (whose record would say only "cancelled")
-                    await self._record_idle(message.request_id, error)
+                    await record_idle(self.state_reader, [message.request_id], error)
                     raise
-
-    async def _record_idle(self, request_id: str, error: StreamIdle) -> None:
-        if self.state_reader is None:
-            return
-        try:
-            await asyncio.wait_for(self.state_reader.mark_orphans_failed([request_id], error), RECORD_IDLE_WAIT_S)
-        except Exception as exc:  # noqa: BLE001 - Redis away or slow: the record ends "cancelled", without why
-            logger.warning("could not record the idle timeout of %r: %r", request_id, exc)
 
     async def Generate(self, request, context):
         reply = generation_pb2.GenerateResponse()

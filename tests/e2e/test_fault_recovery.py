@@ -34,6 +34,11 @@ def record(config, request_id: str) -> dict[bytes, bytes]:
         return client.hgetall(f"tokenmill:req:{request_id}")
 
 
+def record_ids(config) -> set[str]:
+    with redis.Redis.from_url(config.effective_redis_url, socket_timeout=2) as client:
+        return {key.decode().removeprefix("tokenmill:req:") for key in client.scan_iter("tokenmill:req:*")}
+
+
 async def test_redis_killed_is_restarted_by_the_supervisor_and_no_record_is_lost(cluster):
     config, supervisor = cluster
     async with grpc.aio.insecure_channel(config.gateway_address) as channel:
@@ -140,6 +145,7 @@ async def test_a_kserve_stream_whose_client_stops_reading_is_cancelled_and_its_r
                                   ("ignore_eos", "bool_param", True)):
             setattr(infer.parameters[key], field, value)
         requests_done = asyncio.Event()
+        records_before = record_ids(config)
 
         async def one_request():
             yield infer
@@ -154,6 +160,11 @@ async def test_a_kserve_stream_whose_client_stops_reading_is_cancelled_and_its_r
             return load.num_running_requests == 0 and load.num_kv_pages_used == 0
 
         await wait_until(aborted, 30, "the idle KServe stream's request leaving the scheduler", interval_s=0.05)
+        # the scheduler ran it under a fresh id (a KServe id only correlates responses): the one new record
+        (scheduler_id,) = record_ids(config) - records_before
+        fields = record(config, scheduler_id)
+        assert fields[b"status"] == b"failed" and b"stream idle timeout" in fields[b"error"], fields
+        assert int(fields.get(b"num_output_tokens", b"0")) < 480, "cancelled, not run to the end"
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             async with asyncio.timeout(30):  # without the timeout the call never ends
                 while await call.read() is not grpc.aio.EOF:
