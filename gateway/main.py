@@ -45,9 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API; 0 disables")
     parser.add_argument("--http-api-key", default="", help="HTTP clients must send 'Authorization: Bearer KEY'")
     parser.add_argument("--stream-idle-timeout-s", type=float, default=120.0,
-                        help="a GenerateStream (or KServe ModelStreamInfer) whose client has read nothing for this long (its messages back up "
-                             "under gRPC flow control) is cancelled (CANCELLED), its pages freed and its record "
-                             "failed with the reason; 0 disables")
+                        help="a streaming call (GenerateStream, KServe ModelStreamInfer, HTTP stream=true) whose "
+                             "client has read nothing for this long (its messages back up under flow control) is "
+                             "cancelled (gRPC CANCELLED; HTTP: the connection is reset), its pages freed and its "
+                             "record failed with the reason; 0 disables")
     parser.add_argument("--max-connection-age-s", type=float, default=1800.0,
                         help="gRPC connections older than this get GOAWAY (calls in flight finish first), so "
                              "clients behind a load balancer spread over new replicas; 0 disables")
@@ -131,7 +132,8 @@ async def serve(args: argparse.Namespace) -> None:
     if args.http_port:
         from gateway.openai_http import OpenAIHTTP, start_http
 
-        http_api = OpenAIHTTP(tokenizer, scheduler, limits, model_info, api_key=args.http_api_key, access=access)
+        http_api = OpenAIHTTP(tokenizer, scheduler, limits, model_info, api_key=args.http_api_key, access=access,
+                              stream_idle_timeout_s=args.stream_idle_timeout_s, state_reader=state_reader)
         http_runner = await start_http(http_api, args.host, args.http_port, args.drain_timeout_s,
                                        ssl_context=args.tls.ssl_context() if args.tls else None,
                                        max_body_bytes=args.max_message_bytes)

@@ -11,6 +11,8 @@ Routes: GET /v1/models, GET /v1/models/{model}, POST /v1/completions, POST /v1/c
 Thin: JSON -> openai_requests -> the same prepare_request / stream_generation path as the gRPC API
 -> openai_responses -> JSON. Errors are OpenAI's JSON shape (openai_errors). A client that goes
 away cancels its handler (handler_cancellation), which cancels the scheduler call and frees its pages.
+A streaming client that stays connected but stops reading is cut off after stream_idle_timeout_s
+(gateway.stream_idle): its request is cancelled, its record says why, and its connection is reset.
 """
 from __future__ import annotations
 
@@ -18,7 +20,10 @@ import contextlib
 import functools
 import hmac
 import json
+import logging
+import socket
 import ssl
+import struct
 import time
 import uuid
 
@@ -30,19 +35,22 @@ from gateway.openai_errors import openai_error
 from gateway.openai_requests import ModelNotFound, parse_chat, parse_completion
 from gateway.openai_responses import ResponseBuilder
 from gateway.scheduler_client import SchedulerClient
+from gateway.stream_idle import StreamIdle, record_idle, write_within
 from gateway.tokenizer import TextTokenizer
 from gateway.validation import Limits
 from protos.tokenmill.v1 import common_pb2
 from core.errors import InvalidArgument, Unauthenticated, Unavailable
 from gateway.telemetry import CHAT, TEXT_COMPLETION, http_server_span, request_scope
 
+logger = logging.getLogger(__name__)
 _dumps = functools.partial(json.dumps, ensure_ascii=False, separators=(",", ":"))
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class OpenAIHTTP:
     def __init__(self, tokenizer: TextTokenizer, scheduler: SchedulerClient, limits: Limits,
-                 model_info: common_pb2.GetModelInfoResponse, api_key: str = "", access=None) -> None:
+                 model_info: common_pb2.GetModelInfoResponse, api_key: str = "", access=None,
+                 stream_idle_timeout_s: float = 0.0, state_reader=None) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.limits = limits
@@ -50,6 +58,9 @@ class OpenAIHTTP:
         self.model_facts = model_info.model_config  # architecture, context length, dtype, quantization
         self.api_key = api_key  # "": no authentication
         self.access = access  # gateway.access.AccessControl: API keys and rate limits; None: none
+        # a stream=true client must take each event within this (--stream-idle-timeout-s); 0: no limit
+        self.stream_idle_timeout_s = stream_idle_timeout_s
+        self.state_reader = state_reader  # kvstore.RequestStateReader (records an idle stream's reason), or None
         self.created = int(time.time())
         self.ready = True  # False once the gateway is draining
 
@@ -127,42 +138,69 @@ class OpenAIHTTP:
         deltas = stream_generation(parsed.prepared, self.tokenizer, self.scheduler, None, arrival)
         async with contextlib.aclosing(deltas):
             if parsed.stream:
-                return await _stream(request, deltas, builder, headers)
+                return await self._stream(request, deltas, builder, headers)
             async for delta in deltas:
                 builder.add(delta)
         if builder.finish is None:
             raise Unavailable("the scheduler ended the request without a result; retry")
         return web.json_response(builder.body(), headers=headers, dumps=_dumps)
 
+    async def _stream(self, request: web.Request, deltas, builder: ResponseBuilder,
+                      headers: dict) -> web.StreamResponse:
+        """Server-sent events. The headers go out with the first delta, so a request the scheduler refuses
+        (queue full, unavailable) still gets its own HTTP status; a failure after that becomes an error
+        event. Each write must complete within the stream idle timeout (aiohttp has none: a write waits
+        for a client that reads nothing for as long as the connection stays up)."""
+        response = None
+        finish = None
 
-async def _stream(request: web.Request, deltas, builder: ResponseBuilder, headers: dict) -> web.StreamResponse:
-    """Server-sent events. The headers go out with the first delta, so a request the scheduler refuses
-    (queue full, unavailable) still gets its own HTTP status; a failure after that becomes an error event."""
-    response = None
-    finish = None
-    try:
-        async for delta in deltas:
-            chunks = builder.chunks(delta)
-            if response is None:
-                response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
-                await response.prepare(request)
-            for chunk in chunks:
-                await response.write(_event(chunk))
-            finish = delta.finish
-        if finish is None:
-            raise Unavailable("the scheduler ended the request without a result; retry")
-    except ConnectionResetError:
-        raise  # the client went away: nobody to tell
-    except Exception as exc:  # noqa: BLE001 - after the headers, the error travels as an event
-        if response is None:
-            raise
-        await response.write(_event(openai_error(exc, request.path).body()))
-    else:
-        if builder.include_usage:
-            await response.write(_event(builder.usage_chunk(finish)))
-        await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
+        async def send(data: bytes) -> None:
+            await write_within(response.write(data), self.stream_idle_timeout_s)
+
+        try:
+            try:
+                async for delta in deltas:
+                    chunks = builder.chunks(delta)
+                    if response is None:
+                        response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+                        await response.prepare(request)
+                    for chunk in chunks:
+                        await send(_event(chunk))
+                    finish = delta.finish
+                if finish is None:
+                    raise Unavailable("the scheduler ended the request without a result; retry")
+            except (ConnectionResetError, StreamIdle):
+                raise  # the client went away, or reads nothing: nobody to tell
+            except Exception as exc:  # noqa: BLE001 - after the headers, the error travels as an event
+                if response is None:
+                    raise
+                await send(_event(openai_error(exc, request.path).body()))
+            else:
+                if builder.include_usage:
+                    await send(_event(builder.usage_chunk(finish)))
+                await send(b"data: [DONE]\n\n")
+            await write_within(response.write_eof(), self.stream_idle_timeout_s)
+        except StreamIdle as error:
+            # record why before the request is aborted (its record would say only "cancelled"), abort it
+            # (frees its pages), then drop the connection: HTTP/1.1 has no way to end a response early
+            request_id = builder.request_id
+            await record_idle(self.state_reader, [request_id], error)
+            await deltas.aclose()
+            logger.info("HTTP stream %r cancelled: %s", request_id, error)
+            _reset_connection(request)
+        return response
+
+
+def _reset_connection(request: web.Request) -> None:
+    """Closes the client's connection with a TCP reset (SO_LINGER 0): the events it never read are
+    dropped at once instead of lingering in the kernel, and the client sees the stream cut off."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 def _event(payload: dict) -> bytes:

@@ -24,8 +24,10 @@ FAST_RESTARTS = RestartPolicy(backoff_initial_s=0.2, backoff_max_s=2.0, max_rest
 
 
 @contextlib.contextmanager
-def tiny_cluster(tmp_path, **overrides):
-    folder, _ = make_tiny_hf_model(tmp_path)
+def tiny_cluster(tmp_path, model_overrides: dict | None = None, **overrides):
+    """model_overrides: the tiny model's config attributes (e.g. max_position_embeddings); overrides:
+    ClusterConfig fields."""
+    folder, _ = make_tiny_hf_model(tmp_path, **(model_overrides or {}))
     config = resolve_ports(ClusterConfig(model=str(folder), gateway_port=0, scheduler_port=0, worker_port=0,
                                          redis_port=0, num_blocks=256, max_num_batched_tokens=256, **overrides))
     supervisor = Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300,

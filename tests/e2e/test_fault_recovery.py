@@ -1,11 +1,16 @@
 """Recovering from faults without an outage, on a real cluster (tiny random model; issue 17 items 1, 2,
 6, 7): the embedded Redis killed and restarted by the supervisor, request status while streaming, a
-client that stops reading, keepalive pings on an idle connection, the gateway's breaker after a
-scheduler restart. One cluster for the module (stream idle timeout 1.5 s); each test leaves it serving.
+client that stops reading (gRPC, KServe and HTTP streams), keepalive pings on an idle connection, the
+gateway's breaker after a scheduler restart. One cluster for the module (stream idle timeout 1.5 s);
+each test leaves it serving.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import socket
+import struct
 import time
 
 import grpc
@@ -25,7 +30,9 @@ STATUS = generation_pb2.GetRequestStatusRequest
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with tiny_cluster(tmp_path_factory.mktemp("recovery"), stream_idle_timeout_s=IDLE_TIMEOUT_S) as running:
+    # a 4096-token context: the idle HTTP stream must outlast what the kernel buffers for it
+    with tiny_cluster(tmp_path_factory.mktemp("recovery"), model_overrides={"max_position_embeddings": 4096},
+                      stream_idle_timeout_s=IDLE_TIMEOUT_S, http_port=0) as running:
         yield running
 
 
@@ -171,6 +178,49 @@ async def test_a_kserve_stream_whose_client_stops_reading_is_cancelled_and_its_r
                     pass
         requests_done.set()
         assert caught.value.code() == grpc.StatusCode.CANCELLED and "--stream-idle-timeout-s" in caught.value.details()
+
+
+async def test_an_http_stream_whose_client_stops_reading_is_cancelled_and_its_pages_freed(cluster):
+    config, _ = cluster
+    host, port = config.http_address.rsplit(":", 1)
+    # The gateway's kernel socket buffer (autotuned, ~300 KB here) and its asyncio transport and aiohttp
+    # buffers (64 KB each) take what the client does not read before a write waits: 20 alternatives
+    # per token (~0.5 KB a server-sent event) fill them after ~800 tokens, long before 3,000 are done.
+    body = json.dumps({"prompt": "Nobody reads", "max_tokens": 3000, "temperature": 0,
+                       "ignore_eos": True, "logprobs": 20, "stream": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {config.http_address}\r\nContent-Type: application/json\r\n"
+            f"X-Request-Id: http-idle\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # before connect: a small window, and the smallest segments (a smaller send buffer for the gateway,
+    # which Linux sizes from the segment size)
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 88)
+    client.settimeout(30)
+    try:
+        client.connect((host, int(port)))
+        client.sendall(head + body)
+        assert client.recv(64).startswith(b"HTTP/1.1 200"), "streaming started"
+        started = time.monotonic()  # from here the client reads nothing
+
+        async def freed():
+            load = await scheduler_load(config.scheduler_address)
+            return "http-idle" not in load.running_request_ids and load.num_kv_pages_used == 0
+
+        await wait_until(freed, 30, "the idle HTTP stream's request leaving the scheduler", interval_s=0.05)
+        print(f"idle HTTP stream: pages freed {time.monotonic() - started:.2f}s after the client stopped reading "
+              f"(timeout {IDLE_TIMEOUT_S}s)")
+        fields = record(config, "http-idle")
+        assert fields[b"status"] == b"failed" and b"stream idle timeout" in fields[b"error"], fields
+        assert int(fields.get(b"num_output_tokens", b"0")) < 3000, "cancelled, not run to the end"
+        # the gateway dropped the connection: what the client reads now ends without the stream's [DONE]
+        received = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := client.recv(65536):
+                received += chunk
+        assert b"data: [DONE]" not in received
+    finally:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.close()
 
 
 async def test_idle_connections_that_send_keepalive_pings_are_kept_by_every_server(cluster):
