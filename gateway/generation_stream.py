@@ -26,9 +26,8 @@ from gateway.telemetry import DEADLINE, RequestObserver
 from gateway.text_stream import TextStream
 from gateway.tokenizer import TextTokenizer
 
-# gRPC cuts a call when its deadline passes, counted from the moment the handler read the time left,
-# a little before `deadline` is computed below from it: a call cut this close to its deadline was cut
-# by it (a client that left within this margin of its deadline is counted as timed out)
+# A call cut this close to its deadline was cut by it (gRPC's deadline and ours are read from two
+# clocks a moment apart); a client that left within this margin of its deadline counts as timed out
 DEADLINE_SLACK_S = 0.05
 
 
@@ -76,8 +75,12 @@ class GenerationDelta:
 
 async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer, scheduler: SchedulerClient,
                             timeout_s: float | None = None, arrival: float | None = None,
-                            resumable: bool = False, owner: str | None = None) -> AsyncIterator[GenerationDelta]:
-    """arrival: time.monotonic() when the request reached the gateway (default: now), for the timings.
+                            resumable: bool = False, owner: str | None = None,
+                            deadline_unix_s: float | None = None) -> AsyncIterator[GenerationDelta]:
+    """timeout_s: the client's time left (None: no deadline), read with nothing awaited since;
+    deadline_unix_s instead: the deadline itself (Unix seconds), from a caller that awaited something
+    after reading it (gateway.resume asks Redis first), for the time left counts from that read.
+    arrival: time.monotonic() when the request reached the gateway (default: now), for the timings.
     owner: the API key name that sent it (gateway.ownership), recorded with the request.
     resumable: the scheduler keeps the request running if this gateway dies (see gateway.resume),
     so a client's cancel is sent as an explicit Abort.
@@ -89,7 +92,9 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
     text_stream = TextStream(tokenizer, prepared.request.prompt_token_ids, prepared.stop)
     # The client's deadline travels twice: as the call's gRPC timeout, and in the request, so the
     # scheduler ends the request (and frees its pages) itself when it passes.
-    deadline = time.time() + timeout_s if timeout_s is not None else None
+    deadline = deadline_unix_s
+    if deadline is None and timeout_s is not None:
+        deadline = time.time() + timeout_s
     observer = RequestObserver(prepared.request, arrival)  # GenAI span attributes, latency metrics
     try:
         target = scheduler.route(prepared.request.prompt_token_ids)  # Unavailable when no scheduler can take it
@@ -99,7 +104,7 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
         observer.on_error(error)
         raise
     outputs = target.submit(prepared.request, deadline_unix_s=deadline, resumable=resumable, owner=owner,
-                            timeout_s=timeout_s)
+                            timeout_s=None if deadline is None else max(deadline - time.time(), 0.0))
     first_token = None
     finished = answered = False
     try:

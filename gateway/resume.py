@@ -111,17 +111,19 @@ async def submit_or_attach(message, prepared: PreparedRequest, tokenizer: TextTo
     resume_from_index as the client sent them). owner: the caller's API key name (None: keys off);
     only the owner attaches to a known id (owners)."""
     request_id = prepared.request.request_id
+    # read before any Redis call: the client's call ends when timeout_s (read by the caller) has passed
+    deadline = time.time() + timeout_s if timeout_s is not None else None
     resume = message.HasField("resume_from_index")
     from_index = message.resume_from_index if resume else 0
     if message.request_id and not resume and claims is not None:
         deltas = claimed_generation(
             request_id, claims, request_fingerprint(owner, prepared.request),
             run=lambda: stream_generation(prepared, tokenizer, scheduler, timeout_s, arrival, resumable=True,
-                                          owner=owner),
+                                          owner=owner, deadline_unix_s=deadline),
             attach=lambda on_quiet: attach_generation(prepared, tokenizer, tokens, records, 0, timeout_s, on_quiet),
             has_started=lambda: _is_known(request_id, tokens, records),
             unclaimed=lambda: _submit_then_attach_if_taken(prepared, tokenizer, scheduler, tokens, records, timeout_s,
-                                                           arrival, owner, owners))
+                                                           arrival, owner, owners, deadline))
     elif message.request_id and await _is_known(request_id, tokens, records):
         if not await _owned(request_id, owner, owners):  # another key's request: it does not exist for this one,
             raise NotFound("request", request_id) if resume else AlreadyExists("request", request_id)  # but its id is taken
@@ -130,7 +132,7 @@ async def submit_or_attach(message, prepared: PreparedRequest, tokenizer: TextTo
         raise NotFound("request", request_id)
     else:
         deltas = _submit_then_attach_if_taken(prepared, tokenizer, scheduler, tokens, records, timeout_s, arrival,
-                                              owner, owners)
+                                              owner, owners, deadline)
     async with contextlib.aclosing(deltas):
         async for delta in deltas:
             yield delta
@@ -141,8 +143,9 @@ async def _owned(request_id: str, owner: str | None, owners: RequestOwners | Non
 
 
 async def _submit_then_attach_if_taken(prepared, tokenizer, scheduler, tokens, records, timeout_s, arrival,
-                                       owner=None, owners=None):
-    deltas = stream_generation(prepared, tokenizer, scheduler, timeout_s, arrival, resumable=True, owner=owner)
+                                       owner=None, owners=None, deadline=None):
+    deltas = stream_generation(prepared, tokenizer, scheduler, timeout_s, arrival, resumable=True, owner=owner,
+                               deadline_unix_s=deadline)
     try:
         async with contextlib.aclosing(deltas):
             async for delta in deltas:

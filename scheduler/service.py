@@ -14,6 +14,11 @@ from scheduler.request_streams import RequestTimes
 from scheduler.telemetry import (CLIENT_DISCONNECT, finish_cause, record_deadline_cut, record_request_end,
                                  start_request)
 
+# A call cut this close to its deadline was cut by it: by gRPC here, or by the gateway, which drops the
+# call when its own client's deadline passes, a few milliseconds before this call's (sent as the time
+# left when the gateway made the call)
+DEADLINE_SLACK_S = 0.05
+
 
 def _timings(times: RequestTimes) -> RequestTimings:
     def ns(start: float | None, end: float | None) -> int:
@@ -40,6 +45,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return self._loop
 
     async def Submit(self, request, context):
+        # context.write, not yield: a call cut while a message is being sent (a deadline, the gateway
+        # gone) then raises here, so the clean-up below runs at once under the call's live span; a
+        # generator suspended at its yield is only closed when garbage-collected, in another task,
+        # after its span has ended
         roles = peer_roles.current_roles()  # None: callers are not told apart (no mutual TLS, loopback)
         if request.owner and roles is not None and "gateway" not in roles:
             # the owner decides who may read and cancel a request by id: only a gateway vouches for one
@@ -75,9 +84,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     output.timings = _timings(stream.times)
                 if output.error is not None:  # typed: the edge maps it to its status (plumbing.rpc)
                     raise output.error
-                yield codec.request_output_to_proto(output)
+                await context.write(codec.request_output_to_proto(output))
         finally:
-            if not finished and context.time_remaining() == 0:  # gRPC cut the call at its deadline
+            remaining_s = context.time_remaining()
+            if not finished and remaining_s is not None and remaining_s <= DEADLINE_SLACK_S:
                 record_deadline_cut(stream.times, request.request_id)
             elif not finished:  # the gateway dropped the call: its client went away (or the gateway did)
                 record_request_end(stream.times, finish_reason=FinishReason.ABORT, cause=CLIENT_DISCONNECT)

@@ -11,7 +11,9 @@ ChildSpansOnly: a span is made only under a live parent (request or step work); 
 OneExceptionEvent: the gRPC server instrumentation records the AbortError our ErrorStatusInterceptor
 raises, and the SDK records it again as it leaves the span: two events naming neither the real
 error nor anything but absolute paths. Through this wrapper it records none; record_error (called
-where the error is mapped to its status) records the real one, once.
+where the error is mapped to its status) records the real one, once. Nor does the instrumentation's
+own status ("StatusCode.UNAVAILABLE:details", for server-side codes) replace record_error's
+("UNAVAILABLE: details"), so every error status reads the same whatever its code.
 """
 from __future__ import annotations
 
@@ -91,13 +93,20 @@ class ChildSpansOnly:
 
 
 class _SpanWithoutExceptionEvents:
-    """Forwards everything to the span but record_exception (record_error does that, once)."""
+    """Forwards everything to the span but record_exception (record_error does that, once) and a status
+    that would replace the error status record_error set."""
 
     def __init__(self, span) -> None:
         self._span = span
 
     def record_exception(self, *args, **kwargs) -> None:
         pass
+
+    def set_status(self, status, description=None) -> None:
+        current = getattr(self._span, "status", None)
+        if current is not None and current.status_code is StatusCode.ERROR:
+            return
+        self._span.set_status(status, description)
 
     def __getattr__(self, name):
         return getattr(self._span, name)
