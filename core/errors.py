@@ -137,6 +137,11 @@ class WorkerUnavailable(Unavailable):
     (UNAVAILABLE). A separate class so the scheduler's outputs say which failure it was by type."""
 
 
+class DrainTimeout(Unavailable):
+    """The server was shutting down (SIGTERM) and its drain timeout passed before the request finished
+    (UNAVAILABLE); a resumable request runs on where it is re-admitted."""
+
+
 def error_from_code(code: ErrorCode, message: str) -> ServingError:
     """The error read back from storage: the class of its kind, carrying the stored message as is
     (the subclasses' constructors build messages from fields, which storage does not keep)."""

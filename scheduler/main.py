@@ -185,7 +185,8 @@ async def serve(args: argparse.Namespace) -> None:
     draining_since = asyncio.get_running_loop().time()
     await drain_calls.drain(args.drain_timeout_s)
     # resumable requests whose gateway died have no call left to wait for: the rest of the timeout
-    await drain(loop, max(args.drain_timeout_s - (asyncio.get_running_loop().time() - draining_since), 0.0))
+    await drain(loop, max(args.drain_timeout_s - (asyncio.get_running_loop().time() - draining_since), 0.0),
+                args.drain_timeout_s)
     await server.stop(grace=1.0)
     await loop.stop()
     if redis_watch is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -179,6 +179,13 @@ class RequestStreams:
         else:
             self.state.finished(output.request_id, finish_reason=output.finish_reason or FinishReason.STOP,
                                 num_output_tokens=output.num_output_tokens)
+
+    def cut(self, error_for: Callable[[str], ServingError]) -> None:
+        """Ends the call of every open stream with error_for(request_id), leaving the requests themselves
+        as they are (records, pages, resumable tokens): the process is stopping (scheduler.service.drain)."""
+        for request_id, stream in self._streams.items():
+            stream.queue.put_nowait(RequestOutput(request_id, finished=True, finish_reason=FinishReason.ERROR,
+                                                  error=error_for(request_id)))
 
     def _write_tokens(self, output: RequestOutput) -> None:
         end = output.num_output_tokens

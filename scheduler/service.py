@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
-from core.errors import PermissionDenied, Unavailable
+from core.errors import DrainTimeout, PermissionDenied, Unavailable
 from plumbing import peer_roles
 from core.outputs import FinishReason, RequestTimings
 from protos import codec
@@ -118,8 +118,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return self.model_info
 
 
-async def drain(loop: EngineLoop, timeout_s: float) -> None:
-    """Waits for in-flight requests to finish (graceful shutdown), at most timeout_s."""
+async def drain(loop: EngineLoop, timeout_s: float, drain_timeout_s: float) -> None:
+    """Waits for in-flight requests to finish (graceful shutdown), at most timeout_s; then ends the
+    calls of those left with DrainTimeout (UNAVAILABLE, recorded as ended by the drain), rather than
+    leaving them to be cut by the server's stop, which reads as their gateway gone. The requests stay
+    as they are: a resumable one runs on in the scheduler that restarts here (scheduler.readmission).
+    drain_timeout_s: the whole drain's, for the message."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while loop.streams and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)
+    loop.streams.cut(lambda request_id: DrainTimeout(
+        f"the scheduler shut down before request {request_id!r} finished (its drain timeout of "
+        f"{drain_timeout_s:g}s passed)"))

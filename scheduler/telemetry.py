@@ -1,14 +1,15 @@
 """A request's telemetry in the scheduler: its time histograms (queue, prefill, decode, inference), how
-it ended on its Submit (SERVER) span, and after the fact, spans for the phases it went through,
-children of that span:
+it ended on its Submit (SERVER) span (finish reason, and tokenmill.finish_cause where the reason and
+status do not say it all: client_disconnect, deadline, drained, worker_failed), and after the fact,
+spans for the phases it went through, children of that span:
 
     scheduler.queue    arrival -> first scheduled
     scheduler.prefill  first scheduled -> first token (event gen_ai.first_token at its end)
     scheduler.decode   first token -> finished
 
-They are made when the request ends (however it ends: finished, aborted, its client gone), from the
-times the step loop already keeps (scheduler.request_streams.RequestTimes), so the step loop itself
-does no tracing work per request per token.
+They are made when the request ends (however it ends: finished, aborted, failed, its client gone),
+from the times the step loop already keeps (scheduler.request_streams.RequestTimes), so the step loop
+itself does no tracing work per request per token.
 
 And one `scheduler.step` span per step (StepSpans), from sending its plan to delivering its outputs:
 the ExecuteStep call is its child, and the Redis writes its delivery causes link to it. Its attributes
@@ -25,7 +26,7 @@ from typing import Callable
 
 from opentelemetry import trace
 
-from core.errors import DeadlineExceeded, ServingError
+from core.errors import DeadlineExceeded, DrainTimeout, ServingError, WorkerUnavailable
 from core.outputs import FinishReason
 from core.step import StepPlan
 from plumbing.telemetry import metrics
@@ -35,19 +36,25 @@ from plumbing.telemetry.tracing import current_traceparent, tracer, tracing_enab
 from scheduler.step_time import StepTuning
 
 __all__ = ["start_request", "record_request_end", "record_deadline_cut", "finish_cause", "StepSpans",
-           "step_tuning_attributes", "CLIENT_DISCONNECT", "DEADLINE"]
+           "step_tuning_attributes", "CLIENT_DISCONNECT", "DEADLINE", "DRAINED", "WORKER_FAILED"]
 
 logger = logging.getLogger("tokenmill.scheduler.requests")
 
 # tokenmill.finish_cause: what ended a request when its finish reason and status do not say it all
 CLIENT_DISCONNECT = "client_disconnect"  # the gateway dropped the Submit call
 DEADLINE = "deadline"  # the request's deadline passed
+DRAINED = "drained"  # this scheduler shut down and its drain timeout passed first
+WORKER_FAILED = "worker_failed"  # the worker died or broke and the request could not be recovered
 
 
 def finish_cause(error: ServingError | None) -> str:
     """The finish cause an error output stands for ("" when its status says it all)."""
     if isinstance(error, DeadlineExceeded):
         return DEADLINE
+    if isinstance(error, DrainTimeout):
+        return DRAINED
+    if isinstance(error, WorkerUnavailable):
+        return WORKER_FAILED
     return ""
 
 

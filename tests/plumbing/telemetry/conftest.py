@@ -1,5 +1,7 @@
 """One real cluster (redis-server, worker, scheduler, gateway) on a tiny random-weight model, with
-tracing exported to an OTLP receiver this test process runs, JSON logs and all three metrics ports."""
+tracing exported to an OTLP receiver this test process runs, JSON logs and all three metrics ports.
+A 1 s drain timeout and no retry after a lost worker, so that a test can end a request by a drain or
+by killing the worker (test_request_endings_faults_e2e, which restarts what it stops)."""
 from __future__ import annotations
 
 import pytest
@@ -29,6 +31,6 @@ def traced_cluster(tmp_path_factory, otlp_receiver):
     config = resolve_ports(ClusterConfig(
         model=str(model), gateway_port=0, http_port=0, scheduler_port=0, worker_port=0, redis_port=0,
         num_blocks=64, max_num_batched_tokens=128, gateway_metrics_port=0, scheduler_metrics_port=0,
-        worker_metrics_port=0, child_env=env))
+        worker_metrics_port=0, child_env=env, drain_timeout_s=1.0, retry_on_worker_failure=False))
     with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300, tail_lines=400) as supervisor:
         yield config, supervisor

@@ -1,0 +1,136 @@
+"""Endings that take a process away, visible the same way in spans, metrics and logs: the worker killed
+(-9) mid-generation fails the request (the package's cluster does not retry), and a SIGTERM drain
+whose timeout (1 s there) passes before the request finishes. Each test restarts what it stopped and
+waits for the cluster to serve again before it ends. Real processes, a real OTLP receiver, real scrapes."""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc
+from tests.plumbing.telemetry.test_metrics_e2e import scrape, value
+from tests.plumbing.telemetry.test_request_endings_e2e import (SERVER, STATUS_ERROR, ended_lines, log_entries,
+                                                               request_spans, traceparent)
+
+pytestmark = pytest.mark.slow
+
+
+def long_request(request_id: str) -> generation_pb2.GenerateRequest:
+    # 480 tokens: seconds of decoding, so the fault lands mid-generation
+    return generation_pb2.GenerateRequest(request_id=request_id, prompt="a request a fault ends",
+                                          parameters=generation_pb2.GenerateParameters(
+                                              max_tokens=480, temperature=0.0, ignore_eos=True))
+
+
+def errors(samples, code: str) -> float:
+    return value(samples, "tokenmill:request_errors_total", code=code)
+
+
+def wait_serving(config, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(config.gateway_address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        while True:
+            try:
+                stub.Generate(generation_pb2.GenerateRequest(
+                    prompt="ping", parameters=generation_pb2.GenerateParameters(max_tokens=2)), timeout=10)
+                return
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, "the cluster not serving again"
+                time.sleep(0.1)
+
+
+def assert_ended_with_error(spans, code: str, scheduler_cause: str) -> None:
+    """Both request spans: status ERROR ("CODE: message", as a refusal's) with error.type, finish reason
+    error, one exception event."""
+    for service in ("gateway", "scheduler"):
+        (span,) = [s for s in spans if s.service == service and s.kind == SERVER]
+        assert span.status_code == STATUS_ERROR and span.status_message.startswith(f"{code}: "), service
+        assert span.attributes["error.type"] == code, service
+        assert span.attributes["gen_ai.response.finish_reasons"] == ["error"], service
+        assert span.events.count("exception") == 1, service
+        if service == "scheduler":
+            assert span.attributes["tokenmill.finish_cause"] == scheduler_cause
+    assert {"scheduler.queue", "scheduler.prefill", "scheduler.decode"} <= {s.name for s in spans}
+
+
+def test_worker_killed_mid_generation_fails_the_request_in_spans_metrics_and_log(traced_cluster, otlp_receiver):
+    config, supervisor = traced_cluster
+    ports = {"gateway": config.gateway_metrics_port, "scheduler": config.scheduler_metrics_port}
+    before = {name: scrape("127.0.0.1", port) for name, port in ports.items()}
+    trace_id, parent = traceparent()
+    received = 0
+    try:
+        with grpc.insecure_channel(config.gateway_address) as channel, pytest.raises(grpc.RpcError) as failed:
+            for message in generation_pb2_grpc.GenerationStub(channel).GenerateStream(
+                    long_request("failed-1"), timeout=60, metadata=[("traceparent", parent)]):
+                received += len(message.token_ids)
+                if received >= 3 and supervisor.children["worker"].alive:
+                    supervisor.kill("worker")  # SIGKILL
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE and "worker unavailable" in failed.value.details()
+        assert 0 < received < 480
+
+        spans = request_spans(otlp_receiver, trace_id)
+        assert_ended_with_error(spans, "UNAVAILABLE", scheduler_cause="worker_failed")
+        after = {name: scrape("127.0.0.1", port) for name, port in ports.items()}
+        for service in ports:
+            assert errors(after[service], "UNAVAILABLE") - errors(before[service], "UNAVAILABLE") == 1, service
+        assert value(after["gateway"], "tokenmill:e2e_request_latency_seconds_count") - value(
+            before["gateway"], "tokenmill:e2e_request_latency_seconds_count") == 1
+
+        (line,) = ended_lines(supervisor, "failed-1")
+        assert line["trace_id"] == trace_id and line["level"] == "WARNING"
+        assert "ended: error (UNAVAILABLE: " in line["message"] and "worker unavailable" in line["message"]
+        (status_line,) = log_entries(supervisor, "scheduler", "failed-1", "-> UNAVAILABLE")
+        assert status_line["trace_id"] == trace_id
+    finally:
+        if not supervisor.children["worker"].alive:
+            supervisor.restart("worker")
+        wait_serving(config)
+
+
+def test_scheduler_drain_timeout_ends_the_request_in_spans_metrics_and_log(traced_cluster, otlp_receiver):
+    """SIGTERM: the scheduler refuses new work and gives in-flight requests the drain timeout; one still
+    running then ends UNAVAILABLE saying so (not cut by the server's stop, which read as its gateway
+    gone). The request itself is resumable: the restarted scheduler re-admits it."""
+    config, supervisor = traced_cluster
+    before = scrape("127.0.0.1", config.gateway_metrics_port)
+    trace_id, parent = traceparent()
+    received, stopping = 0, None
+    try:
+        with grpc.insecure_channel(config.gateway_address) as channel, pytest.raises(grpc.RpcError) as drained:
+            for message in generation_pb2_grpc.GenerationStub(channel).GenerateStream(
+                    long_request("drained-1"), timeout=60, metadata=[("traceparent", parent)]):
+                received += len(message.token_ids)
+                if received >= 3 and stopping is None:
+                    stopping = threading.Thread(target=supervisor.kill, args=("scheduler", signal.SIGTERM))
+                    stopping.start()
+        stopping.join()
+        assert supervisor.children["scheduler"].returncode == 0
+        assert drained.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "drain timeout of 1s passed" in drained.value.details() and 0 < received < 480
+
+        spans = request_spans(otlp_receiver, trace_id)  # the scheduler's, exported as it stopped
+        assert_ended_with_error(spans, "UNAVAILABLE", scheduler_cause="drained")
+        after = scrape("127.0.0.1", config.gateway_metrics_port)
+        assert errors(after, "UNAVAILABLE") - errors(before, "UNAVAILABLE") == 1
+        assert value(after, "tokenmill:e2e_request_latency_seconds_count") - value(
+            before, "tokenmill:e2e_request_latency_seconds_count") == 1
+
+        (line,) = ended_lines(supervisor, "drained-1")
+        assert line["trace_id"] == trace_id and "drain timeout" in line["message"]
+        (status_line,) = log_entries(supervisor, "scheduler", "drained-1", "-> UNAVAILABLE")
+        assert status_line["trace_id"] == trace_id and "drain timeout" in status_line["message"]
+    finally:
+        if stopping is not None:
+            stopping.join()
+        if not supervisor.children["scheduler"].alive:
+            supervisor.restart("scheduler")
+        wait_serving(config)
+        with grpc.insecure_channel(config.gateway_address) as channel:  # re-admitted: not needed any more
+            generation_pb2_grpc.GenerationStub(channel).CancelRequest(
+                generation_pb2.CancelRequestRequest(request_id="drained-1"), timeout=30)
