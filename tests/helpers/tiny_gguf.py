@@ -80,9 +80,29 @@ def _write_metadata(writer, config, arch: str) -> None:
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
 
 
+def quantized_blocks(values: np.ndarray, type_name: str, seed: int = 0) -> np.ndarray:
+    """values [N, K] as a GGUF quantized tensor's raw bytes [N, row bytes]. gguf-py quantizes Q4_0 / Q4_1 /
+    Q8_0; it has no K-quant quantizer, so those get random codes under small random f16 scales (a valid
+    file whose weights are what the blocks say, which is all a loader test needs)."""
+    import gguf
+    from gguf.quants import quantize
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    if type_name in ("Q4_0", "Q4_1", "Q8_0"):
+        return quantize(values.astype(np.float32), qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (values.size // block, size), dtype=np.uint8)
+    scale_at = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[type_name]  # d (and dmin) f16 fields
+    for offset in scale_at:
+        blocks[:, offset:offset + 2] = rng.uniform(0, 2e-3, (blocks.shape[0], 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(values.shape[0], -1)
+
+
 def write_converter_gguf(path, hf_model, skip: tuple[str, ...] = (), architecture: str | None = None,
-                         split_max_tensors: int = 0) -> None:
-    """split_max_tensors > 0: gguf-split's layout, path's stem + -0000i-of-0000n.gguf, metadata in the first."""
+                         split_max_tensors: int = 0, quantize: dict[str, str] | None = None) -> None:
+    """split_max_tensors > 0: gguf-split's layout, path's stem + -0000i-of-0000n.gguf, metadata in the first.
+    quantize: GGUF tensor-name suffix (e.g. "attn_q.weight") -> the GGML type it is stored in."""
     import gguf
 
     config = hf_model.config
@@ -111,8 +131,16 @@ def write_converter_gguf(path, hf_model, skip: tuple[str, ...] = (), architectur
             values = values + 1  # Gemma*Model.modify_tensors
         tensors[gguf_name] = values
     for name, values in tensors.items():
-        if name not in skip:
+        if name in skip:
+            continue
+        type_name = next((t for suffix, t in (quantize or {}).items() if name.endswith(suffix)), None)
+        if type_name is None:
             writer.add_tensor(name, np.ascontiguousarray(values))
+        else:
+            import gguf
+
+            raw = quantized_blocks(values, type_name, seed=len(name))
+            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType[type_name])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -32,17 +32,20 @@ def default_model_path() -> Path:
 
 
 def load_model(
-    path: str | Path | None = None, dtype: torch.dtype = torch.float32, progress: bool = True
+    path: str | Path | None = None, dtype: torch.dtype = torch.float32, progress: bool = True,
+    keep_quantized: bool = False,
 ) -> tuple[LlamaModel, ModelConfig]:
     """path None: the default GGUF. '*.gguf': a llama.cpp file. A directory: a Hugging Face folder.
-    Raises ModelLoadError (naming the file, and the tensor / shapes where relevant) for bad inputs."""
+    keep_quantized: a GGUF file's quantized linear weights run as they are (worker.group_quant), not
+    dequantized to dtype. Raises ModelLoadError (naming the file, and the tensor / shapes where
+    relevant) for bad inputs."""
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")
     if path.is_dir():
         config, tensors = read_hf_folder(path, dtype, progress)
     elif path.suffix == ".gguf":
-        config, tensors = read_gguf(path, dtype, progress)
+        config, tensors = read_gguf(path, dtype, progress, keep_quantized=keep_quantized)
     else:
         raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model folder")
     # llama.cpp's converter stores gemma's norm weights as 1 + w; HF folders hold w

@@ -21,8 +21,10 @@ import torch
 from tqdm import tqdm
 
 from worker.config import ModelConfig, RopeScaling
+from worker.group_quant import GroupQuantWeight
 from worker.loader.errors import ModelLoadError
-from worker.loader.weights import check_shape, expected_hf_shapes
+from worker.loader.gguf_quants import group_quant_from_gguf
+from worker.loader.weights import LINEAR_WEIGHTS, LM_HEAD, check_shape, expected_hf_shapes
 
 # GGUF general.architecture -> ours (llama.cpp's converter writes Mistral 7B as "llama")
 SUPPORTED_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
@@ -186,9 +188,12 @@ def _split_readers(path: Path, first) -> list:
     return readers
 
 
-def read_gguf(path: Path, dtype: torch.dtype, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def read_gguf(path: Path, dtype: torch.dtype, progress: bool,
+              keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupQuantWeight]]:
     """Returns the config and the checked, dequantized, un-permuted HF-named tensors in dtype (gemma
-    norms still holding their 1, as the converter stored them)."""
+    norms still holding their 1, as the converter stored them). keep_quantized: the linear weights the
+    file holds in a format worker.loader.gguf_quants maps are returned as GroupQuantWeight instead (a tied
+    embedding also gives lm_head its quantized copy; the embedding lookup stays dequantized)."""
     first = _open(path)
     readers = _split_readers(path, first)
     by_gguf_name = {tensor.name: tensor for reader in readers for tensor in reader.tensors}
@@ -208,6 +213,11 @@ def read_gguf(path: Path, dtype: torch.dtype, progress: bool) -> tuple[ModelConf
         tensor = by_gguf_name.get(gguf_name)
         if tensor is None:
             raise ModelLoadError(f"{path}: tensor {gguf_name!r} is missing from the GGUF file")
+        quantized = group_quant_from_gguf(tensor) if keep_quantized and hf_name.endswith(LINEAR_WEIGHTS) else None
+        if quantized is not None:
+            check_shape(str(path), tensor.name, (quantized.out_features, quantized.in_features), shape)
+            tensors[hf_name] = _unpermuted(quantized, gguf_arch, hf_name, config)
+            continue
         values = _dequantize(tensor, path)
         check_shape(str(path), tensor.name, values.shape, shape)
         if gguf_arch in PERMUTED_ROTARY and hf_name.endswith("q_proj.weight"):
@@ -215,4 +225,18 @@ def read_gguf(path: Path, dtype: torch.dtype, progress: bool) -> tuple[ModelConf
         elif gguf_arch in PERMUTED_ROTARY and hf_name.endswith("k_proj.weight"):
             values = unpermute_rotary_rows(values, config.num_kv_heads)
         tensors[hf_name] = torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
+    if keep_quantized and config.tie_word_embeddings:
+        embedding = by_gguf_name[hf_to_gguf_name(gguf_arch, config.num_layers, "model.embed_tokens.weight")]
+        lm_head = group_quant_from_gguf(embedding)
+        if lm_head is not None:
+            tensors[LM_HEAD] = lm_head
     return config, tensors
+
+
+def _unpermuted(weight: GroupQuantWeight, gguf_arch: str, hf_name: str, config: ModelConfig) -> GroupQuantWeight:
+    """llama.cpp's q/k row order undone on the codes, scales and minimums (a row permutation)."""
+    if gguf_arch not in PERMUTED_ROTARY or not hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        return weight
+    heads = config.num_heads if hf_name.endswith("q_proj.weight") else config.num_kv_heads
+    order = unpermute_rotary_rows(np.arange(weight.out_features)[:, None], heads)[:, 0]
+    return weight.rows(torch.from_numpy(np.ascontiguousarray(order)))

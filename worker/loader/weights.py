@@ -8,10 +8,13 @@ from __future__ import annotations
 import torch
 
 from worker.config import ModelConfig
+from worker.group_quant import GroupQuantLinear, GroupQuantWeight
 from worker.loader.errors import ModelLoadError
 from worker.model import LlamaModel
 
 LM_HEAD = "lm_head.weight"
+# HF names of the weights that feed a matmul: the ones a file may hand over still quantized
+LINEAR_WEIGHTS = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "qkv", "gate", "up", "down", "gate_up")) + (LM_HEAD,)
 GEMMA_NORM_ARCHITECTURES = ("gemma2", "gemma3")  # RMSNorm scales by (1 + w): folded into w at load
 
 
@@ -64,9 +67,19 @@ def check_shape(source: str, tensor_name: str, actual: tuple[int, ...], expected
         )
 
 
-def fuse_hf_state_dict(config: ModelConfig, hf: dict[str, torch.Tensor], norm_offset: float = 0.0) -> dict[str, torch.Tensor]:
+def cat_rows(parts: list) -> torch.Tensor | GroupQuantWeight:
+    """Fused projections: quantized parts stay quantized (one layout for all); a part the file held as
+    floats makes the whole fusion float (the quantized parts dequantized, exactly)."""
+    if all(isinstance(p, GroupQuantWeight) for p in parts):
+        return GroupQuantWeight.concat_rows(parts)
+    dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
+    return torch.cat([p.dequantize().to(dtype) if isinstance(p, GroupQuantWeight) else p for p in parts])
+
+
+def fuse_hf_state_dict(config: ModelConfig, hf: dict, norm_offset: float = 0.0) -> dict:
     """HF names -> LlamaModel names, with q/k/v and gate/up concatenated along the output rows.
-    norm_offset is added to every norm weight (1.0 for gemma's (1 + w) norms as HF stores them)."""
+    norm_offset is added to every norm weight (1.0 for gemma's (1 + w) norms as HF stores them).
+    Linear weights may be GroupQuantWeight (a GGUF file's quantized tensors); they stay so."""
 
     def norm(name: str) -> torch.Tensor:
         return hf[name] if not norm_offset else (hf[name].float() + norm_offset).to(hf[name].dtype)
@@ -80,8 +93,8 @@ def fuse_hf_state_dict(config: ModelConfig, hf: dict[str, torch.Tensor], norm_of
             fused[f"{dst}.attn.wqkv.weight"] = hf[f"{attn}.qkv_proj.weight"]
             fused[f"{dst}.mlp.w_gate_up.weight"] = hf[f"{src}.mlp.gate_up_proj.weight"]  # gate rows, then up
         else:
-            fused[f"{dst}.attn.wqkv.weight"] = torch.cat([hf[f"{attn}.{p}_proj.weight"] for p in "qkv"])
-            fused[f"{dst}.mlp.w_gate_up.weight"] = torch.cat([hf[f"{src}.mlp.gate_proj.weight"], hf[f"{src}.mlp.up_proj.weight"]])
+            fused[f"{dst}.attn.wqkv.weight"] = cat_rows([hf[f"{attn}.{p}_proj.weight"] for p in "qkv"])
+            fused[f"{dst}.mlp.w_gate_up.weight"] = cat_rows([hf[f"{src}.mlp.gate_proj.weight"], hf[f"{src}.mlp.up_proj.weight"]])
         if config.attention_bias:
             fused[f"{dst}.attn.wqkv.bias"] = torch.cat([hf[f"{attn}.{p}_proj.bias"] for p in "qkv"])
         if config.qk_norm:
@@ -95,7 +108,8 @@ def fuse_hf_state_dict(config: ModelConfig, hf: dict[str, torch.Tensor], norm_of
         else:
             fused[f"{dst}.mlp_norm.weight"] = norm(f"{src}.post_attention_layernorm.weight")
         fused[f"{dst}.mlp.w_down.weight"] = hf[f"{src}.mlp.down_proj.weight"]
-    fused["lm_head.weight"] = fused["embed_tokens.weight"] if config.tie_word_embeddings else hf[LM_HEAD]
+    # a tied model's file may still give lm_head its own quantized copy of the embedding (read_gguf)
+    fused["lm_head.weight"] = hf[LM_HEAD] if LM_HEAD in hf else fused["embed_tokens.weight"]
     return fused
 
 
@@ -104,9 +118,20 @@ def build_model(config: ModelConfig, hf: dict[str, torch.Tensor], dtype: torch.d
     norms_hold_offset: gemma norm weights already hold the 1 (llama.cpp's converter adds it)."""
     gemma_norms = config.architecture in GEMMA_NORM_ARCHITECTURES and not norms_hold_offset
     fused = fuse_hf_state_dict(config, hf, norm_offset=1.0 if gemma_norms else 0.0)
+    quantized = {name: t for name, t in fused.items() if isinstance(t, GroupQuantWeight)}
     with torch.device("meta"):
         model = LlamaModel(config)
-    model.load_state_dict({name: t.to(dtype).contiguous() for name, t in fused.items()}, strict=True, assign=True)
-    if config.tie_word_embeddings:
+    result = model.load_state_dict({name: t.to(dtype).contiguous() for name, t in fused.items() if name not in quantized},
+                                   strict=False, assign=True)
+    if result.unexpected_keys or set(result.missing_keys) != set(quantized):
+        raise ModelLoadError(f"state dict does not match the model: missing {sorted(set(result.missing_keys) - set(quantized))}, "
+                             f"unexpected {sorted(result.unexpected_keys)}")
+    if config.tie_word_embeddings and LM_HEAD not in quantized:
         model.lm_head.weight = model.embed_tokens.weight  # assign=True gave each name its own Parameter
+    for name, weight in quantized.items():
+        module_path = name.removesuffix(".weight")
+        parent_path, _, child = module_path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        bias = getattr(parent, child).bias
+        setattr(parent, child, GroupQuantLinear(weight, None if bias is None else bias.detach().float()))
     return model.eval().requires_grad_(False)

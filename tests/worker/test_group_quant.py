@@ -1,0 +1,110 @@
+"""Group-quantized weights: GGUF blocks mapped exactly, the compiled CPU op against the torch reference,
+and a quantized tiny GGUF running as it is stored with the same logits as its dequantized twin."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers.tiny_gguf import quantized_blocks, write_converter_gguf
+from tests.helpers.tiny_models import make_tiny_hf_model
+from tests.worker.test_gguf_loader import all_row_logits, max_rel_err
+from worker.group_quant import (GEMM_ROWS, GroupQuantLinear, GroupQuantWeight, quantize_weight, weight_formats)
+from worker.loader import load_model
+from worker.loader.gguf_quants import SUPPORTED_TYPES, group_quant_from_gguf
+from worker.native_ops import cpu_ops_available
+
+needs_ops = pytest.mark.skipif(not cpu_ops_available(), reason="compiled CPU ops not built (scripts/build_cpu_ops.py)")
+
+
+class _RawTensor:
+    """What gguf's reader hands the loader: name, type, shape innermost-first, raw bytes."""
+
+    def __init__(self, type_name: str, raw: np.ndarray, out_features: int, in_features: int) -> None:
+        import gguf
+
+        self.name, self.tensor_type, self.data = "blk.0.ffn_up.weight", gguf.GGMLQuantizationType[type_name], raw
+        self.shape = np.array([in_features, out_features])
+
+
+@pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
+def test_every_gguf_format_maps_onto_group_quant_bit_for_bit(type_name):
+    from gguf.quants import dequantize
+
+    values = np.random.default_rng(1).normal(size=(6, 512)).astype(np.float32)
+    raw = quantized_blocks(values, type_name, seed=3)
+    weight = group_quant_from_gguf(_RawTensor(type_name, raw, 6, 512))
+    assert weight is not None and weight.source == type_name
+    reference = torch.from_numpy(dequantize(raw, _RawTensor(type_name, raw, 6, 512).tensor_type).reshape(6, 512))
+    assert torch.equal(weight.dequantize(), reference)  # exact: the file's weights, not a re-quantization
+    # the layouts a fused projection converts to keep the weights exactly
+    assert torch.equal(weight.with_layout(8, 16).dequantize(), reference)
+
+
+def test_float_tensors_are_not_taken_for_quantized_ones():
+    assert group_quant_from_gguf(_RawTensor("F32", np.zeros((2, 32), np.float32), 2, 32)) is None
+
+
+@needs_ops
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (8, 32), (8, 16)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, GEMM_ROWS, GEMM_ROWS + 1, 40])
+def test_compiled_op_matches_the_torch_reference(bits, group_size, rows):
+    torch.manual_seed(rows)
+    weight = quantize_weight(torch.randn(300, 192), bits, group_size)  # 300: strips and tasks end unevenly
+    bias = torch.randn(300)
+    x = torch.randn(rows, 192)
+    reference = x @ weight.dequantize().T + bias
+    ours = GroupQuantLinear(weight, bias)(x)
+    assert (ours - reference).abs().max().item() <= 1e-4 * reference.abs().max().item()
+    assert torch.equal(torch.ops.tokenmill.group_quant_dequantize(weight.codes, weight.scales, weight.mins, bits, group_size),
+                       weight.dequantize())
+
+
+@needs_ops
+def test_compiled_op_names_a_bad_layout():
+    weight = quantize_weight(torch.randn(8, 64), 4)
+    with pytest.raises(RuntimeError, match="in_features 48 is not a multiple of group_size 32"):
+        torch.ops.tokenmill.group_quant_linear(torch.randn(1, 48), weight.codes, weight.scales, weight.mins, 4, 32)
+    with pytest.raises(RuntimeError, match="group_size 16 is not supported for 4-bit codes"):
+        torch.ops.tokenmill.group_quant_linear(torch.randn(1, 64), weight.codes, weight.scales, weight.mins, 4, 16)
+
+
+@pytest.mark.parametrize("bits,bound", [(8, 0.005), (4, 0.1)])
+def test_quantizing_at_load_rounds_to_the_nearest_code(bits, bound):
+    weight = torch.randn(64, 256)
+    quantized = quantize_weight(weight, bits)
+    error = (quantized.dequantize() - weight).abs()
+    # round to nearest: never more than half a step of the group's scale
+    step = quantized.scales.repeat_interleave(32, dim=1)
+    assert (error <= step / 2 + 1e-6).all()
+    assert (error.norm() / weight.norm()).item() < bound
+
+
+def test_concatenated_rows_keep_every_part_exact():
+    parts = [quantize_weight(torch.randn(16, 64), 4), quantize_weight(torch.randn(8, 64), 8)]
+    parts.append(GroupQuantWeight(parts[1].codes, parts[1].scales.repeat_interleave(2, 1), parts[1].mins.repeat_interleave(2, 1), 8, 16, "x"))
+    fused = GroupQuantWeight.concat_rows(parts)
+    assert (fused.bits, fused.group_size) == (8, 16)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+
+
+TYPES_BY_TENSOR = {  # a Q4_K_M-like mix: fused q/k/v and gate/up hold different formats
+    "attn_q.weight": "Q4_K", "attn_k.weight": "Q4_0", "attn_v.weight": "Q6_K", "attn_output.weight": "Q4_1",
+    "ffn_gate.weight": "Q5_K", "ffn_up.weight": "Q8_0", "ffn_down.weight": "Q6_K", "output.weight": "Q8_0",
+}
+
+
+@pytest.mark.parametrize("flavour", ["llama", "qwen2"])  # llama: q/k rows un-permuted on the codes; qwen2: biases, tied
+def test_quantized_gguf_runs_as_stored_with_its_dequantized_logits(tmp_path, flavour):
+    _, hf_model = make_tiny_hf_model(tmp_path, flavour, hidden_size=256, intermediate_size=256, head_dim=64)
+    path = tmp_path / "tiny-q.gguf"
+    write_converter_gguf(path, hf_model, quantize=TYPES_BY_TENSOR | {"token_embd.weight": "Q8_0"})
+    reference, config = load_model(path, progress=False)  # every tensor dequantized to float32
+    quantized, _ = load_model(path, progress=False, keep_quantized=True)
+    linears = [m for m in quantized.modules() if isinstance(m, GroupQuantLinear)]
+    assert len(linears) == 2 * 4 + 1  # per layer wqkv, wo, w_gate_up, w_down; and lm_head
+    assert not any(isinstance(m, torch.nn.Linear) for m in quantized.modules())
+    assert weight_formats(quantized) == ", ".join(sorted({
+        "Q4_0+Q4_K+Q6_K", "Q4_1", "Q5_K+Q8_0", "Q6_K", "Q8_0"}))
+    tokens = torch.randint(0, config.vocab_size, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+    assert max_rel_err(all_row_logits(quantized, config, tokens), all_row_logits(reference, config, tokens)) <= 1e-4

@@ -1,0 +1,172 @@
+"""Group-quantized weights (W[n, k] = scale[n, g] * code[n, k] + min[n, g], g = k // group_size) and the
+linear that runs on them without expanding them to float32.
+
+One format holds every weight-only format we load: llama.cpp's Q4_0 / Q4_1 / Q8_0 (group 32) and its
+K-quants Q4_K / Q5_K (group 32, 4- and 5-bit codes) and Q6_K (group 16, 6-bit codes) map onto it exactly,
+each GGUF block's scale and minimum becoming the group's (worker/loader/gguf_quants.py); a Hugging Face
+folder's float weights are quantized into it at load by --quantization int4|int8 (quantize_weight, with
+the rounding error that brings). Codes are unsigned: 8-bit codes one byte each, 4-bit codes packed as
+llama.cpp packs Q4_0/Q4_1 (a group of 32 in 16 bytes, element j low nibble and j + 16 high nibble of byte j).
+
+On CPU the matmul is the compiled op (worker/csrc/group_quant_linear.cpp) for few rows, where decoding
+is bound by reading the weights, and a float32 GEMM on the weight it dequantizes for many rows (prefill),
+where it is bound by arithmetic. Without the compiled op, torch ops compute the same thing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from worker.native_ops import cpu_ops_available
+
+# Above this many rows a float32 GEMM on strips of the dequantized weight beats the row-streaming
+# kernel; STRIP_ROWS rows of W are dequantized at a time (in cache). Measured on the default model's
+# linears, one thread, min of 3 (scripts/bench_group_quant.py --strip-rows 256), microseconds:
+#   gate_up 8 rows: f32 552, q4 rows 760, q4 strips 832; 32 rows: 1701 / 3582 / 2287
+#   lm_head 8 rows: f32 17661, q4 rows 12739, strips 14994; 128 rows: 99313 / 208750 / 97457
+# (f32 there is oneDNN on a packed weight the benchmark keeps in cache, which a served model's 540 MB do not)
+GEMM_ROWS = 8
+STRIP_ROWS = 256
+
+
+@dataclass(slots=True)
+class GroupQuantWeight:
+    codes: torch.Tensor  # uint8 [N, K] (8-bit) or [N, K // 2] (4-bit, packed)
+    scales: torch.Tensor  # float32 [N, K // group_size]
+    mins: torch.Tensor  # float32 [N, K // group_size]
+    bits: int  # 4 or 8: the container; the codes may use fewer bits (5-bit Q5_K, 6-bit Q6_K in 8)
+    group_size: int
+    source: str  # what the file held, e.g. "Q4_1" or "int4 (quantized at load)"
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits={self.bits}: group-quantized codes are 4 or 8 bits")
+        if self.bits == 4 and self.group_size != 32:
+            raise ValueError(f"4-bit codes are packed in groups of 32, not {self.group_size}")
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.scales.shape[1] * self.group_size
+
+    def unpacked_codes(self) -> torch.Tensor:  # uint8 [N, K]
+        if self.bits == 8:
+            return self.codes
+        n = self.codes.shape[0]
+        packed = self.codes.view(n, -1, 16)
+        return torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(n, -1)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K]: the reference the compiled op is tested against."""
+        n, groups = self.scales.shape
+        codes = self.unpacked_codes().view(n, groups, self.group_size).float()
+        return (codes * self.scales[..., None] + self.mins[..., None]).view(n, -1)
+
+    def with_layout(self, bits: int, group_size: int) -> GroupQuantWeight:
+        """The same weight (exactly) in a wider container / smaller groups: a fused projection needs one."""
+        if (bits, group_size) == (self.bits, self.group_size):
+            return self
+        if bits < self.bits or self.group_size % group_size:
+            raise ValueError(f"cannot hold a {self.bits}-bit group-{self.group_size} weight as {bits}-bit group-{group_size}")
+        repeat = self.group_size // group_size
+        codes = self.unpacked_codes() if bits == 8 else self.codes
+        return GroupQuantWeight(codes.contiguous(), self.scales.repeat_interleave(repeat, dim=1).contiguous(),
+                                self.mins.repeat_interleave(repeat, dim=1).contiguous(), bits, group_size, self.source)
+
+    def rows(self, index: torch.Tensor) -> GroupQuantWeight:
+        """A row permutation / selection (llama.cpp's q/k row order undone on the codes themselves)."""
+        return GroupQuantWeight(self.codes[index].contiguous(), self.scales[index].contiguous(),
+                                self.mins[index].contiguous(), self.bits, self.group_size, self.source)
+
+    @staticmethod
+    def concat_rows(parts: list[GroupQuantWeight]) -> GroupQuantWeight:
+        """Fused q/k/v or gate/up: parts stacked along the output rows, in the widest layout any part needs."""
+        bits = max(p.bits for p in parts)
+        group_size = min(p.group_size for p in parts)
+        parts = [p.with_layout(bits, group_size) for p in parts]
+        sources = sorted({p.source for p in parts})
+        return GroupQuantWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                                torch.cat([p.mins for p in parts]), bits, group_size, "+".join(sources))
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes < 16, [N, K] -> [N, K // 2] in llama.cpp's Q4 layout (see the module docstring)."""
+    n = codes.shape[0]
+    groups = codes.view(n, -1, 32)
+    return (groups[..., :16] | (groups[..., 16:] << 4)).reshape(n, -1).contiguous()
+
+
+def quantize_weight(weight: torch.Tensor, bits: int, group_size: int = 32) -> GroupQuantWeight:
+    """Asymmetric round-to-nearest per group (scale = (max - min) / (2**bits - 1)), as llama.cpp's Q4_1 does."""
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"in_features {k} is not a multiple of the quantization group size {group_size}")
+    groups = weight.detach().float().reshape(n, k // group_size, group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scales = (high - low) / (2**bits - 1)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round((groups - low[..., None]) / safe[..., None]).clamp_(0, 2**bits - 1).to(torch.uint8).view(n, k)
+    packed = pack_nibbles(codes) if bits == 4 else codes.contiguous()
+    return GroupQuantWeight(packed, scales.contiguous(), low.contiguous(), bits, group_size, f"int{bits} (quantized at load)")
+
+
+class GroupQuantLinear(nn.Module):
+    def __init__(self, weight: GroupQuantWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.bits, self.group_size, self.source = weight.bits, weight.group_size, weight.source
+        self.register_buffer("codes", weight.codes)
+        self.register_buffer("scales", weight.scales)
+        self.register_buffer("mins", weight.mins)
+        self.register_buffer("bias", bias)
+
+    def weight_view(self) -> GroupQuantWeight:
+        return GroupQuantWeight(self.codes, self.scales, self.mins, self.bits, self.group_size, self.source)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
+        x32 = x if x.dtype == torch.float32 else x.float()
+        if x.device.type == "cpu" and cpu_ops_available():
+            ops = torch.ops.tokenmill
+            if x.shape[0] <= GEMM_ROWS:
+                out = ops.group_quant_linear(x32, self.codes, self.scales, self.mins, self.bits, self.group_size)
+            else:
+                out = ops.group_quant_linear_strips(x32, self.codes, self.scales, self.mins, self.bits,
+                                                    self.group_size, STRIP_ROWS)
+            if self.bias is not None:
+                out = out + self.bias
+        else:  # no compiled op (or CUDA, until the Triton int4 kernel): the same numbers, slower
+            out = F.linear(x32, self.weight_view().dequantize(), self.bias)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}, source={self.source!r}")
+
+
+def quantize_linears(model: nn.Module, bits: int, group_size: int = 32) -> int:
+    """--quantization int8|int4: every float nn.Linear under model becomes a GroupQuantLinear, in place
+    (a tied lm_head gets its own quantized copy; the embedding lookup keeps its floats). Returns how many."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                bias = None if child.bias is None else child.bias.detach().float()
+                setattr(parent, name, GroupQuantLinear(quantize_weight(child.weight, bits, group_size), bias))
+                replaced += 1
+    return replaced
+
+
+def weight_formats(model: nn.Module) -> str:
+    """What the linears run in, for model info: e.g. "Q4_1, Q8_0" or "int4 (quantized at load)"; "" when
+    every linear holds floats."""
+    from worker.quantization import Int8Linear
+
+    formats = {m.source for m in model.modules() if isinstance(m, GroupQuantLinear)}
+    formats |= {"int8 (per channel)" for m in model.modules() if isinstance(m, Int8Linear)}
+    return ", ".join(sorted(formats))

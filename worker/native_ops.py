@@ -1,0 +1,52 @@
+"""Loads tokenmill's compiled CPU ops (worker/csrc, built by scripts/build_cpu_ops.py at install).
+
+Loading never compiles: a serving process that finds no build (or a CPU without AVX2/FMA) uses torch's
+own ops instead and says so once in its log, with the command that builds them.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).resolve().parent
+SOURCES = (HERE / "csrc" / "group_quant_linear.cpp",)
+OPS_DIR = HERE / "_ops"
+
+
+def built_library_path() -> Path:
+    digest = hashlib.sha256(torch.__version__.encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return OPS_DIR / f"tokenmill_cpu_ops_{digest.hexdigest()[:12]}.so"
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+@cache
+def cpu_ops_available() -> bool:
+    """True once torch.ops.tokenmill.group_quant_* are loaded (cached: one attempt, one log line)."""
+    if not _cpu_has_avx2_fma():
+        log.warning("compiled CPU ops not used: this CPU lacks AVX2/FMA; quantized linears use torch ops (slower)")
+        return False
+    if not all(source.exists() for source in SOURCES):
+        log.warning("compiled CPU ops not used: their sources are not installed beside worker/ (%s)", HERE / "csrc")
+        return False
+    path = built_library_path()
+    if not path.exists():
+        log.warning("compiled CPU ops not built (%s missing): quantized linears use torch ops (slower); "
+                    "build them with: .venv/bin/python scripts/build_cpu_ops.py", path.name)
+        return False
+    torch.ops.load_library(str(path))
+    return True
