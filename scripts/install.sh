@@ -22,4 +22,12 @@ if [ ! -f "$stamp" ]; then
     rm -f .venv/.installed-*
     touch "$stamp"
 fi
+# the compiled CPU ops (worker/csrc): a no-op when the build for these sources and this torch exists
+if ! command -v g++ >/dev/null 2>&1; then
+    echo "[install] g++ (apt-get), for the compiled CPU ops"
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq g++ >/dev/null
+fi
+.venv/bin/python scripts/build_cpu_ops.py --quiet
 echo "[install] ready: $(.venv/bin/python -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__)')"

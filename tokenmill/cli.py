@@ -27,7 +27,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "bench": ("tokenmill.bench.cli", "the standard benchmark: paged vs static vs transformers, tables and plots"),
     "bench-tracing": ("tokenmill.bench_tracing", "throughput with tracing off vs every request traced"),
 }
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # worker.build.DTYPE_CHOICES (not imported: it needs torch)
 
 
 def _ranged(kind: Callable, low=None, high=None, low_open: bool = False, what: str = "") -> Callable:
@@ -64,7 +64,8 @@ TOP_K = _ranged(int, -1, what=">= -1 (-1 or 0 disables)")
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct GGUF)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="auto: bfloat16 on CUDA and on CPUs with avx512_bf16/AMX, else float32 (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="where the gateway listens (default: %(default)s)")
     parser.add_argument("--internal-host", default="127.0.0.1",
                         help="where the scheduler and worker listen (default: %(default)s); anything but "
@@ -110,8 +111,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="worker device; auto: cuda when torch sees a GPU (default: %(default)s)")
     parser.add_argument("--kernel-backend", choices=("auto", "torch", "triton"), default="auto",
                         help="auto: triton on CUDA, torch on CPU (default: %(default)s)")
-    parser.add_argument("--quantization", choices=("none", "int8"), default="none",
-                        help="int8: weight-only INT8 linears (default: %(default)s)")
+    parser.add_argument("--quantization", choices=("auto", "none", "int8", "int4"), default="auto",
+                        help="auto: a GGUF file's weights as it holds them (Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K), a folder's "
+                             "in --dtype; none: all in --dtype (the reference); int8 / int4: weight-only, quantized "
+                             "at load (default: %(default)s)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="decode steps run eagerly (CUDA only)")
     parser.add_argument("--no-stream-overlap", action="store_true", help="no pinned staging / copy stream (CUDA only)")
     parser.add_argument("--no-packed-linears", action="store_true",

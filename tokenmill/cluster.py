@@ -66,7 +66,7 @@ class ClusterConfig:
     # the worker's execution (worker.backends): device auto = cuda when visible; backend auto = triton on CUDA
     device: str = "auto"
     kernel_backend: str = "auto"
-    quantization: str = "none"
+    quantization: str = "auto"  # worker.backends.QUANTIZATIONS
     cuda_graphs: bool = True
     stream_overlap: bool = True
     packed_linears: bool = True  # CPU float32 (worker.cpu_linear)

@@ -35,7 +35,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own limit
     device: str = "cpu"  # cpu, cuda or auto (worker.build.resolve_device)
     kernel_backend: str = "auto"  # auto: triton on CUDA, torch on CPU (worker.backends)
-    quantization: str = "none"  # int8: weight-only INT8 linears
+    quantization: str = "auto"  # worker.backends.QUANTIZATIONS: auto runs a GGUF file's weights as stored
     cuda_graphs: bool = True  # CUDA + triton only
     stream_overlap: bool = True  # CUDA only
     packed_linears: bool = True  # CPU float32: weights reordered once for oneDNN (worker.cpu_linear)

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 import torch
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")
-QUANTIZATIONS = ("none", "int8")
+# auto: a GGUF file's weights run in the formats it holds them in (worker.group_quant), a Hugging Face
+# folder's in the model dtype; none: everything dequantized to the model dtype (the reference path);
+# int8 / int4: a folder's (or a file's float) linears quantized at load, group-wise (CUDA int8: per channel)
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 # decode batch sizes with a captured graph; a decode step of B rows replays the smallest bucket >= B
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -20,7 +23,7 @@ DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 @dataclass(slots=True, frozen=True)
 class ExecutionOptions:
     kernel_backend: str = "auto"  # one of KERNEL_BACKENDS
-    quantization: str = "none"  # one of QUANTIZATIONS: int8 = weight-only, per-output-channel scales
+    quantization: str = "auto"  # one of QUANTIZATIONS
     cuda_graphs: bool = True  # decode-only steps replay a graph per batch bucket (CUDA + triton only)
     stream_overlap: bool = True  # pinned staging + copy stream + event-ordered token readback (CUDA only)
     graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
@@ -59,7 +62,7 @@ def resolve_execution(options: ExecutionOptions, device: torch.device | str) -> 
         cuda_graphs=options.cuda_graphs and on_cuda and backend == "triton",
         stream_overlap=options.stream_overlap and on_cuda,
         graph_batch_sizes=options.graph_batch_sizes,
-        packed_linears=options.packed_linears and not on_cuda and backend == "torch" and options.quantization == "none",
+        packed_linears=options.packed_linears and not on_cuda and backend == "torch",
     )
 
 
@@ -87,8 +90,10 @@ def add_execution_flags(parser) -> None:
                         help="auto: cuda when torch sees a GPU, else cpu (default: %(default)s)")
     parser.add_argument("--kernel-backend", choices=KERNEL_BACKENDS, default="auto",
                         help="auto: triton on CUDA, torch on CPU (default: %(default)s)")
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                        help="int8: weight-only INT8 linears, per-output-channel scales (default: %(default)s)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
+                        help="auto: a GGUF file's weights as it holds them (Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K), a folder's "
+                             "in --dtype; none: all in --dtype; int8 / int4: weight-only, quantized at load "
+                             "(default: %(default)s)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (CUDA only)")
     parser.add_argument("--cuda-graph-batch-sizes", default=",".join(map(str, DEFAULT_GRAPH_BATCH_SIZES)),
                         help="decode batch buckets with a captured graph (default: %(default)s)")

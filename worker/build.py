@@ -7,6 +7,7 @@ import torch
 
 from plumbing.grammar import GrammarCompiler
 from worker.backends import ExecutionOptions
+from worker.group_quant import quantize_linears
 from worker.kv_cache import bytes_per_block
 from worker.kv_sizing import (KVCacheSizing, default_memory_fraction, free_memory_bytes,
                                measure_activation_peak, profile_batch, size_from_budget, size_from_free_memory)
@@ -15,11 +16,27 @@ from worker.model_runner import ModelRunner
 from worker.structured_output import StructuredOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+# CPU flags with native bfloat16 arithmetic; without them oneDNN emulates bfloat16 and it is slower
+# than float32 (measured in issue 15 on AVX2: bfloat16 linears no faster, attention slower)
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        return False
+    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+
+
+def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
+    """auto: bfloat16 on CUDA and on CPUs with native bfloat16 (avx512_bf16 / AMX), float32 otherwise."""
+    if name == "auto":
+        native = torch.device(device).type == "cuda" or cpu_has_native_bf16()
+        return torch.bfloat16 if native else torch.float32
     if name not in DTYPES:
-        raise ValueError(f"dtype={name!r} is not one of {sorted(DTYPES)}")
+        raise ValueError(f"dtype={name!r} is not one of {list(DTYPE_CHOICES)}")
     return DTYPES[name]
 
 
@@ -53,15 +70,17 @@ def build_sized_runner(model: str | Path | None, dtype: str, block_size: int, kv
     sizes the KV cache: num_blocks, else kv_cache_bytes, else memory_fraction (None: the device's
     default) of the memory left after the weights and a profile pass of profile_tokens tokens.
     swap_space_bytes of host memory become the swap tier's pages."""
-    torch_dtype = resolve_dtype(dtype)
     torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
     path = Path(model) if model else default_model_path()
-    network, config = load_model(path, dtype=torch_dtype, progress=progress)
+    network, config = load_model(path, dtype=torch_dtype, progress=progress, keep_quantized=options.quantization == "auto")
     network = network.to(torch_device)
-    if options.quantization == "int8":
+    if options.quantization == "int8" and torch_device.type == "cuda":
         from worker.quantization import quantize_linears_int8
 
-        quantize_linears_int8(network, use_kernel=torch_device.type == "cuda")
+        quantize_linears_int8(network, use_kernel=True)  # the Triton kernel's per-channel format
+    elif options.quantization in ("int8", "int4"):
+        quantize_linears(network, bits=int(options.quantization.removeprefix("int")))
     per_block = bytes_per_block(config, torch_dtype, block_size)
     if num_blocks:
         sizing = KVCacheSizing(num_blocks, num_blocks * per_block, f"--num-blocks {num_blocks}")

@@ -14,7 +14,8 @@ from plumbing.telemetry import metrics
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
 from plumbing.process import run_process, wait_for_stop_signal
 from worker.backends import add_execution_flags, execution_options_from_args
-from worker.build import DTYPES, build_sized_runner, model_name, resolve_device
+from worker.build import DTYPE_CHOICES, build_sized_runner, model_name, resolve_device
+from worker.group_quant import weight_formats
 from worker.model_runner import ModelRunner
 from worker.service import WorkerServicer, model_config_to_proto
 
@@ -26,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50053)
     parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="auto: bfloat16 on CUDA and on CPUs with avx512_bf16/AMX, else float32 (default: %(default)s)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV page (a power of two)")
     parser.add_argument("--kv-cache-mb", type=int, default=None,
                         help="memory budget for the KV cache; overrides --kv-cache-memory-fraction")
@@ -78,8 +80,8 @@ def build_worker(args: argparse.Namespace) -> tuple[ModelRunner, worker_pb2.GetC
     logger.info("warm-up forward pass done in %.0f ms", (time.perf_counter() - started) * 1e3)
     capacity = worker_pb2.GetCapacityResponse(
         num_blocks=runner.num_blocks, block_size=runner.block_size,
-        model_config=model_config_to_proto(runner.model_config, model_name(args.model), args.dtype,
-                                           runner.execution.quantization),
+        model_config=model_config_to_proto(runner.model_config, model_name(args.model), str(runner.dtype).removeprefix("torch."),
+                                           weight_formats(runner.model)),
         device=str(runner.device),
         kv_cache_bytes=sizing.kv_cache_bytes, kv_cache_sizing=sizing.reason,
         num_host_blocks=runner.swap_space.num_host_blocks)

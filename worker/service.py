@@ -14,7 +14,7 @@ from worker.step_order import StepOrder
 
 
 def model_config_to_proto(config: ModelConfig, name: str, dtype: str, quantization: str = "none") -> common_pb2.ModelConfig:
-    """quantization: the worker's --quantization; the proto says "" for none."""
+    """quantization: what the linears run in (worker.group_quant.weight_formats); "" / "none": floats."""
     return common_pb2.ModelConfig(
         name=name, architecture=config.architecture, vocab_size=config.vocab_size,
         max_context_length=config.max_position_embeddings, num_layers=config.num_layers,

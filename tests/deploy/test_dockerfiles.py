@@ -103,3 +103,19 @@ def test_dockerignore_keeps_what_the_images_copy_and_nothing_else():
         assert not _ignored(source, patterns), f"{source} is copied but .dockerignore leaves it out"
     for private in (".venv", ".git", "tests", "docs/benchmarks", "bench_out", "gateway/__pycache__"):
         assert _ignored(private, patterns), f"{private} would be sent to the docker build context"
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_every_package_of_the_project_is_copied_into_the_image(name):
+    """pip install /src installs only what was copied there: a package left out imports nowhere."""
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {pattern.rstrip("*") for pattern in found}
+    copied = {value.split()[0] for op, value in _instructions(name) if op == "COPY" and value.split()[-1].startswith("/src/")}
+    assert packages <= copied, f"{name}: not copied into /src: {sorted(packages - copied)}"
+
+
+def test_the_cpu_image_builds_the_compiled_cpu_ops_for_the_installed_package():
+    runs = [value for op, value in _instructions("Dockerfile.cpu") if op == "RUN"]
+    install = next(i for i, value in enumerate(runs) if "pip install --no-deps /src" in value)
+    assert any("build_cpu_ops.py --installed" in value for value in runs[install + 1:])
+    assert "csrc/*.cpp" in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["worker"]

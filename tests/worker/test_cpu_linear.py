@@ -62,7 +62,8 @@ def test_packing_resolves_off_where_it_does_not_apply():
     assert resolve_execution(ExecutionOptions(), "cpu").packed_linears
     assert not resolve_execution(ExecutionOptions(), "cuda").packed_linears
     assert not resolve_execution(ExecutionOptions(kernel_backend="triton"), "cpu").packed_linears
-    assert not resolve_execution(ExecutionOptions(quantization="int8"), "cpu").packed_linears
+    # quantized linears are not nn.Linear: pack_linears leaves them and packs any float ones left
+    assert resolve_execution(ExecutionOptions(quantization="int8"), "cpu").packed_linears
 
 
 def test_flag_reaches_the_worker_from_serve():

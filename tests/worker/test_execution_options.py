@@ -36,8 +36,8 @@ def test_graph_bucket_is_the_smallest_that_fits():
 def test_bad_options_name_the_field():
     with pytest.raises(ValueError, match="kernel_backend='cuda' is not one of"):
         ExecutionOptions(kernel_backend="cuda")
-    with pytest.raises(ValueError, match="quantization='int4'"):
-        ExecutionOptions(quantization="int4")
+    with pytest.raises(ValueError, match="quantization='int3'"):
+        ExecutionOptions(quantization="int3")
     with pytest.raises(ValueError, match="graph_batch_sizes=\\(0, 2\\)"):
         ExecutionOptions(graph_batch_sizes=(0, 2))
     with pytest.raises(ValueError, match="comma-separated integers"):

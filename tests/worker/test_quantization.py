@@ -39,13 +39,17 @@ def test_build_runner_quantizes_at_load(tmp_path):
     from worker.backends import ExecutionOptions
     from worker.build import build_runner
 
-    folder, _ = make_tiny_hf_model(tmp_path, "qwen2")  # q/k/v bias: Int8Linear keeps it
-    runner = build_runner(folder, "float32", 4, 2**20, num_blocks=8, progress=False,
-                          options=ExecutionOptions(quantization="int8"))
-    wqkv = runner.model.layers[0].attn.wqkv
-    assert isinstance(wqkv, Int8Linear) and not wqkv.use_kernel and wqkv.bias is not None
-    plan = StepPlan(1, [NewRequestData("r", [1, 2, 3], 3, SamplingParams(temperature=0.0), [1], 0)], num_scheduled_tokens={"r": 3})
-    assert set(runner.execute(plan).sampled_token_ids) == {"r"}
+    from worker.group_quant import GroupQuantLinear
+
+    folder, _ = make_tiny_hf_model(tmp_path, "qwen2")  # q/k/v bias: the quantized linear keeps it
+    for bits in (8, 4):  # on CPU both are group-wise (the per-channel Int8Linear is CUDA's Triton format)
+        runner = build_runner(folder, "float32", 4, 2**20, num_blocks=8, progress=False,
+                              options=ExecutionOptions(quantization=f"int{bits}"))
+        wqkv = runner.model.layers[0].attn.wqkv
+        assert isinstance(wqkv, GroupQuantLinear) and wqkv.bits == bits and wqkv.bias is not None
+        assert not any(isinstance(m, torch.nn.Linear) for m in runner.model.modules())
+        plan = StepPlan(1, [NewRequestData("r", [1, 2, 3], 3, SamplingParams(temperature=0.0), [1], 0)], num_scheduled_tokens={"r": 3})
+        assert set(runner.execute(plan).sampled_token_ids) == {"r"}
 
 
 def test_model_info_names_the_quantization(tmp_path):
@@ -54,7 +58,8 @@ def test_model_info_names_the_quantization(tmp_path):
 
     folder, _ = make_tiny_hf_model(tmp_path, "llama")
     common = ["--model", str(folder), "--device", "cpu", "--num-blocks", "8", "--block-size", "4"]
-    _, quantized = build_worker(parse_args([*common, "--quantization", "int8"]))
+    _, quantized = build_worker(parse_args([*common, "--quantization", "int4"]))
     _, plain = build_worker(parse_args(common))
-    assert quantized.model_config.quantization == "int8"
-    assert plain.model_config.quantization == ""  # the proto's "none"
+    assert quantized.model_config.quantization == "int4 (quantized at load)"
+    assert plain.model_config.quantization == ""  # a folder's weights in --dtype: the proto's "none"
+    assert plain.model_config.dtype in ("float32", "bfloat16")  # --dtype auto, as resolved
