@@ -22,7 +22,7 @@ from core.outputs import FinishReason, RequestOutput, RequestTimings
 from core.step import TokenLogprobs
 from gateway.request_builder import PreparedRequest
 from gateway.scheduler_client import SchedulerClient
-from gateway.telemetry import DEADLINE, RequestObserver
+from gateway.telemetry import DEADLINE, DRAINED, RequestObserver
 from gateway.text_stream import TextStream
 from gateway.tokenizer import TextTokenizer
 
@@ -147,16 +147,19 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
     finally:
         if probe:
             breaker.release_probe()  # a no-op once the probe's outcome was recorded
-        if not finished:  # the call was cut: by its deadline or by the client
-            _record_cut(observer, deadline)
+        if not finished:  # the call was cut: by its deadline, by this gateway's shutdown or by the client
+            _record_cut(observer, scheduler, deadline)
         if not finished and resumable:  # the client went away: a resumable request is aborted explicitly
             scheduler.abort_in_background(request_id)
 
 
-def _record_cut(observer: RequestObserver, deadline: float | None) -> None:
+def _record_cut(observer: RequestObserver, scheduler: SchedulerClient, deadline: float | None) -> None:
     if deadline is not None and time.time() >= deadline - DEADLINE_SLACK_S:
         observer.on_cut(DeadlineExceeded(f"request {observer.request_id!r} passed its deadline after "
                                          f"{observer.num_tokens} tokens"), DEADLINE)
+    elif scheduler.shutting_down:  # set before the server stops: what it cuts now is the drain's doing
+        observer.on_cut(Unavailable(f"the gateway shut down before request {observer.request_id!r} finished "
+                                    "(its drain timeout passed)"), DRAINED)
     else:  # the client went away (cancelled the call, closed the connection)
         observer.on_disconnect()
 

@@ -8,7 +8,7 @@ when it ends, however it ends.
     observer.on_tokens(len(token_ids))                      # per message from the scheduler
     observer.on_finish(finish)     # stop / length / abort (CancelRequest) / ...
     observer.on_error(error)       # refused by the scheduler, failed, deadline, unavailable
-    observer.on_cut(error, DEADLINE)  # gRPC cut the call at its deadline
+    observer.on_cut(error, DEADLINE)  # the call was cut by its deadline or this gateway's shutdown
     observer.on_disconnect()       # the client went away mid-stream
 
 The SERVER span itself is the gRPC instrumentation's (tokenmill.v1, KServe), or http_server_span's
@@ -43,6 +43,7 @@ CHAT, TEXT_COMPLETION = "chat", "text_completion"  # gen_ai.operation.name value
 # tokenmill.finish_cause: what ended a request when its finish reason and status do not say it all
 CLIENT_DISCONNECT = "client_disconnect"  # the client went away
 DEADLINE = "deadline"  # the client's deadline passed
+DRAINED = "drained"  # this gateway shut down (SIGTERM) and its drain timeout passed first
 _model_name = ""
 _server_address: tuple[str, int] | None = None  # the gRPC listen address (HTTP spans use the URL's)
 _operation: contextvars.ContextVar[str] = contextvars.ContextVar("gen_ai_operation", default=TEXT_COMPLETION)
@@ -151,9 +152,9 @@ class RequestObserver:
                   detail=f"{error.code.name}: {error}", level=logging.WARNING)
 
     def on_cut(self, error: ServingError, cause: str) -> None:
-        """gRPC cut the call (its deadline passed) with the status error stands for: no exception
-        reaches the edge, so the status, the exception event and the error count are recorded here.
-        cause: DEADLINE."""
+        """gRPC cut the call (its deadline passed, or the server stopped) with the status error stands
+        for: no exception reaches the edge, so the status, the exception event and the error count are
+        recorded here. cause: DEADLINE or DRAINED."""
         if self.ended:
             return
         record_error(self.span, error, error.code.name)

@@ -1,7 +1,8 @@
 """Endings that take a process away, visible the same way in spans, metrics and logs: the worker killed
-(-9) mid-generation fails the request (the package's cluster does not retry), and a SIGTERM drain
-whose timeout (1 s there) passes before the request finishes. Each test restarts what it stopped and
-waits for the cluster to serve again before it ends. Real processes, a real OTLP receiver, real scrapes."""
+(-9) mid-generation fails the request (the package's cluster does not retry), and a SIGTERM drain of
+the scheduler or of the gateway whose timeout (1 s there) passes before the request finishes. Each
+test restarts what it stopped and waits for the cluster to serve again before it ends. Real
+processes, a real OTLP receiver, real scrapes."""
 from __future__ import annotations
 
 import signal
@@ -134,3 +135,46 @@ def test_scheduler_drain_timeout_ends_the_request_in_spans_metrics_and_log(trace
         with grpc.insecure_channel(config.gateway_address) as channel:  # re-admitted: not needed any more
             generation_pb2_grpc.GenerationStub(channel).CancelRequest(
                 generation_pb2.CancelRequestRequest(request_id="drained-1"), timeout=30)
+
+
+def test_gateway_drain_timeout_ends_the_call_in_spans_and_log(traced_cluster, otlp_receiver):
+    """SIGTERM to the gateway: a stream still running when its drain timeout passes is cut by the server's
+    stop, which must read as drained (UNAVAILABLE), not as its client gone away. (Its counter moves too,
+    but dies with the process a moment later: no scrape can be relied on to see it.) The request itself
+    runs on in the scheduler, for the client to resume by id on another gateway."""
+    config, supervisor = traced_cluster
+    trace_id, parent = traceparent()
+    received, stopping = 0, None
+    try:
+        with grpc.insecure_channel(config.gateway_address) as channel, pytest.raises(grpc.RpcError) as drained:
+            for message in generation_pb2_grpc.GenerationStub(channel).GenerateStream(
+                    long_request("gateway-drained-1"), timeout=60, metadata=[("traceparent", parent)]):
+                received += len(message.token_ids)
+                if received >= 3 and stopping is None:
+                    stopping = threading.Thread(target=supervisor.kill, args=("gateway", signal.SIGTERM))
+                    stopping.start()
+        stopping.join()
+        assert supervisor.children["gateway"].returncode == 0
+        assert drained.value.code() == grpc.StatusCode.UNAVAILABLE and 0 < received < 480
+
+        spans = otlp_receiver.wait_for(lambda spans: any(
+            s.trace_id == trace_id and s.service == "gateway" and s.kind == SERVER for s in spans))
+        (span,) = [s for s in spans if s.trace_id == trace_id and s.service == "gateway" and s.kind == SERVER]
+        assert span.status_code == STATUS_ERROR and span.status_message.startswith("UNAVAILABLE: ")
+        assert span.attributes["error.type"] == "UNAVAILABLE"
+        assert span.attributes["gen_ai.response.finish_reasons"] == ["error"]
+        assert span.attributes["tokenmill.finish_cause"] == "drained"
+        assert span.events.count("exception") == 1
+
+        (line,) = ended_lines(supervisor, "gateway-drained-1")
+        assert line["trace_id"] == trace_id and line["level"] == "WARNING"
+        assert "ended: error (UNAVAILABLE: " in line["message"] and "drain timeout" in line["message"]
+    finally:
+        if stopping is not None:
+            stopping.join()
+        if not supervisor.children["gateway"].alive:
+            supervisor.restart("gateway")
+        wait_serving(config)
+        with grpc.insecure_channel(config.gateway_address) as channel:  # still running in the scheduler
+            generation_pb2_grpc.GenerationStub(channel).CancelRequest(
+                generation_pb2.CancelRequestRequest(request_id="gateway-drained-1"), timeout=30)
