@@ -26,6 +26,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "bench-cluster": ("tokenmill.bench_cluster", "the engine workload through the gateway over gRPC vs in-process"),
     "bench": ("tokenmill.bench.cli", "the standard benchmark: paged vs static vs transformers, tables and plots"),
     "bench-tracing": ("tokenmill.bench_tracing", "throughput with tracing off vs every request traced"),
+    "accuracy": ("tokenmill.accuracy", "greedy agreement and perplexity of each weight format / dtype vs float32"),
 }
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # worker.build.DTYPE_CHOICES (not imported: it needs torch)
 

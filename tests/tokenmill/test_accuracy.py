@@ -1,0 +1,25 @@
+"""`tokenmill accuracy` on a tiny model folder: the table it prints, read back."""
+from __future__ import annotations
+
+from tests.helpers.tiny_models import make_tiny_hf_model
+from tokenmill.accuracy import main
+
+
+def test_accuracy_table_compares_every_variant_with_the_float32_reference(tmp_path, capsys):
+    folder, _ = make_tiny_hf_model(tmp_path, "llama")
+    assert main(["--model", str(folder), "--positions", "120", "--window", "40"]) == 0
+    out, err = capsys.readouterr()
+    assert "positions in" in err
+    rows = [line.strip("|").split("|") for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    table = {(r[0].strip(), r[1].strip()): [c.strip() for c in r[2:]] for r in rows}
+    assert len(table) == 6
+    reference = table[("reference: dequantized", "float32")]
+    # a folder's weights are floats: "as the file holds it" in float32 is the reference itself
+    assert reference[2:] == table[("as the file holds it", "float32")][2:]
+    assert reference[2] == "100.00%" and reference[4] == "+0.000"
+    int4, int8 = table[("int4 at load (group 32)", "float32")], table[("int8 at load (group 32)", "float32")]
+    assert int4[0] == "int4 (quantized at load)" and int8[0] == "int8 (quantized at load)"
+    assert float(int4[1]) < float(int8[1]) < float(reference[1])  # weight MiB
+    # int8 stays closer to the reference than int4 (random tiny weights: int4's error is large)
+    assert abs(float(int8[4])) <= abs(float(int4[4])) and int4[4] != "+0.000"
+    assert float(int8[2].rstrip("%")) >= float(int4[2].rstrip("%"))

@@ -1,0 +1,117 @@
+"""What each weight format and dtype costs in accuracy: `tokenmill accuracy [--model M]`.
+
+Teacher-forced over a fixed text (int8_agreement's corpus: its prose, then files of this checkout in a
+fixed order, cut into windows): at every position, the greedy next token of each variant is compared
+with the float32 reference's (the plain-torch path with every weight dequantized: exact to
+transformers, tests/worker/test_gguf_loader.py), and each variant's perplexity of the text is printed
+beside the reference's. Variants: the file's own formats (GGUF: as stored; a folder: floats) in float32
+and bfloat16, every linear re-quantized at load to int8 and int4 (group 32), and bfloat16 alone.
+Prints a markdown table (docs/models.md keeps this machine's).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tokenmill.int8_agreement import corpus, window_logits, windows
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    label: str
+    quantization: str  # worker.backends.QUANTIZATIONS
+    dtype: torch.dtype
+
+
+DEFAULT_VARIANTS = (
+    Variant("as the file holds it", "auto", torch.float32),
+    Variant("as the file holds it", "auto", torch.bfloat16),
+    Variant("int8 at load (group 32)", "int8", torch.float32),
+    Variant("int4 at load (group 32)", "int4", torch.float32),
+    Variant("dequantized", "none", torch.bfloat16),
+)
+REFERENCE = Variant("reference: dequantized", "none", torch.float32)
+
+
+@dataclass(slots=True)
+class Score:
+    agree: int = 0
+    positions: int = 0
+    nll: float = 0.0  # summed negative log-likelihood of each next token of the text
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll / self.positions)
+
+
+def build_variant(model_path, variant: Variant, device: torch.device):
+    from worker.group_quant import quantize_linears, weight_formats
+    from worker.loader import load_model
+
+    model, config = load_model(model_path, dtype=variant.dtype, progress=False, keep_quantized=variant.quantization == "auto")
+    if variant.quantization in ("int8", "int4"):
+        quantize_linears(model, bits=int(variant.quantization.removeprefix("int")))
+    model = model.to(device).eval()
+    weight_bytes = sum(t.numel() * t.element_size() for t in {**dict(model.named_parameters()), **dict(model.named_buffers())}.values())
+    return model, config, weight_formats(model) or str(variant.dtype).removeprefix("torch."), weight_bytes
+
+
+def score_windows(model, config, token_windows, dtype, device, reference_argmax: list | None) -> tuple[Score, list]:
+    score, argmaxes = Score(), []
+    for index, ids in enumerate(token_windows):
+        logits = window_logits(model, config, ids, dtype, device).float()[:-1]  # position i predicts token i + 1
+        targets = torch.tensor(ids[1:], device=logits.device)
+        score.nll += float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
+        argmax = logits.argmax(dim=-1)
+        argmaxes.append(argmax)
+        expected = argmax if reference_argmax is None else reference_argmax[index]
+        score.agree += int((argmax == expected).sum())
+        score.positions += len(ids) - 1
+    return score, argmaxes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenmill accuracy", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--positions", type=int, default=4096, help="positions compared, at least (default: %(default)s)")
+    parser.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window (default: %(default)s)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    args = parser.parse_args(argv)
+    from gateway.tokenizer import load_tokenizer
+
+    device = torch.device(args.device)
+    tokenizer = load_tokenizer(args.model)
+    # windows() counts tokens; each window of n tokens gives n - 1 next-token positions
+    max_tokens = args.positions + -(-args.positions // (args.window - 1))
+    token_windows = windows(corpus(Path(__file__).resolve().parent.parent),
+                            lambda text: tokenizer.encode(text, add_special_tokens=False), args.window, max_tokens)
+    print(f"{sum(len(w) - 1 for w in token_windows)} positions in {len(token_windows)} windows of <= {args.window} "
+          f"tokens; model {args.model or 'default (SmolLM2-135M-Instruct Q4_1 GGUF)'}; device {device}", file=sys.stderr)
+    rows = []
+    reference_argmax = None
+    reference_ppl = None
+    for variant in (REFERENCE, *DEFAULT_VARIANTS):
+        started = time.perf_counter()
+        model, config, formats, weight_bytes = build_variant(args.model, variant, device)
+        score, argmaxes = score_windows(model, config, token_windows, variant.dtype, device, reference_argmax)
+        if reference_argmax is None:
+            reference_argmax, reference_ppl = argmaxes, score.perplexity
+        del model
+        dtype = str(variant.dtype).removeprefix("torch.")
+        rows.append(f"| {variant.label} | {dtype} | {formats} | {weight_bytes / 2**20:.3f} | "
+                    f"{score.agree / score.positions:.2%} | {score.perplexity:.3f} | {score.perplexity - reference_ppl:+.3f} |")
+        print(f"  {variant.label}, {dtype}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    print("| weights | activations | linears run in | weight MiB | greedy agreement with the reference | perplexity | Δ perplexity |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
