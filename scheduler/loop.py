@@ -101,6 +101,7 @@ class EngineLoop:
         """Ends the request at the next loop iteration; False if it is unknown or already ended."""
         if request_id not in self.streams:
             return False
+        self.streams.abort_requested(request_id, finish_reason)
         self._inbox.put(AbortRequest(request_id, finish_reason))
         self._wakeup.set()
         return True

@@ -63,6 +63,9 @@ class RequestStream:
     times: RequestTimes = field(default_factory=RequestTimes)
     num_output_tokens_recorded: int = 0  # the count last sent to the record
     progress_recorded_at: float = 0.0  # monotonic time of that
+    # the reason an Abort call asked for (a stop string the gateway matched, a CancelRequest), until the
+    # loop ends the request with it: how it ended if its Submit call is dropped in the meantime
+    abort_reason: FinishReason | None = None
 
 
 class RequestStreams:
@@ -93,6 +96,11 @@ class RequestStreams:
             self.state.queued(request_id, num_prompt_tokens=request.num_prompt_tokens, model=self.model_name,
                               priority=request.priority, created_at=time.time(), owner=owner)
         return stream
+
+    def abort_requested(self, request_id: str, reason: FinishReason) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None and stream.abort_reason is None:
+            stream.abort_reason = reason
 
     def past_deadline(self) -> list[str]:
         """Ids whose deadline has passed (they stay open until ended)."""

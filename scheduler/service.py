@@ -89,6 +89,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             remaining_s = context.time_remaining()
             if not finished and remaining_s is not None and remaining_s <= DEADLINE_SLACK_S:
                 record_deadline_cut(stream.times, request.request_id)
+            elif not finished and stream.abort_reason is not None:  # dropped after asking for the abort
+                record_request_end(stream.times, finish_reason=stream.abort_reason)
             elif not finished:  # the gateway dropped the call: its client went away (or the gateway did)
                 record_request_end(stream.times, finish_reason=FinishReason.ABORT, cause=CLIENT_DISCONNECT)
             if not finished and not resumable:  # the client went away or cancelled: free its pages

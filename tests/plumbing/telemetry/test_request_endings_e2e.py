@@ -1,7 +1,8 @@
 """How a request ended is visible the same way in spans, metrics and logs: a client that goes away
-mid-stream (the common cancel), a CancelRequest, a deadline that passes mid-generation, a request
-refused at the door; and the GenAI semantic conventions on request spans. Real processes, a real
-OTLP receiver, real scrapes. (Endings that take a process down: test_request_endings_faults_e2e.)"""
+mid-stream (the common cancel), a stop string, a CancelRequest, a deadline that passes
+mid-generation, a request refused at the door; and the GenAI semantic conventions on request spans.
+Real processes, a real OTLP receiver, real scrapes. (Endings that take a process down:
+test_request_endings_faults_e2e.)"""
 from __future__ import annotations
 
 import json
@@ -97,6 +98,41 @@ def test_client_disconnect_is_recorded_in_spans_metrics_and_log(traced_cluster, 
 
     (line,) = log_entries(supervisor, "gateway", "gone-1", "ended: abort")
     assert line["trace_id"] == trace_id and "client went away" in line["message"]
+
+
+def test_stop_string_is_recorded_as_stop_in_spans_metrics_and_log(traced_cluster, otlp_receiver):
+    """A stop string the gateway matches ends the request as stop in the gateway and the scheduler alike
+    (the gateway aborts it there with reason stop, then closes the call)."""
+    config, supervisor = traced_cluster
+    params = dict(temperature=0.0, ignore_eos=True)
+    with grpc.insecure_channel(config.gateway_address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        prompt = "stop where told"
+        greedy = stub.Generate(generation_pb2.GenerateRequest(
+            prompt=prompt, parameters=generation_pb2.GenerateParameters(max_tokens=40, **params)), timeout=60).text
+        # the same greedy output comes again and holds this (a replacement character may never match:
+        # an incomplete UTF-8 sequence is held back until it completes)
+        stop = next(greedy[i:i + 2] for i in range(4, len(greedy) - 1) if "\ufffd" not in greedy[i:i + 2])
+        before = scrape("127.0.0.1", config.gateway_metrics_port)
+        trace_id, parent = traceparent()
+        reply = stub.Generate(generation_pb2.GenerateRequest(
+            request_id="stopped-1", prompt=prompt,
+            parameters=generation_pb2.GenerateParameters(max_tokens=40, stop=[stop], **params)),
+            timeout=60, metadata=[("traceparent", parent)])
+    assert reply.finish_reason == common_pb2.FINISH_REASON_STOP and reply.matched_stop == stop
+
+    spans = request_spans(otlp_receiver, trace_id)
+    for service in ("gateway", "scheduler"):  # (the scheduler's Abort call is in the trace too)
+        (span,) = [s for s in spans if s.service == service and s.kind == SERVER and not s.name.endswith("/Abort")]
+        assert span.status_code != STATUS_ERROR, service
+        assert span.attributes["gen_ai.response.finish_reasons"] == ["stop"], service
+        assert "tokenmill.finish_cause" not in span.attributes, service
+
+    after = scrape("127.0.0.1", config.gateway_metrics_port)
+    for name in ("tokenmill:request_success_total", "vllm:request_success_total"):
+        assert value(after, name, finished_reason="stop") - value(before, name, finished_reason="stop") == 1
+    (line,) = ended_lines(supervisor, "stopped-1")
+    assert line["trace_id"] == trace_id and "ended: stop," in line["message"]
 
 
 def test_cancel_request_is_recorded_as_an_abort_in_spans_metrics_and_log(traced_cluster, otlp_receiver):
