@@ -10,7 +10,8 @@ llama.cpp packs Q4_0/Q4_1 (a group of 32 in 16 bytes, element j low nibble and j
 
 On CPU the matmul is the compiled op (worker/csrc/group_quant_linear.cpp) for few rows, where decoding
 is bound by reading the weights, and a float32 GEMM on the weight it dequantizes for many rows (prefill),
-where it is bound by arithmetic. Without the compiled op, torch ops compute the same thing.
+where it is bound by arithmetic. Without the compiled op, torch ops compute the same thing. On CUDA the
+Triton kernel worker/kernels/group_quant_matmul.py dequantizes the codes inside its K loop.
 """
 from __future__ import annotations
 
@@ -130,6 +131,8 @@ class GroupQuantLinear(nn.Module):
         return GroupQuantWeight(self.codes, self.scales, self.mins, self.bits, self.group_size, self.source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
+        if x.device.type == "cuda":
+            return self.forward_triton(x)
         x32 = x if x.dtype == torch.float32 else x.float()
         if x.device.type == "cpu" and cpu_ops_available():
             ops = torch.ops.tokenmill
@@ -140,9 +143,18 @@ class GroupQuantLinear(nn.Module):
                                                     self.group_size, STRIP_ROWS)
             if self.bias is not None:
                 out = out + self.bias
-        else:  # no compiled op (or CUDA, until the Triton int4 kernel): the same numbers, slower
+        else:  # no compiled op: the same numbers, slower
             out = F.linear(x32, self.weight_view().dequantize(), self.bias)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def forward_triton(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N], in x's dtype
+        """The Triton kernel, which dequantizes the codes inside its K loop: forward's path for CUDA tensors
+        (the tests run it on CPU tensors under the Triton interpreter)."""
+        from worker.kernels.group_quant_matmul import group_quant_matmul
+
+        rows = x.reshape(-1, self.in_features)  # a view for [T, K] rows, strided or not
+        out = group_quant_matmul(rows, self.codes, self.scales, self.mins, self.bits, self.group_size, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "

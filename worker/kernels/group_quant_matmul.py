@@ -1,0 +1,190 @@
+"""Group-quantized weight-only matmul: y = x @ W.T + bias with W[n, k] = scales[n, g] * code[n, k] + mins[n, g],
+g = k // group_size, the codes dequantized inside the K loop (worker/group_quant.py's format, which every
+GGUF weight format and --quantization int4|int8 load into).
+
+Codes are unsigned bytes: 8-bit containers hold one code a byte ([N, K], groups of 32 or 16); 4-bit
+containers pack a group of 32 in 16 bytes, element j in the low nibble of byte j and element j + 16 in the
+high one ([N, K / 2], llama.cpp's Q4_0 / Q4_1 layout). So the low nibbles of a group's 16 bytes are its
+first 16 columns and the high nibbles its last 16: the kernel multiplies each half by its own 16 columns
+of x, and never interleaves nibbles.
+
+Per group, the kernel multiplies x by the raw codes (integers below 256, exact in float16 / bfloat16) into
+a float32 partial sum and applies the group's scale to it, and adds mins[n, g] * sum(x over the group):
+    y[m, n] = sum_g scales[n, g] * (x_g[m] . code_g[n]) + mins[n, g] * sum(x_g[m])
+so no dequantized weight is rounded to x's dtype; the result is rounded once, at the end.
+
+group_quant_matmul_torch is the same computation in plain torch (the weight dequantized to float32), the
+reference in the tests.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from worker.kernels.checks import FLOAT_DTYPES, check_tensor
+
+# (bits, group_size) the kernel runs: llama.cpp's 4-bit blocks hold 32 codes; Q6_K's 8-bit groups hold 16
+LAYOUTS = ((4, 32), (8, 32), (8, 16))
+
+
+@triton.jit
+def _group_quant_matmul_kernel(
+    # pointers
+    x_ptr,  # [M, K] float
+    codes_ptr,  # [N, K] uint8 (BITS 8) or [N, K / 2] uint8 (BITS 4, two codes a byte)
+    scales_ptr,  # [N, K / GROUP_SIZE] float32
+    mins_ptr,  # [N, K / GROUP_SIZE] float32
+    bias_ptr,  # [N], float32 or x's dtype; read only when HAS_BIAS
+    out_ptr,  # [M, N], x's dtype
+    # sizes
+    M, N, num_groups,
+    # strides (the last dimension of every tensor is contiguous)
+    stride_x_row, stride_codes_row, stride_scales_row, stride_mins_row, stride_out_row,
+    # meta-parameters
+    BITS: tl.constexpr,  # 4 or 8: the codes' container
+    GROUP_SIZE: tl.constexpr,  # 32 (4- or 8-bit) or 16 (8-bit)
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,  # multiply in float32 (bfloat16 under the interpreter, see _dot_upcast)
+    INPUT_PRECISION: tl.constexpr,  # "ieee" for float32 operands: tf32 would miss the float32 tolerance
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # one K step is one group: its scale and min are constant over the step, so they apply to a partial sum
+    HALF: tl.constexpr = GROUP_SIZE // 2
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    row_mask, col_mask = rows < M, cols < N
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_row  # [BLOCK_M, 1]
+    code_cols = codes_ptr + cols.to(tl.int64)[None, :] * stride_codes_row  # [1, BLOCK_N]
+    scale_ptrs = scales_ptr + cols.to(tl.int64) * stride_scales_row  # [BLOCK_N]
+    min_ptrs = mins_ptr + cols.to(tl.int64) * stride_mins_row  # [BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if BITS == 4:
+        depth = tl.arange(0, HALF)  # [16]: byte j of a group holds columns j and j + 16
+        for group in range(num_groups):
+            x_lo = tl.load(x_rows + group * GROUP_SIZE + depth[None, :], mask=row_mask[:, None], other=0.0)
+            x_hi = tl.load(x_rows + group * GROUP_SIZE + HALF + depth[None, :], mask=row_mask[:, None], other=0.0)
+            # the code tile is read transposed, [16, BLOCK_N], so that tl.dot(x, codes) is x @ codes.T
+            packed = tl.load(code_cols + group * HALF + depth[:, None], mask=col_mask[None, :], other=0)
+            if UPCAST:
+                x_lo, x_hi = x_lo.to(tl.float32), x_hi.to(tl.float32)
+            partial = tl.dot(x_lo, (packed & 0x0F).to(x_lo.dtype), input_precision=INPUT_PRECISION)
+            partial = tl.dot(x_hi, (packed >> 4).to(x_hi.dtype), partial, input_precision=INPUT_PRECISION)
+            x_sum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)  # [BLOCK_M]
+            scales = tl.load(scale_ptrs + group, mask=col_mask, other=0.0)
+            mins = tl.load(min_ptrs + group, mask=col_mask, other=0.0)
+            acc += partial * scales[None, :] + x_sum[:, None] * mins[None, :]
+    else:
+        depth = tl.arange(0, GROUP_SIZE)
+        for group in range(num_groups):
+            x = tl.load(x_rows + group * GROUP_SIZE + depth[None, :], mask=row_mask[:, None], other=0.0)
+            codes = tl.load(code_cols + group * GROUP_SIZE + depth[:, None], mask=col_mask[None, :], other=0)
+            if UPCAST:
+                x = x.to(tl.float32)
+            partial = tl.dot(x, codes.to(x.dtype), input_precision=INPUT_PRECISION)
+            x_sum = tl.sum(x.to(tl.float32), axis=1)
+            scales = tl.load(scale_ptrs + group, mask=col_mask, other=0.0)
+            mins = tl.load(min_ptrs + group, mask=col_mask, other=0.0)
+            acc += partial * scales[None, :] + x_sum[:, None] * mins[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out_row + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def _check_inputs(
+    where: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+    bits: int, group_size: int, bias: torch.Tensor | None,
+) -> None:  # fmt: skip
+    if (bits, group_size) not in LAYOUTS:
+        raise ValueError(f"{where}: bits={bits}, group_size={group_size} is not a supported layout, expected one of "
+                         + ", ".join(f"bits={b}, group_size={g}" for b, g in LAYOUTS))
+    check_tensor(where, "x", x, (None, None), FLOAT_DTYPES)
+    in_features = x.shape[1]
+    if in_features % group_size:
+        raise ValueError(f"{where}: x has {in_features} columns, expected a multiple of group_size {group_size}")
+    check_tensor(where, "codes", codes, (None, in_features * bits // 8), (torch.uint8,), x.device)
+    num_outputs = codes.shape[0]
+    num_groups = in_features // group_size
+    check_tensor(where, "scales", scales, (num_outputs, num_groups), (torch.float32,), x.device)
+    check_tensor(where, "mins", mins, (num_outputs, num_groups), (torch.float32,), x.device)
+    if bias is not None:
+        check_tensor(where, "bias", bias, (num_outputs,), tuple(dict.fromkeys((torch.float32, x.dtype))), x.device)
+
+
+def dequantize_group_quant(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int,
+                           group_size: int) -> torch.Tensor:
+    """The float32 weight [N, K] the codes stand for."""
+    num_outputs, num_groups = scales.shape
+    if bits == 4:  # [N, groups, 16] bytes -> [N, groups, 32] codes: low nibbles first, then high ones
+        packed = codes.view(num_outputs, num_groups, group_size // 2)
+        codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+    codes = codes.reshape(num_outputs, num_groups, group_size).float()
+    return (codes * scales[..., None] + mins[..., None]).view(num_outputs, -1)
+
+
+def group_quant_matmul_torch(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x: [M, K] float; codes / scales / mins as group_quant_matmul -> [M, N] in x's dtype.
+
+    Plain torch in float32 on the dequantized weight, rounded once at the end."""
+    _check_inputs("group_quant_matmul_torch", x, codes, scales, mins, bits, group_size, bias)
+    weight = dequantize_group_quant(codes, scales, mins, bits, group_size)
+    out = F.linear(x.float(), weight, None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+def _dot_upcast(x: torch.Tensor) -> bool:
+    # The Triton interpreter multiplies bfloat16 tl.dot operands as the raw uint16 bit patterns it stores
+    # them in, so off CUDA the kernel multiplies in float32; on CUDA bf16 x code -> float32 is exact and fast.
+    return x.dtype == torch.bfloat16 and x.device.type != "cuda"
+
+
+def _block_sizes(num_rows: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N). Small M is decode, bound by reading the codes: narrow N tiles give enough
+    programs to keep every SM streaming. Not tuned on a device yet."""
+    if num_rows <= 16:
+        return 16, 32
+    if num_rows <= 64:
+        return 64, 64
+    return 128, 64
+
+
+def group_quant_matmul(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x: [M, K] float (rows may be strided); codes: uint8 [N, K] (bits 8) or [N, K / 2] (bits 4, packed);
+    scales, mins: float32 [N, K / group_size]; bias: [N] float32 or x's dtype, or None
+    -> out [M, N] in x's dtype (allocated when None, else written and returned)."""
+    _check_inputs("group_quant_matmul", x, codes, scales, mins, bits, group_size, bias)
+    num_rows, in_features = x.shape
+    num_outputs = codes.shape[0]
+    if out is None:
+        out = torch.empty(num_rows, num_outputs, dtype=x.dtype, device=x.device)
+    check_tensor("group_quant_matmul", "out", out, (num_rows, num_outputs), (x.dtype,), x.device)
+    if num_rows == 0 or num_outputs == 0:
+        return out
+    upcast = _dot_upcast(x)
+    block_m, block_n = _block_sizes(num_rows)
+    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_outputs, block_n))
+    _group_quant_matmul_kernel[grid](
+        x, codes, scales, mins, bias if bias is not None else scales, out,
+        num_rows, num_outputs, in_features // group_size,
+        x.stride(0), codes.stride(0), scales.stride(0), mins.stride(0), out.stride(0),
+        BITS=bits, GROUP_SIZE=group_size,
+        HAS_BIAS=bias is not None,
+        UPCAST=upcast,
+        INPUT_PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
+    return out
