@@ -87,10 +87,18 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device(args.device)
     tokenizer = load_tokenizer(args.model)
+    texts = corpus(Path(__file__).resolve().parent.parent)
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     # windows() counts tokens; each window of n tokens gives n - 1 next-token positions
-    max_tokens = args.positions + -(-args.positions // (args.window - 1))
-    token_windows = windows(corpus(Path(__file__).resolve().parent.parent),
-                            lambda text: tokenizer.encode(text, add_special_tokens=False), args.window, max_tokens)
+    max_tokens, available = args.positions, sum(len(encode(text)) for text in texts)
+    while True:
+        token_windows = windows(texts, encode, args.window, max_tokens)
+        shortfall = args.positions - sum(len(w) - 1 for w in token_windows)
+        if shortfall <= 0:
+            break
+        if max_tokens >= available:
+            raise SystemExit(f"the corpus holds fewer than --positions {args.positions} positions")
+        max_tokens += shortfall
     print(f"{sum(len(w) - 1 for w in token_windows)} positions in {len(token_windows)} windows of <= {args.window} "
           f"tokens; model {args.model or 'default (SmolLM2-135M-Instruct Q4_1 GGUF)'}; device {device}", file=sys.stderr)
     rows = []
