@@ -67,12 +67,16 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
-def error_from_rpc_error(error: grpc.aio.AioRpcError) -> errors.ServingError:
+def error_from_rpc_error(error: grpc.aio.AioRpcError, call: str = "") -> errors.ServingError:
     """A downstream call's status as the typed error it stands for (the inverse of status_for), so a
     client of an internal service handles kinds of failure, never status codes or message text. A
-    status no ServingError stands for (UNKNOWN, INTERNAL, ...) becomes the base class, answered INTERNAL."""
+    status no ServingError stands for (UNKNOWN, INTERNAL, ...) becomes the base class, answered INTERNAL.
+    call: what was called, e.g. "ExecuteStep on worker 10.0.0.5:50053"; given, the message is one line
+    "CALL failed: CODE: details" (str(AioRpcError) is a multi-line dump, unfit for a client's error)."""
     code = errors.ErrorCode.__members__.get(error.code().name, errors.ErrorCode.INTERNAL)
-    typed = errors.error_from_code(code, error.details() or "")
+    details = " ".join((error.details() or "").split())
+    message = f"{call} failed: {error.code().name}: {details or '(no details)'}" if call else details
+    typed = errors.error_from_code(code, message)
     typed.retry_after_s = retry_after_of(error)  # the server's "retry-after-ms" hint, passed on
     return typed
 

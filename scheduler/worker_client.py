@@ -11,7 +11,7 @@ from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc
 from core.step import StepPlan, StepResult
 from plumbing import tls as tls_config
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, message_size_options
-from plumbing.rpc import WORKER_SERVICE
+from plumbing.rpc import WORKER_SERVICE, error_from_rpc_error
 
 # A restarted worker is found within a second, not after gRPC's default reconnect backoff (up to 120 s).
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
@@ -83,7 +83,12 @@ class WorkerClient:
             state = new_state
 
     async def execute(self, plan: StepPlan) -> StepResult:
-        reply = await self._stub.ExecuteStep(codec.step_plan_to_proto(plan), timeout=self.step_timeout_s)
+        """Raises the typed error of the worker's status, its message naming this worker (it reaches
+        the clients of the requests the step fails)."""
+        try:
+            reply = await self._stub.ExecuteStep(codec.step_plan_to_proto(plan), timeout=self.step_timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc_error(error, f"ExecuteStep on worker {self.address}") from error
         return codec.step_result_from_proto(reply)
 
     async def close(self) -> None:

@@ -74,6 +74,10 @@ def test_worker_killed_mid_generation_fails_the_request_in_spans_metrics_and_log
                     supervisor.kill("worker")  # SIGKILL
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE and "worker unavailable" in failed.value.details()
         assert 0 < received < 480
+        # one line naming the worker and its status, not str(AioRpcError)'s multi-line dump
+        details = failed.value.details()
+        assert f"ExecuteStep on worker {config.worker_address} failed: UNAVAILABLE: " in details, details
+        assert "\n" not in details and "AioRpcError" not in details and "debug_error_string" not in details
 
         spans = request_spans(otlp_receiver, trace_id)
         assert_ended_with_error(spans, "UNAVAILABLE", scheduler_cause="worker_failed")
@@ -86,6 +90,8 @@ def test_worker_killed_mid_generation_fails_the_request_in_spans_metrics_and_log
         (line,) = ended_lines(supervisor, "failed-1")
         assert line["trace_id"] == trace_id and line["level"] == "WARNING"
         assert "ended: error (UNAVAILABLE: " in line["message"] and "worker unavailable" in line["message"]
+        assert f"ExecuteStep on worker {config.worker_address} failed" in line["message"]
+        assert "\n" not in line["message"] and "AioRpcError" not in line["message"]
         (status_line,) = log_entries(supervisor, "scheduler", "failed-1", "-> UNAVAILABLE")
         assert status_line["trace_id"] == trace_id
     finally:
