@@ -134,7 +134,7 @@ async def serve(args: argparse.Namespace) -> None:
 
         http_api = OpenAIHTTP(tokenizer, scheduler, limits, model_info, api_key=args.http_api_key, access=access,
                               stream_idle_timeout_s=args.stream_idle_timeout_s, state_reader=state_reader)
-        http_runner = await start_http(http_api, args.host, args.http_port, args.drain_timeout_s,
+        http_runner = await start_http(http_api, args.host, args.http_port,
                                        ssl_context=args.tls.ssl_context() if args.tls else None,
                                        max_body_bytes=args.max_message_bytes)
         logger.info("gateway HTTP (OpenAI-compatible) on %s:%d", args.host, args.http_port)
@@ -145,13 +145,15 @@ async def serve(args: argparse.Namespace) -> None:
     # readiness off first, so load balancers stop sending; then in-flight requests get drain_timeout_s
     await health.enter_graceful_shutdown()
     logger.info("gateway draining")
-    stopping = [drain.drain(args.drain_timeout_s)]
+    draining = [drain.drain(args.drain_timeout_s)]
+    if http_api is not None:
+        draining.append(http_api.drain(args.drain_timeout_s))
+    await asyncio.gather(*draining)
+    scheduler.shutting_down = True  # what the servers' stops cut now is ours, not the clients' cancels
+    stopping = [server.stop(grace=1.0)]
     if http_runner is not None:
-        http_api.ready = False
         stopping.append(http_runner.cleanup())
     await asyncio.gather(*stopping)
-    scheduler.shutting_down = True  # what server.stop cuts now is ours, not the clients' cancels
-    await server.stop(grace=1.0)
     await scheduler.close()
     if state_reader:
         await state_reader.aclose()

@@ -1,10 +1,10 @@
 """OpenAI-compatible HTTP API on the gateway: aiohttp on the gateway's own event loop, beside gRPC.
 
     api = OpenAIHTTP(tokenizer, scheduler, limits, model_info, api_key="")
-    runner = await start_http(api, host, port, drain_timeout_s)      # listening
+    runner = await start_http(api, host, port)                       # listening
     ...
-    api.ready = False                                                 # /ready answers 503
-    await runner.cleanup()                                            # in-flight requests finish first
+    unfinished = await api.drain(drain_timeout_s)   # /ready and new requests 503; in-flight ones finish
+    await runner.cleanup()                          # stops; what still runs is cut (after 1 s of grace)
 
 Routes: GET /v1/models, GET /v1/models/{model}, POST /v1/completions, POST /v1/chat/completions
 (`stream: true` as server-sent events ending with `data: [DONE]`), GET /health (liveness), GET /ready.
@@ -38,6 +38,7 @@ from gateway.scheduler_client import SchedulerClient
 from gateway.stream_idle import StreamIdle, record_idle, write_within
 from gateway.tokenizer import TextTokenizer
 from gateway.validation import Limits
+from plumbing.drain import InFlight
 from protos.tokenmill.v1 import common_pb2
 from core.errors import InvalidArgument, Unauthenticated, Unavailable
 from gateway.telemetry import CHAT, TEXT_COMPLETION, http_server_span, request_scope
@@ -45,6 +46,7 @@ from gateway.telemetry import CHAT, TEXT_COMPLETION, http_server_span, request_s
 logger = logging.getLogger(__name__)
 _dumps = functools.partial(json.dumps, ensure_ascii=False, separators=(",", ":"))
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+STOP_GRACE_S = 1.0  # after the drain, what still runs gets this long before it is cut (the gRPC server's grace)
 
 
 class OpenAIHTTP:
@@ -63,6 +65,15 @@ class OpenAIHTTP:
         self.state_reader = state_reader  # kvstore.RequestStateReader (records an idle stream's reason), or None
         self.created = int(time.time())
         self.ready = True  # False once the gateway is draining
+        self._generating = InFlight()  # completion handlers running, which a drain waits for
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuses new requests from now on and waits (up to timeout_s) for the ones generating; returns
+        how many were still running when it gave up. The drain is done here, not by aiohttp's shutdown
+        timeout, so the gateway knows when it starts cutting requests (they end drained, not as
+        clients gone away)."""
+        self.ready = False
+        return await self._generating.wait_idle(timeout_s, "HTTP requests")
 
     def app(self, max_body_bytes: int | None = None) -> web.Application:
         """max_body_bytes: the gateway's --max-message-bytes; a larger body is answered 413."""
@@ -126,6 +137,10 @@ class OpenAIHTTP:
         arrival = time.monotonic()
         if not self.ready:
             raise Unavailable("the gateway is shutting down; retry on another replica")
+        with self._generating:
+            return await self._generate(request, chat, arrival)
+
+    async def _generate(self, request: web.Request, chat: bool, arrival: float) -> web.StreamResponse:
         body = await _json_object(request)
         request_id = request.headers.get("X-Request-Id") or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         parse = parse_chat if chat else parse_completion
@@ -244,11 +259,13 @@ async def _errors(request: web.Request, handler):
         return openai_error(exc, where).response()
 
 
-async def start_http(api: OpenAIHTTP, host: str, port: int, drain_timeout_s: float, *,
-                     ssl_context: ssl.SSLContext | None = None, max_body_bytes: int | None = None) -> web.AppRunner:
-    """Listening on host:port when it returns (HTTPS with ssl_context); runner.cleanup() drains (up to
-    drain_timeout_s) and stops."""
-    runner = web.AppRunner(api.app(max_body_bytes), handler_cancellation=True, shutdown_timeout=drain_timeout_s,
+async def start_http(api: OpenAIHTTP, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None,
+                     max_body_bytes: int | None = None) -> web.AppRunner:
+    """Listening on host:port when it returns (HTTPS with ssl_context). Stopping: api.drain(timeout_s),
+    then runner.cleanup(), which gives what still runs STOP_GRACE_S and then cancels it."""
+    # aiohttp's stop waits shutdown_timeout for a handler, cancels its request's body, waits as long
+    # again, and only then cancels the handler: half the grace each
+    runner = web.AppRunner(api.app(max_body_bytes), handler_cancellation=True, shutdown_timeout=STOP_GRACE_S / 2,
                            access_log=None)
     await runner.setup()
     try:

@@ -205,7 +205,9 @@ async def http_server_span(request, handler):
 
     (opentelemetry-instrumentation-aiohttp-server has no release matching the 0.66b2 gRPC and Redis
     instrumentations, and this is all of it we need.) A client that goes away cancels the handler:
-    that is how the request ended (RequestObserver.on_disconnect), not an exception to record."""
+    that is how the request ended (RequestObserver.on_disconnect), not an exception to record. So
+    does the gateway's stop after its drain timeout, which the observer records as drained (on_cut):
+    a cause the observer set stands."""
     if not tracing_enabled() or request.path in _UNTRACED_PATHS:
         return await handler(request)
     route = request.match_info.route.resource
@@ -221,7 +223,8 @@ async def http_server_span(request, handler):
         try:
             response = await handler(request)
         except asyncio.CancelledError:
-            span.set_attribute("tokenmill.finish_cause", CLIENT_DISCONNECT)
+            if "tokenmill.finish_cause" not in (getattr(span, "attributes", None) or {}):
+                span.set_attribute("tokenmill.finish_cause", CLIENT_DISCONNECT)
             raise
         span.set_attribute("http.response.status_code", response.status)
         return response

@@ -27,39 +27,57 @@ from core.errors import Unavailable
 logger = logging.getLogger(__name__)
 
 
+class InFlight:
+    """Counts work in flight (`with in_flight:` around each piece) and waits for none to be left."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._changed = asyncio.Event()
+
+    def __enter__(self) -> None:
+        self.count += 1
+
+    def __exit__(self, *exc_info) -> None:
+        self.count -= 1
+        self._changed.set()
+
+    async def wait_idle(self, timeout_s: float, what: str = "calls") -> int:
+        """Waits up to timeout_s for the count to reach 0; returns what was left when it gave up."""
+        logger.info("draining: %d %s in flight, up to %.1fs", self.count, what, timeout_s)
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self.count:
+                    self._changed.clear()
+                    await self._changed.wait()
+        except TimeoutError:
+            logger.warning("drain timeout %.1fs passed with %d %s in flight", timeout_s, self.count, what)
+        return self.count
+
+
 class DrainInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, guarded_method_prefixes: Iterable[str]) -> None:
         self.guarded = tuple(guarded_method_prefixes)
         self.draining = False
-        self.in_flight = 0
-        self._changed = asyncio.Event()
+        self._in_flight = InFlight()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight.count
 
     async def drain(self, timeout_s: float) -> int:
         """Refuses new guarded calls from now on and waits (up to timeout_s) for the in-flight ones;
         returns how many were still running when it gave up (0: all finished)."""
         self.draining = True
-        logger.info("draining: %d calls in flight, up to %.1fs", self.in_flight, timeout_s)
-        try:
-            async with asyncio.timeout(timeout_s):
-                while self.in_flight:
-                    self._changed.clear()
-                    await self._changed.wait()
-        except TimeoutError:
-            logger.warning("drain timeout %.1fs passed with %d calls in flight", timeout_s, self.in_flight)
-        return self.in_flight
+        return await self._in_flight.wait_idle(timeout_s)
 
     def refuses(self, method: str) -> bool:
         """True when a call of `method` would be refused now (for interceptors that run before ours)."""
         return self.draining and method.startswith(self.guarded)
 
-    def _admit(self, method: str) -> None:
+    def _admit(self, method: str) -> InFlight:
         if self.draining:
             raise Unavailable(f"this server is shutting down (draining); {method} was not started, retry elsewhere")
-        self.in_flight += 1
-
-    def _leave(self) -> None:
-        self.in_flight -= 1
-        self._changed.set()
+        return self._in_flight
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -77,18 +95,12 @@ class DrainInterceptor(grpc.aio.ServerInterceptor):
         behavior = getattr(handler, kind)
         if inspect.isasyncgenfunction(behavior):
             async def wrapped(request: Any, context):
-                self._admit(method)
-                try:
+                with self._admit(method):
                     async for response in behavior(request, context):
                         yield response
-                finally:
-                    self._leave()
         else:
             async def wrapped(request: Any, context):
-                self._admit(method)
-                try:
+                with self._admit(method):
                     return await behavior(request, context)
-                finally:
-                    self._leave()
         return make(wrapped, request_deserializer=handler.request_deserializer,
                     response_serializer=handler.response_serializer)

@@ -182,7 +182,7 @@ async def _local_server(scheduler_address: str, api_key: str = ""):
     api = OpenAIHTTP(tokenizer, scheduler, Limits(max_model_len=2048, vocab_size=tokenizer.vocab_size), info,
                      api_key=api_key)
     port = free_port("127.0.0.1")
-    runner = await start_http(api, "127.0.0.1", port, drain_timeout_s=1.0)
+    runner = await start_http(api, "127.0.0.1", port)
     return runner, scheduler, f"http://127.0.0.1:{port}/v1"
 
 

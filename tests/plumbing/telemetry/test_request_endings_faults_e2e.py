@@ -1,10 +1,13 @@
 """Endings that take a process away, visible the same way in spans, metrics and logs: the worker killed
 (-9) mid-generation fails the request (the package's cluster does not retry), and a SIGTERM drain of
-the scheduler or of the gateway whose timeout (1 s there) passes before the request finishes. Each
-test restarts what it stopped and waits for the cluster to serve again before it ends. Real
-processes, a real OTLP receiver, real scrapes."""
+the scheduler or of the gateway (gRPC and HTTP) whose timeout (1 s there) passes before the request
+finishes. Each test restarts what it stopped and waits for the cluster to serve again before it ends.
+Real processes, a real OTLP receiver, real scrapes."""
 from __future__ import annotations
 
+import contextlib
+import http.client
+import json
 import signal
 import threading
 import time
@@ -13,7 +16,7 @@ import grpc
 import pytest
 
 from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc
-from tests.plumbing.telemetry.test_metrics_e2e import scrape, value
+from tests.plumbing.telemetry.test_metrics_e2e import MODEL, scrape, value
 from tests.plumbing.telemetry.test_request_endings_e2e import (SERVER, STATUS_ERROR, ended_lines, log_entries,
                                                                request_spans, traceparent)
 
@@ -184,3 +187,52 @@ def test_gateway_drain_timeout_ends_the_call_in_spans_and_log(traced_cluster, ot
         with grpc.insecure_channel(config.gateway_address) as channel:  # still running in the scheduler
             generation_pb2_grpc.GenerationStub(channel).CancelRequest(
                 generation_pb2.CancelRequestRequest(request_id="gateway-drained-1"), timeout=30)
+
+
+def test_gateway_drain_timeout_ends_an_http_stream_in_spans_and_log(traced_cluster, otlp_receiver):
+    """The same drain on the OpenAI HTTP API: a stream=true completion still running when the drain
+    timeout passes is cut by the HTTP server's stop, which must read as drained (UNAVAILABLE), not as
+    its client gone away. (The counter dies with the process, as for gRPC.)"""
+    config, supervisor = traced_cluster
+    trace_id, parent = traceparent()
+    stopping = None
+    body = json.dumps({"model": MODEL, "prompt": "a request a fault ends", "max_tokens": 480, "temperature": 0,
+                       "ignore_eos": True, "stream": True})
+    host, port = config.http_address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        connection.request("POST", "/v1/completions", body=body, headers={
+            "Content-Type": "application/json", "traceparent": parent, "X-Request-Id": "http-drained-1"})
+        response = connection.getresponse()
+        assert response.status == 200
+        events = []
+        with contextlib.suppress(http.client.IncompleteRead):  # the stream is cut (no final chunk)
+            while line := response.readline():
+                events += [line] if line.startswith(b"data: ") else []
+                if len(events) >= 3 and stopping is None:
+                    stopping = threading.Thread(target=supervisor.kill, args=("gateway", signal.SIGTERM))
+                    stopping.start()
+        stopping.join()
+        assert b"data: [DONE]\n" not in events and len(events) < 480
+        assert supervisor.children["gateway"].returncode == 0
+
+        spans = otlp_receiver.wait_for(lambda spans: any(
+            s.trace_id == trace_id and s.service == "gateway" and s.kind == SERVER for s in spans))
+        (span,) = [s for s in spans if s.trace_id == trace_id and s.service == "gateway" and s.kind == SERVER]
+        assert span.name == "POST /v1/completions"
+        assert span.status_code == STATUS_ERROR and span.status_message.startswith("UNAVAILABLE: ")
+        assert span.attributes["error.type"] == "UNAVAILABLE"
+        assert span.attributes["gen_ai.response.finish_reasons"] == ["error"]
+        assert span.attributes["tokenmill.finish_cause"] == "drained"
+        assert span.events.count("exception") == 1
+
+        (line,) = ended_lines(supervisor, "http-drained-1")
+        assert line["trace_id"] == trace_id and line["level"] == "WARNING"
+        assert "ended: error (UNAVAILABLE: " in line["message"] and "drain timeout" in line["message"]
+    finally:
+        connection.close()
+        if stopping is not None:
+            stopping.join()
+        if not supervisor.children["gateway"].alive:
+            supervisor.restart("gateway")
+        wait_serving(config)
