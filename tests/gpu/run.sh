@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device script: on one H200, in about 5-8 minutes, (1) every kernel test and the CUDA-path tests on
-# CUDA (TRITON_INTERPRET=0), (2) the decode-step benchmark on a Llama-3-8B-shaped random-weight model in
-# bfloat16 (batch 1/16/64/256, 512-1536 tokens of context; CUDA graphs on/off x stream overlap on/off,
+# CUDA (TRITON_INTERPRET=0), the INT8 and group-quantized (int4 / GGUF formats) weight kernels included,
+# (2) the decode-step benchmark on a Llama-3-8B-shaped random-weight model in bfloat16 (batch 1/16/64/256,
+# 512-1536 tokens of context; CUDA graphs on/off x stream overlap on/off,
 # and async scheduling on/off with both on). tests/gpu also holds the swap tier's pinned pages and copy
 # stream and the KV cache sized from free device memory (test_cuda_swap_and_sizing.py, issue 19), and
 # (3) the memory-pressure benchmark: swap vs recompute vs static (bench_swap.py; OUTPUT_DIR/bench_swap.json).

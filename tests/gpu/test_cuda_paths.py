@@ -1,5 +1,6 @@
 """The CUDA-only paths: decode graphs, pinned staging on a copy stream, the async token readback and the
-INT8 kernel inside a model. Skipped without CUDA; tests/gpu/run.sh runs them on the device machine."""
+INT8 and group-quantized (int4 / GGUF formats) kernels inside a model. Skipped without CUDA;
+tests/gpu/run.sh runs them on the device machine."""
 from __future__ import annotations
 
 import copy
@@ -12,6 +13,7 @@ from tests.gpu.steps import BLOCK_SIZE, NUM_BLOCKS, PLAIN_GREEDY, assert_same_st
 from worker.attention import RequestSpan
 from worker.backends import ExecutionOptions
 from worker.execution_path import StepBatch
+from worker.group_quant import GroupQuantLinear, quantize_weight
 from tokenmill.int8_agreement import window_logits
 from worker.model_runner import ModelRunner
 from worker.quantization import quantize_linears_int8
@@ -105,6 +107,64 @@ def test_int8_kernel_model_matches_the_torch_int8_path(model_and_config):
     expected = window_logits(with_torch, config, token_ids, torch.float32, CUDA)
     actual = window_logits(with_kernel, config, token_ids, torch.float32, CUDA)
     torch.testing.assert_close(actual, expected, atol=2e-3, rtol=2e-3)
+
+
+# every container / group size the GGUF formats load into: Q4_0/Q4_1/Q4_K/int4 (4, 32), Q8_0/Q5_K/int8 (8, 32), Q6_K (8, 16)
+MIXED_LAYOUTS = {"wqkv": (4, 32), "wo": (8, 32), "w_gate_up": (4, 32), "w_down": (8, 16), "lm_head": (8, 32)}
+
+
+def quantize_mixed(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy whose linears are group-quantized (on the model's device), a layout per kind of linear."""
+    model = copy.deepcopy(model)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                bits, group_size = MIXED_LAYOUTS[name]
+                bias = None if child.bias is None else child.bias.detach().float()
+                setattr(parent, name, GroupQuantLinear(quantize_weight(child.weight, bits, group_size), bias))
+    return model
+
+
+# float32: summation order only. bfloat16: every linear's output is rounded, and two random layers carry that
+# on; under the interpreter (which casts to bfloat16 by truncation) the kernel's model was 0.036 of the
+# logits' largest magnitude from the CPU op's. A wrong nibble or a dropped min moves them by O(1).
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-3), (torch.bfloat16, 0.08)])
+def test_group_quant_kernel_model_matches_the_cpu_path(dtype, tolerance):
+    config = tiny_config(num_layers=2)
+    quantized = quantize_mixed(random_llama(config, dtype, CUDA, seed=4, std=0.2))
+    assert {(m.bits, m.group_size) for m in quantized.modules() if isinstance(m, GroupQuantLinear)} == {
+        (4, 32), (8, 32), (8, 16)}
+    on_cpu = copy.deepcopy(quantized).to("cpu")  # the compiled CPU op, or torch's dequantize where it is not built
+    token_ids = list(range(1, 60))
+    with torch.inference_mode():
+        expected = window_logits(on_cpu, config, token_ids, dtype, torch.device("cpu"))
+        actual = window_logits(quantized, config, token_ids, dtype, CUDA)
+    error = (actual.cpu().float() - expected.float()).abs().max().item()
+    assert error <= tolerance * expected.float().abs().max().item(), error
+
+
+def dequantized_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy whose group-quantized linears are float nn.Linear on the weights they stand for."""
+    model = copy.deepcopy(model)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, GroupQuantLinear):
+                linear = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                                         device=child.codes.device)
+                with torch.no_grad():
+                    linear.weight.copy_(child.weight_view().dequantize())
+                    if child.bias is not None:
+                        linear.bias.copy_(child.bias)
+                setattr(parent, name, linear)
+    return model
+
+
+def test_group_quant_kernel_runs_in_the_triton_runner_and_its_graphs(model_and_config):
+    model, config = model_and_config
+    quantized = quantize_mixed(model)
+    reference = runner_with(dequantized_twin(quantized), config, kernel_backend="torch")  # float weights, torch ops
+    assert_same_steps(run_mixed_steps(reference), run_mixed_steps(runner_with(quantized, config, cuda_graphs=True)),
+                      logprob_atol=5e-3)
 
 
 def test_seeded_sampling_is_the_same_with_and_without_graphs(model_and_config):
