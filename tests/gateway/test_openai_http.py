@@ -49,7 +49,8 @@ def test_models_health_and_ready(gateway_cluster, client, model):
     assert [m.id for m in models] == [model] and model == client.models.retrieve(model).id
     card = client.models.retrieve(model).model_extra  # the model's own facts (issue 16 item 3)
     assert (card["architecture"], card["max_context_length"], card["dtype"]) == ("llama", 8192, "float32")
-    assert card["quantization"] == "none" and card["max_model_len"] <= card["max_context_length"]
+    # the default GGUF runs as it is stored (issue 15 item 1): its formats, as the worker reports them
+    assert card["quantization"] == "Q4_1, Q8_0" and card["max_model_len"] <= card["max_context_length"]
     with pytest.raises(openai.NotFoundError) as caught:
         client.models.retrieve("gpt-4")
     assert caught.value.code == "model_not_found"
