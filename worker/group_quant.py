@@ -161,6 +161,27 @@ class GroupQuantLinear(nn.Module):
                 f"group_size={self.group_size}, source={self.source!r}")
 
 
+class GroupQuantEmbedding(nn.Module):
+    """A token embedding kept in its file's format: the looked-up rows are dequantized, nothing else
+    (a 128k-token vocabulary is 2 GiB as float32 at hidden 4096). Tied to lm_head, both share the codes."""
+
+    def __init__(self, weight: GroupQuantWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+        self.bits, self.group_size, self.source, self.dtype = weight.bits, weight.group_size, weight.source, dtype
+        self.register_buffer("codes", weight.codes)
+        self.register_buffer("scales", weight.scales)
+        self.register_buffer("mins", weight.mins)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        rows = GroupQuantWeight(self.codes.index_select(0, input_ids), self.scales.index_select(0, input_ids),
+                                self.mins.index_select(0, input_ids), self.bits, self.group_size, self.source)
+        return rows.dequantize().to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, bits={self.bits}, source={self.source!r}"
+
+
 def quantize_linears(model: nn.Module, bits: int, group_size: int = 32) -> int:
     """--quantization int8|int4: every float nn.Linear under model becomes a GroupQuantLinear, in place
     (a tied lm_head gets its own quantized copy; the embedding lookup keeps its floats). Returns how many."""
@@ -179,6 +200,6 @@ def weight_formats(model: nn.Module) -> str:
     every linear holds floats."""
     from worker.quantization import Int8Linear
 
-    formats = {m.source for m in model.modules() if isinstance(m, GroupQuantLinear)}
+    formats = {m.source for m in model.modules() if isinstance(m, GroupQuantLinear | GroupQuantEmbedding)}
     formats |= {"int8 (per channel)" for m in model.modules() if isinstance(m, Int8Linear)}
     return ", ".join(sorted(formats))

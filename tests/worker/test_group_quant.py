@@ -9,7 +9,7 @@ import torch
 from tests.helpers.tiny_gguf import quantized_blocks, write_converter_gguf
 from tests.helpers.tiny_models import make_tiny_hf_model
 from tests.worker.test_gguf_loader import all_row_logits, max_rel_err
-from worker.group_quant import (GEMM_ROWS, GroupQuantLinear, GroupQuantWeight, quantize_weight, weight_formats)
+from worker.group_quant import (GEMM_ROWS, GroupQuantEmbedding, GroupQuantLinear, GroupQuantWeight, quantize_weight, weight_formats)
 from worker.loader import load_model
 from worker.loader.gguf_quants import SUPPORTED_TYPES, group_quant_from_gguf
 from worker.native_ops import cpu_ops_available
@@ -99,11 +99,14 @@ def test_quantized_gguf_runs_as_stored_with_its_dequantized_logits(tmp_path, fla
     _, hf_model = make_tiny_hf_model(tmp_path, flavour, hidden_size=256, intermediate_size=256, head_dim=64)
     path = tmp_path / "tiny-q.gguf"
     write_converter_gguf(path, hf_model, quantize=TYPES_BY_TENSOR | {"token_embd.weight": "Q8_0"})
-    reference, config = load_model(path, progress=False)  # every tensor dequantized to float32
-    quantized, _ = load_model(path, progress=False, keep_quantized=True)
+    reference, _ = load_model(path, progress=False)  # every tensor dequantized to float32
+    quantized, config = load_model(path, progress=False, keep_quantized=True)
     linears = [m for m in quantized.modules() if isinstance(m, GroupQuantLinear)]
     assert len(linears) == 2 * 4 + 1  # per layer wqkv, wo, w_gate_up, w_down; and lm_head
-    assert not any(isinstance(m, torch.nn.Linear) for m in quantized.modules())
+    assert not any(isinstance(m, torch.nn.Linear | torch.nn.Embedding) for m in quantized.modules())
+    assert isinstance(quantized.embed_tokens, GroupQuantEmbedding)  # the lookup dequantizes only its rows
+    if config.tie_word_embeddings:  # qwen2: one set of codes behind the lookup and lm_head
+        assert quantized.lm_head.codes is quantized.embed_tokens.codes
     assert weight_formats(quantized) == ", ".join(sorted({
         "Q4_0+Q4_K+Q6_K", "Q4_1", "Q5_K+Q8_0", "Q6_K", "Q8_0"}))
     tokens = torch.randint(0, config.vocab_size, (24,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -24,7 +24,7 @@ from worker.config import ModelConfig, RopeScaling
 from worker.group_quant import GroupQuantWeight
 from worker.loader.errors import ModelLoadError
 from worker.loader.gguf_quants import group_quant_from_gguf
-from worker.loader.weights import LINEAR_WEIGHTS, LM_HEAD, check_shape, expected_hf_shapes
+from worker.loader.weights import EMBEDDING, LINEAR_WEIGHTS, LM_HEAD, check_shape, expected_hf_shapes
 
 # GGUF general.architecture -> ours (llama.cpp's converter writes Mistral 7B as "llama")
 SUPPORTED_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
@@ -213,7 +213,8 @@ def read_gguf(path: Path, dtype: torch.dtype, progress: bool,
         tensor = by_gguf_name.get(gguf_name)
         if tensor is None:
             raise ModelLoadError(f"{path}: tensor {gguf_name!r} is missing from the GGUF file")
-        quantized = group_quant_from_gguf(tensor) if keep_quantized and hf_name.endswith(LINEAR_WEIGHTS) else None
+        keep = keep_quantized and (hf_name.endswith(LINEAR_WEIGHTS) or hf_name == EMBEDDING)
+        quantized = group_quant_from_gguf(tensor) if keep else None
         if quantized is not None:
             check_shape(str(path), tensor.name, (quantized.out_features, quantized.in_features), shape)
             tensors[hf_name] = _unpermuted(quantized, gguf_arch, hf_name, config)
@@ -225,11 +226,8 @@ def read_gguf(path: Path, dtype: torch.dtype, progress: bool,
         elif gguf_arch in PERMUTED_ROTARY and hf_name.endswith("k_proj.weight"):
             values = unpermute_rotary_rows(values, config.num_kv_heads)
         tensors[hf_name] = torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
-    if keep_quantized and config.tie_word_embeddings:
-        embedding = by_gguf_name[hf_to_gguf_name(gguf_arch, config.num_layers, "model.embed_tokens.weight")]
-        lm_head = group_quant_from_gguf(embedding)
-        if lm_head is not None:
-            tensors[LM_HEAD] = lm_head
+    if config.tie_word_embeddings and isinstance(tensors[EMBEDDING], GroupQuantWeight):
+        tensors[LM_HEAD] = tensors[EMBEDDING]  # one set of codes behind the lookup and the matmul
     return config, tensors
 
 

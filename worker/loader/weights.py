@@ -8,11 +8,12 @@ from __future__ import annotations
 import torch
 
 from worker.config import ModelConfig
-from worker.group_quant import GroupQuantLinear, GroupQuantWeight
+from worker.group_quant import GroupQuantEmbedding, GroupQuantLinear, GroupQuantWeight
 from worker.loader.errors import ModelLoadError
 from worker.model import LlamaModel
 
 LM_HEAD = "lm_head.weight"
+EMBEDDING = "model.embed_tokens.weight"
 # HF names of the weights that feed a matmul: the ones a file may hand over still quantized
 LINEAR_WEIGHTS = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "qkv", "gate", "up", "down", "gate_up")) + (LM_HEAD,)
 GEMMA_NORM_ARCHITECTURES = ("gemma2", "gemma3")  # RMSNorm scales by (1 + w): folded into w at load
@@ -132,6 +133,9 @@ def build_model(config: ModelConfig, hf: dict[str, torch.Tensor], dtype: torch.d
         module_path = name.removesuffix(".weight")
         parent_path, _, child = module_path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
+        if module_path == "embed_tokens":
+            setattr(parent, child, GroupQuantEmbedding(weight, dtype))
+            continue
         bias = getattr(parent, child).bias
         setattr(parent, child, GroupQuantLinear(weight, None if bias is None else bias.detach().float()))
     return model.eval().requires_grad_(False)
