@@ -15,6 +15,13 @@ from core.sampling import SamplingParams
 # request, so a decode row that follows an in-flight step is packed from the worker's real token.
 PLACEHOLDER_TOKEN_ID = -1
 
+# A page a sliding-window request gave back (scheduler.kv_manager: every position in it lies before the
+# window of all its later tokens). It keeps its place in the block table, so the pages after it keep
+# their indices, and no attention reads it: the windowed Triton kernels start at the window, the torch
+# gather masks it. Any valid page id would do; page 0 always exists. The worker's copy of a running
+# request keeps the old id instead (never told): that page may hold another request's K/V by then, unread.
+FREED_BLOCK_ID = 0
+
 
 @dataclass(slots=True)
 class NewRequestData:
@@ -22,7 +29,7 @@ class NewRequestData:
     token_ids: list[int]  # prompt + any output generated before a preemption
     num_prompt_tokens: int  # token_ids[:num_prompt_tokens] is the prompt (penalties need the split)
     sampling_params: SamplingParams
-    block_ids: list[int]  # the whole block table so far
+    block_ids: list[int]  # the whole block table so far (pages given back are FREED_BLOCK_ID)
     num_computed_tokens: int  # already in the cache (prefix-cache hit), 0 otherwise
     trace_context: str = ""  # the request's W3C traceparent, opaque here; worker step spans link to it
 

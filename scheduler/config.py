@@ -29,6 +29,10 @@ class SchedulerConfig:
     # full budget for its prefill
     target_itl_ms: float | None = None
     target_ttft_ms: float | None = None
+    # the window every layer of the model attends within (the worker's model config reports it; the
+    # largest when layers differ), None when some layer attends the whole context. Set, a running
+    # request's pages that hold only positions before its window go back to the pool (paged policy)
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_policy not in KV_POLICIES:
@@ -43,7 +47,7 @@ class SchedulerConfig:
         for name in ("num_host_blocks", "bytes_per_block"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-        for name in ("target_itl_ms", "target_ttft_ms"):
+        for name in ("target_itl_ms", "target_ttft_ms", "sliding_window"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.swap_bytes_per_s <= 0:

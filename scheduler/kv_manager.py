@@ -13,11 +13,20 @@ there (the host pool's own prefix index, evicted oldest first, by swapped reques
 in the host tier comes back into a device page. Host pages that pending swap_in copies read stay
 taken until the plan carrying those copies is sent (take_copies()), so no swap_out of that plan,
 which the worker runs first, overwrites them.
+
+Sliding window (sliding_window set: every layer of the model attends only the last `window`
+positions): before a running request gets more pages, its leading pages that hold only positions
+before the window of its next token go back to the pool (no later token of it attends to them). They
+keep their place in its table as FREED_BLOCK_ID, so later pages keep their indices; their content
+stays findable as a prefix like any freed page, until allocation evicts (unregisters) them. A model
+with any full-attention layer (gemma's global layers, qwen2's layers below max_window_layers) keeps
+every page: such a layer still reads them all.
 """
 from __future__ import annotations
 
 from scheduler.block_pool import BlockPool
 from core.prefix_keys import extend_block_hashes
+from core.step import FREED_BLOCK_ID
 from scheduler.request import Request
 
 
@@ -27,7 +36,7 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, policy: str, prefix_caching: bool,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, sliding_window: int | None = None) -> None:
         self.pool = BlockPool(num_blocks)
         self.host_pool = BlockPool(num_host_blocks)  # the swap tier; its pages carry no prefix keys
         self.host_tables: dict[str, list[int]] = {}  # swapped-out requests: their computed pages, in order
@@ -41,12 +50,39 @@ class KVCacheManager:
         self.policy = policy
         self.prefix_caching = prefix_caching
         self.block_tables: dict[str, list[int]] = {}
+        # static reserves everything up front and keeps it: nothing to give back
+        self.sliding_window = sliding_window if policy == "paged" else None
+        self._num_freed: dict[str, int] = {}  # leading pages of a request given back (FREED_BLOCK_ID in its table)
         self._num_registered: dict[str, int] = {}  # leading pages of a request already in the index
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found in the cache
 
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
+
+    def live_block_ids(self, request_id: str) -> list[int]:
+        """The pages the request holds: its table less the leading ones it gave back."""
+        return self.block_table(request_id)[self._num_freed.get(request_id, 0):]
+
+    def _num_dead_pages(self, num_computed_tokens: int) -> int:
+        """Leading pages no later token reads: the next one, at position num_computed_tokens, attends to
+        positions > num_computed_tokens - window (transformers' rule: query - key < window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def _free_outside_window(self, request: Request, table: list[int]) -> None:
+        # num_computed_tokens counts steps already sent (async scheduling: not yet run). A page freed
+        # here is written by another request at the earliest in the step being planned, which the
+        # worker runs after those (copies included), so their reads of it are done by then.
+        start = self._num_freed.get(request.request_id, 0)
+        end = min(self._num_dead_pages(request.num_computed_tokens), len(table))
+        if end <= start:
+            return
+        dead = table[start:end]
+        table[start:end] = [FREED_BLOCK_ID] * (end - start)
+        self._num_freed[request.request_id] = end
+        self.pool.release(dead)
 
     def blocks_needed_at_most(self, request: Request) -> int:
         return cdiv(request.num_prompt_tokens + request.sampling_params.max_tokens, self.block_size)
@@ -121,10 +157,17 @@ class KVCacheManager:
         gets all of its pages anew: call swap_in() after).
 
         Returns the newly added page ids (cached ones first), or None if the pool cannot supply
-        them; on None nothing has changed.
+        them; on None nothing has changed but pages outside a sliding window given back.
         """
         table = self.block_tables.setdefault(request.request_id, [])
         num_computed = len(cached_blocks) * self.block_size if cached_blocks else request.num_computed_tokens
+        starts_table = not table
+        if table:
+            self._free_outside_window(request, table)
+        elif self.is_swapped(request.request_id):  # the pages it gave back were not swapped out either
+            num_dead = self._num_dead_pages(num_computed)
+            table.extend([FREED_BLOCK_ID] * num_dead)
+            self._num_freed[request.request_id] = num_dead
         if self.policy == "static":
             wanted = max(self.blocks_needed_at_most(request), cdiv(num_computed + num_new_tokens, self.block_size))
         else:
@@ -133,8 +176,9 @@ class KVCacheManager:
         # cached pages that sit in the free queue stop being free when taken
         num_reclaimed = sum(1 for block_id in cached_blocks if self.pool.ref_counts[block_id] == 0)
         if max(num_fresh, 0) + num_reclaimed > self.pool.num_free:
-            if not table:
+            if starts_table:
                 del self.block_tables[request.request_id]
+                self._num_freed.pop(request.request_id, None)
             return None
         self.pool.take(cached_blocks)
         fresh = self._allocate_device(max(num_fresh, 0)) or []
@@ -149,7 +193,8 @@ class KVCacheManager:
         # before any attention of that step reads, so a request scheduled later in the same step may
         # already share them.
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.num_known_tokens)
-        start = self._num_registered.get(request.request_id, 0)
+        # pages given back before their keys were known (async placeholders) stay unregistered
+        start = max(self._num_registered.get(request.request_id, 0), self._num_freed.get(request.request_id, 0))
         end = min(num_tokens // self.block_size, len(request.block_hashes))
         for index in range(start, end):
             self.pool.register(table[index], request.block_hashes[index])
@@ -160,12 +205,15 @@ class KVCacheManager:
 
     def swap_out(self, request: Request) -> bool:
         """Moves the request's computed pages to host pages (copies queued) and frees its device pages;
-        False (nothing changed) when the host tier lacks room."""
-        num_pages = cdiv(request.num_computed_tokens, self.block_size)
+        False (nothing changed but pages outside a sliding window given back) when the host tier lacks room."""
+        table = self.block_tables[request.request_id]
+        self._free_outside_window(request, table)  # what swap_in leaves out, it must not copy
+        num_freed = self._num_freed.get(request.request_id, 0)
+        num_pages = cdiv(request.num_computed_tokens, self.block_size) - num_freed
         host_ids = self.host_pool.allocate(num_pages) if num_pages else None
         if host_ids is None:
             return False
-        self.swap_out_copies.extend(zip(self.block_tables[request.request_id][:num_pages], host_ids))
+        self.swap_out_copies.extend(zip(table[num_freed:num_freed + num_pages], host_ids))
         self._free_device(request)
         self.host_tables[request.request_id] = host_ids
         return True
@@ -175,7 +223,7 @@ class KVCacheManager:
         them; its host pages are freed once those are sent."""
         host_ids = self.host_tables.pop(request.request_id)
         self.host_reads.extend(host_ids)
-        copies = list(zip(self.block_tables[request.request_id], host_ids))
+        copies = list(zip(self.live_block_ids(request.request_id), host_ids))
         self.swap_in_copies.extend(copies)
         self._pending_fill.update(device_id for device_id, _ in copies)
 
@@ -185,6 +233,7 @@ class KVCacheManager:
 
     def _free_device(self, request: Request) -> None:
         table = self.block_tables.pop(request.request_id, [])
+        num_freed = self._num_freed.pop(request.request_id, 0)
         num_registered = self._num_registered.pop(request.request_id, 0)
         # Pages registered for a step that will now never run (a preemption while planning it)
         # hold no K/V yet: forget their keys so no later request takes them as a prefix hit.
@@ -192,7 +241,7 @@ class KVCacheManager:
             if self.pool.ref_counts[table[index]] == 1:
                 self.pool.unregister(table[index])
         # tail pages first to the free queue, so they are evicted before the shared prefix pages
-        self.pool.release(reversed(table))
+        self.pool.release(reversed(table[num_freed:]))
 
     def forget_cached_content(self) -> None:
         """No page holds K/V any more (the worker was replaced, host tier too): no prefix may hit them,
@@ -205,6 +254,6 @@ class KVCacheManager:
 
     def utilization(self, requests: list[Request]) -> float:
         """Live tokens / reserved slots over the given (running) requests; 0 with none."""
-        reserved = sum(len(self.block_tables.get(r.request_id, ())) for r in requests) * self.block_size
-        live = sum(r.num_computed_tokens for r in requests)
+        reserved = sum(len(self.live_block_ids(r.request_id)) for r in requests) * self.block_size
+        live = sum(r.num_computed_tokens - self._num_freed.get(r.request_id, 0) * self.block_size for r in requests)
         return live / reserved if reserved else 0.0

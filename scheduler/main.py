@@ -125,7 +125,8 @@ async def serve(args: argparse.Namespace) -> None:
         max_model_len=min(args.max_model_len or model_len, model_len), kv_policy=args.kv_policy,
         queue_policy=args.queue_policy, enable_prefix_caching=not args.no_prefix_caching,
         num_host_blocks=capacity.num_host_blocks, bytes_per_block=capacity.kv_cache_bytes // capacity.num_blocks,
-        target_itl_ms=args.target_itl_ms, target_ttft_ms=args.target_ttft_ms)
+        target_itl_ms=args.target_itl_ms, target_ttft_ms=args.target_ttft_ms,
+        sliding_window=capacity.model_config.sliding_window or None)
     admission = Admission(AdmissionConfig(args.max_waiting_requests, args.max_waiting_tokens),
                           vocab_size=capacity.model_config.vocab_size, max_model_len=config.max_model_len)
     recovery = WorkerRecovery(worker.reconnect, retry=not args.no_retry_on_worker_failure,

@@ -41,7 +41,7 @@ class Scheduler:
         self.config = config
         self.clock = clock  # the clock of Request.arrival_time, for the TTFT target
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.kv_policy, config.prefix_caching,
-                                 config.num_host_blocks)
+                                 config.num_host_blocks, config.sliding_window)
         self.waiting = make_waiting_queue(config.queue_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}

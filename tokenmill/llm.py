@@ -39,6 +39,8 @@ class EngineConfig:
     cuda_graphs: bool = True  # CUDA + triton only
     stream_overlap: bool = True  # CUDA only
     packed_linears: bool = True  # CPU float32: weights reordered once for oneDNN (worker.cpu_linear)
+    # a model whose every layer slides: give back each request's pages before its window (scheduler.kv_manager)
+    free_window_pages: bool = True
 
     def execution_options(self) -> ExecutionOptions:
         return ExecutionOptions(kernel_backend=self.kernel_backend, quantization=self.quantization,
@@ -47,8 +49,10 @@ class EngineConfig:
 
 
 def scheduler_config_for(config: EngineConfig, num_blocks: int, model_max_len: int, num_host_blocks: int = 0,
-                         bytes_per_block: int = 0) -> SchedulerConfig:
+                         bytes_per_block: int = 0, sliding_window: int | None = None) -> SchedulerConfig:
+    """sliding_window: the model's every-layer window (worker ModelConfig.every_layer_window), None if none."""
     return SchedulerConfig(num_host_blocks=num_host_blocks, bytes_per_block=bytes_per_block,
+        sliding_window=sliding_window if config.free_window_pages else None,
         target_itl_ms=config.target_itl_ms, target_ttft_ms=config.target_ttft_ms,
         num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -74,7 +78,8 @@ class LLM:
         sched_config = scheduler_config_for(config, self.runner.num_blocks,
                                             self.model_config.max_position_embeddings,
                                             self.runner.swap_space.num_host_blocks,
-                                            self.runner.kv_cache.storage[:, :, 0].nbytes)
+                                            self.runner.kv_cache.storage[:, :, 0].nbytes,
+                                            self.model_config.every_layer_window)
         return EngineCore(Scheduler(sched_config), self.runner, async_scheduling=config.async_scheduling)
 
     def generate(self, prompts: Sequence[Sequence[int]],

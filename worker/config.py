@@ -104,3 +104,11 @@ class ModelConfig:
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window, or None for full attention."""
         return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def every_layer_window(self) -> int | None:
+        """The window all layers attend within (the largest, if they differ), or None when any layer
+        attends the whole context: a global layer still reads every page, so none can be given back."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(self.layer_windows)

@@ -21,7 +21,8 @@ def model_config_to_proto(config: ModelConfig, name: str, dtype: str, quantizati
         hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_attention_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         rope_theta=config.rope_theta, eos_token_id=config.eos_token_id, bos_token_id=config.bos_token_id,
-        dtype=dtype, quantization="" if quantization == "none" else quantization)
+        dtype=dtype, quantization="" if quantization == "none" else quantization,
+        sliding_window=config.every_layer_window or 0)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):

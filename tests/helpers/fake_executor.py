@@ -2,7 +2,9 @@
 
 It keeps a fake KV cache (slot -> (position, token)) written through the plan's block tables, and
 "samples" a token computed from what it reads back through those tables. Wrong pages, a bad prefix
-hit or a lost block therefore change the output, the way they would with a real model.
+hit or a lost block therefore change the output, the way they would with a real model. With a
+sliding window it reads (and samples from) only the positions in the window of the token it samples,
+as a model whose every layer slides would.
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ VOCAB = 1000
 
 
 class FakeExecutor:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, sliding_window: int | None = None) -> None:
         self.num_blocks = num_blocks
+        self.sliding_window = sliding_window
         self.block_size = block_size
         self.slots: dict[int, tuple[int, int]] = {}
         self.tokens: dict[str, list[int]] = {}
@@ -63,9 +66,11 @@ class FakeExecutor:
             self.computed[request_id] += count
             if self.computed[request_id] < len(self.tokens[request_id]):
                 continue
-            seen = [self.slots.get(self._slot(request_id, p)) for p in range(self.computed[request_id])]
-            assert all(s is not None and s[0] == p for p, s in enumerate(seen)), f"{request_id}: stale page"
-            token = sum((p + 1) * s[1] for p, s in enumerate(seen)) % VOCAB
+            end = self.computed[request_id]
+            start = 0 if self.sliding_window is None else max(0, end - self.sliding_window)
+            seen = {p: self.slots.get(self._slot(request_id, p)) for p in range(start, end)}
+            assert all(s is not None and s[0] == p for p, s in seen.items()), f"{request_id}: stale page"
+            token = sum((p + 1) * s[1] for p, s in seen.items()) % VOCAB
             self.tokens[request_id].append(token)
             result.sampled_token_ids[request_id] = token
             if self.wants_logprobs[request_id]:

@@ -21,7 +21,8 @@ def make_request(prompt, max_tokens=8, request_id=None, **kwargs) -> Request:
 
 def make_engine(num_blocks=64, block_size=4, async_scheduling=False, **config) -> EngineCore:
     scheduler = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=block_size, **config))
-    return EngineCore(scheduler, FakeExecutor(num_blocks, block_size), async_scheduling=async_scheduling)
+    executor = FakeExecutor(num_blocks, block_size, config.get("sliding_window"))
+    return EngineCore(scheduler, executor, async_scheduling=async_scheduling)
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """Any sequence of add / step / finish / abort / preempt keeps both tiers' page pools consistent
-(device pages and, with a swap tier, the host pages of swapped-out requests)."""
+(device pages and, with a swap tier, the host pages of swapped-out requests), also when a sliding
+window lets running requests give back their oldest pages."""
 from collections import Counter
 
 from hypothesis import HealthCheck, given, settings
@@ -38,14 +39,16 @@ def check_host_pool(scheduler) -> None:
         swapped = host_tables.get(request.request_id)
         if swapped is None:
             assert request.num_computed_tokens == 0
-        else:
-            assert len(swapped) == -(-request.num_computed_tokens // BLOCK_SIZE) > 0
+        else:  # less the pages outside its window, given back before the swap
+            window = scheduler.kv.sliding_window
+            num_dead = 0 if window is None else max(0, request.num_computed_tokens - window + 1) // BLOCK_SIZE
+            assert len(swapped) == -(-request.num_computed_tokens // BLOCK_SIZE) - num_dead > 0
 
 
 def check_pool(engine) -> None:
     scheduler = engine.scheduler
     pool = scheduler.kv.pool
-    owners = Counter(b for table in scheduler.kv.block_tables.values() for b in table)
+    owners = Counter(b for request_id in scheduler.kv.block_tables for b in scheduler.kv.live_block_ids(request_id))
     for block_id in range(NUM_BLOCKS):
         assert pool.ref_counts[block_id] == owners[block_id], f"block {block_id}: ref count != owners"
         assert pool.is_free(block_id) == (owners[block_id] == 0), f"block {block_id}: free and owned"
@@ -54,18 +57,22 @@ def check_pool(engine) -> None:
     assert set(scheduler.kv.block_tables) <= set(scheduler.requests)
     for request in scheduler.running:
         assert len(scheduler.kv.block_table(request.request_id)) * BLOCK_SIZE >= request.num_computed_tokens
+        if scheduler.kv.sliding_window is not None:  # nothing of its window given back
+            first_live = len(scheduler.kv.block_table(request.request_id)) - len(scheduler.kv.live_block_ids(request.request_id))
+            assert first_live * BLOCK_SIZE <= max(0, request.num_computed_tokens - scheduler.kv.sliding_window + 1)
     check_host_pool(scheduler)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(operations, st.sampled_from(["paged", "static"]), st.sampled_from(["fcfs", "priority"]), st.booleans(),
-       st.sampled_from([0, 3, 8]))
-def test_page_pool_stays_consistent(ops, kv_policy, queue_policy, async_scheduling, num_host_blocks):
+       st.sampled_from([0, 3, 8]), st.sampled_from([None, 1, 5]))
+def test_page_pool_stays_consistent(ops, kv_policy, queue_policy, async_scheduling, num_host_blocks, sliding_window):
     """async_scheduling: each step is planned while the previous one's result is still pending.
-    num_host_blocks: the swap tier (3: often too small, so preemption falls back to recompute)."""
+    num_host_blocks: the swap tier (3: often too small, so preemption falls back to recompute).
+    sliding_window: the fake model attends only that far back, and the scheduler frees what lies before."""
     engine = make_engine(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_batched_tokens=9,
                          kv_policy=kv_policy, queue_policy=queue_policy, async_scheduling=async_scheduling,
-                         num_host_blocks=num_host_blocks)
+                         num_host_blocks=num_host_blocks, sliding_window=sliding_window)
     added = []
     for op in ops:
         kind = op[0]

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/tokenmill/v1/common.proto\x12\x0ctokenmill.v1\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x01\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"~\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x03\x12\x1e\n\x16time_to_first_token_ns\x18\x02 \x01(\x03\x12\x11\n\tdecode_ns\x18\x03 \x01(\x03\x12\x0e\n\x06\x65\x32\x65_ns\x18\x04 \x01(\x03\x12\x1e\n\x16\x66irst_token_forward_ns\x18\x05 \x01(\x03\"\x96\x03\n\x0bModelConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1a\n\x12max_context_length\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\x19\n\x11intermediate_size\x18\x07 \x01(\r\x12\x1b\n\x13num_attention_heads\x18\x08 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\x12\n\nrope_theta\x18\x0b \x01(\x01\x12\x19\n\x0c\x65os_token_id\x18\x0c \x01(\rH\x00\x88\x01\x01\x12\x19\n\x0c\x62os_token_id\x18\r \x01(\rH\x01\x88\x01\x01\x12\r\n\x05\x64type\x18\x0e \x01(\t\x12\x14\n\x0cquantization\x18\x0f \x01(\t\x12\x19\n\x11has_chat_template\x18\x10 \x01(\x08\x42\x0f\n\r_eos_token_idB\x0f\n\r_bos_token_id\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xb5\x01\n\x14GetModelInfoResponse\x12/\n\x0cmodel_config\x18\x01 \x01(\x0b\x32\x19.tokenmill.v1.ModelConfig\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x34\n\x0fkv_cache_policy\x18\x04 \x01(\x0e\x32\x1b.tokenmill.v1.KvCachePolicy\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*g\n\rKvCachePolicy\x12\x1f\n\x1bKV_CACHE_POLICY_UNSPECIFIED\x10\x00\x12\x19\n\x15KV_CACHE_POLICY_PAGED\x10\x01\x12\x1a\n\x16KV_CACHE_POLICY_STATIC\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/tokenmill/v1/common.proto\x12\x0ctokenmill.v1\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x01\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"~\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x03\x12\x1e\n\x16time_to_first_token_ns\x18\x02 \x01(\x03\x12\x11\n\tdecode_ns\x18\x03 \x01(\x03\x12\x0e\n\x06\x65\x32\x65_ns\x18\x04 \x01(\x03\x12\x1e\n\x16\x66irst_token_forward_ns\x18\x05 \x01(\x03\"\xae\x03\n\x0bModelConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1a\n\x12max_context_length\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\x19\n\x11intermediate_size\x18\x07 \x01(\r\x12\x1b\n\x13num_attention_heads\x18\x08 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\x12\n\nrope_theta\x18\x0b \x01(\x01\x12\x19\n\x0c\x65os_token_id\x18\x0c \x01(\rH\x00\x88\x01\x01\x12\x19\n\x0c\x62os_token_id\x18\r \x01(\rH\x01\x88\x01\x01\x12\r\n\x05\x64type\x18\x0e \x01(\t\x12\x14\n\x0cquantization\x18\x0f \x01(\t\x12\x19\n\x11has_chat_template\x18\x10 \x01(\x08\x12\x16\n\x0esliding_window\x18\x11 \x01(\rB\x0f\n\r_eos_token_idB\x0f\n\r_bos_token_id\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xb5\x01\n\x14GetModelInfoResponse\x12/\n\x0cmodel_config\x18\x01 \x01(\x0b\x32\x19.tokenmill.v1.ModelConfig\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x34\n\x0fkv_cache_policy\x18\x04 \x01(\x0e\x32\x1b.tokenmill.v1.KvCachePolicy\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*g\n\rKvCachePolicy\x12\x1f\n\x1bKV_CACHE_POLICY_UNSPECIFIED\x10\x00\x12\x19\n\x15KV_CACHE_POLICY_PAGED\x10\x01\x12\x1a\n\x16KV_CACHE_POLICY_STATIC\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.tokenmill.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=978
-  _globals['_FINISHREASON']._serialized_end=1123
-  _globals['_KVCACHEPOLICY']._serialized_start=1125
-  _globals['_KVCACHEPOLICY']._serialized_end=1228
+  _globals['_FINISHREASON']._serialized_start=1002
+  _globals['_FINISHREASON']._serialized_end=1147
+  _globals['_KVCACHEPOLICY']._serialized_start=1149
+  _globals['_KVCACHEPOLICY']._serialized_end=1252
   _globals['_TOKENLOGPROBS']._serialized_start=50
   _globals['_TOKENLOGPROBS']._serialized_end=127
   _globals['_USAGE']._serialized_start=129
@@ -42,9 +42,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TIMINGS']._serialized_start=218
   _globals['_TIMINGS']._serialized_end=344
   _globals['_MODELCONFIG']._serialized_start=347
-  _globals['_MODELCONFIG']._serialized_end=753
-  _globals['_GETMODELINFOREQUEST']._serialized_start=755
-  _globals['_GETMODELINFOREQUEST']._serialized_end=791
-  _globals['_GETMODELINFORESPONSE']._serialized_start=794
-  _globals['_GETMODELINFORESPONSE']._serialized_end=975
+  _globals['_MODELCONFIG']._serialized_end=777
+  _globals['_GETMODELINFOREQUEST']._serialized_start=779
+  _globals['_GETMODELINFOREQUEST']._serialized_end=815
+  _globals['_GETMODELINFORESPONSE']._serialized_start=818
+  _globals['_GETMODELINFORESPONSE']._serialized_end=999
 # @@protoc_insertion_point(module_scope)

@@ -64,7 +64,7 @@ class Timings(_message.Message):
     def __init__(self, queue_ns: _Optional[int] = ..., time_to_first_token_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., e2e_ns: _Optional[int] = ..., first_token_forward_ns: _Optional[int] = ...) -> None: ...
 
 class ModelConfig(_message.Message):
-    __slots__ = ("name", "architecture", "vocab_size", "max_context_length", "num_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_kv_heads", "head_dim", "rope_theta", "eos_token_id", "bos_token_id", "dtype", "quantization", "has_chat_template")
+    __slots__ = ("name", "architecture", "vocab_size", "max_context_length", "num_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_kv_heads", "head_dim", "rope_theta", "eos_token_id", "bos_token_id", "dtype", "quantization", "has_chat_template", "sliding_window")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class ModelConfig(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     vocab_size: int
@@ -97,7 +98,8 @@ class ModelConfig(_message.Message):
     dtype: str
     quantization: str
     has_chat_template: bool
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., rope_theta: _Optional[float] = ..., eos_token_id: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
+    sliding_window: int
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., rope_theta: _Optional[float] = ..., eos_token_id: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., sliding_window: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ("model",)
