@@ -104,19 +104,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline-batch-size", type=int, default=8)
     parser.add_argument("--kv-cache-mb", type=int, default=512)
+    parser.add_argument("--quantization", choices=("auto", "none", "int8", "int4"), default="auto",
+                        help="tokenmill's weights (worker.backends); transformers always runs the float32 "
+                             "dequantized model (default: %(default)s)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args(argv)
 
     config = EngineConfig(model=args.model, kv_cache_bytes=args.kv_cache_mb * 2**20,
-                          max_num_seqs=max(64, args.num_requests))
+                          max_num_seqs=max(64, args.num_requests), quantization=args.quantization, dtype=args.dtype)
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     llm = LLM(config)
     workload = make_workload(llm.model_config.vocab_size, args.num_requests, args.prompt_len,
                              args.min_output, args.max_output, args.seed)
     llm.generate([workload.prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    from worker.group_quant import weight_formats
+
+    formats = weight_formats(llm.runner.model) or "float"
+    dtype = str(llm.runner.dtype).removeprefix("torch.")
     log(f"workload: {args.num_requests} requests, {args.prompt_len}-token prompts, "
-        f"{workload.num_output_tokens} output tokens, {torch.get_num_threads()} threads")
+        f"{workload.num_output_tokens} output tokens, {torch.get_num_threads()} threads; tokenmill runs "
+        f"{dtype} activations on {formats} weights, transformers float32 on the dequantized weights")
     paged = run_tokenmill(llm, workload, "paged")
     log(f"tokenmill paged:  {paged['output_tokens_per_s']:.1f} tok/s")
     static = run_tokenmill(llm, workload, "static")
@@ -124,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
                      "output_lens": [args.min_output, args.max_output], "seed": args.seed,
-                     "num_output_tokens": workload.num_output_tokens, "dtype": "float32",
+                     "num_output_tokens": workload.num_output_tokens, "dtype": dtype, "weights": formats,
+                     "transformers": "float32, dequantized weights",
                      "threads": torch.get_num_threads()},
         "tokenmill_paged": {k: v for k, v in paged.items() if k != "outputs"},
         "tokenmill_static": {k: v for k, v in static.items() if k != "outputs"},
