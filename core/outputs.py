@@ -34,6 +34,9 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: one entry per prompt token after the first, on the output that
+    # carries the first token (None on every other output, and when the request did not ask)
+    prompt_logprobs: list[TokenLogprobs] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None  # set when finished
     num_prompt_tokens: int = 0

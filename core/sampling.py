@@ -59,6 +59,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: plus the top n
+    # the same for each prompt token after the first (vLLM's prompt_logprobs; OpenAI completions echo +
+    # logprobs). Such a request reads no prefix-cache pages until they are all computed (scheduler.scheduler)
+    prompt_logprobs: int | None = None
     constraint: OutputConstraint | None = None  # the output must match it (constrained decoding)
     # (token id, bias) pairs added to the raw logits before sampling (OpenAI logit_bias), by token id
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -101,7 +104,7 @@ def check_sampling_field(field: str, value: object, limits: SamplingLimits, pref
         check_float_range(name, value, -limits.max_abs_penalty, limits.max_abs_penalty)
     elif field == "seed":
         check_int_range(name, value, *SEED_RANGE)
-    elif field == "logprobs":
+    elif field in ("logprobs", "prompt_logprobs"):
         check_int_range(name, value, 0, limits.max_logprobs)
     elif field == "ignore_eos":
         if not isinstance(value, bool):
@@ -111,7 +114,7 @@ def check_sampling_field(field: str, value: object, limits: SamplingLimits, pref
 
 
 RANGE_CHECKED_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                        "presence_penalty", "frequency_penalty", "seed", "logprobs", "ignore_eos")
+                        "presence_penalty", "frequency_penalty", "seed", "logprobs", "prompt_logprobs", "ignore_eos")
 
 
 def check_sampling_params(params: SamplingParams, limits: SamplingLimits = SamplingLimits(),

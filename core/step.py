@@ -73,6 +73,16 @@ class TokenLogprobs:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """One step's logprobs of a request's prompt tokens (SamplingParams.prompt_logprobs): entries[i] is
+    the prompt token at position first_position + i, as predicted by the row before it. A prefill chunk
+    over positions [s, e) gives those of the tokens s+1 .. min(e, num_prompt_tokens - 1)."""
+
+    first_position: int
+    entries: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class StepResult:
     step_id: int
     # one entry per request whose computed count reached its token count this step (the others
@@ -80,3 +90,5 @@ class StepResult:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     forward_ns: int = 0
+    # the prompt tokens this step's rows predict, for requests that ask for prompt logprobs (any chunk)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)

@@ -71,6 +71,9 @@ class GenerationDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprob]  # one per token id when the request asked for logprobs, else empty
     finish: Finish | None = None
+    # SamplingParams.prompt_logprobs: on the first delta with token ids, one per prompt token after the
+    # first (token_id is that prompt token); None on every other delta and when the request did not ask
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer, scheduler: SchedulerClient,
@@ -107,6 +110,7 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
                             timeout_s=None if deadline is None else max(deadline - time.time(), 0.0))
     first_token = None
     finished = answered = False
+    prompt_logprobs_due = prepared.request.sampling_params.prompt_logprobs is not None
     try:
         async with contextlib.aclosing(outputs):  # leaving early cancels the call: the scheduler frees the pages
             async for output in outputs:
@@ -119,6 +123,10 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
                 observer.on_tokens(len(token_ids))
                 delta = GenerationDelta(request_id, text_stream.push(token_ids), token_ids,
                                         _logprobs(tokenizer, token_ids, output.logprobs))
+                if prompt_logprobs_due and token_ids:  # a one-token prompt's (no entries) arrive as None
+                    prompt_logprobs_due = False
+                    delta.prompt_logprobs = _logprobs(tokenizer, prepared.request.prompt_token_ids[1:],
+                                                      output.prompt_logprobs or [])
                 if text_stream.stopped or output.finished:
                     finished = True
                     if text_stream.stopped and not output.finished:

@@ -148,7 +148,8 @@ class OpenAIHTTP:
             parsed = parse(body, self.tokenizer, self.limits, self.model_name, request_id)
         request_id = parsed.prepared.request.request_id
         builder = ResponseBuilder(chat=chat, request_id=request_id, model=self.model_name, logprobs=parsed.logprobs,
-                                  include_usage=parsed.stream and parsed.include_usage, echo=parsed.echo)
+                                  include_usage=parsed.stream and parsed.include_usage, echo=parsed.echo,
+                                  echo_first_token=parsed.echo_first_token)
         headers = {"X-Request-Id": request_id}
         deltas = stream_generation(parsed.prepared, self.tokenizer, self.scheduler, None, arrival)
         async with contextlib.aclosing(deltas):

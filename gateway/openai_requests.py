@@ -6,7 +6,8 @@
 Every bad value raises InvalidArgument naming the OpenAI field (e.g. "messages[1].content",
 "max_completion_tokens"), which becomes a 400 with that field as `param`; an unknown model raises
 ModelNotFound (404 model_not_found). Fields that would change the result in a way we cannot honour
-(n > 1, best_of > 1, echo with logprobs, tools) are refused with a 400 rather than ignored. Constrained
+(n > 1, best_of > 1, tools) are refused with a 400 rather than ignored. Completions echo with logprobs
+asks for prompt logprobs (SamplingParams.prompt_logprobs, as vLLM). Constrained
 output (response_format json_object / json_schema, vLLM's guided_json / guided_regex / guided_choice /
 guided_grammar) is gateway.openai_constraints'. vLLM's extra sampling fields (top_k, min_p, repetition_penalty, stop_token_ids,
 ignore_eos, priority) are accepted too.
@@ -42,6 +43,9 @@ class OpenAIRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with usage and no choices
     logprobs: int | None  # top alternatives per token (0: the chosen token's only); None: no logprobs
     echo: str = ""  # completions echo=true: the prompt's text, put before the completion
+    # echo with logprobs: the first prompt token's text, listed (with a null logprob) before the prompt
+    # logprobs the model computes for the others; None otherwise
+    echo_first_token: str | None = None
 
 
 def parse_completion(body: dict, tokenizer: TextTokenizer, limits: Limits, model_name: str,
@@ -51,16 +55,17 @@ def parse_completion(body: dict, tokenizer: TextTokenizer, limits: Limits, model
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise InvalidArgument("echo", echo, "must be true or false")
-    if echo and body.get("logprobs") is not None:
-        raise InvalidArgument("echo", echo, "echo with logprobs needs prompt logprobs, which are not supported; "
-                                            "send echo or logprobs")
     _refuse(body, "suffix", lambda v: v is None or v == "", "suffix (insertion) is not supported")
     prompt_ids = _completion_prompt_ids(body.get("prompt"), tokenizer, limits)
     sampling = _sampling(body, "max_tokens")
     sampling["logprobs"] = body.get("logprobs")
+    if echo and sampling["logprobs"] is not None:  # as vLLM: the prompt's logprobs, as many alternatives
+        sampling["prompt_logprobs"] = sampling["logprobs"]
     parsed = _finish(body, prompt_ids, tokenizer, limits, sampling, request_id, "max_tokens")
     if echo:  # the prompt as the model saw it (a token-id prompt decoded, special tokens kept)
         parsed.echo = tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        if sampling["logprobs"] is not None:
+            parsed.echo_first_token = tokenizer.decode(prompt_ids[:1], False)
     return parsed
 
 

@@ -26,7 +26,7 @@ class GenerationFailed(ServingError):
 
 class ResponseBuilder:
     def __init__(self, *, chat: bool, request_id: str, model: str, logprobs: int | None,
-                 include_usage: bool = False, echo: str = "") -> None:
+                 include_usage: bool = False, echo: str = "", echo_first_token: str | None = None) -> None:
         self.chat = chat
         self.request_id = request_id
         self.model = model
@@ -39,12 +39,18 @@ class ResponseBuilder:
         self._text_offset = 0  # completions logprobs: where the next token's text starts
         self._sent_role = False
         self.echo = echo  # completions echo: the prompt text, before the first text of the completion
+        # completions echo with logprobs: the first prompt token's text (it has no logprob), and the
+        # other prompt tokens' logprobs once they arrive (with the first token)
+        self.echo_first_token = echo_first_token
+        self.prompt_logprobs: list[TokenLogprob] = []
 
     # -- whole response ------------------------------------------------------------------------------
 
     def add(self, delta: GenerationDelta) -> None:
         self.text_parts.append(delta.text)
         self.token_logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finish is not None:
             self.finish = _checked(delta.finish)
 
@@ -56,7 +62,7 @@ class ResponseBuilder:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        choice["logprobs"] = self._logprobs(self.token_logprobs)
+        choice["logprobs"] = self._logprobs(self.token_logprobs, self.prompt_logprobs)
         choice["finish_reason"] = self.finish.reason.value
         choice["stop_reason"] = self.finish.matched_stop or None  # vLLM's field: the stop string that matched
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
@@ -74,7 +80,7 @@ class ResponseBuilder:
         text, self.echo = self.echo + delta.text, ""  # an echoed prompt goes out with the first chunk
         if text or delta.logprobs or finish is not None:
             content = ({"content": text} if text or finish is None else {}) if self.chat else text
-            out.append(self._chunk(content, self._logprobs(delta.logprobs), finish))
+            out.append(self._chunk(content, self._logprobs(delta.logprobs, delta.prompt_logprobs), finish))
         return out
 
     def usage_chunk(self, finish: Finish) -> dict:
@@ -100,20 +106,32 @@ class ResponseBuilder:
 
     # -- logprobs -----------------------------------------------------------------------------------------
 
-    def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+    def _logprobs(self, entries: list[TokenLogprob], prompt_entries: list[TokenLogprob] | None = None) -> dict | None:
+        """prompt_entries (completions echo with logprobs, on the first chunk or the whole body): the prompt
+        tokens after the first, listed before entries behind the first prompt token, whose logprob and
+        alternatives are null (OpenAI's and vLLM's echo); text_offset counts from the echoed prompt's start."""
         if self.logprobs is None:
             return None
         if self.chat:
             return {"content": [{**_chat_token(entry.token, entry.logprob),
                                  "top_logprobs": [_chat_token(top.token, top.logprob) for top in entry.top]}
                                 for entry in entries], "refusal": None}
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict | None] = []
+        if prompt_entries is not None and self.echo_first_token is not None:
+            tokens.append(self.echo_first_token)
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            entries = [*prompt_entries, *entries]
+        tokens.extend(entry.token for entry in entries)
+        token_logprobs.extend(_finite(entry.logprob) for entry in entries)
+        top_logprobs.extend({top.token: _finite(top.logprob) for top in entry.top} for entry in entries)
         offsets = []
-        for entry in entries:
+        for token in tokens:
             offsets.append(self._text_offset)
-            self._text_offset += len(entry.token)
-        return {"tokens": [entry.token for entry in entries],
-                "token_logprobs": [_finite(entry.logprob) for entry in entries],
-                "top_logprobs": [{top.token: _finite(top.logprob) for top in entry.top} for entry in entries],
+            self._text_offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
 
 

@@ -20,7 +20,7 @@ from core.requests import GenerationRequest
 from core.errors import InvalidArgument, NotFound
 
 _OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "seed", "logprobs")
+                    "presence_penalty", "frequency_penalty", "seed", "logprobs", "prompt_logprobs")
 MAX_REQUEST_ID_LEN = 256
 
 

@@ -7,7 +7,7 @@ import time
 
 from redis.exceptions import RedisError
 
-from gateway.generation_stream import GenerationDelta, stream_generation
+from gateway.generation_stream import GenerationDelta, TokenLogprob, stream_generation
 from gateway.ownership import RequestOwners, caller_name
 from gateway.request_builder import prepare, prompt_token_ids
 from gateway.resume import submit_or_attach
@@ -68,6 +68,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             reply.text += message.text
             reply.token_ids.extend(message.token_ids)
             reply.logprobs.extend(message.logprobs)
+            reply.prompt_logprobs.extend(message.prompt_logprobs)
             if message.finish_reason:
                 reply.finish_reason, reply.matched_stop = message.finish_reason, message.matched_stop
                 reply.usage.CopyFrom(message.usage)
@@ -155,10 +156,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 def _stream_response(delta: GenerationDelta) -> generation_pb2.GenerateStreamResponse:
     out = generation_pb2.GenerateStreamResponse(request_id=delta.request_id, text=delta.text, token_ids=delta.token_ids)
-    for entry in delta.logprobs:
-        logprob = out.logprobs.add(token_id=entry.token_id, token=entry.token, logprob=entry.logprob)
-        for top in entry.top:
-            logprob.top_logprobs.add(token_id=top.token_id, token=top.token, logprob=top.logprob)
+    _add_logprobs(out.logprobs, delta.logprobs)
+    _add_logprobs(out.prompt_logprobs, delta.prompt_logprobs or [])
     finish = delta.finish
     if finish is not None:
         out.finish_reason = codec.finish_reason_to_proto(finish.reason)
@@ -172,3 +171,10 @@ def _stream_response(delta: GenerationDelta) -> generation_pb2.GenerateStreamRes
         out.timings.decode_ns = finish.decode_ns
         out.timings.e2e_ns = finish.e2e_ns
     return out
+
+
+def _add_logprobs(out, entries: list[TokenLogprob]) -> None:
+    for entry in entries:
+        logprob = out.add(token_id=entry.token_id, token=entry.token, logprob=entry.logprob)
+        for top in entry.top:
+            logprob.top_logprobs.add(token_id=top.token_id, token=top.token, logprob=top.logprob)

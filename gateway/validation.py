@@ -97,6 +97,7 @@ def validate_sampling(
     stop_token_ids: object = None,
     ignore_eos: object = None,
     logprobs: object = None,
+    prompt_logprobs: object = None,
     constraint: OutputConstraint | None = None,
     logit_bias: object = None,
 ) -> SamplingParams:
@@ -116,7 +117,8 @@ def validate_sampling(
             )
     raw = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
            "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
-           "frequency_penalty": frequency_penalty, "seed": seed, "logprobs": logprobs, "ignore_eos": ignore_eos}
+           "frequency_penalty": frequency_penalty, "seed": seed, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+           "ignore_eos": ignore_eos}
     sampling_limits = limits.sampling_limits
     for name, value in raw.items():
         check_sampling_field(name, value, sampling_limits)
@@ -135,6 +137,7 @@ def validate_sampling(
         stop_token_ids=_validate_stop_token_ids(stop_token_ids, limits),
         ignore_eos=bool(ignore_eos),
         logprobs=logprobs,  # type: ignore[arg-type]
+        prompt_logprobs=prompt_logprobs,  # type: ignore[arg-type]
         constraint=constraint,
         logit_bias=_validate_logit_bias(logit_bias, limits),
     )

@@ -14,7 +14,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from core.outputs import FinishReason, RequestOutput, RequestTimings
 from core.requests import GenerationRequest
 from core.sampling import ConstraintKind, OutputConstraint, SamplingParams
-from core.step import CachedRequestData, NewRequestData, StepPlan, StepResult, TokenLogprobs
+from core.step import CachedRequestData, NewRequestData, PromptLogprobs, StepPlan, StepResult, TokenLogprobs
 from protos.tokenmill.v1 import common_pb2, sampling_pb2, scheduler_pb2, worker_pb2
 
 _DEFAULTS = SamplingParams()
@@ -40,6 +40,7 @@ def sampling_params_to_proto(params: SamplingParams) -> sampling_pb2.SamplingPar
         logprobs=params.logprobs,
         constraint=None if params.constraint is None else constraint_to_proto(params.constraint),
         logit_bias=[sampling_pb2.TokenBias(token_id=token_id, bias=bias) for token_id, bias in params.logit_bias],
+        prompt_logprobs=params.prompt_logprobs,
     )
 
 
@@ -86,6 +87,7 @@ def sampling_params_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingPara
         logprobs=msg.logprobs if has("logprobs") else None,
         constraint=constraint_from_proto(msg.constraint) if has("constraint") else None,
         logit_bias=tuple((entry.token_id, entry.bias) for entry in msg.logit_bias),
+        prompt_logprobs=msg.prompt_logprobs if has("prompt_logprobs") else None,
     )
 
 
@@ -253,6 +255,9 @@ def step_result_to_proto(result: StepResult) -> worker_pb2.StepResult:
             entry.logprobs.logprob = token_logprobs.logprob
             entry.logprobs.top_token_ids.extend(top_id for top_id, _ in token_logprobs.top)
             entry.logprobs.top_logprobs.extend(top_logprob for _, top_logprob in token_logprobs.top)
+    for request_id, chunk in result.prompt_logprobs.items():
+        msg.prompt_logprobs.add(request_id=request_id, first_position=chunk.first_position,
+                                entries=[token_logprobs_to_proto(entry) for entry in chunk.entries])
     return msg
 
 
@@ -268,6 +273,9 @@ def step_result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
         sampled_token_ids=sampled_token_ids,
         logprobs=logprobs,
         forward_ns=msg.forward_ns,
+        prompt_logprobs={chunk.request_id: PromptLogprobs(chunk.first_position,
+                                                          [token_logprobs_from_proto(entry) for entry in chunk.entries])
+                         for chunk in msg.prompt_logprobs},
     )
 
 
@@ -302,6 +310,8 @@ def request_output_to_proto(output: RequestOutput) -> scheduler_pb2.SubmitRespon
     )
     for token_logprobs in output.logprobs:
         msg.logprobs.append(token_logprobs_to_proto(token_logprobs))
+    for token_logprobs in output.prompt_logprobs or ():
+        msg.prompt_logprobs.append(token_logprobs_to_proto(token_logprobs))
     return msg
 
 
@@ -310,6 +320,9 @@ def request_output_from_proto(msg: scheduler_pb2.SubmitResponse) -> RequestOutpu
         request_id=msg.request_id,
         new_token_ids=list(msg.new_token_ids),
         logprobs=[token_logprobs_from_proto(entry) for entry in msg.logprobs],
+        # the wire cannot tell "none" from "no entries" (a one-token prompt): both read as None; the
+        # gateway knows whether it asked
+        prompt_logprobs=[token_logprobs_from_proto(entry) for entry in msg.prompt_logprobs] or None,
         finished=msg.finished,
         finish_reason=finish_reason_from_proto(msg.finish_reason),
         num_prompt_tokens=msg.num_prompt_tokens,

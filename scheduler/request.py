@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from core.outputs import FinishReason
 from core.requests import GenerationRequest
 from core.sampling import SamplingParams
+from core.step import PromptLogprobs, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -60,10 +61,27 @@ class Request:
     # async scheduling: placeholders (PLACEHOLDER_TOKEN_ID) at the tail of all_token_ids for tokens
     # of steps still in flight; the oldest is replaced first, as results arrive in step order
     num_pending_tokens: int = 0
+    # SamplingParams.prompt_logprobs: those gathered so far, in position order (entry i: prompt token i + 1)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False  # on the output of the first token
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asks for prompt logprobs and some are not computed yet: it may not read prefix-cache pages,
+        whose positions would never reach lm_head (and its worker copy must compute them)."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """Keeps the entries that extend what is gathered: a chunk recomputed after a preemption repeats
+        positions already held, and those are dropped."""
+        skip = len(self.prompt_logprobs) + 1 - chunk.first_position
+        if 0 <= skip < len(chunk.entries):
+            self.prompt_logprobs.extend(chunk.entries[skip:])
 
     @classmethod
     def from_generation_request(cls, spec: GenerationRequest, trace_context: str = "") -> Request:

@@ -12,11 +12,13 @@ The scheduler is owned by a single loop: schedule() -> executor -> update(); not
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
 from core.errors import AlreadyExists, InvalidArgument
 from core.outputs import RequestOutput
+from core.sampling import SamplingParams
 from core.step import PLACEHOLDER_TOKEN_ID, CachedRequestData, NewRequestData, StepPlan, StepResult
 from scheduler.config import SchedulerConfig
 from scheduler.kv_manager import KVCacheManager, cdiv
@@ -165,7 +167,9 @@ class Scheduler:
             if request.num_pending_tokens:
                 break  # preempted while its step is in flight: sent in full once its token is known
             swapped = self.kv.is_swapped(request.request_id)
-            cached = [] if swapped else self.kv.find_cached_prefix(request)
+            # prompt logprobs need every prompt position's logits: no prefix-cache reads until they are
+            # all computed (vLLM's choice); its pages still enter the cache for the requests after it
+            cached = [] if swapped or request.needs_prompt_logprobs else self.kv.find_cached_prefix(request)
             num_cached_tokens = request.num_computed_tokens if swapped else len(cached) * self.config.block_size
             num_new = min(request.num_tokens - num_cached_tokens, budget)
             if targeted and self.running:
@@ -187,7 +191,7 @@ class Scheduler:
                 request_id=request.request_id,
                 token_ids=list(request.all_token_ids),
                 num_prompt_tokens=request.num_prompt_tokens,
-                sampling_params=request.sampling_params,
+                sampling_params=self._worker_sampling_params(request),
                 block_ids=list(self.kv.block_table(request.request_id)),
                 num_computed_tokens=num_cached_tokens,
                 trace_context=request.trace_context,
@@ -218,6 +222,7 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_scheduled
+            self._gather_prompt_logprobs(request, result)
             token_id = result.sampled_token_ids.get(request_id)
             if token_id is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
@@ -255,6 +260,8 @@ class Scheduler:
         for request_id in plan.num_scheduled_tokens:
             token_id = result.sampled_token_ids.get(request_id)
             request = self.requests.get(request_id)
+            if request is not None:
+                self._gather_prompt_logprobs(request, result)
             if token_id is None or request is None or not request.num_pending_tokens:
                 continue  # a mid-prompt chunk, or a request that ended while the step ran
             index = request.num_known_tokens
@@ -270,6 +277,21 @@ class Scheduler:
                 self._finish(request, status)
             outputs.append(self._output(request, [token_id], [logprobs] if logprobs else []))
         return outputs
+
+    @staticmethod
+    def _gather_prompt_logprobs(request: Request, result: StepResult) -> None:
+        chunk = result.prompt_logprobs.get(request.request_id)
+        if chunk is not None:
+            request.add_prompt_logprobs(chunk)
+
+    @staticmethod
+    def _worker_sampling_params(request: Request) -> SamplingParams:
+        """What the worker gets: without prompt_logprobs once they are all gathered (a request resumed
+        after a preemption does not compute them again)."""
+        params = request.sampling_params
+        if params.prompt_logprobs is not None and not request.needs_prompt_logprobs:
+            return dataclasses.replace(params, prompt_logprobs=None)
+        return params
 
     def _ends_on_pending_token(self, request: Request) -> bool:
         # its newest placeholder reaches max_tokens or the model length: planning past it is waste
@@ -391,10 +413,14 @@ class Scheduler:
             self._dropped_since_last_plan.append(request_id)
 
     def _output(self, request: Request, token_ids: list[int], logprobs: list) -> RequestOutput:
+        prompt_logprobs = None
+        if token_ids and request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=token_ids,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             finished=request.is_finished,
             finish_reason=request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,

@@ -71,6 +71,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     more = stream.queue.get_nowait()
                     more.new_token_ids = output.new_token_ids + more.new_token_ids
                     more.logprobs = output.logprobs + more.logprobs
+                    if more.prompt_logprobs is None:
+                        more.prompt_logprobs = output.prompt_logprobs
                     output = more
                 if first or output.finished:
                     # GetRequestStatus (answered from Redis) must know the id by the time the client

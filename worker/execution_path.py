@@ -44,9 +44,17 @@ class StepBatch:
     positions: list[int] = field(default_factory=list)  # [T]: each token's index in its own sequence
     spans: list[RequestSpan] = field(default_factory=list)  # one per scheduled request, batch order
     sample_rows: list[int] = field(default_factory=list)  # [R]: the last row of each request that samples
+    # [Q]: rows whose next token is a prompt token of a request asking for prompt logprobs (only those:
+    # other requests' prompt rows never reach lm_head)
+    prompt_logprob_rows: list[int] = field(default_factory=list)
     placeholder_rows: list[int] = field(default_factory=list)  # [P]: rows whose token an earlier step samples
     # per placeholder row: (step id, index among that step's sampled tokens) it reads; (-1, -1): unknown
     placeholder_sources: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def logit_rows(self) -> list[int]:
+        """[R + Q]: the rows forward() computes logits for, sample rows first."""
+        return self.sample_rows + self.prompt_logprob_rows if self.prompt_logprob_rows else self.sample_rows
 
 
 @runtime_checkable
@@ -56,8 +64,9 @@ class ExecutionPath(Protocol):
         forward() takes. Plain Python, any thread. Raises ValueError if a block table cannot hold its context."""
 
     def forward(self, batch: StepBatch, inputs: object) -> torch.Tensor:
-        """Runs the model over batch, writing its K/V into the pages; -> logits [R, vocab] float32 of
-        batch.sample_rows. On the compute thread, under torch.inference_mode()."""
+        """Runs the model over batch, writing its K/V into the pages; -> logits [R + Q, vocab] float32 of
+        batch.logit_rows (sample rows, then prompt-logprob rows). On the compute thread, under
+        torch.inference_mode()."""
 
     def sample(self, batch: StepBatch, logits: torch.Tensor, rows: Sequence[SamplingRow],
                token_bitmask: TokenBitmask | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:

@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 import torch
 
 from core.sampling import SamplingParams
-from core.step import PLACEHOLDER_TOKEN_ID, NewRequestData, StepPlan, StepResult
+from core.step import PLACEHOLDER_TOKEN_ID, NewRequestData, PromptLogprobs, StepPlan, StepResult
 from worker.attention import DECODE_GROUP_BYTES, RequestSpan
 from worker.backends import ExecutionOptions, resolve_execution
 from worker.config import ModelConfig
 from worker.execution_path import StepBatch, build_execution_path
 from worker.kv_cache import HostSwapSpace, allocate_kv_cache
 from worker.model import LlamaModel
-from worker.sampler import SamplingRow
+from worker.sampler import SamplingRow, prompt_logprobs
 from worker.structured_output import StructuredOutput
 
 
@@ -67,6 +67,11 @@ class PreparedStep:
     inputs: object = None  # what the execution path's prepare() returned
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # the plan's page copies, made before forward
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # prompt logprobs (SamplingParams.prompt_logprobs), one entry per batch.prompt_logprob_rows row: the
+    # prompt token it predicts and the alternatives wanted; per request: (id, first position, count)
+    prompt_logprob_targets: list[int] = field(default_factory=list)
+    prompt_logprob_top: list[int] = field(default_factory=list)
+    prompt_logprob_spans: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -173,6 +178,7 @@ class ModelRunner:
             batch.input_ids.extend(state.token_ids[start:known])
             batch.input_ids.extend([PLACEHOLDER_TOKEN_ID] * (end - known))
             batch.positions.extend(range(start, end))
+            self._pack_prompt_logprob_rows(request_id, state, start, end, len(batch.input_ids) - num_tokens, step)
             state.num_computed_tokens = end
             if end == state.num_planned_tokens:  # caught up: its last row predicts the next token
                 step.sampling_ids.append(request_id)
@@ -181,6 +187,20 @@ class ModelRunner:
                 state.pending_sources[end] = (plan.step_id, len(step.sampling_ids) - 1)
                 state.num_pending_tokens += 1
         return step
+
+    @staticmethod
+    def _pack_prompt_logprob_rows(request_id: str, state: RunnerRequestState, start: int, end: int,
+                                  first_row: int, step: PreparedStep) -> None:
+        """Positions start..end-1 of a request that asks for prompt logprobs: each whose next token is a
+        prompt token gets its logits computed (the prompt's last row predicts the first output: a sample row)."""
+        num_top = state.sampling_params.prompt_logprobs
+        last = min(end, state.num_prompt_tokens - 1)  # positions before it predict prompt tokens
+        if num_top is None or last <= start:
+            return
+        step.batch.prompt_logprob_rows.extend(range(first_row, first_row + last - start))
+        step.prompt_logprob_targets.extend(state.token_ids[start + 1:last + 1])
+        step.prompt_logprob_top.extend([num_top] * (last - start))
+        step.prompt_logprob_spans.append((request_id, start + 1, last - start))
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.run(self.prepare(plan))
@@ -217,8 +237,12 @@ class ModelRunner:
                 batch.input_ids[row] = state.token_ids[position]
         with torch.inference_mode():
             started = time.perf_counter_ns()
-            logits = self.execution_path.forward(batch, prepared.inputs)  # [R, vocab] float32
+            logits = self.execution_path.forward(batch, prepared.inputs)  # [R + Q, vocab] float32
             forward_ns = time.perf_counter_ns() - started
+            num_sample_rows = len(batch.sample_rows)
+            prompt_entries = prompt_logprobs(logits[num_sample_rows:], prepared.prompt_logprob_targets,
+                                             prepared.prompt_logprob_top)
+            logits = logits[:num_sample_rows]
             # token_ids hold exactly the tokens sampled before this step: what penalties and seeds read
             rows = [SamplingRow(state.sampling_params, state.token_ids, state.num_prompt_tokens)
                     for state in prepared.sampling_states]
@@ -239,6 +263,10 @@ class ModelRunner:
             result.sampled_token_ids[request_id] = token_id
             if state.sampling_params.logprobs is not None and token_logprobs is not None:
                 result.logprobs[request_id] = token_logprobs
+        offset = 0
+        for request_id, first_position, count in prepared.prompt_logprob_spans:
+            result.prompt_logprobs[request_id] = PromptLogprobs(first_position, prompt_entries[offset:offset + count])
+            offset += count
         return result
 
     def warm_up(self) -> None:

@@ -241,6 +241,25 @@ def draw_seed(seed: int, num_output_tokens: int) -> int:
     return (state ^ (state >> 31)) & ((1 << 63) - 1)
 
 
+def prompt_logprobs(logits: torch.Tensor, target_ids: Sequence[int], num_top: Sequence[int]) -> list[TokenLogprobs]:
+    """Raw logprobs of prompt tokens (SamplingParams.prompt_logprobs). logits: [Q, V] float32, row q the
+    prediction at the position before target_ids[q]; num_top[q]: alternatives wanted for that row. One
+    device->host copy, as _with_logprobs."""
+    if not len(target_ids):
+        return []
+    raw = torch.log_softmax(logits.float(), dim=-1)  # [Q, V]
+    targets = torch.tensor(list(target_ids), dtype=torch.long, device=logits.device)
+    chosen = raw.gather(1, targets.unsqueeze(1)).squeeze(1)  # [Q]
+    width = min(max(num_top), logits.shape[1])
+    top_logprobs, top_ids = raw.topk(width, dim=-1)  # [Q, width] best first
+    packed = torch.cat([chosen.double(), top_ids.double().flatten(), top_logprobs.double().flatten()]).tolist()
+    num_rows = len(target_ids)
+    ids_start, values_start = num_rows, num_rows + num_rows * width
+    return [TokenLogprobs(logprob=packed[q], top=[
+        (int(packed[ids_start + q * width + n]), packed[values_start + q * width + n])
+        for n in range(min(num_top[q], width))]) for q in range(num_rows)]
+
+
 def _with_logprobs(
     logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor, logprob_rows: list[int]
 ) -> tuple[list[int], list[TokenLogprobs | None]]:

@@ -42,7 +42,7 @@ class TorchPath:
             self.kv_cache,
             metadata,
         )  # [T, hidden]
-        return self.model.compute_logits(hidden[batch.sample_rows])  # [R, vocab] float32
+        return self.model.compute_logits(hidden[batch.logit_rows])  # [R + Q, vocab] float32
 
     def sample(self, batch: StepBatch, logits: torch.Tensor, rows: Sequence[SamplingRow],
                token_bitmask: TokenBitmask | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:

@@ -71,7 +71,7 @@ class TritonPath:
         if inputs.staged is None:
             ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
             pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
-            return self._logits(ids, pos, to_device(inputs.host, self.device), batch.sample_rows)
+            return self._logits(ids, pos, to_device(inputs.host, self.device), batch.logit_rows)
         ids, pos, metadata, rows, sources = self.stager.take(inputs.staged)
         if inputs.staged.num_placeholders:
             step_id, tokens = self.last_device_tokens
@@ -82,18 +82,21 @@ class TritonPath:
                 values = torch.tensor([batch.input_ids[row] for row in batch.placeholder_rows],
                                       dtype=torch.int64, device=self.device)
             ids.index_copy_(0, rows, values)
-        logits = self._logits(ids, pos, metadata, batch.sample_rows)
+        logits = self._logits(ids, pos, metadata, batch.logit_rows)
         self.stager.mark_consumed(inputs.staged)
         return logits
 
     def _logits(self, ids: torch.Tensor, pos: torch.Tensor, metadata, sample_rows: Sequence[int]) -> torch.Tensor:
-        """[R, vocab] float32: a replayed decode graph when one fits, else the eager kernel forward."""
+        """[len(sample_rows), vocab] float32 (sample_rows: the batch's logit_rows): a replayed decode graph
+        when one fits, else the eager kernel forward."""
         bucket = None
         if self.graphs is not None and metadata.decode_only:
             bucket = self.graphs.bucket_for(metadata.context_lens.shape[0], metadata.block_tables.shape[1])
         if bucket is not None:
             all_logits = self.graphs.replay(ids, pos, metadata)  # [B, vocab]: decode rows, one per request
-            return all_logits[list(sample_rows)] if len(sample_rows) != ids.shape[0] else all_logits
+            # sample rows come before prompt-logprob rows, so "all rows" must also mean "in batch order"
+            in_order = len(sample_rows) == ids.shape[0] and list(sample_rows) == list(range(ids.shape[0]))
+            return all_logits if in_order else all_logits[list(sample_rows)]
         hidden = triton_forward(self.model, ids, pos, self.kv_cache, metadata, self.kernels)
         return self.model.compute_logits(hidden[list(sample_rows)])
 

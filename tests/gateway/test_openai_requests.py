@@ -61,6 +61,14 @@ def test_echo_carries_the_prompt_text(tokenizer):
     assert completion(tokenizer, echo=False).echo == "" and completion(tokenizer).echo == ""
 
 
+def test_echo_with_logprobs_asks_for_prompt_logprobs(tokenizer):
+    echoed = completion(tokenizer, echo=True, logprobs=2)
+    assert echoed.prepared.request.sampling_params.prompt_logprobs == 2
+    assert echoed.echo_first_token == tokenizer.decode(tokenizer.encode("Hello")[:1], False)
+    for parsed in (completion(tokenizer, logprobs=2), completion(tokenizer, echo=True)):
+        assert parsed.prepared.request.sampling_params.prompt_logprobs is None and parsed.echo_first_token is None
+
+
 def test_prompt_forms_and_chat_content_parts(tokenizer):
     ids = tokenizer.encode("Hello")
     for prompt in ("Hello", ["Hello"], ids, [ids]):
@@ -79,7 +87,7 @@ def test_prompt_forms_and_chat_content_parts(tokenizer):
     (completion, {"temperature": -1}, "temperature", "[0, 100]"),
     (completion, {"n": 2}, "n", "only n=1"),
     (completion, {"best_of": 3}, "best_of", "best_of=1"),
-    (completion, {"echo": True, "logprobs": 1}, "echo", "prompt logprobs"),
+    (completion, {"echo": True, "logprobs": 50}, "logprobs", "[0, 20]"),
     (completion, {"echo": "yes"}, "echo", "true or false"),
     (completion, {"prompt": ["a", "b"]}, "prompt", "2 prompts"),
     (completion, {"prompt": [1, 10**9]}, "prompt[1]", "vocab_size"),

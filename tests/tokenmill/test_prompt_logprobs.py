@@ -1,0 +1,98 @@
+"""Prompt logprobs (SamplingParams.prompt_logprobs) through the in-process engine equal a direct float32
+forward's log_softmax at the prompt positions: in one chunk, across prefill chunks, beside a request that
+does not ask, after the same prompt filled the prefix cache, and under async scheduling."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from core.sampling import SamplingParams
+from tests.helpers.tiny_models import make_tiny_hf_model
+from tokenmill.llm import LLM, EngineConfig
+
+TOP = 3
+TOLERANCE = 2e-4  # float32 paged engine vs transformers eager, both float32
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder, model = make_tiny_hf_model(tmp_path_factory.mktemp("prompt-logprobs"), "qwen2")
+    # a token budget of 16 splits the 37- and 50-token prompts into chunks
+    config = EngineConfig(model=str(folder), num_blocks=64, max_num_batched_tokens=16)
+    return LLM(config, progress=False), model, config
+
+
+def reference(model, prompt: list[int]) -> torch.Tensor:
+    """[P, V]: log_softmax of a direct float32 forward, row i predicting token i + 1."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def check_prompt_logprobs(entries, model, prompt: list[int], top: int = TOP) -> None:
+    expected = reference(model, prompt)
+    assert len(entries) == len(prompt) - 1
+    for position, entry in enumerate(entries, start=1):
+        row = expected[position - 1]
+        assert entry.logprob == pytest.approx(row[prompt[position]].item(), abs=TOLERANCE), position
+        want_values, want_ids = row.topk(top)
+        assert [token_id for token_id, _ in entry.top] == want_ids.tolist(), position
+        assert [value for _, value in entry.top] == pytest.approx(want_values.tolist(), abs=TOLERANCE)
+
+
+def prompt_of(length: int, salt: int) -> list[int]:
+    return [(7 * j + salt) % 120 + 3 for j in range(length)]
+
+
+def first_output(outputs):
+    return next(output for output in outputs if output.new_token_ids)
+
+
+def test_prompt_logprobs_equal_direct_forward_chunked_and_mixed(tiny):
+    llm, model, _ = tiny
+    short, long = prompt_of(9, 1), prompt_of(50, 2)  # 50 tokens: four prefill chunks of at most 16
+    asks = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=TOP, logprobs=1)
+    plain = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([short, long, prompt_of(30, 3)], [asks, asks, plain])
+    check_prompt_logprobs(first_output(outputs[0]).prompt_logprobs, model, short)
+    check_prompt_logprobs(first_output(outputs[1]).prompt_logprobs, model, long)
+    # only the first output carries them; the request that did not ask gets none
+    assert all(output.prompt_logprobs is None for output in outputs[1][1:])
+    assert all(output.prompt_logprobs is None for output in outputs[2])
+    # the sampled tokens are what they are without prompt logprobs
+    assert llm.generate_token_ids([long], [replace(asks, prompt_logprobs=None)])[0] == \
+        [t for output in outputs[1] for t in output.new_token_ids]
+
+
+def test_prompt_logprobs_of_a_one_token_prompt_are_empty(tiny):
+    llm, _, _ = tiny
+    outputs = llm.generate([[5]], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0))[0]
+    assert first_output(outputs).prompt_logprobs == []
+
+
+def test_prompt_logprobs_skip_the_prefix_cache(tiny):
+    llm, model, _ = tiny
+    prompt = prompt_of(37, 4)  # two full 16-token pages, cached by the first request
+    plain = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt], plain)
+    warm = llm.generate([prompt], plain)[0]
+    assert warm[-1].num_cached_tokens == 32  # the pages are there to hit
+
+    asks = replace(plain, prompt_logprobs=TOP)
+    outputs = llm.generate([prompt], asks)[0]
+    assert outputs[-1].num_cached_tokens == 0  # computed from position 0: every prompt row reaches lm_head
+    check_prompt_logprobs(first_output(outputs).prompt_logprobs, model, prompt)
+    assert [t for output in outputs for t in output.new_token_ids] == [t for output in warm for t in output.new_token_ids]
+    assert llm.generate([prompt], plain)[0][-1].num_cached_tokens == 32  # others still hit
+
+
+def test_prompt_logprobs_under_async_scheduling(tiny):
+    llm, model, config = tiny
+    asynchronous = LLM(replace(config, async_scheduling=True), runner=llm.runner, progress=False)
+    prompts = [prompt_of(41, 5), prompt_of(12, 6)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    outputs = asynchronous.generate(prompts, params)
+    for prompt, request_outputs in zip(prompts, outputs):
+        check_prompt_logprobs(first_output(request_outputs).prompt_logprobs, model, prompt, top=1)
