@@ -17,6 +17,10 @@ class GenerationRequest:
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     priority: int = 0  # lower runs first (vLLM convention)
+    # latency targets of the submitting API key's class of service (gateway.api_keys), milliseconds;
+    # None: the scheduler's --target-itl-ms / --target-ttft-ms apply
+    target_itl_ms: float | None = None
+    target_ttft_ms: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -27,6 +27,7 @@ from plumbing.rpc import abort_with_status
 OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.", "/inference.GRPCInferenceService/ServerLive",
                       "/inference.GRPCInferenceService/ServerReady", "/inference.GRPCInferenceService/ModelReady")
 OPEN_HTTP_PATHS = ("/health", "/ready")
+API_KEY = "tokenmill.api_key"  # where access_middleware leaves the admitted ApiKey on an aiohttp request
 logger = logging.getLogger("tokenmill.gateway.access")
 
 
@@ -91,7 +92,7 @@ def access_middleware(access: AccessControl, skip: Callable[[], bool] = lambda: 
     @web.middleware
     async def check_access(request: web.Request, handler):
         if request.path not in OPEN_HTTP_PATHS and not skip():
-            access.admit(request.headers.get("Authorization"))
+            request[API_KEY] = access.admit(request.headers.get("Authorization"))
         return await handler(request)
 
     return check_access
@@ -99,7 +100,8 @@ def access_middleware(access: AccessControl, skip: Callable[[], bool] = lambda: 
 
 def add_access_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-keys-file", default="",
-                        help="JSON lines {name, sha256, requests_per_s?, burst?} (tokenmill hash-api-key); "
+                        help="JSON lines {name, sha256, requests_per_s?, burst?, target_itl_ms?, target_ttft_ms?} "
+                             "(tokenmill hash-api-key); "
                              "clients send 'authorization: Bearer KEY'. Empty: authentication off")
     parser.add_argument("--rate-limit-rps", type=float, default=0.0,
                         help="requests/s per API key (per client when auth is off) unless its line says; 0: none")

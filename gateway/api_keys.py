@@ -5,6 +5,12 @@ with # are skipped. Only the SHA-256 of each key is stored (`tokenmill hash-api-
 
     {"name": "alice", "sha256": "9f86d08...", "requests_per_s": 5, "burst": 10}
     {"name": "batch-jobs", "sha256": "60303ae..."}          # the gateway's default rate limit
+    {"name": "chat", "sha256": "2c26b46...", "target_itl_ms": 30, "target_ttft_ms": 500}
+
+target_itl_ms / target_ttft_ms make a class of service: the gateway puts them on every request the
+key submits, and the scheduler plans for them as it does for its own --target-itl-ms / --target-ttft-ms
+(a step's inter-token target is the tightest among the requests it decodes; tight TTFT targets get
+their prefill first). A key without them gets the scheduler's flags, as before.
 
     store = ApiKeyStore(load_api_keys("keys.jsonl"))
     key = store.authenticate("Bearer s3cret")    # ApiKey, or Unauthenticated naming what was wrong
@@ -13,6 +19,7 @@ Messages never repeat the key a client sent: it may be a real key sent to the wr
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -21,8 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.errors import Unauthenticated
+from core.requests import GenerationRequest
 
-_FIELDS = {"name", "sha256", "requests_per_s", "burst"}
+_TARGET_FIELDS = ("target_itl_ms", "target_ttft_ms")
+_FIELDS = {"name", "sha256", "requests_per_s", "burst", *_TARGET_FIELDS}
 _HINT = "send the header / metadata 'authorization: Bearer <key>'"
 
 
@@ -32,6 +41,15 @@ class ApiKey:
     sha256: str  # hex digest of the key's UTF-8 bytes
     requests_per_s: float | None = None  # None: the gateway's --rate-limit-rps
     burst: int | None = None  # None: the gateway's --rate-limit-burst
+    # latency targets of the key's class of service, milliseconds; None: the scheduler's flags
+    target_itl_ms: float | None = None
+    target_ttft_ms: float | None = None
+
+    def with_targets(self, request: GenerationRequest) -> GenerationRequest:
+        """request carrying this key's latency targets; the same request when the key has none."""
+        if self.target_itl_ms is None and self.target_ttft_ms is None:
+            return request
+        return dataclasses.replace(request, target_itl_ms=self.target_itl_ms, target_ttft_ms=self.target_ttft_ms)
 
 
 def hash_api_key(key: str) -> str:
@@ -76,7 +94,14 @@ def api_key_from_entry(entry: object, where: str) -> ApiKey:
         raise ValueError(f"{where}: requests_per_s={rate!r} must be a number > 0")
     if burst is not None and (isinstance(burst, bool) or not isinstance(burst, int) or burst < 1):
         raise ValueError(f"{where}: burst={burst!r} must be an integer >= 1")
-    return ApiKey(name, digest.lower(), None if rate is None else float(rate), burst)
+    targets = {}
+    for field in _TARGET_FIELDS:
+        value = entry.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < float("inf")):
+            raise ValueError(f"{where}: {field}={value!r} must be a number of milliseconds > 0")
+        targets[field] = None if value is None else float(value)
+    return ApiKey(name, digest.lower(), None if rate is None else float(rate), burst, **targets)
 
 
 class ApiKeyStore:

@@ -22,6 +22,7 @@ import uuid
 import grpc
 
 from gateway.generation_stream import Finish, stream_generation
+from gateway.ownership import caller_key
 from gateway.openai_constraints import openai_constraint
 from gateway.request_builder import prepare_request, text_token_ids
 from gateway.scheduler_client import SchedulerClient
@@ -66,8 +67,9 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     stream_idle_timeout_s: float = 0.0
 
     def __init__(self, tokenizer: TextTokenizer, scheduler: SchedulerClient, limits: Limits,
-                 model_info: common_pb2.GetModelInfoResponse, state_reader=None) -> None:
+                 model_info: common_pb2.GetModelInfoResponse, state_reader=None, access=None) -> None:
         self.tokenizer = tokenizer
+        self.access = access  # gateway.access.AccessControl: the caller's key brings its latency targets
         self.scheduler = scheduler
         self.limits = limits
         self.model_info = model_info
@@ -219,6 +221,8 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         prepared = prepare_request(prompt_ids, self.tokenizer, self.limits, sampling=sampling, stop=llm.stop,
                                    stop_token_ids=llm.stop_token_ids, ignore_eos=llm.ignore_eos,
                                    request_id=scheduler_id, priority=llm.priority)
+        if (key := caller_key(self.access, context)) is not None:
+            prepared.request = key.with_targets(prepared.request)
         return stream_generation(prepared, self.tokenizer, self.scheduler, context.time_remaining(), arrival)
 
     def _response(self, request, text: str | None, finish: Finish | None, final: bool | None = None):
@@ -254,7 +258,7 @@ def _error_response(request, exc: Exception) -> pb.ModelStreamInferResponse:
 
 def add_kserve_servicer(server: grpc.aio.Server, tokenizer: TextTokenizer, scheduler: SchedulerClient,
                         limits: Limits, model_info: common_pb2.GetModelInfoResponse,
-                        state_reader=None) -> KServeServicer:
-    servicer = KServeServicer(tokenizer, scheduler, limits, model_info, state_reader)
+                        state_reader=None, access=None) -> KServeServicer:
+    servicer = KServeServicer(tokenizer, scheduler, limits, model_info, state_reader, access)
     grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     return servicer

@@ -126,7 +126,7 @@ async def serve(args: argparse.Namespace) -> None:
                                   claims)
     servicer.stream_idle_timeout_s = args.stream_idle_timeout_s
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    kserve = add_kserve_servicer(server, tokenizer, scheduler, limits, model_info, state_reader)
+    kserve = add_kserve_servicer(server, tokenizer, scheduler, limits, model_info, state_reader, access)
     kserve.stream_idle_timeout_s = args.stream_idle_timeout_s
     http_api = http_runner = None
     if args.http_port:

@@ -29,7 +29,7 @@ import uuid
 
 from aiohttp import web
 
-from gateway.access import access_middleware
+from gateway.access import API_KEY, access_middleware
 from gateway.generation_stream import stream_generation
 from gateway.openai_errors import openai_error
 from gateway.openai_requests import ModelNotFound, parse_chat, parse_completion
@@ -147,6 +147,8 @@ class OpenAIHTTP:
         with request_scope(request_id, CHAT if chat else TEXT_COMPLETION):  # a refusal still names its request
             parsed = parse(body, self.tokenizer, self.limits, self.model_name, request_id)
         request_id = parsed.prepared.request.request_id
+        if (key := request.get(API_KEY)) is not None:  # its latency targets travel with the request
+            parsed.prepared.request = key.with_targets(parsed.prepared.request)
         builder = ResponseBuilder(chat=chat, request_id=request_id, model=self.model_name, logprobs=parsed.logprobs,
                                   include_usage=parsed.stream and parsed.include_usage, echo=parsed.echo,
                                   echo_first_token=parsed.echo_first_token)

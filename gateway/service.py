@@ -8,7 +8,7 @@ import time
 from redis.exceptions import RedisError
 
 from gateway.generation_stream import GenerationDelta, TokenLogprob, stream_generation
-from gateway.ownership import RequestOwners, caller_name
+from gateway.ownership import RequestOwners, caller_key, caller_name
 from gateway.request_builder import prepare, prompt_token_ids
 from gateway.resume import submit_or_attach
 from gateway.scheduler_client import SchedulerClient
@@ -80,7 +80,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         operation = CHAT if request.WhichOneof("input") == "messages" else TEXT_COMPLETION
         with request_scope(request.request_id, operation):  # a refusal here still names its request
             prepared = prepare(request, self.tokenizer, self.limits, self.model_name)
-        caller = caller_name(self.access, context)
+        key = caller_key(self.access, context)
+        caller = None if key is None else key.name
+        if key is not None:  # its latency targets, its class of service, travel with the request
+            prepared.request = key.with_targets(prepared.request)
         if self.token_reader is None:
             if request.HasField("resume_from_index"):
                 raise Unavailable("resume_from_index needs Redis; this gateway runs without --redis-url")

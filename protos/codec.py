@@ -146,6 +146,8 @@ def submit_request_to_proto(
         priority=request.priority,
         resumable=resumable,
         owner=owner or "",
+        target_itl_ms=request.target_itl_ms,
+        target_ttft_ms=request.target_ttft_ms,
     )
     if deadline_unix_s is not None:
         msg.deadline.FromNanoseconds(round(deadline_unix_s * 1e9))
@@ -159,6 +161,8 @@ def generation_request_from_submit_proto(msg: scheduler_pb2.SubmitRequest) -> Ge
         sampling_params=sampling_params_from_proto(msg.sampling_params),
         eos_token_id=msg.eos_token_id if msg.HasField("eos_token_id") else None,
         priority=msg.priority,
+        target_itl_ms=msg.target_itl_ms if msg.HasField("target_itl_ms") else None,
+        target_ttft_ms=msg.target_ttft_ms if msg.HasField("target_ttft_ms") else None,
     )
 
 

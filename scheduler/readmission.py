@@ -46,7 +46,8 @@ class ReadmittableTokens:
 
     def admitted(self, request: Request, deadline: float | None, owner: str | None) -> None:
         spec = GenerationRequest(request.request_id, list(request.prompt_token_ids), request.sampling_params,
-                                 eos_token_id=request.eos_token_id, priority=request.priority)
+                                 eos_token_id=request.eos_token_id, priority=request.priority,
+                                 target_itl_ms=request.target_itl_ms, target_ttft_ms=request.target_ttft_ms)
         message = codec.submit_request_to_proto(spec, deadline, resumable=True, owner=owner)
         self._live.admitted(request.request_id, base64.b64encode(message.SerializeToString()).decode())
 

@@ -46,6 +46,9 @@ class Request:
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     priority: int = 0  # lower runs first (vLLM convention)
+    # its API key's latency targets (core.requests.GenerationRequest); None: the scheduler's config
+    target_itl_ms: float | None = None
+    target_ttft_ms: float | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     # prompt + generated so far; the one list the scheduling rule reads.
@@ -87,7 +90,8 @@ class Request:
     def from_generation_request(cls, spec: GenerationRequest, trace_context: str = "") -> Request:
         """A fresh WAITING request; its arrival time is now, on this process's monotonic clock."""
         return cls(spec.request_id, list(spec.prompt_token_ids), spec.sampling_params,
-                   eos_token_id=spec.eos_token_id, priority=spec.priority, trace_context=trace_context)
+                   eos_token_id=spec.eos_token_id, priority=spec.priority, trace_context=trace_context,
+                   target_itl_ms=spec.target_itl_ms, target_ttft_ms=spec.target_ttft_ms)
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,11 @@ the scheduler asks it for the largest token budget whose predicted step time sta
 (prefill chunks shrink first: decodes are planned before them) and whether one more request still
 fits (the running-set size). Until MIN_OBSERVATIONS steps have been seen it predicts nothing and the
 scheduler keeps its fixed budget.
+
+Targets are also a class of service: a request may carry its API key's own (GenerationRequest
+target_itl_ms / target_ttft_ms). A step's ITL target is then the tightest among its running requests'
+(each request's own, else the scheduler's flag), and waiting requests with TTFT targets are admitted
+nearest-deadline first.
 """
 from __future__ import annotations
 
@@ -29,6 +34,18 @@ class StepShape:
         return [1.0, float(self.num_tokens), float(self.num_requests), self.num_context_tokens / 1000.0]
 
 
+@dataclass(slots=True, frozen=True)
+class ItlTarget:
+    """The inter-token target that governs a step: the tightest among the requests it decodes."""
+
+    ms: float
+    source: str  # ITL_FROM_FLAG (the scheduler's --target-itl-ms) or ITL_FROM_REQUEST (its API key's class)
+
+
+ITL_FROM_FLAG = "scheduler"
+ITL_FROM_REQUEST = "api_key"
+
+
 @dataclass(slots=True)
 class StepTuning:
     """What the latency targets decided for one step and how it went: span attributes of scheduler.step."""
@@ -37,6 +54,7 @@ class StepTuning:
     predicted_s: float | None  # None while the model is not fitted
     observed_s: float | None = None  # planning to result (at least the worker's forward time), once it is in
     target_missed: bool = False
+    itl_target: ItlTarget | None = None  # what governed the step; None: no ITL target
 
 
 class StepTimeModel:

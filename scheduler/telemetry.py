@@ -14,8 +14,9 @@ itself does no tracing work per request per token.
 And one `scheduler.step` span per step (StepSpans), from sending its plan to delivering its outputs:
 the ExecuteStep call is its child, and the Redis writes its delivery causes link to it. Its attributes
 include the latency targets' decision (step_tuning_attributes): the token budget, the step-time
-model's prediction, the step time observed (planning to result), the error and whether the ITL
-target was missed.
+model's prediction, the step time observed (planning to result), the error, the ITL target that
+governed the step and where it came from (the scheduler's flag, or a request's API key) and whether
+it was missed.
 """
 from __future__ import annotations
 
@@ -125,8 +126,11 @@ def _observe_times(times, end: float) -> None:
         metrics.REQUEST_DECODE_TIME.labels(model).observe(end - times.first_token)
 
 
-def step_tuning_attributes(tuning: StepTuning) -> dict[str, int | float | bool]:
-    attributes: dict[str, int | float | bool] = {"tokenmill.step.token_budget": tuning.token_budget}
+def step_tuning_attributes(tuning: StepTuning) -> dict[str, int | float | bool | str]:
+    attributes: dict[str, int | float | bool | str] = {"tokenmill.step.token_budget": tuning.token_budget}
+    if tuning.itl_target is not None:  # which target governed: the flag's, or a request's API key's
+        attributes["tokenmill.step.itl_target_ms"] = tuning.itl_target.ms
+        attributes["tokenmill.step.itl_target_source"] = tuning.itl_target.source
     if tuning.predicted_s is not None:
         attributes["tokenmill.step.predicted_ms"] = tuning.predicted_s * 1e3
     if tuning.observed_s is not None:

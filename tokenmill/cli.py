@@ -191,6 +191,11 @@ def add_hash_api_key_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests-per-s", type=_ranged(float, 0.0, low_open=True, what="> 0"),
                         help="this key's rate limit (default: the gateway's --rate-limit-rps)")
     parser.add_argument("--burst", type=POSITIVE, help="this key's burst (default: the gateway's)")
+    parser.add_argument("--target-itl-ms", type=_ranged(float, 0.0, low_open=True, what="> 0"),
+                        help="this key's inter-token latency target, its class of service (default: the "
+                             "scheduler's --target-itl-ms)")
+    parser.add_argument("--target-ttft-ms", type=_ranged(float, 0.0, low_open=True, what="> 0"),
+                        help="this key's time-to-first-token target (default: the scheduler's --target-ttft-ms)")
 
 
 def hash_api_key_command(args: argparse.Namespace) -> int:
@@ -211,6 +216,9 @@ def hash_api_key_command(args: argparse.Namespace) -> int:
         line["requests_per_s"] = args.requests_per_s
     if args.burst is not None:
         line["burst"] = args.burst
+    for field in ("target_itl_ms", "target_ttft_ms"):
+        if getattr(args, field) is not None:
+            line[field] = getattr(args, field)
     print(json.dumps(line))
     return 0
 

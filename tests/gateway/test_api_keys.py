@@ -11,6 +11,8 @@ from gateway.access import AccessControl, build_access
 from gateway.api_keys import ApiKey, ApiKeyStore, hash_api_key, load_api_keys
 from gateway.rate_limit import RateLimiter
 from core.errors import ResourceExhausted, Unauthenticated
+from core.requests import GenerationRequest
+from core.sampling import SamplingParams
 
 
 def write_keys(tmp_path, *lines: str):
@@ -41,11 +43,34 @@ def test_keys_file_round_trip_and_bearer_check(tmp_path):
     ('{"name": "x", "sha256": "' + "0" * 64 + '", "requests_per_s": 0}', r"requests_per_s=0 must be a number > 0"),
     ('{"name": "x", "sha256": "' + "0" * 64 + '", "burst": 1.5}', r"burst=1.5 must be an integer >= 1"),
     ('{"name": "first", "sha256": "' + "1" * 64 + '"}', r"name 'first' is used by more than one key"),
+    ('{"name": "x", "sha256": "' + "0" * 64 + '", "target_itl_ms": 0}',
+     r"keys.jsonl:2: target_itl_ms=0 must be a number of milliseconds > 0"),
+    ('{"name": "x", "sha256": "' + "0" * 64 + '", "target_ttft_ms": -5}',
+     r"keys.jsonl:2: target_ttft_ms=-5 must be a number of milliseconds > 0"),
+    ('{"name": "x", "sha256": "' + "0" * 64 + '", "target_itl_ms": "20"}',
+     r"keys.jsonl:2: target_itl_ms='20' must be a number of milliseconds > 0"),
+    ('{"name": "x", "sha256": "' + "0" * 64 + '", "target_ttft_ms": true}',
+     r"keys.jsonl:2: target_ttft_ms=True must be a number of milliseconds > 0"),
+    ('{"name": "x", "sha256": "' + "0" * 64 + '", "target_itl_ms": NaN}', r"keys.jsonl:2: target_itl_ms=nan must be"),
+    ('{"name": "x", "sha256": "' + "0" * 64 + '", "target_ttft_ms": 1e999}', r"keys.jsonl:2: target_ttft_ms=inf must be"),
 ])
 def test_a_bad_keys_file_is_refused_naming_line_and_field(tmp_path, line, message):
     path = write_keys(tmp_path, json.dumps({"name": "first", "sha256": "f" * 64}), line)
     with pytest.raises(ValueError, match=message):
         load_api_keys(path)
+
+
+def test_a_keys_latency_targets_go_on_the_requests_it_submits(tmp_path):
+    path = write_keys(tmp_path, json.dumps({"name": "chat", "sha256": hash_api_key("c"), "target_itl_ms": 25,
+                                            "target_ttft_ms": 400.5}),
+                      json.dumps({"name": "batch", "sha256": hash_api_key("b")}))
+    store = ApiKeyStore(load_api_keys(path))
+    chat, batch = store.authenticate("Bearer c"), store.authenticate("Bearer b")
+    assert (chat.target_itl_ms, chat.target_ttft_ms) == (25.0, 400.5)
+    request = GenerationRequest("r1", [1, 2], SamplingParams(max_tokens=3), priority=2)
+    assert chat.with_targets(request) == GenerationRequest("r1", [1, 2], SamplingParams(max_tokens=3), priority=2,
+                                                           target_itl_ms=25.0, target_ttft_ms=400.5)
+    assert batch.with_targets(request) is request  # no targets: the scheduler's flags, as before
 
 
 def test_token_bucket_allows_the_burst_then_the_rate():

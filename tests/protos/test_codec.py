@@ -131,8 +131,19 @@ def test_submit_request_round_trip_with_deadline():
     assert codec.deadline_from_submit_proto(msg) == pytest.approx(1_700_000_000.25, abs=1e-6)
 
 
+def test_submit_request_carries_the_keys_latency_targets():
+    request = GenerationRequest("r-3", [5], SamplingParams(), target_itl_ms=25.0, target_ttft_ms=0.1)
+    msg = over_the_wire(codec.submit_request_to_proto(request))
+    assert msg.HasField("target_itl_ms") and msg.HasField("target_ttft_ms")
+    assert codec.generation_request_from_submit_proto(msg) == request  # 0.1 exactly: a double on the wire
+    only_itl = GenerationRequest("r-4", [5], SamplingParams(), target_itl_ms=7.5)
+    assert codec.generation_request_from_submit_proto(over_the_wire(codec.submit_request_to_proto(only_itl))) == only_itl
+
+
 def test_submit_request_without_eos_or_deadline():
     msg = over_the_wire(codec.submit_request_to_proto(GenerationRequest("r-2", [1], SamplingParams())))
+    assert not msg.HasField("target_itl_ms") and not msg.HasField("target_ttft_ms")
+    assert codec.generation_request_from_submit_proto(msg).target_itl_ms is None
     assert codec.generation_request_from_submit_proto(msg).eos_token_id is None
     assert codec.deadline_from_submit_proto(msg) is None
     assert (msg.resumable, msg.owner) == (False, "")

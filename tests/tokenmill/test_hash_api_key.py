@@ -22,6 +22,18 @@ def test_given_key_hashes_to_a_keys_file_line():
     assert ApiKeyStore([api_key_from_entry(line, "stdout")]).authenticate("Bearer s3cret-key").name == "alice"
 
 
+def test_latency_target_flags_make_the_keys_class_of_service():
+    done = run("chat-key", "--name", "chat", "--target-itl-ms", "25", "--target-ttft-ms", "400")
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout)
+    assert (line["target_itl_ms"], line["target_ttft_ms"]) == (25.0, 400.0)
+    key = ApiKeyStore([api_key_from_entry(line, "stdout")]).authenticate("Bearer chat-key")
+    assert (key.target_itl_ms, key.target_ttft_ms) == (25.0, 400.0)
+    assert "target_itl_ms" not in json.loads(run("other-key").stdout)  # none unless asked
+    refused = run("k", "--target-itl-ms", "0")
+    assert refused.returncode == 2 and "--target-itl-ms" in refused.stderr and "> 0" in refused.stderr
+
+
 def test_without_a_key_a_random_one_is_made_and_shown_once():
     done = run("--name", "bob")
     key = done.stderr.split("API key (shown only now): ")[1].strip()

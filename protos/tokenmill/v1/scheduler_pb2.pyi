@@ -12,7 +12,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority", "deadline", "resumable", "owner")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority", "deadline", "resumable", "owner", "target_itl_ms", "target_ttft_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,8 @@ class SubmitRequest(_message.Message):
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     RESUMABLE_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ITL_MS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _sampling_pb2.SamplingParams
@@ -29,7 +31,9 @@ class SubmitRequest(_message.Message):
     deadline: _timestamp_pb2.Timestamp
     resumable: bool
     owner: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., eos_token_id: _Optional[int] = ..., priority: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., resumable: _Optional[bool] = ..., owner: _Optional[str] = ...) -> None: ...
+    target_itl_ms: float
+    target_ttft_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., eos_token_id: _Optional[int] = ..., priority: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., resumable: _Optional[bool] = ..., owner: _Optional[str] = ..., target_itl_ms: _Optional[float] = ..., target_ttft_ms: _Optional[float] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("request_id", "new_token_ids", "logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "num_preemptions", "timings", "prompt_logprobs")

@@ -20,6 +20,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}<
                  "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
 MAIN_KEY, LIMITED_KEY = "tm-main-0123456789abcdef", "tm-limited-fedcba9876543210"
 OTHER_KEY = "tm-other-5555aaaa5555aaaa"  # unlimited, to show one key cannot reach another's requests
+CLASS_KEY = "tm-class-7777bbbb7777bbbb"  # unlimited, with latency targets (a class of service)
+CLASS_ITL_MS, CLASS_TTFT_MS = 25.0, 400.0
 LIMITED_RATE, LIMITED_BURST = 0.2, 3  # requests/s and burst of the "limited" key
 MAX_NUM_SEQS, MAX_WAITING_REQUESTS, MAX_WAITING_TOKENS = 2, 6, 600
 MAX_MODEL_LEN = 512  # the tiny model's max_position_embeddings
@@ -45,6 +47,8 @@ def guarded(tmp_path_factory) -> GuardedCluster:
     keys.write_text("# test keys\n" + "\n".join(json.dumps(line) for line in (
         {"name": "main", "sha256": hash_api_key(MAIN_KEY)},
         {"name": "other", "sha256": hash_api_key(OTHER_KEY)},
+        {"name": "class", "sha256": hash_api_key(CLASS_KEY), "target_itl_ms": CLASS_ITL_MS,
+         "target_ttft_ms": CLASS_TTFT_MS},
         {"name": "limited", "sha256": hash_api_key(LIMITED_KEY), "requests_per_s": LIMITED_RATE,
          "burst": LIMITED_BURST})) + "\n")
     config = resolve_ports(ClusterConfig(

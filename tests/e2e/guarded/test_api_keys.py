@@ -172,3 +172,45 @@ def test_a_request_id_answers_only_to_the_key_that_submitted_it(guarded):
         resumed = list(stub.GenerateStream(generation_pb2.GenerateRequest(
             prompt="hi", request_id=request_id, resume_from_index=max_tokens - 5), metadata=guarded.metadata, timeout=30))
         assert sum(len(m.token_ids) for m in resumed) == 5
+
+
+def test_a_keys_latency_targets_reach_the_scheduler_request(guarded):
+    """The keys file's target_itl_ms / target_ttft_ms ride on every request of that key to the
+    scheduler's own Request: read back from what the scheduler stores for re-admission (its Request as
+    a SubmitRequest in Redis, tokenmill:live:*) while each request runs. A key without targets sends none."""
+    import base64
+
+    import redis
+
+    from kvstore.live_requests import LIVE_KEY_PREFIX
+    from protos.tokenmill.v1 import scheduler_pb2
+    from tests.e2e.guarded.conftest import CLASS_ITL_MS, CLASS_KEY, CLASS_TTFT_MS
+
+    store = redis.Redis.from_url(guarded.config.effective_redis_url)
+
+    def submitted(request_id: str) -> scheduler_pb2.SubmitRequest:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            for key in store.scan_iter(match=LIVE_KEY_PREFIX + "*"):
+                entry = store.hget(key, request_id)
+                if entry is not None:
+                    return scheduler_pb2.SubmitRequest.FromString(base64.b64decode(entry))
+            time.sleep(0.05)
+        raise AssertionError(f"{request_id}: no live submission in Redis")
+
+    long_request = generation_pb2.GenerateRequest(prompt="hi", parameters=generation_pb2.GenerateParameters(
+        max_tokens=400, ignore_eos=True))
+    with grpc.insecure_channel(guarded.config.gateway_address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        for key, expected in ((CLASS_KEY, (CLASS_ITL_MS, CLASS_TTFT_MS)), (MAIN_KEY, None)):
+            stream = stub.GenerateStream(long_request, metadata=(("authorization", f"Bearer {key}"),), timeout=60)
+            try:
+                request_id = next(stream).request_id  # running now
+                message = submitted(request_id)
+            finally:
+                stream.cancel()
+            if expected is None:
+                assert not message.HasField("target_itl_ms") and not message.HasField("target_ttft_ms")
+                assert message.owner == "main"
+            else:
+                assert (message.target_itl_ms, message.target_ttft_ms) == expected and message.owner == "class"
