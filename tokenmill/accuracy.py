@@ -27,16 +27,36 @@ class Variant:
     label: str
     quantization: str  # worker.backends.QUANTIZATIONS
     dtype: torch.dtype
+    int8_activations: bool = False  # --cpu-int8-activations (4-bit weights, decode-sized row blocks)
 
 
 DEFAULT_VARIANTS = (
     Variant("as the file holds it", "auto", torch.float32),
     Variant("as the file holds it", "auto", torch.bfloat16),
+    Variant("as the file holds it, int8 activations", "auto", torch.float32, int8_activations=True),
     Variant("int8 at load (group 32)", "int8", torch.float32),
     Variant("int4 at load (group 32)", "int4", torch.float32),
     Variant("dequantized", "none", torch.bfloat16),
 )
 REFERENCE = Variant("reference: dequantized", "none", torch.float32)
+
+
+@torch.inference_mode()
+def decode_logits(model, config, token_ids: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Logits [T, vocab] for every position, one token per forward pass as decode runs them."""
+    from worker.attention import RequestSpan, build_attention_metadata
+    from worker.kv_cache import allocate_kv_cache
+
+    block_size = 16
+    num_blocks = -(-len(token_ids) // block_size)
+    kv_cache = allocate_kv_cache(config, num_blocks, block_size, dtype, device)
+    table = list(range(num_blocks))
+    rows = []
+    for position, token in enumerate(token_ids):
+        metadata = build_attention_metadata([RequestSpan(0, 1, position + 1, table)], block_size, device)
+        hidden = model(torch.tensor([token], device=device), torch.tensor([position], device=device), kv_cache, metadata)
+        rows.append(model.compute_logits(hidden))
+    return torch.cat(rows)
 
 
 @dataclass(slots=True)
@@ -51,21 +71,25 @@ class Score:
 
 
 def build_variant(model_path, variant: Variant, device: torch.device):
-    from worker.group_quant import quantize_linears, weight_formats
+    from worker.group_quant import quantize_linears, use_int8_activations, weight_formats
     from worker.loader import load_model
 
     model, config = load_model(model_path, dtype=variant.dtype, progress=False, keep_quantized=variant.quantization == "auto")
     if variant.quantization in ("int8", "int4"):
         quantize_linears(model, bits=int(variant.quantization.removeprefix("int")))
+    if variant.int8_activations:
+        use_int8_activations(model)
     model = model.to(device).eval()
     weight_bytes = sum(t.numel() * t.element_size() for t in {**dict(model.named_parameters()), **dict(model.named_buffers())}.values())
     return model, config, weight_formats(model) or str(variant.dtype).removeprefix("torch."), weight_bytes
 
 
-def score_windows(model, config, token_windows, dtype, device, reference_argmax: list | None) -> tuple[Score, list]:
+def score_windows(model, config, token_windows, dtype, device, reference_argmax: list | None,
+                  decode_rows: bool = False) -> tuple[Score, list]:
+    """decode_rows: run each window as decode does, a token at a time (paths that differ with the row count)."""
     score, argmaxes = Score(), []
     for index, ids in enumerate(token_windows):
-        logits = window_logits(model, config, ids, dtype, device).float()[:-1]  # position i predicts token i + 1
+        logits = (decode_logits if decode_rows else window_logits)(model, config, ids, dtype, device).float()[:-1]
         targets = torch.tensor(ids[1:], device=logits.device)
         score.nll += float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
         argmax = logits.argmax(dim=-1)
@@ -107,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     for variant in (REFERENCE, *DEFAULT_VARIANTS):
         started = time.perf_counter()
         model, config, formats, weight_bytes = build_variant(args.model, variant, device)
-        score, argmaxes = score_windows(model, config, token_windows, variant.dtype, device, reference_argmax)
+        score, argmaxes = score_windows(model, config, token_windows, variant.dtype, device, reference_argmax,
+                                        decode_rows=variant.int8_activations)
         if reference_argmax is None:
             reference_argmax, reference_ppl = argmaxes, score.perplexity
         del model

@@ -70,6 +70,7 @@ class ClusterConfig:
     cuda_graphs: bool = True
     stream_overlap: bool = True
     packed_linears: bool = True  # CPU float32 (worker.cpu_linear)
+    cpu_int8_activations: bool = False  # worker.backends.ExecutionOptions
     max_waiting_requests: int = 4096  # beyond these the scheduler answers RESOURCE_EXHAUSTED at once
     max_waiting_tokens: int = 0  # prompt tokens waiting; 0: no bound
     api_keys_file: str | None = None  # the gateway's keys (gateway.api_keys); None: authentication off
@@ -184,6 +185,8 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
         worker.append("--no-stream-overlap")
     if not config.packed_linears:
         worker.append("--no-packed-linears")
+    if config.cpu_int8_activations:
+        worker.append("--cpu-int8-activations")
     scheduler = [config.python, "-m", "scheduler.main", "--host", config.internal_host,
                  "--port", str(config.scheduler_port), "--worker", config.worker_address,
                  *server_tls, *(probe_tls.argv("worker") if probe_tls else []), *internal_size,

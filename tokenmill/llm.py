@@ -39,13 +39,14 @@ class EngineConfig:
     cuda_graphs: bool = True  # CUDA + triton only
     stream_overlap: bool = True  # CUDA only
     packed_linears: bool = True  # CPU float32: weights reordered once for oneDNN (worker.cpu_linear)
+    cpu_int8_activations: bool = False  # worker.backends.ExecutionOptions
     # a model whose every layer slides: give back each request's pages before its window (scheduler.kv_manager)
     free_window_pages: bool = True
 
     def execution_options(self) -> ExecutionOptions:
         return ExecutionOptions(kernel_backend=self.kernel_backend, quantization=self.quantization,
                                 cuda_graphs=self.cuda_graphs, stream_overlap=self.stream_overlap,
-                                packed_linears=self.packed_linears)
+                                packed_linears=self.packed_linears, cpu_int8_activations=self.cpu_int8_activations)
 
 
 def scheduler_config_for(config: EngineConfig, num_blocks: int, model_max_len: int, num_host_blocks: int = 0,

@@ -126,6 +126,7 @@ class GroupQuantLinear(nn.Module):
         self.register_buffer("scales", weight.scales)
         self.register_buffer("mins", weight.mins)
         self.register_buffer("bias", bias)
+        self.int8_activations = False  # use_int8_activations(); 4-bit weights only
 
     def weight_view(self) -> GroupQuantWeight:
         return GroupQuantWeight(self.codes, self.scales, self.mins, self.bits, self.group_size, self.source)
@@ -136,7 +137,9 @@ class GroupQuantLinear(nn.Module):
         x32 = x if x.dtype == torch.float32 else x.float()
         if x.device.type == "cpu" and cpu_ops_available():
             ops = torch.ops.tokenmill
-            if x.shape[0] <= GEMM_ROWS:
+            if x.shape[0] <= GEMM_ROWS and self.int8_activations:
+                out = ops.group_quant_linear_int8_dot(x32, self.codes, self.scales, self.mins)
+            elif x.shape[0] <= GEMM_ROWS:
                 out = ops.group_quant_linear(x32, self.codes, self.scales, self.mins, self.bits, self.group_size)
             else:
                 out = ops.group_quant_linear_strips(x32, self.codes, self.scales, self.mins, self.bits,
@@ -180,6 +183,15 @@ class GroupQuantEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, bits={self.bits}, source={self.source!r}"
+
+
+def use_int8_activations(model: nn.Module) -> int:
+    """--cpu-int8-activations: the 4-bit linears under model take the integer-dot kernel for decode rows
+    (worker/csrc/group_quant_int8_dot.cpp). Returns how many."""
+    linears = [m for m in model.modules() if isinstance(m, GroupQuantLinear) and m.bits == 4]
+    for linear in linears:
+        linear.int8_activations = True
+    return len(linears)
 
 
 def quantize_linears(model: nn.Module, bits: int, group_size: int = 32) -> int:

@@ -15,7 +15,7 @@ import torch
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "csrc" / "group_quant_linear.cpp",)
+SOURCES = (HERE / "csrc" / "group_quant_linear.cpp", HERE / "csrc" / "group_quant_int8_dot.cpp")
 OPS_DIR = HERE / "_ops"
 
 

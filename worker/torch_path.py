@@ -17,6 +17,7 @@ from worker.cpu_linear import pack_linears
 from worker.execution_path import StepBatch
 from worker.kv_cache import KVCache
 from worker.model import LlamaModel
+from worker.group_quant import use_int8_activations
 from worker.sampler import SamplingRow, sample
 from worker.structured_output import TokenBitmask
 
@@ -29,6 +30,8 @@ class TorchPath:
         self.gather_workspace = GatherWorkspace(block_numel, kv_cache.storage.dtype, device, decode_group_bytes)
         if execution.packed_linears:
             pack_linears(model)  # in place: the model's linears now read oneDNN-reordered weights
+        if execution.cpu_int8_activations:
+            use_int8_activations(model)
 
     def prepare(self, batch: StepBatch) -> HostAttentionPlan:
         # the tensors are made in forward(), on the compute thread

@@ -76,3 +76,16 @@ def test_flag_reaches_the_worker_from_serve():
     config = ClusterConfig(redis_url="redis://127.0.0.1:1", http_port=None, packed_linears=False)
     worker = next(spec for spec in cluster_specs(config) if spec.name == "worker")
     assert parse_args(list(worker.argv[3:])).execution.packed_linears is False
+
+
+def test_int8_activations_flag_reaches_the_worker_from_serve():
+    from tokenmill.cli import build_parser
+    from tokenmill.cluster import ClusterConfig, cluster_specs
+
+    assert parse_args(["--cpu-int8-activations"]).execution == ExecutionOptions(cpu_int8_activations=True)
+    assert build_parser().parse_args(["serve", "--cpu-int8-activations"]).cpu_int8_activations
+    config = ClusterConfig(redis_url="redis://127.0.0.1:1", http_port=None, cpu_int8_activations=True)
+    worker = next(spec for spec in cluster_specs(config) if spec.name == "worker")
+    assert parse_args(list(worker.argv[3:])).execution.cpu_int8_activations is True
+    assert resolve_execution(ExecutionOptions(cpu_int8_activations=True), "cpu").cpu_int8_activations
+    assert not resolve_execution(ExecutionOptions(cpu_int8_activations=True), "cuda").cpu_int8_activations

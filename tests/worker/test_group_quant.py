@@ -111,3 +111,43 @@ def test_quantized_gguf_runs_as_stored_with_its_dequantized_logits(tmp_path, fla
         "Q4_0+Q4_K+Q6_K", "Q4_1", "Q5_K+Q8_0", "Q6_K", "Q8_0"}))
     tokens = torch.randint(0, config.vocab_size, (24,), generator=torch.Generator().manual_seed(0)).tolist()
     assert max_rel_err(all_row_logits(quantized, config, tokens), all_row_logits(reference, config, tokens)) <= 1e-4
+
+
+def int8_activation_reference(x: torch.Tensor, weight: GroupQuantWeight) -> torch.Tensor:
+    """What --cpu-int8-activations computes, in torch: x rounded to int8 per group of 32 under absmax/127
+    (half to even), the integer dot with the 4-bit codes, the min term on the same rounded x."""
+    rows, k = x.shape
+    groups = x.view(rows, k // 32, 32)
+    scale = groups.abs().amax(-1) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    rounded = torch.round(groups * inverse[..., None])  # [rows, G, 32]
+    codes = weight.unpacked_codes().view(weight.out_features, k // 32, 32).float()  # [N, G, 32]
+    dots = torch.einsum("tgk,ngk->tng", rounded.double(), codes.double())  # exact integers
+    terms = (weight.scales.double()[None] * dots + weight.mins.double()[None] * rounded.sum(-1).double()[:, None])
+    return (terms * scale.double()[:, None]).sum(-1).float()
+
+
+@needs_ops
+@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+def test_int8_activation_op_is_the_rounded_activation_product(rows):
+    torch.manual_seed(rows)
+    weight = quantize_weight(torch.randn(100, 256), 4)
+    x = torch.randn(rows, 256)
+    x[0, :32] = 0.0  # a group of zeros: scale 0, no division by it
+    ours = torch.ops.tokenmill.group_quant_linear_int8_dot(x, weight.codes, weight.scales, weight.mins)
+    expected = int8_activation_reference(x, weight)
+    assert (ours - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+    exact = x @ weight.dequantize().T
+    assert ((ours - exact).norm() / exact.norm()).item() < 1e-2  # what rounding the activations costs
+
+
+@needs_ops
+def test_int8_activations_apply_to_four_bit_decode_rows_only(tmp_path):
+    from worker.group_quant import use_int8_activations
+
+    model = torch.nn.Sequential(GroupQuantLinear(quantize_weight(torch.randn(64, 96), 4)),
+                                GroupQuantLinear(quantize_weight(torch.randn(96, 64), 8)))
+    assert use_int8_activations(model) == 1 and model[0].int8_activations and not model[1].int8_activations
+    few, many = torch.randn(2, 96), torch.randn(GEMM_ROWS + 1, 96)
+    assert torch.allclose(model[0](few), int8_activation_reference(few, model[0].weight_view()), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(model[0](many), many @ model[0].weight_view().dequantize().T, rtol=1e-4, atol=1e-4)
