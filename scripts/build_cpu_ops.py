@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if "--installed" not in sys.argv:
     sys.path.insert(0, str(ROOT))
 
-from worker.native_ops import OPS_DIR, SOURCES, built_library_path  # noqa: E402
+from worker.native_ops import COMPILE_FLAGS, LINK_FLAGS, OPS_DIR, SOURCES, built_library_path  # noqa: E402
 
 
 def main() -> int:
@@ -39,7 +39,7 @@ def main() -> int:
     print(f"[build_cpu_ops] compiling {', '.join(p.name for p in SOURCES)} (about a minute on 2 cores)", flush=True)
     cpp_extension.load(
         name=target.stem, sources=[str(p) for p in SOURCES], build_directory=str(build_dir),
-        extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off"], is_python_module=False, verbose=not quiet,
+        extra_cflags=list(COMPILE_FLAGS), extra_ldflags=list(LINK_FLAGS), is_python_module=False, verbose=not quiet,
     )
     built = build_dir / f"{target.stem}.so"
     built.replace(target)

@@ -24,13 +24,21 @@ from torch.nn import functional as F
 from worker.native_ops import cpu_ops_available
 
 # Above this many rows a float32 GEMM on strips of the dequantized weight beats the row-streaming
-# kernel; STRIP_ROWS rows of W are dequantized at a time (in cache). Measured on the default model's
-# linears, one thread, min of 3 (scripts/bench_group_quant.py --strip-rows 256), microseconds:
-#   gate_up 8 rows: f32 552, q4 rows 760, q4 strips 832; 32 rows: 1701 / 3582 / 2287
-#   lm_head 8 rows: f32 17661, q4 rows 12739, strips 14994; 128 rows: 99313 / 208750 / 97457
+# kernel; at most STRIP_ROWS rows of W are dequantized at a time (in cache), fewer where that would
+# leave a thread idle. Measured on the default model's linears, two threads, min of 3
+# (scripts/bench_group_quant.py), microseconds:
+#   gate_up 8 rows: f32 364, q4 rows 505, q4 strips 620; 32 rows: 961 / 1956 / 1245
+#   lm_head 1 row: f32 5651, q4 rows 2217; 8 rows: 8386 / 7630 / 9010; 32 rows: 16827 / 26426 / 18919
 # (f32 there is oneDNN on a packed weight the benchmark keeps in cache, which a served model's 540 MB do not)
 GEMM_ROWS = 8
 STRIP_ROWS = 256
+
+
+def strip_rows(out_features: int, threads: int) -> int:
+    """Strips of at most STRIP_ROWS rows, at least two per thread where the weight allows (a 576-row
+    weight in 256-row strips kept one of two threads idle a third of the time: 3065 vs 2254 us)."""
+    per_strip = -(-out_features // (2 * max(threads, 1)))
+    return min(STRIP_ROWS, max(64, -(-per_strip // 16) * 16))
 
 
 @dataclass(slots=True)
@@ -143,7 +151,7 @@ class GroupQuantLinear(nn.Module):
                 out = ops.group_quant_linear(x32, self.codes, self.scales, self.mins, self.bits, self.group_size)
             else:
                 out = ops.group_quant_linear_strips(x32, self.codes, self.scales, self.mins, self.bits,
-                                                    self.group_size, STRIP_ROWS)
+                                                    self.group_size, strip_rows(self.out_features, torch.get_num_threads()))
             if self.bias is not None:
                 out = out + self.bias
         else:  # no compiled op: the same numbers, slower

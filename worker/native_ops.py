@@ -17,10 +17,14 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "csrc" / "group_quant_linear.cpp", HERE / "csrc" / "group_quant_int8_dot.cpp")
 OPS_DIR = HERE / "_ops"
+# -fopenmp: at::parallel_for is an inline OpenMP loop, serial without it (measured: the op ran on one of
+# two threads); the .so then needs libgomp.so.1, which resolves to the copy torch already loaded
+COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp")
+LINK_FLAGS = ("-fopenmp",)
 
 
 def built_library_path() -> Path:
-    digest = hashlib.sha256(torch.__version__.encode())
+    digest = hashlib.sha256(" ".join((torch.__version__, *COMPILE_FLAGS, *LINK_FLAGS)).encode())
     for source in SOURCES:
         digest.update(source.read_bytes())
     return OPS_DIR / f"tokenmill_cpu_ops_{digest.hexdigest()[:12]}.so"

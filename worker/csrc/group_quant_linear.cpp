@@ -11,6 +11,7 @@
 // worker/native_ops.py loads it only where the CPU has AVX2 and FMA.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <immintrin.h>
 
 #include <vector>
@@ -214,7 +215,11 @@ at::Tensor group_quant_linear_strips(const at::Tensor& x_in, const at::Tensor& c
   const float* sp = scales.data_ptr<float>();
   const float* mp = mins.data_ptr<float>();
   const int64_t code_stride = codes.size(1), strips = (N + strip_rows - 1) / strip_rows;
+  // the GEMM below dispatches through ATen on worker threads: they need the caller's thread-local state
+  // (inference mode, grad mode), which OpenMP threads do not inherit
+  const at::ThreadLocalState caller_state;
   at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
+    at::ThreadLocalStateGuard state_guard(caller_state);
     at::Tensor strip = at::empty({strip_rows, K}, x.options());
     float* buf = strip.data_ptr<float>();
     for (int64_t i = begin; i < end; ++i) {
