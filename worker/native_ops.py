@@ -16,6 +16,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "csrc" / "group_quant_linear.cpp", HERE / "csrc" / "group_quant_int8_dot.cpp")
+HEADERS = (HERE / "csrc" / "simd.h",)  # not compiled on their own, but part of what a build is built from
 OPS_DIR = HERE / "_ops"
 # -fopenmp: at::parallel_for is an inline OpenMP loop, serial without it (measured: the op ran on one of
 # two threads); the .so then needs libgomp.so.1, which resolves to the copy torch already loaded
@@ -25,7 +26,7 @@ LINK_FLAGS = ("-fopenmp",)
 
 def built_library_path() -> Path:
     digest = hashlib.sha256(" ".join((torch.__version__, *COMPILE_FLAGS, *LINK_FLAGS)).encode())
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     return OPS_DIR / f"tokenmill_cpu_ops_{digest.hexdigest()[:12]}.so"
 
@@ -44,7 +45,7 @@ def cpu_ops_available() -> bool:
     if not _cpu_has_avx2_fma():
         log.warning("compiled CPU ops not used: this CPU lacks AVX2/FMA; quantized linears use torch ops (slower)")
         return False
-    if not all(source.exists() for source in SOURCES):
+    if not all(source.exists() for source in (*SOURCES, *HEADERS)):
         log.warning("compiled CPU ops not used: their sources are not installed beside worker/ (%s)", HERE / "csrc")
         return False
     path = built_library_path()

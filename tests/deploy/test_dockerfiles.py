@@ -118,4 +118,4 @@ def test_the_cpu_image_builds_the_compiled_cpu_ops_for_the_installed_package():
     runs = [value for op, value in _instructions("Dockerfile.cpu") if op == "RUN"]
     install = next(i for i, value in enumerate(runs) if "pip install --no-deps /src" in value)
     assert any("build_cpu_ops.py --installed" in value for value in runs[install + 1:])
-    assert "csrc/*.cpp" in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["worker"]
+    assert {"csrc/*.cpp", "csrc/*.h"} <= set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["worker"])

@@ -10,18 +10,13 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <cmath>
 #include <vector>
 
 namespace {
 
-inline float hsum8(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  return _mm_cvtss_f32(lo);
-}
 
 template <int ROWS>
 void row_dot_q8(const uint8_t* codes, const float* scales, const float* mins, const int8_t* xq, const float* xscale,
@@ -43,7 +38,7 @@ void row_dot_q8(const uint8_t* codes, const float* scales, const float* mins, co
       min_acc[t] += m * xsum[t * groups + g];
     }
   }
-  for (int t = 0; t < ROWS; ++t) out[t * ldo] = hsum8(acc[t]) + min_acc[t];
+  for (int t = 0; t < ROWS; ++t) out[t * ldo] = tokenmill::hsum(acc[t]) + min_acc[t];
 }
 
 }  // namespace

@@ -14,19 +14,14 @@
 #include <ATen/ThreadLocalState.h>
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <vector>
 
 namespace {
 
 constexpr int64_t kTokenBlock = 4;  // rows of x sharing one dequantized weight vector
 
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  return _mm_cvtss_f32(lo);
-}
 
 inline __m256 codes8_to_ps(const uint8_t* p) {  // 8 unsigned bytes -> 8 floats
   __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
@@ -78,7 +73,7 @@ void row_dot(const uint8_t* codes, const float* scales, const float* mins, const
       }
     }
   }
-  for (int t = 0; t < ROWS; ++t) out[t * ldo] = hsum(_mm256_add_ps(acc0[t], acc1[t])) + min_acc[t];
+  for (int t = 0; t < ROWS; ++t) out[t * ldo] = tokenmill::hsum(_mm256_add_ps(acc0[t], acc1[t])) + min_acc[t];
 }
 
 template <int BITS>
@@ -128,7 +123,7 @@ at::Tensor group_quant_linear(const at::Tensor& x_in, const at::Tensor& codes, c
       const float* v = xp + t * K + g * group_size;
       __m256 acc = _mm256_loadu_ps(v);
       for (int64_t k = 8; k < group_size; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(v + k));
-      xsum[t * groups + g] = hsum(acc);
+      xsum[t * groups + g] = tokenmill::hsum(acc);
     }
   const float* xs = xsum.data();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
