@@ -96,7 +96,7 @@ def add_execution_flags(parser) -> None:
     parser.add_argument("--kernel-backend", choices=KERNEL_BACKENDS, default="auto",
                         help="auto: triton on CUDA, torch on CPU (default: %(default)s)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
-                        help="auto: a GGUF file's weights as it holds them (Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K), a folder's "
+                        help="auto: a GGUF file's weights as it holds them (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K), a folder's "
                              "in --dtype; none: all in --dtype; int8 / int4: weight-only, quantized at load "
                              "(default: %(default)s)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (CUDA only)")

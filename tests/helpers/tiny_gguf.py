@@ -82,13 +82,13 @@ def _write_metadata(writer, config, arch: str) -> None:
 
 def quantized_blocks(values: np.ndarray, type_name: str, seed: int = 0) -> np.ndarray:
     """values [N, K] as a GGUF quantized tensor's raw bytes [N, row bytes]. gguf-py quantizes Q4_0 / Q4_1 /
-    Q8_0; it has no K-quant quantizer, so those get random codes under small random f16 scales (a valid
+    Q5_0 / Q5_1 / Q8_0; it has no K-quant quantizer, so those get random codes under small random f16 scales (a valid
     file whose weights are what the blocks say, which is all a loader test needs)."""
     import gguf
     from gguf.quants import quantize
 
     qtype = gguf.GGMLQuantizationType[type_name]
-    if type_name in ("Q4_0", "Q4_1", "Q8_0"):
+    if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         return quantize(values.astype(np.float32), qtype)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)

@@ -89,7 +89,7 @@ def test_concatenated_rows_keep_every_part_exact():
 
 
 TYPES_BY_TENSOR = {  # a Q4_K_M-like mix: fused q/k/v and gate/up hold different formats
-    "attn_q.weight": "Q4_K", "attn_k.weight": "Q4_0", "attn_v.weight": "Q6_K", "attn_output.weight": "Q4_1",
+    "attn_q.weight": "Q4_K", "attn_k.weight": "Q5_0", "attn_v.weight": "Q6_K", "attn_output.weight": "Q4_1",
     "ffn_gate.weight": "Q5_K", "ffn_up.weight": "Q8_0", "ffn_down.weight": "Q6_K", "output.weight": "Q8_0",
 }
 
@@ -108,7 +108,7 @@ def test_quantized_gguf_runs_as_stored_with_its_dequantized_logits(tmp_path, fla
     if config.tie_word_embeddings:  # qwen2: one set of codes behind the lookup and lm_head
         assert quantized.lm_head.codes is quantized.embed_tokens.codes
     assert weight_formats(quantized) == ", ".join(sorted({
-        "Q4_0+Q4_K+Q6_K", "Q4_1", "Q5_K+Q8_0", "Q6_K", "Q8_0"}))
+        "Q4_K+Q5_0+Q6_K", "Q4_1", "Q5_K+Q8_0", "Q6_K", "Q8_0"}))
     tokens = torch.randint(0, config.vocab_size, (24,), generator=torch.Generator().manual_seed(0)).tolist()
     assert max_rel_err(all_row_logits(quantized, config, tokens), all_row_logits(reference, config, tokens)) <= 1e-4
 

@@ -62,8 +62,16 @@ def transformers_gemma3(path):
     return model.eval()
 
 
-def test_real_gemma3_gguf_matches_transformers(gemma3_gguf):
-    model, config = load_model(gemma3_gguf, progress=False)
+@pytest.mark.parametrize("keep_quantized", [False, True], ids=["dequantized", "as-stored"])
+def test_real_gemma3_gguf_matches_transformers(gemma3_gguf, keep_quantized):
+    """as-stored: what `tokenmill serve` runs (--quantization auto): the file's K-quant blocks as they are."""
+    model, config = load_model(gemma3_gguf, progress=False, keep_quantized=keep_quantized)
+    if keep_quantized:
+        from worker.group_quant import weight_formats
+
+        formats = weight_formats(model)
+        assert "Q4_K" in formats and "Q6_K" in formats and "float" not in formats, formats
+        assert not any(isinstance(m, torch.nn.Linear | torch.nn.Embedding) for m in model.modules())
     assert (config.architecture, config.num_layers, config.head_dim, config.num_kv_heads) == ("gemma3", 18, 256, 1)
     assert config.layer_windows == ((512,) * 5 + (None,)) * 3 and config.local_rope_theta == 10000.0
     assert config.qk_norm and config.sandwich_norms and config.max_position_embeddings == 32768

@@ -7,6 +7,8 @@ dequantize bit for bit (tests/worker/test_gguf_quants.py). Block layouts, from g
   Q4_0  [d f16][16 B: 32 nibbles]           w = d * (q - 8)
   Q4_1  [d f16][m f16][16 B]                w = d * q + m
   Q8_0  [d f16][32 x int8]                  w = d * q
+  Q5_0  [d f16][4 B: 32 high bits][16 B]    w = d * (q - 16)     (q: nibble | high bit << 4)
+  Q5_1  [d f16][m f16][4 B][16 B]           w = d * q + m
   Q4_K  256 per block: [d][dmin][12 B six-bit scales/mins x 8][128 B nibbles]  w = d*sc_j*q - dmin*m_j
   Q5_K  as Q4_K plus [32 B high bits] before the nibbles                       (5-bit q)
   Q6_K  [128 B low nibbles][64 B high 2 bits][16 x int8 scales][d f16]         w = d*sc_j*(q - 32), 16 per scale
@@ -52,6 +54,15 @@ def _convert(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray
         d = _f16(blocks[:, 0:2])
         codes = (blocks[:, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         return codes, d[:, None], (-128.0 * d)[:, None], 8, 32
+    if type_name in ("Q5_0", "Q5_1"):
+        d = _f16(blocks[:, 0:2])
+        offset = 2 if type_name == "Q5_0" else 4
+        high = np.ascontiguousarray(blocks[:, offset:offset + 4]).view(np.uint32).reshape(n, 1)
+        high = ((high >> np.arange(32, dtype=np.uint32).reshape(1, 32)) & 1).astype(np.uint8)
+        packed = blocks[:, offset + 4:offset + 20]
+        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=1) | (high << 4)  # elements 0..15, 16..31
+        mins = -16.0 * d if type_name == "Q5_0" else _f16(blocks[:, 2:4])
+        return codes, d[:, None], mins[:, None], 8, 32
     if type_name in ("Q4_K", "Q5_K"):
         d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
         sc, mn = _k_scale_min(blocks[:, 4:16])
@@ -73,7 +84,7 @@ def _convert(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray
     raise KeyError(type_name)
 
 
-SUPPORTED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 def group_quant_from_gguf(tensor) -> GroupQuantWeight | None:
