@@ -1,16 +1,16 @@
 """Group-quantized weights (W[n, k] = scale[n, g] * code[n, k] + min[n, g], g = k // group_size) and the
 linear that runs on them without expanding them to float32.
 
-One format holds every weight-only format we load: llama.cpp's Q4_0 / Q4_1 / Q8_0 (group 32) and its
-K-quants Q4_K / Q5_K (group 32, 4- and 5-bit codes) and Q6_K (group 16, 6-bit codes) map onto it exactly,
+One format holds every weight-only format we load: llama.cpp's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 (group
+32) and its K-quants Q4_K / Q5_K (group 32, 4- and 5-bit codes) and Q6_K (group 16, 6-bit codes) map onto it exactly,
 each GGUF block's scale and minimum becoming the group's (worker/loader/gguf_quants.py); a Hugging Face
 folder's float weights are quantized into it at load by --quantization int4|int8 (quantize_weight, with
 the rounding error that brings). Codes are unsigned: 8-bit codes one byte each, 4-bit codes packed as
 llama.cpp packs Q4_0/Q4_1 (a group of 32 in 16 bytes, element j low nibble and j + 16 high nibble of byte j).
 
 On CPU the matmul is the compiled op (worker/csrc/group_quant_linear.cpp) for few rows, where decoding
-is bound by reading the weights, and a float32 GEMM on the weight it dequantizes for many rows (prefill),
-where it is bound by arithmetic. Without the compiled op, torch ops compute the same thing. On CUDA the
+is bound by reading the weights, and a float32 GEMM on strips of the weight it dequantizes for many rows
+(prefill), where it is bound by arithmetic. Without the compiled op, torch ops compute the same thing. On CUDA the
 Triton kernel worker/kernels/group_quant_matmul.py dequantizes the codes inside its K loop.
 """
 from __future__ import annotations
