@@ -21,14 +21,13 @@ namespace {
 template <int ROWS>
 void row_dot_q8(const uint8_t* codes, const float* scales, const float* mins, const int8_t* xq, const float* xscale,
                 const float* xsum, int64_t groups, float* out, int64_t ldo) {
-  const __m128i mask = _mm_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[ROWS];
   float min_acc[ROWS];
   for (int t = 0; t < ROWS; ++t) { acc[t] = _mm256_setzero_ps(); min_acc[t] = 0.f; }
   for (int64_t g = 0; g < groups; ++g) {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * 16));
-    const __m128i lo = _mm_and_si128(packed, mask), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+    __m128i lo, hi;
+    tokenmill::unpack_nibbles(codes + g * 16, lo, hi);
     const __m256i w = _mm256_set_m128i(hi, lo);  // elements 0..31 of the group, one byte each
     const float s = scales[g], m = mins[g];
     for (int t = 0; t < ROWS; ++t) {

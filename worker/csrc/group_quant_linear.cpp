@@ -40,7 +40,6 @@ void row_dot(const uint8_t* codes, const float* scales, const float* mins, const
   __m256 acc0[ROWS], acc1[ROWS];
   float min_acc[ROWS];
   for (int t = 0; t < ROWS; ++t) { acc0[t] = _mm256_setzero_ps(); acc1[t] = _mm256_setzero_ps(); min_acc[t] = 0.f; }
-  const __m128i mask = _mm_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
     const __m256 s = _mm256_set1_ps(scales[g]);
     const float m = mins[g];
@@ -57,9 +56,8 @@ void row_dot(const uint8_t* codes, const float* scales, const float* mins, const
         }
       }
     } else {  // 4-bit, group_size 32: 16 bytes
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k0 / 2));
-      const __m128i lo = _mm_and_si128(packed, mask);                      // elements 0..15
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);  // elements 16..31
+      __m128i lo, hi;
+      tokenmill::unpack_nibbles(codes + k0 / 2, lo, hi);
       const __m256 w0 = _mm256_mul_ps(bytes_to_ps(lo), s);
       const __m256 w1 = _mm256_mul_ps(bytes_to_ps(_mm_srli_si128(lo, 8)), s);
       const __m256 w2 = _mm256_mul_ps(bytes_to_ps(hi), s);
@@ -151,12 +149,10 @@ at::Tensor group_quant_linear(const at::Tensor& x_in, const at::Tensor& codes, c
 
 namespace {
 
-// Row n of W as float32 into o[0:K].
 // Row n of W as float32 into o[0:K]: scale * code, then + min, rounded twice as torch does it, so the
 // reference (GroupQuantWeight.dequantize) and this agree bit for bit.
 void dequantize_row(const uint8_t* c, const float* scales, const float* mins, int64_t groups, int64_t group_size,
                     int64_t bits, float* o) {
-  const __m128i mask = _mm_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
     const __m256 s = _mm256_set1_ps(scales[g]), m = _mm256_set1_ps(mins[g]);
     const int64_t k0 = g * group_size;
@@ -164,8 +160,8 @@ void dequantize_row(const uint8_t* c, const float* scales, const float* mins, in
       for (int64_t k = 0; k < group_size; k += 8)
         _mm256_storeu_ps(o + k0 + k, _mm256_add_ps(_mm256_mul_ps(codes8_to_ps(c + k0 + k), s), m));
     } else {
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + k0 / 2));
-      const __m128i lo = _mm_and_si128(packed, mask), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+      __m128i lo, hi;
+      tokenmill::unpack_nibbles(c + k0 / 2, lo, hi);
       _mm256_storeu_ps(o + k0, _mm256_add_ps(_mm256_mul_ps(bytes_to_ps(lo), s), m));
       _mm256_storeu_ps(o + k0 + 8, _mm256_add_ps(_mm256_mul_ps(bytes_to_ps(_mm_srli_si128(lo, 8)), s), m));
       _mm256_storeu_ps(o + k0 + 16, _mm256_add_ps(_mm256_mul_ps(bytes_to_ps(hi), s), m));

@@ -2,6 +2,8 @@
 #pragma once
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace tokenmill {
 
 inline float hsum(__m256 v) {  // the sum of the eight lanes
@@ -10,6 +12,15 @@ inline float hsum(__m256 v) {  // the sum of the eight lanes
   lo = _mm_hadd_ps(lo, lo);
   lo = _mm_hadd_ps(lo, lo);
   return _mm_cvtss_f32(lo);
+}
+
+// A group of 32 4-bit codes in llama.cpp's Q4_0 / Q4_1 layout (16 bytes: element j in the low nibble of
+// byte j, element j + 16 in its high nibble) -> elements 0..15 in lo and 16..31 in hi, one byte each.
+inline void unpack_nibbles(const uint8_t* packed_codes, __m128i& lo, __m128i& hi) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed_codes));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  lo = _mm_and_si128(packed, mask);
+  hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
 }
 
 }  // namespace tokenmill
