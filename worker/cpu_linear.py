@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from worker.linear_swap import replace_linears
+
 
 def packed_linears_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
     return torch.device(device).type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
@@ -38,10 +40,5 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module) -> int:
     """Replaces every float32 CPU nn.Linear under model in place; returns how many were replaced."""
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and packed_linears_supported(child.weight.device, child.weight.dtype):
-                setattr(parent, name, PackedLinear(child))
-                replaced += 1
-    return replaced
+    return replace_linears(model, lambda linear: PackedLinear(linear) if packed_linears_supported(
+        linear.weight.device, linear.weight.dtype) else None)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from worker.linear_swap import replace_linears
 from worker.native_ops import cpu_ops_available
 
 # Above this many rows a float32 GEMM on strips of the dequantized weight beats the row-streaming
@@ -205,14 +206,8 @@ def use_int8_activations(model: nn.Module) -> int:
 def quantize_linears(model: nn.Module, bits: int, group_size: int = 32) -> int:
     """--quantization int8|int4: every float nn.Linear under model becomes a GroupQuantLinear, in place
     (a tied lm_head gets its own quantized copy; the embedding lookup keeps its floats). Returns how many."""
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                bias = None if child.bias is None else child.bias.detach().float()
-                setattr(parent, name, GroupQuantLinear(quantize_weight(child.weight, bits, group_size), bias))
-                replaced += 1
-    return replaced
+    return replace_linears(model, lambda linear: GroupQuantLinear(
+        quantize_weight(linear.weight, bits, group_size), None if linear.bias is None else linear.bias.detach().float()))
 
 
 def weight_formats(model: nn.Module) -> str:

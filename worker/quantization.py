@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from worker.linear_swap import replace_linears
+
 
 class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear, use_kernel: bool) -> None:
@@ -36,10 +38,4 @@ class Int8Linear(nn.Module):
 
 def quantize_linears_int8(model: nn.Module, use_kernel: bool) -> int:
     """Replaces every nn.Linear under model in place; returns how many were replaced."""
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8Linear(child, use_kernel))
-                replaced += 1
-    return replaced
+    return replace_linears(model, lambda linear: Int8Linear(linear, use_kernel))
