@@ -13,6 +13,7 @@ from worker.kv_sizing import (KVCacheSizing, default_memory_fraction, free_memor
                                measure_activation_peak, profile_batch, size_from_budget, size_from_free_memory)
 from worker.loader import default_model_path, load_model
 from worker.model_runner import ModelRunner
+from worker.native_ops import cpu_flags
 from worker.structured_output import StructuredOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -23,11 +24,7 @@ NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 def cpu_has_native_bf16() -> bool:
-    try:
-        flags = set(open("/proc/cpuinfo").read().split())
-    except OSError:
-        return False
-    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+    return any(flag in cpu_flags() for flag in NATIVE_BF16_FLAGS)
 
 
 def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:

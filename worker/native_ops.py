@@ -31,12 +31,17 @@ def built_library_path() -> Path:
     return OPS_DIR / f"tokenmill_cpu_ops_{digest.hexdigest()[:12]}.so"
 
 
-def _cpu_has_avx2_fma() -> bool:
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
     try:
-        flags = Path("/proc/cpuinfo").read_text().split()
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return False
-    return "avx2" in flags and "fma" in flags
+        return frozenset()
+
+
+def _cpu_has_avx2_fma() -> bool:
+    return {"avx2", "fma"} <= cpu_flags()
 
 
 @cache
