@@ -8,7 +8,8 @@ Layout, from the scheduling rule outwards (the shared types it works on live in 
     its parts       kv_manager.py     which pages each request owns (paged or static policy), in both tiers
                     block_pool.py     pages, reference counts, the prefix-cache index
                     preemption.py     swap or recompute, per victim, by cost
-                    step_time.py      the step-time model behind --target-itl-ms / --target-ttft-ms
+                    latency_targets.py  each step's budget and admissions under --target-itl-ms / --target-ttft-ms
+                    step_time.py      the step-time model they learn online
                     queue_policy.py   FCFS or priority waiting queues
                     config.py         the one config object; stats.py: the load figures it reports
     the step loop   step_pipeline.py  schedule -> send the plan -> apply its result, 1 (sync) or 2 (async

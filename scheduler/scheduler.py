@@ -22,16 +22,12 @@ from core.sampling import SamplingParams
 from core.step import PLACEHOLDER_TOKEN_ID, CachedRequestData, NewRequestData, StepPlan, StepResult
 from scheduler.config import SchedulerConfig
 from scheduler.kv_manager import KVCacheManager, cdiv
+from scheduler.latency_targets import LatencyTargets
 from scheduler.preemption import RecomputeRate, swap_is_cheaper
 from scheduler.queue_policy import make_waiting_queue
 from scheduler.request import FINISH_REASONS, Request, RequestStatus
 from scheduler.stats import SchedulerStats
-from scheduler.step_time import ITL_FROM_FLAG, ITL_FROM_REQUEST, ItlTarget, StepShape, StepTimeModel, StepTuning
-
-# A latency target is planned against this share of itself: the rest absorbs what the model does not
-# see (RPC and sampling overhead, the step-to-step spread that P99 is made of).
-TARGET_HEADROOM = 0.8
-KEPT_STEP_TUNINGS = 8  # steps whose tuning record waits for the loop's span (two are in flight at most)
+from scheduler.step_time import StepTuning
 
 
 class RequestTooLarge(InvalidArgument):
@@ -41,7 +37,7 @@ class RequestTooLarge(InvalidArgument):
 class Scheduler:
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self.clock = clock  # the clock of Request.arrival_time, for the TTFT target
+        self.clock = clock  # the clock of Request.arrival_time (TTFT target) and of step times
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.kv_policy, config.prefix_caching,
                                  config.num_host_blocks, config.sliding_window)
         self.waiting = make_waiting_queue(config.queue_policy)
@@ -53,12 +49,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swapped_preemptions = 0  # of which swapped rather than recomputed
         self.recompute_rate = RecomputeRate()
-        self.step_time = StepTimeModel()
-        # steps sent, not yet observed: (shape, planned at, the ITL target that governed it)
-        self._step_shapes: dict[int, tuple[StepShape, float, ItlTarget | None]] = {}
-        self.step_tunings: dict[int, StepTuning] = {}  # the same steps' decisions, observed ones kept until read
-        self.token_budget = config.max_num_batched_tokens  # the latest step's
-        self.num_itl_target_misses = 0
+        self.latency = LatencyTargets(config)  # each step's budget under --target-itl-ms / --target-ttft-ms
 
     # --- intake -----------------------------------------------------------------------------------
 
@@ -118,8 +109,7 @@ class Scheduler:
         self.running = []
         self._on_worker.clear()  # the new worker holds nothing to drop
         self._dropped_since_last_plan = []
-        self._step_shapes.clear()  # the steps in flight died with the worker: nothing to learn from them
-        self.step_tunings.clear()
+        self.latency.forget_steps_in_flight()
         self.kv.forget_cached_content()
         return requeued
 
@@ -127,8 +117,8 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan(step_id=self._step_id)
-        itl_target = self._step_itl_target()
-        budget = self.token_budget = self._choose_token_budget(itl_target)
+        itl_target = self.latency.step_itl_target(self.running)
+        budget = self.latency.choose_token_budget(itl_target, self.running, self.waiting, self.clock())
         targeted = budget < self.config.max_num_batched_tokens
         new_block_ids: dict[str, list[int]] = {}
         preempted_now = False
@@ -169,7 +159,7 @@ class Scheduler:
         # New work only when nothing had to be preempted: otherwise it would take the pages back.
         while (not preempted_now and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            request = self._next_waiting()
+            request = self.latency.next_waiting(self.waiting)
             if request.num_pending_tokens:
                 break  # preempted while its step is in flight: sent in full once its token is known
             swapped = self.kv.is_swapped(request.request_id)
@@ -179,7 +169,8 @@ class Scheduler:
             num_cached_tokens = request.num_computed_tokens if swapped else len(cached) * self.config.block_size
             num_new = min(request.num_tokens - num_cached_tokens, budget)
             if targeted and self.running:
-                num_new = self._admissible_tokens(plan, num_new, num_cached_tokens + num_new, itl_target)
+                num_new = self.latency.admissible_tokens(plan, num_new, num_cached_tokens + num_new, itl_target,
+                                                         self.running)
                 if num_new < 1:
                     break  # the running set is as large as the ITL target allows
             if self.kv.allocate_slots(request, num_new, cached) is None:
@@ -212,13 +203,9 @@ class Scheduler:
             plan.finished_request_ids = self._dropped_since_last_plan
             plan.swap_out, plan.swap_in = self.kv.take_copies()
             self._dropped_since_last_plan = []
-            shape = StepShape(plan.total_num_scheduled_tokens, len(plan.num_scheduled_tokens),
-                              sum(self.requests[request_id].num_computed_tokens + num_tokens
-                                  for request_id, num_tokens in plan.num_scheduled_tokens.items()))
-            self._step_shapes[plan.step_id] = (shape, self.clock(), itl_target)
-            self.step_tunings[plan.step_id] = StepTuning(
-                budget, self.step_time.predict_s(shape) if self.step_time.ready else None, itl_target=itl_target)
-            self.step_tunings.pop(plan.step_id - KEPT_STEP_TUNINGS, None)  # nobody read it (no tracing)
+            num_context_tokens = sum(self.requests[request_id].num_computed_tokens + num_tokens
+                                     for request_id, num_tokens in plan.num_scheduled_tokens.items())
+            self.latency.planned(plan, num_context_tokens, itl_target, self.clock())
             self._step_id += 1
         return plan
 
@@ -306,99 +293,16 @@ class Scheduler:
         # its newest placeholder reaches max_tokens or the model length: planning past it is waste
         return bool(request.num_pending_tokens) and self._length_reached(request, request.num_tokens)
 
-    # --- latency targets (scheduler.step_time) ----------------------------------------------------
+    def _observe_step(self, plan: StepPlan, result: StepResult) -> None:
+        self.recompute_rate.observe(plan.total_num_scheduled_tokens, result.forward_ns)
+        self.latency.observe(plan, result, self.clock())
 
-    def _step_itl_target(self) -> ItlTarget | None:
-        """The tightest ITL target among the running requests (the ones this step decodes): each one's
-        own (its API key's class of service), else the scheduler's flag; the flag when none runs. On a
-        tie the flag's wins, so without per-request targets this is exactly the flag."""
-        flag = self.config.target_itl_ms
-        targets = [ItlTarget(flag, ITL_FROM_FLAG)] if flag is not None else []
-        if any(request.target_itl_ms is not None for request in self.running):
-            if all(request.target_itl_ms is not None for request in self.running):
-                targets = []  # every running request brought its own class: the flag governs none of them
-            targets += [ItlTarget(request.target_itl_ms, ITL_FROM_REQUEST)
-                        for request in self.running if request.target_itl_ms is not None]
-        return min(targets, key=lambda target: (target.ms, target.source != ITL_FROM_FLAG), default=None)
-
-    def _choose_token_budget(self, itl_target: ItlTarget | None) -> int:
-        """max_num_batched_tokens, or less when the ITL target says so (never below one token per
-        running request: decodes always progress; the running set is what admission keeps small)."""
-        ceiling = self.config.max_num_batched_tokens
-        if itl_target is None or self._ttft_at_risk():
-            return ceiling
-        context = sum(request.num_tokens for request in self.running)
-        allowed = self.step_time.max_tokens_within(itl_target.ms / 1e3 * TARGET_HEADROOM,
-                                                   len(self.running), context)
-        if allowed is None:
-            return ceiling
-        return min(ceiling, max(allowed, len(self.running), 1))
-
-    def _ttft_target_ms(self, request: Request) -> float | None:
-        return request.target_ttft_ms if request.target_ttft_ms is not None else self.config.target_ttft_ms
-
-    def _next_waiting(self) -> Request:
-        """The head of the queue, unless a waiting request carries its own TTFT target (its API key's
-        class of service): then the one nearest its TTFT deadline (arrival + its target, or the flag's)
-        goes first, requests without any target after them in queue order. With FCFS a preempted
-        request stays ahead of all (it was admitted before them); with priority, priority ranks first."""
-        if not any(request.target_ttft_ms is not None for request in self.waiting):
-            return self.waiting.peek()
-        fcfs = self.config.queue_policy == "fcfs"
-
-        def urgency(entry: tuple[int, Request]) -> tuple:
-            index, request = entry
-            target_ms = self._ttft_target_ms(request)
-            deadline = float("inf") if target_ms is None else request.arrival_time + target_ms / 1e3
-            return (not (fcfs and request.status == RequestStatus.PREEMPTED),
-                    0 if fcfs else request.priority, deadline, index)
-
-        return min(enumerate(self.waiting), key=urgency)[1]
-
-    def _ttft_at_risk(self) -> bool:
-        """The next waiting request would miss its TTFT target unless its prefill runs now."""
-        if not self.waiting or not self.step_time.ready:
-            return False
-        head = self._next_waiting()
-        target_ms = self._ttft_target_ms(head)
-        if target_ms is None:
-            return False
-        prefill_s = self.step_time.predict_s(StepShape(head.num_tokens, 1, head.num_tokens))
-        waited_s = self.clock() - head.arrival_time
-        return (waited_s + prefill_s) * 1e3 >= target_ms * TARGET_HEADROOM
+    def pop_step_tuning(self, step_id: int) -> StepTuning | None:
+        """The step's tuning record (latency targets; observed once its result was applied); forgotten once read."""
+        return self.latency.pop_step_tuning(step_id)
 
     def _num_after_needing_tokens(self, index: int) -> int:
         return sum(1 for request in self.running[index + 1:] if request.num_tokens > request.num_computed_tokens)
-
-    def _admissible_tokens(self, plan: StepPlan, num_new: int, num_context: int, itl_target: ItlTarget) -> int:
-        """num_new, cut to what one more request in this step may compute under the ITL target (< 1: none)."""
-        allowed = self.step_time.max_tokens_within(
-            itl_target.ms / 1e3 * TARGET_HEADROOM, len(plan.num_scheduled_tokens) + 1,
-            sum(request.num_tokens for request in self.running) + num_context)
-        return num_new if allowed is None else min(num_new, allowed - plan.total_num_scheduled_tokens)
-
-    def _observe_step(self, plan: StepPlan, result: StepResult) -> None:
-        planned = self._step_shapes.pop(plan.step_id, None)
-        self.recompute_rate.observe(plan.total_num_scheduled_tokens, result.forward_ns)
-        if planned is None or result.forward_ns <= 0:
-            return  # untimed (a fake executor)
-        shape, planned_at, itl_target = planned
-        # what a decoding request waits for: the forward pass, and around it the plan's trip to the
-        # worker, sampling and the result's trip back (with async scheduling also the end of the step
-        # before, which makes the model err on the safe side)
-        seconds = max(result.forward_ns / 1e9, self.clock() - planned_at)
-        self.step_time.observe(shape, seconds)
-        tuning = self.step_tunings.get(plan.step_id)
-        if tuning is not None:
-            tuning.observed_s = seconds
-        if itl_target is not None and seconds * 1e3 > itl_target.ms:
-            self.num_itl_target_misses += 1
-            if tuning is not None:
-                tuning.target_missed = True
-
-    def pop_step_tuning(self, step_id: int) -> StepTuning | None:
-        """The step's tuning record (observed once its result was applied); forgotten once read."""
-        return self.step_tunings.pop(step_id, None)
 
     # --- helpers ----------------------------------------------------------------------------------
 
@@ -488,9 +392,9 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             step_id=self._step_id,
             num_swapped_preemptions=self.num_swapped_preemptions,
-            token_budget=self.token_budget,
-            step_time_error_s=self.step_time.last_error_s,
-            num_itl_target_misses=self.num_itl_target_misses,
+            token_budget=self.latency.token_budget,
+            step_time_error_s=self.latency.step_time.last_error_s,
+            num_itl_target_misses=self.latency.num_itl_target_misses,
             num_swapped=len(self.kv.host_tables),
             num_host_blocks=self.config.num_host_blocks,
             num_used_host_blocks=self.kv.host_pool.num_used,

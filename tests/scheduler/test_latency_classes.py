@@ -22,7 +22,7 @@ def start_decoders(engine, count=8):
         engine.add_request(make_request([i + 1] * 8, max_tokens=200))
     for _ in range(MIN_OBSERVATIONS + 4):
         engine.step()
-    assert engine.scheduler.step_time.ready and len(engine.scheduler.running) == count
+    assert engine.scheduler.latency.step_time.ready and len(engine.scheduler.running) == count
 
 
 def step_tuning(engine):
@@ -36,7 +36,7 @@ def test_a_tight_itl_request_shrinks_the_budget_while_it_runs_and_its_absence_re
     engine = timed_engine()  # no --target-itl-ms: untargeted requests get the full budget
     start_decoders(engine)
     plan, tuning = step_tuning(engine)
-    assert engine.scheduler.token_budget == CEILING and tuning.itl_target is None
+    assert engine.scheduler.latency.token_budget == CEILING and tuning.itl_target is None
 
     tight = make_request([77] * 8, max_tokens=6, target_itl_ms=6.0)
     engine.add_request(tight)
@@ -44,7 +44,7 @@ def test_a_tight_itl_request_shrinks_the_budget_while_it_runs_and_its_absence_re
     while tight.request_id in engine.scheduler.requests:
         plan, tuning = step_tuning(engine)
         if tight.request_id in plan.num_scheduled_tokens and tight.num_computed_tokens > 8:  # it decodes
-            budgets.append(engine.scheduler.token_budget)
+            budgets.append(engine.scheduler.latency.token_budget)
             sources.append((tuning.itl_target.ms, tuning.itl_target.source))
     # 9 requests decoding under 6 ms * 0.8: (4.8 - 2 - 0.45 - context) ms / 0.1 ms per token ~ 20 tokens
     assert budgets and all(9 <= budget < 30 for budget in budgets)
@@ -54,7 +54,7 @@ def test_a_tight_itl_request_shrinks_the_budget_while_it_runs_and_its_absence_re
     assert attributes["tokenmill.step.itl_target_source"] == "api_key"
 
     plan, tuning = step_tuning(engine)  # it finished: the untargeted rest get the full budget again
-    assert engine.scheduler.token_budget == CEILING and tuning.itl_target is None
+    assert engine.scheduler.latency.token_budget == CEILING and tuning.itl_target is None
     assert "tokenmill.step.itl_target_ms" not in step_tuning_attributes(tuning)
 
 
@@ -88,7 +88,7 @@ def test_the_tightest_target_governs_and_a_looser_key_does_not_tighten_the_flag(
     start_decoders(engine, count=4)
     _, tuning = step_tuning(engine)
     assert (tuning.itl_target.ms, tuning.itl_target.source) == (10.0, ITL_FROM_FLAG)
-    flag_budget = engine.scheduler.token_budget
+    flag_budget = engine.scheduler.latency.token_budget
 
     loose = make_request([70] * 8, max_tokens=30, target_itl_ms=50.0)
     engine.add_request(loose)
@@ -101,7 +101,7 @@ def test_the_tightest_target_governs_and_a_looser_key_does_not_tighten_the_flag(
     engine.step()
     _, tuning = step_tuning(engine)
     assert (tuning.itl_target.ms, tuning.itl_target.source) == (5.0, ITL_FROM_REQUEST)
-    assert engine.scheduler.token_budget < flag_budget
+    assert engine.scheduler.latency.token_budget < flag_budget
 
 
 def test_requests_that_all_bring_their_own_class_are_not_held_to_the_flag():
@@ -112,7 +112,7 @@ def test_requests_that_all_bring_their_own_class_are_not_held_to_the_flag():
         engine.step()
     _, tuning = step_tuning(engine)
     assert (tuning.itl_target.ms, tuning.itl_target.source) == (40.0, ITL_FROM_REQUEST)
-    assert engine.scheduler.token_budget == CEILING  # 40 ms allows more than 256 tokens
+    assert engine.scheduler.latency.token_budget == CEILING  # 40 ms allows more than 256 tokens
 
 
 def test_a_tight_ttft_request_gets_its_prefill_before_earlier_looser_ones():
@@ -155,14 +155,14 @@ def test_a_request_about_to_miss_its_own_ttft_target_gets_the_full_budget():
         engine.add_request(make_request([i + 1] * 8, max_tokens=80, arrival_time=0.0))
     for _ in range(MIN_OBSERVATIONS + 4):
         engine.step()
-    assert engine.scheduler.token_budget < CEILING
+    assert engine.scheduler.latency.token_budget < CEILING
     engine.add_request(make_request([8] * 200, max_tokens=2, arrival_time=0.0))  # no target: budget stays cut
     now[0] = 0.09
     engine.step()
-    assert engine.scheduler.token_budget < CEILING
+    assert engine.scheduler.latency.token_budget < CEILING
     engine.add_request(make_request([9] * 200, max_tokens=2, arrival_time=0.0, target_ttft_ms=100.0))
     engine.step()  # it has waited 90 ms of its 100
-    assert engine.scheduler.token_budget == CEILING
+    assert engine.scheduler.latency.token_budget == CEILING
 
 
 @pytest.mark.parametrize("field", ["target_itl_ms", "target_ttft_ms"])

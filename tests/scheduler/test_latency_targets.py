@@ -67,7 +67,7 @@ def run_mixed_load(engine):
         engine.step()
         plan = engine.executor.plans[-1] if len(engine.executor.plans) > before else None
         if plan is not None:
-            step_times.append((plan, engine.scheduler.token_budget))
+            step_times.append((plan, engine.scheduler.latency.token_budget))
     return step_times
 
 
@@ -79,17 +79,17 @@ def test_itl_target_keeps_steps_under_it_by_shrinking_prefill_chunks():
 
     engine = timed_engine(target_itl_ms=10.0)
     steps = run_mixed_load(engine)
-    assert engine.scheduler.step_time.num_observations > MIN_OBSERVATIONS
+    assert engine.scheduler.latency.step_time.num_observations > MIN_OBSERVATIONS
     # every step once the model is fitted: predicted under 80% of the target, measured under the target
     late = steps[MIN_OBSERVATIONS + 1:]
     assert all(budget < 256 for _, budget in late)
     assert max(plan.total_num_scheduled_tokens for plan, _ in late) * 1e-4 + 2e-3 < 10e-3
-    assert engine.scheduler.num_itl_target_misses == 0
+    assert engine.scheduler.latency.num_itl_target_misses == 0
     # prefills went in chunks beside decodes, which never stopped
     mixed = [plan for plan, _ in late if any(n > 1 for n in plan.num_scheduled_tokens.values())
              and sum(1 for n in plan.num_scheduled_tokens.values() if n == 1) >= 4]
     assert mixed
-    assert engine.scheduler.stats().token_budget == engine.scheduler.token_budget
+    assert engine.scheduler.stats().token_budget == engine.scheduler.latency.token_budget
 
 
 def test_ttft_target_gives_a_waiting_request_the_full_budget():
@@ -100,11 +100,11 @@ def test_ttft_target_gives_a_waiting_request_the_full_budget():
         engine.add_request(make_request([i + 1] * 8, max_tokens=80, arrival_time=0.0))
     for _ in range(MIN_OBSERVATIONS + 4):
         engine.step()
-    assert engine.scheduler.token_budget < 256
+    assert engine.scheduler.latency.token_budget < 256
     engine.add_request(make_request([9] * 200, max_tokens=2, arrival_time=0.0))
     now[0] = 0.09  # it has waited 90 ms of its 100
     engine.step()
-    assert engine.scheduler.token_budget == 256
+    assert engine.scheduler.latency.token_budget == 256
 
 
 def test_without_targets_every_step_has_the_fixed_budget():
@@ -113,14 +113,14 @@ def test_without_targets_every_step_has_the_fixed_budget():
     assert all(budget == 256 for _, budget in steps)
     # the first prompt goes in whole beside the decodes, as before targets existed
     assert any(200 in plan.num_scheduled_tokens.values() for plan, _ in steps)
-    assert engine.scheduler.num_itl_target_misses == 0 and engine.scheduler.step_time.ready
+    assert engine.scheduler.latency.num_itl_target_misses == 0 and engine.scheduler.latency.step_time.ready
 
 
 def test_a_target_changes_nothing_until_the_model_is_fitted():
     engine = timed_engine(target_itl_ms=1.0)  # unreachable: every step misses it
     engine.add_request(make_request([1] * 300, max_tokens=2))
     engine.step()
-    assert engine.scheduler.token_budget == 256 and engine.executor.plans[0].total_num_scheduled_tokens == 256
+    assert engine.scheduler.latency.token_budget == 256 and engine.executor.plans[0].total_num_scheduled_tokens == 256
 
 
 def test_step_time_counts_the_trip_to_the_worker():
@@ -133,4 +133,4 @@ def test_step_time_counts_the_trip_to_the_worker():
     engine.add_request(make_request([1] * 8, max_tokens=40))
     for _ in range(MIN_OBSERVATIONS + 4):
         engine.step()
-    assert engine.scheduler.step_time.predict_s(StepShape(1, 1, 20)) > 0.04  # not the 2 ms forward pass
+    assert engine.scheduler.latency.step_time.predict_s(StepShape(1, 1, 20)) > 0.04  # not the 2 ms forward pass

@@ -21,8 +21,8 @@ def test_tuning_metrics_and_step_attributes():
     registry.register(SchedulerStatsCollector(engine.scheduler.stats, {}))
     run_mixed_load(engine)
     metrics = scrape(registry)
-    assert metrics["tokenmill:step_token_budget"] == engine.scheduler.token_budget < 256
-    assert metrics["tokenmill:itl_target_misses_total"] == engine.scheduler.num_itl_target_misses > 0
+    assert metrics["tokenmill:step_token_budget"] == engine.scheduler.latency.token_budget < 256
+    assert metrics["tokenmill:itl_target_misses_total"] == engine.scheduler.latency.num_itl_target_misses > 0
     assert abs(metrics["tokenmill:step_time_prediction_error_seconds"]) < 1e-4  # the fake machine is linear
     assert metrics["tokenmill:num_swapped_preemptions_total"] == 0
 
@@ -32,7 +32,7 @@ def test_tuning_metrics_and_step_attributes():
     assert abs(attributes["tokenmill.step.prediction_error_ms"]) < 0.1
     assert attributes["tokenmill.step.observed_ms"] > 0 and attributes["tokenmill.step.itl_target_missed"] in (True, False)
     assert engine.scheduler.pop_step_tuning(step_id) is None  # read once
-    assert len(engine.scheduler.step_tunings) <= 8  # unread records do not pile up
+    assert len(engine.scheduler.latency.step_tunings) <= 8  # unread records do not pile up
 
 
 def test_step_span_carries_the_tuning_decision(monkeypatch):

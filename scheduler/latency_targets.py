@@ -1,0 +1,148 @@
+"""Latency targets: each step's token budget and running-set size under --target-itl-ms /
+--target-ttft-ms (and the per-API-key targets requests carry), from the step-time model it learns.
+
+The scheduler asks, once per step: which ITL target governs it (step_itl_target), how many tokens it
+may compute (choose_token_budget), which waiting request goes first (next_waiting) and how many
+tokens one more request may add (admissible_tokens); it reports each plan it sends (planned) and each
+result (observe), from which the model learns and the misses are counted. Time comes in as `now` from
+the scheduler's clock, so nothing here reads a clock of its own.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from core.step import StepPlan, StepResult
+from scheduler.config import SchedulerConfig
+from scheduler.queue_policy import WaitingQueue
+from scheduler.request import Request, RequestStatus
+from scheduler.step_time import ITL_FROM_FLAG, ITL_FROM_REQUEST, ItlTarget, StepShape, StepTimeModel, StepTuning
+
+# A latency target is planned against this share of itself: the rest absorbs what the model does not
+# see (RPC and sampling overhead, the step-to-step spread that P99 is made of).
+TARGET_HEADROOM = 0.8
+KEPT_STEP_TUNINGS = 8  # steps whose tuning record waits for the loop's span (two are in flight at most)
+
+
+class LatencyTargets:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.step_time = StepTimeModel()
+        # steps sent, not yet observed: (shape, planned at, the ITL target that governed it)
+        self._step_shapes: dict[int, tuple[StepShape, float, ItlTarget | None]] = {}
+        self.step_tunings: dict[int, StepTuning] = {}  # the same steps' decisions, observed ones kept until read
+        self.token_budget = config.max_num_batched_tokens  # the latest step's
+        self.num_itl_target_misses = 0
+
+    # --- what governs a step ------------------------------------------------------------------------
+
+    def step_itl_target(self, running: Sequence[Request]) -> ItlTarget | None:
+        """The tightest ITL target among the running requests (the ones this step decodes): each one's
+        own (its API key's class of service), else the scheduler's flag; the flag when none runs. On a
+        tie the flag's wins, so without per-request targets this is exactly the flag."""
+        flag = self.config.target_itl_ms
+        targets = [ItlTarget(flag, ITL_FROM_FLAG)] if flag is not None else []
+        if any(request.target_itl_ms is not None for request in running):
+            if all(request.target_itl_ms is not None for request in running):
+                targets = []  # every running request brought its own class: the flag governs none of them
+            targets += [ItlTarget(request.target_itl_ms, ITL_FROM_REQUEST)
+                        for request in running if request.target_itl_ms is not None]
+        return min(targets, key=lambda target: (target.ms, target.source != ITL_FROM_FLAG), default=None)
+
+    def choose_token_budget(self, itl_target: ItlTarget | None, running: Sequence[Request],
+                            waiting: WaitingQueue, now: float) -> int:
+        """max_num_batched_tokens, or less when the ITL target says so (never below one token per
+        running request: decodes always progress; the running set is what admission keeps small).
+        Kept as token_budget, the latest step's."""
+        self.token_budget = self._token_budget(itl_target, running, waiting, now)
+        return self.token_budget
+
+    def _token_budget(self, itl_target: ItlTarget | None, running: Sequence[Request],
+                      waiting: WaitingQueue, now: float) -> int:
+        ceiling = self.config.max_num_batched_tokens
+        if itl_target is None or self._ttft_at_risk(waiting, now):
+            return ceiling
+        context = sum(request.num_tokens for request in running)
+        allowed = self.step_time.max_tokens_within(itl_target.ms / 1e3 * TARGET_HEADROOM, len(running), context)
+        if allowed is None:
+            return ceiling
+        return min(ceiling, max(allowed, len(running), 1))
+
+    def admissible_tokens(self, plan: StepPlan, num_new: int, num_context: int, itl_target: ItlTarget,
+                          running: Iterable[Request]) -> int:
+        """num_new, cut to what one more request in this step may compute under the ITL target (< 1: none)."""
+        allowed = self.step_time.max_tokens_within(
+            itl_target.ms / 1e3 * TARGET_HEADROOM, len(plan.num_scheduled_tokens) + 1,
+            sum(request.num_tokens for request in running) + num_context)
+        return num_new if allowed is None else min(num_new, allowed - plan.total_num_scheduled_tokens)
+
+    # --- TTFT targets: who is admitted first, and when a prefill gets the full budget ---------------
+
+    def _ttft_target_ms(self, request: Request) -> float | None:
+        return request.target_ttft_ms if request.target_ttft_ms is not None else self.config.target_ttft_ms
+
+    def next_waiting(self, waiting: WaitingQueue) -> Request:
+        """The head of the queue, unless a waiting request carries its own TTFT target (its API key's
+        class of service): then the one nearest its TTFT deadline (arrival + its target, or the flag's)
+        goes first, requests without any target after them in queue order. With FCFS a preempted
+        request stays ahead of all (it was admitted before them); with priority, priority ranks first."""
+        if not any(request.target_ttft_ms is not None for request in waiting):
+            return waiting.peek()
+        fcfs = self.config.queue_policy == "fcfs"
+
+        def urgency(entry: tuple[int, Request]) -> tuple:
+            index, request = entry
+            target_ms = self._ttft_target_ms(request)
+            deadline = float("inf") if target_ms is None else request.arrival_time + target_ms / 1e3
+            return (not (fcfs and request.status == RequestStatus.PREEMPTED),
+                    0 if fcfs else request.priority, deadline, index)
+
+        return min(enumerate(waiting), key=urgency)[1]
+
+    def _ttft_at_risk(self, waiting: WaitingQueue, now: float) -> bool:
+        """The next waiting request would miss its TTFT target unless its prefill runs now."""
+        if not waiting or not self.step_time.ready:
+            return False
+        head = self.next_waiting(waiting)
+        target_ms = self._ttft_target_ms(head)
+        if target_ms is None:
+            return False
+        prefill_s = self.step_time.predict_s(StepShape(head.num_tokens, 1, head.num_tokens))
+        return (now - head.arrival_time + prefill_s) * 1e3 >= target_ms * TARGET_HEADROOM
+
+    # --- learning from the steps --------------------------------------------------------------------
+
+    def planned(self, plan: StepPlan, num_context_tokens: int, itl_target: ItlTarget | None, now: float) -> None:
+        """A plan is being sent: its shape and the decision are kept until its result comes in."""
+        shape = StepShape(plan.total_num_scheduled_tokens, len(plan.num_scheduled_tokens), num_context_tokens)
+        self._step_shapes[plan.step_id] = (shape, now, itl_target)
+        self.step_tunings[plan.step_id] = StepTuning(
+            self.token_budget, self.step_time.predict_s(shape) if self.step_time.ready else None,
+            itl_target=itl_target)
+        self.step_tunings.pop(plan.step_id - KEPT_STEP_TUNINGS, None)  # nobody read it (no tracing)
+
+    def observe(self, plan: StepPlan, result: StepResult, now: float) -> None:
+        planned = self._step_shapes.pop(plan.step_id, None)
+        if planned is None or result.forward_ns <= 0:
+            return  # untimed (a fake executor)
+        shape, planned_at, itl_target = planned
+        # what a decoding request waits for: the forward pass, and around it the plan's trip to the
+        # worker, sampling and the result's trip back (with async scheduling also the end of the step
+        # before, which makes the model err on the safe side)
+        seconds = max(result.forward_ns / 1e9, now - planned_at)
+        self.step_time.observe(shape, seconds)
+        tuning = self.step_tunings.get(plan.step_id)
+        if tuning is not None:
+            tuning.observed_s = seconds
+        if itl_target is not None and seconds * 1e3 > itl_target.ms:
+            self.num_itl_target_misses += 1
+            if tuning is not None:
+                tuning.target_missed = True
+
+    def pop_step_tuning(self, step_id: int) -> StepTuning | None:
+        """The step's tuning record (observed once its result was applied); forgotten once read."""
+        return self.step_tunings.pop(step_id, None)
+
+    def forget_steps_in_flight(self) -> None:
+        """The worker was lost with them: nothing to learn from those steps."""
+        self._step_shapes.clear()
+        self.step_tunings.clear()
