@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scheduler-timeout-s", type=float, default=600.0)
     parser.add_argument("--drain-timeout-s", "--drain-timeout", type=float, default=30.0,
                         help="on SIGTERM: readiness off, new requests UNAVAILABLE, in-flight ones get this long")
+    parser.add_argument("--metrics-linger-s", type=float, default=15.0,
+                        help="when the drain timeout cut requests, /metrics stays up this long after the cut (one "
+                             "scrape interval), so their drained endings are scraped before the process exits; "
+                             "a drain that cut nothing exits at once; 0: never wait")
     parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API; 0 disables")
     parser.add_argument("--http-api-key", default="", help="HTTP clients must send 'Authorization: Bearer KEY'")
     parser.add_argument("--stream-idle-timeout-s", type=float, default=120.0,
@@ -82,7 +86,7 @@ def scheduler_client(args: argparse.Namespace):
 
 
 async def serve(args: argparse.Namespace) -> None:
-    await telemetry.start_process("gateway", args.metrics_port, args.host)  # before any gRPC channel or server
+    metrics_server = await telemetry.start_process("gateway", args.metrics_port, args.host)  # before any channel
     if args.redis_url:
         from kvstore.credentials import check_redis_credentials
 
@@ -148,13 +152,19 @@ async def serve(args: argparse.Namespace) -> None:
     draining = [drain.drain(args.drain_timeout_s)]
     if http_api is not None:
         draining.append(http_api.drain(args.drain_timeout_s))
-    await asyncio.gather(*draining)
+    cut = sum(await asyncio.gather(*draining))
     scheduler.shutting_down = True  # what the servers' stops cut now is ours, not the clients' cancels
     stopping = [server.stop(grace=1.0)]
     if http_runner is not None:
         stopping.append(http_runner.cleanup())
     await asyncio.gather(*stopping)
     await scheduler.close()
+    if cut and metrics_server is not None and args.metrics_linger_s > 0:
+        # the cut requests' endings were counted just now, in this process's registry: without a scrape
+        # before exit, no dashboard would ever see a drain that lost streams
+        logger.info("%d requests cut by the drain; metrics stay up %.1fs for a last scrape", cut,
+                    args.metrics_linger_s)
+        await asyncio.sleep(args.metrics_linger_s)
     if state_reader:
         await state_reader.aclose()
         await token_reader.aclose()

@@ -78,6 +78,9 @@ class ClusterConfig:
     rate_limit_burst: int = 0
     # SIGTERM to the gateway or scheduler: how long in-flight requests may take to finish
     drain_timeout_s: float = 30.0
+    # the gateway's /metrics stays up this long after a drain that cut requests, for a last scrape (the
+    # deployments set one scrape interval); 0 here: a local `tokenmill serve` stops at once
+    gateway_metrics_linger_s: float = 0.0
     # a lost worker's requests are re-queued and recomputed once it is back; False: they fail (UNAVAILABLE)
     retry_on_worker_failure: bool = True
     # a gateway stream whose client has read nothing for this long is cancelled (gateway.stream_idle); 0: never
@@ -213,6 +216,7 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
     gateway = [config.python, "-m", "gateway.main", "--host", config.host, "--port", str(config.gateway_port),
                "--scheduler", config.scheduler_address, *model, "--http-port", str(config.http_port or 0),
                "--drain-timeout-s", str(config.drain_timeout_s),
+               "--metrics-linger-s", str(config.gateway_metrics_linger_s),
                "--stream-idle-timeout-s", str(config.stream_idle_timeout_s),
                *server_tls, *(probe_tls.argv("scheduler") if probe_tls else []),
                "--max-message-bytes", str(config.max_message_bytes),

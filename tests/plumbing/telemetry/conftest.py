@@ -31,6 +31,7 @@ def traced_cluster(tmp_path_factory, otlp_receiver):
     config = resolve_ports(ClusterConfig(
         model=str(model), gateway_port=0, http_port=0, scheduler_port=0, worker_port=0, redis_port=0,
         num_blocks=64, max_num_batched_tokens=128, gateway_metrics_port=0, scheduler_metrics_port=0,
-        worker_metrics_port=0, child_env=env, drain_timeout_s=1.0, retry_on_worker_failure=False))
+        worker_metrics_port=0, child_env=env, drain_timeout_s=1.0, gateway_metrics_linger_s=3.0,
+        retry_on_worker_failure=False))
     with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300, tail_lines=400) as supervisor:
         yield config, supervisor

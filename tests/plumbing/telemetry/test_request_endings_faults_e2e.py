@@ -34,6 +34,22 @@ def errors(samples, code: str) -> float:
     return value(samples, "tokenmill:request_errors_total", code=code)
 
 
+def scrape_drained_gateway(config, before) -> dict:
+    """Scrapes the stopping gateway a second after its drain cut the request, until the cut request's
+    ending shows. Without --metrics-linger-s (3 s here) the process is gone by then (measured: within
+    0.1 s of the cut), and with it every count of that ending."""
+    time.sleep(1.0)
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            after = scrape("127.0.0.1", config.gateway_metrics_port)
+        except OSError as error:
+            raise AssertionError(f"the gateway's /metrics went away before its drained ending was scraped: {error}")
+        if errors(after, "UNAVAILABLE") > errors(before, "UNAVAILABLE") or time.monotonic() > deadline:
+            return after
+        time.sleep(0.05)
+
+
 def wait_serving(config, timeout_s: float = 90) -> None:
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(config.gateway_address) as channel:
@@ -148,10 +164,11 @@ def test_scheduler_drain_timeout_ends_the_request_in_spans_metrics_and_log(trace
 
 def test_gateway_drain_timeout_ends_the_call_in_spans_and_log(traced_cluster, otlp_receiver):
     """SIGTERM to the gateway: a stream still running when its drain timeout passes is cut by the server's
-    stop, which must read as drained (UNAVAILABLE), not as its client gone away. (Its counter moves too,
-    but dies with the process a moment later: no scrape can be relied on to see it.) The request itself
-    runs on in the scheduler, for the client to resume by id on another gateway."""
+    stop, which must read as drained (UNAVAILABLE), not as its client gone away; its counter is scraped
+    while the stopping gateway keeps /metrics up (--metrics-linger-s). The request itself runs on in the
+    scheduler, for the client to resume by id on another gateway."""
     config, supervisor = traced_cluster
+    before = scrape("127.0.0.1", config.gateway_metrics_port)
     trace_id, parent = traceparent()
     received, stopping = 0, None
     try:
@@ -162,9 +179,13 @@ def test_gateway_drain_timeout_ends_the_call_in_spans_and_log(traced_cluster, ot
                 if received >= 3 and stopping is None:
                     stopping = threading.Thread(target=supervisor.kill, args=("gateway", signal.SIGTERM))
                     stopping.start()
+        after = scrape_drained_gateway(config, before)
         stopping.join()
         assert supervisor.children["gateway"].returncode == 0
         assert drained.value.code() == grpc.StatusCode.UNAVAILABLE and 0 < received < 480
+        assert errors(after, "UNAVAILABLE") - errors(before, "UNAVAILABLE") == 1
+        assert value(after, "tokenmill:e2e_request_latency_seconds_count") - value(
+            before, "tokenmill:e2e_request_latency_seconds_count") == 1
 
         spans = otlp_receiver.wait_for(lambda spans: any(
             s.trace_id == trace_id and s.service == "gateway" and s.kind == SERVER for s in spans))
@@ -192,8 +213,9 @@ def test_gateway_drain_timeout_ends_the_call_in_spans_and_log(traced_cluster, ot
 def test_gateway_drain_timeout_ends_an_http_stream_in_spans_and_log(traced_cluster, otlp_receiver):
     """The same drain on the OpenAI HTTP API: a stream=true completion still running when the drain
     timeout passes is cut by the HTTP server's stop, which must read as drained (UNAVAILABLE), not as
-    its client gone away. (The counter dies with the process, as for gRPC.)"""
+    its client gone away; its counter is scraped while the gateway lingers, as for gRPC."""
     config, supervisor = traced_cluster
+    before = scrape("127.0.0.1", config.gateway_metrics_port)
     trace_id, parent = traceparent()
     stopping = None
     body = json.dumps({"model": MODEL, "prompt": "a request a fault ends", "max_tokens": 480, "temperature": 0,
@@ -212,9 +234,11 @@ def test_gateway_drain_timeout_ends_an_http_stream_in_spans_and_log(traced_clust
                 if len(events) >= 3 and stopping is None:
                     stopping = threading.Thread(target=supervisor.kill, args=("gateway", signal.SIGTERM))
                     stopping.start()
+        after = scrape_drained_gateway(config, before)
         stopping.join()
         assert b"data: [DONE]\n" not in events and len(events) < 480
         assert supervisor.children["gateway"].returncode == 0
+        assert errors(after, "UNAVAILABLE") - errors(before, "UNAVAILABLE") == 1
 
         spans = otlp_receiver.wait_for(lambda spans: any(
             s.trace_id == trace_id and s.service == "gateway" and s.kind == SERVER for s in spans))
