@@ -74,17 +74,20 @@ class GenerationDelta:
     # SamplingParams.prompt_logprobs: on the first delta with token ids, one per prompt token after the
     # first (token_id is that prompt token); None on every other delta and when the request did not ask
     prompt_logprobs: list[TokenLogprob] | None = None
+    index: int = 0  # which of a request's samples (n > 1: gateway.parallel_samples) this delta belongs to
 
 
 async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer, scheduler: SchedulerClient,
                             timeout_s: float | None = None, arrival: float | None = None,
                             resumable: bool = False, owner: str | None = None,
-                            deadline_unix_s: float | None = None) -> AsyncIterator[GenerationDelta]:
+                            deadline_unix_s: float | None = None, target=None) -> AsyncIterator[GenerationDelta]:
     """timeout_s: the client's time left (None: no deadline), read with nothing awaited since;
     deadline_unix_s instead: the deadline itself (Unix seconds), from a caller that awaited something
     after reading it (gateway.resume asks Redis first), for the time left counts from that read.
     arrival: time.monotonic() when the request reached the gateway (default: now), for the timings.
     owner: the API key name that sent it (gateway.ownership), recorded with the request.
+    target: a replica already chosen by scheduler.route() (the samples of one prompt go to one replica,
+    whose prefix cache they share); None: routed here.
     resumable: the scheduler keeps the request running if this gateway dies (see gateway.resume),
     so a client's cancel is sent as an explicit Abort.
 
@@ -100,7 +103,8 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
         deadline = time.time() + timeout_s
     observer = RequestObserver(prepared.request, arrival)  # GenAI span attributes, latency metrics
     try:
-        target = scheduler.route(prepared.request.prompt_token_ids)  # Unavailable when no scheduler can take it
+        if target is None:  # Unavailable when no scheduler can take it
+            target = scheduler.route(prepared.request.prompt_token_ids)
         breaker = target.breaker
         probe = breaker.before_call()  # UNAVAILABLE at once while the scheduler is known to be down
     except ServingError as error:

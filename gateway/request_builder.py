@@ -13,7 +13,7 @@ from gateway.chat_encoding import encode_chat
 from gateway.chat_template import validate_messages
 from gateway.tokenizer import TextTokenizer
 from gateway.validation import (Limits, validate_chat_size, validate_priority, validate_prompt_ids,
-                                validate_prompt_text, validate_sampling, validate_stop_strings)
+                                validate_prompt_text, validate_sampling, validate_samples, validate_stop_strings)
 from protos.codec import constraint_from_proto
 from protos.tokenmill.v1 import generation_pb2
 from core.requests import GenerationRequest
@@ -37,6 +37,8 @@ class UnknownModel(NotFound):
 class PreparedRequest:
     request: GenerationRequest
     stop: list[str]
+    n: int = 1  # choices to return (gateway.parallel_samples draws them)
+    best_of: int = 1  # samples to draw, of which the n with the highest cumulative logprob are returned
 
 
 def text_token_ids(text: object, tokenizer: TextTokenizer, limits: Limits,
@@ -76,9 +78,12 @@ def resolve_request_id(request_id: str) -> str:
 
 def prepare_request(prompt_ids: list[int], tokenizer: TextTokenizer, limits: Limits, *, sampling: dict,
                     stop: object = None, stop_token_ids: object = None, ignore_eos: object = False,
-                    request_id: str = "", priority: object = 0) -> PreparedRequest:
-    """sampling: validate_sampling's keyword values (max_tokens, temperature, ...); None means unset."""
+                    request_id: str = "", priority: object = 0, n: object = None,
+                    best_of: object = None) -> PreparedRequest:
+    """sampling: validate_sampling's keyword values (max_tokens, temperature, ...); None means unset.
+    n, best_of: samples of one prompt (validate_samples); None: one."""
     request_id = resolve_request_id(request_id)
+    n, best_of = validate_samples(n, best_of, limits)
     ids = validate_prompt_ids(prompt_ids, limits)
     stop_token_ids = [] if stop_token_ids is None else stop_token_ids
     if not ignore_eos and isinstance(stop_token_ids, (list, tuple)):  # the model's other end-of-turn tokens too
@@ -88,7 +93,7 @@ def prepare_request(prompt_ids: list[int], tokenizer: TextTokenizer, limits: Lim
     stop = validate_stop_strings(stop, limits)
     request = GenerationRequest(request_id, ids, params, eos_token_id=tokenizer.eos_token_id,
                       priority=validate_priority(priority, limits))
-    return PreparedRequest(request, stop)
+    return PreparedRequest(request, stop, n, best_of)
 
 
 def _logit_bias(entries) -> dict[int, float]:
@@ -112,6 +117,7 @@ def prepare(message: generation_pb2.GenerateRequest, tokenizer: TextTokenizer, l
         sampling["constraint"] = constraint_from_proto(params.constraint)
     if params.logit_bias:
         sampling["logit_bias"] = _logit_bias(params.logit_bias)
+    samples = {name: getattr(params, name) for name in ("n", "best_of") if params.HasField(name)}
     return prepare_request(ids, tokenizer, limits, sampling=sampling, stop=list(params.stop),
                            stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-                           request_id=request_id, priority=message.priority)
+                           request_id=request_id, priority=message.priority, **samples)

@@ -9,6 +9,7 @@ from redis.exceptions import RedisError
 
 from gateway.generation_stream import GenerationDelta, TokenLogprob, stream_generation
 from gateway.ownership import RequestOwners, caller_key, caller_name
+from gateway.parallel_samples import check_streamable, stream_samples
 from gateway.request_builder import prepare, prompt_token_ids
 from gateway.resume import submit_or_attach
 from gateway.scheduler_client import SchedulerClient
@@ -18,7 +19,7 @@ from gateway.validation import Limits
 from kvstore.records import RecordStatus
 from protos import codec
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from core.errors import NotFound, Unavailable
+from core.errors import InvalidArgument, NotFound, Unavailable
 from gateway.telemetry import CHAT, TEXT_COMPLETION, request_scope
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def GenerateStream(self, request, context):
         # context.write, not yield: a write blocked on a client that stopped reading can time out
-        async with contextlib.aclosing(self._generate(request, context)) as messages:
+        async with contextlib.aclosing(self._generate(request, context, streaming=True)) as messages:
             async for message in messages:
                 try:
                     await write_within(context.write(message), self.stream_idle_timeout_s)
@@ -63,19 +64,33 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         reply = generation_pb2.GenerateResponse()
-        async for message in self._generate(request, context):
+        choices: dict[int, generation_pb2.Choice] = {}
+        async for message in self._generate(request, context, streaming=False):
             reply.request_id = message.request_id
-            reply.text += message.text
-            reply.token_ids.extend(message.token_ids)
-            reply.logprobs.extend(message.logprobs)
-            reply.prompt_logprobs.extend(message.prompt_logprobs)
+            choice = choices.setdefault(message.index, generation_pb2.Choice(index=message.index))
+            choice.text += message.text
+            choice.token_ids.extend(message.token_ids)
+            choice.logprobs.extend(message.logprobs)
+            if message.index == 0:  # every sample computes the same prompt logprobs
+                reply.prompt_logprobs.extend(message.prompt_logprobs)
             if message.finish_reason:
-                reply.finish_reason, reply.matched_stop = message.finish_reason, message.matched_stop
-                reply.usage.CopyFrom(message.usage)
-                reply.timings.CopyFrom(message.timings)
+                choice.finish_reason, choice.matched_stop = message.finish_reason, message.matched_stop
+                choice.usage.CopyFrom(message.usage)
+                if message.index == 0:
+                    reply.timings.CopyFrom(message.timings)
+        reply.choices.extend(choices[index] for index in sorted(choices))
+        if reply.choices:  # the top-level fields are choice 0's (what a client asking for one reads)
+            first = reply.choices[0]
+            reply.text, reply.finish_reason, reply.matched_stop = first.text, first.finish_reason, first.matched_stop
+            reply.token_ids.extend(first.token_ids)
+            reply.logprobs.extend(first.logprobs)
+            # the prompt once, every choice's completion; cached: what the sample that computed the prompt found
+            reply.usage.prompt_tokens = first.usage.prompt_tokens
+            reply.usage.completion_tokens = sum(choice.usage.completion_tokens for choice in reply.choices)
+            reply.usage.cached_prompt_tokens = min(choice.usage.cached_prompt_tokens for choice in reply.choices)
         return reply
 
-    async def _generate(self, request, context):
+    async def _generate(self, request, context, streaming: bool):
         arrival = time.monotonic()
         operation = CHAT if request.WhichOneof("input") == "messages" else TEXT_COMPLETION
         with request_scope(request.request_id, operation):  # a refusal here still names its request
@@ -84,7 +99,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         caller = None if key is None else key.name
         if key is not None:  # its latency targets, its class of service, travel with the request
             prepared.request = key.with_targets(prepared.request)
-        if self.token_reader is None:
+        request_id = prepared.request.request_id
+        if prepared.best_of > 1:  # several samples (gateway.parallel_samples): requests <request_id>-<index>
+            if streaming:
+                check_streamable(prepared)
+            if request.HasField("resume_from_index"):
+                raise InvalidArgument("resume_from_index", request.resume_from_index,
+                                      "a request with n or best_of > 1 cannot be resumed")
+            deltas = stream_samples(prepared, self.tokenizer, self.scheduler, context.time_remaining(), arrival,
+                                    owner=caller)
+        elif self.token_reader is None:
             if request.HasField("resume_from_index"):
                 raise Unavailable("resume_from_index needs Redis; this gateway runs without --redis-url")
             deltas = stream_generation(prepared, self.tokenizer, self.scheduler, context.time_remaining(), arrival,
@@ -95,10 +119,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                       self.claims)
         # only an id this gateway made is surely the caller's before the scheduler takes it; a client-chosen
         # one may name another key's request, and its owner is then known from its Redis record
-        with self.owners.streaming(prepared.request.request_id, None if request.request_id else caller):
+        with self.owners.streaming(request_id, None if request.request_id else caller):
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
-                    yield _stream_response(delta)
+                    yield _stream_response(delta, request_id)
 
     async def Tokenize(self, request, context):
         ids = prompt_token_ids(request, self.tokenizer, self.limits, request.add_special_tokens)
@@ -157,8 +181,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return reply
 
 
-def _stream_response(delta: GenerationDelta) -> generation_pb2.GenerateStreamResponse:
-    out = generation_pb2.GenerateStreamResponse(request_id=delta.request_id, text=delta.text, token_ids=delta.token_ids)
+def _stream_response(delta: GenerationDelta, request_id: str) -> generation_pb2.GenerateStreamResponse:
+    """request_id: the client's request (a sample's delta names its own scheduler request, <id>-<index>)."""
+    out = generation_pb2.GenerateStreamResponse(request_id=request_id, text=delta.text, token_ids=delta.token_ids,
+                                                index=delta.index)
     _add_logprobs(out.logprobs, delta.logprobs)
     _add_logprobs(out.prompt_logprobs, delta.prompt_logprobs or [])
     finish = delta.finish

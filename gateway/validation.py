@@ -39,6 +39,7 @@ class Limits:
     max_repetition_penalty: float = 100.0
     min_priority: int = -1_000_000
     max_priority: int = 1_000_000
+    max_samples: int = 16  # n and best_of: samples one request may draw (each is a sequence in the batch)
 
     @property
     def sampling_limits(self) -> SamplingLimits:
@@ -166,6 +167,19 @@ def validate_priority(priority: object, limits: Limits) -> int:
         return 0
     check_int_range("priority", priority, limits.min_priority, limits.max_priority)
     return priority  # type: ignore[return-value]
+
+
+def validate_samples(n: object, best_of: object, limits: Limits) -> tuple[int, int]:
+    """(n, best_of): n choices returned, the best of best_of samples drawn (unset: n); both in
+    [1, max_samples] and best_of >= n."""
+    n = 1 if n is None else n
+    check_int_range("n", n, 1, limits.max_samples)
+    if best_of is None:
+        return n, n  # type: ignore[return-value]
+    check_int_range("best_of", best_of, 1, limits.max_samples)
+    if best_of < n:  # type: ignore[operator]
+        raise InvalidArgument("best_of", best_of, f"must be >= n ({n}): the n best of best_of samples are returned")
+    return n, best_of  # type: ignore[return-value]
 
 
 def _validate_logit_bias(logit_bias: object, limits: Limits) -> tuple[tuple[int, float], ...]:
