@@ -8,11 +8,12 @@
 
 Routes: GET /v1/models, GET /v1/models/{model}, POST /v1/completions, POST /v1/chat/completions
 (`stream: true` as server-sent events ending with `data: [DONE]`), GET /health (liveness), GET /ready.
-Thin: JSON -> openai_requests -> the same prepare_request / stream_generation path as the gRPC API
--> openai_responses -> JSON. Errors are OpenAI's JSON shape (openai_errors). A client that goes
-away cancels its handler (handler_cancellation), which cancels the scheduler call and frees its pages.
-A streaming client that stays connected but stops reading is cut off after stream_idle_timeout_s
-(gateway.stream_idle): its request is cancelled, its record says why, and its connection is reset.
+Thin: JSON -> openai_requests -> the same prepare_request / stream_samples path as the gRPC API
+(stream_generation per sample) -> openai_responses -> JSON. Errors are OpenAI's JSON shape
+(openai_errors). A client that goes away cancels its handler (handler_cancellation), which cancels the
+scheduler call and frees its pages. A streaming client that stays connected but stops reading is cut
+off after stream_idle_timeout_s (gateway.stream_idle): its request is cancelled, its record says why,
+and its connection is reset.
 """
 from __future__ import annotations
 
@@ -30,10 +31,10 @@ import uuid
 from aiohttp import web
 
 from gateway.access import API_KEY, access_middleware
-from gateway.generation_stream import stream_generation
 from gateway.openai_errors import openai_error
 from gateway.openai_requests import ModelNotFound, parse_chat, parse_completion
 from gateway.openai_responses import ResponseBuilder
+from gateway.parallel_samples import sample_ids, stream_samples
 from gateway.scheduler_client import SchedulerClient
 from gateway.stream_idle import StreamIdle, record_idle, write_within
 from gateway.tokenizer import TextTokenizer
@@ -151,26 +152,26 @@ class OpenAIHTTP:
             parsed.prepared.request = key.with_targets(parsed.prepared.request)
         builder = ResponseBuilder(chat=chat, request_id=request_id, model=self.model_name, logprobs=parsed.logprobs,
                                   include_usage=parsed.stream and parsed.include_usage, echo=parsed.echo,
-                                  echo_first_token=parsed.echo_first_token)
+                                  echo_first_token=parsed.echo_first_token, n=parsed.prepared.n)
         headers = {"X-Request-Id": request_id}
-        deltas = stream_generation(parsed.prepared, self.tokenizer, self.scheduler, None, arrival)
+        deltas = stream_samples(parsed.prepared, self.tokenizer, self.scheduler, None, arrival)
         async with contextlib.aclosing(deltas):
             if parsed.stream:
-                return await self._stream(request, deltas, builder, headers)
+                return await self._stream(request, deltas, builder, headers, sample_ids(parsed.prepared))
             async for delta in deltas:
                 builder.add(delta)
         if builder.finish is None:
             raise Unavailable("the scheduler ended the request without a result; retry")
         return web.json_response(builder.body(), headers=headers, dumps=_dumps)
 
-    async def _stream(self, request: web.Request, deltas, builder: ResponseBuilder,
-                      headers: dict) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, deltas, builder: ResponseBuilder, headers: dict,
+                      ids: list[str]) -> web.StreamResponse:
         """Server-sent events. The headers go out with the first delta, so a request the scheduler refuses
         (queue full, unavailable) still gets its own HTTP status; a failure after that becomes an error
         event. Each write must complete within the stream idle timeout (aiohttp has none: a write waits
-        for a client that reads nothing for as long as the connection stays up)."""
+        for a client that reads nothing for as long as the connection stays up). ids: the request's
+        scheduler request ids (one per sample), whose records say why when that timeout cuts it."""
         response = None
-        finish = None
 
         async def send(data: bytes) -> None:
             await write_within(response.write(data), self.stream_idle_timeout_s)
@@ -184,8 +185,7 @@ class OpenAIHTTP:
                         await response.prepare(request)
                     for chunk in chunks:
                         await send(_event(chunk))
-                    finish = delta.finish
-                if finish is None:
+                if builder.finish is None:  # some choice never ended
                     raise Unavailable("the scheduler ended the request without a result; retry")
             except (ConnectionResetError, StreamIdle):
                 raise  # the client went away, or reads nothing: nobody to tell
@@ -195,14 +195,14 @@ class OpenAIHTTP:
                 await send(_event(openai_error(exc, request.path).body()))
             else:
                 if builder.include_usage:
-                    await send(_event(builder.usage_chunk(finish)))
+                    await send(_event(builder.usage_chunk()))
                 await send(b"data: [DONE]\n\n")
             await write_within(response.write_eof(), self.stream_idle_timeout_s)
         except StreamIdle as error:
             # record why before the request is aborted (its record would say only "cancelled"), abort it
             # (frees its pages), then drop the connection: HTTP/1.1 has no way to end a response early
             request_id = builder.request_id
-            await record_idle(self.state_reader, [request_id], error)
+            await record_idle(self.state_reader, ids, error)
             await deltas.aclose()
             logger.info("HTTP stream %r cancelled: %s", request_id, error)
             _reset_connection(request)

@@ -6,7 +6,8 @@
 Every bad value raises InvalidArgument naming the OpenAI field (e.g. "messages[1].content",
 "max_completion_tokens"), which becomes a 400 with that field as `param`; an unknown model raises
 ModelNotFound (404 model_not_found). Fields that would change the result in a way we cannot honour
-(n > 1, best_of > 1, tools) are refused with a 400 rather than ignored. Completions echo with logprobs
+(tools) are refused with a 400 rather than ignored. n and best_of (both APIs, as vLLM) ask for several
+samples (gateway.parallel_samples; best_of > n cannot stream). Completions echo with logprobs
 asks for prompt logprobs (SamplingParams.prompt_logprobs, as vLLM). Constrained
 output (response_format json_object / json_schema, vLLM's guided_json / guided_regex / guided_choice /
 guided_grammar) is gateway.openai_constraints'. vLLM's extra sampling fields (top_k, min_p, repetition_penalty, stop_token_ids,
@@ -18,6 +19,7 @@ import contextlib
 from dataclasses import dataclass
 
 from gateway.openai_constraints import openai_constraint
+from gateway.parallel_samples import check_streamable
 from gateway.request_builder import PreparedRequest, chat_token_ids, prepare_request, text_token_ids
 from gateway.tokenizer import TextTokenizer
 from gateway.validation import Limits, validate_prompt_ids
@@ -51,7 +53,6 @@ class OpenAIRequest:
 def parse_completion(body: dict, tokenizer: TextTokenizer, limits: Limits, model_name: str,
                      request_id: str) -> OpenAIRequest:
     _check_common(body, model_name)
-    _refuse(body, "best_of", lambda v: v is None or v == 1, "only best_of=1 is supported")
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise InvalidArgument("echo", echo, "must be true or false")
@@ -98,10 +99,13 @@ def _finish(body: dict, prompt_ids: list[int], tokenizer: TextTokenizer, limits:
     with _renamed("max_tokens", max_field):
         prepared = prepare_request(prompt_ids, tokenizer, limits, sampling=sampling, stop=body.get("stop"),
                                    stop_token_ids=body.get("stop_token_ids"), ignore_eos=body.get("ignore_eos"),
-                                   request_id=request_id, priority=body.get("priority"))
+                                   request_id=request_id, priority=body.get("priority"), n=body.get("n"),
+                                   best_of=body.get("best_of"))
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise InvalidArgument("stream", stream, "must be true or false")
+    if stream:
+        check_streamable(prepared)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise InvalidArgument("stream_options", options, 'must be an object like {"include_usage": true}')
@@ -117,13 +121,11 @@ def _check_common(body: dict, model_name: str) -> None:
         if not isinstance(model, str):
             raise InvalidArgument("model", model, "must be a string")
         raise ModelNotFound(model, model_name)
-    _refuse(body, "n", lambda v: v is None or v == 1,
-            "only n=1 is supported; send several requests for several choices")
 
 
 def _refuse(body: dict, field: str, acceptable, reason: str) -> None:
     value = body.get(field)
-    if not acceptable(value) or (isinstance(value, bool) and field in ("n", "best_of")):
+    if not acceptable(value):
         raise InvalidArgument(field, value, reason)
 
 

@@ -1,17 +1,20 @@
 """One request's GenerationDeltas -> OpenAI response JSON: a whole response, or stream chunks.
 
-    builder = ResponseBuilder(chat=True, request_id=..., model=..., logprobs=None, include_usage=False)
+    builder = ResponseBuilder(chat=True, request_id=..., model=..., logprobs=None, include_usage=False, n=1)
     for delta in deltas: builder.add(delta)          # then builder.body()
     # or, streaming: for delta in deltas: chunks = builder.chunks(delta); then builder.usage_chunk()
 
 Text is exactly what stream_generation produced, so the concatenated stream deltas equal the
 non-streaming text. finish_reason is "stop" or "length" (or vLLM's "abort" when the request was
 cancelled from elsewhere); a request that failed inside the cluster raises GenerationFailed.
+With n > 1 each delta's index names its choice (gateway.parallel_samples); usage counts the prompt once
+and the completion tokens of every choice.
 """
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 
 from gateway.generation_stream import Finish, GenerationDelta, TokenLogprob
 from core.errors import ServingError
@@ -24,75 +27,112 @@ class GenerationFailed(ServingError):
     """The scheduler or worker ended the request with an error (HTTP 500)."""
 
 
+@dataclass(slots=True)
+class _Choice:
+    """What one choice (one sample) has received so far."""
+
+    echo: str  # completions echo: the prompt text, put before the first text of the completion
+    text_parts: list[str] = field(default_factory=list)
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # completions echo with logprobs: the other prompt tokens' logprobs once they arrive (with the first token)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish: Finish | None = None
+    text_offset: int = 0  # completions logprobs: where the next token's text starts
+    sent_role: bool = False
+
+
 class ResponseBuilder:
     def __init__(self, *, chat: bool, request_id: str, model: str, logprobs: int | None,
-                 include_usage: bool = False, echo: str = "", echo_first_token: str | None = None) -> None:
+                 include_usage: bool = False, echo: str = "", echo_first_token: str | None = None,
+                 n: int = 1) -> None:
         self.chat = chat
         self.request_id = request_id
         self.model = model
         self.logprobs = logprobs  # None: the request asked for none
         self.include_usage = include_usage
         self.created = int(time.time())
-        self.text_parts: list[str] = []
-        self.token_logprobs: list[TokenLogprob] = []
-        self.finish: Finish | None = None
-        self._text_offset = 0  # completions logprobs: where the next token's text starts
-        self._sent_role = False
-        self.echo = echo  # completions echo: the prompt text, before the first text of the completion
-        # completions echo with logprobs: the first prompt token's text (it has no logprob), and the
-        # other prompt tokens' logprobs once they arrive (with the first token)
+        # completions echo with logprobs: the first prompt token's text (it has no logprob)
         self.echo_first_token = echo_first_token
-        self.prompt_logprobs: list[TokenLogprob] = []
+        self._choices = [_Choice(echo) for _ in range(n)]
+
+    @property
+    def finish(self) -> Finish | None:
+        """Every choice's ends combined (usage: the prompt once, all completion tokens); None until all ended."""
+        finishes = [choice.finish for choice in self._choices]
+        if any(finish is None for finish in finishes):
+            return None
+        if len(finishes) == 1:
+            return finishes[0]
+        first = finishes[0]
+        # the prompt is read from the cache by every sample but the one that computed it: the
+        # request's cached prompt tokens are what that one found there
+        return Finish(reason=first.reason, matched_stop=first.matched_stop, prompt_tokens=first.prompt_tokens,
+                      completion_tokens=sum(finish.completion_tokens for finish in finishes),
+                      cached_prompt_tokens=min(finish.cached_prompt_tokens for finish in finishes),
+                      queue_ns=min(finish.queue_ns for finish in finishes),
+                      time_to_first_token_ns=min(finish.time_to_first_token_ns for finish in finishes),
+                      decode_ns=max(finish.decode_ns for finish in finishes),
+                      e2e_ns=max(finish.e2e_ns for finish in finishes))
 
     # -- whole response ------------------------------------------------------------------------------
 
     def add(self, delta: GenerationDelta) -> None:
-        self.text_parts.append(delta.text)
-        self.token_logprobs.extend(delta.logprobs)
+        choice = self._choices[delta.index]
+        choice.text_parts.append(delta.text)
+        choice.token_logprobs.extend(delta.logprobs)
         if delta.prompt_logprobs is not None:
-            self.prompt_logprobs = delta.prompt_logprobs
+            choice.prompt_logprobs = delta.prompt_logprobs
         if delta.finish is not None:
-            self.finish = _checked(delta.finish)
+            choice.finish = _checked(delta.finish)
 
     def body(self) -> dict:
-        assert self.finish is not None, "body() before the last delta"
-        text = self.echo + "".join(self.text_parts)
-        choice: dict = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice["logprobs"] = self._logprobs(self.token_logprobs, self.prompt_logprobs)
-        choice["finish_reason"] = self.finish.reason.value
-        choice["stop_reason"] = self.finish.matched_stop or None  # vLLM's field: the stop string that matched
-        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": usage(self.finish)}
+        finish = self.finish
+        assert finish is not None, "body() before the last delta"
+        choices = []
+        for index, state in enumerate(self._choices):
+            text = state.echo + "".join(state.text_parts)
+            choice: dict = {"index": index}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice["logprobs"] = self._logprobs(state, state.token_logprobs, state.prompt_logprobs)
+            choice["finish_reason"] = state.finish.reason.value
+            choice["stop_reason"] = state.finish.matched_stop or None  # vLLM's field: the stop string that matched
+            choices.append(choice)
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
+                "usage": usage(finish)}
 
     # -- streaming --------------------------------------------------------------------------------------
 
     def chunks(self, delta: GenerationDelta) -> list[dict]:
         """The chunks to send for this delta (none while text is held back and nothing else is new)."""
         out = []
-        if self.chat and not self._sent_role:
-            self._sent_role = True
-            out.append(self._chunk({"role": "assistant", "content": ""}, None, None))
+        state = self._choices[delta.index]
+        if self.chat and not state.sent_role:
+            state.sent_role = True
+            out.append(self._chunk(delta.index, {"role": "assistant", "content": ""}, None, None))
         finish = _checked(delta.finish) if delta.finish is not None else None
-        text, self.echo = self.echo + delta.text, ""  # an echoed prompt goes out with the first chunk
+        state.finish = finish or state.finish
+        text, state.echo = state.echo + delta.text, ""  # an echoed prompt goes out with the first chunk
         if text or delta.logprobs or finish is not None:
             content = ({"content": text} if text or finish is None else {}) if self.chat else text
-            out.append(self._chunk(content, self._logprobs(delta.logprobs, delta.prompt_logprobs), finish))
+            logprobs = self._logprobs(state, delta.logprobs, delta.prompt_logprobs)
+            out.append(self._chunk(delta.index, content, logprobs, finish))
         return out
 
-    def usage_chunk(self, finish: Finish) -> dict:
-        """stream_options.include_usage: the last chunk, with usage and no choices."""
+    def usage_chunk(self) -> dict:
+        """stream_options.include_usage: the last chunk, with usage and no choices (after every choice ended)."""
+        finish = self.finish
+        assert finish is not None, "usage_chunk() before every choice ended"
         return {**self._head(self._chunk_object), "choices": [], "usage": usage(finish)}
 
     @property
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def _chunk(self, content: dict | str, logprobs: dict | None, finish: Finish | None) -> dict:
-        choice: dict = {"index": 0, ("delta" if self.chat else "text"): content, "logprobs": logprobs,
+    def _chunk(self, index: int, content: dict | str, logprobs: dict | None, finish: Finish | None) -> dict:
+        choice: dict = {"index": index, ("delta" if self.chat else "text"): content, "logprobs": logprobs,
                         "finish_reason": finish.reason.value if finish else None}
         if finish is not None:
             choice["stop_reason"] = finish.matched_stop or None
@@ -106,7 +146,8 @@ class ResponseBuilder:
 
     # -- logprobs -----------------------------------------------------------------------------------------
 
-    def _logprobs(self, entries: list[TokenLogprob], prompt_entries: list[TokenLogprob] | None = None) -> dict | None:
+    def _logprobs(self, state: _Choice, entries: list[TokenLogprob],
+                  prompt_entries: list[TokenLogprob] | None = None) -> dict | None:
         """prompt_entries (completions echo with logprobs, on the first chunk or the whole body): the prompt
         tokens after the first, listed before entries behind the first prompt token, whose logprob and
         alternatives are null (OpenAI's and vLLM's echo); text_offset counts from the echoed prompt's start."""
@@ -129,8 +170,8 @@ class ResponseBuilder:
         top_logprobs.extend({top.token: _finite(top.logprob) for top in entry.top} for entry in entries)
         offsets = []
         for token in tokens:
-            offsets.append(self._text_offset)
-            self._text_offset += len(token)
+            offsets.append(state.text_offset)
+            state.text_offset += len(token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
 

@@ -142,8 +142,8 @@ def test_errors_in_openai_shape(client, model, stream):
     assert error.status_code == 400 and error.param == "temperature" and error.type == "invalid_request_error"
     assert "temperature=-1" in error.message and "[0, 100]" in error.message
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=model, messages=CHAT, n=2, stream=stream)
-    assert caught.value.param == "n" and "n=1" in caught.value.message
+        client.chat.completions.create(model=model, messages=CHAT, n=17, stream=stream)
+    assert caught.value.param == "n" and "n=17" in caught.value.message and "[1, 16]" in caught.value.message
     with pytest.raises(openai.NotFoundError) as caught:
         client.chat.completions.create(model="gpt-4o", messages=CHAT, stream=stream)
     assert caught.value.code == "model_not_found" and model in caught.value.message

@@ -85,8 +85,12 @@ def test_prompt_forms_and_chat_content_parts(tokenizer):
 
 @pytest.mark.parametrize("make, body, param, words", [
     (completion, {"temperature": -1}, "temperature", "[0, 100]"),
-    (completion, {"n": 2}, "n", "only n=1"),
-    (completion, {"best_of": 3}, "best_of", "best_of=1"),
+    (completion, {"n": 0}, "n", "[1, 16]"),
+    (chat, {"n": 17}, "n", "[1, 16]"),
+    (chat, {"n": True}, "n", "integer"),
+    (completion, {"n": 3, "best_of": 2}, "best_of", ">= n (3)"),
+    (completion, {"best_of": 17}, "best_of", "[1, 16]"),
+    (completion, {"n": 2, "best_of": 3, "stream": True}, "best_of", "must equal n (2) when streaming"),
     (completion, {"echo": True, "logprobs": 50}, "logprobs", "[0, 20]"),
     (completion, {"echo": "yes"}, "echo", "true or false"),
     (completion, {"prompt": ["a", "b"]}, "prompt", "2 prompts"),
