@@ -18,7 +18,10 @@ outputs 16-64, concurrency 1,4,8,16); on a GPU use e.g. --prompt-len 512 --max-o
 
 Self-tuning (issue 19), each an extra paged cluster beside the --kv-policies ones:
     --budgets 32,64,128        one cluster per fixed --max-num-batched-tokens (a sweep of fixed budgets)
-    --target-itl-ms 120        one cluster with the ITL target (the default budget, 512, as its ceiling)
+    --target-itl-ms 120        one cluster with the ITL target (the default budget, 512, as its ceiling);
+                               with --budgets and a paged run, each level's verdict on issue 19's figure
+                               (ITL P99 within the target where the default misses it, throughput within
+                               10 % of the best fixed budget): tokenmill.bench.itl_verdict
     --swap-space-gb 0.25       one cluster whose preemptions may swap to host memory (a memory-pressure run:
                                set --num-blocks small; the paged run beside it recomputes, the static one reserves)
 """
@@ -30,6 +33,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from tokenmill.bench.itl_verdict import format_verdicts, itl_verdicts
 from tokenmill.bench.report import (
     format_table,
     p99_warning,
@@ -161,6 +165,7 @@ def cluster_config(args, kv_policy: str, **settings):
 
 
 def run_cluster(args, workload, kv_policy: str, label: str | None = None, **settings) -> dict:
+    """The sweep against a cluster started with these settings; the result records them ("settings")."""
     from tokenmill.cluster import cluster_specs
     from tokenmill.supervisor import Supervisor
 
@@ -169,7 +174,10 @@ def run_cluster(args, workload, kv_policy: str, label: str | None = None, **sett
         def make_target():
             return (OpenAITarget(f"http://{config.http_address}/v1") if args.protocol == "http"
                     else TokenmillTarget(config.gateway_address))
-        return asyncio.run(_sweep_address(make_target, args, workload, config.scheduler_address, label or kv_policy))
+        result = asyncio.run(_sweep_address(make_target, args, workload, config.scheduler_address, label or kv_policy))
+    result["settings"] = {"kv_policy": kv_policy, "max_num_batched_tokens": config.max_num_batched_tokens,
+                          "target_itl_ms": config.target_itl_ms, "swap_space_gb": config.swap_space_gb}
+    return result
 
 
 def tuning_clusters(args) -> dict[str, dict]:
@@ -180,6 +188,15 @@ def tuning_clusters(args) -> dict[str, dict]:
     if args.swap_space_gb is not None:
         clusters[f"tokenmill paged swap {args.swap_space_gb:g}GB"] = {"swap_space_gb": args.swap_space_gb}
     return clusters
+
+
+def default_budget() -> int:
+    """The --max-num-batched-tokens a started cluster gets unless told otherwise."""
+    import dataclasses
+
+    from tokenmill.cluster import ClusterConfig
+
+    return next(f.default for f in dataclasses.fields(ClusterConfig) if f.name == "max_num_batched_tokens")
 
 
 def cache_description(args) -> str:
@@ -217,11 +234,20 @@ def main(argv: list[str] | None = None) -> int:
                 TransformersTarget(args.model), workload, args.concurrency, args.num_requests, args.warmup)
     result = {"title": "tokenmill bench", "command": "tokenmill bench " + shlex.join(sys.argv[2:] if argv is None else argv),
               "notes": notes(args, runs), "runs": runs}
+    verdict = None
+    if args.target_itl_ms is not None and args.budgets and not (args.address or args.openai_url):
+        result["itl_verdicts"] = itl_verdicts(result, args.target_itl_ms, default_budget())
+        verdict = format_verdicts(result["itl_verdicts"])
     args.out.mkdir(parents=True, exist_ok=True)
     plots = [] if args.no_plots else write_plots(result, args.out)
     write_json(result, args.out / "bench.json")
     write_markdown(result, args.out / "bench.md", [p.name for p in plots])
+    if verdict is not None:
+        with open(args.out / "bench.md", "a") as markdown:
+            markdown.write(f"\n```\n{verdict}\n```\n")
     print(format_table(result))
+    if verdict is not None:
+        print("\n" + verdict)
     print(f"\nreports: {args.out}/bench.json, bench.md" + ("" if args.no_plots else ", bench_*.png"))
     return 0
 
