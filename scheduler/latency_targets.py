@@ -6,9 +6,16 @@ may compute (choose_token_budget), which waiting request goes first (next_waitin
 tokens one more request may add (admissible_tokens); it reports each plan it sends (planned) and each
 result (observe), from which the model learns and the misses are counted. Time comes in as `now` from
 the scheduler's clock, so nothing here reads a clock of its own.
+
+A target is an inter-token P99, while the model predicts a step's mean time: steps of one shape spread
+around it (other processes on the cores, the machine's load changing faster than the fit). So the plan
+aims at the target divided by `spread`, the ERROR_QUANTILE of observed / predicted over the recent
+steps (1 where the model is exact), and at TARGET_HEADROOM of that for what no step time shows (the
+result's way to the client).
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Iterable, Sequence
 
 from core.step import StepPlan, StepResult
@@ -21,14 +28,20 @@ from scheduler.step_time import ITL_FROM_FLAG, ITL_FROM_REQUEST, ItlTarget, Step
 # see (RPC and sampling overhead, the step-to-step spread that P99 is made of).
 TARGET_HEADROOM = 0.8
 KEPT_STEP_TUNINGS = 8  # steps whose tuning record waits for the loop's span (two are in flight at most)
+ERROR_QUANTILE = 0.99  # of observed / predicted step time: the spread a plan leaves room for (the target is a P99)
+ERROR_WINDOW = 256  # recent steps that quantile is taken over
+MIN_ERRORS = 32  # steps observed against a fitted model before the spread counts
+MAX_SPREAD = 4.0  # beyond this the target is out of reach anyway; the plan still admits work
 
 
 class LatencyTargets:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.step_time = StepTimeModel()
-        # steps sent, not yet observed: (shape, planned at, the ITL target that governed it)
-        self._step_shapes: dict[int, tuple[StepShape, float, ItlTarget | None]] = {}
+        # steps sent, not yet observed: (shape, planned at, the ITL target that governed it, the prediction)
+        self._step_shapes: dict[int, tuple[StepShape, float, ItlTarget | None, float | None]] = {}
+        self._error_ratios: deque[float] = deque(maxlen=ERROR_WINDOW)  # observed / predicted, recent steps
+        self.spread = 1.0  # ERROR_QUANTILE of those ratios, at least 1: the plan aims at target / spread
         self.step_tunings: dict[int, StepTuning] = {}  # the same steps' decisions, observed ones kept until read
         self.token_budget = config.max_num_batched_tokens  # the latest step's
         self.num_itl_target_misses = 0
@@ -62,7 +75,7 @@ class LatencyTargets:
         if itl_target is None or self._ttft_at_risk(waiting, now):
             return ceiling
         context = sum(request.num_tokens for request in running)
-        allowed = self.step_time.max_tokens_within(itl_target.ms / 1e3 * TARGET_HEADROOM, len(running), context)
+        allowed = self.step_time.max_tokens_within(self._plan_s(itl_target), len(running), context)
         if allowed is None:
             return ceiling
         return min(ceiling, max(allowed, len(running), 1))
@@ -71,9 +84,13 @@ class LatencyTargets:
                           running: Iterable[Request]) -> int:
         """num_new, cut to what one more request in this step may compute under the ITL target (< 1: none)."""
         allowed = self.step_time.max_tokens_within(
-            itl_target.ms / 1e3 * TARGET_HEADROOM, len(plan.num_scheduled_tokens) + 1,
+            self._plan_s(itl_target), len(plan.num_scheduled_tokens) + 1,
             sum(request.num_tokens for request in running) + num_context)
         return num_new if allowed is None else min(num_new, allowed - plan.total_num_scheduled_tokens)
+
+    def _plan_s(self, itl_target: ItlTarget) -> float:
+        """The predicted step time a plan may reach under itl_target."""
+        return itl_target.ms / 1e3 * TARGET_HEADROOM / self.spread
 
     # --- TTFT targets: who is admitted first, and when a prefill gets the full budget ---------------
 
@@ -114,22 +131,23 @@ class LatencyTargets:
     def planned(self, plan: StepPlan, num_context_tokens: int, itl_target: ItlTarget | None, now: float) -> None:
         """A plan is being sent: its shape and the decision are kept until its result comes in."""
         shape = StepShape(plan.total_num_scheduled_tokens, len(plan.num_scheduled_tokens), num_context_tokens)
-        self._step_shapes[plan.step_id] = (shape, now, itl_target)
-        self.step_tunings[plan.step_id] = StepTuning(
-            self.token_budget, self.step_time.predict_s(shape) if self.step_time.ready else None,
-            itl_target=itl_target)
+        predicted_s = self.step_time.predict_s(shape) if self.step_time.ready else None
+        self._step_shapes[plan.step_id] = (shape, now, itl_target, predicted_s)
+        self.step_tunings[plan.step_id] = StepTuning(self.token_budget, predicted_s, itl_target=itl_target)
         self.step_tunings.pop(plan.step_id - KEPT_STEP_TUNINGS, None)  # nobody read it (no tracing)
 
     def observe(self, plan: StepPlan, result: StepResult, now: float) -> None:
         planned = self._step_shapes.pop(plan.step_id, None)
         if planned is None or result.forward_ns <= 0:
             return  # untimed (a fake executor)
-        shape, planned_at, itl_target = planned
+        shape, planned_at, itl_target, predicted_s = planned
         # what a decoding request waits for: the forward pass, and around it the plan's trip to the
         # worker, sampling and the result's trip back (with async scheduling also the end of the step
         # before, which makes the model err on the safe side)
         seconds = max(result.forward_ns / 1e9, now - planned_at)
         self.step_time.observe(shape, seconds)
+        if predicted_s:
+            self._learn_spread(seconds / predicted_s)
         tuning = self.step_tunings.get(plan.step_id)
         if tuning is not None:
             tuning.observed_s = seconds
@@ -137,6 +155,12 @@ class LatencyTargets:
             self.num_itl_target_misses += 1
             if tuning is not None:
                 tuning.target_missed = True
+
+    def _learn_spread(self, ratio: float) -> None:
+        self._error_ratios.append(ratio)
+        if len(self._error_ratios) >= MIN_ERRORS:
+            ordered = sorted(self._error_ratios)
+            self.spread = min(max(ordered[int(ERROR_QUANTILE * (len(ordered) - 1))], 1.0), MAX_SPREAD)
 
     def pop_step_tuning(self, step_id: int) -> StepTuning | None:
         """The step's tuning record (observed once its result was applied); forgotten once read."""

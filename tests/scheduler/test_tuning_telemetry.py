@@ -24,6 +24,7 @@ def test_tuning_metrics_and_step_attributes():
     assert metrics["tokenmill:step_token_budget"] == engine.scheduler.latency.token_budget < 256
     assert metrics["tokenmill:itl_target_misses_total"] == engine.scheduler.latency.num_itl_target_misses > 0
     assert abs(metrics["tokenmill:step_time_prediction_error_seconds"]) < 1e-4  # the fake machine is linear
+    assert metrics["tokenmill:step_time_spread"] == engine.scheduler.latency.spread < 1.001  # and steady
     assert metrics["tokenmill:num_swapped_preemptions_total"] == 0
 
     step_id = engine.executor.plans[-1].step_id
