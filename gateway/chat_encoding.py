@@ -20,11 +20,14 @@ from gateway.chat_template import render_chat
 from gateway.tokenizer import TextTokenizer
 
 
-def encode_chat(tokenizer: TextTokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """messages: validated [{"role", "content"}, ...]; the template must exist (tokenizer.chat_template)."""
+def encode_chat(tokenizer: TextTokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                **template_kwargs: object) -> list[int]:
+    """messages: validated [{"role", "content"}, ...]; the template must exist (tokenizer.chat_template).
+    template_kwargs: more variables for the template (tools=...), written as the template's own text."""
     template = tokenizer.chat_template
     render = lambda chat: render_chat(template, chat, add_generation_prompt=add_generation_prompt,  # noqa: E731
-                                      bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+                                      bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
+                                      **template_kwargs)
     text = render(messages)
     specials = tokenizer.special_tokens
     holding = [index for index, message in enumerate(messages) if any(s in message["content"] for s in specials)]

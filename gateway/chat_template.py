@@ -13,6 +13,7 @@ from datetime import datetime
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -54,17 +55,32 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
-@functools.lru_cache(maxsize=16)
-def compile_chat_template(template: str) -> jinja2.Template:
-    """Compile once per distinct template (a server has one or a few)."""
+@functools.cache
+def _environment() -> ImmutableSandboxedEnvironment:
     environment = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
     )
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now
+    return environment
+
+
+@functools.lru_cache(maxsize=16)
+def compile_chat_template(template: str) -> jinja2.Template:
+    """Compile once per distinct template (a server has one or a few)."""
     try:
-        return environment.from_string(template)
+        return _environment().from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as error:
+        raise ValueError(f"chat template does not compile: {error.message} (line {error.lineno})") from error
+
+
+@functools.lru_cache(maxsize=16)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables a template reads from its caller (messages, tools, add_generation_prompt, ...):
+    whether it renders tools itself is whether it reads `tools`."""
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(template)))
     except jinja2.exceptions.TemplateSyntaxError as error:
         raise ValueError(f"chat template does not compile: {error.message} (line {error.lineno})") from error
 

@@ -10,6 +10,7 @@ from gateway.access import AccessInterceptor, add_access_arguments, build_access
 from gateway.scheduler_client import SchedulerClient
 from gateway.service import GenerationServicer
 from gateway.tokenizer import load_tokenizer
+from gateway.tool_syntax import TOOL_CALL_PARSERS
 from gateway.validation import Limits
 from protos.tokenmill.v1 import generation_pb2_grpc
 from plumbing import rpc, telemetry, tls
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "a drain that cut nothing exits at once; 0: never wait")
     parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API; 0 disables")
     parser.add_argument("--http-api-key", default="", help="HTTP clients must send 'Authorization: Bearer KEY'")
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
+                        help="how the model writes tool calls (OpenAI chat tools): hermes (<tool_call> JSON: "
+                             "Qwen2.5, Hermes) or llama3_json (Llama 3.1+); auto reads the chat template")
     parser.add_argument("--stream-idle-timeout-s", type=float, default=120.0,
                         help="a streaming call (GenerateStream, KServe ModelStreamInfer, HTTP stream=true) whose "
                              "client has read nothing for this long (its messages back up under flow control) is "
@@ -137,7 +141,8 @@ async def serve(args: argparse.Namespace) -> None:
         from gateway.openai_http import OpenAIHTTP, start_http
 
         http_api = OpenAIHTTP(tokenizer, scheduler, limits, model_info, api_key=args.http_api_key, access=access,
-                              stream_idle_timeout_s=args.stream_idle_timeout_s, state_reader=state_reader)
+                              stream_idle_timeout_s=args.stream_idle_timeout_s, state_reader=state_reader,
+                              tool_call_parser=args.tool_call_parser)
         http_runner = await start_http(http_api, args.host, args.http_port,
                                        ssl_context=args.tls.ssl_context() if args.tls else None,
                                        max_body_bytes=args.max_message_bytes)

@@ -38,6 +38,7 @@ from gateway.parallel_samples import sample_ids, stream_samples
 from gateway.scheduler_client import SchedulerClient
 from gateway.stream_idle import StreamIdle, record_idle, write_within
 from gateway.tokenizer import TextTokenizer
+from gateway.tool_syntax import choose_tool_syntax
 from gateway.validation import Limits
 from plumbing.drain import InFlight
 from protos.tokenmill.v1 import common_pb2
@@ -53,7 +54,7 @@ STOP_GRACE_S = 1.0  # after the drain, what still runs gets this long before it 
 class OpenAIHTTP:
     def __init__(self, tokenizer: TextTokenizer, scheduler: SchedulerClient, limits: Limits,
                  model_info: common_pb2.GetModelInfoResponse, api_key: str = "", access=None,
-                 stream_idle_timeout_s: float = 0.0, state_reader=None) -> None:
+                 stream_idle_timeout_s: float = 0.0, state_reader=None, tool_call_parser: str = "auto") -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.limits = limits
@@ -64,6 +65,8 @@ class OpenAIHTTP:
         # a stream=true client must take each event within this (--stream-idle-timeout-s); 0: no limit
         self.stream_idle_timeout_s = stream_idle_timeout_s
         self.state_reader = state_reader  # kvstore.RequestStateReader (records an idle stream's reason), or None
+        # how the model writes tool calls (--tool-call-parser; auto: read from its chat template)
+        self.tool_format = choose_tool_syntax(tool_call_parser, tokenizer.chat_template)
         self.created = int(time.time())
         self.ready = True  # False once the gateway is draining
         self._generating = InFlight()  # completion handlers running, which a drain waits for
@@ -144,7 +147,7 @@ class OpenAIHTTP:
     async def _generate(self, request: web.Request, chat: bool, arrival: float) -> web.StreamResponse:
         body = await _json_object(request)
         request_id = request.headers.get("X-Request-Id") or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        parse = parse_chat if chat else parse_completion
+        parse = functools.partial(parse_chat, tool_format=self.tool_format) if chat else parse_completion
         with request_scope(request_id, CHAT if chat else TEXT_COMPLETION):  # a refusal still names its request
             parsed = parse(body, self.tokenizer, self.limits, self.model_name, request_id)
         request_id = parsed.prepared.request.request_id
@@ -152,7 +155,8 @@ class OpenAIHTTP:
             parsed.prepared.request = key.with_targets(parsed.prepared.request)
         builder = ResponseBuilder(chat=chat, request_id=request_id, model=self.model_name, logprobs=parsed.logprobs,
                                   include_usage=parsed.stream and parsed.include_usage, echo=parsed.echo,
-                                  echo_first_token=parsed.echo_first_token, n=parsed.prepared.n)
+                                  echo_first_token=parsed.echo_first_token, n=parsed.prepared.n,
+                                  tool_syntax=parsed.tool_syntax if chat else None)
         headers = {"X-Request-Id": request_id}
         deltas = stream_samples(parsed.prepared, self.tokenizer, self.scheduler, None, arrival)
         async with contextlib.aclosing(deltas):

@@ -6,7 +6,8 @@
 Every bad value raises InvalidArgument naming the OpenAI field (e.g. "messages[1].content",
 "max_completion_tokens"), which becomes a 400 with that field as `param`; an unknown model raises
 ModelNotFound (404 model_not_found). Fields that would change the result in a way we cannot honour
-(tools) are refused with a 400 rather than ignored. n and best_of (both APIs, as vLLM) ask for several
+(the legacy `functions`) are refused with a 400 rather than ignored. Tools (tools, tool_choice,
+parallel_tool_calls) are gateway.openai_tools'. n and best_of (both APIs, as vLLM) ask for several
 samples (gateway.parallel_samples; best_of > n cannot stream). Completions echo with logprobs
 asks for prompt logprobs (SamplingParams.prompt_logprobs, as vLLM). Constrained
 output (response_format json_object / json_schema, vLLM's guided_json / guided_regex / guided_choice /
@@ -19,9 +20,11 @@ import contextlib
 from dataclasses import dataclass
 
 from gateway.openai_constraints import openai_constraint
+from gateway.openai_tools import parse_tools, tool_chat, tool_constraint
 from gateway.parallel_samples import check_streamable
 from gateway.request_builder import PreparedRequest, chat_token_ids, prepare_request, text_token_ids
 from gateway.tokenizer import TextTokenizer
+from gateway.tool_syntax import ToolFormat, ToolSyntax, choose_tool_syntax
 from gateway.validation import Limits, validate_prompt_ids
 from core.errors import InvalidArgument, NotFound
 
@@ -48,6 +51,7 @@ class OpenAIRequest:
     # echo with logprobs: the first prompt token's text, listed (with a null logprob) before the prompt
     # logprobs the model computes for the others; None otherwise
     echo_first_token: str | None = None
+    tool_syntax: ToolSyntax | None = None  # chat with tools: the output's calls are parsed in this syntax
 
 
 def parse_completion(body: dict, tokenizer: TextTokenizer, limits: Limits, model_name: str,
@@ -71,14 +75,17 @@ def parse_completion(body: dict, tokenizer: TextTokenizer, limits: Limits, model
 
 
 def parse_chat(body: dict, tokenizer: TextTokenizer, limits: Limits, model_name: str,
-               request_id: str) -> OpenAIRequest:
+               request_id: str, tool_format: ToolFormat | None = None) -> OpenAIRequest:
+    """tool_format: how the model writes tool calls (--tool-call-parser); None: read from its template."""
     _check_common(body, model_name)
-    _refuse(body, "tools", lambda v: not v, "tool calling is not supported")
-    _refuse(body, "functions", lambda v: not v, "function calling is not supported")
+    _refuse(body, "functions", lambda v: not v, "the legacy functions field is not supported; send tools")
+    tools = parse_tools(body)
     messages = body.get("messages")
     if messages is None:
         raise InvalidArgument("messages", None, "is required: a list of {role, content} objects")
-    prompt_ids = chat_token_ids(_text_messages(messages), tokenizer, limits)
+    tool_format = tool_format or choose_tool_syntax("auto", tokenizer.chat_template)
+    messages, template_kwargs = tool_chat(_text_messages(messages), tools, tool_format, tokenizer.special_tokens)
+    prompt_ids = chat_token_ids(messages, tokenizer, limits, **template_kwargs)
     max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     sampling = _sampling(body, max_field)
     logprobs, top_logprobs = body.get("logprobs"), body.get("top_logprobs")
@@ -91,7 +98,11 @@ def parse_chat(body: dict, tokenizer: TextTokenizer, limits: Limits, model_name:
                 or not 0 <= top_logprobs <= limits.max_logprobs:
             raise InvalidArgument("top_logprobs", top_logprobs, f"must be an integer in [0, {limits.max_logprobs}]")
     sampling["logprobs"] = (top_logprobs or 0) if logprobs else None
-    return _finish(body, prompt_ids, tokenizer, limits, sampling, request_id, max_field)
+    sampling["constraint"] = tool_constraint(tools, tool_format.syntax, sampling["constraint"])
+    parsed = _finish(body, prompt_ids, tokenizer, limits, sampling, request_id, max_field)
+    if tools is not None and tools.parses_output:
+        parsed.tool_syntax = tool_format.syntax
+    return parsed
 
 
 def _finish(body: dict, prompt_ids: list[int], tokenizer: TextTokenizer, limits: Limits, sampling: dict,
@@ -183,7 +194,7 @@ def _text_messages(messages: object) -> object:
             content = ""  # an assistant turn that only called tools
         if isinstance(content, list):
             content = "".join(_text_part(part, f"messages[{index}].content[{j}]") for j, part in enumerate(content))
-        turn = {key: message[key] for key in ("role", "content") if key in message}
+        turn = {key: message[key] for key in ("role", "content", "tool_calls", "tool_call_id") if key in message}
         if content is not None or "content" in turn:
             turn["content"] = content
         if turn.get("role") == "developer":  # OpenAI's newer name for the system turn

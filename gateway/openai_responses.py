@@ -6,7 +6,9 @@
 
 Text is exactly what stream_generation produced, so the concatenated stream deltas equal the
 non-streaming text. finish_reason is "stop" or "length" (or vLLM's "abort" when the request was
-cancelled from elsewhere); a request that failed inside the cluster raises GenerationFailed.
+cancelled from elsewhere), "tool_calls" when a chat with tools stopped after calling one (tool_syntax:
+the text is read for calls, gateway.openai_tools); a request that failed inside the cluster raises
+GenerationFailed.
 With n > 1 each delta's index names its choice (gateway.parallel_samples); usage counts the prompt once
 and the completion tokens of every choice.
 """
@@ -17,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 
 from gateway.generation_stream import Finish, GenerationDelta, TokenLogprob
+from gateway.openai_tools import ToolCallDeltas, tool_message
+from gateway.tool_syntax import ToolSyntax
 from core.errors import ServingError
 from core.outputs import FinishReason
 
@@ -39,12 +43,13 @@ class _Choice:
     finish: Finish | None = None
     text_offset: int = 0  # completions logprobs: where the next token's text starts
     sent_role: bool = False
+    tool_calls: ToolCallDeltas | None = None  # chat with tools, streaming: the text read for calls
 
 
 class ResponseBuilder:
     def __init__(self, *, chat: bool, request_id: str, model: str, logprobs: int | None,
                  include_usage: bool = False, echo: str = "", echo_first_token: str | None = None,
-                 n: int = 1) -> None:
+                 n: int = 1, tool_syntax: ToolSyntax | None = None) -> None:
         self.chat = chat
         self.request_id = request_id
         self.model = model
@@ -53,7 +58,9 @@ class ResponseBuilder:
         self.created = int(time.time())
         # completions echo with logprobs: the first prompt token's text (it has no logprob)
         self.echo_first_token = echo_first_token
-        self._choices = [_Choice(echo) for _ in range(n)]
+        # chat with tools: each choice's text is read for calls in this syntax (gateway.openai_tools)
+        self.tool_syntax = tool_syntax
+        self._choices = [_Choice(echo, tool_calls=tool_syntax and ToolCallDeltas(tool_syntax)) for _ in range(n)]
 
     @property
     def finish(self) -> Finish | None:
@@ -92,12 +99,14 @@ class ResponseBuilder:
         for index, state in enumerate(self._choices):
             text = state.echo + "".join(state.text_parts)
             choice: dict = {"index": index}
-            if self.chat:
+            if self.chat and self.tool_syntax is not None:
+                choice["message"] = tool_message(self.tool_syntax, text)
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
             choice["logprobs"] = self._logprobs(state, state.token_logprobs, state.prompt_logprobs)
-            choice["finish_reason"] = state.finish.reason.value
+            choice["finish_reason"] = _finish_reason(state.finish, "tool_calls" in choice.get("message", {}))
             choice["stop_reason"] = state.finish.matched_stop or None  # vLLM's field: the stop string that matched
             choices.append(choice)
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
@@ -115,11 +124,23 @@ class ResponseBuilder:
         finish = _checked(delta.finish) if delta.finish is not None else None
         state.finish = finish or state.finish
         text, state.echo = state.echo + delta.text, ""  # an echoed prompt goes out with the first chunk
+        if state.tool_calls is not None:
+            return out + self._tool_chunks(delta, state, finish)
         if text or delta.logprobs or finish is not None:
             content = ({"content": text} if text or finish is None else {}) if self.chat else text
             logprobs = self._logprobs(state, delta.logprobs, delta.prompt_logprobs)
             out.append(self._chunk(delta.index, content, logprobs, finish))
         return out
+
+    def _tool_chunks(self, delta: GenerationDelta, state: _Choice, finish: Finish | None) -> list[dict]:
+        """Chat with tools: the text outside calls as content, the calls as tool_calls deltas."""
+        pieces = state.tool_calls.deltas(delta.text, last=finish is not None)
+        if not pieces and (delta.logprobs or finish is not None):
+            pieces = [{}]
+        logprobs = self._logprobs(state, delta.logprobs, delta.prompt_logprobs)
+        return [self._chunk(delta.index, piece, logprobs if number == 0 else None,
+                            finish if number == len(pieces) - 1 else None, state.tool_calls.called)
+                for number, piece in enumerate(pieces)]
 
     def usage_chunk(self) -> dict:
         """stream_options.include_usage: the last chunk, with usage and no choices (after every choice ended)."""
@@ -131,9 +152,10 @@ class ResponseBuilder:
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def _chunk(self, index: int, content: dict | str, logprobs: dict | None, finish: Finish | None) -> dict:
+    def _chunk(self, index: int, content: dict | str, logprobs: dict | None, finish: Finish | None,
+               called_tools: bool = False) -> dict:
         choice: dict = {"index": index, ("delta" if self.chat else "text"): content, "logprobs": logprobs,
-                        "finish_reason": finish.reason.value if finish else None}
+                        "finish_reason": _finish_reason(finish, called_tools) if finish else None}
         if finish is not None:
             choice["stop_reason"] = finish.matched_stop or None
         chunk = {**self._head(self._chunk_object), "choices": [choice]}
@@ -184,6 +206,11 @@ def usage(finish: Finish) -> dict:
 
 def _chat_token(token: str, logprob: float) -> dict:
     return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
+
+
+def _finish_reason(finish: Finish, called_tools: bool) -> str:
+    """OpenAI's: a choice that ended by itself after calling tools finished with "tool_calls"."""
+    return "tool_calls" if called_tools and finish.reason is FinishReason.STOP else finish.reason.value
 
 
 def _finite(logprob: float) -> float:

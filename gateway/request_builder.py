@@ -47,15 +47,16 @@ def text_token_ids(text: object, tokenizer: TextTokenizer, limits: Limits,
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)  # type: ignore[arg-type]
 
 
-def chat_token_ids(messages: list[dict], tokenizer: TextTokenizer, limits: Limits) -> list[int]:
-    """[{"role", "content"}, ...] rendered with the chat template (generation prompt appended)."""
+def chat_token_ids(messages: list[dict], tokenizer: TextTokenizer, limits: Limits, **template_kwargs) -> list[int]:
+    """[{"role", "content"}, ...] rendered with the chat template (generation prompt appended);
+    template_kwargs: more variables for it (the OpenAI API's tools=)."""
     if not messages:
         raise InvalidArgument("messages", [], "must hold at least one message")
     validate_messages(messages)
     validate_chat_size(messages, limits)
     if not tokenizer.chat_template:
         raise InvalidArgument("messages", "...", "this model has no chat template; send a prompt")
-    return encode_chat(tokenizer, messages)  # the template writes the specials; content stays text
+    return encode_chat(tokenizer, messages, **template_kwargs)  # the template writes the specials; content stays text
 
 
 def prompt_token_ids(message: generation_pb2.GenerateRequest | generation_pb2.TokenizeRequest,

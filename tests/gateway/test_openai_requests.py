@@ -106,7 +106,7 @@ def test_prompt_forms_and_chat_content_parts(tokenizer):
     (chat, {"messages": [{"role": "user"}]}, "messages[0].content", "required"),
     (chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]",
      "only text parts"),
-    (chat, {"tools": [{"type": "function"}]}, "tools", "not supported"),
+    (chat, {"tools": [{"type": "function"}]}, "tools[0].function", "must be an object"),
     (chat, {"logit_bias": {"1": 500}}, "logit_bias['1']", "[-100, 100]"),
     (completion, {"logit_bias": {"60000": 1}}, "logit_bias['60000']", "vocab_size=49152"),
     (chat, {"logit_bias": [1, 2]}, "logit_bias", "mapping token ids"),
