@@ -1,6 +1,7 @@
 """tokenmill.v1.Generation servicer: the public API. Thin: build the request, stream, convert back."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -9,9 +10,10 @@ from redis.exceptions import RedisError
 
 from gateway.generation_stream import GenerationDelta, TokenLogprob, stream_generation
 from gateway.ownership import RequestOwners, caller_key, caller_name
-from gateway.parallel_samples import check_streamable, stream_samples
+from gateway.parallel_samples import check_streamable, sample_ids, stream_samples
 from gateway.request_builder import prepare, prompt_token_ids
 from gateway.resume import submit_or_attach
+from gateway.sample_groups import SampleGroups, candidate_sample_ids, group_record
 from gateway.scheduler_client import SchedulerClient
 from gateway.stream_idle import StreamIdle, record_idle, write_within
 from gateway.tokenizer import TextTokenizer
@@ -47,6 +49,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.access = access  # gateway.access.AccessControl: whose request an id is (None: keys off)
         self.owners = RequestOwners(state_reader)
         self.claims = claims  # kvstore.RequestClaims: client-chosen ids bound to one request (None without Redis)
+        self.sample_groups = SampleGroups()  # the n > 1 requests streamed here: their sample ids
 
     # --stream-idle-timeout-s (gateway.main sets it); 0: a stream may wait on its client for ever
     stream_idle_timeout_s: float = 0.0
@@ -58,8 +61,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 try:
                     await write_within(context.write(message), self.stream_idle_timeout_s)
                 except StreamIdle as error:
-                    # before leaving the block aborts the request (whose record would say only "cancelled")
-                    await record_idle(self.state_reader, [message.request_id], error)
+                    # before leaving the block aborts the request (whose record would say only "cancelled");
+                    # an n > 1 request's records are its samples'
+                    group = self.sample_groups.live(message.request_id)
+                    ids = group.sample_ids if group is not None else [message.request_id]
+                    await record_idle(self.state_reader, ids, error)
                     raise
 
     async def Generate(self, request, context):
@@ -119,7 +125,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                       self.claims)
         # only an id this gateway made is surely the caller's before the scheduler takes it; a client-chosen
         # one may name another key's request, and its owner is then known from its Redis record
-        with self.owners.streaming(request_id, None if request.request_id else caller):
+        samples = sample_ids(prepared) if prepared.best_of > 1 else []
+        with (self.owners.streaming(request_id, None if request.request_id else caller),
+              self.sample_groups.streaming(request_id, samples, caller) if samples else contextlib.nullcontext()):
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
                     yield _stream_response(delta, request_id)
@@ -141,22 +149,71 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def GetRequestStatus(self, request, context):
         if self.state_reader is None:
             raise Unavailable("request status needs Redis; this gateway runs without --redis-url")
-        record = await self._record(request.request_id)
+        record = await self._record_or_group(request.request_id)
         caller = caller_name(self.access, context)
         if record is None or (caller is not None and record.owner != caller):
             raise NotFound("request", request.request_id)
         return self._status_reply(record)
 
     async def CancelRequest(self, request, context):
-        await self.owners.check(request.request_id, caller_name(self.access, context))
-        aborted = await self.scheduler.abort([request.request_id])
+        request_id, caller = request.request_id, caller_name(self.access, context)
+        group = self.sample_groups.live(request_id)
+        if group is not None:  # an n > 1 request streamed here: all its samples
+            if caller is not None and group.owner != caller:
+                raise NotFound("request", request_id)
+            aborted = await self.scheduler.abort(group.sample_ids)
+        else:
+            aborted = await self._abort_one_or_samples(request_id, caller)
         status = generation_pb2.REQUEST_STATUS_CANCELLED if aborted else generation_pb2.REQUEST_STATUS_UNSPECIFIED
         if not aborted and self.state_reader is not None:
-            record = await self._record(request.request_id)
-            if record is None:
-                raise NotFound("request", request.request_id)
+            record = await self._record_or_group(request_id)
+            if record is None or (caller is not None and record.owner != caller):
+                raise NotFound("request", request_id)
             status = _STATUS[record.status]
         return generation_pb2.CancelRequestResponse(cancelled=bool(aborted), status=status)
+
+    async def _abort_one_or_samples(self, request_id: str, caller: str | None) -> list[str]:
+        """The request itself if it runs, else the samples of an n > 1 request another gateway (or this
+        one, before) streamed: derived from the id (gateway.sample_groups says why that is sound)."""
+        refused, aborted = None, []
+        try:
+            await self.owners.check(request_id, caller)
+        except NotFound as error:
+            refused = error  # not the caller's, or no plain request: an n > 1 request's samples may be
+        else:
+            aborted = await self.scheduler.abort([request_id])
+        if aborted:
+            return aborted
+        if caller is None:
+            candidates = candidate_sample_ids(request_id, self.limits.max_samples)
+        else:  # keys on: only samples whose records name the caller
+            candidates = [record.request_id for record in await self._sample_records(request_id)
+                          if record.owner == caller]
+        if refused is not None and not candidates:
+            raise refused
+        return await self.scheduler.abort(candidates) if candidates else []
+
+    async def _record_or_group(self, request_id: str):
+        """The request's record, or for an n > 1 request one standing for its samples' (None: neither)."""
+        record = await self._record(request_id)
+        if record is None and (samples := await self._sample_records(request_id)):
+            record = group_record(request_id, samples)
+        return record
+
+    async def _sample_records(self, request_id: str) -> list:
+        """The records of request_id's samples: <id>-0, <id>-1, ... up to the first without one."""
+        if self.state_reader is None:
+            return []
+        first_id, *other_ids = candidate_sample_ids(request_id, self.limits.max_samples)
+        first = await self._record(first_id)
+        if first is None:  # not an n > 1 request (one Redis read for a plain id that is unknown)
+            return []
+        records = [first]
+        for record in await asyncio.gather(*(self._record(sample_id) for sample_id in other_ids)):
+            if record is None:
+                break
+            records.append(record)
+        return records
 
     async def _record(self, request_id: str):
         """The request's Redis record; Unavailable (not INTERNAL) while Redis does not answer: status is

@@ -4,13 +4,14 @@ tokenmill.v1 over gRPC. The samples share the prompt's pages: of n samples of a 
 computes it and the others compute only its last partial page."""
 from __future__ import annotations
 
+import time
 import uuid
 
 import grpc
 import openai
 import pytest
 
-from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc
+from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -140,3 +141,23 @@ def test_grpc_stream_tags_each_sample_and_refuses_unstreamable_best_of(stub):
     with pytest.raises(grpc.RpcError) as caught:
         list(stub.GenerateStream(generation_pb2.GenerateRequest(prompt="Hi", parameters=parameters), timeout=60))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "best_of" in caught.value.details()
+
+
+def test_cancel_request_with_the_client_id_cancels_every_sample(stub):
+    request_id = f"cancel-samples-{uuid.uuid4().hex[:8]}"
+    parameters = generation_pb2.GenerateParameters(max_tokens=400, temperature=1.0, ignore_eos=True, n=2)
+    call = stub.GenerateStream(generation_pb2.GenerateRequest(prompt="Count to a thousand:", parameters=parameters,
+                                                              request_id=request_id), timeout=120)
+    next(call)
+    reply = stub.CancelRequest(generation_pb2.CancelRequestRequest(request_id=request_id), timeout=30)
+    assert reply.cancelled and reply.status == generation_pb2.REQUEST_STATUS_CANCELLED
+    ended = {message.index: message for message in call if message.finish_reason}  # the aborts, not a status
+    assert {index: message.finish_reason for index, message in ended.items()} == {
+        0: common_pb2.FINISH_REASON_ABORT, 1: common_pb2.FINISH_REASON_ABORT}
+    assert all(message.usage.completion_tokens < 400 for message in ended.values())
+    deadline = time.monotonic() + 10  # the scheduler writes the samples' records a moment after
+    while (status := stub.GetRequestStatus(generation_pb2.GetRequestStatusRequest(request_id=request_id),
+                                           timeout=10)).status != generation_pb2.REQUEST_STATUS_CANCELLED:
+        assert time.monotonic() < deadline, status
+        time.sleep(0.05)
+    assert status.request_id == request_id and status.num_output_tokens < 800
