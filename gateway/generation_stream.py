@@ -80,7 +80,8 @@ class GenerationDelta:
 async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer, scheduler: SchedulerClient,
                             timeout_s: float | None = None, arrival: float | None = None,
                             resumable: bool = False, owner: str | None = None,
-                            deadline_unix_s: float | None = None, target=None) -> AsyncIterator[GenerationDelta]:
+                            deadline_unix_s: float | None = None, target=None,
+                            counts_prompt: bool = True) -> AsyncIterator[GenerationDelta]:
     """timeout_s: the client's time left (None: no deadline), read with nothing awaited since;
     deadline_unix_s instead: the deadline itself (Unix seconds), from a caller that awaited something
     after reading it (gateway.resume asks Redis first), for the time left counts from that read.
@@ -88,6 +89,7 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
     owner: the API key name that sent it (gateway.ownership), recorded with the request.
     target: a replica already chosen by scheduler.route() (the samples of one prompt go to one replica,
     whose prefix cache they share); None: routed here.
+    counts_prompt: False for the samples of an n > 1 request but the first (RequestObserver).
     resumable: the scheduler keeps the request running if this gateway dies (see gateway.resume),
     so a client's cancel is sent as an explicit Abort.
 
@@ -101,7 +103,7 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
     deadline = deadline_unix_s
     if deadline is None and timeout_s is not None:
         deadline = time.time() + timeout_s
-    observer = RequestObserver(prepared.request, arrival)  # GenAI span attributes, latency metrics
+    observer = RequestObserver(prepared.request, arrival, counts_prompt)  # GenAI span attributes, latency metrics
     try:
         if target is None:  # Unavailable when no scheduler can take it
             target = scheduler.route(prepared.request.prompt_token_ids)

@@ -94,8 +94,8 @@ async def stream_samples(prepared: PreparedRequest, tokenizer: TextTokenizer, sc
         deadline = None if timeout_s is None else time.time() + timeout_s
         target = scheduler.route(prepared.request.prompt_token_ids)  # one replica: one prefix cache
         deltas = _merged([stream_generation(sample, tokenizer, scheduler, arrival=arrival, owner=owner,
-                                            deadline_unix_s=deadline, target=target)
-                          for sample in sample_requests(prepared)])
+                                            deadline_unix_s=deadline, target=target, counts_prompt=index == 0)
+                          for index, sample in enumerate(sample_requests(prepared))])
         if prepared.best_of > prepared.n:
             keep_logprobs = prepared.request.sampling_params.logprobs is not None
             deltas = _best(deltas, prepared.n, keep_logprobs)

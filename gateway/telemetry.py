@@ -96,15 +96,18 @@ def request_scope(request_id: str, operation: str = TEXT_COMPLETION):
 
 class RequestObserver:
     __slots__ = ("request_id", "arrival", "span", "first_token", "last_token", "num_tokens", "num_prompt_tokens",
-                 "ended")
+                 "counts_prompt", "ended")
 
-    def __init__(self, request: GenerationRequest, arrival: float) -> None:
+    def __init__(self, request: GenerationRequest, arrival: float, counts_prompt: bool = True) -> None:
         self.request_id = request.request_id
         self.arrival = arrival  # time.monotonic() when the request reached the gateway
         self.first_token: float | None = None
         self.last_token = arrival
         self.num_tokens = 0
         self.num_prompt_tokens = request.num_prompt_tokens
+        # False for samples 1.. of an n > 1 request: tokenmill:prompt_tokens_total counts a client's prompt
+        # once (as vLLM does), though each sample is a request of its own everywhere else
+        self.counts_prompt = counts_prompt
         self.ended = False
         self.span = trace.get_current_span()
         bind_request(request.request_id)
@@ -177,7 +180,8 @@ class RequestObserver:
         e2e_s = now - self.arrival
         model = _model_name
         metrics.E2E_REQUEST_LATENCY.labels(model).observe(e2e_s)
-        metrics.PROMPT_TOKENS.labels(model).inc(prompt_tokens)
+        if self.counts_prompt:
+            metrics.PROMPT_TOKENS.labels(model).inc(prompt_tokens)
         metrics.GENERATION_TOKENS.labels(model).inc(completion_tokens)
         metrics.REQUEST_PROMPT_TOKENS.labels(model).observe(prompt_tokens)
         metrics.REQUEST_GENERATION_TOKENS.labels(model).observe(completion_tokens)

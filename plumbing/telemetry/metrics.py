@@ -64,7 +64,9 @@ REQUEST_PROMPT_TOKENS = _histogram("tokenmill:request_prompt_tokens", "Prompt to
 REQUEST_GENERATION_TOKENS = _histogram("tokenmill:request_generation_tokens",
                                        "Output tokens per ended request (streamed to the client)",
                                        _TOKEN_COUNT_BUCKETS)
-PROMPT_TOKENS = Counter("tokenmill:prompt_tokens_total", "Prompt tokens of ended requests", MODEL, registry=None)
+PROMPT_TOKENS = Counter("tokenmill:prompt_tokens_total",
+                        "Prompt tokens of ended requests (an n > 1 request's prompt once, not per sample)", MODEL,
+                        registry=None)
 GENERATION_TOKENS = Counter("tokenmill:generation_tokens_total", "Output tokens streamed to clients", MODEL,
                             registry=None)
 REQUEST_SUCCESS = Counter("tokenmill:request_success_total",

@@ -1,24 +1,31 @@
 """The client's id of an n > 1 request names all its samples (`<id>-i`) at the tokenmill.v1 servicer:
 CancelRequest cancels every sample (streamed by this gateway, or derived from the id when another gateway
 replica streams them), GetRequestStatus reads one state from the samples' records, an idle-cut stream
-records why under every sample's id. On the scripted scheduler of test_parallel_samples
-(tests/gateway/test_parallel_samples_apis.py cancels on the real cluster)."""
+records why under every sample's id; and the prompt-token counter counts the prompt once. On the
+scripted scheduler of test_parallel_samples (tests/gateway/test_parallel_samples_apis.py cancels on the real
+cluster)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from core.outputs import FinishReason
+from gateway.parallel_samples import stream_samples
 from gateway.sample_groups import group_record
 from gateway.service import GenerationServicer
 from gateway.stream_idle import StreamIdle
 from gateway.tokenizer import load_tokenizer
 from kvstore.records import RecordStatus, RequestRecord
+from plumbing.telemetry import metrics
 from protos.tokenmill.v1 import common_pb2, generation_pb2
 from tests.gateway.test_parallel_samples import (
     LIMITS,
+    PROMPT,
     ScriptedScheduler,
+    prepared,
 )
 
 MODEL_INFO = common_pb2.GetModelInfoResponse(model_config=common_pb2.ModelConfig(name="m"))
@@ -137,3 +144,20 @@ async def test_status_of_the_client_id_is_one_state_from_the_samples_records(tok
     ended = group_record("job", [records.records["job-0"], records.records["job-1"]])
     assert (ended.created_at, ended.finished_at, ended.num_output_tokens) == (9.5, 13.0, 13)
 
+
+async def test_the_prompt_token_counter_counts_an_n_sample_prompt_once(tokenizer):
+    registry = CollectorRegistry()
+    registry.register(metrics.PROMPT_TOKENS)
+    try:
+        def counted() -> float:
+            return sum(sample.value for family in registry.collect() for sample in family.samples
+                       if sample.name == "tokenmill:prompt_tokens_total")
+
+        before = counted()
+        scheduler = Scheduler({index: [(5, -1.0)] for index in range(3)})
+        deltas = stream_samples(prepared(tokenizer, n=3), tokenizer, scheduler)
+        async with contextlib.aclosing(deltas):
+            assert len({delta.index async for delta in deltas}) == 3
+        assert counted() - before == len(PROMPT)
+    finally:
+        registry.unregister(metrics.PROMPT_TOKENS)
