@@ -29,6 +29,8 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "accuracy": ("tokenmill.accuracy", "greedy agreement and perplexity of each weight format / dtype vs float32"),
 }
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # worker.build.DTYPE_CHOICES (not imported: it needs torch)
+# gateway.tool_syntax.TOOL_CALL_PARSERS (a test keeps them equal; not imported: it costs every command 0.2 s)
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
 
 
 def _ranged(kind: Callable, low=None, high=None, low_open: bool = False, what: str = "") -> Callable:
@@ -150,6 +152,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-idle-timeout-s", type=NON_NEGATIVE_FLOAT, default=120.0,
                         help="a stream whose client has read nothing for this long is cancelled, its pages "
                              "freed and its record failed with the reason; 0 disables (default: %(default)s)")
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
+                        help="how the model writes tool calls (OpenAI chat tools): hermes (<tool_call> JSON: "
+                             "Qwen2.5, Hermes) or llama3_json (Llama 3.1+); auto reads the chat template")
     add_serve_security_arguments(parser)
 
 
@@ -278,7 +283,7 @@ def serve(args: argparse.Namespace) -> int:
         api_keys_file=args.api_keys_file, rate_limit_rps=args.rate_limit_rps,
         rate_limit_burst=args.rate_limit_burst,
         drain_timeout_s=args.drain_timeout_s, retry_on_worker_failure=not args.no_retry_on_worker_failure,
-        stream_idle_timeout_s=args.stream_idle_timeout_s,
+        stream_idle_timeout_s=args.stream_idle_timeout_s, tool_call_parser=args.tool_call_parser,
         **({} if args.no_metrics else {"gateway_metrics_port": args.gateway_metrics_port,
                                        "scheduler_metrics_port": args.scheduler_metrics_port,
                                        "worker_metrics_port": args.worker_metrics_port})))

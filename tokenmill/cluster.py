@@ -85,6 +85,7 @@ class ClusterConfig:
     retry_on_worker_failure: bool = True
     # a gateway stream whose client has read nothing for this long is cancelled (gateway.stream_idle); 0: never
     stream_idle_timeout_s: float = 120.0
+    tool_call_parser: str = "auto"  # the gateway's --tool-call-parser (gateway.tool_syntax)
     python: str = sys.executable
     # Prometheus /metrics of each process; None: off (so parallel test clusters never clash; `tokenmill
     # serve` passes 9400 / 9401 / 9402); 0: pick a free port (resolve_ports).
@@ -218,6 +219,7 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
                "--drain-timeout-s", str(config.drain_timeout_s),
                "--metrics-linger-s", str(config.gateway_metrics_linger_s),
                "--stream-idle-timeout-s", str(config.stream_idle_timeout_s),
+               "--tool-call-parser", config.tool_call_parser,
                *server_tls, *(probe_tls.argv("scheduler") if probe_tls else []),
                "--max-message-bytes", str(config.max_message_bytes),
                "--rate-limit-rps", str(config.rate_limit_rps), "--rate-limit-burst", str(config.rate_limit_burst)]

@@ -190,3 +190,22 @@ def test_serve_reports_a_taken_metrics_port_with_the_flag_to_change_it(capsys):
     assert code == 1
     assert f"port {port} for scheduler metrics is already in use" in err
     assert "--scheduler-metrics-port (or --no-metrics)" in err
+
+
+def test_serve_passes_the_tool_call_parser_to_the_gateway(capsys, monkeypatch):
+    from gateway.tool_syntax import TOOL_CALL_PARSERS
+    from tokenmill import supervisor
+
+    class Captured(supervisor.Supervisor):  # takes the command lines; stops serve before anything starts
+        def check_ports(self):
+            raise supervisor.SupervisorError("captured")
+
+    captured = {}
+    monkeypatch.setattr(supervisor, "Supervisor", lambda specs, **options: captured.update(
+        {spec.name: spec.argv for spec in specs}) or Captured(specs, **options))
+    assert cli.TOOL_CALL_PARSERS == TOOL_CALL_PARSERS  # the same choices as the gateway's own flag
+    code, _, _ = run(capsys, "serve", "--tool-call-parser", "llama3_json", "--gateway-port", "0",
+                     "--scheduler-port", "0", "--worker-port", "0", "--redis-port", "0")
+    assert code == 1
+    gateway_argv = " ".join(captured["gateway"])
+    assert "-m gateway.main" in gateway_argv and "--tool-call-parser llama3_json" in gateway_argv
