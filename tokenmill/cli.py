@@ -125,6 +125,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "(llama.cpp's way; faster, slightly less exact: see tokenmill accuracy)")
     parser.add_argument("--no-packed-linears", action="store_true",
                         help="plain nn.Linear instead of oneDNN-reordered weights (CPU, float32 only)")
+    parser.add_argument("--no-cpu-fused-ops", action="store_true",
+                        help="the decoder's norms, SwiGLU, RoPE and decode attention in plain torch (the reference) "
+                             "instead of compiled ops reading the KV pages in place (CPU)")
     parser.add_argument("--max-waiting-requests", type=POSITIVE, default=4096,
                         help="queued requests beyond which the scheduler answers RESOURCE_EXHAUSTED (default: %(default)s)")
     parser.add_argument("--max-waiting-tokens", type=NON_NEGATIVE_INT, default=0,
@@ -279,6 +282,7 @@ def serve(args: argparse.Namespace) -> int:
         async_scheduling=args.async_scheduling, device=args.device, kernel_backend=args.kernel_backend, quantization=args.quantization,
         cuda_graphs=not args.no_cuda_graphs, stream_overlap=not args.no_stream_overlap,
         packed_linears=not args.no_packed_linears, cpu_int8_activations=args.cpu_int8_activations,
+        cpu_fused_ops=not args.no_cpu_fused_ops,
         max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
         api_keys_file=args.api_keys_file, rate_limit_rps=args.rate_limit_rps,
         rate_limit_burst=args.rate_limit_burst,

@@ -71,6 +71,7 @@ class ClusterConfig:
     stream_overlap: bool = True
     packed_linears: bool = True  # CPU float32 (worker.cpu_linear)
     cpu_int8_activations: bool = False  # worker.backends.ExecutionOptions
+    cpu_fused_ops: bool = True  # worker.backends.ExecutionOptions; False: the plain-torch reference
     max_waiting_requests: int = 4096  # beyond these the scheduler answers RESOURCE_EXHAUSTED at once
     max_waiting_tokens: int = 0  # prompt tokens waiting; 0: no bound
     api_keys_file: str | None = None  # the gateway's keys (gateway.api_keys); None: authentication off
@@ -191,6 +192,8 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
         worker.append("--no-packed-linears")
     if config.cpu_int8_activations:
         worker.append("--cpu-int8-activations")
+    if not config.cpu_fused_ops:
+        worker.append("--no-cpu-fused-ops")
     scheduler = [config.python, "-m", "scheduler.main", "--host", config.internal_host,
                  "--port", str(config.scheduler_port), "--worker", config.worker_address,
                  *server_tls, *(probe_tls.argv("worker") if probe_tls else []), *internal_size,

@@ -40,13 +40,15 @@ class EngineConfig:
     stream_overlap: bool = True  # CUDA only
     packed_linears: bool = True  # CPU float32: weights reordered once for oneDNN (worker.cpu_linear)
     cpu_int8_activations: bool = False  # worker.backends.ExecutionOptions
+    cpu_fused_ops: bool = True  # worker.backends.ExecutionOptions; False: the plain-torch reference
     # a model whose every layer slides: give back each request's pages before its window (scheduler.kv_manager)
     free_window_pages: bool = True
 
     def execution_options(self) -> ExecutionOptions:
         return ExecutionOptions(kernel_backend=self.kernel_backend, quantization=self.quantization,
                                 cuda_graphs=self.cuda_graphs, stream_overlap=self.stream_overlap,
-                                packed_linears=self.packed_linears, cpu_int8_activations=self.cpu_int8_activations)
+                                packed_linears=self.packed_linears, cpu_int8_activations=self.cpu_int8_activations,
+                                cpu_fused_ops=self.cpu_fused_ops)
 
 
 def scheduler_config_for(config: EngineConfig, num_blocks: int, model_max_len: int, num_host_blocks: int = 0,

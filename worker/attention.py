@@ -8,6 +8,8 @@ no Python work per request for decode rows and no host syncs (.item()/.tolist())
   - prefill chunks run one SDPA call each: causal over themselves plus the whole prefix already in
     the cache (from the prefix cache or earlier chunks).
 Padding exists only inside the decode gather; the token batch itself is packed (invariant 5).
+With the compiled ops (worker.fused_ops, plan_attention(in_place=True)) the decode rows instead go to one
+call that reads K/V from the cache pages in place: no gather, no padding, no mask (PagedDecode).
 It is built in two halves: plan_attention() (host lists: slots, groups; plain Python, so the worker
 can build it on its RPC thread) and attention_metadata() (the tensors, on the compute thread).
 """
@@ -101,10 +103,20 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class PagedDecode:
+    """Every decode row of a step, for torch.ops.tokenmill.paged_decode_attention (no gather)."""
+
+    rows: torch.Tensor  # [B] long: rows of the packed batch
+    block_tables: torch.Tensor  # [B, max_blocks] long: each row's pages, padded with 0 (never read)
+    context_lens: torch.Tensor  # [B] long
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: cache slot (block_id * block_size + offset) per token
     decodes: list[DecodeBatch]  # groups of decode rows, each attended in one call per layer
     prefills: list[PrefillChunk]
+    paged_decode: PagedDecode | None = None  # instead of decodes: every decode row, read in place
 
 
 def span_slots(span: RequestSpan, block_size: int) -> tuple[int, list[int]]:
@@ -157,6 +169,17 @@ def _decode_batch(group: list[RequestSpan], block_size: int, num_tokens: int, de
     )
 
 
+def _paged_decode(spans: list[RequestSpan], block_size: int, device) -> PagedDecode:
+    tables = [span.block_table[: -(-span.context_len // block_size)] for span in spans]
+    max_blocks = max(len(table) for table in tables)
+    return PagedDecode(
+        rows=torch.tensor([span.query_start for span in spans], dtype=torch.long, device=device),
+        block_tables=torch.tensor([list(table) + [0] * (max_blocks - len(table)) for table in tables],
+                                  dtype=torch.long, device=device),
+        context_lens=torch.tensor([span.context_len for span in spans], dtype=torch.long, device=device),
+    )
+
+
 def _decode_groups(decode_spans: list[RequestSpan], block_size: int, workspace: GatherWorkspace | None) -> list[list[RequestSpan]]:
     """Similar context lengths together (less padding), each group's padded gather within budget."""
     if workspace is None:
@@ -178,12 +201,14 @@ class HostAttentionPlan:
     slot_mapping: list[int]  # [T]: cache slot per token
     decode_groups: list[list[RequestSpan]]  # decode rows, grouped as _decode_groups() cuts them
     prefills: list[tuple[RequestSpan, int]]  # (prefill span, pages its context fills), batch order
+    in_place: bool = False  # decode rows read the pages in place: decode_groups is one group, ungrouped
 
 
 def plan_attention(
-    spans: Sequence[RequestSpan], block_size: int, workspace: GatherWorkspace | None = None
+    spans: Sequence[RequestSpan], block_size: int, workspace: GatherWorkspace | None = None, in_place: bool = False
 ) -> HostAttentionPlan:
-    """spans in packed-batch order; raises ValueError if a block table cannot hold its context."""
+    """spans in packed-batch order; raises ValueError if a block table cannot hold its context.
+    in_place: the decode rows go to paged_decode_attention (compiled ops loaded) instead of gathers."""
     slot_mapping: list[int] = []
     decode_spans: list[RequestSpan] = []
     prefills: list[tuple[RequestSpan, int]] = []
@@ -194,6 +219,8 @@ def plan_attention(
             decode_spans.append(span)
         else:
             prefills.append((span, num_blocks))
+    if in_place:
+        return HostAttentionPlan(slot_mapping, [decode_spans] if decode_spans else [], prefills, in_place=True)
     groups = _decode_groups(decode_spans, block_size, workspace) if decode_spans else []
     return HostAttentionPlan(slot_mapping, groups, prefills)
 
@@ -203,6 +230,11 @@ def attention_metadata(
 ) -> AttentionMetadata:
     """The plan's tensors on the device; workspace must be the one plan_attention() grouped for."""
     num_tokens = len(plan.slot_mapping)
+    if plan.in_place:
+        return AttentionMetadata(
+            torch.tensor(plan.slot_mapping, dtype=torch.long, device=device), [],
+            [_prefill_chunk(span, num_blocks, device) for span, num_blocks in plan.prefills],
+            _paged_decode(plan.decode_groups[0], block_size, device) if plan.decode_groups else None)
     return AttentionMetadata(
         torch.tensor(plan.slot_mapping, dtype=torch.long, device=device),
         [_decode_batch(group, block_size, num_tokens, device, workspace) for group in plan.decode_groups],
@@ -298,6 +330,16 @@ def paged_attention(
     softcap: float | None = None,  # attention logit soft-cap (gemma2)
 ) -> torch.Tensor:
     """Returns [T, H, D]: each token attends to its own request's context up to its position."""
+    paged = attn_metadata.paged_decode
+    if paged is not None or not attn_metadata.decodes:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if paged is not None:
+            torch.ops.tokenmill.paged_decode_attention(q.contiguous(), key_cache, value_cache, paged.rows,
+                                                       paged.block_tables, paged.context_lens, scale, window or 0,
+                                                       softcap or 0.0, out)
+        for chunk in attn_metadata.prefills:
+            out[chunk.query_start : chunk.query_end] = _prefill_attention(q, k, v, key_cache, value_cache, chunk, scale, window, softcap)
+        return out
     decodes = attn_metadata.decodes
     if len(decodes) == 1 and decodes[0].covers_batch:
         return _decode_attention(q, key_cache, value_cache, decodes[0], scale, window, softcap)

@@ -31,6 +31,9 @@ class ExecutionOptions:
     # 4-bit weights x activations rounded to int8 per group of 32 for decode rows (worker.group_quant): about
     # 1.8x faster linears at one row, at the accuracy `tokenmill accuracy` prints; off keeps float activations
     cpu_int8_activations: bool = False
+    # the decoder's small ops (norms, SwiGLU, RoPE + cache write, decode attention on the pages in place)
+    # as compiled ops (worker.fused_ops); off: plain torch, the reference the others are tested against
+    cpu_fused_ops: bool = True
 
     def __post_init__(self) -> None:
         if self.kernel_backend not in KERNEL_BACKENDS:
@@ -53,6 +56,7 @@ class ResolvedExecution:
     graph_batch_sizes: tuple[int, ...]
     packed_linears: bool  # worker.cpu_linear.pack_linears applies (it still skips non-float32 linears)
     cpu_int8_activations: bool  # CPU only
+    cpu_fused_ops: bool  # CPU + torch backend; TorchPath still falls back to torch where the build is missing
 
 
 def resolve_execution(options: ExecutionOptions, device: torch.device | str) -> ResolvedExecution:
@@ -68,6 +72,7 @@ def resolve_execution(options: ExecutionOptions, device: torch.device | str) -> 
         graph_batch_sizes=options.graph_batch_sizes,
         packed_linears=options.packed_linears and not on_cuda and backend == "torch",
         cpu_int8_activations=options.cpu_int8_activations and not on_cuda,
+        cpu_fused_ops=options.cpu_fused_ops and not on_cuda and backend == "torch",
     )
 
 
@@ -109,10 +114,14 @@ def add_execution_flags(parser) -> None:
                              "(llama.cpp's way; faster, slightly less exact: see tokenmill accuracy)")
     parser.add_argument("--no-packed-linears", action="store_true",
                         help="plain nn.Linear instead of weights reordered once for oneDNN (CPU, float32 only)")
+    parser.add_argument("--no-cpu-fused-ops", action="store_true",
+                        help="the decoder's norms, SwiGLU, RoPE and decode attention in plain torch (the reference) "
+                             "instead of the compiled ops that read the KV pages in place (CPU)")
 
 
 def execution_options_from_args(args) -> ExecutionOptions:
     return ExecutionOptions(
         kernel_backend=args.kernel_backend, quantization=args.quantization, cuda_graphs=not args.no_cuda_graphs,
         stream_overlap=not args.no_stream_overlap, graph_batch_sizes=parse_batch_sizes(args.cuda_graph_batch_sizes),
-        packed_linears=not args.no_packed_linears, cpu_int8_activations=args.cpu_int8_activations)
+        packed_linears=not args.no_packed_linears, cpu_int8_activations=args.cpu_int8_activations,
+        cpu_fused_ops=not args.no_cpu_fused_ops)

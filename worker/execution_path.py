@@ -82,8 +82,10 @@ def build_execution_path(model: LlamaModel, kv_cache: KVCache, block_size: int, 
     """The one place that chooses the path, from the resolved kernel backend (worker.backends). The
     implementations are imported here, not at the top, because each imports StepBatch from this module."""
     if execution.kernel_backend == "triton":
+        from worker.fused_ops import set_fused
         from worker.triton_path import TritonPath
 
+        set_fused(model, False)  # its forward calls the model's modules as the reference defines them
         return TritonPath(model, kv_cache, block_size, execution, device)
     from worker.torch_path import TorchPath
 

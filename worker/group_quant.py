@@ -16,6 +16,7 @@ Triton kernel worker/kernels/group_quant_matmul.py dequantizes the codes inside 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 from torch import nn
@@ -126,6 +127,12 @@ def quantize_weight(weight: torch.Tensor, bits: int, group_size: int = 32) -> Gr
     return GroupQuantWeight(packed, scales.contiguous(), low.contiguous(), bits, group_size, f"int{bits} (quantized at load)")
 
 
+@cache
+def _decode_ops():
+    """The decode-row kernels' op overloads (resolved once, after cpu_ops_available() loaded them)."""
+    return torch.ops.tokenmill.group_quant_linear.default, torch.ops.tokenmill.group_quant_linear_int8_dot.default
+
+
 class GroupQuantLinear(nn.Module):
     def __init__(self, weight: GroupQuantWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -141,8 +148,18 @@ class GroupQuantLinear(nn.Module):
         return GroupQuantWeight(self.codes, self.scales, self.mins, self.bits, self.group_size, self.source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
-        if x.device.type == "cuda":
+        if x.is_cuda:
             return self.forward_triton(x)
+        if x.dtype is torch.float32 and x.shape[0] <= GEMM_ROWS and cpu_ops_available():
+            # decode rows, the hot path (~120 calls a step): op overloads and the buffers dict read directly,
+            # since at one row every microsecond of Python here is a few percent of the step
+            buffers = self._buffers
+            if self.int8_activations:
+                out = _decode_ops()[1](x, buffers["codes"], buffers["scales"], buffers["mins"])
+            else:
+                out = _decode_ops()[0](x, buffers["codes"], buffers["scales"], buffers["mins"], self.bits, self.group_size)
+            bias = buffers["bias"]
+            return out if bias is None else out.add_(bias)
         x32 = x if x.dtype == torch.float32 else x.float()
         if x.device.type == "cpu" and cpu_ops_available():
             ops = torch.ops.tokenmill

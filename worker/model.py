@@ -7,6 +7,10 @@ gpt-fast style: small flat modules, q/k/v and gate/up fused into one weight each
 matmul instead of three / two, which is what matters on CPU). The batch is packed with no padding
 (invariant 5): T tokens from many requests, each with its own position; attention reads the paged
 KV cache through the step's AttentionMetadata. Weight names follow hf_state_dict_to_fused().
+
+Each module has a `fused` switch (off: this file's plain torch, the reference; worker.fused_ops turns it
+on for the CPU path): the same arithmetic in the compiled ops of worker/csrc/decoder_ops.cpp, one call
+where torch makes 3-40 (norms with their residual add, SwiGLU, q/k norm + RoPE + the cache write).
 """
 from __future__ import annotations
 
@@ -25,8 +29,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return torch.ops.tokenmill.rms_norm(x, self.weight, self.eps)
         # normalise in float32 then scale in the model dtype: the order HF uses, so bf16 matches too
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
@@ -69,6 +76,7 @@ class Attention(nn.Module):
         # qwen3 / gemma3: one RMSNorm over head_dim, shared by every head, before RoPE
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.fused = False
 
     def forward(
         self,
@@ -81,6 +89,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.wqkv(x)  # [T, (H + 2 * KVH) * D]
+        if self.fused:  # q/k norms, RoPE and the cache write in one call
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None, 0.0)
+            q, k = torch.ops.tokenmill.rope_write_kv(qkv, cos, sin, key_cache, value_cache, attn_metadata.slot_mapping,
+                                                     self.num_heads, self.num_kv_heads, *norms)
+            v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+            out = paged_attention(q, k, v, key_cache, value_cache, attn_metadata, self.scale, self.window, self.softcap)
+            return self.wo(out.view(num_tokens, self.q_size))
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)  # [T, H + KVH, D]
         if self.q_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -100,8 +115,11 @@ class MLP(nn.Module):
         self.w_gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.hidden_act = config.hidden_act
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.w_down(torch.ops.tokenmill.act_mul(self.w_gate_up(x), self.hidden_act == "gelu_tanh"))
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # each [T, intermediate]
         if self.hidden_act == "gelu_tanh":  # gemma
             return self.w_down(F.gelu(gate, approximate="tanh") * up)
@@ -118,10 +136,16 @@ class DecoderLayer(nn.Module):
         # gemma2/3: each branch's output is normed again before it joins the residual
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.sandwich_norms else None
         self.post_mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.sandwich_norms else None
+        self.fused = False
 
     def forward(self, x, cos, sin, key_cache, value_cache, attn_metadata) -> torch.Tensor:
         # x: [T, hidden]; pre-norm residual blocks
         attn = self.attn(self.attn_norm(x), cos, sin, key_cache, value_cache, attn_metadata)
+        if self.fused:  # the residual join and the MLP's norm in one pass
+            branch = attn if self.post_attn_norm is None else self.post_attn_norm(attn)
+            h, normed = torch.ops.tokenmill.add_rms_norm(x, branch, self.mlp_norm.weight, self.mlp_norm.eps)
+            mlp = self.mlp(normed)
+            return h + (mlp if self.post_mlp_norm is None else self.post_mlp_norm(mlp))
         h = x + (attn if self.post_attn_norm is None else self.post_attn_norm(attn))
         mlp = self.mlp(self.mlp_norm(h))
         return h + (mlp if self.post_mlp_norm is None else self.post_mlp_norm(mlp))

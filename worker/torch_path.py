@@ -1,8 +1,9 @@
 """The torch execution path: worker.model.LlamaModel in plain torch, the reference every faster path matches.
 
 It runs on any device, and is the CPU path: float32 linears on weights reordered once for oneDNN
-(worker.cpu_linear, when the resolved options say so), decode attention batched through one reused
-gather workspace (worker.attention). Sampling is worker.sampler on the logits' device.
+(worker.cpu_linear, when the resolved options say so), the decoder's small ops and decode attention on
+the pages in place as compiled ops (worker.fused_ops; without them, decode attention batched through
+one reused gather workspace, worker.attention). Sampling is worker.sampler on the logits' device.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from worker.attention import GatherWorkspace, HostAttentionPlan, attention_metad
 from worker.backends import ResolvedExecution
 from worker.cpu_linear import pack_linears
 from worker.execution_path import StepBatch
+from worker.fused_ops import set_fused, use_fused_ops
 from worker.kv_cache import KVCache
 from worker.model import LlamaModel
 from worker.group_quant import use_int8_activations
@@ -32,10 +34,14 @@ class TorchPath:
             pack_linears(model)  # in place: the model's linears now read oneDNN-reordered weights
         if execution.cpu_int8_activations:
             use_int8_activations(model)
+        # decode attention then reads the pages in place: the plan skips the gather groups
+        self.fused_ops = execution.cpu_fused_ops and torch.device(device).type == "cpu" and use_fused_ops(model)
+        if not self.fused_ops:
+            set_fused(model, False)  # a model another path had switched goes back to the reference
 
     def prepare(self, batch: StepBatch) -> HostAttentionPlan:
         # the tensors are made in forward(), on the compute thread
-        return plan_attention(batch.spans, self.block_size, self.gather_workspace)
+        return plan_attention(batch.spans, self.block_size, self.gather_workspace, in_place=self.fused_ops)
 
     def forward(self, batch: StepBatch, inputs: HostAttentionPlan) -> torch.Tensor:
         metadata = attention_metadata(inputs, self.block_size, self.device, self.gather_workspace)

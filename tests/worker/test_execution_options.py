@@ -75,3 +75,19 @@ def test_serve_flags_reach_the_worker_command_line():
     args = parse_args(list(worker.argv[3:]))  # past "python -m worker.main"
     assert args.device == "cpu"
     assert args.execution == ExecutionOptions(kernel_backend="torch", quantization="int8", cuda_graphs=False, stream_overlap=False)
+
+
+def test_fused_cpu_ops_are_the_cpu_default_and_the_reference_one_flag_away():
+    from tokenmill.cli import build_parser
+    from tokenmill.cluster import ClusterConfig, cluster_specs
+
+    assert resolve_execution(ExecutionOptions(), "cpu").cpu_fused_ops
+    assert not resolve_execution(ExecutionOptions(), "cuda").cpu_fused_ops  # the Triton path has its own kernels
+    assert not resolve_execution(ExecutionOptions(kernel_backend="triton"), "cpu").cpu_fused_ops
+    assert parse_args([]).execution.cpu_fused_ops and not parse_args(["--no-cpu-fused-ops"]).execution.cpu_fused_ops
+    serve = build_parser().parse_args(["serve", "--no-cpu-fused-ops"])
+    assert serve.no_cpu_fused_ops
+    for fused in (True, False):
+        worker = next(spec for spec in cluster_specs(ClusterConfig(redis_url="redis://127.0.0.1:1", http_port=None,
+                                                                   cpu_fused_ops=fused)) if spec.name == "worker")
+        assert parse_args(list(worker.argv[3:])).execution.cpu_fused_ops == fused

@@ -3,7 +3,9 @@
 One scenario mixes everything a step can hold: a prompt prefilled in two chunks across two steps, a
 full prefill, decode rows interleaved with prefill chunks in one packed batch, a request that starts
 from a prefix-cache hit (its first blocks are another request's), and an all-decode step. Every
-computed row's logits are compared with transformers run on the final full sequences.
+computed row's logits are compared with transformers run on the final full sequences: on the plain-torch
+reference path (fused=False, explicitly) and on the compiled decoder ops (fused=True: norms, SwiGLU, RoPE
++ cache write, decode attention reading the pages in place; worker.fused_ops), every family.
 """
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ import torch
 from core.step import CachedRequestData, NewRequestData, StepPlan
 from core.sampling import SamplingParams
 from tests.helpers.tiny_models import FLAVOURS, VOCAB_SIZE, make_tiny_hf_model
+from worker.backends import ExecutionOptions
 from worker.loader import load_model
 from worker.model_runner import ModelRunner
+from worker.native_ops import cpu_ops_available
 
 MAX_REL_ERR = 1e-4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
@@ -69,10 +73,14 @@ def tiny(request, tmp_path_factory):
     return hf_model, model, config
 
 
-def run_scenario(model, config, block_size: int, decode_group_bytes: int | None = None):
+def run_scenario(model, config, block_size: int, decode_group_bytes: int | None = None, fused: bool = False):
     """Returns (builder, rows) where rows lists (request_id, position, our logits [V]) for every computed token."""
     group = {} if decode_group_bytes is None else {"decode_group_bytes": decode_group_bytes}
-    runner = ModelRunner(model, config, num_blocks=256 // block_size * 4, block_size=block_size, dtype=torch.float32, **group)
+    if fused and not cpu_ops_available():
+        pytest.skip("compiled CPU ops not built (scripts/build_cpu_ops.py)")
+    runner = ModelRunner(model, config, num_blocks=256 // block_size * 4, block_size=block_size, dtype=torch.float32,
+                         options=ExecutionOptions(cpu_fused_ops=fused), **group)
+    assert runner.execution_path.fused_ops == fused
     captured: list[torch.Tensor] = []
     hook = runner.model.register_forward_hook(lambda module, args, output: captured.append(output))
     try:
@@ -118,12 +126,13 @@ def _run_steps(runner, model, block_size, captured):
 
 
 @pytest.mark.parametrize(
-    "block_size, decode_group_bytes",
-    [(4, None), (16, None), (16, 1)],  # 1 byte: every decode row in its own group, in context-length order
+    "block_size, decode_group_bytes, fused",
+    # 1 byte: every decode row in its own group, in context-length order (the gather path's groups)
+    [(4, None, False), (16, None, False), (16, 1, False), (4, None, True), (16, None, True)],
 )
-def test_mixed_prefill_and_decode_steps_match_transformers(tiny, block_size, decode_group_bytes):
+def test_mixed_prefill_and_decode_steps_match_transformers(tiny, block_size, decode_group_bytes, fused):
     hf_model, model, config = tiny
-    builder, rows = run_scenario(model, config, block_size, decode_group_bytes)
+    builder, rows = run_scenario(model, config, block_size, decode_group_bytes, fused)
     with torch.no_grad():
         reference = {rid: hf_model(torch.tensor([tokens])).logits[0] for rid, tokens in builder.tokens.items()}
     assert {rid for rid, _, _ in rows} == {"A", "B", "C", "D"}
@@ -135,9 +144,10 @@ def test_mixed_prefill_and_decode_steps_match_transformers(tiny, block_size, dec
     assert min(pos for rid, pos, _ in rows if rid == "D") == 32 // block_size * block_size
 
 
-def test_greedy_tokens_are_transformers_argmax(tiny):
+@pytest.mark.parametrize("fused", [False, True])
+def test_greedy_tokens_are_transformers_argmax(tiny, fused):
     hf_model, model, config = tiny
-    builder, _ = run_scenario(model, config, block_size=16)
+    builder, _ = run_scenario(model, config, block_size=16, fused=fused)
     with torch.no_grad():
         for request_id, tokens in builder.tokens.items():
             num_prompt = {"A": 37, "B": 25, "C": 45, "D": 37}[request_id]

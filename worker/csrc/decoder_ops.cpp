@@ -1,0 +1,402 @@
+// The small ops of a decoder layer, fused for CPU: RMS norm (with the residual add before it), SwiGLU /
+// GeGLU, q/k norm + RoPE + the K/V cache write, and decode attention that reads K/V from the paged cache in
+// place. In eager torch each of these is 3-40 ATen calls (a decode step of the default model made ~5,000),
+// and at a few rows every call costs more than its arithmetic; here each is one call, and attention no
+// longer gathers each request's pages into a contiguous copy first.
+//
+// Same arithmetic as worker/model.py's reference, in the same order (float32 inside; for bfloat16 the
+// results are rounded where the reference rounds), so the float32 path stays within float rounding of
+// the reference (tests/worker/test_decoder_ops.py). Built with -ffp-contract=off: no FMA contraction
+// changes the reference's rounding behind our back, except where a loop says it uses FMA (dot products).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include "simd.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using tokenmill::hsum;
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+template <typename T> inline T from_float(float v);
+template <> inline float from_float<float>(float v) { return v; }
+template <> inline c10::BFloat16 from_float<c10::BFloat16>(float v) { return c10::BFloat16(v); }
+// a value as the reference holds it after one op in dtype T (bfloat16 rounds each op's result)
+template <typename T> inline float rounded(float v) { return to_float(from_float<T>(v)); }
+
+// 8 values of T at p -> 8 floats
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+// e^x for 8 lanes (Cephes' polynomial, as the usual avx_mathfun): relative error ~1e-7, e^x = 0 below
+// -87.3 (softmax's -inf scores and masked positions come out as exactly 0)
+inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
+  const __m256 below = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, z, x);
+  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(below, y);
+}
+
+// float32 or bfloat16 only (AT_DISPATCH_FLOATING_TYPES would add double, which nothing here runs in)
+template <typename F>
+void dispatch(at::ScalarType type, F&& body) {
+  if (type == at::kFloat) {
+    body(float{});
+  } else {
+    body(c10::BFloat16{});
+  }
+}
+
+void check_rows(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": expected a [rows, features] tensor with unit inner stride, got ",
+              x.sizes(), " strides ", x.strides());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": float32 or bfloat16 only, got ", x.scalar_type());
+}
+
+// y = w * rms_norm(x) on one row, as worker.model.RMSNorm: normalise in float32, round to T, scale in T
+template <typename T>
+inline void rms_norm_row(const T* x, const T* w, float eps, int64_t n, T* out) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) { const float v = to_float(x[i]); sum += v * v; }
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = from_float<T>(to_float(w[i]) * rounded<T>(to_float(x[i]) * inv));
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be [", x.size(1), "] of ", x.scalar_type());
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const int64_t rows = x.size(0), n = x.size(1);
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * x.stride(0), wp, static_cast<float>(eps), n, op + r * n);
+    });
+  });
+  return out;
+}
+
+// (h, w * rms_norm(h)) for h = x + delta: the residual join and the next norm in one pass
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                                                double eps) {
+  check_rows(x, "add_rms_norm");
+  check_rows(delta, "add_rms_norm");
+  TORCH_CHECK(x.sizes() == delta.sizes() && x.scalar_type() == delta.scalar_type(),
+              "add_rms_norm: x ", x.sizes(), " and delta ", delta.sizes(), " differ");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "add_rms_norm: weight must be [", x.size(1), "] of ", x.scalar_type());
+  at::Tensor h = at::empty(x.sizes(), x.options()), out = at::empty(x.sizes(), x.options());
+  const int64_t rows = x.size(0), n = x.size(1);
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* dp = delta.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* hp = h.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* xr = xp + r * x.stride(0);
+        const scalar_t* dr = dp + r * delta.stride(0);
+        scalar_t* hr = hp + r * n;
+        for (int64_t i = 0; i < n; ++i) hr[i] = from_float<scalar_t>(to_float(xr[i]) + to_float(dr[i]));
+        rms_norm_row(hr, wp, static_cast<float>(eps), n, op + r * n);
+      }
+    });
+  });
+  return {h, out};
+}
+
+// [rows, 2I] (gate | up) -> act(gate) * up: SiLU, or GeLU with the tanh approximation (gemma)
+at::Tensor act_mul(const at::Tensor& gate_up, bool gelu_tanh) {
+  check_rows(gate_up, "act_mul");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "act_mul: odd width ", gate_up.size(1));
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, inter}, gate_up.options());
+  dispatch(gate_up.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t chunk = 256;  // elements per task: rows of one decode row split across threads too
+    const int64_t per_row = (inter + chunk - 1) / chunk;
+    at::parallel_for(0, rows * per_row, 4, [&](int64_t begin, int64_t end) {
+      float buf[8];
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t r = t / per_row, i0 = (t % per_row) * chunk, i1 = std::min(inter, i0 + chunk);
+        const scalar_t* g = gp + r * gate_up.stride(0);
+        const scalar_t* u = g + inter;
+        scalar_t* o = op + r * inter;
+        int64_t i = i0;
+        for (; i + 8 <= i1; i += 8) {
+          const __m256 gv = load8(g + i);
+          __m256 a;
+          if (gelu_tanh) {  // 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh(y) = 1 - 2 / (e^{2y} + 1)
+            const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(gv, gv), gv);
+            const __m256 y = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                           _mm256_add_ps(gv, _mm256_mul_ps(_mm256_set1_ps(0.044715f), g3)));
+            const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(2.f), y));
+            const __m256 th = _mm256_sub_ps(_mm256_set1_ps(1.f),
+                                            _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, _mm256_set1_ps(1.f))));
+            a = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), gv), _mm256_add_ps(_mm256_set1_ps(1.f), th));
+          } else {  // g / (1 + e^-g)
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            a = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+          }
+          _mm256_storeu_ps(buf, a);
+          for (int j = 0; j < 8; ++j) o[i + j] = from_float<scalar_t>(rounded<scalar_t>(buf[j]) * to_float(u[i + j]));
+        }
+        for (; i < i1; ++i) {
+          const float gv = to_float(g[i]);
+          float a;
+          if (gelu_tanh) {
+            a = 0.5f * gv * (1.f + std::tanh(0.7978845608028654f * (gv + 0.044715f * gv * gv * gv)));
+          } else {
+            a = gv / (1.f + std::exp(-gv));
+          }
+          o[i] = from_float<scalar_t>(rounded<scalar_t>(a) * to_float(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// q/k norm (optional) and RoPE on the q and k parts of a fused qkv projection, then k and v written to
+// their cache slots. Returns (q [T, H, D], k [T, KVH, D]) rotated; the prefill path reads k from here.
+// cos / signed_sin: [T, 1, D] (worker.model.rope_cos_sin's convention: x * cos + rotate_half(x) * sin).
+std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                                 const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                                 const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
+                                                 const c10::optional<at::Tensor>& q_norm,
+                                                 const c10::optional<at::Tensor>& k_norm, double eps) {
+  check_rows(qkv, "rope_write_kv");
+  const int64_t T = qkv.size(0), D = key_cache.size(3), H = num_heads, KVH = num_kv_heads;
+  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "rope_write_kv: qkv width ", qkv.size(1), " is not (", H, " + 2 * ",
+              KVH, ") * ", D);
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.size(2) == KVH &&
+              key_cache.scalar_type() == qkv.scalar_type() && value_cache.sizes() == key_cache.sizes(),
+              "rope_write_kv: caches must be contiguous [blocks, block_size, ", KVH, ", ", D, "] of ", qkv.scalar_type());
+  TORCH_CHECK(cos.dim() == 3 && cos.size(0) == T && cos.size(2) == D && cos.stride(2) == 1 && sin.sizes() == cos.sizes() &&
+              sin.stride(2) == 1 && cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              "rope_write_kv: cos/sin must be [", T, ", 1, ", D, "] of ", qkv.scalar_type());
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == T,
+              "rope_write_kv: slot_mapping must be [", T, "] int64");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "rope_write_kv: q_norm and k_norm come together");
+  if (q_norm) {
+    TORCH_CHECK(q_norm->is_contiguous() && q_norm->numel() == D && k_norm->is_contiguous() && k_norm->numel() == D &&
+                q_norm->scalar_type() == qkv.scalar_type() && k_norm->scalar_type() == qkv.scalar_type(),
+                "rope_write_kv: q/k norm weights must be [", D, "] of ", qkv.scalar_type());
+  }
+  const int64_t slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "rope_write_kv: slot ", slot[t], " of row ", t, " outside the cache (",
+                slots, " slots)");
+  }
+  at::Tensor q = at::empty({T, H, D}, qkv.options()), k = at::empty({T, KVH, D}, qkv.options());
+  dispatch(qkv.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* src = qkv.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    const scalar_t* qn = q_norm ? q_norm->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* kn = k_norm ? k_norm->data_ptr<scalar_t>() : nullptr;
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kp = k.data_ptr<scalar_t>();
+    scalar_t* kc = key_cache.data_ptr<scalar_t>();
+    scalar_t* vc = value_cache.data_ptr<scalar_t>();
+    const int64_t half = D / 2;
+    at::parallel_for(0, T * (H + KVH), 8, [&](int64_t begin, int64_t end) {
+      std::vector<scalar_t> normed(D);
+      for (int64_t job = begin; job < end; ++job) {
+        const int64_t t = job / (H + KVH), head = job % (H + KVH);
+        const scalar_t* x = src + t * qkv.stride(0) + head * D;
+        const bool is_q = head < H;
+        if (qn != nullptr) {
+          rms_norm_row(x, is_q ? qn : kn, static_cast<float>(eps), D, normed.data());
+          x = normed.data();
+        }
+        const scalar_t* c = cp + t * cos.stride(0);
+        const scalar_t* s = sp + t * sin.stride(0);
+        scalar_t* dst = is_q ? qp + (t * H + head) * D : kp + (t * KVH + head - H) * D;
+        for (int64_t i = 0; i < D; ++i) {
+          const float swapped = to_float(x[i < half ? i + half : i - half]);
+          dst[i] = from_float<scalar_t>(rounded<scalar_t>(to_float(x[i]) * to_float(c[i])) +
+                                        rounded<scalar_t>(swapped * to_float(s[i])));
+        }
+        if (!is_q) {
+          const int64_t kvh = head - H;
+          std::copy(dst, dst + D, kc + (slot[t] * KVH + kvh) * D);
+          const scalar_t* v = src + t * qkv.stride(0) + (H + KVH + kvh) * D;
+          std::copy(v, v + D, vc + (slot[t] * KVH + kvh) * D);
+        }
+      }
+    });
+  });
+  return {q, k};
+}
+
+// Decode attention over the paged cache, in place: rows[b] of q (one query token of request b, context
+// context_lens[b] ending at that token) attends to the keys its block table names, read straight from
+// the cache pages; the query heads sharing a KV head (GQA) go together so each key is read once for all
+// of them. Writes out[rows[b]]. window > 0: only the last `window` positions; softcap > 0: gemma2's
+// tanh cap on the scores. Scores and the weighted sum are float32, as SDPA's CPU kernel keeps them.
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            double scale, int64_t window, double softcap, at::Tensor& out) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "paged_decode_attention: float32 or "
+              "bfloat16 only, got ", q.scalar_type());
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.sizes() == q.sizes() && out.is_contiguous() &&
+              out.scalar_type() == q.scalar_type(), "paged_decode_attention: q and out must be contiguous [T, H, D]");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+              value_cache.sizes() == key_cache.sizes() && key_cache.scalar_type() == q.scalar_type() &&
+              value_cache.scalar_type() == q.scalar_type(),
+              "paged_decode_attention: caches must be contiguous [blocks, block_size, KVH, D] of ", q.scalar_type());
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), BS = key_cache.size(1), KVH = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == D && H % KVH == 0, "paged_decode_attention: ", H, " query heads over ", KVH,
+              " KV heads of dim ", key_cache.size(3), " (q's is ", D, ")");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && block_tables.scalar_type() == at::kLong &&
+              context_lens.scalar_type() == at::kLong && rows.is_contiguous() && context_lens.is_contiguous() &&
+              block_tables.dim() == 2 && block_tables.is_contiguous() && rows.numel() == block_tables.size(0) &&
+              context_lens.numel() == rows.numel(),
+              "paged_decode_attention: rows [B], block_tables [B, max_blocks], context_lens [B], all int64");
+  const int64_t B = rows.numel(), G = H / KVH, max_blocks = block_tables.size(1), num_blocks = key_cache.size(0);
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int64_t* table = block_tables.data_ptr<int64_t>();
+  const int64_t* ctx = context_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(row[b] >= 0 && row[b] < T, "paged_decode_attention: row ", row[b], " outside the batch of ", T);
+    TORCH_CHECK(ctx[b] >= 1 && ctx[b] <= max_blocks * BS, "paged_decode_attention: context ", ctx[b], " of row ", row[b],
+                " does not fit its ", max_blocks, " pages of ", BS);
+    for (int64_t i = 0; i < (ctx[b] + BS - 1) / BS; ++i) {
+      TORCH_CHECK(table[b * max_blocks + i] >= 0 && table[b * max_blocks + i] < num_blocks, "paged_decode_attention: page ",
+                  table[b * max_blocks + i], " outside the cache of ", num_blocks);
+    }
+  }
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  dispatch(q.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kc = key_cache.data_ptr<scalar_t>();
+    const scalar_t* vc = value_cache.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const bool vector_dim = D % 8 == 0;
+    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, qf(G * D), acc(G * D);
+      for (int64_t job = begin; job < end; ++job) {
+        const int64_t b = job / KVH, kvh = job % KVH, L = ctx[b];
+        const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0, n = L - start;
+        const int64_t* pages = table + b * max_blocks;
+        for (int64_t g = 0; g < G; ++g) {
+          for (int64_t i = 0; i < D; ++i) qf[g * D + i] = to_float(qp[(row[b] * H + kvh * G + g) * D + i]);
+        }
+        scores.resize(G * n);
+        for (int64_t p = start; p < L; ++p) {  // scores[g, p] = q_g . k_p * scale
+          const scalar_t* kp = kc + ((pages[p / BS] * BS + p % BS) * KVH + kvh) * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qf.data() + g * D;
+            float dot = 0.f;
+            if (vector_dim) {
+              __m256 a = _mm256_setzero_ps();
+              for (int64_t i = 0; i < D; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), load8(kp + i), a);
+              dot = hsum(a);
+            } else {
+              for (int64_t i = 0; i < D; ++i) dot += qg[i] * to_float(kp[i]);
+            }
+            float score = dot * fscale;
+            if (cap > 0.f) score = std::tanh(score / cap) * cap;
+            scores[g * n + p - start] = score;
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {  // softmax in place
+          float* sg = scores.data() + g * n;
+          float top = -std::numeric_limits<float>::infinity();
+          for (int64_t j = 0; j < n; ++j) top = std::max(top, sg[j]);
+          float total = 0.f;
+          int64_t j = 0;
+          for (; j + 8 <= n; j += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), _mm256_set1_ps(top)));
+            _mm256_storeu_ps(sg + j, e);
+            total += hsum(e);
+          }
+          for (; j < n; ++j) { sg[j] = std::exp(sg[j] - top); total += sg[j]; }
+          const float inv = 1.f / total;
+          for (j = 0; j < n; ++j) sg[j] *= inv;
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t p = start; p < L; ++p) {  // acc_g += p_g * v_p
+          const scalar_t* vp = vc + ((pages[p / BS] * BS + p % BS) * KVH + kvh) * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const float w = scores[g * n + p - start];
+            float* ag = acc.data() + g * D;
+            if (vector_dim) {
+              const __m256 wv = _mm256_set1_ps(w);
+              for (int64_t i = 0; i < D; i += 8) {
+                _mm256_storeu_ps(ag + i, _mm256_fmadd_ps(wv, load8(vp + i), _mm256_loadu_ps(ag + i)));
+              }
+            } else {
+              for (int64_t i = 0; i < D; ++i) ag[i] += w * to_float(vp[i]);
+            }
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          scalar_t* dst = op + (row[b] * H + kvh * G + g) * D;
+          for (int64_t i = 0; i < D; ++i) dst[i] = from_float<scalar_t>(acc[g * D + i]);
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("act_mul(Tensor gate_up, bool gelu_tanh) -> Tensor");
+  m.def("rope_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping, int num_heads, int num_kv_heads, Tensor? q_norm, Tensor? k_norm, float eps) -> (Tensor, Tensor)");
+  m.def("paged_decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor rows, Tensor block_tables, "
+        "Tensor context_lens, float scale, int window, float softcap, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("act_mul", &act_mul);
+  m.impl("rope_write_kv", &rope_write_kv);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
