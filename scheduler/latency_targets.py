@@ -8,14 +8,20 @@ result (observe), from which the model learns and the misses are counted. Time c
 the scheduler's clock, so nothing here reads a clock of its own.
 
 A target is an inter-token P99, while the model predicts a step's mean time: steps of one shape spread
-around it (other processes on the cores, the machine's load changing faster than the fit). So the plan
-aims at the target divided by `spread`, the ERROR_QUANTILE of observed / predicted over the recent
-steps (1 where the model is exact), and at TARGET_HEADROOM of that for what no step time shows (the
-result's way to the client).
+around it (other processes on the cores, the machine's load changing faster than the fit). So plans aim
+at `headroom` times the target, and the headroom follows the misses: each step an ITL target governed
+moves it down by HEADROOM_STEP if the step ran over the target and up by HEADROOM_STEP * MISS_RATE if
+not, which settles where MISS_RATE of those steps miss (a stochastic-approximation quantile tracker).
+Only misses move it down: a decode that took three times its prediction but stayed under the target
+changes nothing (a ratio-of-errors margin, tried first, cut every plan to a quarter on a shared
+2-core machine for such steps, down to one running request).
+
+An ITL target governs only steps that decode someone (a running request that has had a token): a step
+of prefills alone delays first tokens, not the gap between two, so it gets the whole budget.
 """
 from __future__ import annotations
 
-from collections import deque
+import math
 from typing import Iterable, Sequence
 
 from core.step import StepPlan, StepResult
@@ -24,24 +30,24 @@ from scheduler.queue_policy import WaitingQueue
 from scheduler.request import Request, RequestStatus
 from scheduler.step_time import ITL_FROM_FLAG, ITL_FROM_REQUEST, ItlTarget, StepShape, StepTimeModel, StepTuning
 
-# A latency target is planned against this share of itself: the rest absorbs what the model does not
-# see (RPC and sampling overhead, the step-to-step spread that P99 is made of).
+# The share of an ITL target plans aim at: it starts at TARGET_HEADROOM and follows the misses, within
+# MIN_HEADROOM..MAX_HEADROOM (the rest of MAX_HEADROOM is for what no step time shows: the loop's turn
+# between a result and the next plan). A TTFT target is planned against TARGET_HEADROOM of itself.
 TARGET_HEADROOM = 0.8
+MIN_HEADROOM, MAX_HEADROOM = 0.2, 0.95
+MISS_RATE = 0.005  # the share of governed steps allowed over the target: P99 of the gaps, with room
+HEADROOM_STEP = 0.1  # the headroom's relative change on a miss (and MISS_RATE of it up otherwise)
 KEPT_STEP_TUNINGS = 8  # steps whose tuning record waits for the loop's span (two are in flight at most)
-ERROR_QUANTILE = 0.99  # of observed / predicted step time: the spread a plan leaves room for (the target is a P99)
-ERROR_WINDOW = 256  # recent steps that quantile is taken over
-MIN_ERRORS = 32  # steps observed against a fitted model before the spread counts
-MAX_SPREAD = 4.0  # beyond this the target is out of reach anyway; the plan still admits work
 
 
 class LatencyTargets:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.step_time = StepTimeModel()
-        # steps sent, not yet observed: (shape, planned at, the ITL target that governed it, the prediction)
-        self._step_shapes: dict[int, tuple[StepShape, float, ItlTarget | None, float | None]] = {}
-        self._error_ratios: deque[float] = deque(maxlen=ERROR_WINDOW)  # observed / predicted, recent steps
-        self.spread = 1.0  # ERROR_QUANTILE of those ratios, at least 1: the plan aims at target / spread
+        # steps sent, not yet observed: (shape, planned at, the ITL target that governed it, whether the
+        # model planned it)
+        self._step_shapes: dict[int, tuple[StepShape, float, ItlTarget | None, bool]] = {}
+        self.headroom = TARGET_HEADROOM  # plans aim at this share of the ITL target
         self.step_tunings: dict[int, StepTuning] = {}  # the same steps' decisions, observed ones kept until read
         self.token_budget = config.max_num_batched_tokens  # the latest step's
         self.num_itl_target_misses = 0
@@ -49,16 +55,20 @@ class LatencyTargets:
     # --- what governs a step ------------------------------------------------------------------------
 
     def step_itl_target(self, running: Sequence[Request]) -> ItlTarget | None:
-        """The tightest ITL target among the running requests (the ones this step decodes): each one's
-        own (its API key's class of service), else the scheduler's flag; the flag when none runs. On a
-        tie the flag's wins, so without per-request targets this is exactly the flag."""
+        """The tightest ITL target among the running requests that have had a token (the ones whose
+        next gap this step makes): each one's own (its API key's class of service), else the
+        scheduler's flag. None when none has: prefills alone wait for no gap. On a tie the flag's wins,
+        so without per-request targets this is exactly the flag."""
+        decoding = [request for request in running if request.num_output_tokens > 0]
+        if not decoding:
+            return None
         flag = self.config.target_itl_ms
         targets = [ItlTarget(flag, ITL_FROM_FLAG)] if flag is not None else []
-        if any(request.target_itl_ms is not None for request in running):
-            if all(request.target_itl_ms is not None for request in running):
-                targets = []  # every running request brought its own class: the flag governs none of them
+        if any(request.target_itl_ms is not None for request in decoding):
+            if all(request.target_itl_ms is not None for request in decoding):
+                targets = []  # every decoding request brought its own class: the flag governs none of them
             targets += [ItlTarget(request.target_itl_ms, ITL_FROM_REQUEST)
-                        for request in running if request.target_itl_ms is not None]
+                        for request in decoding if request.target_itl_ms is not None]
         return min(targets, key=lambda target: (target.ms, target.source != ITL_FROM_FLAG), default=None)
 
     def choose_token_budget(self, itl_target: ItlTarget | None, running: Sequence[Request],
@@ -90,7 +100,7 @@ class LatencyTargets:
 
     def _plan_s(self, itl_target: ItlTarget) -> float:
         """The predicted step time a plan may reach under itl_target."""
-        return itl_target.ms / 1e3 * TARGET_HEADROOM / self.spread
+        return itl_target.ms / 1e3 * self.headroom
 
     # --- TTFT targets: who is admitted first, and when a prefill gets the full budget ---------------
 
@@ -132,7 +142,7 @@ class LatencyTargets:
         """A plan is being sent: its shape and the decision are kept until its result comes in."""
         shape = StepShape(plan.total_num_scheduled_tokens, len(plan.num_scheduled_tokens), num_context_tokens)
         predicted_s = self.step_time.predict_s(shape) if self.step_time.ready else None
-        self._step_shapes[plan.step_id] = (shape, now, itl_target, predicted_s)
+        self._step_shapes[plan.step_id] = (shape, now, itl_target, predicted_s is not None)
         self.step_tunings[plan.step_id] = StepTuning(self.token_budget, predicted_s, itl_target=itl_target)
         self.step_tunings.pop(plan.step_id - KEPT_STEP_TUNINGS, None)  # nobody read it (no tracing)
 
@@ -140,27 +150,23 @@ class LatencyTargets:
         planned = self._step_shapes.pop(plan.step_id, None)
         if planned is None or result.forward_ns <= 0:
             return  # untimed (a fake executor)
-        shape, planned_at, itl_target, predicted_s = planned
+        shape, planned_at, itl_target, modelled = planned
         # what a decoding request waits for: the forward pass, and around it the plan's trip to the
         # worker, sampling and the result's trip back (with async scheduling also the end of the step
         # before, which makes the model err on the safe side)
         seconds = max(result.forward_ns / 1e9, now - planned_at)
         self.step_time.observe(shape, seconds)
-        if predicted_s:
-            self._learn_spread(seconds / predicted_s)
         tuning = self.step_tunings.get(plan.step_id)
         if tuning is not None:
             tuning.observed_s = seconds
-        if itl_target is not None and seconds * 1e3 > itl_target.ms:
+        missed = itl_target is not None and seconds * 1e3 > itl_target.ms
+        if missed:
             self.num_itl_target_misses += 1
             if tuning is not None:
                 tuning.target_missed = True
-
-    def _learn_spread(self, ratio: float) -> None:
-        self._error_ratios.append(ratio)
-        if len(self._error_ratios) >= MIN_ERRORS:
-            ordered = sorted(self._error_ratios)
-            self.spread = min(max(ordered[int(ERROR_QUANTILE * (len(ordered) - 1))], 1.0), MAX_SPREAD)
+        if itl_target is not None and modelled:
+            change = HEADROOM_STEP * (MISS_RATE - missed)
+            self.headroom = min(max(self.headroom * math.exp(change), MIN_HEADROOM), MAX_HEADROOM)
 
     def pop_step_tuning(self, step_id: int) -> StepTuning | None:
         """The step's tuning record (observed once its result was applied); forgotten once read."""

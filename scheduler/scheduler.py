@@ -394,7 +394,7 @@ class Scheduler:
             num_swapped_preemptions=self.num_swapped_preemptions,
             token_budget=self.latency.token_budget,
             step_time_error_s=self.latency.step_time.last_error_s,
-            step_time_spread=self.latency.spread,
+            itl_target_headroom=self.latency.headroom,
             num_itl_target_misses=self.latency.num_itl_target_misses,
             num_swapped=len(self.kv.host_tables),
             num_host_blocks=self.config.num_host_blocks,

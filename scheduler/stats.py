@@ -19,7 +19,7 @@ class SchedulerStats:
     num_swapped_preemptions: int = 0  # of num_preemptions, those swapped to the host tier
     token_budget: int = 0  # of the latest step: max_num_batched_tokens, or what the latency target allowed
     step_time_error_s: float = 0.0  # observed - predicted time of the latest step (latency targets)
-    step_time_spread: float = 1.0  # P99 of observed / predicted over recent steps: plans aim at target / this
+    itl_target_headroom: float = 0.8  # the share of target_itl_ms plans aim at (it follows the misses)
     num_itl_target_misses: int = 0  # steps whose time (planning to result) exceeded target_itl_ms, since start
     num_swapped: int = 0  # requests whose pages are in the host tier now (swapped out, waiting)
     num_host_blocks: int = 0  # pages of the host swap tier (0: no swap tier)

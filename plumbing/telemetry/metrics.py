@@ -112,8 +112,8 @@ SCHEDULER_METRICS = {
                                    "--target-itl-ms holds it back)",
     "tokenmill:step_time_prediction_error_seconds": "Latest step's time (planning to result) minus the "
                                                     "step-time model's prediction for it",
-    "tokenmill:step_time_spread": "P99 of observed / predicted step time over recent steps (at least 1); "
-                                  "--target-itl-ms plans aim at the target divided by it",
+    "tokenmill:itl_target_headroom": "Share of --target-itl-ms the step plans aim at (down on each step over the "
+                                     "target, slowly up otherwise, settling where 0.5 % of steps miss)",
     "tokenmill:itl_target_misses_total": "Steps whose time (planning to result) exceeded --target-itl-ms",
     "tokenmill:cache_config_info": "The KV cache's configuration, as labels (value 1)",
 }
@@ -250,7 +250,7 @@ class SchedulerStatsCollector(Collector):
                                                if stats.num_host_blocks else 0.0),
             "tokenmill:step_token_budget": stats.token_budget,
             "tokenmill:step_time_prediction_error_seconds": stats.step_time_error_s,
-            "tokenmill:step_time_spread": stats.step_time_spread,
+            "tokenmill:itl_target_headroom": stats.itl_target_headroom,
         }
         for name, value in values.items():
             gauge = GaugeMetricFamily(name, SCHEDULER_METRICS[name], labels=MODEL)

@@ -116,6 +116,21 @@ def test_without_targets_every_step_has_the_fixed_budget():
     assert engine.scheduler.latency.num_itl_target_misses == 0 and engine.scheduler.latency.step_time.ready
 
 
+def test_a_step_that_decodes_nobody_gets_the_whole_budget():
+    """No request waits for its next token: a prompt alone is a first token's wait, not an inter-token gap."""
+    engine = timed_engine(target_itl_ms=10.0)
+    run_mixed_load(engine)  # the model is fitted and every request is done
+    assert engine.scheduler.latency.step_time.ready and not engine.has_unfinished()
+    prompt = make_request([997] * 300, max_tokens=4)  # no prefix-cache hit: all 300 to compute
+    engine.add_request(prompt)
+    engine.step()
+    assert engine.executor.plans[-1].num_scheduled_tokens == {prompt.request_id: 256}
+    engine.step()  # the rest of the prompt: still nobody waiting between tokens
+    assert engine.executor.plans[-1].num_scheduled_tokens == {prompt.request_id: 44}
+    engine.step()  # it decodes now: the target governs again
+    assert engine.scheduler.pop_step_tuning(engine.executor.plans[-1].step_id).itl_target is not None
+
+
 def test_a_target_changes_nothing_until_the_model_is_fitted():
     engine = timed_engine(target_itl_ms=1.0)  # unreachable: every step misses it
     engine.add_request(make_request([1] * 300, max_tokens=2))

@@ -16,7 +16,7 @@ def scrape(registry) -> dict[str, float]:
 
 
 def test_tuning_metrics_and_step_attributes():
-    engine = timed_engine(target_itl_ms=4.5)  # tight: the first steps, before the fit, miss it
+    engine = timed_engine(target_itl_ms=3.0)  # tight: 8 decodes alone take 3.2 ms, so steps miss it
     registry = CollectorRegistry()
     registry.register(SchedulerStatsCollector(engine.scheduler.stats, {}))
     run_mixed_load(engine)
@@ -24,7 +24,8 @@ def test_tuning_metrics_and_step_attributes():
     assert metrics["tokenmill:step_token_budget"] == engine.scheduler.latency.token_budget < 256
     assert metrics["tokenmill:itl_target_misses_total"] == engine.scheduler.latency.num_itl_target_misses > 0
     assert abs(metrics["tokenmill:step_time_prediction_error_seconds"]) < 1e-4  # the fake machine is linear
-    assert metrics["tokenmill:step_time_spread"] == engine.scheduler.latency.spread < 1.001  # and steady
+    # every step misses 3 ms (8 decodes alone take 3.2): the plans shrink to the lowest share
+    assert metrics["tokenmill:itl_target_headroom"] == engine.scheduler.latency.headroom < 0.5
     assert metrics["tokenmill:num_swapped_preemptions_total"] == 0
 
     step_id = engine.executor.plans[-1].step_id
