@@ -108,12 +108,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="tokenmill's weights (worker.backends); transformers always runs the float32 "
                              "dequantized model (default: %(default)s)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    parser.add_argument("--no-cpu-fused-ops", action="store_true",
+                        help="tokenmill's decoder in plain torch (the reference path; worker.fused_ops)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args(argv)
 
     config = EngineConfig(model=args.model, kv_cache_bytes=args.kv_cache_mb * 2**20,
-                          max_num_seqs=max(64, args.num_requests), quantization=args.quantization, dtype=args.dtype)
+                          max_num_seqs=max(64, args.num_requests), quantization=args.quantization, dtype=args.dtype,
+                          cpu_fused_ops=not args.no_cpu_fused_ops)
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     llm = LLM(config)
     workload = make_workload(llm.model_config.vocab_size, args.num_requests, args.prompt_len,
@@ -135,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                      "output_lens": [args.min_output, args.max_output], "seed": args.seed,
                      "num_output_tokens": workload.num_output_tokens, "dtype": dtype, "weights": formats,
                      "transformers": "float32, dequantized weights",
+                     "cpu_fused_ops": getattr(llm.runner.execution_path, "fused_ops", False),
                      "threads": torch.get_num_threads()},
         "tokenmill_paged": {k: v for k, v in paged.items() if k != "outputs"},
         "tokenmill_static": {k: v for k, v in static.items() if k != "outputs"},
