@@ -3,6 +3,7 @@ tests that drive public protocols through unmodified clients (KServe v2 via trit
 Started on first use only, so the fast unit tests in this folder never pay for it."""
 from __future__ import annotations
 
+import openai
 import pytest
 
 from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
@@ -15,3 +16,16 @@ def gateway_cluster() -> ClusterConfig:
                                          redis_port=0, kv_cache_mb=64, max_num_batched_tokens=256))
     with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300):
         yield config
+
+
+@pytest.fixture(scope="module")
+def client(gateway_cluster) -> openai.OpenAI:
+    """The official client on the shared cluster's OpenAI API; no retries: a retried 5xx would hide the
+    status under test and slow the run."""
+    return openai.OpenAI(base_url=f"http://{gateway_cluster.http_address}/v1", api_key="x", max_retries=0,
+                         timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id

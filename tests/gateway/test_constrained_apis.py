@@ -61,12 +61,6 @@ def test_grpc_constraint_and_its_refusals(gateway_cluster):
         assert all(word in caught.value.details() for word in words), caught.value.details()
 
 
-@pytest.fixture(scope="module")
-def client(gateway_cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{gateway_cluster.http_address}/v1", api_key="x", max_retries=0,
-                         timeout=300)
-
-
 class City(pydantic.BaseModel):
     city: str = pydantic.Field(max_length=16)
     population: int = pydantic.Field(ge=0)

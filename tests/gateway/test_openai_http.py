@@ -26,18 +26,6 @@ PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colours."}]
 
 
-@pytest.fixture(scope="module")
-def client(gateway_cluster) -> openai.OpenAI:
-    # no retries: a retried 5xx would hide the status under test and slow the run
-    return openai.OpenAI(base_url=f"http://{gateway_cluster.http_address}/v1", api_key="x", max_retries=0,
-                         timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def prompt_tokens(config, **request) -> int:
     with grpc.insecure_channel(config.gateway_address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)

@@ -20,17 +20,6 @@ CHAT = [{"role": "user", "content": "Write a word."}]
 
 
 @pytest.fixture(scope="module")
-def client(gateway_cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{gateway_cluster.http_address}/v1", api_key="x", max_retries=0,
-                         timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
 def stub(gateway_cluster):
     with grpc.insecure_channel(gateway_cluster.gateway_address) as channel:
         yield generation_pb2_grpc.GenerationStub(channel)

@@ -24,17 +24,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
-@pytest.fixture(scope="module")
-def client(gateway_cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{gateway_cluster.http_address}/v1", api_key="x", max_retries=0,
-                         timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def _streamed_calls(chunks) -> tuple[str, list[dict], str]:
     """What a client rebuilds from the stream: content, calls ({id, name, arguments}), the finish reason."""
     content, calls, finish = "", {}, None
