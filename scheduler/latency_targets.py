@@ -14,7 +14,10 @@ moves it down by HEADROOM_STEP if the step ran over the target and up by HEADROO
 not, which settles where MISS_RATE of those steps miss (a stochastic-approximation quantile tracker).
 Only misses move it down: a decode that took three times its prediction but stayed under the target
 changes nothing (a ratio-of-errors margin, tried first, cut every plan to a quarter on a shared
-2-core machine for such steps, down to one running request).
+2-core machine for such steps, down to one running request). Nor does a miss by a step that ran over
+STALL_RATIO times its prediction: no smaller plan would have avoided that stall (or the model had not
+yet learnt the step's shape, which its fit is correcting), and counting such misses drove the plans to
+the floor while other processes held the cores.
 
 An ITL target governs only steps that decode someone (a running request that has had a token): a step
 of prefills alone delays first tokens, not the gap between two, so it gets the whole budget.
@@ -28,7 +31,15 @@ from core.step import StepPlan, StepResult
 from scheduler.config import SchedulerConfig
 from scheduler.queue_policy import WaitingQueue
 from scheduler.request import Request, RequestStatus
-from scheduler.step_time import ITL_FROM_FLAG, ITL_FROM_REQUEST, ItlTarget, StepShape, StepTimeModel, StepTuning
+from scheduler.step_time import (
+    ITL_FROM_FLAG,
+    ITL_FROM_REQUEST,
+    STALL_RATIO,
+    ItlTarget,
+    StepShape,
+    StepTimeModel,
+    StepTuning,
+)
 
 # The share of an ITL target plans aim at: it starts at TARGET_HEADROOM and follows the misses, within
 # MIN_HEADROOM..MAX_HEADROOM (the rest of MAX_HEADROOM is for what no step time shows: the loop's turn
@@ -44,9 +55,8 @@ class LatencyTargets:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.step_time = StepTimeModel()
-        # steps sent, not yet observed: (shape, planned at, the ITL target that governed it, whether the
-        # model planned it)
-        self._step_shapes: dict[int, tuple[StepShape, float, ItlTarget | None, bool]] = {}
+        # steps sent, not yet observed: (shape, planned at, the ITL target that governed it, its prediction)
+        self._step_shapes: dict[int, tuple[StepShape, float, ItlTarget | None, float | None]] = {}
         self.headroom = TARGET_HEADROOM  # plans aim at this share of the ITL target
         self.step_tunings: dict[int, StepTuning] = {}  # the same steps' decisions, observed ones kept until read
         self.token_budget = config.max_num_batched_tokens  # the latest step's
@@ -142,7 +152,7 @@ class LatencyTargets:
         """A plan is being sent: its shape and the decision are kept until its result comes in."""
         shape = StepShape(plan.total_num_scheduled_tokens, len(plan.num_scheduled_tokens), num_context_tokens)
         predicted_s = self.step_time.predict_s(shape) if self.step_time.ready else None
-        self._step_shapes[plan.step_id] = (shape, now, itl_target, predicted_s is not None)
+        self._step_shapes[plan.step_id] = (shape, now, itl_target, predicted_s)
         self.step_tunings[plan.step_id] = StepTuning(self.token_budget, predicted_s, itl_target=itl_target)
         self.step_tunings.pop(plan.step_id - KEPT_STEP_TUNINGS, None)  # nobody read it (no tracing)
 
@@ -150,7 +160,7 @@ class LatencyTargets:
         planned = self._step_shapes.pop(plan.step_id, None)
         if planned is None or result.forward_ns <= 0:
             return  # untimed (a fake executor)
-        shape, planned_at, itl_target, modelled = planned
+        shape, planned_at, itl_target, predicted_s = planned
         # what a decoding request waits for: the forward pass, and around it the plan's trip to the
         # worker, sampling and the result's trip back (with async scheduling also the end of the step
         # before, which makes the model err on the safe side)
@@ -164,7 +174,8 @@ class LatencyTargets:
             self.num_itl_target_misses += 1
             if tuning is not None:
                 tuning.target_missed = True
-        if itl_target is not None and modelled:
+        stalled = predicted_s is not None and seconds > STALL_RATIO * predicted_s
+        if itl_target is not None and predicted_s is not None and not (missed and stalled):
             change = HEADROOM_STEP * (MISS_RATE - missed)
             self.headroom = min(max(self.headroom * math.exp(change), MIN_HEADROOM), MAX_HEADROOM)
 

@@ -33,6 +33,10 @@ NUM_FEATURES = 4
 # its weight (the root mean square of what they do not explain of it): tokens, requests, context (in
 # thousands of tokens); the intercept is always fitted
 MIN_RMS = (0.0, 2.0, 1.0, 0.5)
+# A step that ran more than this many times its prediction is learnt as this many times it: a stall
+# (another process on the cores: 8 decodes of 50 ms took 1.7 s on the shared CPU) must not drag the fit
+# of every step up, while a shape the fit has underrated still pulls it up threefold a step
+STALL_RATIO = 3.0
 
 @dataclass(slots=True, frozen=True)
 class StepShape:
@@ -85,7 +89,10 @@ class StepTimeModel:
         return max(sum(w * x for w, x in zip(self.weights, shape.features())), 0.0)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
-        self.last_error_s = seconds - self.predict_s(shape)
+        predicted_s = self.predict_s(shape)
+        self.last_error_s = seconds - predicted_s
+        if self.ready and predicted_s > 0:
+            seconds = min(seconds, STALL_RATIO * predicted_s)
         self._add(shape.features(), seconds, +1.0)
         self._window.append((shape.features(), seconds))
         if len(self._window) > WINDOW:
