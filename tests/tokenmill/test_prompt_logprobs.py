@@ -1,6 +1,7 @@
 """Prompt logprobs (SamplingParams.prompt_logprobs) through the in-process engine equal a direct float32
 forward's log_softmax at the prompt positions: in one chunk, across prefill chunks, beside a request that
-does not ask, after the same prompt filled the prefix cache, and under async scheduling."""
+does not ask, after the same prompt filled the prefix cache, under async scheduling, and after a preemption
+mid-prompt (by recompute or swap)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from core.sampling import SamplingParams
+from scheduler.request import Request
 from tests.helpers.tiny_models import make_tiny_hf_model
 from tokenmill.llm import LLM, EngineConfig
 
@@ -96,3 +98,42 @@ def test_prompt_logprobs_under_async_scheduling(tiny):
     outputs = asynchronous.generate(prompts, params)
     for prompt, request_outputs in zip(prompts, outputs):
         check_prompt_logprobs(first_output(request_outputs).prompt_logprobs, model, prompt, top=1)
+
+
+@pytest.mark.parametrize("swap, async_scheduling", [(False, False), (True, False), (False, True)])
+def test_prompt_logprobs_of_a_request_preempted_mid_prompt(tiny, swap, async_scheduling):
+    """Six pages: a 30-token request decoding beside a 60-token one that asks for prompt logprobs takes
+    the pages the latter needs for its fourth chunk, so the latter is preempted with 47 of its 60 prompt
+    tokens computed. By recompute it starts again from 0 and its chunks repeat positions already
+    gathered (one straddles the end of them: 45..60 against 47 held); by swap it resumes at 47. Either
+    way its prompt logprobs come out once per position, equal to an undisturbed run's and transformers'."""
+    llm, model, config = tiny
+    bytes_per_page = 2 * 2 * 16 * 2 * 16 * 4  # K+V x layers x tokens x KV heads x head dim x float32
+    tight = LLM(replace(config, num_blocks=6, swap_space_bytes=16 * bytes_per_page if swap else 0,
+                        async_scheduling=async_scheduling), progress=False)
+    decoding = Request("decoding", prompt_of(30, 7), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    asks = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=TOP)
+    victim = Request("victim", prompt_of(60, 8), asks)
+    engine = tight.engine
+    outputs, computed_when_preempted = [], []
+    engine.add_request(decoding)
+    engine.add_request(victim)
+    while engine.has_unfinished():
+        num_computed, num_preemptions = victim.num_computed_tokens, victim.num_preemptions
+        outputs += [output for output in engine.step() if output.request_id == victim.request_id]
+        if victim.num_preemptions > num_preemptions:
+            computed_when_preempted.append(num_computed)
+            # swap keeps its computed pages; recompute starts over
+            assert victim.num_computed_tokens == (num_computed if swap else 0)
+
+    assert computed_when_preempted and all(0 < n < victim.num_prompt_tokens for n in computed_when_preempted)
+    assert engine.scheduler.num_swapped_preemptions == (len(computed_when_preempted) if swap else 0)
+    check_prompt_logprobs(first_output(outputs).prompt_logprobs, model, victim.prompt_token_ids)
+    undisturbed = llm.generate([victim.prompt_token_ids], asks)[0]
+    assert [t for output in outputs for t in output.new_token_ids] == \
+        [t for output in undisturbed for t in output.new_token_ids]
+    ours_all, theirs_all = first_output(outputs).prompt_logprobs, first_output(undisturbed).prompt_logprobs
+    assert len(ours_all) == len(theirs_all) == victim.num_prompt_tokens - 1
+    for ours, theirs in zip(ours_all, theirs_all):
+        assert ours.logprob == pytest.approx(theirs.logprob, abs=TOLERANCE)
+        assert [token_id for token_id, _ in ours.top] == [token_id for token_id, _ in theirs.top]
