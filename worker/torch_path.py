@@ -7,6 +7,7 @@ one reused gather workspace, worker.attention). Sampling is worker.sampler on th
 """
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
@@ -23,6 +24,8 @@ from worker.group_quant import use_int8_activations
 from worker.sampler import SamplingRow, sample
 from worker.structured_output import TokenBitmask
 
+log = logging.getLogger(__name__)
+
 
 class TorchPath:
     def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int, execution: ResolvedExecution,
@@ -38,6 +41,8 @@ class TorchPath:
         self.fused_ops = execution.cpu_fused_ops and torch.device(device).type == "cpu" and use_fused_ops(model)
         if not self.fused_ops:
             set_fused(model, False)  # a model another path had switched goes back to the reference
+        log.info("decoder ops: %s", "compiled, decode attention on the KV pages in place" if self.fused_ops
+                 else "plain torch (the reference)")
 
     def prepare(self, batch: StepBatch) -> HostAttentionPlan:
         # the tensors are made in forward(), on the compute thread
