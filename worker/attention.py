@@ -151,10 +151,15 @@ def _prefill_chunk(span: RequestSpan, num_blocks: int, device) -> PrefillChunk:
     )
 
 
-def _decode_batch(group: list[RequestSpan], block_size: int, num_tokens: int, device, workspace) -> DecodeBatch:
-    tables = [span.block_table[: -(-span.context_len // block_size)] for span in group]
+def _padded_tables(spans: list[RequestSpan], block_size: int) -> tuple[list[list[int]], int]:
+    """Each span's pages that hold its context, padded with page 0 to the longest: (tables, max_blocks)."""
+    tables = [span.block_table[: -(-span.context_len // block_size)] for span in spans]
     max_blocks = max(len(table) for table in tables)
-    padded = [list(table) + [0] * (max_blocks - len(table)) for table in tables]
+    return [list(table) + [0] * (max_blocks - len(table)) for table in tables], max_blocks
+
+
+def _decode_batch(group: list[RequestSpan], block_size: int, num_tokens: int, device, workspace) -> DecodeBatch:
+    padded, max_blocks = _padded_tables(group, block_size)
     context_lens = torch.tensor([span.context_len for span in group], dtype=torch.long, device=device)
     key_pos = torch.arange(max_blocks * block_size, device=device)
     rows = [span.query_start for span in group]
@@ -170,12 +175,10 @@ def _decode_batch(group: list[RequestSpan], block_size: int, num_tokens: int, de
 
 
 def _paged_decode(spans: list[RequestSpan], block_size: int, device) -> PagedDecode:
-    tables = [span.block_table[: -(-span.context_len // block_size)] for span in spans]
-    max_blocks = max(len(table) for table in tables)
+    padded, _ = _padded_tables(spans, block_size)
     return PagedDecode(
         rows=torch.tensor([span.query_start for span in spans], dtype=torch.long, device=device),
-        block_tables=torch.tensor([list(table) + [0] * (max_blocks - len(table)) for table in tables],
-                                  dtype=torch.long, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.long, device=device),
         context_lens=torch.tensor([span.context_len for span in spans], dtype=torch.long, device=device),
     )
 

@@ -128,9 +128,10 @@ def quantize_weight(weight: torch.Tensor, bits: int, group_size: int = 32) -> Gr
 
 
 @cache
-def _decode_ops():
-    """The decode-row kernels' op overloads (resolved once, after cpu_ops_available() loaded them)."""
-    return torch.ops.tokenmill.group_quant_linear.default, torch.ops.tokenmill.group_quant_linear_int8_dot.default
+def _cpu_ops():
+    """The compiled ops' overloads (resolved once, after cpu_ops_available() loaded them)."""
+    ops = torch.ops.tokenmill
+    return ops.group_quant_linear.default, ops.group_quant_linear_int8_dot.default, ops.group_quant_linear_strips.default
 
 
 class GroupQuantLinear(nn.Module):
@@ -150,31 +151,25 @@ class GroupQuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
         if x.is_cuda:
             return self.forward_triton(x)
-        if x.dtype is torch.float32 and x.shape[0] <= GEMM_ROWS and cpu_ops_available():
-            # decode rows, the hot path (~120 calls a step): op overloads and the buffers dict read directly,
-            # since at one row every microsecond of Python here is a few percent of the step
-            buffers = self._buffers
-            if self.int8_activations:
-                out = _decode_ops()[1](x, buffers["codes"], buffers["scales"], buffers["mins"])
+        x32 = x if x.dtype is torch.float32 else x.float()
+        # ~120 calls a decode step: the buffers dict and the op overloads are read directly, since at one
+        # row every microsecond of Python here is a few percent of the step
+        buffers = self._buffers
+        codes, scales, mins, bias = buffers["codes"], buffers["scales"], buffers["mins"], buffers["bias"]
+        if cpu_ops_available():
+            linear, int8_dot, strips = _cpu_ops()
+            if x.shape[0] > GEMM_ROWS:
+                out = strips(x32, codes, scales, mins, self.bits, self.group_size,
+                             strip_rows(self.out_features, torch.get_num_threads()))
+            elif self.int8_activations:
+                out = int8_dot(x32, codes, scales, mins)
             else:
-                out = _decode_ops()[0](x, buffers["codes"], buffers["scales"], buffers["mins"], self.bits, self.group_size)
-            bias = buffers["bias"]
-            return out if bias is None else out.add_(bias)
-        x32 = x if x.dtype == torch.float32 else x.float()
-        if x.device.type == "cpu" and cpu_ops_available():
-            ops = torch.ops.tokenmill
-            if x.shape[0] <= GEMM_ROWS and self.int8_activations:
-                out = ops.group_quant_linear_int8_dot(x32, self.codes, self.scales, self.mins)
-            elif x.shape[0] <= GEMM_ROWS:
-                out = ops.group_quant_linear(x32, self.codes, self.scales, self.mins, self.bits, self.group_size)
-            else:
-                out = ops.group_quant_linear_strips(x32, self.codes, self.scales, self.mins, self.bits,
-                                                    self.group_size, strip_rows(self.out_features, torch.get_num_threads()))
-            if self.bias is not None:
-                out = out + self.bias
+                out = linear(x32, codes, scales, mins, self.bits, self.group_size)
+            if bias is not None:
+                out.add_(bias)
         else:  # no compiled op: the same numbers, slower
-            out = F.linear(x32, self.weight_view().dequantize(), self.bias)
-        return out if x.dtype == torch.float32 else out.to(x.dtype)
+            out = F.linear(x32, self.weight_view().dequantize(), bias)
+        return out if x.dtype is torch.float32 else out.to(x.dtype)
 
     def forward_triton(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N], in x's dtype
         """The Triton kernel, which dequantizes the codes inside its K loop: forward's path for CUDA tensors
