@@ -1,6 +1,7 @@
 """Per-linear timings of the group-quantized CPU op against float32 (oneDNN-packed) on the default
 model's shapes, to choose GEMM_ROWS (worker/group_quant.py). Variants are interleaved and the minimum of
 several repeats is kept, so a busy machine distorts the ratios less than the absolute figures.
+Columns: f32, the float kernel ("op"), the strips + GEMM, and the integer-dot kernel of --cpu-int8-activations.
 Usage: .venv/bin/python scripts/bench_group_quant.py [--rows 1,2,4,8,16,32,64]
 """
 from __future__ import annotations
@@ -41,7 +42,8 @@ def main() -> int:
         return 1
     ops = torch.ops.tokenmill
     print(f"threads {torch.get_num_threads()}; microseconds per call, min of {args.repeats} repeats")
-    print(f"{'linear':8} {'rows':>4} {'f32':>8} {'q4 op':>8} {'q4 strips':>11} {'q8 op':>8} {'q8 strips':>11}")
+    print(f"{'linear':8} {'rows':>4} {'f32':>8} {'q4 op':>8} {'q4 strips':>11} {'q4 int8':>8} {'q8 op':>8} "
+          f"{'q8 strips':>11} {'q8 int8':>8}")
     torch.manual_seed(0)
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
@@ -58,6 +60,8 @@ def main() -> int:
                 **{f"{tag} deq": (lambda q=q: ops.group_quant_linear_strips(
                     x, q.codes, q.scales, q.mins, q.bits, q.group_size, args.strip_rows))
                    for tag, q in (("q4", q4), ("q8", q8))},
+                **{f"{tag} int8": (lambda q=q: ops.group_quant_linear_int8_dot(
+                    x, q.codes, q.scales, q.mins, q.bits, q.group_size)) for tag, q in (("q4", q4), ("q8", q8))},
             }
             best = {key: float("inf") for key in variants}
             for fn in variants.values():
@@ -66,7 +70,8 @@ def main() -> int:
                 for key, fn in variants.items():
                     best[key] = min(best[key], timed(fn, calls))
             print(f"{name:8} {rows:4d} {best['f32']:8.0f} {best['q4 op']:8.0f} {best['q4 deq']:11.0f} "
-                  f"{best['q8 op']:8.0f} {best['q8 deq']:11.0f}", flush=True)
+                  f"{best['q4 int8']:8.0f} {best['q8 op']:8.0f} {best['q8 deq']:11.0f} {best['q8 int8']:8.0f}",
+                  flush=True)
     return 0
 
 

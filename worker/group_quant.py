@@ -34,6 +34,11 @@ from worker.native_ops import cpu_ops_available
 # (f32 there is oneDNN on a packed weight the benchmark keeps in cache, which a served model's 540 MB do not)
 GEMM_ROWS = 8
 STRIP_ROWS = 256
+# --cpu-int8-activations: up to this many rows the integer-dot kernel runs; above, the strips (the
+# activations stay float32 there). Two threads, min of 3, microseconds (scripts/bench_group_quant.py):
+#   gate_up 1 row: q4 float kernel 161, int8 87; 16 rows: strips 788, int8 719; 32 rows: 1347 / 1500
+#   lm_head (q4) 1 row: 2184 / 1198; 16 rows: strips 12985, int8 11423; 32 rows: 20647 / 23055
+INT8_ROWS = 16
 
 
 def strip_rows(out_features: int, threads: int) -> int:
@@ -143,7 +148,7 @@ class GroupQuantLinear(nn.Module):
         self.register_buffer("scales", weight.scales)
         self.register_buffer("mins", weight.mins)
         self.register_buffer("bias", bias)
-        self.int8_activations = False  # use_int8_activations(); 4-bit weights only
+        self.int8_activations = False  # use_int8_activations()
 
     def weight_view(self) -> GroupQuantWeight:
         return GroupQuantWeight(self.codes, self.scales, self.mins, self.bits, self.group_size, self.source)
@@ -158,11 +163,12 @@ class GroupQuantLinear(nn.Module):
         codes, scales, mins, bias = buffers["codes"], buffers["scales"], buffers["mins"], buffers["bias"]
         if cpu_ops_available():
             linear, int8_dot, strips = _cpu_ops()
-            if x.shape[0] > GEMM_ROWS:
+            rows = x.shape[0]
+            if self.int8_activations and rows <= INT8_ROWS:
+                out = int8_dot(x32, codes, scales, mins, self.bits, self.group_size)
+            elif rows > GEMM_ROWS:
                 out = strips(x32, codes, scales, mins, self.bits, self.group_size,
                              strip_rows(self.out_features, torch.get_num_threads()))
-            elif self.int8_activations:
-                out = int8_dot(x32, codes, scales, mins)
             else:
                 out = linear(x32, codes, scales, mins, self.bits, self.group_size)
             if bias is not None:
@@ -206,10 +212,17 @@ class GroupQuantEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, bits={self.bits}, source={self.source!r}"
 
 
+def int8_dot_supports(bits: int, group_size: int) -> bool:
+    """The layouts worker/csrc/group_quant_int8_dot.cpp reads: 4-bit group 32, 8-bit group 32 or 16 (Q6_K)."""
+    return (bits, group_size) in ((4, 32), (8, 32), (8, 16))
+
+
 def use_int8_activations(model: nn.Module) -> int:
-    """--cpu-int8-activations: the 4-bit linears under model take the integer-dot kernel for decode rows
-    (worker/csrc/group_quant_int8_dot.cpp). Returns how many."""
-    linears = [m for m in model.modules() if isinstance(m, GroupQuantLinear) and m.bits == 4]
+    """--cpu-int8-activations: the group-quantized linears under model whose layout the integer-dot kernel
+    reads (worker/csrc/group_quant_int8_dot.cpp) round their activations to int8, as llama.cpp does.
+    Returns how many."""
+    linears = [m for m in model.modules()
+               if isinstance(m, GroupQuantLinear) and int8_dot_supports(m.bits, m.group_size)]
     for linear in linears:
         linear.int8_activations = True
     return len(linears)

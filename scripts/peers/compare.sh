@@ -12,7 +12,9 @@
 #   scripts/peers/compare.sh --dry-run                      prints what it would run
 #
 # Options: --sides LIST (tokenmill,vllm,llama-server), --dtypes LIST (activation dtypes for tokenmill and
-# vLLM; llama-server runs the file's own quantization), --out DIR (bench_out/peers), --doc FILE
+# vLLM; llama-server runs the file's own quantization), --tokenmill-variants 'FLAGS;FLAGS' (tokenmill runs
+# once per variant, each with those extra serve flags; an empty variant is the default, e.g.
+# ';--cpu-int8-activations'), --out DIR (bench_out/peers), --doc FILE
 # (docs/benchmarks.md), and after `--` extra `tokenmill bench` arguments (later ones win). The workload:
 # concurrency 1 (sync) and 32, 100 requests per level, 128-token prompts, outputs uniform in 32-256,
 # greedy, EOS ignored. Environment: THREADS (all cores), LLAMA_SLOTS (32: llama-server's parallel
@@ -27,11 +29,13 @@ DTYPES="float32,bfloat16"
 OUT=bench_out/peers
 DOC=docs/benchmarks.md
 DRY_RUN=0
+TOKENMILL_VARIANTS=""
 EXTRA=()
 ORIGINAL_ARGS="$*"
 while [ $# -gt 0 ]; do
     case "$1" in
         --sides) SIDES_WANTED="$2"; shift 2 ;;
+        --tokenmill-variants) TOKENMILL_VARIANTS="$2"; shift 2 ;;
         --dtypes) DTYPES="$2"; shift 2 ;;
         --out) OUT="$2"; shift 2 ;;
         --doc) DOC="$2"; shift 2 ;;
@@ -113,9 +117,17 @@ bench_side() {  # NAME FORMAT SLUG COMMAND... (@PORT@ in COMMAND becomes the por
 SERVE_EXTRA=(${TOKENMILL_SERVE_ARGS:-})
 if wants tokenmill; then
     for dtype in ${DTYPES//,/ }; do
-        bench_side "tokenmill serve" "$dtype (serve --dtype), weights from the GGUF Q4_1 file" "tokenmill-$dtype" \
-            "$TOKENMILL" serve --dtype "$dtype" --http-port @PORT@ --gateway-port 0 --scheduler-port 0 \
-            --worker-port 0 --redis-port 0 --no-metrics "${SERVE_EXTRA[@]}"
+        IFS=';' read -r -a variants <<< "$TOKENMILL_VARIANTS"
+        [ "${#variants[@]}" -gt 0 ] || variants=("")
+        for variant in "${variants[@]}"; do
+            # shellcheck disable=SC2206 # a variant is a list of flags
+            flags=($variant)
+            slug="tokenmill-$dtype$(printf '%s' "$variant" | tr -c 'a-z0-9' '-' | sed 's/^-*/-/; s/-*$//')"
+            [ -n "$variant" ] || slug="tokenmill-$dtype"
+            bench_side "tokenmill serve${variant:+ $variant}" "$dtype (serve --dtype), weights from the GGUF Q4_1 file" \
+                "$slug" "$TOKENMILL" serve --dtype "$dtype" --http-port @PORT@ --gateway-port 0 --scheduler-port 0 \
+                --worker-port 0 --redis-port 0 --no-metrics "${SERVE_EXTRA[@]}" "${flags[@]}"
+        done
     done
 fi
 if wants vllm; then

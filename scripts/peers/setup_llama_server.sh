@@ -58,7 +58,10 @@ run "$PYTHON" -m pip download -q --no-deps --no-binary :all: -d "$SDIST_DIR" "ll
 if [ "$DRY_RUN" = 1 ]; then
     SDIST="$SDIST_DIR/llama_cpp_python-$VERSION.tar.gz"
 else
-    SDIST="$(ls "$SDIST_DIR"/llama_cpp_python-"$VERSION".tar.gz "$SDIST_DIR"/llama-cpp-python-"$VERSION".tar.gz 2>/dev/null | head -n 1)"
+    SDIST=""  # the sdist's name has used both spellings (`ls` of the missing one would end the script under pipefail)
+    for candidate in "$SDIST_DIR"/llama_cpp_python-"$VERSION".tar.gz "$SDIST_DIR"/llama-cpp-python-"$VERSION".tar.gz; do
+        [ -f "$candidate" ] && { SDIST="$candidate"; break; }
+    done
     [ -n "$SDIST" ] || { echo "[peers] no llama-cpp-python $VERSION sdist in $SDIST_DIR" >&2; exit 1; }
 fi
 run tar -xzf "$SDIST" -C "$SRC_DIR"

@@ -114,27 +114,34 @@ def test_quantized_gguf_runs_as_stored_with_its_dequantized_logits(tmp_path, fla
 
 
 def int8_activation_reference(x: torch.Tensor, weight: GroupQuantWeight) -> torch.Tensor:
-    """What --cpu-int8-activations computes, in torch: x rounded to int8 per group of 32 under absmax/127
-    (half to even), the integer dot with the 4-bit codes, the min term on the same rounded x."""
+    """What --cpu-int8-activations computes, in torch: x rounded to int8 per block of 32 under absmax/127
+    (half to even), each weight group's integer dot with its codes, the min term on the same rounded x."""
     rows, k = x.shape
-    groups = x.view(rows, k // 32, 32)
-    scale = groups.abs().amax(-1) / 127
+    blocks = x.view(rows, k // 32, 32)
+    scale = blocks.abs().amax(-1) / 127
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-    rounded = torch.round(groups * inverse[..., None])  # [rows, G, 32]
-    codes = weight.unpacked_codes().view(weight.out_features, k // 32, 32).float()  # [N, G, 32]
-    dots = torch.einsum("tgk,ngk->tng", rounded.double(), codes.double())  # exact integers
-    terms = (weight.scales.double()[None] * dots + weight.mins.double()[None] * rounded.sum(-1).double()[:, None])
-    return (terms * scale.double()[:, None]).sum(-1).float()
+    rounded = (torch.round(blocks * inverse[..., None]) * scale[..., None]).double()  # x as the kernel sees it
+    size, n = weight.group_size, weight.out_features
+    groups = rounded.view(rows, k // size, size)  # [rows, G, size]
+    codes = weight.unpacked_codes().view(n, k // size, size).double()  # [N, G, size]
+    dots = torch.einsum("tgk,ngk->tng", groups, codes)
+    terms = weight.scales.double()[None] * dots + weight.mins.double()[None] * groups.sum(-1)[:, None]
+    return terms.sum(-1).float()
 
 
 @needs_ops
-@pytest.mark.parametrize("rows", [1, 3, 4, 6])
-def test_int8_activation_op_is_the_rounded_activation_product(rows):
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 33])
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (8, 32), (8, 16)])
+def test_int8_activation_op_is_the_rounded_activation_product(rows, bits, group_size):
     torch.manual_seed(rows)
-    weight = quantize_weight(torch.randn(100, 256), 4)
+    weight = quantize_weight(torch.randn(101, 256), bits, group_size)  # odd rows: a weight row tile of one
+    if bits == 8:  # the full code range, 0 and 255 included (|c - 128| = 128 must not overflow an int16 pair)
+        weight.codes[0, :64] = torch.tensor([0, 255] * 32, dtype=torch.uint8)
     x = torch.randn(rows, 256)
-    x[0, :32] = 0.0  # a group of zeros: scale 0, no division by it
-    ours = torch.ops.tokenmill.group_quant_linear_int8_dot(x, weight.codes, weight.scales, weight.mins)
+    x[0, :32] = 0.0  # a block of zeros: scale 0, no division by it
+    x[-1, 32:64] *= 100.0  # a block far larger than its neighbours: its own scale
+    ours = torch.ops.tokenmill.group_quant_linear_int8_dot(x, weight.codes, weight.scales, weight.mins, bits,
+                                                           group_size)
     expected = int8_activation_reference(x, weight)
     assert (ours - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
     exact = x @ weight.dequantize().T
@@ -142,12 +149,27 @@ def test_int8_activation_op_is_the_rounded_activation_product(rows):
 
 
 @needs_ops
-def test_int8_activations_apply_to_four_bit_decode_rows_only(tmp_path):
+def test_int8_activation_op_names_what_it_cannot_read():
+    weight = quantize_weight(torch.randn(8, 128), 8, 64)
+    with pytest.raises(RuntimeError, match="8-bit codes in groups of 64 are not supported"):
+        torch.ops.tokenmill.group_quant_linear_int8_dot(torch.randn(2, 128), weight.codes, weight.scales,
+                                                        weight.mins, 8, 64)
+
+
+@needs_ops
+def test_int8_activations_apply_to_the_layouts_the_kernel_reads(monkeypatch):
+    from worker import group_quant
     from worker.group_quant import use_int8_activations
 
-    model = torch.nn.Sequential(GroupQuantLinear(quantize_weight(torch.randn(64, 96), 4)),
-                                GroupQuantLinear(quantize_weight(torch.randn(96, 64), 8)))
-    assert use_int8_activations(model) == 1 and model[0].int8_activations and not model[1].int8_activations
-    few, many = torch.randn(2, 96), torch.randn(GEMM_ROWS + 1, 96)
-    assert torch.allclose(model[0](few), int8_activation_reference(few, model[0].weight_view()), rtol=1e-5, atol=1e-5)
-    assert torch.allclose(model[0](many), many @ model[0].weight_view().dequantize().T, rtol=1e-4, atol=1e-4)
+    model = torch.nn.Sequential(GroupQuantLinear(quantize_weight(torch.randn(64, 128), 4)),
+                                GroupQuantLinear(quantize_weight(torch.randn(64, 128), 8, 16)),
+                                GroupQuantLinear(quantize_weight(torch.randn(64, 128), 8, 64)))
+    assert use_int8_activations(model) == 2
+    assert [linear.int8_activations for linear in model] == [True, True, False]
+    monkeypatch.setattr(group_quant, "INT8_ROWS", 4)
+    few, many = torch.randn(4, 128), torch.randn(5, 128)
+    for linear in model[:2]:
+        assert torch.allclose(linear(few), int8_activation_reference(few, linear.weight_view()), rtol=1e-5, atol=1e-5)
+        # past INT8_ROWS: the float kernels, exact to the dequantized weight
+        assert torch.allclose(linear(many), many @ linear.weight_view().dequantize().T, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(model[2](few), few @ model[2].weight_view().dequantize().T, rtol=1e-4, atol=1e-4)
