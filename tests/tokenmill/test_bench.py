@@ -2,7 +2,13 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -127,3 +133,57 @@ def test_bench_against_a_started_cluster_reports_sane_numbers(tmp_path):
     http = json.loads((tmp_path / "http" / "bench.json").read_text())["runs"]["openai-http"]["levels"][0]
     assert (http["num_errors"], http["output_tokens"]) == (0, expected_tokens)
     assert 0 < http["ttft_p50_s"] < http["e2e_p50_s"] and 0 < http["itl_p50_s"]
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below pid (from /proc), children of children included."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_stops_the_cluster_bench_started(tmp_path):
+    """`kill` of a running `tokenmill bench` (a CI job's timeout, a shell script's trap) stops the gateway,
+    scheduler, worker and Redis it started; Python's default SIGTERM left them running."""
+    log = tmp_path / "bench.log"
+    with open(log, "w") as stderr:
+        bench = subprocess.Popen([sys.executable, "-m", "tokenmill.bench.cli", "--concurrency", "1",
+                                  "--num-requests", "1000", "--prompt-len", "8", "--min-output", "4", "--max-output",
+                                  "8", "--warmup", "0", "--num-blocks", "256", "--no-plots", "--out", str(tmp_path)],
+                                 stdout=subprocess.DEVNULL, stderr=stderr)
+    cluster: set[int] = set()
+    try:
+        deadline = time.monotonic() + 300
+        while "c=1" not in log.read_text():  # the timed loop has begun: the cluster serves
+            assert bench.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        cluster = _descendants(bench.pid)
+        assert len(cluster) >= 4, cluster  # redis, scheduler, worker, gateway
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=120) == 130
+        assert "the clusters it started are stopped" in log.read_text()
+        assert not [pid for pid in cluster if _running(pid)]
+    finally:  # whatever a failure left behind (the bug this tests re-parents them away from bench)
+        for pid in (cluster | _descendants(bench.pid)):
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        bench.kill()
+        bench.wait()

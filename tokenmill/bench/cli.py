@@ -30,7 +30,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shlex
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from tokenmill.bench.itl_verdict import format_verdicts, itl_verdicts
@@ -204,8 +206,29 @@ def cache_description(args) -> str:
             else f"num_blocks={args.num_blocks}")
 
 
+def interrupt_on_sigterm(signum, frame) -> None:
+    """SIGTERM ends a run as Ctrl-C does, so each started cluster's `with Supervisor` stops its processes
+    (Python's default SIGTERM exits at once and left gateway, scheduler, worker and Redis running). A
+    second SIGTERM exits at once."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = resolve_defaults(build_parser().parse_args(argv))
+    on_main_thread = threading.current_thread() is threading.main_thread()  # where handlers can be set
+    previous = signal.signal(signal.SIGTERM, interrupt_on_sigterm) if on_main_thread else None
+    try:
+        return run(args, argv)
+    except KeyboardInterrupt:
+        print("tokenmill bench: interrupted; the clusters it started are stopped", file=sys.stderr)
+        return 130
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def run(args, argv: list[str] | None) -> int:
     from gateway.tokenizer import load_tokenizer
 
     if p99_warning(args.num_requests):
