@@ -149,14 +149,24 @@ def resolve_ports(config: ClusterConfig) -> ClusterConfig:
                    redis_port=config.redis_port if config.redis_url else pick(config.redis_port, "127.0.0.1"))
 
 
-def torch_thread_env() -> dict[str, str]:
-    """OpenMP waits passively unless told otherwise.
+# How long an idle OpenMP thread spins before it sleeps: libgomp loop iterations, well under a millisecond
+SPIN_COUNT = "30000"
 
-    libgomp's default spin-wait collapses when the torch threads share cores with anything else (the
-    scheduler and gateway beside the worker, other tenants): a 32-request decode step went from
-    ~0.22 s to ~1.6-3 s with one busy process beside it; with PASSIVE it stayed at its fair share.
+
+def torch_thread_env() -> dict[str, str]:
+    """OpenMP threads spin briefly between parallel regions, then sleep (GOMP_SPINCOUNT), unless the
+    environment already says how they wait (OMP_WAIT_POLICY or GOMP_SPINCOUNT: passed through as set).
+
+    A decode step is ~180 parallel regions tens of microseconds apart; sleeping in between (PASSIVE)
+    pays a wake-up in each. The served default model on 2 cores, one run after the other: one client
+    28.1 tok/s PASSIVE against 48.9 spinning, 8 clients 107.8 against 147.2 (docs/benchmarks.md, "OpenMP
+    waiting policy"). Spinning collapses where another process holds a core the worker's threads need
+    (beside a CPU hog, without the governor: 2.6 tok/s): the worker then drops to one thread
+    (worker/thread_governor.py; beside the hog 31.2 / 69.0 tok/s, PASSIVE 30.1 / 84.9).
     """
-    return {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    if os.environ.get("OMP_WAIT_POLICY") or os.environ.get("GOMP_SPINCOUNT"):
+        return {}
+    return {"GOMP_SPINCOUNT": SPIN_COUNT}
 
 
 def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:

@@ -8,6 +8,7 @@ one reused gather workspace, worker.attention). Sampling is worker.sampler on th
 from __future__ import annotations
 
 import logging
+import time
 from typing import Sequence
 
 import torch
@@ -23,6 +24,7 @@ from worker.model import LlamaModel
 from worker.group_quant import use_int8_activations
 from worker.sampler import SamplingRow, sample
 from worker.structured_output import TokenBitmask
+from worker.thread_governor import ThreadGovernor
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +45,16 @@ class TorchPath:
             set_fused(model, False)  # a model another path had switched goes back to the reference
         log.info("decoder ops: %s", "compiled, decode attention on the KV pages in place" if self.fused_ops
                  else "plain torch (the reference)")
+        # spinning OpenMP threads beside another busy process: one thread until the cores are free again
+        self.thread_governor = (ThreadGovernor(torch.get_num_threads()) if torch.device(device).type == "cpu"
+                                else None)
 
     def prepare(self, batch: StepBatch) -> HostAttentionPlan:
         # the tensors are made in forward(), on the compute thread
         return plan_attention(batch.spans, self.block_size, self.gather_workspace, in_place=self.fused_ops)
 
     def forward(self, batch: StepBatch, inputs: HostAttentionPlan) -> torch.Tensor:
+        started = time.perf_counter_ns()
         metadata = attention_metadata(inputs, self.block_size, self.device, self.gather_workspace)
         hidden = self.model(
             torch.tensor(batch.input_ids, dtype=torch.long, device=self.device),
@@ -56,7 +62,10 @@ class TorchPath:
             self.kv_cache,
             metadata,
         )  # [T, hidden]
-        return self.model.compute_logits(hidden[batch.logit_rows])  # [R + Q, vocab] float32
+        logits = self.model.compute_logits(hidden[batch.logit_rows])  # [R + Q, vocab] float32
+        if self.thread_governor is not None:  # on the compute thread, whose OpenMP team it sizes
+            self.thread_governor.after_step(time.perf_counter_ns() - started)
+        return logits
 
     def sample(self, batch: StepBatch, logits: torch.Tensor, rows: Sequence[SamplingRow],
                token_bitmask: TokenBitmask | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
