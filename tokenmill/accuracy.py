@@ -27,7 +27,7 @@ class Variant:
     label: str
     quantization: str  # worker.backends.QUANTIZATIONS
     dtype: torch.dtype
-    int8_activations: bool = False  # --cpu-int8-activations (4-bit weights, decode-sized row blocks)
+    int8_activations: bool = False  # --cpu-int8-activations (run a token at a time, as decode does)
 
 
 DEFAULT_VARIANTS = (

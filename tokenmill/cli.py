@@ -121,8 +121,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cuda-graphs", action="store_true", help="decode steps run eagerly (CUDA only)")
     parser.add_argument("--no-stream-overlap", action="store_true", help="no pinned staging / copy stream (CUDA only)")
     parser.add_argument("--cpu-int8-activations", action="store_true",
-                        help="CPU decode rows against 4-bit weights round activations to int8 per group of 32 "
-                             "(llama.cpp's way; faster, slightly less exact: see tokenmill accuracy)")
+                        help="CPU: up to 16 rows against group-quantized weights (4-bit, Q8_0, K-quants) round "
+                             "their activations to int8 per block of 32 (llama.cpp's way; faster, slightly less "
+                             "exact: see tokenmill accuracy)")
     parser.add_argument("--no-packed-linears", action="store_true",
                         help="plain nn.Linear instead of oneDNN-reordered weights (CPU, float32 only)")
     parser.add_argument("--no-cpu-fused-ops", action="store_true",

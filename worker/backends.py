@@ -110,8 +110,9 @@ def add_execution_flags(parser) -> None:
     parser.add_argument("--no-stream-overlap", action="store_true",
                         help="no pinned staging / copy stream / async token readback (CUDA only)")
     parser.add_argument("--cpu-int8-activations", action="store_true",
-                        help="decode rows against 4-bit weights round their activations to int8 per group of 32 "
-                             "(llama.cpp's way; faster, slightly less exact: see tokenmill accuracy)")
+                        help="up to 16 rows against group-quantized weights (4-bit, Q8_0, K-quants) round their "
+                             "activations to int8 per block of 32 (llama.cpp's way; faster, slightly less exact: "
+                             "see tokenmill accuracy)")
     parser.add_argument("--no-packed-linears", action="store_true",
                         help="plain nn.Linear instead of weights reordered once for oneDNN (CPU, float32 only)")
     parser.add_argument("--no-cpu-fused-ops", action="store_true",
