@@ -1,6 +1,7 @@
 """Decode speed of the in-process engine per weight path, one run: ms per token for one sequence and
 tok/s for 32 (64 output tokens after a 128-token prompt, greedy, EOS ignored). Paths: none (float32
-reference), auto (the GGUF's formats as stored), auto+int8act (plus --cpu-int8-activations).
+reference), auto (the GGUF's formats as stored), auto+int8act (plus --cpu-int8-activations), and the same
+two with bfloat16 activations (auto-bf16, auto-bf16+int8act).
 Usage: OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_decode_cpu.py [none auto auto+int8act]
 """
 import sys
@@ -14,7 +15,9 @@ from core.sampling import SamplingParams  # noqa: E402
 from tokenmill.llm import LLM, EngineConfig  # noqa: E402
 
 VARIANTS = {"none": dict(quantization="none"), "auto": dict(quantization="auto"),
-            "auto+int8act": dict(quantization="auto", cpu_int8_activations=True)}
+            "auto+int8act": dict(quantization="auto", cpu_int8_activations=True),
+            "auto-bf16": dict(quantization="auto", dtype="bfloat16"),
+            "auto-bf16+int8act": dict(quantization="auto", dtype="bfloat16", cpu_int8_activations=True)}
 
 
 def main(names: list[str]) -> int:

@@ -1,7 +1,8 @@
 """Per-linear timings of the group-quantized CPU op against float32 (oneDNN-packed) on the default
 model's shapes, to choose GEMM_ROWS (worker/group_quant.py). Variants are interleaved and the minimum of
 several repeats is kept, so a busy machine distorts the ratios less than the absolute figures.
-Columns: f32, the float kernel ("op"), the strips + GEMM, and the integer-dot kernel of --cpu-int8-activations.
+Columns: f32, the float kernel ("op"), the strips + GEMM, and the integer-dot kernel of --cpu-int8-activations;
+then bfloat16: a bfloat16 weight through F.linear (what a bfloat16 checkpoint runs) and the bfloat16 strips.
 Usage: .venv/bin/python scripts/bench_group_quant.py [--rows 1,2,4,8,16,32,64]
 """
 from __future__ import annotations
@@ -43,16 +44,18 @@ def main() -> int:
     ops = torch.ops.tokenmill
     print(f"threads {torch.get_num_threads()}; microseconds per call, min of {args.repeats} repeats")
     print(f"{'linear':8} {'rows':>4} {'f32':>8} {'q4 op':>8} {'q4 strips':>11} {'q4 int8':>8} {'q8 op':>8} "
-          f"{'q8 strips':>11} {'q8 int8':>8}")
+          f"{'q8 strips':>11} {'q8 int8':>8} {'bf16':>8} {'q4 strips bf16':>15}")
     torch.manual_seed(0)
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         weight = torch.randn(n, k)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        weight_bf16 = weight.bfloat16()
         q4, q8 = quantize_weight(weight, 4), quantize_weight(weight, 8)
         calls = 3 if n > 10000 else 30
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k)
+            x_bf16 = x.bfloat16()
             variants = {
                 "f32": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
                 **{f"{tag} op": (lambda q=q: ops.group_quant_linear(x, q.codes, q.scales, q.mins, q.bits, q.group_size))
@@ -60,6 +63,9 @@ def main() -> int:
                 **{f"{tag} deq": (lambda q=q: ops.group_quant_linear_strips(
                     x, q.codes, q.scales, q.mins, q.bits, q.group_size, args.strip_rows))
                    for tag, q in (("q4", q4), ("q8", q8))},
+                "bf16": lambda: torch.nn.functional.linear(x_bf16, weight_bf16),
+                "q4 deq bf16": lambda: ops.group_quant_linear_strips(
+                    x_bf16, q4.codes, q4.scales, q4.mins, q4.bits, q4.group_size, args.strip_rows),
                 **{f"{tag} int8": (lambda q=q: ops.group_quant_linear_int8_dot(
                     x, q.codes, q.scales, q.mins, q.bits, q.group_size)) for tag, q in (("q4", q4), ("q8", q8))},
             }
@@ -70,7 +76,8 @@ def main() -> int:
                 for key, fn in variants.items():
                     best[key] = min(best[key], timed(fn, calls))
             print(f"{name:8} {rows:4d} {best['f32']:8.0f} {best['q4 op']:8.0f} {best['q4 deq']:11.0f} "
-                  f"{best['q4 int8']:8.0f} {best['q8 op']:8.0f} {best['q8 deq']:11.0f} {best['q8 int8']:8.0f}",
+                  f"{best['q4 int8']:8.0f} {best['q8 op']:8.0f} {best['q8 deq']:11.0f} {best['q8 int8']:8.0f} "
+                  f"{best['bf16']:8.0f} {best['q4 deq bf16']:15.0f}",
                   flush=True)
     return 0
 

@@ -13,20 +13,11 @@ from worker.kv_sizing import (KVCacheSizing, default_memory_fraction, free_memor
                                measure_activation_peak, profile_batch, size_from_budget, size_from_free_memory)
 from worker.loader import default_model_path, load_model
 from worker.model_runner import ModelRunner
-from worker.native_ops import cpu_flags
+from worker.native_ops import cpu_has_native_bf16
 from worker.structured_output import StructuredOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
-# CPU flags with native bfloat16 arithmetic; without them oneDNN emulates bfloat16 and it is slower
-# than float32 (measured in issue 15 on AVX2: bfloat16 linears no faster, attention slower)
-NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-def cpu_has_native_bf16() -> bool:
-    return any(flag in cpu_flags() for flag in NATIVE_BF16_FLAGS)
-
-
 def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
     """auto: bfloat16 on CUDA and on CPUs with native bfloat16 (avx512_bf16 / AMX), float32 otherwise."""
     if name == "auto":

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from worker.linear_swap import replace_linears
-from worker.native_ops import cpu_ops_available
+from worker.native_ops import cpu_has_native_bf16, cpu_ops_available
 
 # Above this many rows a float32 GEMM on strips of the dequantized weight beats the row-streaming
 # kernel; at most STRIP_ROWS rows of W are dequantized at a time (in cache), fewer where that would
@@ -41,11 +41,15 @@ STRIP_ROWS = 256
 INT8_ROWS = 16
 
 
-def strip_rows(out_features: int, threads: int) -> int:
-    """Strips of at most STRIP_ROWS rows, at least two per thread where the weight allows (a 576-row
-    weight in 256-row strips kept one of two threads idle a third of the time: 3065 vs 2254 us)."""
+def strip_rows(out_features: int, threads: int, element_size: int = 4) -> int:
+    """Strips of at most STRIP_ROWS float32 rows' bytes, at least two per thread where the weight allows (a
+    576-row weight in 256-row strips kept one of two threads idle a third of the time: 3065 vs 2254 us).
+    bfloat16 strips hold twice the rows in those bytes, and need them: each GEMM call costs oneDNN tens
+    of microseconds whatever its size (two threads, 32 rows, AVX-512 bf16: lm_head 12.1 ms in 128-row
+    strips, 8.9 in 256, 9.0 in 512, against 7.9 for a bfloat16 weight in one call; gate_up 714 / 648 / 575
+    vs 448 us)."""
     per_strip = -(-out_features // (2 * max(threads, 1)))
-    return min(STRIP_ROWS, max(64, -(-per_strip // 16) * 16))
+    return min(STRIP_ROWS * 4 // element_size, max(64, -(-per_strip // 16) * 16))
 
 
 @dataclass(slots=True)
@@ -167,15 +171,17 @@ class GroupQuantLinear(nn.Module):
             if self.int8_activations and rows <= INT8_ROWS:
                 out = int8_dot(x32, codes, scales, mins, self.bits, self.group_size)
             elif rows > GEMM_ROWS:
-                out = strips(x32, codes, scales, mins, self.bits, self.group_size,
-                             strip_rows(self.out_features, torch.get_num_threads()))
+                # bfloat16 activations keep bfloat16 strips where the CPU multiplies them natively
+                gemm_x = x if x.dtype is torch.bfloat16 and cpu_has_native_bf16() else x32
+                out = strips(gemm_x, codes, scales, mins, self.bits, self.group_size,
+                             strip_rows(self.out_features, torch.get_num_threads(), gemm_x.element_size()))
             else:
                 out = linear(x32, codes, scales, mins, self.bits, self.group_size)
             if bias is not None:
                 out.add_(bias)
         else:  # no compiled op: the same numbers, slower
             out = F.linear(x32, self.weight_view().dequantize(), bias)
-        return out if x.dtype is torch.float32 else out.to(x.dtype)
+        return out if out.dtype is x.dtype else out.to(x.dtype)
 
     def forward_triton(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N], in x's dtype
         """The Triton kernel, which dequantizes the codes inside its K loop: forward's path for CUDA tensors

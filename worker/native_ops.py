@@ -41,6 +41,16 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
+# CPU flags with native bfloat16 arithmetic; without them oneDNN emulates bfloat16 and it is slower
+# than float32 (measured in issue 15 on AVX2: bfloat16 linears no faster, attention slower)
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@cache
+def cpu_has_native_bf16() -> bool:
+    return any(flag in cpu_flags() for flag in NATIVE_BF16_FLAGS)
+
+
 def _cpu_has_avx2_fma() -> bool:
     return {"avx2", "fma"} <= cpu_flags()
 

@@ -61,6 +61,29 @@ def test_compiled_op_matches_the_torch_reference(bits, group_size, rows):
 
 
 @needs_ops
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (8, 16)])
+def test_bfloat16_strips_multiply_the_rounded_weights_in_bfloat16(bits, group_size):
+    torch.manual_seed(bits)
+    weight = quantize_weight(torch.randn(300, 192), bits, group_size)
+    x = torch.randn(GEMM_ROWS + 5, 192).bfloat16()
+    rounded = weight.dequantize().bfloat16()  # each weight rounded once from its float32 value
+    ours = torch.ops.tokenmill.group_quant_linear_strips(x, weight.codes, weight.scales, weight.mins, bits,
+                                                         group_size, 64)
+    assert ours.dtype is torch.bfloat16
+    reference = x.double() @ rounded.double().T  # the same bfloat16 operands, summed exactly
+    # only the sums' float32 order and the output's one rounding to bfloat16 differ (2**-8 relative)
+    assert (ours.double() - reference).abs().max().item() <= 2**-8 * reference.abs().max().item()
+    # rows of the identity read the strips' weights back exactly: rounded to nearest even, as torch rounds
+    basis = torch.eye(192, dtype=torch.bfloat16)
+    read_back = torch.ops.tokenmill.group_quant_linear_strips(basis, weight.codes, weight.scales, weight.mins, bits,
+                                                              group_size, 64)
+    assert torch.equal(read_back, rounded.T)
+    through_module = GroupQuantLinear(weight)(x)
+    assert through_module.dtype is torch.bfloat16
+    assert (through_module.double() - reference).abs().max().item() <= 2**-8 * reference.abs().max().item()
+
+
+@needs_ops
 def test_compiled_op_names_a_bad_layout():
     weight = quantize_weight(torch.randn(8, 64), 4)
     with pytest.raises(RuntimeError, match="in_features 48 is not a multiple of group_size 32"):
