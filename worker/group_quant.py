@@ -34,6 +34,7 @@ from worker.native_ops import cpu_has_native_bf16, cpu_ops_available
 # (f32 there is oneDNN on a packed weight the benchmark keeps in cache, which a served model's 540 MB do not)
 GEMM_ROWS = 8
 STRIP_ROWS = 256
+STRIP_BYTES = 2**20  # a bfloat16 strip's most: one core's L2 here
 # --cpu-int8-activations: up to this many rows the integer-dot kernel runs; above, the strips (the
 # activations stay float32 there). Two threads, min of 3, microseconds (scripts/bench_group_quant.py):
 #   gate_up 1 row: q4 float kernel 161, int8 87; 16 rows: strips 788, int8 719; 32 rows: 1347 / 1500
@@ -41,15 +42,23 @@ STRIP_ROWS = 256
 INT8_ROWS = 16
 
 
-def strip_rows(out_features: int, threads: int, element_size: int = 4) -> int:
-    """Strips of at most STRIP_ROWS float32 rows' bytes, at least two per thread where the weight allows (a
-    576-row weight in 256-row strips kept one of two threads idle a third of the time: 3065 vs 2254 us).
-    bfloat16 strips hold twice the rows in those bytes, and need them: each GEMM call costs oneDNN tens
-    of microseconds whatever its size (two threads, 32 rows, AVX-512 bf16: lm_head 12.1 ms in 128-row
-    strips, 8.9 in 256, 9.0 in 512, against 7.9 for a bfloat16 weight in one call; gate_up 714 / 648 / 575
-    vs 448 us)."""
-    per_strip = -(-out_features // (2 * max(threads, 1)))
-    return min(STRIP_ROWS * 4 // element_size, max(64, -(-per_strip // 16) * 16))
+def strip_rows(out_features: int, threads: int, in_features: int, element_size: int = 4) -> int:
+    """Rows of W per dequantized strip (group_quant_linear_strips).
+
+    float32: at most STRIP_ROWS rows, at least two strips per thread where the weight allows (a 576-row
+    weight in 256-row strips kept one of two threads idle a third of the time: 3065 vs 2254 us).
+    bfloat16: each GEMM call costs oneDNN tens of microseconds whatever its size, as much as a 240-row
+    strip's arithmetic at 32 rows, so as few strips as keep each in L2 (1 MiB) and every thread busy:
+    a multiple of the thread count. Two threads, AVX-512 bf16, 32 rows, microseconds: qkv (960 rows)
+    294 in 144-row strips, 200 in 240, 164 in 480 (one GEMM on a bfloat16 weight: 139-168); down (K 1536)
+    308 in 144, 253 in 288 (194-225); lm_head 12.1 ms in 128, 9.0 in 512, 8.1 in 1024 (7.9)."""
+    threads = max(threads, 1)
+    if element_size == 4:
+        per_strip = -(-out_features // (2 * threads))
+        return min(STRIP_ROWS, max(64, -(-per_strip // 16) * 16))
+    most = max(64, STRIP_BYTES // (in_features * element_size))
+    strips = threads * -(-out_features // (threads * most))
+    return -(-out_features // strips // 16) * 16 if out_features >= 16 * strips else out_features
 
 
 @dataclass(slots=True)
@@ -174,7 +183,8 @@ class GroupQuantLinear(nn.Module):
                 # bfloat16 activations keep bfloat16 strips where the CPU multiplies them natively
                 gemm_x = x if x.dtype is torch.bfloat16 and cpu_has_native_bf16() else x32
                 out = strips(gemm_x, codes, scales, mins, self.bits, self.group_size,
-                             strip_rows(self.out_features, torch.get_num_threads(), gemm_x.element_size()))
+                             strip_rows(self.out_features, torch.get_num_threads(), self.in_features,
+                                        gemm_x.element_size()))
             else:
                 out = linear(x32, codes, scales, mins, self.bits, self.group_size)
             if bias is not None:

@@ -80,11 +80,11 @@ def test_rope_write_kv_rotates_q_and_k_and_fills_the_slots(dtype, rel, qk_norm):
         assert not key_cache.view(-1, kv_heads, dim)[untouched].any()
 
 
-def _paged_case(dtype, kv_heads: int, group: int, block_size: int, seed: int):
+def _paged_case(dtype, kv_heads: int, group: int, block_size: int, seed: int, dim: int = 16):
     """A step of decode rows (and one prefill chunk between them) over a cache whose pages are shuffled;
     request 1 shares request 0's first page (a prefix-cache hit); context lengths end mid-page."""
     gen = torch.Generator().manual_seed(seed)
-    dim, num_blocks = 16, 40
+    num_blocks = 40
     key_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
     value_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
     pages = list(range(num_blocks))
@@ -121,6 +121,19 @@ def test_paged_decode_attention_reads_pages_in_place_as_the_gather_does(dtype, r
     close(ours, expected, rel)
     # the prefill chunk's rows still come from the prefill path, identical
     assert torch.equal(ours[3:7], expected[3:7])
+
+
+@pytest.mark.parametrize("dtype, rel", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("dim", [12, 64, 80, 128])  # no vector path; one register block; 64 + 16; two blocks
+def test_paged_decode_attention_head_dims(dtype, rel, dim):
+    q, k, v, key_cache, value_cache, spans, block_size = _paged_case(dtype, 1, 3, block_size=8, seed=dim, dim=dim)
+    with torch.inference_mode():
+        write_kv(key_cache, value_cache, k, v, build_attention_metadata(spans, block_size).slot_mapping)
+        gathered = build_attention_metadata(spans, block_size)
+        in_place = attention_metadata(plan_attention(spans, block_size, in_place=True), block_size)
+        expected = paged_attention(q, k, v, key_cache, value_cache, gathered, 0.125, None, None)
+        ours = paged_attention(q, k, v, key_cache, value_cache, in_place, 0.125, None, None)
+    close(ours, expected, rel)
 
 
 def test_paged_decode_attention_names_a_page_outside_the_cache():
