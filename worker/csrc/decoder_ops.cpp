@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -37,6 +38,23 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
   const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+// 8 floats rounded to bfloat16 as c10::BFloat16 rounds them (nearest even; NaN -> 0x7FC0), as float bits
+inline __m256i bf16_bits(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)),
+                                           _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+template <typename T> inline __m256 rounded8(__m256 v) { return v; }
+template <> inline __m256 rounded8<c10::BFloat16>(__m256 v) { return _mm256_castsi256_ps(bf16_bits(v)); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i high = _mm256_srli_epi32(bf16_bits(v), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1)));
 }
 
 // e^x for 8 lanes (Cephes' polynomial, as the usual avx_mathfun): relative error ~1e-7, e^x = 0 below
@@ -153,7 +171,6 @@ at::Tensor act_mul(const at::Tensor& gate_up, bool gelu_tanh) {
     const int64_t chunk = 256;  // elements per task: rows of one decode row split across threads too
     const int64_t per_row = (inter + chunk - 1) / chunk;
     at::parallel_for(0, rows * per_row, 4, [&](int64_t begin, int64_t end) {
-      float buf[8];
       for (int64_t t = begin; t < end; ++t) {
         const int64_t r = t / per_row, i0 = (t % per_row) * chunk, i1 = std::min(inter, i0 + chunk);
         const scalar_t* g = gp + r * gate_up.stride(0);
@@ -175,8 +192,8 @@ at::Tensor act_mul(const at::Tensor& gate_up, bool gelu_tanh) {
             const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
             a = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e));
           }
-          _mm256_storeu_ps(buf, a);
-          for (int j = 0; j < 8; ++j) o[i + j] = from_float<scalar_t>(rounded<scalar_t>(buf[j]) * to_float(u[i + j]));
+          // the activation rounded to the dtype, times up, rounded again: the reference's two ops
+          store8(o + i, _mm256_mul_ps(rounded8<scalar_t>(a), load8(u + i)));
         }
         for (; i < i1; ++i) {
           const float gv = to_float(g[i]);
@@ -274,6 +291,14 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
 // the cache pages; the query heads sharing a KV head (GQA) go together so each key is read once for all
 // of them. Writes out[rows[b]]. window > 0: only the last `window` positions; softcap > 0: gemma2's
 // tanh cap on the scores. Scores and the weighted sum are float32, as SDPA's CPU kernel keeps them.
+// lane j = the sum of a[j]'s eight lanes. hadd pairs within each 128-bit half: t0 = [a0..a3 low halves,
+// a0..a3 high halves], t1 the same for a4..a7; then the halves added
+inline __m256 transposed_sums(const __m256 (&a)[8]) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
 // The 8 dot products of q (D floats) with rows k[0..7] (D values of T each), lane j holding row j's: eight
 // independent FMA chains, then one transposing reduction, where a dot and its horizontal sum at a time
 // waited on each FMA's latency (32 rows of the default model: 1.23 ms a layer before).
@@ -285,10 +310,7 @@ inline __m256 dot8(const float* q, const T* const* k, int64_t D) {
     const __m256 qv = _mm256_loadu_ps(q + i);
     for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, load8(k[j] + i), a[j]);
   }
-  // hadd pairs within each 128-bit half: t0 = [a0..a3 low halves, a0..a3 high halves], t1 the same for a4..a7
-  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+  return transposed_sums(a);
 }
 
 // out[0 : 8 NC] = sum_j w[j] * v_j[d0 : d0 + 8 NC], v_j at vc + offsets[j]: NC accumulators in registers
@@ -317,6 +339,79 @@ void weighted_sum(const float* w, int64_t n, const T* vc, const int64_t* offsets
       case 6: weighted_rows<6>(w, n, vc, offsets, d0, out + d0); break;
       case 7: weighted_rows<7>(w, n, vc, offsets, d0, out + d0); break;
       default: weighted_rows<8>(w, n, vc, offsets, d0, out + d0); break;
+    }
+  }
+}
+
+// bfloat16 decode attention with AVX-512 where the CPU has avx512_bf16 (chosen at run time; the build
+// stays AVX2): q.k by vdpbf16ps (bfloat16 pairs multiplied exactly, summed in float32: no conversion of
+// either side), p.V in 16 float32 lanes with every query head of a KV head sharing each V row's
+// conversion. Head dims that are multiples of 64. Same p.V sums, in the same order, as the AVX2 path.
+#define TOKENMILL_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+const bool kAvx512Bf16 = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+                         __builtin_cpu_supports("avx512bf16");
+
+TOKENMILL_AVX512_BF16
+void scores_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* kc, const int64_t* offsets, int64_t n,
+                        int64_t G, int64_t D, float scale, float* scores) {
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    const int64_t count = std::min<int64_t>(8, n - j0);
+    const c10::BFloat16* keys[8];
+    for (int64_t j = 0; j < 8; ++j) keys[j] = kc + offsets[j0 + std::min(j, count - 1)];
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 a[8];
+      for (int j = 0; j < 8; ++j) a[j] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < D; i += 32) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + g * D + i);
+        for (int j = 0; j < 8; ++j) a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_loadu_si512(keys[j] + i));
+      }
+      __m256 halves[8];
+      for (int j = 0; j < 8; ++j) halves[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]), _mm512_extractf32x8_ps(a[j], 1));
+      float lanes[8];
+      _mm256_storeu_ps(lanes, _mm256_mul_ps(transposed_sums(halves), _mm256_set1_ps(scale)));
+      for (int64_t j = 0; j < count; ++j) scores[g * n + j0 + j] = lanes[j];
+    }
+  }
+}
+
+// out[g][d0 : d0 + 64] = sum_j w[g][j] v_j[d0 : d0 + 64] for GB query heads (rows n apart in w, D in out)
+template <int GB>
+TOKENMILL_AVX512_BF16 inline void weighted_rows_avx512(const float* w, int64_t n, const c10::BFloat16* vc,
+                                                       const int64_t* offsets, int64_t d0, float* out, int64_t D) {
+  __m512 a[GB][4];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < 4; ++c) a[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const c10::BFloat16* v = vc + offsets[j] + d0;
+    __m512 rows[4];
+    for (int c = 0; c < 4; ++c) {
+      const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c));
+      rows[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    }
+    for (int g = 0; g < GB; ++g) {
+      const __m512 wv = _mm512_set1_ps(w[g * n + j]);
+      for (int c = 0; c < 4; ++c) a[g][c] = _mm512_fmadd_ps(wv, rows[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + g * D + d0 + 16 * c, a[g][c]);
+}
+
+TOKENMILL_AVX512_BF16
+void weighted_sum_bf16_avx512(const float* scores, int64_t n, int64_t G, const c10::BFloat16* vc,
+                              const int64_t* offsets, int64_t D, float* acc) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    for (int64_t g0 = 0; g0 < G; g0 += 6) {  // 6 heads x 4 registers of accumulators, 4 of V, 1 weight
+      const float* w = scores + g0 * n;
+      float* out = acc + g0 * D;
+      switch (std::min<int64_t>(6, G - g0)) {
+        case 1: weighted_rows_avx512<1>(w, n, vc, offsets, d0, out, D); break;
+        case 2: weighted_rows_avx512<2>(w, n, vc, offsets, d0, out, D); break;
+        case 3: weighted_rows_avx512<3>(w, n, vc, offsets, d0, out, D); break;
+        case 4: weighted_rows_avx512<4>(w, n, vc, offsets, d0, out, D); break;
+        case 5: weighted_rows_avx512<5>(w, n, vc, offsets, d0, out, D); break;
+        default: weighted_rows_avx512<6>(w, n, vc, offsets, d0, out, D); break;
+      }
     }
   }
 }
@@ -374,7 +469,16 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
         offsets.resize(n);
         for (int64_t p = start; p < L; ++p) offsets[p - start] = ((pages[p / BS] * BS + p % BS) * KVH + kvh) * D;
         scores.resize(G * n);
-        if (vector_dim) {  // scores[g, p] = q_g . k_p * scale, eight positions at a time
+        bool avx512 = false;
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) avx512 = kAvx512Bf16 && D % 64 == 0;
+        if (avx512) {
+          if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+            scores_bf16_avx512(qp + (row[b] * H + kvh * G) * D, kc, offsets.data(), n, G, D, fscale, scores.data());
+          }
+          if (cap > 0.f) {
+            for (float& score : scores) score = std::tanh(score / cap) * cap;
+          }
+        } else if (vector_dim) {  // scores[g, p] = q_g . k_p * scale, eight positions at a time
           for (int64_t j0 = 0; j0 < n; j0 += 8) {
             const int64_t count = std::min<int64_t>(8, n - j0);
             const scalar_t* keys[8];
@@ -415,7 +519,10 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
           const float inv = 1.f / total;
           for (j = 0; j < n; ++j) sg[j] *= inv;
         }
-        for (int64_t g = 0; g < G; ++g) {  // acc_g = sum_p p_g * v_p
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          if (avx512) weighted_sum_bf16_avx512(scores.data(), n, G, vc, offsets.data(), D, acc.data());
+        }
+        for (int64_t g = 0; g < G && !avx512; ++g) {  // acc_g = sum_p p_g * v_p
           float* ag = acc.data() + g * D;
           if (vector_dim) {
             weighted_sum(scores.data() + g * n, n, vc, offsets.data(), D, ag);
