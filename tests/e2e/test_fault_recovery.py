@@ -25,6 +25,9 @@ from tests.e2e.faults_cluster import generate_ok, kill9, request, scheduler_load
 pytestmark = pytest.mark.slow
 
 IDLE_TIMEOUT_S = 1.5
+# an idle reader's stream: long enough that the tiny model cannot finish it within the idle timeout on a
+# fast machine (480 tokens took under 1.5 s on an AVX-512 one and the request ended finished)
+IDLE_STREAM_TOKENS = 3000
 STATUS = generation_pb2.GetRequestStatusRequest
 
 
@@ -116,7 +119,8 @@ async def test_a_client_that_stops_reading_is_cancelled_after_the_idle_timeout_a
     # a small receive window and no window growth: the gateway's writes back up after a few messages
     options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
     async with grpc.aio.insecure_channel(config.gateway_address, options=options) as channel:
-        call = generation_pb2_grpc.GenerationStub(channel).GenerateStream(request("Nobody reads", 480, "idle-reader"))
+        call = generation_pb2_grpc.GenerationStub(channel).GenerateStream(
+            request("Nobody reads", IDLE_STREAM_TOKENS, "idle-reader"))
         first = await call.read()
         assert first.token_ids
         started = time.monotonic()
@@ -130,7 +134,7 @@ async def test_a_client_that_stops_reading_is_cancelled_after_the_idle_timeout_a
               f"(timeout {IDLE_TIMEOUT_S}s)")
         fields = record(config, "idle-reader")
         assert fields[b"status"] == b"failed" and b"stream idle timeout" in fields[b"error"], fields
-        assert int(fields.get(b"num_output_tokens", b"0")) < 480, "cancelled, not run to the end"
+        assert int(fields.get(b"num_output_tokens", b"0")) < IDLE_STREAM_TOKENS, "cancelled, not run to the end"
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             while await call.read() is not grpc.aio.EOF:
                 pass
@@ -148,7 +152,7 @@ async def test_a_kserve_stream_whose_client_stops_reading_is_cancelled_and_its_r
         infer = service_pb2.ModelInferRequest(model_name=model, id="kserve-idle")
         infer.inputs.add(name="text_input", datatype="BYTES", shape=[1]).contents.bytes_contents.append(b"Nobody reads")
         infer.inputs.add(name="stream", datatype="BOOL", shape=[1]).contents.bool_contents.append(True)
-        for key, field, value in (("max_tokens", "int64_param", 480), ("temperature", "double_param", 0.0),
+        for key, field, value in (("max_tokens", "int64_param", IDLE_STREAM_TOKENS), ("temperature", "double_param", 0.0),
                                   ("ignore_eos", "bool_param", True)):
             setattr(infer.parameters[key], field, value)
         requests_done = asyncio.Event()
@@ -171,7 +175,7 @@ async def test_a_kserve_stream_whose_client_stops_reading_is_cancelled_and_its_r
         (scheduler_id,) = record_ids(config) - records_before
         fields = record(config, scheduler_id)
         assert fields[b"status"] == b"failed" and b"stream idle timeout" in fields[b"error"], fields
-        assert int(fields.get(b"num_output_tokens", b"0")) < 480, "cancelled, not run to the end"
+        assert int(fields.get(b"num_output_tokens", b"0")) < IDLE_STREAM_TOKENS, "cancelled, not run to the end"
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             async with asyncio.timeout(30):  # without the timeout the call never ends
                 while await call.read() is not grpc.aio.EOF:

@@ -18,7 +18,8 @@ def test_ready_after_warm_up_with_capacity_from_the_budget(tmp_path):
     folder, _ = make_tiny_hf_model(tmp_path, "llama_gqa")
     address = f"127.0.0.1:{free_port('127.0.0.1')}"
     spec = ChildSpec("worker", [sys.executable, "-m", "worker.main", "--port", address.split(":")[1],
-                                "--model", str(folder), "--block-size", "16", "--kv-cache-mb", "1"],
+                                "--model", str(folder), "--block-size", "16", "--kv-cache-mb", "1",
+                                "--dtype", "float32"],  # auto is bfloat16 on a CPU with avx512_bf16
                      WORKER_SERVICE, address)
     with Supervisor([spec], echo=False) as supervisor:
         output = "\n".join(supervisor.tail("worker"))
@@ -41,7 +42,7 @@ def test_cache_sized_from_free_memory_reports_why(tmp_path):
     address = f"127.0.0.1:{free_port('127.0.0.1')}"
     spec = ChildSpec("worker", [sys.executable, "-m", "worker.main", "--port", address.split(":")[1],
                                 "--model", str(folder), "--block-size", "16", "--kv-cache-memory-fraction", "0.0001",
-                                "--max-num-batched-tokens", "64", "--swap-space-gb", "0.001"],
+                                "--max-num-batched-tokens", "64", "--swap-space-gb", "0.001", "--dtype", "float32"],
                      WORKER_SERVICE, address)
     with Supervisor([spec], echo=False) as supervisor:
         with grpc.insecure_channel(address) as channel:
