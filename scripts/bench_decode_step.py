@@ -1,7 +1,10 @@
-"""Time one decode step of ModelRunner over N concurrent requests on the real default model.
+"""Time one decode step of ModelRunner over N concurrent requests on the real default model, as served
+(the weights in the file's formats, the compiled CPU ops, --dtype auto unless told).
 
-Not a test: prints milliseconds per decode step at a few context lengths.
+Not a test: prints milliseconds per decode step at a few context lengths; --profile adds a torch
+profiler table of one context's steps.
     python3 scripts/bench_decode_step.py --requests 32 --contexts 128 256 384
+    OMP_NUM_THREADS=2 GOMP_SPINCOUNT=30000 python3 scripts/bench_decode_step.py --contexts 160 --dtype bfloat16 --profile
 Each request starts with context-1 tokens already counted as cached (no prefill is run), then
 --steps decode steps are timed; the median is reported.
 """
@@ -15,7 +18,6 @@ import torch
 
 from core.step import CachedRequestData, NewRequestData, StepPlan
 from core.sampling import SamplingParams
-from worker.loader import load_model
 from worker.model_runner import ModelRunner
 
 
@@ -62,6 +64,8 @@ def bench_prefill(runner: ModelRunner, num_requests: int, prompt_len: int, step_
 
 
 def main() -> None:
+    from tokenmill.llm import LLM, EngineConfig
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 256, 384])
@@ -70,18 +74,32 @@ def main() -> None:
     parser.add_argument("--prefill-requests", type=int, default=8, help="also time one step prefilling this many prompts")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--dtype", default="auto", help="auto (bfloat16 where the CPU has it) | float32 | bfloat16")
+    parser.add_argument("--quantization", default="auto", help="auto: the GGUF's formats as stored | none | int8 | int4")
+    parser.add_argument("--cpu-int8-activations", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="a torch profiler table of the last context's steps")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, config = load_model(None, torch.float32, progress=False)
     blocks_per_request = -(-(max(args.contexts) + args.steps) // args.block_size)
-    runner = ModelRunner(model, config, args.requests * blocks_per_request, args.block_size, torch.float32)
-    runner.warm_up()
-    step_id = 0
-    print(f"threads={torch.get_num_threads()} requests={args.requests} block_size={args.block_size}")
+    llm = LLM(EngineConfig(dtype=args.dtype, quantization=args.quantization, block_size=args.block_size,
+                           num_blocks=args.requests * blocks_per_request + 1,
+                           cpu_int8_activations=args.cpu_int8_activations))
+    runner = llm.runner
+    step_id = 10**6  # past the engine's own warm-up steps
+    print(f"threads={torch.get_num_threads()} requests={args.requests} block_size={args.block_size} "
+          f"dtype={args.dtype} quantization={args.quantization}")
     for context_len in args.contexts:
+        bench(runner, args.requests, context_len, 2, step_id)  # warm: first steps at a shape pay allocations
+        step_id += 10
         ms, step_id = bench(runner, args.requests, context_len, args.steps, step_id)
         print(f"context {context_len}: decode step {ms:.1f} ms  ({args.requests / ms * 1e3:.0f} tok/s)")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _, step_id = bench(runner, args.requests, args.contexts[-1], args.steps, step_id)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     if args.prefill_requests:
         _, step_id = bench_prefill(runner, args.prefill_requests, args.prompt_len, step_id)  # first one pays allocations
         ms, step_id = bench_prefill(runner, args.prefill_requests, args.prompt_len, step_id)

@@ -348,8 +348,7 @@ void weighted_sum(const float* w, int64_t n, const T* vc, const int64_t* offsets
 // either side), p.V in 16 float32 lanes with every query head of a KV head sharing each V row's
 // conversion. Head dims that are multiples of 64. Same p.V sums, in the same order, as the AVX2 path.
 #define TOKENMILL_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-const bool kAvx512Bf16 = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-                         __builtin_cpu_supports("avx512bf16");
+
 
 TOKENMILL_AVX512_BF16
 void scores_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* kc, const int64_t* offsets, int64_t n,
@@ -470,7 +469,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
         for (int64_t p = start; p < L; ++p) offsets[p - start] = ((pages[p / BS] * BS + p % BS) * KVH + kvh) * D;
         scores.resize(G * n);
         bool avx512 = false;
-        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) avx512 = kAvx512Bf16 && D % 64 == 0;
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) avx512 = tokenmill::cpu_has_avx512_bf16() && D % 64 == 0;
         if (avx512) {
           if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
             scores_bf16_avx512(qp + (row[b] * H + kvh * G) * D, kc, offsets.data(), n, G, D, fscale, scores.data());

@@ -213,7 +213,7 @@ void dequantize_row_bf16_avx512(const uint8_t* c, const float* scales, const flo
   }
 }
 
-const bool kAvx512Bf16 = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16");
+
 
 }  // namespace
 
@@ -246,7 +246,7 @@ at::Tensor group_quant_linear_strips(const at::Tensor& x_in, const at::Tensor& c
   TORCH_CHECK((x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16) && x_in.dim() == 2,
               "group_quant_linear_strips: x must be 2-D float32 or bfloat16, got ", x_in.scalar_type());
   TORCH_CHECK(strip_rows > 0, "group_quant_linear_strips: strip_rows must be positive");
-  const bool bf16 = x_in.scalar_type() == at::kBFloat16;
+  const bool bf16 = x_in.scalar_type() == at::kBFloat16, avx512 = bf16 && tokenmill::cpu_has_avx512_bf16();
   const at::Tensor x = x_in.contiguous();
   const int64_t T = x.size(0), K = x.size(1), N = codes.size(0), groups = K / group_size;
   check_args(codes, scales, mins, bits, group_size, K);
@@ -261,12 +261,12 @@ at::Tensor group_quant_linear_strips(const at::Tensor& x_in, const at::Tensor& c
   at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
     at::ThreadLocalStateGuard state_guard(caller_state);
     at::Tensor strip = at::empty({strip_rows, K}, x.options());
-    std::vector<float> row(bf16 && !kAvx512Bf16 ? K : 0);  // a float32 row before its rounding to bfloat16
+    std::vector<float> row(bf16 && !avx512 ? K : 0);  // a float32 row before its rounding to bfloat16
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n0 = i * strip_rows, rows = std::min(strip_rows, N - n0);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t n = n0 + r;
-        if (bf16 && kAvx512Bf16) {
+        if (avx512) {
           dequantize_row_bf16_avx512(cp + n * code_stride, sp + n * groups, mp + n * groups, groups, group_size,
                                      bits, strip.data_ptr<at::BFloat16>() + r * K);
         } else if (bf16) {

@@ -23,4 +23,16 @@ inline void unpack_nibbles(const uint8_t* packed_codes, __m128i& lo, __m128i& hi
   hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
 }
 
+// Whether this CPU runs the AVX-512 bfloat16 paths (avx512f/bw/vl/dq + avx512_bf16), asked once; the
+// explicit cpu_init makes the answer right even when first asked from a static initializer.
+inline bool cpu_has_avx512_bf16() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512bf16");
+  }();
+  return yes;
+}
+
 }  // namespace tokenmill
