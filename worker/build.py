@@ -18,6 +18,8 @@ from worker.structured_output import StructuredOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
+
+
 def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
     """auto: bfloat16 on CUDA and on CPUs with native bfloat16 (avx512_bf16 / AMX), float32 otherwise."""
     if name == "auto":

@@ -152,6 +152,10 @@ def _cpu_ops():
     return ops.group_quant_linear.default, ops.group_quant_linear_int8_dot.default, ops.group_quant_linear_strips.default
 
 
+def _float32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype is torch.float32 else x.float()
+
+
 class GroupQuantLinear(nn.Module):
     def __init__(self, weight: GroupQuantWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -169,7 +173,6 @@ class GroupQuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
         if x.is_cuda:
             return self.forward_triton(x)
-        x32 = x if x.dtype is torch.float32 else x.float()
         # ~120 calls a decode step: the buffers dict and the op overloads are read directly, since at one
         # row every microsecond of Python here is a few percent of the step
         buffers = self._buffers
@@ -178,19 +181,19 @@ class GroupQuantLinear(nn.Module):
             linear, int8_dot, strips = _cpu_ops()
             rows = x.shape[0]
             if self.int8_activations and rows <= INT8_ROWS:
-                out = int8_dot(x32, codes, scales, mins, self.bits, self.group_size)
+                out = int8_dot(_float32(x), codes, scales, mins, self.bits, self.group_size)
             elif rows > GEMM_ROWS:
                 # bfloat16 activations keep bfloat16 strips where the CPU multiplies them natively
-                gemm_x = x if x.dtype is torch.bfloat16 and cpu_has_native_bf16() else x32
+                gemm_x = x if x.dtype is torch.bfloat16 and cpu_has_native_bf16() else _float32(x)
                 out = strips(gemm_x, codes, scales, mins, self.bits, self.group_size,
                              strip_rows(self.out_features, torch.get_num_threads(), self.in_features,
                                         gemm_x.element_size()))
             else:
-                out = linear(x32, codes, scales, mins, self.bits, self.group_size)
+                out = linear(_float32(x), codes, scales, mins, self.bits, self.group_size)
             if bias is not None:
                 out.add_(bias)
         else:  # no compiled op: the same numbers, slower
-            out = F.linear(x32, self.weight_view().dequantize(), bias)
+            out = F.linear(_float32(x), self.weight_view().dequantize(), bias)
         return out if out.dtype is x.dtype else out.to(x.dtype)
 
     def forward_triton(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N], in x's dtype

@@ -40,22 +40,10 @@ inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
 
-// 8 floats rounded to bfloat16 as c10::BFloat16 rounds them (nearest even; NaN -> 0x7FC0), as float bits
-inline __m256i bf16_bits(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)),
-                                           _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
-  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-}
 template <typename T> inline __m256 rounded8(__m256 v) { return v; }
-template <> inline __m256 rounded8<c10::BFloat16>(__m256 v) { return _mm256_castsi256_ps(bf16_bits(v)); }
+template <> inline __m256 rounded8<c10::BFloat16>(__m256 v) { return _mm256_castsi256_ps(tokenmill::bf16_bits(v)); }
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(c10::BFloat16* p, __m256 v) {
-  const __m256i high = _mm256_srli_epi32(bf16_bits(v), 16);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                   _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1)));
-}
+inline void store8(c10::BFloat16* p, __m256 v) { tokenmill::store_bf16x8(p, v); }
 
 // e^x for 8 lanes (Cephes' polynomial, as the usual avx_mathfun): relative error ~1e-7, e^x = 0 below
 // -87.3 (softmax's -inf scores and masked positions come out as exactly 0)
@@ -286,11 +274,6 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
   return {q, k};
 }
 
-// Decode attention over the paged cache, in place: rows[b] of q (one query token of request b, context
-// context_lens[b] ending at that token) attends to the keys its block table names, read straight from
-// the cache pages; the query heads sharing a KV head (GQA) go together so each key is read once for all
-// of them. Writes out[rows[b]]. window > 0: only the last `window` positions; softcap > 0: gemma2's
-// tanh cap on the scores. Scores and the weighted sum are float32, as SDPA's CPU kernel keeps them.
 // lane j = the sum of a[j]'s eight lanes. hadd pairs within each 128-bit half: t0 = [a0..a3 low halves,
 // a0..a3 high halves], t1 the same for a4..a7; then the halves added
 inline __m256 transposed_sums(const __m256 (&a)[8]) {
@@ -347,9 +330,6 @@ void weighted_sum(const float* w, int64_t n, const T* vc, const int64_t* offsets
 // stays AVX2): q.k by vdpbf16ps (bfloat16 pairs multiplied exactly, summed in float32: no conversion of
 // either side), p.V in 16 float32 lanes with every query head of a KV head sharing each V row's
 // conversion. Head dims that are multiples of 64. Same p.V sums, in the same order, as the AVX2 path.
-#define TOKENMILL_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-
-
 TOKENMILL_AVX512_BF16
 void scores_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* kc, const int64_t* offsets, int64_t n,
                         int64_t G, int64_t D, float scale, float* scores) {
@@ -415,6 +395,11 @@ void weighted_sum_bf16_avx512(const float* scores, int64_t n, int64_t G, const c
   }
 }
 
+// Decode attention over the paged cache, in place: rows[b] of q (one query token of request b, context
+// context_lens[b] ending at that token) attends to the keys its block table names, read straight from
+// the cache pages; the query heads sharing a KV head (GQA) go together so each key is read once for all
+// of them. Writes out[rows[b]]. window > 0: only the last `window` positions; softcap > 0: gemma2's
+// tanh cap on the scores. Scores and the weighted sum are float32, as SDPA's CPU kernel keeps them.
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& context_lens,
                             double scale, int64_t window, double softcap, at::Tensor& out) {
@@ -518,18 +503,21 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
           const float inv = 1.f / total;
           for (j = 0; j < n; ++j) sg[j] *= inv;
         }
-        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-          if (avx512) weighted_sum_bf16_avx512(scores.data(), n, G, vc, offsets.data(), D, acc.data());
-        }
-        for (int64_t g = 0; g < G && !avx512; ++g) {  // acc_g = sum_p p_g * v_p
-          float* ag = acc.data() + g * D;
-          if (vector_dim) {
-            weighted_sum(scores.data() + g * n, n, vc, offsets.data(), D, ag);
-          } else {
-            std::fill(ag, ag + D, 0.f);
-            for (int64_t p = 0; p < n; ++p) {
-              const scalar_t* vp = vc + offsets[p];
-              for (int64_t i = 0; i < D; ++i) ag[i] += scores[g * n + p] * to_float(vp[i]);
+        if (avx512) {  // acc_g = sum_p p_g * v_p
+          if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+            weighted_sum_bf16_avx512(scores.data(), n, G, vc, offsets.data(), D, acc.data());
+          }
+        } else {
+          for (int64_t g = 0; g < G; ++g) {
+            float* ag = acc.data() + g * D;
+            if (vector_dim) {
+              weighted_sum(scores.data() + g * n, n, vc, offsets.data(), D, ag);
+            } else {
+              std::fill(ag, ag + D, 0.f);
+              for (int64_t p = 0; p < n; ++p) {
+                const scalar_t* vp = vc + offsets[p];
+                for (int64_t i = 0; i < D; ++i) ag[i] += scores[g * n + p] * to_float(vp[i]);
+              }
             }
           }
         }

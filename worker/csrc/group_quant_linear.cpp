@@ -170,26 +170,16 @@ void dequantize_row(const uint8_t* c, const float* scales, const float* mins, in
   }
 }
 
-// Float32 -> bfloat16, round to nearest even (torch's .to(torch.bfloat16) for finite values), 8 at a time:
-// bits + 0x7FFF + (bit 16 of bits), then the high half.
+// Float32 -> bfloat16, rounded as torch rounds (simd.h), 8 at a time
 inline void store_bf16(const float* v, int64_t n, at::BFloat16* o) {
-  const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
   int64_t k = 0;
-  for (; k + 8 <= n; k += 8) {
-    const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(v + k));
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
-    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(bias, odd)), 16);
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(o + k), packed);
-  }
+  for (; k + 8 <= n; k += 8) tokenmill::store_bf16x8(o + k, _mm256_loadu_ps(v + k));
   for (; k < n; ++k) o[k] = at::BFloat16(v[k]);
 }
 
 // Row n of W as bfloat16 with AVX-512 (the CPUs whose bfloat16 GEMM runs natively: there the AVX2 path's
 // dequantization cost as much as the GEMM at 32 rows): the same float32 values as dequantize_row (scale *
 // code, then + min), rounded to nearest even by the conversion instruction, 16 weights at a time.
-#define TOKENMILL_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-
 TOKENMILL_AVX512_BF16 inline void store16(__m128i codes16, __m512 s, __m512 m, at::BFloat16* o) {
   const __m512 w = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes16)), s), m);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(w)));
@@ -212,8 +202,6 @@ void dequantize_row_bf16_avx512(const uint8_t* c, const float* scales, const flo
     }
   }
 }
-
-
 
 }  // namespace
 

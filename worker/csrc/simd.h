@@ -23,6 +23,27 @@ inline void unpack_nibbles(const uint8_t* packed_codes, __m128i& lo, __m128i& hi
   hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
 }
 
+// Floats rounded to bfloat16 as c10::BFloat16 rounds them (nearest even; NaN -> 0x7FC0), as float bits
+// (the low 16 bits zero), 8 at a time
+inline __m256i bf16_bits(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)),
+                                           _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+// 8 floats stored as 8 bfloat16 values (the 16-bit patterns at p), rounded as bf16_bits
+inline void store_bf16x8(void* p, __m256 v) {
+  const __m256i high = _mm256_srli_epi32(bf16_bits(v), 16);
+  _mm_storeu_si128(static_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1)));
+}
+
+// The AVX-512 bfloat16 paths: functions with this target, called only where cpu_has_avx512_bf16() (the
+// rest of the build stays AVX2)
+#define TOKENMILL_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
 // Whether this CPU runs the AVX-512 bfloat16 paths (avx512f/bw/vl/dq + avx512_bf16), asked once; the
 // explicit cpu_init makes the answer right even when first asked from a static initializer.
 inline bool cpu_has_avx512_bf16() {
