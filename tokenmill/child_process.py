@@ -67,7 +67,6 @@ class ChildProcess:
 
     def start(self) -> None:
         assert not self.alive, f"{self.name} is already running"
-        self.exit_expected = False
         cwd = None
         if self.spec.use_temp_dir and self._temp_dir is not None:
             cwd = self._temp_dir  # restarted after a crash: what it saved there (Redis's AOF) is still there
@@ -81,6 +80,9 @@ class ChildProcess:
         self._process = subprocess.Popen(
             list(self.spec.argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             cwd=cwd, env=env, process_group=0)
+        # only now: until the new process is recorded, returncode is the old one's, and a restart
+        # monitor looking in between would take that stopped process for a crash
+        self.exit_expected = False
         self._reader = threading.Thread(target=self._pump_output, name=f"output-{self.name}", daemon=True)
         self._reader.start()
 

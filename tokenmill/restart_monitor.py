@@ -38,9 +38,10 @@ class RestartMonitor:
         supervisor = self._supervisor
         while not self._stopping.wait(supervisor.poll_interval_s):
             for name, history in supervisor.restarts.items():
-                child = supervisor.children[name]
-                if name in self._given_up or child.returncode is None or child.exit_expected:
+                if not self._crashed(name):
                     continue
+                child = supervisor.children[name]
+                crashed_pid = child.pid
                 child.drain_output()
                 delay = history.next_delay(time.monotonic())
                 if delay is None:
@@ -53,5 +54,25 @@ class RestartMonitor:
                                 f"(restart {history.num_restarts})")
                 if self._stopping.wait(delay):
                     return
+                self._restart(name, crashed_pid)
+
+    def _crashed(self, name: str) -> bool:
+        child = self._supervisor.children[name]
+        return name not in self._given_up and child.returncode is not None and not child.exit_expected
+
+    def _restart(self, name: str, crashed_pid: int | None) -> None:
+        supervisor = self._supervisor
+        with supervisor.lifecycle_lock:
+            # during the backoff somebody may have started it again (Supervisor.restart) or stopped it
+            if not self._crashed(name) or supervisor.children[name].pid != crashed_pid:
+                return
+            child = supervisor.children[name]
+            try:
                 child.start()
-                supervisor.say(f"restarted {name} (pid {child.pid})")
+            except Exception as error:  # noqa: BLE001 - this thread must outlive one failed start
+                # e.g. fork failing under memory pressure: the old process is still the one recorded, so
+                # the next pass counts one more crash; a dead monitor would leave every later crash
+                # unrestarted and unreported
+                supervisor.say(f"restarting {name} failed: {error!r}")
+                return
+        supervisor.say(f"restarted {name} (pid {child.pid})")

@@ -89,6 +89,9 @@ class Supervisor:
             raise ValueError(f"restart_policies name unknown children {sorted(unknown)}; children: {names}")
         self.restarts = {name: RestartHistory(policy) for name, policy in (restart_policies or {}).items()}
         self._monitor = None  # restart_monitor.RestartMonitor while running
+        # held while a child is started, by restart() and by the monitor: one of them starts a dead
+        # child, the other then finds it running
+        self.lifecycle_lock = threading.Lock()
 
     # -- starting ----------------------------------------------------------------------------------
 
@@ -127,9 +130,11 @@ class Supervisor:
     def restart(self, name: str) -> None:
         """Starts a stopped or killed child again and waits until it is ready."""
         child = self.children[name]
-        if child.alive:
-            raise SupervisorError(f"{name} is still running (pid {child.pid})")
-        self._start_child(child)
+        with self.lifecycle_lock:
+            if child.alive:
+                raise SupervisorError(f"{name} is still running (pid {child.pid})")
+            child.start()
+        self._say_started_then_wait_ready(child)
 
     def replace_spec(self, name: str, spec: ChildSpec) -> None:
         """Gives a stopped child a new spec (other flags), for restart(); the name must stay."""
@@ -140,6 +145,9 @@ class Supervisor:
 
     def _start_child(self, child: ChildProcess) -> None:
         child.start()
+        self._say_started_then_wait_ready(child)
+
+    def _say_started_then_wait_ready(self, child: ChildProcess) -> None:
         self.say(f"started {child.name} (pid {child.pid})")
         elapsed = self._wait_ready(child)
         self.say(f"{child.name} ready at {child.spec.address or 'no address'} after {elapsed:.1f}s")
