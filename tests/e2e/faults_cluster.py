@@ -30,10 +30,12 @@ def tiny_cluster(tmp_path, model_overrides: dict | None = None, **overrides):
     folder, _ = make_tiny_hf_model(tmp_path, **(model_overrides or {}))
     config = resolve_ports(ClusterConfig(model=str(folder), gateway_port=0, scheduler_port=0, worker_port=0,
                                          redis_port=0, num_blocks=256, max_num_batched_tokens=256, **overrides))
-    supervisor = Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300,
-                            restart_policies=restart_policies(FAST_RESTARTS))
-    with supervisor:
-        yield config, supervisor
+    # every child's output and the supervisor's own lines (restarts) go to a file a failing test names
+    with open(tmp_path / "cluster.log", "w", buffering=1) as log:
+        supervisor = Supervisor(cluster_specs(config), echo=log, startup_timeout_s=300,
+                                restart_policies=restart_policies(FAST_RESTARTS))
+        with supervisor:
+            yield config, supervisor
 
 
 def request(prompt: str, max_tokens: int, request_id: str = "", **params) -> generation_pb2.GenerateRequest:
@@ -73,3 +75,12 @@ async def scheduler_load(address: str) -> scheduler_pb2.GetLoadResponse:
     async with grpc.aio.insecure_channel(address) as channel:
         return await scheduler_pb2_grpc.SchedulerStub(channel).GetLoad(
             scheduler_pb2.GetLoadRequest(include_running_request_ids=True), timeout=5)
+
+
+def print_cluster_log_tail(tmp_dir, num_lines: int = 60) -> None:
+    """For a fixture's teardown: pytest shows it only for a failed test, where it tells whether a
+    restarted child came back, crashed again or was given up."""
+    path = tmp_dir / "cluster.log"
+    if path.exists():
+        lines = path.read_text(errors="replace").splitlines()[-num_lines:]
+        print(f"--- last {len(lines)} lines of {path}:\n" + "\n".join(lines))

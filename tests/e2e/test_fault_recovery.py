@@ -20,23 +20,35 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from plumbing.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
-from tests.e2e.faults_cluster import generate_ok, kill9, request, scheduler_load, tiny_cluster, wait_until
+from tests.e2e.faults_cluster import (generate_ok, kill9, print_cluster_log_tail, request, scheduler_load, tiny_cluster,
+                                      wait_until)
 
 pytestmark = pytest.mark.slow
 
 IDLE_TIMEOUT_S = 1.5
-# an idle reader's stream: long enough that the tiny model cannot finish it within the idle timeout on a
+# a stream long enough that the tiny model cannot finish it while a test idles or polls beside it on a
 # fast machine (480 tokens took under 1.5 s on an AVX-512 one and the request ended finished)
-IDLE_STREAM_TOKENS = 3000
+LONG_TOKENS = 3000
 STATUS = generation_pb2.GetRequestStatusRequest
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("recovery")
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_dir):
     # a 4096-token context: the idle HTTP stream must outlast what the kernel buffers for it
-    with tiny_cluster(tmp_path_factory.mktemp("recovery"), model_overrides={"max_position_embeddings": 4096},
+    with tiny_cluster(cluster_dir, model_overrides={"max_position_embeddings": 4096},
                       stream_idle_timeout_s=IDLE_TIMEOUT_S, http_port=0) as running:
         yield running
+
+
+@pytest.fixture(autouse=True)
+def cluster_log_on_failure(cluster_dir):
+    yield
+    print_cluster_log_tail(cluster_dir)
 
 
 def record(config, request_id: str) -> dict[bytes, bytes]:
@@ -81,7 +93,7 @@ async def test_request_status_shows_progress_while_streaming_and_true_counts_whe
     config, _ = cluster
     async with grpc.aio.insecure_channel(config.gateway_address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        call = stub.GenerateStream(request("Progress", 480, "progress-me"))
+        call = stub.GenerateStream(request("Progress", LONG_TOKENS, "progress-me"))
         received, first_status, progress = 0, None, None
         async for message in call:
             received += len(message.token_ids)
@@ -106,7 +118,7 @@ async def test_request_status_shows_progress_while_streaming_and_true_counts_whe
             return reply if reply.status == generation_pb2.REQUEST_STATUS_CANCELLED else None
 
         ended = await wait_until(cancelled, 30, "the record ending cancelled")
-        assert received <= ended.num_output_tokens < 480, "a cancelled record keeps the tokens it generated"
+        assert received <= ended.num_output_tokens < LONG_TOKENS, "a cancelled record keeps the tokens it generated"
         # the end state is in the record before the last message leaves: no polling needed
         reply = await stub.Generate(request("Done", 8, "finished-visible"), timeout=60)
         status = await stub.GetRequestStatus(STATUS(request_id="finished-visible"), timeout=5)
@@ -120,7 +132,7 @@ async def test_a_client_that_stops_reading_is_cancelled_after_the_idle_timeout_a
     options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
     async with grpc.aio.insecure_channel(config.gateway_address, options=options) as channel:
         call = generation_pb2_grpc.GenerationStub(channel).GenerateStream(
-            request("Nobody reads", IDLE_STREAM_TOKENS, "idle-reader"))
+            request("Nobody reads", LONG_TOKENS, "idle-reader"))
         first = await call.read()
         assert first.token_ids
         started = time.monotonic()
@@ -134,7 +146,7 @@ async def test_a_client_that_stops_reading_is_cancelled_after_the_idle_timeout_a
               f"(timeout {IDLE_TIMEOUT_S}s)")
         fields = record(config, "idle-reader")
         assert fields[b"status"] == b"failed" and b"stream idle timeout" in fields[b"error"], fields
-        assert int(fields.get(b"num_output_tokens", b"0")) < IDLE_STREAM_TOKENS, "cancelled, not run to the end"
+        assert int(fields.get(b"num_output_tokens", b"0")) < LONG_TOKENS, "cancelled, not run to the end"
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             while await call.read() is not grpc.aio.EOF:
                 pass
@@ -152,7 +164,7 @@ async def test_a_kserve_stream_whose_client_stops_reading_is_cancelled_and_its_r
         infer = service_pb2.ModelInferRequest(model_name=model, id="kserve-idle")
         infer.inputs.add(name="text_input", datatype="BYTES", shape=[1]).contents.bytes_contents.append(b"Nobody reads")
         infer.inputs.add(name="stream", datatype="BOOL", shape=[1]).contents.bool_contents.append(True)
-        for key, field, value in (("max_tokens", "int64_param", IDLE_STREAM_TOKENS), ("temperature", "double_param", 0.0),
+        for key, field, value in (("max_tokens", "int64_param", LONG_TOKENS), ("temperature", "double_param", 0.0),
                                   ("ignore_eos", "bool_param", True)):
             setattr(infer.parameters[key], field, value)
         requests_done = asyncio.Event()
@@ -175,7 +187,7 @@ async def test_a_kserve_stream_whose_client_stops_reading_is_cancelled_and_its_r
         (scheduler_id,) = record_ids(config) - records_before
         fields = record(config, scheduler_id)
         assert fields[b"status"] == b"failed" and b"stream idle timeout" in fields[b"error"], fields
-        assert int(fields.get(b"num_output_tokens", b"0")) < IDLE_STREAM_TOKENS, "cancelled, not run to the end"
+        assert int(fields.get(b"num_output_tokens", b"0")) < LONG_TOKENS, "cancelled, not run to the end"
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             async with asyncio.timeout(30):  # without the timeout the call never ends
                 while await call.read() is not grpc.aio.EOF:

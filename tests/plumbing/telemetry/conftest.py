@@ -15,6 +15,12 @@ CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ me
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+# A request still streaming seconds after its first tokens, for a fault, a drain or a deadline to land
+# mid-generation: the tiny model decodes ~500 tokens a second alone on an AVX-512 CPU, so 480 tokens
+# could finish inside the 1 s drain timeout there; 3000 take seconds on any CPU this suite runs on.
+LONG_TOKENS = 3000
+
+
 @pytest.fixture(scope="package")
 def otlp_receiver():
     with OtlpReceiver() as receiver:
@@ -23,14 +29,15 @@ def otlp_receiver():
 
 @pytest.fixture(scope="package")
 def traced_cluster(tmp_path_factory, otlp_receiver):
-    model, _ = make_tiny_hf_model(tmp_path_factory.mktemp("telemetry-model"))
+    # a 4096-token context: a LONG_TOKENS request must fit (the tiny model's default context is 512)
+    model, _ = make_tiny_hf_model(tmp_path_factory.mktemp("telemetry-model"), max_position_embeddings=4096)
     (model / "chat_template.jinja").write_text(CHATML)  # so chat requests (gen_ai operation "chat") run
     env = (("OTEL_EXPORTER_OTLP_ENDPOINT", otlp_receiver.endpoint), ("OTEL_EXPORTER_OTLP_INSECURE", "true"),
            ("OTEL_TRACES_SAMPLER", "always_on"), ("OTEL_BSP_SCHEDULE_DELAY", "100"),
            ("TOKENMILL_LOG_FORMAT", "json"))
     config = resolve_ports(ClusterConfig(
         model=str(model), gateway_port=0, http_port=0, scheduler_port=0, worker_port=0, redis_port=0,
-        num_blocks=64, max_num_batched_tokens=128, gateway_metrics_port=0, scheduler_metrics_port=0,
+        num_blocks=256, max_num_batched_tokens=128, gateway_metrics_port=0, scheduler_metrics_port=0,
         worker_metrics_port=0, child_env=env, drain_timeout_s=1.0, gateway_metrics_linger_s=3.0,
         retry_on_worker_failure=False))
     with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300, tail_lines=400) as supervisor:

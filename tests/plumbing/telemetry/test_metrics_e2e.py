@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from plumbing.telemetry.metrics import SCHEDULER_METRICS
+from tests.plumbing.telemetry.conftest import LONG_TOKENS
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-llama"  # the tiny model's name: every request metric carries it as model_name
@@ -132,8 +133,8 @@ def test_running_and_waiting_gauges_follow_the_load(traced_cluster):
         stub = generation_pb2_grpc.GenerationStub(channel)
         call = stub.GenerateStream(generation_pb2.GenerateRequest(
             request_id="long-one", prompt="gauges",
-            # long enough (the tiny model's context is 512) to be still running when scraped
-            parameters=generation_pb2.GenerateParameters(max_tokens=500, temperature=0.0, ignore_eos=True)),
+            # long enough to be still running when scraped
+            parameters=generation_pb2.GenerateParameters(max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True)),
             timeout=120)
         next(call)  # running now
         seen = scrape("127.0.0.1", config.scheduler_metrics_port)

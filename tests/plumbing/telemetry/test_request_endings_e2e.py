@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.plumbing.telemetry.conftest import LONG_TOKENS
 from tests.plumbing.telemetry.test_metrics_e2e import MODEL, scrape, value
 
 pytestmark = pytest.mark.slow
@@ -180,10 +181,10 @@ def test_deadline_mid_generation_is_recorded_in_spans_metrics_and_log(traced_clu
     with grpc.insecure_channel(config.gateway_address) as channel, pytest.raises(grpc.RpcError) as expired:
         for message in generation_pb2_grpc.GenerationStub(channel).GenerateStream(generation_pb2.GenerateRequest(
                 request_id="deadline-1", prompt="too slow for its deadline",
-                parameters=generation_pb2.GenerateParameters(max_tokens=480, temperature=0.0, ignore_eos=True)),
+                parameters=generation_pb2.GenerateParameters(max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True)),
                 timeout=1.5, metadata=[("traceparent", parent)]):
             received += len(message.token_ids)
-    assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and 0 < received < 480
+    assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and 0 < received < LONG_TOKENS
 
     spans = request_spans(otlp_receiver, trace_id)
     for service in ("gateway", "scheduler"):

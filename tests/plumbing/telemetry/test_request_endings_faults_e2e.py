@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc
+from tests.plumbing.telemetry.conftest import LONG_TOKENS
 from tests.plumbing.telemetry.test_metrics_e2e import MODEL, scrape, value
 from tests.plumbing.telemetry.test_request_endings_e2e import (SERVER, STATUS_ERROR, ended_lines, log_entries,
                                                                request_spans, traceparent)
@@ -24,10 +25,10 @@ pytestmark = pytest.mark.slow
 
 
 def long_request(request_id: str) -> generation_pb2.GenerateRequest:
-    # 480 tokens: seconds of decoding, so the fault lands mid-generation
+    # seconds of decoding, so the fault lands mid-generation
     return generation_pb2.GenerateRequest(request_id=request_id, prompt="a request a fault ends",
                                           parameters=generation_pb2.GenerateParameters(
-                                              max_tokens=480, temperature=0.0, ignore_eos=True))
+                                              max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True))
 
 
 def errors(samples, code: str) -> float:
@@ -92,7 +93,7 @@ def test_worker_killed_mid_generation_fails_the_request_in_spans_metrics_and_log
                 if received >= 3 and supervisor.children["worker"].alive:
                     supervisor.kill("worker")  # SIGKILL
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE and "worker unavailable" in failed.value.details()
-        assert 0 < received < 480
+        assert 0 < received < LONG_TOKENS
         # one line naming the worker and its status, not str(AioRpcError)'s multi-line dump
         details = failed.value.details()
         assert f"ExecuteStep on worker {config.worker_address} failed: UNAVAILABLE: " in details, details
@@ -138,7 +139,7 @@ def test_scheduler_drain_timeout_ends_the_request_in_spans_metrics_and_log(trace
         stopping.join()
         assert supervisor.children["scheduler"].returncode == 0
         assert drained.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "drain timeout of 1s passed" in drained.value.details() and 0 < received < 480
+        assert "drain timeout of 1s passed" in drained.value.details() and 0 < received < LONG_TOKENS
 
         spans = request_spans(otlp_receiver, trace_id)  # the scheduler's, exported as it stopped
         assert_ended_with_error(spans, "UNAVAILABLE", scheduler_cause="drained")
@@ -182,7 +183,7 @@ def test_gateway_drain_timeout_ends_the_call_in_spans_and_log(traced_cluster, ot
         after = scrape_drained_gateway(config, before)
         stopping.join()
         assert supervisor.children["gateway"].returncode == 0
-        assert drained.value.code() == grpc.StatusCode.UNAVAILABLE and 0 < received < 480
+        assert drained.value.code() == grpc.StatusCode.UNAVAILABLE and 0 < received < LONG_TOKENS
         assert errors(after, "UNAVAILABLE") - errors(before, "UNAVAILABLE") == 1
         assert value(after, "tokenmill:e2e_request_latency_seconds_count") - value(
             before, "tokenmill:e2e_request_latency_seconds_count") == 1
@@ -218,7 +219,7 @@ def test_gateway_drain_timeout_ends_an_http_stream_in_spans_and_log(traced_clust
     before = scrape("127.0.0.1", config.gateway_metrics_port)
     trace_id, parent = traceparent()
     stopping = None
-    body = json.dumps({"model": MODEL, "prompt": "a request a fault ends", "max_tokens": 480, "temperature": 0,
+    body = json.dumps({"model": MODEL, "prompt": "a request a fault ends", "max_tokens": LONG_TOKENS, "temperature": 0,
                        "ignore_eos": True, "stream": True})
     host, port = config.http_address.rsplit(":", 1)
     connection = http.client.HTTPConnection(host, int(port), timeout=60)
@@ -236,7 +237,7 @@ def test_gateway_drain_timeout_ends_an_http_stream_in_spans_and_log(traced_clust
                     stopping.start()
         after = scrape_drained_gateway(config, before)
         stopping.join()
-        assert b"data: [DONE]\n" not in events and len(events) < 480
+        assert b"data: [DONE]\n" not in events and len(events) < LONG_TOKENS
         assert supervisor.children["gateway"].returncode == 0
         assert errors(after, "UNAVAILABLE") - errors(before, "UNAVAILABLE") == 1
 
