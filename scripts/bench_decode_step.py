@@ -77,6 +77,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16 where the CPU has it) | float32 | bfloat16")
     parser.add_argument("--quantization", default="auto", help="auto: the GGUF's formats as stored | none | int8 | int4")
     parser.add_argument("--cpu-int8-activations", action="store_true")
+    parser.add_argument("--cpu-dense-weights", default="auto", choices=("auto", "on", "off"),
+                        help="dense copies of the quantized weights for steps of 4 rows or more (worker.dense_weights)")
     parser.add_argument("--profile", action="store_true", help="a torch profiler table of the last context's steps")
     args = parser.parse_args()
     if args.threads:
@@ -84,11 +86,11 @@ def main() -> None:
     blocks_per_request = -(-(max(args.contexts) + args.steps) // args.block_size)
     llm = LLM(EngineConfig(dtype=args.dtype, quantization=args.quantization, block_size=args.block_size,
                            num_blocks=args.requests * blocks_per_request + 1,
-                           cpu_int8_activations=args.cpu_int8_activations))
+                           cpu_int8_activations=args.cpu_int8_activations, cpu_dense_weights=args.cpu_dense_weights))
     runner = llm.runner
     step_id = 10**6  # past the engine's own warm-up steps
     print(f"threads={torch.get_num_threads()} requests={args.requests} block_size={args.block_size} "
-          f"dtype={args.dtype} quantization={args.quantization}")
+          f"dtype={args.dtype} quantization={args.quantization} cpu_dense_weights={args.cpu_dense_weights}")
     for context_len in args.contexts:
         bench(runner, args.requests, context_len, 2, step_id)  # warm: first steps at a shape pay allocations
         step_id += 10

@@ -31,6 +31,8 @@ DELEGATED: dict[str, tuple[str, str]] = {
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # worker.build.DTYPE_CHOICES (not imported: it needs torch)
 # gateway.tool_syntax.TOOL_CALL_PARSERS (a test keeps them equal; not imported: it costs every command 0.2 s)
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
+# worker.backends.DENSE_WEIGHT_MODES (a test keeps them equal; not imported: worker.backends needs torch)
+DENSE_WEIGHT_MODES = ("auto", "on", "off")
 
 
 def _ranged(kind: Callable, low=None, high=None, low_open: bool = False, what: str = "") -> Callable:
@@ -129,6 +131,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cpu-fused-ops", action="store_true",
                         help="the decoder's norms, SwiGLU, RoPE and decode attention in plain torch (the reference) "
                              "instead of compiled ops reading the KV pages in place (CPU)")
+    parser.add_argument("--cpu-dense-weights", choices=DENSE_WEIGHT_MODES, default="auto",
+                        help="CPU: group-quantized linears also keep their weight dequantized for oneDNN, for steps "
+                             "of 4 rows or more (batched decode, prefill): one GEMM a linear, AMX where there is "
+                             "one, for 2 bytes a weight; auto: bfloat16 models on a CPU with native bfloat16, within "
+                             "a quarter of available memory (default: %(default)s)")
     parser.add_argument("--max-waiting-requests", type=POSITIVE, default=4096,
                         help="queued requests beyond which the scheduler answers RESOURCE_EXHAUSTED (default: %(default)s)")
     parser.add_argument("--max-waiting-tokens", type=NON_NEGATIVE_INT, default=0,
@@ -283,7 +290,7 @@ def serve(args: argparse.Namespace) -> int:
         async_scheduling=args.async_scheduling, device=args.device, kernel_backend=args.kernel_backend, quantization=args.quantization,
         cuda_graphs=not args.no_cuda_graphs, stream_overlap=not args.no_stream_overlap,
         packed_linears=not args.no_packed_linears, cpu_int8_activations=args.cpu_int8_activations,
-        cpu_fused_ops=not args.no_cpu_fused_ops,
+        cpu_fused_ops=not args.no_cpu_fused_ops, cpu_dense_weights=args.cpu_dense_weights,
         max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
         api_keys_file=args.api_keys_file, rate_limit_rps=args.rate_limit_rps,
         rate_limit_burst=args.rate_limit_burst,

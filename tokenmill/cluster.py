@@ -72,6 +72,7 @@ class ClusterConfig:
     packed_linears: bool = True  # CPU float32 (worker.cpu_linear)
     cpu_int8_activations: bool = False  # worker.backends.ExecutionOptions
     cpu_fused_ops: bool = True  # worker.backends.ExecutionOptions; False: the plain-torch reference
+    cpu_dense_weights: str = "auto"  # worker.backends.ExecutionOptions (worker.dense_weights)
     max_waiting_requests: int = 4096  # beyond these the scheduler answers RESOURCE_EXHAUSTED at once
     max_waiting_tokens: int = 0  # prompt tokens waiting; 0: no bound
     api_keys_file: str | None = None  # the gateway's keys (gateway.api_keys); None: authentication off
@@ -204,6 +205,7 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
         worker.append("--cpu-int8-activations")
     if not config.cpu_fused_ops:
         worker.append("--no-cpu-fused-ops")
+    worker += ["--cpu-dense-weights", config.cpu_dense_weights]
     scheduler = [config.python, "-m", "scheduler.main", "--host", config.internal_host,
                  "--port", str(config.scheduler_port), "--worker", config.worker_address,
                  *server_tls, *(probe_tls.argv("worker") if probe_tls else []), *internal_size,

@@ -16,6 +16,12 @@ KERNEL_BACKENDS = ("auto", "torch", "triton")
 # folder's in the model dtype; none: everything dequantized to the model dtype (the reference path);
 # int8 / int4: a folder's (or a file's float) linears quantized at load, group-wise (CUDA int8: per channel)
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+DENSE_WEIGHT_MODES = ("auto", "on", "off")  # worker.dense_weights
+DENSE_WEIGHTS_HELP = ("CPU: group-quantized linears (a GGUF file's, --quantization int4/int8) also keep their weight "
+                      "dequantized and reordered for oneDNN, for steps of 4 rows or more (batched decode, prefill): "
+                      "one GEMM a linear (AMX where the CPU has it) for 2 bytes a weight; auto: bfloat16 models on a "
+                      "CPU with native bfloat16 when the copies take at most a quarter of available memory "
+                      "(default: %(default)s)")
 # decode batch sizes with a captured graph; a decode step of B rows replays the smallest bucket >= B
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -34,12 +40,17 @@ class ExecutionOptions:
     # the decoder's small ops (norms, SwiGLU, RoPE + cache write, decode attention on the pages in place)
     # as compiled ops (worker.fused_ops); off: plain torch, the reference the others are tested against
     cpu_fused_ops: bool = True
+    # group-quantized linears keep a dense copy of their weight for steps of many rows (worker.dense_weights):
+    # auto (bfloat16 models on a CPU with native bfloat16, within a memory share), on, off
+    cpu_dense_weights: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend={self.kernel_backend!r} is not one of {list(KERNEL_BACKENDS)}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r} is not one of {list(QUANTIZATIONS)}")
+        if self.cpu_dense_weights not in DENSE_WEIGHT_MODES:
+            raise ValueError(f"cpu_dense_weights={self.cpu_dense_weights!r} is not one of {list(DENSE_WEIGHT_MODES)}")
         sizes = self.graph_batch_sizes
         if not sizes or any(size < 1 for size in sizes) or list(sizes) != sorted(set(sizes)):
             raise ValueError(f"graph_batch_sizes={sizes!r} must be distinct positive sizes in increasing order")
@@ -57,6 +68,7 @@ class ResolvedExecution:
     packed_linears: bool  # worker.cpu_linear.pack_linears applies (it still skips non-float32 linears)
     cpu_int8_activations: bool  # CPU only
     cpu_fused_ops: bool  # CPU + torch backend; TorchPath still falls back to torch where the build is missing
+    cpu_dense_weights: str  # one of DENSE_WEIGHT_MODES; "off" off the CPU torch path
 
 
 def resolve_execution(options: ExecutionOptions, device: torch.device | str) -> ResolvedExecution:
@@ -73,6 +85,7 @@ def resolve_execution(options: ExecutionOptions, device: torch.device | str) -> 
         packed_linears=options.packed_linears and not on_cuda and backend == "torch",
         cpu_int8_activations=options.cpu_int8_activations and not on_cuda,
         cpu_fused_ops=options.cpu_fused_ops and not on_cuda and backend == "torch",
+        cpu_dense_weights=options.cpu_dense_weights if not on_cuda and backend == "torch" else "off",
     )
 
 
@@ -118,6 +131,8 @@ def add_execution_flags(parser) -> None:
     parser.add_argument("--no-cpu-fused-ops", action="store_true",
                         help="the decoder's norms, SwiGLU, RoPE and decode attention in plain torch (the reference) "
                              "instead of the compiled ops that read the KV pages in place (CPU)")
+    parser.add_argument("--cpu-dense-weights", choices=DENSE_WEIGHT_MODES, default="auto",
+                        help=DENSE_WEIGHTS_HELP)
 
 
 def execution_options_from_args(args) -> ExecutionOptions:
@@ -125,4 +140,4 @@ def execution_options_from_args(args) -> ExecutionOptions:
         kernel_backend=args.kernel_backend, quantization=args.quantization, cuda_graphs=not args.no_cuda_graphs,
         stream_overlap=not args.no_stream_overlap, graph_batch_sizes=parse_batch_sizes(args.cuda_graph_batch_sizes),
         packed_linears=not args.no_packed_linears, cpu_int8_activations=args.cpu_int8_activations,
-        cpu_fused_ops=not args.no_cpu_fused_ops)
+        cpu_fused_ops=not args.no_cpu_fused_ops, cpu_dense_weights=args.cpu_dense_weights)

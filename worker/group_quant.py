@@ -9,8 +9,9 @@ the rounding error that brings). Codes are unsigned: 8-bit codes one byte each, 
 llama.cpp packs Q4_0/Q4_1 (a group of 32 in 16 bytes, element j low nibble and j + 16 high nibble of byte j).
 
 On CPU the matmul is the compiled op (worker/csrc/group_quant_linear.cpp) for few rows, where decoding
-is bound by reading the weights, and a float32 GEMM on strips of the weight it dequantizes for many rows
-(prefill), where it is bound by arithmetic. Without the compiled op, torch ops compute the same thing. On CUDA the
+is bound by reading the weights, and for many rows (prefill, batched decode), where it is bound by
+arithmetic, a GEMM on strips of the weight it dequantizes, or one GEMM on a dense copy of the weight kept
+for that (worker.dense_weights, --cpu-dense-weights). Without the compiled op, torch ops compute the same thing. On CUDA the
 Triton kernel worker/kernels/group_quant_matmul.py dequantizes the codes inside its K loop.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from worker.dense_weights import dense_linear
 from worker.linear_swap import replace_linears
 from worker.native_ops import cpu_has_native_bf16, cpu_ops_available
 
@@ -33,6 +35,10 @@ from worker.native_ops import cpu_has_native_bf16, cpu_ops_available
 #   lm_head 1 row: f32 5651, q4 rows 2217; 8 rows: 8386 / 7630 / 9010; 32 rows: 16827 / 26426 / 18919
 # (f32 there is oneDNN on a packed weight the benchmark keeps in cache, which a served model's 540 MB do not)
 GEMM_ROWS = 8
+# From this many rows a dense copy of the weight, where one is kept (worker.dense_weights), beats the codes:
+# the default model's decode step, bfloat16, two threads, Sapphire Rapids (AMX), codes -> dense: 2 rows
+# 22.5 -> 24.8 ms, 4 rows 26.6 -> 26.3, 8 rows 44.4 -> 25.9 (the row kernel reads the codes once per 4 rows)
+DENSE_ROWS = 4
 STRIP_ROWS = 256
 STRIP_BYTES = 2**20  # a bfloat16 strip's most: one core's L2 here
 # --cpu-int8-activations: up to this many rows the integer-dot kernel runs; above, the strips (the
@@ -165,6 +171,8 @@ class GroupQuantLinear(nn.Module):
         self.register_buffer("scales", weight.scales)
         self.register_buffer("mins", weight.mins)
         self.register_buffer("bias", bias)
+        # worker.dense_weights: the weight dequantized and reordered for oneDNN, for steps of many rows
+        self.register_buffer("dense_weight", None, persistent=False)
         self.int8_activations = False  # use_int8_activations()
 
     def weight_view(self) -> GroupQuantWeight:
@@ -177,9 +185,12 @@ class GroupQuantLinear(nn.Module):
         # row every microsecond of Python here is a few percent of the step
         buffers = self._buffers
         codes, scales, mins, bias = buffers["codes"], buffers["scales"], buffers["mins"], buffers["bias"]
-        if cpu_ops_available():
+        dense, rows = buffers["dense_weight"], x.shape[0]
+        if dense is not None and rows >= DENSE_ROWS and x.dtype is dense.dtype and not (
+                self.int8_activations and rows <= INT8_ROWS):
+            out = dense_linear(x, dense)
+        elif cpu_ops_available():
             linear, int8_dot, strips = _cpu_ops()
-            rows = x.shape[0]
             if self.int8_activations and rows <= INT8_ROWS:
                 out = int8_dot(_float32(x), codes, scales, mins, self.bits, self.group_size)
             elif rows > GEMM_ROWS:
@@ -190,10 +201,10 @@ class GroupQuantLinear(nn.Module):
                                         gemm_x.element_size()))
             else:
                 out = linear(_float32(x), codes, scales, mins, self.bits, self.group_size)
-            if bias is not None:
-                out.add_(bias)
         else:  # no compiled op: the same numbers, slower
-            out = F.linear(_float32(x), self.weight_view().dequantize(), bias)
+            out = F.linear(_float32(x), self.weight_view().dequantize())
+        if bias is not None:
+            out.add_(bias)
         return out if out.dtype is x.dtype else out.to(x.dtype)
 
     def forward_triton(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N], in x's dtype

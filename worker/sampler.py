@@ -65,7 +65,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow],
     if token_bitmask is not None:
         choice_logits = masked_logits(choice_logits, token_bitmask)
     if all(_is_plain_greedy(row.params) for row in rows):
-        return choice_logits.argmax(dim=-1).tolist(), [None] * len(rows)
+        return argmax_rows(choice_logits).tolist(), [None] * len(rows)
 
     token_ids = _choose_tokens(choice_logits, rows)  # [B] int64, on the logits' device
     logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
@@ -113,11 +113,17 @@ def _is_plain_greedy(params: SamplingParams) -> bool:
     return params.greedy and params.logprobs is None and not has_penalties(params)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
+    """argmax(dim=-1)'s answer (the first maximum; NaN before any number) through max(dim=-1), which torch
+    runs in a third of the time on CPU: [32, 49152] float32, two threads, 1.27 -> 0.47 ms; one row 73 -> 25 us."""
+    return x.max(dim=-1).indices
+
+
 def _choose_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """[B] int64 token ids. Plain greedy rows read the raw logits; only the others are copied."""
     device = logits.device
     work_rows = [i for i, row in enumerate(rows) if has_penalties(row.params) or not row.params.greedy]
-    token_ids = logits.argmax(dim=-1)  # [B]; final for rows outside work_rows
+    token_ids = argmax_rows(logits)  # [B]; final for rows outside work_rows
     if not work_rows:
         return token_ids
     work_index = torch.tensor(work_rows, device=device)  # [W]
@@ -130,7 +136,7 @@ def _choose_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
 
     random_rows = [j for j, row in enumerate(work_requests) if not row.params.greedy]
     if len(random_rows) < len(work_rows):
-        chosen = work.argmax(dim=-1)  # [W]; final for the greedy rows with penalties
+        chosen = argmax_rows(work)  # [W]; final for the greedy rows with penalties
     else:
         chosen = torch.empty(len(work_rows), dtype=torch.long, device=device)
     if random_rows:
@@ -178,7 +184,7 @@ def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
 
     probs = logits.softmax(dim=-1)  # [R, V]
     noise = _exponential_noise(probs, rows)  # [R, V]
-    return probs.div_(noise).argmax(dim=-1)
+    return argmax_rows(probs.div_(noise))
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ from core.step import TokenLogprobs
 from worker.attention import GatherWorkspace, HostAttentionPlan, attention_metadata, plan_attention
 from worker.backends import ResolvedExecution
 from worker.cpu_linear import pack_linears
+from worker.dense_weights import keep_dense_weights
 from worker.execution_path import StepBatch
 from worker.fused_ops import set_fused, use_fused_ops
 from worker.kv_cache import KVCache
@@ -39,6 +40,9 @@ class TorchPath:
             pack_linears(model)  # in place: the model's linears now read oneDNN-reordered weights
         if execution.cpu_int8_activations:
             use_int8_activations(model)
+        # the KV cache is made in the activations' dtype, which the dense copies take
+        log.info("dense weights for many-row steps: %s",
+                 keep_dense_weights(model, execution.cpu_dense_weights, kv_cache.storage.dtype))
         # decode attention then reads the pages in place: the plan skips the gather groups
         self.fused_ops = execution.cpu_fused_ops and torch.device(device).type == "cpu" and use_fused_ops(model)
         if not self.fused_ops:

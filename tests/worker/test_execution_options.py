@@ -91,3 +91,22 @@ def test_fused_cpu_ops_are_the_cpu_default_and_the_reference_one_flag_away():
         worker = next(spec for spec in cluster_specs(ClusterConfig(redis_url="redis://127.0.0.1:1", http_port=None,
                                                                    cpu_fused_ops=fused)) if spec.name == "worker")
         assert parse_args(list(worker.argv[3:])).execution.cpu_fused_ops == fused
+
+
+def test_cpu_dense_weights_flag_is_auto_by_default_and_reaches_the_worker():
+    from tokenmill import cli
+    from tokenmill.cluster import ClusterConfig, cluster_specs
+    from worker.backends import DENSE_WEIGHT_MODES
+
+    assert cli.DENSE_WEIGHT_MODES == DENSE_WEIGHT_MODES  # serve's choices are the worker's
+    assert resolve_execution(ExecutionOptions(), "cpu").cpu_dense_weights == "auto"
+    assert resolve_execution(ExecutionOptions(cpu_dense_weights="on"), "cuda").cpu_dense_weights == "off"
+    assert resolve_execution(ExecutionOptions(cpu_dense_weights="on", kernel_backend="triton"),
+                             "cpu").cpu_dense_weights == "off"
+    with pytest.raises(ValueError, match="cpu_dense_weights='bf16' is not one of"):
+        ExecutionOptions(cpu_dense_weights="bf16")
+    assert cli.build_parser().parse_args(["serve", "--cpu-dense-weights", "off"]).cpu_dense_weights == "off"
+    for mode in DENSE_WEIGHT_MODES:
+        worker = next(spec for spec in cluster_specs(ClusterConfig(redis_url="redis://127.0.0.1:1", http_port=None,
+                                                                   cpu_dense_weights=mode)) if spec.name == "worker")
+        assert parse_args(list(worker.argv[3:])).execution.cpu_dense_weights == mode

@@ -2,6 +2,8 @@
 and a quantized tiny GGUF running as it is stored with the same logits as its dequantized twin."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -58,6 +60,28 @@ def test_compiled_op_matches_the_torch_reference(bits, group_size, rows):
     assert (ours - reference).abs().max().item() <= 1e-4 * reference.abs().max().item()
     assert torch.equal(torch.ops.tokenmill.group_quant_dequantize(weight.codes, weight.scales, weight.mins, bits, group_size),
                        weight.dequantize())
+
+
+@needs_ops
+@pytest.mark.parametrize("bits,group_size,in_features", [(4, 32, 192), (8, 32, 192), (8, 16, 208), (8, 48, 240)])
+def test_row_kernel_avx512_and_avx2_paths_both_match_the_reference(bits, group_size, in_features):
+    """The row kernel (up to GEMM_ROWS rows) takes AVX-512 where the CPU has it; AVX2 elsewhere, or when
+    turned off. Both compute scale * code then a fused multiply-add: only the order of the sums differs.
+    8-bit groups of 16 and 48 leave 16 codes past the AVX-512 loop's steps of 32."""
+    torch.manual_seed(group_size)
+    weight = quantize_weight(torch.randn(101, in_features), bits, group_size)
+    linear = GroupQuantLinear(weight)
+    has_avx512 = "avx512f" in Path("/proc/cpuinfo").read_text()
+    try:
+        for rows in (1, 2, 3, 4, 5, GEMM_ROWS):
+            x = torch.randn(rows, in_features)
+            reference = (x.double() @ weight.dequantize().double().T).float()
+            for allowed in (False, True):  # the op answers which path it now takes
+                assert torch.ops.tokenmill.group_quant_rows_avx512(allowed) == (allowed and has_avx512)
+                ours = linear(x)
+                assert (ours - reference).abs().max().item() <= 1e-5 * reference.abs().max().item()
+    finally:
+        torch.ops.tokenmill.group_quant_rows_avx512(True)
 
 
 @needs_ops

@@ -305,3 +305,14 @@ def test_seeded_draws_across_positions_follow_the_softmax():
     tokens, _ = sample(logits, rows)
     counts = torch.bincount(torch.tensor(tokens), minlength=6)
     assert _chi_square(counts, CHI2_LOGITS.softmax(-1)) < CHI2_CRITICAL_5_DOF
+
+
+def test_argmax_rows_is_argmax_on_ties_and_nan():
+    from worker.sampler import argmax_rows
+
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randint(0, 4, (16, 3000), generator=generator).to(dtype)  # every row ties
+        logits[3, 5] = logits[9, 2999] = float("nan")
+        logits[12] = float("-inf")
+        assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))

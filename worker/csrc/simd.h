@@ -40,6 +40,20 @@ inline void store_bf16x8(void* p, __m256 v) {
                    _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1)));
 }
 
+// The AVX-512 float32 paths (the group-quantized row kernel): functions with this target, called only where
+// use_avx512() (the rest of the build stays AVX2)
+#define TOKENMILL_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+// Whether this CPU has avx512f/bw/vl/dq, asked once (see cpu_has_avx512_bf16 for cpu_init)
+inline bool cpu_has_avx512() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  }();
+  return yes;
+}
+
 // The AVX-512 bfloat16 paths: functions with this target, called only where cpu_has_avx512_bf16() (the
 // rest of the build stays AVX2)
 #define TOKENMILL_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
