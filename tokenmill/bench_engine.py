@@ -110,21 +110,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     parser.add_argument("--no-cpu-fused-ops", action="store_true",
                         help="tokenmill's decoder in plain torch (the reference path; worker.fused_ops)")
+    parser.add_argument("--cpu-dense-weights", choices=("auto", "on", "off"), default="auto",
+                        help="tokenmill's quantized linears keep dense copies for steps of 4 rows or more "
+                             "(worker.dense_weights; default: %(default)s)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args(argv)
 
     config = EngineConfig(model=args.model, kv_cache_bytes=args.kv_cache_mb * 2**20,
                           max_num_seqs=max(64, args.num_requests), quantization=args.quantization, dtype=args.dtype,
-                          cpu_fused_ops=not args.no_cpu_fused_ops)
+                          cpu_fused_ops=not args.no_cpu_fused_ops, cpu_dense_weights=args.cpu_dense_weights)
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     llm = LLM(config)
     workload = make_workload(llm.model_config.vocab_size, args.num_requests, args.prompt_len,
                              args.min_output, args.max_output, args.seed)
     llm.generate([workload.prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    from worker.dense_weights import dense_weights_kept
     from worker.group_quant import weight_formats
 
     formats = weight_formats(llm.runner.model) or "float"
+    if dense_weights_kept(llm.runner.model):
+        formats += " (dense copies for steps of 4+ rows)"
     dtype = str(llm.runner.dtype).removeprefix("torch.")
     log(f"workload: {args.num_requests} requests, {args.prompt_len}-token prompts, "
         f"{workload.num_output_tokens} output tokens, {torch.get_num_threads()} threads; tokenmill runs "
@@ -139,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                      "num_output_tokens": workload.num_output_tokens, "dtype": dtype, "weights": formats,
                      "transformers": "float32, dequantized weights",
                      "cpu_fused_ops": getattr(llm.runner.execution_path, "fused_ops", False),
+                     "cpu_dense_weights": dense_weights_kept(llm.runner.model),
                      "threads": torch.get_num_threads()},
         "tokenmill_paged": {k: v for k, v in paged.items() if k != "outputs"},
         "tokenmill_static": {k: v for k, v in static.items() if k != "outputs"},

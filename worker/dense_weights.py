@@ -80,3 +80,10 @@ def keep_dense_weights(model: nn.Module, mode: str, dtype: torch.dtype) -> str:
         elif linear in missing:
             linear.dense_weight = dense_weight_for(linear, dtype)
     return f"{len(linears)} linears, {reason}" if keep else reason
+
+
+def dense_weights_kept(model: nn.Module) -> bool:
+    """Whether the model's group-quantized linears run many-row steps on dense copies (for reports)."""
+    from worker.group_quant import GroupQuantLinear
+
+    return any(isinstance(m, GroupQuantLinear) and m.dense_weight is not None for m in model.modules())

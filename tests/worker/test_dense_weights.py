@@ -12,7 +12,7 @@ from tests.helpers.tiny_models import make_tiny_hf_model
 from tests.worker.test_gguf_loader import all_row_logits, max_rel_err
 from tests.worker.test_group_quant import TYPES_BY_TENSOR
 from worker import dense_weights
-from worker.dense_weights import decide, keep_dense_weights
+from worker.dense_weights import decide, dense_weights_kept, keep_dense_weights
 from worker.group_quant import DENSE_ROWS, INT8_ROWS, GroupQuantLinear, quantize_weight
 from worker.loader import load_model
 from worker.native_ops import cpu_has_native_bf16, cpu_ops_available
@@ -92,10 +92,11 @@ def test_copies_are_made_once_and_dropped_by_off():
     model = nn.Sequential(quantized_linear(4, 32, seed=2), quantized_linear(8, 32, seed=3, in_features=320))
     assert keep_dense_weights(model, "on", torch.float32).startswith("2 linears, ")
     first = model[0].dense_weight
+    assert dense_weights_kept(model)
     keep_dense_weights(model, "on", torch.float32)  # a second runner over the same model
     assert model[0].dense_weight is first
     assert keep_dense_weights(model, "off", torch.float32) == "off (--cpu-dense-weights off)"
-    assert model[0].dense_weight is None and model[1].dense_weight is None
+    assert model[0].dense_weight is None and model[1].dense_weight is None and not dense_weights_kept(model)
     assert keep_dense_weights(nn.Linear(4, 4), "on", torch.float32) == "off: no group-quantized linears"
 
 
