@@ -20,7 +20,8 @@
 # greedy, EOS ignored. Environment: THREADS (all cores), LLAMA_SLOTS (32: llama-server's parallel
 # sequences; at least the highest concurrency), LLAMA_CTX_PER_SLOT (512: prompt + longest output),
 # VLLM_CPU_KVCACHE_SPACE (4 GiB), READY_TIMEOUT_S (900: vLLM compiles for ~100 s), TOKENMILL_SERVE_ARGS
-# (extra `tokenmill serve` flags).
+# (extra `tokenmill serve` flags), LLAMA_SERVER_ARGS (extra llama-server flags, named in its row: on a CPU
+# with AMX, llama-server 0.3.36's AMX weight repacking segfaults at warm-up; --no-repack runs it).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -138,10 +139,12 @@ if wants vllm; then
             --dtype "$dtype" --host 127.0.0.1 --port @PORT@ --served-model-name smollm2 --max-model-len 2048
     done
 fi
+# shellcheck disable=SC2206 # LLAMA_SERVER_ARGS is a list of flags
+LLAMA_EXTRA=(${LLAMA_SERVER_ARGS:-})
 if wants llama-server; then
-    bench_side "llama.cpp llama-server" "GGUF Q4_1 file with its own Q4_1 kernels, $THREADS threads, $LLAMA_SLOTS slots" \
+    bench_side "llama.cpp llama-server" "GGUF Q4_1 file with its own Q4_1 kernels, $THREADS threads, $LLAMA_SLOTS slots${LLAMA_SERVER_ARGS:+, $LLAMA_SERVER_ARGS}" \
         llama-server "$LLAMA_SERVER" -m "$GGUF" --host 127.0.0.1 --port @PORT@ -t "$THREADS" \
-        -np "$LLAMA_SLOTS" -c "$((LLAMA_SLOTS * LLAMA_CTX_PER_SLOT))" --alias smollm2
+        -np "$LLAMA_SLOTS" -c "$((LLAMA_SLOTS * LLAMA_CTX_PER_SLOT))" --alias smollm2 "${LLAMA_EXTRA[@]}"
 fi
 
 versions="tokenmill $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
