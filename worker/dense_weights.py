@@ -12,7 +12,7 @@ of the sums differs.
 Measured on a 2-core Sapphire Rapids (AMX), the default model's linears at 32 rows, bfloat16, microseconds
 (strips -> dense): qkv 263 -> 43, gate_up 1585 -> 345, down 652 -> 53 (`scripts/bench_group_quant.py`).
 
-The price is memory: two bytes a weight in bfloat16 beside the ~0.6 the codes take (270 MB for the default
+The price is memory: two bytes a weight in bfloat16 beside the ~0.6 the codes take (256 MiB for the default
 model). auto keeps the copies where the model runs in bfloat16 on a CPU that multiplies it natively and
 they take at most MEMORY_SHARE of the memory available; on: always (float32 copies for a float32 model);
 off: never.
@@ -73,12 +73,15 @@ def keep_dense_weights(model: nn.Module, mode: str, dtype: torch.dtype) -> str:
         return "off: no group-quantized linears"
     num_bytes = sum(m.in_features * m.out_features for m in linears) * torch.empty((), dtype=dtype).element_size()
     missing = [m for m in linears if m.dense_weight is None or m.dense_weight.dtype != dtype]
+    # copies an earlier runner over this model made cost nothing more: only the missing ones are weighed
     keep, reason = decide(mode, dtype, num_bytes if missing else 0, free_memory_bytes(torch.device("cpu")))
     for linear in linears:
         if not keep:
             linear.dense_weight = None
         elif linear in missing:
             linear.dense_weight = dense_weight_for(linear, dtype)
+    if keep and not missing:
+        reason = f"{num_bytes / 2**20:.0f} MiB, made already (by an earlier runner over this model)"
     return f"{len(linears)} linears, {reason}" if keep else reason
 
 
