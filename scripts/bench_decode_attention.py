@@ -1,7 +1,7 @@
 """Decode attention on the paged cache alone (torch.ops.tokenmill.paged_decode_attention): microseconds a
 call for R requests at one context length, bfloat16 and float32, with the default model's heads (9 query
 heads over 3 KV heads of 64) and each request's pages scattered over a cache thirty layers deep.
-Usage: OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_decode_attention.py [--requests 32] [--context 160]
+Usage: OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_decode_attention.py [--requests 32] [--context 160] [--from-memory]
 """
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=160)
     parser.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head dim")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--from-memory", action="store_true",
+                        help="each call reads other pages (30 layers' worth in turn), so they come from memory")
     args = parser.parse_args()
     if not cpu_ops_available():
         print("compiled CPU ops unavailable: run scripts/build_cpu_ops.py first")
@@ -40,8 +42,17 @@ def main() -> int:
         rows = torch.arange(args.requests)
         lens = torch.full((args.requests,), args.context, dtype=torch.long)
 
+        # --from-memory: each call reads another of 30 layers' page sets, as a step does (the other layers'
+        # pages and the weights pass through the caches in between); otherwise one set, which stays in cache
+        layers = 30 if args.from_memory else 1
+        layer_tables = [torch.randperm(num_blocks)[: args.requests * pages_each].view(args.requests, pages_each)
+                        .contiguous() for _ in range(layers - 1)] + [tables]
+        calls = iter(range(10**9))
+
         def call():
-            torch.ops.tokenmill.paged_decode_attention(q, key_cache, value_cache, rows, tables, lens, dim**-0.5, 0, 0.0, out)
+            layer_table = layer_tables[next(calls) % layers]
+            torch.ops.tokenmill.paged_decode_attention(q, key_cache, value_cache, rows, layer_table, lens, dim**-0.5, 0,
+                                                       0.0, out)
 
         for _ in range(5):
             call()
