@@ -296,13 +296,28 @@ inline __m256 dot8(const float* q, const T* const* k, int64_t D) {
   return transposed_sums(a);
 }
 
+// In a step the pages come from memory, not cache (the other layers' pages and the weights passed through
+// since), and each position's row is a short read at its own address: 32 rows at context 160, two
+// threads, Sapphire Rapids, bfloat16, ran at 380-433 us a call from memory against ~175 with the pages in
+// cache (scripts/bench_decode_attention.py --from-memory). So the q.k and p.V loops ask for the rows
+// kPrefetchAhead positions on while they work on these: 209-224 us from memory (16 ahead: ~15% slower).
+constexpr int64_t kPrefetchAhead = 32;
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t count) {  // count values of a K or V row, a cache line at a time
+  for (int64_t i = 0; i < count; i += 64 / static_cast<int64_t>(sizeof(T)))
+    _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
+}
+
 // out[0 : 8 NC] = sum_j w[j] * v_j[d0 : d0 + 8 NC], v_j at vc + offsets[j]: NC accumulators in registers
 // over every position, in position order (the same sums, in the same order, as one position at a time)
 template <int NC, typename T>
 inline void weighted_rows(const float* w, int64_t n, const T* vc, const int64_t* offsets, int64_t d0, float* out) {
   __m256 a[NC];
   for (int c = 0; c < NC; ++c) a[c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < std::min(n, kPrefetchAhead); ++j) prefetch_row(vc + offsets[j] + d0, 8 * NC);
   for (int64_t j = 0; j < n; ++j) {
+    if (j + kPrefetchAhead < n) prefetch_row(vc + offsets[j + kPrefetchAhead] + d0, 8 * NC);
     const __m256 wv = _mm256_set1_ps(w[j]);
     const T* v = vc + offsets[j] + d0;
     for (int c = 0; c < NC; ++c) a[c] = _mm256_fmadd_ps(wv, load8(v + 8 * c), a[c]);
@@ -330,17 +345,7 @@ void weighted_sum(const float* w, int64_t n, const T* vc, const int64_t* offsets
 // stays AVX2): q.k by vdpbf16ps (bfloat16 pairs multiplied exactly, summed in float32: no conversion of
 // either side), p.V in 16 float32 lanes with every query head of a KV head sharing each V row's
 // conversion. Head dims that are multiples of 64. Same p.V sums, in the same order, as the AVX2 path.
-//
-// In a step the pages come from memory, not cache (the other layers' pages and the weights passed through
-// since), and each position's row is a short read at its own address: 32 rows at context 160, two
-// threads, Sapphire Rapids, ran at ~420 us a layer from memory against ~175 with the pages in cache. So
-// both loops ask for the rows kPrefetchAhead positions on while they work on these: from memory ~260 us
-// (16 ahead: ~300).
-constexpr int64_t kPrefetchAhead = 32;
 
-inline void prefetch_row(const c10::BFloat16* row, int64_t D) {  // a K or V row of D bfloat16 values
-  for (int64_t i = 0; i < D; i += 32) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
-}
 
 TOKENMILL_AVX512_BF16
 void scores_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* kc, const int64_t* offsets, int64_t n,
@@ -479,8 +484,12 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
             for (float& score : scores) score = std::tanh(score / cap) * cap;
           }
         } else if (vector_dim) {  // scores[g, p] = q_g . k_p * scale, eight positions at a time
+          for (int64_t j = 0; j < std::min(n, kPrefetchAhead); ++j) prefetch_row(kc + offsets[j], D);
           for (int64_t j0 = 0; j0 < n; j0 += 8) {
             const int64_t count = std::min<int64_t>(8, n - j0);
+            for (int64_t j = j0 + kPrefetchAhead; j < std::min(n, j0 + kPrefetchAhead + 8); ++j) {
+              prefetch_row(kc + offsets[j], D);
+            }
             const scalar_t* keys[8];
             for (int64_t j = 0; j < 8; ++j) keys[j] = kc + offsets[j0 + std::min(j, count - 1)];
             for (int64_t g = 0; g < G; ++g) {
