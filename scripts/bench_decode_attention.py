@@ -6,6 +6,7 @@ Usage: OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_decode_attention.py [--r
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -47,7 +48,7 @@ def main() -> int:
         layers = 30 if args.from_memory else 1
         layer_tables = [torch.randperm(num_blocks)[: args.requests * pages_each].view(args.requests, pages_each)
                         .contiguous() for _ in range(layers - 1)] + [tables]
-        calls = iter(range(10**9))
+        calls = itertools.count()
 
         def call():
             layer_table = layer_tables[next(calls) % layers]

@@ -10,7 +10,8 @@ copy holds exactly the values the strips dequantize (the same rounding to bfloat
 of the sums differs.
 
 Measured on a 2-core Sapphire Rapids (AMX), the default model's linears at 32 rows, bfloat16, microseconds
-(strips -> dense): qkv 263 -> 43, gate_up 1585 -> 345, down 652 -> 53 (`scripts/bench_group_quant.py`).
+(strips -> dense): qkv 175 -> 34, gate_up 455 -> 97, down 185 -> 48, lm_head 8386 -> 2779
+(`scripts/bench_group_quant.py`, its `q4 strips bf16` and `dense bf16` columns).
 
 The price is memory: two bytes a weight in bfloat16 beside the ~0.6 the codes take (256 MiB for the default
 model). auto keeps the copies where the model runs in bfloat16 on a CPU that multiplies it natively and
@@ -19,16 +20,12 @@ off: never.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
 from worker.backends import DENSE_WEIGHT_MODES
 from worker.kv_sizing import free_memory_bytes
 from worker.native_ops import cpu_has_native_bf16
-
-log = logging.getLogger(__name__)
 
 # auto's limit: the copies' share of the memory available when they are made (the KV cache is sized after)
 MEMORY_SHARE = 0.25

@@ -12,6 +12,7 @@ import signal
 import time
 
 import grpc
+import pytest
 
 from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.helpers.tiny_models import make_tiny_hf_model
@@ -77,9 +78,16 @@ async def scheduler_load(address: str) -> scheduler_pb2.GetLoadResponse:
             scheduler_pb2.GetLoadRequest(include_running_request_ids=True), timeout=5)
 
 
+@pytest.fixture(autouse=True)
+def cluster_log_on_failure(cluster_dir):
+    """Imported by a test module whose module-scoped cluster_dir holds the cluster: after each test, the
+    log's tail, which pytest shows only for a failed test, where it tells whether a restarted child came
+    back, crashed again or was given up."""
+    yield
+    print_cluster_log_tail(cluster_dir)
+
+
 def print_cluster_log_tail(tmp_dir, num_lines: int = 60) -> None:
-    """For a fixture's teardown: pytest shows it only for a failed test, where it tells whether a
-    restarted child came back, crashed again or was given up."""
     path = tmp_dir / "cluster.log"
     if path.exists():
         lines = path.read_text(errors="replace").splitlines()[-num_lines:]

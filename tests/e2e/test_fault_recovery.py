@@ -20,8 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from plumbing.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
-from tests.e2e.faults_cluster import (generate_ok, kill9, print_cluster_log_tail, request, scheduler_load, tiny_cluster,
-                                      wait_until)
+from tests.e2e.faults_cluster import (cluster_log_on_failure, generate_ok, kill9, request,  # noqa: F401 (a fixture)
+                                      scheduler_load, tiny_cluster, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -43,12 +43,6 @@ def cluster(cluster_dir):
     with tiny_cluster(cluster_dir, model_overrides={"max_position_embeddings": 4096},
                       stream_idle_timeout_s=IDLE_TIMEOUT_S, http_port=0) as running:
         yield running
-
-
-@pytest.fixture(autouse=True)
-def cluster_log_on_failure(cluster_dir):
-    yield
-    print_cluster_log_tail(cluster_dir)
 
 
 def record(config, request_id: str) -> dict[bytes, bytes]:

@@ -21,8 +21,8 @@ from protos.tokenmill.v1 import (common_pb2, generation_pb2, generation_pb2_grpc
 from tokenmill.child_process import ChildSpec
 from tokenmill.readiness import free_port
 from tokenmill.supervisor import Supervisor
-from tests.e2e.faults_cluster import (generate_ok, kill9, print_cluster_log_tail, request, scheduler_load, tiny_cluster,
-                                      wait_until)
+from tests.e2e.faults_cluster import (cluster_log_on_failure, generate_ok, kill9, request,  # noqa: F401 (a fixture)
+                                      scheduler_load, tiny_cluster, wait_until)
 from plumbing.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE
 
 pytestmark = pytest.mark.slow
@@ -39,12 +39,6 @@ def cluster_dir(tmp_path_factory):
 def cluster(cluster_dir):
     with tiny_cluster(cluster_dir) as running:
         yield running
-
-
-@pytest.fixture(autouse=True)
-def cluster_log_on_failure(cluster_dir):
-    yield
-    print_cluster_log_tail(cluster_dir)
 
 
 async def collect(call) -> tuple[list[int], generation_pb2.GenerateStreamResponse | None]:

@@ -145,7 +145,7 @@ TOKENMILL_AVX512 void rows_dot_avx512(int64_t rows, const uint8_t* codes, const 
   }
 }
 
-// The row kernel's AVX-512 path is on where the CPU has it unless turned off (group_quant_row_isa), so the
+// The row kernel's AVX-512 path is on where the CPU has it unless turned off (group_quant_rows_avx512), so the
 // tests run both paths on one machine
 bool avx512_rows_allowed = true;
 

@@ -41,7 +41,7 @@ inline void store_bf16x8(void* p, __m256 v) {
 }
 
 // The AVX-512 float32 paths (the group-quantized row kernel): functions with this target, called only where
-// use_avx512() (the rest of the build stays AVX2)
+// cpu_has_avx512() (the rest of the build stays AVX2)
 #define TOKENMILL_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
 // Whether this CPU has avx512f/bw/vl/dq, asked once (see cpu_has_avx512_bf16 for cpu_init)
