@@ -63,6 +63,32 @@ def bench_prefill(runner: ModelRunner, num_requests: int, prompt_len: int, step_
     return elapsed_ms, step_id + 2
 
 
+def ab_float32_rows(runner: ModelRunner, num_requests: int, context_len: int, steps: int, rounds: int,
+                    step_id: int) -> int:
+    import worker.group_quant as group_quant
+
+    served = group_quant.GroupQuantLinear.forward
+
+    def float32_rows(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype is torch.bfloat16 and x.shape[0] <= group_quant.GEMM_ROWS:
+            return served(self, x.float()).to(torch.bfloat16)
+        return served(self, x)
+
+    results: dict[str, list[float]] = {"bfloat16 rows": [], "float32 rows": []}
+    try:
+        for _ in range(rounds):
+            for label, forward in (("float32 rows", float32_rows), ("bfloat16 rows", served)):
+                group_quant.GroupQuantLinear.forward = forward
+                ms, step_id = bench(runner, num_requests, context_len, steps, step_id)
+                results[label].append(ms)
+    finally:
+        group_quant.GroupQuantLinear.forward = served
+    for label, values in results.items():
+        print(f"A/B {label}: decode step median {statistics.median(values):.2f} ms over {rounds} rounds "
+              f"(min {min(values):.2f}, max {max(values):.2f})")
+    return step_id
+
+
 def main() -> None:
     from tokenmill.llm import LLM, EngineConfig
 
@@ -78,14 +104,21 @@ def main() -> None:
     parser.add_argument("--quantization", default="auto", help="auto: the GGUF's formats as stored | none | int8 | int4")
     parser.add_argument("--cpu-int8-activations", action="store_true")
     parser.add_argument("--cpu-dense-weights", default="auto", choices=("auto", "on", "off"),
-                        help="dense copies of the quantized weights for steps of 4 rows or more (worker.dense_weights)")
+                        help="dense copies of the quantized weights for steps of 5 rows or more (worker.dense_weights)")
     parser.add_argument("--profile", action="store_true", help="a torch profiler table of the last context's steps")
+    parser.add_argument("--ab-float32-rows", type=int, default=0, metavar="ROUNDS",
+                        help="A/B in this process, ROUNDS alternations at the last context: bfloat16 activations "
+                             "into the row op as served, against converted to float32 and back around it (as before "
+                             "the op's bfloat16 kernel); separate processes differ by more than the change")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     blocks_per_request = -(-(max(args.contexts) + args.steps) // args.block_size)
+    # the pool holds the decode requests' blocks or the prefill's, whichever needs more (the prefill step
+    # runs after the decode steps have freed theirs)
+    prefill_blocks = args.prefill_requests * -(-args.prompt_len // args.block_size)
     llm = LLM(EngineConfig(dtype=args.dtype, quantization=args.quantization, block_size=args.block_size,
-                           num_blocks=args.requests * blocks_per_request + 1,
+                           num_blocks=max(args.requests * blocks_per_request, prefill_blocks) + 1,
                            cpu_int8_activations=args.cpu_int8_activations, cpu_dense_weights=args.cpu_dense_weights))
     runner = llm.runner
     step_id = 10**6  # past the engine's own warm-up steps
@@ -102,6 +135,8 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             _, step_id = bench(runner, args.requests, args.contexts[-1], args.steps, step_id)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    if args.ab_float32_rows:
+        step_id = ab_float32_rows(runner, args.requests, args.contexts[-1], args.steps, args.ab_float32_rows, step_id)
     if args.prefill_requests:
         _, step_id = bench_prefill(runner, args.prefill_requests, args.prompt_len, step_id)  # first one pays allocations
         ms, step_id = bench_prefill(runner, args.prefill_requests, args.prompt_len, step_id)

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-cpu-fused-ops", action="store_true",
                         help="tokenmill's decoder in plain torch (the reference path; worker.fused_ops)")
     parser.add_argument("--cpu-dense-weights", choices=("auto", "on", "off"), default="auto",
-                        help="tokenmill's quantized linears keep dense copies for steps of 4 rows or more "
+                        help="tokenmill's quantized linears keep dense copies for steps of 5 rows or more "
                              "(worker.dense_weights; default: %(default)s)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

@@ -133,7 +133,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "instead of compiled ops reading the KV pages in place (CPU)")
     parser.add_argument("--cpu-dense-weights", choices=DENSE_WEIGHT_MODES, default="auto",
                         help="CPU: group-quantized linears also keep their weight dequantized for oneDNN, for steps "
-                             "of 4 rows or more (batched decode, prefill): one GEMM a linear, AMX where there is "
+                             "of 5 rows or more (batched decode, prefill): one GEMM a linear, AMX where there is "
                              "one, for 2 bytes a weight; auto: bfloat16 models on a CPU with native bfloat16, within "
                              "a quarter of available memory (default: %(default)s)")
     parser.add_argument("--max-waiting-requests", type=POSITIVE, default=4096,

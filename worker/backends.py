@@ -18,7 +18,7 @@ KERNEL_BACKENDS = ("auto", "torch", "triton")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 DENSE_WEIGHT_MODES = ("auto", "on", "off")  # worker.dense_weights
 DENSE_WEIGHTS_HELP = ("CPU: group-quantized linears (a GGUF file's, --quantization int4/int8) also keep their weight "
-                      "dequantized and reordered for oneDNN, for steps of 4 rows or more (batched decode, prefill): "
+                      "dequantized and reordered for oneDNN, for steps of 5 rows or more (batched decode, prefill): "
                       "one GEMM a linear (AMX where the CPU has it) for 2 bytes a weight; auto: bfloat16 models on a "
                       "CPU with native bfloat16 when the copies take at most a quarter of available memory "
                       "(default: %(default)s)")

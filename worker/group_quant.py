@@ -35,10 +35,13 @@ from worker.native_ops import cpu_has_native_bf16, cpu_ops_available
 #   lm_head 1 row: f32 5651, q4 rows 2217; 8 rows: 8386 / 7630 / 9010; 32 rows: 16827 / 26426 / 18919
 # (f32 there is oneDNN on a packed weight the benchmark keeps in cache, which a served model's 540 MB do not)
 GEMM_ROWS = 8
-# From this many rows a dense copy of the weight, where one is kept (worker.dense_weights), beats the codes:
-# the default model's decode step, bfloat16, two threads, Sapphire Rapids (AMX), codes -> dense: 2 rows
-# 22.5 -> 24.8 ms, 4 rows 26.6 -> 26.3, 8 rows 44.4 -> 25.9 (the row kernel reads the codes once per 4 rows)
-DENSE_ROWS = 4
+# From this many rows a dense copy of the weight, where one is kept (worker.dense_weights), beats the codes.
+# The row kernels read the codes once per 4 rows, so 5 rows pay a second pass. The default model's decode
+# step, bfloat16, two threads, codes -> dense, ms: Sapphire Rapids (AMX), float32 row kernel: 2 rows
+# 22.5 -> 24.8, 4 rows 26.6 -> 26.3, 8 rows 44.4 -> 25.9; AMD EPYC (avx512_bf16, no AMX), the bfloat16 row
+# kernel, one process alternating: 2 rows 10.4 -> 19.3, 4 rows 14.1 -> 18.1, 6 rows 20.5 -> 20.0, 8 rows
+# 24.8 -> 23.8
+DENSE_ROWS = 5
 STRIP_ROWS = 256
 STRIP_BYTES = 2**20  # a bfloat16 strip's most: one core's L2 here
 # --cpu-int8-activations: up to this many rows the integer-dot kernel runs; above, the strips (the
@@ -200,7 +203,10 @@ class GroupQuantLinear(nn.Module):
                              strip_rows(self.out_features, torch.get_num_threads(), self.in_features,
                                         gemm_x.element_size()))
             else:
-                out = linear(_float32(x), codes, scales, mins, self.bits, self.group_size)
+                # bfloat16 x goes in as it is: the op's bfloat16 kernel (avx512_bf16) reads it directly and
+                # returns bfloat16, which saves the two copies a call that were ~4% of a one-row decode step
+                row_x = x if x.dtype is torch.bfloat16 else _float32(x)
+                out = linear(row_x, codes, scales, mins, self.bits, self.group_size)
         else:  # no compiled op: the same numbers, slower
             out = F.linear(_float32(x), self.weight_view().dequantize())
         if bias is not None:

@@ -85,6 +85,45 @@ def test_row_kernel_avx512_and_avx2_paths_both_match_the_reference(bits, group_s
 
 
 @needs_ops
+@pytest.mark.parametrize("bits,group_size,in_features",
+                         [(4, 32, 192), (4, 32, 544), (8, 32, 192), (8, 32, 544), (8, 16, 208), (8, 48, 240)])
+def test_bfloat16_rows_sum_exact_products_and_round_once(bits, group_size, in_features):
+    """Up to GEMM_ROWS rows, bfloat16 x goes into the row op as it is and comes back bfloat16: through the
+    avx512_bf16 kernel (codes as bfloat16, one dot instruction per 32 weights, the scale per group) where
+    the CPU has it, else the float32 kernel on the same values. Either way each product is exact and only
+    the float32 sums' order and the one rounding of the output differ from the exact sum (2**-8 relative).
+    544 = 17 groups of 32: an odd group count (4-bit pairs of groups, the minimums' masked tail); 8-bit
+    groups of 16 and 48 leave 16 codes past the steps of 32."""
+    torch.manual_seed(in_features + bits)
+    weight = quantize_weight(torch.randn(101, in_features), bits, group_size)
+    bias = torch.randn(101).bfloat16()
+    linear = GroupQuantLinear(weight, bias)
+    exact_weight = weight.scales.double().repeat_interleave(group_size, 1) * weight.unpacked_codes().double() \
+        + weight.mins.double().repeat_interleave(group_size, 1)
+    try:
+        for rows in range(1, GEMM_ROWS + 1):
+            x = torch.randn(rows, in_features).bfloat16()
+            reference = x.double() @ exact_weight.T
+            results = []
+            for allowed in (True, False):  # the AVX-512 kernels, then the AVX2 float32 one
+                torch.ops.tokenmill.group_quant_rows_avx512(allowed)
+                ours = torch.ops.tokenmill.group_quant_linear(x, weight.codes, weight.scales, weight.mins, bits,
+                                                              group_size)
+                assert ours.dtype is torch.bfloat16 and ours.shape == (rows, 101)
+                assert (ours.double() - reference).abs().max().item() <= 2**-8 * reference.abs().max().item()
+                results.append(ours)
+                module_out = linear(x)
+                assert module_out.dtype is torch.bfloat16
+                with_bias = reference + bias.double()
+                assert (module_out.double() - with_bias).abs().max().item() <= 2**-7 * with_bias.abs().max().item()
+            # both paths agree to bfloat16's last place
+            assert (results[0].double() - results[1].double()).abs().max().item() <= \
+                2**-7 * reference.abs().max().item()
+    finally:
+        torch.ops.tokenmill.group_quant_rows_avx512(True)
+
+
+@needs_ops
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (8, 16)])
 def test_bfloat16_strips_multiply_the_rounded_weights_in_bfloat16(bits, group_size):
     torch.manual_seed(bits)

@@ -169,10 +169,27 @@ void check_args(const at::Tensor& codes, const at::Tensor& scales, const at::Ten
 
 }  // namespace
 
-// x: [T, K] float32 -> [T, N] float32
+// group_quant_rows_bf16.cpp: the row kernel for bfloat16 x on CPUs with avx512_bf16
+void group_quant_linear_bf16_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                                  const at::Tensor& mins, int64_t bits, int64_t group_size, at::Tensor& out);
+
+// x: [T, K] float32 -> [T, N] float32; bfloat16 x -> bfloat16, through the bfloat16 kernel where the CPU
+// has avx512_bf16, else as float32 (the same values) with the result rounded once
 at::Tensor group_quant_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                               const at::Tensor& mins, int64_t bits, int64_t group_size) {
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "group_quant_linear: x must be 2-D float32");
+  TORCH_CHECK((x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16) && x_in.dim() == 2,
+              "group_quant_linear: x must be 2-D float32 or bfloat16, got ", x_in.scalar_type(), " with ",
+              x_in.dim(), " dimensions");
+  if (x_in.scalar_type() == at::kBFloat16) {
+    check_args(codes, scales, mins, bits, group_size, x_in.size(1));
+    if (avx512_rows_allowed && tokenmill::cpu_has_avx512_bf16()) {
+      const at::Tensor x = x_in.contiguous();
+      at::Tensor out = at::empty({x.size(0), codes.size(0)}, x.options());
+      group_quant_linear_bf16_rows(x, codes, scales, mins, bits, group_size, out);
+      return out;
+    }
+    return group_quant_linear(x_in.to(at::kFloat), codes, scales, mins, bits, group_size).to(at::kBFloat16);
+  }
   const at::Tensor x = x_in.contiguous();
   const int64_t T = x.size(0), K = x.size(1), N = codes.size(0), groups = K / group_size;
   check_args(codes, scales, mins, bits, group_size, K);
