@@ -21,7 +21,6 @@
 
 #include "simd.h"
 
-#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -159,15 +158,6 @@ TOKENMILL_AVX512_BF16 void rows_dot(int64_t rows, const uint8_t* codes, const fl
   }
 }
 
-constexpr int64_t kPrefetchBytes = 1728;  // 4 rows of the default model's 4-bit 576-wide weights
-
-// every cache line of [p, p + bytes)
-inline void prefetch_bytes(const void* p, int64_t bytes) {
-  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
-  const uintptr_t last = reinterpret_cast<uintptr_t>(p) + bytes - 1;
-  for (uintptr_t line = first; line <= last; line += 64) _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
-}
-
 // Output rows begin..end for every row of x, rounded to bfloat16 once at the end. Called from the parallel
 // loop's lambda, which is compiled without AVX-512: only pointers and integers cross into it (a vector
 // passed by value there would not be in the register this side reads it from).
@@ -178,19 +168,11 @@ TOKENMILL_AVX512_BF16 void output_rows(int64_t begin, int64_t end, const at::BFl
   const int64_t groups = K / group_size;
   const __m512i table = nibble_table();
   float block[kTokenBlock];
-  // rows whose codes, scales and minimums are requested ~2 KiB ahead of the row being read: at one row of x
-  // the kernel waits on memory, not arithmetic (the default model's 121 linears of a decode step from
-  // memory, 2 threads: 5.2-5.5 ms without, 4.5 with rows 4 ahead of 432-byte rows; 2, 8 and 16 were slower)
-  const int64_t row_bytes = code_stride + 2 * groups * static_cast<int64_t>(sizeof(float));
-  const int64_t ahead = std::max<int64_t>(1, (kPrefetchBytes + row_bytes - 1) / row_bytes);
+  const int64_t ahead = tokenmill::prefetch_rows_ahead(code_stride, groups);
   for (int64_t t0 = 0; t0 < T; t0 += kTokenBlock) {
     const int64_t rows = std::min(kTokenBlock, T - t0);
     for (int64_t n = begin; n < end; ++n) {
-      if (n + ahead < end) {
-        prefetch_bytes(cp + (n + ahead) * code_stride, code_stride);
-        prefetch_bytes(sp + (n + ahead) * groups, groups * 4);
-        prefetch_bytes(mp + (n + ahead) * groups, groups * 4);
-      }
+      tokenmill::prefetch_weight_row(cp, sp, mp, code_stride, groups, n + ahead, end);
       const uint8_t* c = cp + n * code_stride;
       if (bits == 4)
         rows_dot<4>(rows, c, sp + n * groups, mp + n * groups, xp + t0 * K, K, xs + t0 * groups, K, groups,
