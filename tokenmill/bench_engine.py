@@ -126,11 +126,11 @@ def main(argv: list[str] | None = None) -> int:
                              args.min_output, args.max_output, args.seed)
     llm.generate([workload.prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     from worker.dense_weights import dense_weights_kept
-    from worker.group_quant import weight_formats
+    from worker.group_quant import DENSE_ROWS, weight_formats
 
     formats = weight_formats(llm.runner.model) or "float"
     if dense_weights_kept(llm.runner.model):
-        formats += " (dense copies for steps of 4+ rows)"
+        formats += f" (dense copies for steps of {DENSE_ROWS}+ rows)"
     dtype = str(llm.runner.dtype).removeprefix("torch.")
     log(f"workload: {args.num_requests} requests, {args.prompt_len}-token prompts, "
         f"{workload.num_output_tokens} output tokens, {torch.get_num_threads()} threads; tokenmill runs "
