@@ -22,7 +22,7 @@ from tokenmill.bench.report import (
     write_markdown,
     write_plots,
 )
-from tokenmill.bench.runner import poisson_arrivals, sweep
+from tokenmill.bench.runner import interleaved_order, interleaved_sweeps, poisson_arrivals, sweep
 from tokenmill.bench.targets import OpenAITarget
 from tokenmill.bench.workload import BenchWorkload
 
@@ -223,3 +223,36 @@ def test_cli_open_loop_against_an_openai_url(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "warning: with 10 requests per level" in captured.err
     assert "linear interpolation between closest ranks" in captured.out
+
+
+def test_interleaved_order_runs_each_step_on_every_run_reversing_every_other_step():
+    assert interleaved_order(["a", "b", "c"], 3) == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"),
+                                                     (2, "a"), (2, "b"), (2, "c")]
+    assert interleaved_order(["a"], 2) == [(0, "a"), (1, "a")]
+
+
+async def _interleaved_openai(urls: dict[str, str], workload: BenchWorkload, levels: list[int]) -> dict:
+    targets = {name: (OpenAITarget(url), None) for name, url in urls.items()}
+    try:
+        return await interleaved_sweeps(targets, workload, levels, len(workload.prompts), 1)
+    finally:
+        for target, _ in targets.values():
+            await target.close()
+
+
+def test_interleaved_sweeps_run_each_level_on_every_server_before_the_next_level():
+    """Two real servers: each gets its warm-up, then level 1 goes to a then b, level 2 to b then a; each
+    result holds its own levels, as sweep() would have returned them."""
+    workload = text_workload([2] * 6)
+    with closing_sse_server() as (server_a, url_a), closing_sse_server() as (server_b, url_b):
+        results = asyncio.run(_interleaved_openai({"a": url_a, "b": url_b}, workload, [1, 2]))
+    assert list(results) == ["a", "b"]
+    for result in results.values():
+        assert result["warmup"]["num_requests"] == 1
+        assert [level["concurrency"] for level in result["levels"]] == [1, 2]
+        assert all((level["num_requests"], level["num_errors"]) == (6, 0) for level in result["levels"])
+    # arrivals: a's warm-up, b's warm-up, then per level: a before b at level 1, b before a at level 2
+    a, b = server_a.arrivals, server_b.arrivals
+    assert len(a) == len(b) == 13
+    assert a[0] < b[0] < min(a[1:7]) and max(a[1:7]) < min(b[1:7])
+    assert max(b[1:7]) < min(b[7:]) and max(b[7:]) < min(a[7:])

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import shlex
 import signal
 import sys
@@ -44,7 +45,7 @@ from tokenmill.bench.report import (
     write_markdown,
     write_plots,
 )
-from tokenmill.bench.runner import sweep, sweep_transformers
+from tokenmill.bench.runner import interleaved_sweeps, sweep, sweep_transformers
 from tokenmill.bench.targets import (
     LoadPoller,
     OpenAITarget,
@@ -128,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also a paged cluster per fixed token budget (--max-num-batched-tokens)")
     parser.add_argument("--target-itl-ms", type=float, help="also a paged cluster with this ITL target")
     parser.add_argument("--swap-space-gb", type=float, help="also a paged cluster with this much swap space")
+    parser.add_argument("--interleave", action="store_true",
+                        help="start every cluster first, then run each level on all of them back to back (the "
+                             "order reversed at every other level), so that the machine's drift over a long "
+                             "run falls on every configuration alike; the transformers baseline still runs last")
     return parser
 
 
@@ -173,13 +178,53 @@ def run_cluster(args, workload, kv_policy: str, label: str | None = None, **sett
 
     config = cluster_config(args, kv_policy, **settings)
     with Supervisor(cluster_specs(config), echo=False):
-        def make_target():
-            return (OpenAITarget(f"http://{config.http_address}/v1") if args.protocol == "http"
-                    else TokenmillTarget(config.gateway_address))
-        result = asyncio.run(_sweep_address(make_target, args, workload, config.scheduler_address, label or kv_policy))
-    result["settings"] = {"kv_policy": kv_policy, "max_num_batched_tokens": config.max_num_batched_tokens,
-                          "target_itl_ms": config.target_itl_ms, "swap_space_gb": config.swap_space_gb}
+        result = asyncio.run(_sweep_address(lambda: cluster_target(args, config), args, workload,
+                                            config.scheduler_address, label or kv_policy))
+    result["settings"] = cluster_settings(config, kv_policy)
     return result
+
+
+def cluster_target(args, config):
+    return (OpenAITarget(f"http://{config.http_address}/v1") if args.protocol == "http"
+            else TokenmillTarget(config.gateway_address))
+
+
+def cluster_settings(config, kv_policy: str) -> dict:
+    return {"kv_policy": kv_policy, "max_num_batched_tokens": config.max_num_batched_tokens,
+            "target_itl_ms": config.target_itl_ms, "swap_space_gb": config.swap_space_gb}
+
+
+def run_clusters_interleaved(args, workload, clusters: list[tuple[str, str, dict]]) -> dict[str, dict]:
+    """--interleave: clusters (run name, kv policy, settings) all started, then swept together
+    (runner.interleaved_sweeps); run name -> result, as run_cluster returns."""
+    from tokenmill.cluster import cluster_specs
+    from tokenmill.supervisor import Supervisor
+
+    configs = {}
+    with contextlib.ExitStack() as stack:
+        for name, kv_policy, settings in clusters:
+            print(f"starting a cluster: {name}, KV cache {cache_description(args)}", file=sys.stderr)
+            configs[name] = (cluster_config(args, kv_policy, **settings), kv_policy)
+            stack.enter_context(Supervisor(cluster_specs(configs[name][0]), echo=False))
+
+        async def sweeps() -> dict[str, dict]:
+            targets = {name: (cluster_target(args, config), LoadPoller(config.scheduler_address))
+                       for name, (config, _) in configs.items()}
+            try:
+                return await interleaved_sweeps(targets, workload, args.concurrency, args.num_requests, args.warmup,
+                                                args.request_rate, args.seed)
+            finally:
+                for target, _ in targets.values():
+                    await target.close()
+
+        results = asyncio.run(sweeps())
+    for name, (config, kv_policy) in configs.items():
+        results[name]["settings"] = cluster_settings(config, kv_policy)
+    return results
+
+
+def kv_policies(args) -> list[str]:
+    return [p.strip() for p in args.kv_policies.split(",") if p.strip()]
 
 
 def tuning_clusters(args) -> dict[str, dict]:
@@ -244,13 +289,18 @@ def run(args, argv: list[str] | None) -> int:
     elif args.openai_url:
         runs["openai-http"] = asyncio.run(_sweep_address(lambda: OpenAITarget(args.openai_url, args.openai_model), args,
                                                          workload, None, "openai"))
+    elif args.interleave:
+        clusters = [(f"tokenmill {policy}", policy, {}) for policy in kv_policies(args)]
+        clusters += [(name, "paged", settings) for name, settings in tuning_clusters(args).items()]
+        runs.update(run_clusters_interleaved(args, workload, clusters))
     else:
-        for policy in [p.strip() for p in args.kv_policies.split(",") if p.strip()]:
+        for policy in kv_policies(args):
             print(f"starting a cluster: kv_policy={policy}, KV cache {cache_description(args)}", file=sys.stderr)
             runs[f"tokenmill {policy}"] = run_cluster(args, workload, policy)
         for name, settings in tuning_clusters(args).items():
             print(f"starting a cluster: {name}, KV cache {cache_description(args)}", file=sys.stderr)
             runs[name] = run_cluster(args, workload, "paged", name, **settings)
+    if not (args.address or args.openai_url):
         if args.baseline and args.concurrency:  # static batches have no open loop
             print("transformers baseline (static batches)", file=sys.stderr)
             runs["transformers static batches"] = sweep_transformers(
@@ -293,8 +343,10 @@ def cluster_note(args, runs: dict) -> str:
               else "the KV cache sized from memory as `tokenmill serve` does")
     if args.compare_kv_layouts:
         sizing += " (deliberately small, --compare-kv-layouts, so the KV policies differ)"
+    order = ("; all started at once, each level run on every cluster back to back, the order reversed at every "
+             "other level (--interleave)" if args.interleave else "; one after the other")
     return (f"started clusters: {sizing}" + (f"; {'/'.join(map(str, pages))} pages reported" if pages else "")
-            + "; KV util and preemptions from the scheduler's GetLoad, polled every 0.2 s")
+            + order + "; KV util and preemptions from the scheduler's GetLoad, polled every 0.2 s")
 
 
 def notes(args, runs: dict) -> list[str]:

@@ -114,6 +114,34 @@ async def sweep(target, workload: BenchWorkload, levels: list[int], requests_per
     return result
 
 
+def interleaved_order(names: list[str], steps: int) -> list[tuple[int, str]]:
+    """(step, run name) in the order an interleaved sweep runs them: every run's step i back to back, in
+    reverse order at every other step, so that the machine drifting faster or slower over a long run
+    falls on every configuration alike rather than on whichever ran last."""
+    return [(step, name) for step in range(steps) for name in (names if step % 2 == 0 else names[::-1])]
+
+
+async def interleaved_sweeps(targets: dict[str, tuple], workload: BenchWorkload, levels: list[int],
+                             requests_per_level: int, warmup: int, rates: list[float] = (),
+                             seed: int = 0) -> dict[str, dict]:
+    """sweep() for several targets (run name -> (target, poller or None)) at once, a level at a time in
+    interleaved_order; returns run name -> what sweep() returns for that target."""
+    results = {}
+    for name, (target, _) in targets.items():
+        results[name] = {"target": target.name, "warmup": await warm_up(target, workload, warmup), "levels": []}
+    steps = [("closed", level) for level in levels] + [("open", rate) for rate in rates]
+    for step, name in interleaved_order(list(targets), len(steps)):
+        target, poller = targets[name]
+        kind, value = steps[step]
+        if kind == "closed":
+            count = max(requests_per_level, value)  # every client gets at least one request
+            level = await run_level(target, workload.head(count), value, poller, name)
+        else:
+            level = await run_open_level(target, workload.head(requests_per_level), value, seed, poller, name)
+        results[name]["levels"].append(level)
+    return results
+
+
 def sweep_transformers(target: TransformersTarget, workload: BenchWorkload, levels: list[int],
                        requests_per_level: int, warmup: int) -> dict:
     """The baseline has no server: at concurrency c it runs static batches of c requests back to back."""
