@@ -104,6 +104,7 @@ def test_bfloat16_rows_sum_exact_products_and_round_once(bits, group_size, in_fe
         for rows in range(1, GEMM_ROWS + 1):
             x = torch.randn(rows, in_features).bfloat16()
             reference = x.double() @ exact_weight.T
+            with_bias = reference + bias.double()
             results = []
             for allowed in (True, False):  # the AVX-512 kernels, then the AVX2 float32 one
                 torch.ops.tokenmill.group_quant_rows_avx512(allowed)
@@ -114,7 +115,6 @@ def test_bfloat16_rows_sum_exact_products_and_round_once(bits, group_size, in_fe
                 results.append(ours)
                 module_out = linear(x)
                 assert module_out.dtype is torch.bfloat16
-                with_bias = reference + bias.double()
                 assert (module_out.double() - with_bias).abs().max().item() <= 2**-7 * with_bias.abs().max().item()
             # both paths agree to bfloat16's last place
             assert (results[0].double() - results[1].double()).abs().max().item() <= \

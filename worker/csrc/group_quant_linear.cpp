@@ -181,8 +181,8 @@ at::Tensor group_quant_linear(const at::Tensor& x_in, const at::Tensor& codes, c
               "group_quant_linear: x must be 2-D float32 or bfloat16, got ", x_in.scalar_type(), " with ",
               x_in.dim(), " dimensions");
   if (x_in.scalar_type() == at::kBFloat16) {
-    check_args(codes, scales, mins, bits, group_size, x_in.size(1));
     if (avx512_rows_allowed && tokenmill::cpu_has_avx512_bf16()) {
+      check_args(codes, scales, mins, bits, group_size, x_in.size(1));
       const at::Tensor x = x_in.contiguous();
       at::Tensor out = at::empty({x.size(0), codes.size(0)}, x.options());
       group_quant_linear_bf16_rows(x, codes, scales, mins, bits, group_size, out);

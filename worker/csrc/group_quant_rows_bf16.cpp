@@ -67,11 +67,11 @@ TOKENMILL_AVX512_BF16 inline __m512bh load_bf16(const at::BFloat16* p) {
   return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
 }
 
-// Output row n against ROWS rows of x (row stride ldx, bfloat16), into out[t * ldo] as float32
+// Output row n against ROWS rows of x (row stride ldx, bfloat16), into out[t] as float32
 template <int BITS, int ROWS>
 TOKENMILL_AVX512_BF16 void row_dot(const uint8_t* codes, const float* scales, const float* mins,
                                    const at::BFloat16* x, int64_t ldx, const float* xsum, int64_t K, int64_t groups,
-                                   int64_t group_size, __m512i table, float* out, int64_t ldo) {
+                                   int64_t group_size, __m512i table, float* out) {
   const __m512 zero = _mm512_setzero_ps();
   __m512 acc0[ROWS], acc1[ROWS];
   for (int t = 0; t < ROWS; ++t) acc0[t] = acc1[t] = zero;
@@ -143,18 +143,18 @@ TOKENMILL_AVX512_BF16 void row_dot(const uint8_t* codes, const float* scales, co
     for (int t = 0; t < ROWS; ++t)
       acc1[t] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(mask, xsum + t * groups + g), acc1[t]);
   }
-  for (int t = 0; t < ROWS; ++t) out[t * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t]));
+  for (int t = 0; t < ROWS; ++t) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t]));
 }
 
 template <int BITS>
 TOKENMILL_AVX512_BF16 void rows_dot(int64_t rows, const uint8_t* codes, const float* scales, const float* mins,
                                     const at::BFloat16* x, int64_t ldx, const float* xsum, int64_t K, int64_t groups,
-                                    int64_t group_size, __m512i table, float* out, int64_t ldo) {
+                                    int64_t group_size, __m512i table, float* out) {
   switch (rows) {
-    case 1: row_dot<BITS, 1>(codes, scales, mins, x, ldx, xsum, K, groups, group_size, table, out, ldo); break;
-    case 2: row_dot<BITS, 2>(codes, scales, mins, x, ldx, xsum, K, groups, group_size, table, out, ldo); break;
-    case 3: row_dot<BITS, 3>(codes, scales, mins, x, ldx, xsum, K, groups, group_size, table, out, ldo); break;
-    default: row_dot<BITS, 4>(codes, scales, mins, x, ldx, xsum, K, groups, group_size, table, out, ldo); break;
+    case 1: row_dot<BITS, 1>(codes, scales, mins, x, ldx, xsum, K, groups, group_size, table, out); break;
+    case 2: row_dot<BITS, 2>(codes, scales, mins, x, ldx, xsum, K, groups, group_size, table, out); break;
+    case 3: row_dot<BITS, 3>(codes, scales, mins, x, ldx, xsum, K, groups, group_size, table, out); break;
+    default: row_dot<BITS, 4>(codes, scales, mins, x, ldx, xsum, K, groups, group_size, table, out); break;
   }
 }
 
@@ -176,10 +176,10 @@ TOKENMILL_AVX512_BF16 void output_rows(int64_t begin, int64_t end, const at::BFl
       const uint8_t* c = cp + n * code_stride;
       if (bits == 4)
         rows_dot<4>(rows, c, sp + n * groups, mp + n * groups, xp + t0 * K, K, xs + t0 * groups, K, groups,
-                    group_size, table, block, 1);
+                    group_size, table, block);
       else
         rows_dot<8>(rows, c, sp + n * groups, mp + n * groups, xp + t0 * K, K, xs + t0 * groups, K, groups,
-                    group_size, table, block, 1);
+                    group_size, table, block);
       for (int64_t t = 0; t < rows; ++t) op[(t0 + t) * N + n] = at::BFloat16(block[t]);
     }
   }
