@@ -30,6 +30,7 @@ from core.sampling import SamplingParams
 from tests.gpu.random_model import llama3_8b_config, random_llama, tiny_config
 from worker.backends import ExecutionOptions
 from worker.config import ModelConfig
+from worker.group_quant import quantize_linears
 from worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20)
@@ -171,6 +172,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kernel-backend", default="auto", choices=("auto", "torch", "triton"))
     parser.add_argument("--settings", default="all", choices=("all", "default"),
                         help="all: CUDA graphs on/off x stream overlap on/off; default: both on")
+    parser.add_argument("--quantization", default="none", choices=("none", "int4", "int8"),
+                        help="group-quantize every linear (groups of 32), as --quantization does at load")
     parser.add_argument("--output", help="write the rows as JSON here")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -196,7 +199,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
     print(f"device-to-device copy: {copy_gb_s:.1f} GB/s (read + write)", flush=True)
     started = time.perf_counter()
     model = random_llama(config, dtype, device, seed=args.seed)
-    print(f"model: {config.num_layers} layers, hidden {config.hidden_size}, {weight_bytes(model) / 1e9:.2f} GB of weights "
+    if args.quantization != "none":
+        quantize_linears(model, bits=int(args.quantization[3:]), group_size=32)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the float weights the codes replaced
+    print(f"model: {args.quantization} weights, {config.num_layers} layers, hidden {config.hidden_size}, {weight_bytes(model) / 1e9:.2f} GB of weights "
           f"read per step; built in {time.perf_counter() - started:.1f} s", flush=True)
     max_steps = warmup + timed + 2
     blocks_per_request = -(-(context_range[1] + max_steps) // args.block_size)
@@ -232,7 +239,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             torch.cuda.empty_cache()
     if args.output:
         with open(args.output, "w") as handle:
-            json.dump({"copy_gb_s": copy_gb_s, "rows": [asdict(row) for row in rows]}, handle, indent=2)
+            json.dump({"copy_gb_s": copy_gb_s, "quantization": args.quantization, "rows": [asdict(row) for row in rows]}, handle, indent=2)
     return rows
 
 

@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
-# The device script: on one H200, in about 5-8 minutes, (1) every kernel test and the CUDA-path tests on
-# CUDA (TRITON_INTERPRET=0), the INT8 and group-quantized (int4 / GGUF formats) weight kernels included,
-# (2) the decode-step benchmark on a Llama-3-8B-shaped random-weight model in bfloat16 (batch 1/16/64/256,
-# 512-1536 tokens of context; CUDA graphs on/off x stream overlap on/off,
-# and async scheduling on/off with both on). tests/gpu also holds the swap tier's pinned pages and copy
-# stream and the KV cache sized from free device memory (test_cuda_swap_and_sizing.py, issue 19), and
-# (3) the memory-pressure benchmark: swap vs recompute vs static (bench_swap.py; OUTPUT_DIR/bench_swap.json).
+# The device script, sized for one call on one H200 (a lease of 15 minutes, start included): at most
+# ~8 minutes here, every phase under its own timeout so a hang costs its phase, not the lease.
+#   1. Every kernel test on CUDA (TRITON_INTERPRET=0; the INT8 and group-quantized int4 / GGUF weight
+#      kernels included), spread over processes with pytest-xdist when the image has it, beside the
+#      CUDA-path tests of tests/gpu in one process (graphs, staging, the Triton runner against the torch
+#      one, each family's attention, the swap tier's pinned pages and copy stream, the KV cache sized from
+#      free device memory). Triton compiles cold on a fresh machine; the processes share that work.
+#   2. Alone on the GPU: the decode-step benchmark on a Llama-3-8B-shaped random-weight model in bfloat16
+#      (batch 1/16/64/256, 512-1536 tokens of context; CUDA graphs on/off x stream overlap on/off, async
+#      scheduling on/off with both on), the same with int4 group-quantized linears, then issue 19's
+#      memory-pressure benchmark, swap vs recompute vs static (bench_swap.py).
 #
 #   tests/gpu/run.sh [OUTPUT_DIR]     # default: $OUT if set, else ./gpu-output
 #
 # Installs nothing: it needs python3 with torch (CUDA), triton, pytest and numpy, which the device image
-# carries; the repository is put on PYTHONPATH instead of `pip install -e .`. Everything printed goes to
-# OUTPUT_DIR/gpu_run.log; the benchmark rows also to OUTPUT_DIR/bench_decode.json.
+# carries, plus llguidance (worker.structured_output imports it), which the image lacks: carry its wheel
+# and put it on PYTHONPATH before calling this (device README: .whl). The repository goes on PYTHONPATH
+# instead of `pip install -e .`. OUTPUT_DIR gets gpu_run.log (the summary), kernels.log / cuda_paths.log (each pytest's own output),
+# kernels.xml / cuda_paths.xml (JUnit), bench_decode.json, bench_decode_int4.json, bench_swap.json (8 files: the device returns at most 8).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUTPUT_DIR="${1:-${OUT:-./gpu-output}}"
@@ -25,24 +31,41 @@ run() {
   echo "== $(date -u +%H:%M:%S) $*"
   "$@"
   local rc=$?
-  echo "== rc=$rc after $((SECONDS - started)) s"
+  echo "== rc=$rc after $((SECONDS - started)) s: $1 ${*: -1}"
   return $rc
 }
 
+# --noconftest: tests/conftest.py pulls in the Redis fixtures, which the device image lacks; none of these
+# tests use them. -p no:cacheprovider: the checkout may be read-only. -o addopts="": the project's pytest
+# options name plugins the image may not have.
+PYTEST=("$PYTHON" -m pytest -q -rfE --tb=short --noconftest -p no:cacheprovider -o addopts="")
+"$PYTHON" -c "import pytest_timeout" 2>/dev/null && PYTEST+=(--timeout 90)
+SPREAD=()
+"$PYTHON" -c "import xdist" 2>/dev/null && SPREAD=(-n 6)
+
 {
-  echo "tokenmill device script, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "tokenmill device script, commit ${TOKENMILL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1
   "$PYTHON" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'gpu', torch.cuda.get_device_name())"
   status=0
   # tests/worker/test_kernel_backend.py and test_decode_graph_buffers.py stay out: they run the kernels
   # on CPU tensors, which only the interpreter takes; tests/gpu/test_cuda_paths.py is their CUDA twin.
-  # --noconftest: tests/conftest.py pulls in the Redis fixtures, which the device image lacks (no redis
-  # client); none of these tests use them. -p no:cacheprovider: the checkout may be read-only.
-  run timeout 240 "$PYTHON" -m pytest -q --noconftest -p no:cacheprovider -o addopts="" \
-      tests/worker/kernels tests/gpu || status=1
-  run timeout 330 "$PYTHON" -m tests.gpu.bench_decode --output "$OUTPUT_DIR/bench_decode.json" || status=1
+  run timeout 180 "${PYTEST[@]}" "${SPREAD[@]}" --junitxml "$OUTPUT_DIR/kernels.xml" tests/worker/kernels \
+      >"$OUTPUT_DIR/kernels.log" 2>&1 &
+  kernels=$!
+  # one process: these read the device's free memory and capture graphs
+  run timeout 180 "${PYTEST[@]}" --junitxml "$OUTPUT_DIR/cuda_paths.xml" tests/gpu >"$OUTPUT_DIR/cuda_paths.log" 2>&1 \
+      || status=1
+  wait $kernels || status=1
+  for part in kernels cuda_paths; do
+    echo "-- $part:"; grep -E "^(FAILED|ERROR)|passed|failed|error|== rc=" "$OUTPUT_DIR/$part.log" | tail -40
+  done
+  run timeout 150 "$PYTHON" -m tests.gpu.bench_decode --output "$OUTPUT_DIR/bench_decode.json" || status=1
+  # issue 15 item 5: the same model with int4 group-quantized linears (the Triton group_quant_matmul kernel)
+  run timeout 70 "$PYTHON" -m tests.gpu.bench_decode --quantization int4 --settings default --batch-sizes 1,16,64 \
+      --output "$OUTPUT_DIR/bench_decode_int4.json" || status=1
   # issue 19: memory pressure on the GPU, preemption by swap (pinned host pages, copy stream) vs recompute vs static
-  run timeout 240 "$PYTHON" -m tests.gpu.bench_swap --output "$OUTPUT_DIR/bench_swap.json" || status=1
+  run timeout 100 "$PYTHON" -m tests.gpu.bench_swap --output "$OUTPUT_DIR/bench_swap.json" || status=1
   echo "== done: status=$status"
   exit $status
 } 2>&1 | tee "$LOG"

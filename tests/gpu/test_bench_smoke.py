@@ -19,6 +19,16 @@ def test_dry_run_measures_every_setting(tmp_path):
     assert saved["copy_gb_s"] > 0 and len(saved["rows"]) == 10
 
 
+def test_dry_run_with_group_quantized_linears(tmp_path):
+    output = tmp_path / "bench.json"
+    dense = main(["--dry-run", "--kernel-backend", "torch", "--settings", "default"])
+    rows = main(["--dry-run", "--kernel-backend", "torch", "--settings", "default", "--quantization", "int4",
+                 "--output", str(output)])
+    assert json.loads(output.read_text())["quantization"] == "int4"
+    # 4-bit codes plus a float32 scale and min per 32 weights: ~5 bits a weight against float32's 32
+    assert rows[0].bytes_per_step < dense[0].bytes_per_step / 3
+
+
 def test_swap_benchmark_dry_run_compares_the_three_modes(tmp_path):
     from tests.gpu.bench_swap import main as bench_swap
 
