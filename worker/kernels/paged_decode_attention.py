@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from worker.kernels.paged_shared import (
+    LOG2_E,
     attend_keys,
     check_query_and_caches,
     check_window_and_softcap,
@@ -25,7 +26,6 @@ from worker.kernels.paged_shared import (
     dot_upcast,
 )
 
-LOG2_E = 1.4426950408889634
 BLOCK_N = 64  # keys per inner step
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
 

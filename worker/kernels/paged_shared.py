@@ -79,7 +79,10 @@ def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=PRECISION)
 
 
-LOG2_E = 1.4426950408889634
+LOG2_E = 1.4426950408889634  # the kernels' softmax runs in base 2: the launchers pass scale * LOG2_E
+# @triton.jit code may read a global only when it is a constexpr instance; the interpreter lets a plain
+# float through, the compiler does not (a NameError on the first real GPU)
+_LOG2_E = tl.constexpr(LOG2_E)
 
 
 def check_window_and_softcap(window: int | None, softcap: float | None) -> tuple[int, float]:
@@ -120,7 +123,7 @@ def attend_keys(
     )  # [N, D]
     scores = dot(q, tl.trans(k), PRECISION, UPCAST)  # [M, N]
     if SOFTCAP:  # cap the scaled score, then go to base 2
-        scores = softcap * _tanh(scores * (scale_log2 / LOG2_E) / softcap) * LOG2_E
+        scores = softcap * _tanh(scores * (scale_log2 / _LOG2_E) / softcap) * _LOG2_E
     else:
         scores = scores * scale_log2
     scores = tl.where(visible, scores, float("-inf"))

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from worker.kernels.paged_shared import (
+    LOG2_E,
     attend_keys,
     check_query_and_caches,
     check_window_and_softcap,
@@ -24,8 +25,6 @@ from worker.kernels.paged_shared import (
     dot_precision,
     dot_upcast,
 )
-
-LOG2_E = 1.4426950408889634
 
 
 def _tiles(dtype: torch.dtype, head_dim: int, queries_per_kv: int) -> tuple[int, int, int]:

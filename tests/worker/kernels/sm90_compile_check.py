@@ -1,17 +1,22 @@
-"""Compile the paged-attention and KV-write kernels for an H100/H200 (sm_90) on a machine without a GPU.
+"""Compile every Triton kernel for an H100/H200 (sm_90) on a machine without a GPU.
 
-The interpreter tests prove the kernels' arithmetic, not that the real compiler accepts them; this
-runs the whole Triton pipeline down to a cubin, with the divisible-by-16 hints a real launch gives
-pointers and strides, and prints each kernel's registers and spills (from ptxas -v). Not a pytest
-test (about a minute per variant on a shared CPU). Run:
+The interpreter tests prove the kernels' arithmetic, not that the real compiler accepts them: the
+interpreter runs plain Python, so a jit function that reads a non-constexpr global, or an op the compiler
+does not lower, passes every CPU test and fails on the first GPU (seen: paged_shared's LOG2_E in the
+softcap branch, 2026-12-04). This runs the whole Triton pipeline down to a cubin for each kernel and each
+constexpr branch the launchers take, with the divisible-by-16 hints a real launch gives pointers and
+strides. tests/worker/kernels/test_sm90_compile.py runs it in CI; by hand it also prints each kernel's
+registers and spills (ptxas -v):
 
-    python -m tests.worker.kernels.sm90_compile_check [fp16|bf16|fp32 ...]
+    python -m tests.worker.kernels.sm90_compile_check [--quiet] [fp16|bf16|fp32 ...]
 """
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 os.environ.pop("TRITON_INTERPRET", None)  # before triton is imported: compile, don't interpret
 
@@ -20,22 +25,39 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from worker.kernels import kv_write, paged_decode_attention, prefill_attention  # noqa: E402
+from worker.kernels import (  # noqa: E402
+    activation, group_quant_matmul, int8_matmul, kv_write, paged_decode_attention, prefill_attention, rms_norm, rotary,
+    sampling,
+)
 
 TARGET = GPUTarget("cuda", 90, 32)
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
 
 
-def compile_kernel(kernel, pointer_types: dict[str, str], constexprs: dict, num_warps: int = 4) -> str:
-    """Unlisted non-constexpr arguments are i32; returns one line of ptxas -v figures."""
-    signature = {name: "constexpr" if name in constexprs else pointer_types.get(name, "i32") for name in kernel.arg_names}
+@dataclass
+class Variant:
+    name: str
+    kernel: object
+    pointer_types: dict[str, str]  # unlisted non-constexpr arguments are i32
+    constexprs: dict = field(default_factory=dict)
+    num_warps: int = 4
+
+
+def compile_variant(variant: Variant, report: bool) -> str:
+    """Compiles to a cubin (raises on a compile error); with report, one line of ptxas -v figures."""
+    kernel, constexprs = variant.kernel, variant.constexprs
+    signature = {name: "constexpr" if name in constexprs else variant.pointer_types.get(name, "i32")
+                 for name in kernel.arg_names}
     aligned = {
         (index,): [["tt.divisibility", 16]]
         for index, name in enumerate(kernel.arg_names)
         if name not in constexprs and (name.endswith("_ptr") or name.startswith("stride_"))
     }
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, aligned), target=TARGET, options={"num_warps": num_warps})
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, aligned), target=TARGET,
+                              options={"num_warps": variant.num_warps})
+    if not report:
+        return "cubin" if compiled.asm.get("cubin") else "no cubin"
     ptx_path = f"/tmp/{kernel.__name__}.ptx"
     with open(ptx_path, "w") as ptx_file:
         ptx_file.write(compiled.asm["ptx"])
@@ -44,27 +66,90 @@ def compile_kernel(kernel, pointer_types: dict[str, str], constexprs: dict, num_
     return "; ".join(figures) or result.stderr.strip()
 
 
-def main(dtypes: list[str]) -> None:
-    for dtype in dtypes:
-        precision = "ieee" if dtype == "fp32" else "tf32"
-        cache = {name: f"*{dtype}" for name in ("query_ptr", "key_cache_ptr", "value_cache_ptr", "out_ptr")}
-        cache.update(block_tables_ptr="*i32", context_lens_ptr="*i32", query_start_loc_ptr="*i32", scale_log2="fp32")
+def attention_variants(dtype: str) -> Iterator[Variant]:
+    precision = "ieee" if dtype == "fp32" else "tf32"
+    cache = {name: f"*{dtype}" for name in ("query_ptr", "key_cache_ptr", "value_cache_ptr", "out_ptr")}
+    cache.update(block_tables_ptr="*i32", context_lens_ptr="*i32", query_start_loc_ptr="*i32", scale_log2="fp32",
+                 softcap="fp32")
+    for softcap in (False, True):  # the softcap branch is the one the interpreter hid a compile error in
         for num_splits in (1, 4):
             types = dict(cache, out_ptr="*fp32" if num_splits > 1 else f"*{dtype}", lse_ptr="*fp32")
-            constexprs = dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_G=16, BLOCK_N=64, NUM_SPLITS=num_splits, PRECISION=precision, UPCAST=False)
-            print(dtype, f"decode, {num_splits} split(s):", compile_kernel(paged_decode_attention._paged_decode_kernel, types, constexprs))
-        merge = dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{dtype}")
-        print(dtype, "merge:", compile_kernel(paged_decode_attention._merge_splits_kernel, merge, dict(NUM_SPLITS=4, BLOCK_S=4, HEAD_DIM=128)))
+            constexprs = dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_G=16, BLOCK_N=64, NUM_SPLITS=num_splits,
+                              PRECISION=precision, UPCAST=False, SOFTCAP=softcap)
+            yield Variant(f"{dtype} decode, {num_splits} split(s), softcap {softcap}",
+                          paged_decode_attention._paged_decode_kernel, types, constexprs)
         for group, head_dim in ((4, 128), (3, 64)):
             block_m, block_n, num_warps = prefill_attention._tiles(TORCH_DTYPES[dtype], head_dim, group)
             constexprs = dict(BLOCK_SIZE=16, HEAD_DIM=head_dim, QUERIES_PER_KV=group, BLOCK_Q=block_m // group,
-                              BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, UPCAST=False)
-            print(dtype, f"prefill, G={group}, D={head_dim}:", compile_kernel(prefill_attention._prefill_kernel, cache, constexprs, num_warps))
-        tensors = {name: f"*{dtype}" for name in ("key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr")}
-        tensors.update(slot_mapping_ptr="*i64")
-        constexprs = dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128)
-        print(dtype, "write_kv:", compile_kernel(kv_write._write_kv_kernel, tensors, constexprs))
+                              BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, UPCAST=False, SOFTCAP=softcap)
+            yield Variant(f"{dtype} prefill, G={group}, D={head_dim}, softcap {softcap}", prefill_attention._prefill_kernel,
+                          cache, constexprs, num_warps)
+    merge = dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{dtype}")
+    yield Variant(f"{dtype} merge", paged_decode_attention._merge_splits_kernel, merge,
+                  dict(NUM_SPLITS=4, BLOCK_S=4, HEAD_DIM=128))
+    tensors = {name: f"*{dtype}" for name in ("key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr")}
+    yield Variant(f"{dtype} write_kv", kv_write._write_kv_kernel, dict(tensors, slot_mapping_ptr="*i64"),
+                  dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128))
+
+
+def linear_variants(dtype: str) -> Iterator[Variant]:
+    precision = "ieee" if dtype == "fp32" else "tf32"
+    types = dict(x_ptr=f"*{dtype}", codes_ptr="*u8", scales_ptr="*fp32", mins_ptr="*fp32", bias_ptr="*fp32",
+                 out_ptr=f"*{dtype}")
+    for bits, group_size in group_quant_matmul.LAYOUTS:
+        for num_rows in (1, 64):
+            block_m, block_n = group_quant_matmul._block_sizes(num_rows)
+            constexprs = dict(BITS=bits, GROUP_SIZE=group_size, HAS_BIAS=num_rows == 1, UPCAST=False,
+                              INPUT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n)
+            yield Variant(f"{dtype} group_quant {bits}-bit/{group_size}, {num_rows} row(s)",
+                          group_quant_matmul._group_quant_matmul_kernel, types, constexprs)
+    types = dict(x_ptr=f"*{dtype}", qweight_ptr="*i8", scales_ptr="*fp32", bias_ptr=f"*{dtype}", out_ptr=f"*{dtype}")
+    constexprs = dict(HAS_BIAS=True, UPCAST=False, INPUT_PRECISION=precision, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
+    yield Variant(f"{dtype} int8_matmul", int8_matmul._int8_weight_matmul_kernel, types, constexprs)
+
+
+def elementwise_variants(dtype: str) -> Iterator[Variant]:
+    for residual in (False, True):
+        types = {name: f"*{dtype}" for name in ("x_ptr", "residual_ptr", "weight_ptr", "out_ptr", "residual_out_ptr")}
+        yield Variant(f"{dtype} rms_norm, residual {residual}", rms_norm._rms_norm_kernel, dict(types, eps="fp32"),
+                      dict(HAS_RESIDUAL=residual, BLOCK_SIZE=4096))
+    types = dict(query_ptr=f"*{dtype}", key_ptr=f"*{dtype}", cos_ptr="*fp32", sin_ptr="*fp32")
+    yield Variant(f"{dtype} rotary", rotary._rotary_kernel, types, dict(BLOCK_HEADS=32, BLOCK_KV_HEADS=8, BLOCK_HALF=64))
+    types = {name: f"*{dtype}" for name in ("gate_ptr", "up_ptr", "out_ptr")}
+    yield Variant(f"{dtype} silu_and_mul", activation._silu_and_mul_kernel, types, dict(BLOCK_SIZE=activation.BLOCK_SIZE))
+    types = dict(logits_ptr=f"*{dtype}", temperature_ptr="*fp32", threshold_ptr="*fp32", seeds_ptr="*i64",
+                 bitmask_ptr="*i32", out_ptr="*i64", greedy_temperature="fp32")
+    for threshold, bitmask, rows in ((False, False, 1), (True, True, 1), (True, False, 8)):
+        yield Variant(f"{dtype} sample, threshold {threshold}, bitmask {bitmask}, {rows} row(s)", sampling._sample_kernel,
+                      types, dict(USE_THRESHOLD=threshold, USE_BITMASK=bitmask, BLOCK_ROWS=rows,
+                                  BLOCK_VOCAB=sampling.BLOCK_VOCAB))
+    yield Variant("exponential_noise", sampling._exponential_noise_kernel, dict(seeds_ptr="*i64", out_ptr="*fp32"),
+                  dict(BLOCK_ROWS=1, BLOCK_VOCAB=sampling.BLOCK_VOCAB))
+
+
+def variants(dtypes: list[str]) -> Iterator[Variant]:
+    """Every kernel in bf16 (or the first dtype asked for); the dot-product kernels in every dtype, since
+    float32 takes the ieee-precision branch."""
+    for index, dtype in enumerate(dtypes):
+        yield from attention_variants(dtype)
+        yield from linear_variants(dtype)
+        if index == 0:
+            yield from elementwise_variants(dtype)
+
+
+def main(argv: list[str]) -> int:
+    report = "--quiet" not in argv
+    dtypes = [arg for arg in argv if not arg.startswith("--")] or ["bf16", "fp16", "fp32"]
+    failed = 0
+    for variant in variants(dtypes):
+        try:
+            print(f"{variant.name}: {compile_variant(variant, report)}", flush=True)
+        except Exception as error:  # report every kernel, then fail
+            failed += 1
+            print(f"{variant.name}: FAILED {type(error).__name__}: {error}", flush=True)
+    print(f"{failed} kernel variant(s) failed to compile for sm_90" if failed else "every kernel variant compiled for sm_90")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["bf16", "fp16", "fp32"])
+    sys.exit(main(sys.argv[1:]))
