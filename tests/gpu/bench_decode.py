@@ -174,6 +174,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="all: CUDA graphs on/off x stream overlap on/off; default: both on")
     parser.add_argument("--quantization", default="none", choices=("none", "int4", "int8"),
                         help="group-quantize every linear (groups of 32), as --quantization does at load")
+    parser.add_argument("--gemv-config", help="BLOCK_N,BLOCK_GROUPS,num_warps for the group-quantized GEMV kernel "
+                        "(default: its GEMV_CONFIG; tests/gpu/run.sh passes bench_group_quant's best)")
     parser.add_argument("--output", help="write the rows as JSON here")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -199,6 +201,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
     print(f"device-to-device copy: {copy_gb_s:.1f} GB/s (read + write)", flush=True)
     started = time.perf_counter()
     model = random_llama(config, dtype, device, seed=args.seed)
+    if args.gemv_config:
+        from worker.kernels import group_quant_matmul
+
+        group_quant_matmul.GEMV_CONFIG = tuple(int(value) for value in args.gemv_config.split(","))
     if args.quantization != "none":
         quantize_linears(model, bits=int(args.quantization[3:]), group_size=32)
         if device.type == "cuda":
@@ -239,7 +245,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             torch.cuda.empty_cache()
     if args.output:
         with open(args.output, "w") as handle:
-            json.dump({"copy_gb_s": copy_gb_s, "quantization": args.quantization, "rows": [asdict(row) for row in rows]}, handle, indent=2)
+            json.dump({"copy_gb_s": copy_gb_s, "quantization": args.quantization, "gemv_config": args.gemv_config, "rows": [asdict(row) for row in rows]}, handle, indent=2)
     return rows
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device script, sized for one call on one H200 (a lease of 15 minutes, start included): at most
-# ~8 minutes here, every phase under its own timeout so a hang costs its phase, not the lease.
+# ~8 minutes here at most (about 4 when nothing hangs), every phase under its own timeout so a hang costs its phase, not the lease.
 #   1. Every kernel test on CUDA (TRITON_INTERPRET=0; the INT8 and group-quantized int4 / GGUF weight
 #      kernels included), spread over processes with pytest-xdist when the image has it, beside the
 #      CUDA-path tests of tests/gpu in one process (graphs, staging, the Triton runner against the torch
@@ -8,7 +8,8 @@
 #      free device memory). Triton compiles cold on a fresh machine; the processes share that work.
 #   2. Alone on the GPU: the decode-step benchmark on a Llama-3-8B-shaped random-weight model in bfloat16
 #      (batch 1/16/64/256, 512-1536 tokens of context; CUDA graphs on/off x stream overlap on/off, async
-#      scheduling on/off with both on), the same with int4 group-quantized linears, then issue 19's
+#      scheduling on/off with both on); the group-quantized kernels alone (tiled vs GEMV vs bf16 weights,
+#      the GEMV configurations swept) and the 8B model with int4 / int8 linears; then issue 19's
 #      memory-pressure benchmark, swap vs recompute vs static (bench_swap.py).
 #
 #   tests/gpu/run.sh [OUTPUT_DIR]     # default: $OUT if set, else ./gpu-output
@@ -16,8 +17,9 @@
 # Installs nothing: it needs python3 with torch (CUDA), triton, pytest and numpy, which the device image
 # carries, plus llguidance (worker.structured_output imports it), which the image lacks: carry its wheel
 # and put it on PYTHONPATH before calling this (device README: .whl). The repository goes on PYTHONPATH
-# instead of `pip install -e .`. OUTPUT_DIR gets gpu_run.log (the summary), kernels.log / cuda_paths.log (each pytest's own output),
-# kernels.xml / cuda_paths.xml (JUnit), bench_decode.json, bench_decode_int4.json, bench_swap.json (8 files: the device returns at most 8).
+# instead of `pip install -e .`. OUTPUT_DIR gets 8 files (the most the device returns): gpu_run.log (the
+# summary), kernels.log and cuda_paths.log (each pytest's own output), bench_decode.json, bench_group_quant.json,
+# bench_decode_int4.json, bench_decode_int8.json and bench_swap.json.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUTPUT_DIR="${1:-${OUT:-./gpu-output}}"
@@ -50,20 +52,26 @@ SPREAD=()
   status=0
   # tests/worker/test_kernel_backend.py and test_decode_graph_buffers.py stay out: they run the kernels
   # on CPU tensors, which only the interpreter takes; tests/gpu/test_cuda_paths.py is their CUDA twin.
-  run timeout 180 "${PYTEST[@]}" "${SPREAD[@]}" --junitxml "$OUTPUT_DIR/kernels.xml" tests/worker/kernels \
+  run timeout 180 "${PYTEST[@]}" "${SPREAD[@]}" tests/worker/kernels \
       >"$OUTPUT_DIR/kernels.log" 2>&1 &
   kernels=$!
   # one process: these read the device's free memory and capture graphs
-  run timeout 180 "${PYTEST[@]}" --junitxml "$OUTPUT_DIR/cuda_paths.xml" tests/gpu >"$OUTPUT_DIR/cuda_paths.log" 2>&1 \
+  run timeout 180 "${PYTEST[@]}" tests/gpu >"$OUTPUT_DIR/cuda_paths.log" 2>&1 \
       || status=1
   wait $kernels || status=1
   for part in kernels cuda_paths; do
     echo "-- $part:"; grep -E "^(FAILED|ERROR)|passed|failed|error|== rc=" "$OUTPUT_DIR/$part.log" | tail -40
   done
   run timeout 150 "$PYTHON" -m tests.gpu.bench_decode --output "$OUTPUT_DIR/bench_decode.json" || status=1
-  # issue 15 item 5: the same model with int4 group-quantized linears (the Triton group_quant_matmul kernel)
-  run timeout 70 "$PYTHON" -m tests.gpu.bench_decode --quantization int4 --settings default --batch-sizes 1,16,64 \
-      --output "$OUTPUT_DIR/bench_decode_int4.json" || status=1
+  # issue 15 item 5: the group-quantized kernels alone (GEMV configurations swept), then the 8B model with its
+  # linears in int4 and int8 groups of 32 through them, with the sweep's best GEMV configuration
+  run timeout 150 "$PYTHON" -m tests.gpu.bench_group_quant --output "$OUTPUT_DIR/bench_group_quant.json" || status=1
+  gemv=$("$PYTHON" -c "import json, sys; print(*json.load(open(sys.argv[1]))['best_gemv_config'], sep=',')" \
+      "$OUTPUT_DIR/bench_group_quant.json" 2>/dev/null)
+  for bits in int4 int8; do
+    run timeout 60 "$PYTHON" -m tests.gpu.bench_decode --quantization $bits --settings default --batch-sizes 1,8,16,64 \
+        ${gemv:+--gemv-config "$gemv"} --output "$OUTPUT_DIR/bench_decode_$bits.json" || status=1
+  done
   # issue 19: memory pressure on the GPU, preemption by swap (pinned host pages, copy stream) vs recompute vs static
   run timeout 100 "$PYTHON" -m tests.gpu.bench_swap --output "$OUTPUT_DIR/bench_swap.json" || status=1
   echo "== done: status=$status"

@@ -36,3 +36,11 @@ def test_swap_benchmark_dry_run_compares_the_three_modes(tmp_path):
     assert list(results) == ["swap", "recompute", "static"]
     assert results["swap"]["swapped"] > 0 and results["recompute"]["swapped"] == 0
     assert all(row["tokens_per_s"] > 0 and row["step_p99_ms"] >= row["step_p50_ms"] for row in results.values())
+
+
+def test_group_quant_benchmark_dry_run_checks_and_ranks(tmp_path):
+    from tests.gpu.bench_group_quant import main as bench_group_quant
+
+    results = bench_group_quant(["--dry-run", "--output", str(tmp_path / "gq.json")])
+    assert results["best_gemv_config"] and [row["rows"] for row in results["table"]] == [1, 3]
+    assert json.loads((tmp_path / "gq.json").read_text())["best_gemv_config"] == results["best_gemv_config"]

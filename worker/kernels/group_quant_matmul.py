@@ -13,6 +13,12 @@ a float32 partial sum and applies the group's scale to it, and adds mins[n, g] *
     y[m, n] = sum_g scales[n, g] * (x_g[m] . code_g[n]) + mins[n, g] * sum(x_g[m])
 so no dequantized weight is rounded to x's dtype; the result is rounded once, at the end.
 
+Decode (at most GEMV_MAX_ROWS rows) takes a second kernel: there the K loop of the tiled kernel, one group
+and two 16-deep dots a step, is latency-bound (an H200 read int4 codes at 7% of its copy bandwidth through it,
+3.5x slower than bfloat16 weights). The GEMV kernel reads BLOCK_GROUPS groups of BLOCK_N rows a step as one
+coalesced tile, multiplies in float32 on the CUDA cores (the same per-group sums, scale and min applied per
+group, nothing rounded before the end) and reuses the tile for each of its rows.
+
 group_quant_matmul_torch is the same computation in plain torch (the weight dequantized to float32), the
 reference in the tests.
 """
@@ -27,6 +33,8 @@ from worker.kernels.checks import FLOAT_DTYPES, check_tensor
 
 # (bits, group_size) the kernel runs: llama.cpp's 4-bit blocks hold 32 codes; Q6_K's 8-bit groups hold 16
 LAYOUTS = ((4, 32), (8, 32), (8, 16))
+GEMV_MAX_ROWS = 8  # up to this many rows the codes are read once for all rows, on the CUDA cores
+GEMV_CONFIG = (32, 8, 4)  # (BLOCK_N, BLOCK_GROUPS, num_warps): not yet chosen on a device
 
 
 @triton.jit
@@ -91,6 +99,59 @@ def _group_quant_matmul_kernel(
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out_row + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _group_quant_gemv_kernel(
+    x_ptr, codes_ptr, scales_ptr, mins_ptr, bias_ptr, out_ptr,  # as _group_quant_matmul_kernel
+    M, N, num_groups,
+    stride_x_row, stride_codes_row, stride_scales_row, stride_mins_row, stride_out_row,
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    GROUP_BYTES: tl.constexpr,  # a group's bytes in its container: GROUP_SIZE * BITS / 8
+    HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr,  # M padded to a power of two, at most GEMV_MAX_ROWS
+    BLOCK_N: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,  # groups per K step
+):  # fmt: skip
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    col_mask = cols < N
+    rows = tl.arange(0, ROWS)
+    depth = tl.arange(0, GROUP_BYTES)  # byte j of a 4-bit group holds columns j and j + 16
+    code_rows = codes_ptr + cols.to(tl.int64)[:, None, None] * stride_codes_row  # [BLOCK_N, 1, 1]
+    scale_rows = scales_ptr + cols.to(tl.int64)[:, None] * stride_scales_row  # [BLOCK_N, 1]
+    min_rows = mins_ptr + cols.to(tl.int64)[:, None] * stride_mins_row
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for first in range(0, num_groups, BLOCK_GROUPS):
+        groups = first + tl.arange(0, BLOCK_GROUPS)  # [BLOCK_GROUPS]
+        group_mask = groups < num_groups
+        tile_mask = col_mask[:, None] & group_mask[None, :]  # [BLOCK_N, BLOCK_GROUPS]
+        packed = tl.load(code_rows + groups[None, :, None] * GROUP_BYTES + depth[None, None, :],
+                         mask=tile_mask[:, :, None], other=0)  # [BLOCK_N, BLOCK_GROUPS, GROUP_BYTES]
+        scales = tl.load(scale_rows + groups[None, :], mask=tile_mask, other=0.0)
+        mins = tl.load(min_rows + groups[None, :], mask=tile_mask, other=0.0)
+        if BITS == 4:
+            low, high = (packed & 0x0F).to(tl.float32), (packed >> 4).to(tl.float32)
+        else:
+            low = packed.to(tl.float32)
+        x_offsets = groups[:, None] * GROUP_SIZE + depth[None, :]  # [BLOCK_GROUPS, GROUP_BYTES]
+        for row in tl.static_range(ROWS):
+            # a [BLOCK_GROUPS] tensor, not the scalar row < M: the interpreter's masked load takes no scalar bool
+            x_mask = (group_mask & (tl.full([BLOCK_GROUPS], row, tl.int32) < M))[:, None]
+            x_row = x_ptr + row * stride_x_row
+            x_low = tl.load(x_row + x_offsets, mask=x_mask, other=0.0).to(tl.float32)
+            dots = tl.sum(low * x_low[None, :, :], axis=2)  # [BLOCK_N, BLOCK_GROUPS]: code . x per group
+            x_sum = tl.sum(x_low, axis=1)  # [BLOCK_GROUPS]
+            if BITS == 4:
+                x_high = tl.load(x_row + x_offsets + GROUP_BYTES, mask=x_mask, other=0.0).to(tl.float32)
+                dots += tl.sum(high * x_high[None, :, :], axis=2)
+                x_sum += tl.sum(x_high, axis=1)
+            part = tl.sum(dots * scales + mins * x_sum[None, :], axis=1)  # [BLOCK_N]
+            acc = tl.where(rows[:, None] == row, acc + part[None, :], acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out_row + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & col_mask[None, :])
 
 
 def _check_inputs(
@@ -162,10 +223,12 @@ def group_quant_matmul(
     group_size: int,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    gemv_config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """x: [M, K] float (rows may be strided); codes: uint8 [N, K] (bits 8) or [N, K / 2] (bits 4, packed);
     scales, mins: float32 [N, K / group_size]; bias: [N] float32 or x's dtype, or None
-    -> out [M, N] in x's dtype (allocated when None, else written and returned)."""
+    -> out [M, N] in x's dtype (allocated when None, else written and returned).
+    gemv_config: (BLOCK_N, BLOCK_GROUPS, num_warps) for M <= GEMV_MAX_ROWS instead of GEMV_CONFIG (benchmarks)."""
     _check_inputs("group_quant_matmul", x, codes, scales, mins, bits, group_size, bias)
     num_rows, in_features = x.shape
     num_outputs = codes.shape[0]
@@ -174,11 +237,25 @@ def group_quant_matmul(
     check_tensor("group_quant_matmul", "out", out, (num_rows, num_outputs), (x.dtype,), x.device)
     if num_rows == 0 or num_outputs == 0:
         return out
+    bias_or_any = bias if bias is not None else scales  # a pointer the kernel never reads without HAS_BIAS
+    if num_rows <= GEMV_MAX_ROWS:
+        block_n, block_groups, num_warps = gemv_config or GEMV_CONFIG
+        _group_quant_gemv_kernel[(triton.cdiv(num_outputs, block_n),)](
+            x, codes, scales, mins, bias_or_any, out,
+            num_rows, num_outputs, in_features // group_size,
+            x.stride(0), codes.stride(0), scales.stride(0), mins.stride(0), out.stride(0),
+            BITS=bits, GROUP_SIZE=group_size, GROUP_BYTES=group_size * bits // 8,
+            HAS_BIAS=bias is not None,
+            ROWS=triton.next_power_of_2(num_rows),
+            BLOCK_N=block_n, BLOCK_GROUPS=block_groups,
+            num_warps=num_warps,
+        )  # fmt: skip
+        return out
     upcast = _dot_upcast(x)
     block_m, block_n = _block_sizes(num_rows)
     grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_outputs, block_n))
     _group_quant_matmul_kernel[grid](
-        x, codes, scales, mins, bias if bias is not None else scales, out,
+        x, codes, scales, mins, bias_or_any, out,
         num_rows, num_outputs, in_features // group_size,
         x.stride(0), codes.stride(0), scales.stride(0), mins.stride(0), out.stride(0),
         BITS=bits, GROUP_SIZE=group_size,

@@ -97,12 +97,17 @@ def linear_variants(dtype: str) -> Iterator[Variant]:
     types = dict(x_ptr=f"*{dtype}", codes_ptr="*u8", scales_ptr="*fp32", mins_ptr="*fp32", bias_ptr="*fp32",
                  out_ptr=f"*{dtype}")
     for bits, group_size in group_quant_matmul.LAYOUTS:
-        for num_rows in (1, 64):
-            block_m, block_n = group_quant_matmul._block_sizes(num_rows)
-            constexprs = dict(BITS=bits, GROUP_SIZE=group_size, HAS_BIAS=num_rows == 1, UPCAST=False,
-                              INPUT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n)
-            yield Variant(f"{dtype} group_quant {bits}-bit/{group_size}, {num_rows} row(s)",
-                          group_quant_matmul._group_quant_matmul_kernel, types, constexprs)
+        block_m, block_n = group_quant_matmul._block_sizes(64)
+        constexprs = dict(BITS=bits, GROUP_SIZE=group_size, HAS_BIAS=False, UPCAST=False,
+                          INPUT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n)
+        yield Variant(f"{dtype} group_quant {bits}-bit/{group_size}, tiled", group_quant_matmul._group_quant_matmul_kernel,
+                      types, constexprs)
+        block_n, block_groups, num_warps = group_quant_matmul.GEMV_CONFIG
+        for rows in (1, group_quant_matmul.GEMV_MAX_ROWS):
+            constexprs = dict(BITS=bits, GROUP_SIZE=group_size, GROUP_BYTES=group_size * bits // 8, HAS_BIAS=rows == 1,
+                              ROWS=rows, BLOCK_N=block_n, BLOCK_GROUPS=block_groups)
+            yield Variant(f"{dtype} group_quant {bits}-bit/{group_size}, GEMV {rows} row(s)",
+                          group_quant_matmul._group_quant_gemv_kernel, types, constexprs, num_warps)
     types = dict(x_ptr=f"*{dtype}", qweight_ptr="*i8", scales_ptr="*fp32", bias_ptr=f"*{dtype}", out_ptr=f"*{dtype}")
     constexprs = dict(HAS_BIAS=True, UPCAST=False, INPUT_PRECISION=precision, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
     yield Variant(f"{dtype} int8_matmul", int8_matmul._int8_weight_matmul_kernel, types, constexprs)

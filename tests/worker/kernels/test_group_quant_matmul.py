@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from tests.worker.kernels.tolerances import assert_close
 from worker.group_quant import GroupQuantLinear, GroupQuantWeight, quantize_weight
-from worker.kernels.group_quant_matmul import LAYOUTS, group_quant_matmul, group_quant_matmul_torch
+from worker.kernels.group_quant_matmul import GEMV_MAX_ROWS, LAYOUTS, group_quant_matmul, group_quant_matmul_torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NUM_OUTPUTS, IN_FEATURES = 40, 96  # N = 40: a partial column tile; K = 96: three groups of 32, six of 16
@@ -53,6 +53,20 @@ def test_kernel_matches_the_dequantized_matmul_on_strided_rows(bits, group_size,
 
     assert out.dtype == dtype and out.shape == (num_rows, NUM_OUTPUTS)
     assert_close(out, _reference(x, weight, bias), dtype)
+
+
+@pytest.mark.parametrize("bits,group_size", LAYOUTS)
+@pytest.mark.parametrize("num_rows", [1, 3, GEMV_MAX_ROWS])
+def test_gemv_kernel_steps_over_many_groups_with_a_partial_last_step(bits, group_size, num_rows):
+    in_features = 11 * 32  # 11 groups of 32 (22 of 16): three steps of 4 groups (8), the last one partial
+    weight = quantize_weight(_randn(NUM_OUTPUTS, in_features, seed=13) - 0.25, bits, group_size)
+    x = _randn(num_rows, in_features, seed=14).to(torch.bfloat16)
+    bias = _randn(NUM_OUTPUTS, seed=15)
+
+    out = group_quant_matmul(x, weight.codes, weight.scales, weight.mins, bits, group_size, bias,
+                             gemv_config=(16, 4 if group_size == 32 else 8, 2))  # 3 column tiles, the last partial
+
+    assert_close(out, _reference(x, weight, bias), torch.bfloat16)
 
 
 @pytest.mark.parametrize("bits,group_size", LAYOUTS)

@@ -1,0 +1,135 @@
+"""Group-quantized weight-only matmul on the GPU, on Llama-3-8B's linear shapes: `python -m tests.gpu.bench_group_quant`.
+
+Per shape, layout and row count: the tiled kernel (the only one before the GEMV kernel), the GEMV kernel
+(at most GEMV_MAX_ROWS rows) and bfloat16 weights through torch (cuBLAS), as microseconds and achieved
+GB/s (codes, scales, mins, x and out, each once). First it sweeps the GEMV kernel's (BLOCK_N, BLOCK_GROUPS,
+num_warps) at one row, 4-bit groups of 32, over every shape, and ranks the configurations by their summed
+time; the best is the one every later row uses, and the last line printed is `best gemv config: N,G,W`
+(tests/gpu/run.sh hands it to bench_decode). Every timed output is first checked against the float32
+reference. Times are medians of CUDA-graph replays. --dry-run: a tiny shape on the CPU under the Triton interpreter, one configuration.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # name: (in_features K, out_features N), Llama-3-8B
+    "wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 28672), "w_down": (14336, 4096),
+    "lm_head": (4096, 128256)}
+SWEEP = list(itertools.product((16, 32, 64), (4, 8, 16), (2, 4, 8)))  # (BLOCK_N, BLOCK_GROUPS, num_warps)
+
+
+def time_us(fn, device: torch.device) -> float:
+    if device.type != "cuda":
+        fn()
+        return float("nan")
+    import triton.testing
+
+    # replayed from a CUDA graph, as the runner's decode steps are: eager launches cost more host time
+    # (argument checks, the launcher) than a one-row GEMV takes on the device
+    return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median") * 1e3
+
+
+def make_weight(k: int, n: int, bits: int, group_size: int, device: torch.device, seed: int):
+    from worker.group_quant import quantize_weight
+
+    generator = torch.Generator(device=device).manual_seed(seed)
+    weight = torch.randn(n, k, device=device, generator=generator) * 0.02
+    return quantize_weight(weight, bits, group_size)
+
+
+def bytes_moved(weight, rows: int, k: int, n: int) -> int:
+    return (weight.codes.numel() + 4 * weight.scales.numel() + 4 * weight.mins.numel()) + 2 * rows * (k + n)
+
+
+def check(out: torch.Tensor, reference: torch.Tensor, what: str) -> float:
+    error = ((out.float() - reference).norm() / reference.norm()).item()
+    if not error < 1e-2:  # bfloat16 output rounding is ~4e-3 relative; a wrong nibble or min is O(1)
+        raise AssertionError(f"{what}: relative error {error:.3g} against the float32 reference")
+    return error
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m tests.gpu.bench_group_quant", description=__doc__)
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--rows", default="1,4,8,16")
+    parser.add_argument("--output", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from worker.kernels import group_quant_matmul as gq
+
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    shapes = {"tiny": (96, 40)} if args.dry_run else SHAPES
+    sweep = [gq.GEMV_CONFIG] if args.dry_run else SWEEP
+    layouts = [(4, 32)] if args.dry_run else list(gq.LAYOUTS)
+    row_counts = [1, 3] if args.dry_run else [int(r) for r in args.rows.split(",")]
+    weights = {(name, bits, group): make_weight(k, n, bits, group, device, seed)
+               for seed, (name, (k, n)) in enumerate(shapes.items()) for bits, group in layouts}
+    inputs = {(name, rows): torch.randn(rows, k, device=device).to(torch.bfloat16)
+              for name, (k, n) in shapes.items() for rows in row_counts}
+
+    def timed(name, bits, group, rows, config=None, tiled=False):
+        weight, x = weights[name, bits, group], inputs[name, rows]
+        reference = F.linear(x.float(), weight.dequantize())
+
+        def call():
+            limit = gq.GEMV_MAX_ROWS
+            gq.GEMV_MAX_ROWS = 0 if tiled else limit
+            try:
+                return gq.group_quant_matmul(x, weight.codes, weight.scales, weight.mins, bits, group, gemv_config=config)
+            finally:
+                gq.GEMV_MAX_ROWS = limit
+
+        check(call(), reference, f"{name} {bits}-bit/{group} rows {rows} {'tiled' if tiled else config}")
+        return time_us(call, device)
+
+    # 1. the GEMV sweep: one row, 4-bit groups of 32
+    sweep_rows = []
+    for config in sweep:
+        try:
+            per_shape = {name: timed(name, 4, 32, 1, config) for name in shapes}
+        except Exception as error:  # a configuration the compiler rejects (registers, shared memory) is skipped
+            print(f"gemv {config}: skipped, {type(error).__name__}: {str(error)[:160]}", flush=True)
+            continue
+        total = sum(per_shape.values())
+        sweep_rows.append({"config": list(config), "total_us": total, "us": per_shape})
+        print(f"gemv {config}: " + " ".join(f"{name} {us:7.1f}" for name, us in per_shape.items())
+              + f"  total {total:8.1f} us", flush=True)
+    ranked = sorted(sweep_rows, key=lambda row: row["total_us"]) if device.type == "cuda" else sweep_rows
+    best = tuple(ranked[0]["config"]) if ranked else gq.GEMV_CONFIG
+
+    # 2. every layout and row count: tiled vs GEMV (best config) vs bfloat16 weights
+    print(f"{'shape':>9} {'layout':>7} {'rows':>4} {'tiled us':>9} {'gemv us':>8} {'bf16 us':>8} "
+          f"{'gemv GB/s':>9} {'tiled/gemv':>10} {'bf16/gemv':>9}", flush=True)
+    table = []
+    for (name, (k, n)), (bits, group), rows in itertools.product(shapes.items(), layouts, row_counts):
+        weight, x = weights[name, bits, group], inputs[name, rows]
+        tiled_us = timed(name, bits, group, rows, tiled=True)
+        gemv_us = timed(name, bits, group, rows, best) if rows <= gq.GEMV_MAX_ROWS else float("nan")
+        dense = weight.dequantize().to(torch.bfloat16)
+        dense_us = time_us(lambda: F.linear(x, dense), device)
+        del dense
+        fastest = min(tiled_us, gemv_us) if gemv_us == gemv_us else tiled_us
+        row = {"shape": name, "k": k, "n": n, "bits": bits, "group_size": group, "rows": rows, "tiled_us": tiled_us,
+               "gemv_us": gemv_us, "bf16_us": dense_us, "gb_s": bytes_moved(weight, rows, k, n) / fastest / 1e3}
+        table.append(row)
+        print(f"{name:>9} {bits}/{group:<5} {rows:>4} {tiled_us:>9.1f} {gemv_us:>8.1f} {dense_us:>8.1f} "
+              f"{row['gb_s']:>9.0f} {tiled_us / gemv_us:>10.2f} {dense_us / gemv_us:>9.2f}", flush=True)
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "best_gemv_config": list(best), "sweep": ranked, "table": table}
+    if args.output:
+        with open(args.output, "w") as handle:
+            json.dump(results, handle, indent=2)
+    print(f"best gemv config: {','.join(map(str, best))}", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
