@@ -52,28 +52,28 @@ SPREAD=()
   status=0
   # tests/worker/test_kernel_backend.py and test_decode_graph_buffers.py stay out: they run the kernels
   # on CPU tensors, which only the interpreter takes; tests/gpu/test_cuda_paths.py is their CUDA twin.
-  run timeout 180 "${PYTEST[@]}" "${SPREAD[@]}" tests/worker/kernels \
+  run timeout 150 "${PYTEST[@]}" "${SPREAD[@]}" tests/worker/kernels \
       >"$OUTPUT_DIR/kernels.log" 2>&1 &
   kernels=$!
   # one process: these read the device's free memory and capture graphs
-  run timeout 180 "${PYTEST[@]}" tests/gpu >"$OUTPUT_DIR/cuda_paths.log" 2>&1 \
+  run timeout 150 "${PYTEST[@]}" tests/gpu >"$OUTPUT_DIR/cuda_paths.log" 2>&1 \
       || status=1
   wait $kernels || status=1
   for part in kernels cuda_paths; do
     echo "-- $part:"; grep -E "^(FAILED|ERROR)|passed|failed|error|== rc=" "$OUTPUT_DIR/$part.log" | tail -40
   done
-  run timeout 150 "$PYTHON" -m tests.gpu.bench_decode --output "$OUTPUT_DIR/bench_decode.json" || status=1
+  run timeout 90 "$PYTHON" -m tests.gpu.bench_decode --output "$OUTPUT_DIR/bench_decode.json" || status=1
   # issue 15 item 5: the group-quantized kernels alone (GEMV configurations swept), then the 8B model with its
   # linears in int4 and int8 groups of 32 through them, with the sweep's best GEMV configuration
   run timeout 150 "$PYTHON" -m tests.gpu.bench_group_quant --output "$OUTPUT_DIR/bench_group_quant.json" || status=1
   gemv=$("$PYTHON" -c "import json, sys; print(*json.load(open(sys.argv[1]))['best_gemv_config'], sep=',')" \
       "$OUTPUT_DIR/bench_group_quant.json" 2>/dev/null)
   for bits in int4 int8; do
-    run timeout 60 "$PYTHON" -m tests.gpu.bench_decode --quantization $bits --settings default --batch-sizes 1,8,16,64 \
+    run timeout 50 "$PYTHON" -m tests.gpu.bench_decode --quantization $bits --settings default --batch-sizes 1,8,16,64 \
         ${gemv:+--gemv-config "$gemv"} --output "$OUTPUT_DIR/bench_decode_$bits.json" || status=1
   done
   # issue 19: memory pressure on the GPU, preemption by swap (pinned host pages, copy stream) vs recompute vs static
-  run timeout 100 "$PYTHON" -m tests.gpu.bench_swap --output "$OUTPUT_DIR/bench_swap.json" || status=1
+  run timeout 80 "$PYTHON" -m tests.gpu.bench_swap --output "$OUTPUT_DIR/bench_swap.json" || status=1
   echo "== done: status=$status"
   exit $status
 } 2>&1 | tee "$LOG"
