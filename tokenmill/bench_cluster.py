@@ -3,7 +3,8 @@
 Same model, same requests, one run. Starts a real cluster (redis-server, worker, scheduler, gateway
 as separate processes) and, in this process, the in-process engine; measures output tokens/s and
 time to first token (TTFT) of both, under the full workload (all requests at once) and one request
-at a time (sync mode). A command, not a test.
+at a time (sync mode). The full workload runs --rounds times on each path, back to back, the order
+reversed every round; the ratio reported is the median round's. A command, not a test.
 """
 from __future__ import annotations
 
@@ -83,8 +84,17 @@ async def stream_one(stub, prompt: str, max_tokens: int, start: float) -> tuple[
     return ttft, ids, forward_ns
 
 
-async def run_cluster(address: str, llm: LLM, prompts: list[str], local: dict, output_lens: list[int],
-                      sync_prompts: list[str], tokenizer: TextTokenizer) -> dict:
+async def cluster_load(stub, prompts: list[str], output_lens: list[int]) -> dict:
+    """The whole workload at once through the gateway."""
+    start = time.perf_counter()
+    results = await asyncio.gather(*(stream_one(stub, p, n, start) for p, n in zip(prompts, output_lens)))
+    elapsed = time.perf_counter() - start
+    return {"output_tokens_per_s": sum(output_lens) / elapsed, "elapsed_s": elapsed,
+            "ttft_p50_s": percentile([r[0] for r in results], 0.5), "outputs": [r[1] for r in results]}
+
+
+async def run_cluster(address: str, llm: LLM, prompt_ids: list[list[int]], prompts: list[str], output_lens: list[int],
+                      sync_prompts: list[str], tokenizer: TextTokenizer, rounds: int) -> dict:
     import grpc
 
     from protos.tokenmill.v1 import generation_pb2_grpc
@@ -101,16 +111,28 @@ async def run_cluster(address: str, llm: LLM, prompts: list[str], local: dict, o
             ttft, _, forward_ns = await stream_one(stub, prompt, 1, time.perf_counter())
             remote_ttfts.append(ttft)
             beyond_forward.append(ttft - forward_ns * 1e-9)  # all that is not the worker's own step
-        start = time.perf_counter()
-        results = await asyncio.gather(*(stream_one(stub, p, n, start) for p, n in zip(prompts, output_lens)))
-        elapsed = time.perf_counter() - start
-    remote = {"output_tokens_per_s": sum(output_lens) / elapsed, "elapsed_s": elapsed,
-              "ttft_p50_s": percentile([r[0] for r in results], 0.5),
-              "sync_ttft_p50_s": statistics.median(remote_ttfts), "outputs": [r[1] for r in results]}
+        # The full workload on both paths, back to back, the order reversed every round: this shared
+        # machine's speed drifts by tens of percent over minutes (one process's decode step measured
+        # 8-12.6 ms within a minute), so one run of each side would compare two moments, not two paths.
+        pairs = []
+        for index in range(rounds):
+            pair = {}
+            for side in ("local", "remote") if index % 2 == 0 else ("remote", "local"):
+                pair[side] = (run_in_process(llm, prompt_ids, output_lens) if side == "local"
+                              else await cluster_load(stub, prompts, output_lens))
+            pairs.append(pair)
+    ratios = [pair["remote"]["output_tokens_per_s"] / pair["local"]["output_tokens_per_s"] for pair in pairs]
+    median_pair = pairs[sorted(range(rounds), key=ratios.__getitem__)[rounds // 2]]
+    local, remote = median_pair["local"], median_pair["remote"]
     local["sync_ttft_p50_s"] = statistics.median(local_ttfts)
     local["sync_added_ttft_ms"] = [(r - l) * 1e3 for l, r in zip(local_ttfts, remote_ttfts)]
+    remote["sync_ttft_p50_s"] = statistics.median(remote_ttfts)
     remote["sync_ttft_beyond_worker_step_p50_ms"] = statistics.median(beyond_forward) * 1e3
-    return {"local": local, "remote": remote}
+    rounds_summary = [{"order": "in-process first" if index % 2 == 0 else "cluster first",
+                       "in_process_tok_s": pair["local"]["output_tokens_per_s"],
+                       "cluster_tok_s": pair["remote"]["output_tokens_per_s"], "ratio": ratio}
+                      for index, (pair, ratio) in enumerate(zip(pairs, ratios))]
+    return {"local": local, "remote": remote, "rounds": rounds_summary}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-cache-mb", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="the full workload on both paths this many times, alternating which goes first; the "
+                             "ratio reported is the median round's (default: %(default)s)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="the cluster's scheduler plans step N+1 while the worker runs step N (serve's flag)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
@@ -134,27 +161,32 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(kv_cache_bytes=args.kv_cache_mb * 2**20, max_num_seqs=max(64, args.num_requests))
     llm = LLM(config, progress=False)
     llm.generate([prompt_ids[0][:16]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    local = run_in_process(llm, prompt_ids, output_lens)  # alone on the machine, like the cluster run
 
     from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
     from tokenmill.supervisor import Supervisor
 
     cluster_config = resolve_ports(ClusterConfig(gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
-                                                 kv_cache_mb=args.kv_cache_mb, max_num_seqs=config.max_num_seqs))
+                                                 kv_cache_mb=args.kv_cache_mb, max_num_seqs=config.max_num_seqs,
+                                                 async_scheduling=args.async_scheduling))
     with Supervisor(cluster_specs(cluster_config), echo=False):
         sync_prompts = text_prompts(tokenizer, 32, 8, args.seed + 1)
-        runs = asyncio.run(run_cluster(cluster_config.gateway_address, llm, prompts, local, output_lens,
-                                       sync_prompts, tokenizer))
+        runs = asyncio.run(run_cluster(cluster_config.gateway_address, llm, prompt_ids, prompts, output_lens,
+                                       sync_prompts, tokenizer, args.rounds))
     local, remote = runs["local"], runs["remote"]
+    for index, row in enumerate(runs["rounds"]):
+        log(f"round {index + 1} ({row['order']}): in-process {row['in_process_tok_s']:.1f} tok/s, "
+            f"cluster {row['cluster_tok_s']:.1f} tok/s, ratio {row['ratio']:.3f}")
     sync_ttft = local["sync_ttft_p50_s"]
-    log(f"in-process: {local['output_tokens_per_s']:.1f} tok/s, TTFT P50 {local['ttft_p50_s'] * 1e3:.0f} ms")
-    log(f"cluster:    {remote['output_tokens_per_s']:.1f} tok/s, TTFT P50 {remote['ttft_p50_s'] * 1e3:.0f} ms")
+    log(f"median round: in-process {local['output_tokens_per_s']:.1f} tok/s, TTFT P50 {local['ttft_p50_s'] * 1e3:.0f} ms; "
+        f"cluster {remote['output_tokens_per_s']:.1f} tok/s, TTFT P50 {remote['ttft_p50_s'] * 1e3:.0f} ms")
     result = {
+        "async_scheduling": args.async_scheduling,
         "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
                      "output_lens": [args.min_output, args.max_output], "seed": args.seed},
         "in_process": {k: v for k, v in local.items() if k not in ("outputs", "sync_added_ttft_ms")},
         "cluster_grpc": {k: v for k, v in remote.items() if k != "outputs"},
-        "throughput_ratio": remote["output_tokens_per_s"] / local["output_tokens_per_s"],
+        "throughput_ratio": remote["output_tokens_per_s"] / local["output_tokens_per_s"],  # the median round's
+        "rounds": runs["rounds"],
         "added_ttft_p50_ms": (remote["ttft_p50_s"] - local["ttft_p50_s"]) * 1e3,
         "added_sync_ttft_p50_ms": (remote["sync_ttft_p50_s"] - sync_ttft) * 1e3,
         "added_sync_ttft_paired_p50_ms": statistics.median(local["sync_added_ttft_ms"]),
@@ -168,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                                 ("gateway -> scheduler -> worker", result["cluster_grpc"], remote["sync_ttft_p50_s"])):
             print(f"{name:<26}{row['output_tokens_per_s']:>14.1f}{row['ttft_p50_s'] * 1e3:>14.0f} ms"
                   f"{sync * 1e3:>21.1f} ms")
-        print(f"\nthroughput cluster / in-process: {result['throughput_ratio']:.3f}; added TTFT P50: "
+        ratios = ", ".join(f"{row['ratio']:.3f}" for row in result["rounds"])
+        print(f"\nthroughput cluster / in-process: {result['throughput_ratio']:.3f} (median of {ratios}); added TTFT P50: "
               f"{result['added_ttft_p50_ms']:.1f} ms under load, {result['added_sync_ttft_paired_p50_ms']:.1f} ms sync "
               f"(8-token prompts, median of 32 paired differences); client TTFT minus the worker's own "
               f"step time: {remote['sync_ttft_beyond_worker_step_p50_ms']:.1f} ms (P50); "
