@@ -4,7 +4,8 @@ Same model, same requests, one run. Starts a real cluster (redis-server, worker,
 as separate processes) and, in this process, the in-process engine; measures output tokens/s and
 time to first token (TTFT) of both, under the full workload (all requests at once) and one request
 at a time (sync mode). The full workload runs --rounds times on each path, back to back, the order
-reversed every round; the ratio reported is the median round's. A command, not a test.
+reversed every round, each round with its own prompts (the cluster's prefix cache outlives a round);
+the ratio reported is the median round's. A command, not a test.
 """
 from __future__ import annotations
 
@@ -93,15 +94,18 @@ async def cluster_load(stub, prompts: list[str], output_lens: list[int]) -> dict
             "ttft_p50_s": percentile([r[0] for r in results], 0.5), "outputs": [r[1] for r in results]}
 
 
-async def run_cluster(address: str, llm: LLM, prompt_ids: list[list[int]], prompts: list[str], output_lens: list[int],
-                      sync_prompts: list[str], tokenizer: TextTokenizer, rounds: int) -> dict:
+async def run_cluster(address: str, llm: LLM, workloads: list[list[str]], output_lens: list[int],
+                      sync_prompts: list[str], warm_up_prompt: str, tokenizer: TextTokenizer) -> dict:
+    """workloads: one prompt list per round, each its own texts: the cluster's scheduler keeps its prefix
+    cache across rounds (the in-process side starts a new engine each time), so repeated prompts would
+    be cache hits on one side only."""
     import grpc
 
     from protos.tokenmill.v1 import generation_pb2_grpc
 
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        await stream_one(stub, prompts[0], 4, time.perf_counter())  # warm-up
+        await stream_one(stub, warm_up_prompt, 4, time.perf_counter())
         # Sync mode with short prompts (a short forward pass, so little noise around the overhead),
         # the two paths alternating request by request so drift on this shared machine lands on
         # both: the paired difference is what the gateway and the two gRPC hops add.
@@ -115,12 +119,13 @@ async def run_cluster(address: str, llm: LLM, prompt_ids: list[list[int]], promp
         # machine's speed drifts by tens of percent over minutes (one process's decode step measured
         # 8-12.6 ms within a minute), so one run of each side would compare two moments, not two paths.
         pairs = []
-        for index in range(rounds):
+        for index, prompts in enumerate(workloads):
             pair = {}
             for side in ("local", "remote") if index % 2 == 0 else ("remote", "local"):
-                pair[side] = (run_in_process(llm, prompt_ids, output_lens) if side == "local"
+                pair[side] = (run_in_process(llm, [tokenizer.encode(p) for p in prompts], output_lens) if side == "local"
                               else await cluster_load(stub, prompts, output_lens))
             pairs.append(pair)
+    rounds = len(workloads)
     ratios = [pair["remote"]["output_tokens_per_s"] / pair["local"]["output_tokens_per_s"] for pair in pairs]
     median_pair = pairs[sorted(range(rounds), key=ratios.__getitem__)[rounds // 2]]
     local, remote = median_pair["local"], median_pair["remote"]
@@ -154,13 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
 
     tokenizer = load_tokenizer(None)
-    prompts = text_prompts(tokenizer, args.num_requests, args.prompt_len, args.seed)
-    prompt_ids = [tokenizer.encode(p) for p in prompts]
+    workloads = [text_prompts(tokenizer, args.num_requests, args.prompt_len, args.seed + 1000 * index)
+                 for index in range(args.rounds)]
     output_lens = make_workload(tokenizer.vocab_size, args.num_requests, args.prompt_len, args.min_output,
                                 args.max_output, args.seed).output_lens
     config = EngineConfig(kv_cache_bytes=args.kv_cache_mb * 2**20, max_num_seqs=max(64, args.num_requests))
     llm = LLM(config, progress=False)
-    llm.generate([prompt_ids[0][:16]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    warm_up_prompt = text_prompts(tokenizer, 1, 16, args.seed + 999)[0]
+    llm.generate([tokenizer.encode(warm_up_prompt)], SamplingParams(max_tokens=4, temperature=0.0))
 
     from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
     from tokenmill.supervisor import Supervisor
@@ -170,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  async_scheduling=args.async_scheduling))
     with Supervisor(cluster_specs(cluster_config), echo=False):
         sync_prompts = text_prompts(tokenizer, 32, 8, args.seed + 1)
-        runs = asyncio.run(run_cluster(cluster_config.gateway_address, llm, prompt_ids, prompts, output_lens,
-                                       sync_prompts, tokenizer, args.rounds))
+        runs = asyncio.run(run_cluster(cluster_config.gateway_address, llm, workloads, output_lens, sync_prompts,
+                                       warm_up_prompt, tokenizer))
     local, remote = runs["local"], runs["remote"]
     for index, row in enumerate(runs["rounds"]):
         log(f"round {index + 1} ({row['order']}): in-process {row['in_process_tok_s']:.1f} tok/s, "
