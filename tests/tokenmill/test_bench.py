@@ -107,7 +107,9 @@ def test_bench_against_a_started_cluster_reports_sane_numbers(tmp_path):
 
     config = resolve_ports(ClusterConfig(gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
                                          http_port=0, kv_cache_mb=64, max_num_batched_tokens=256))
-    workload = ["--num-requests", "4", "--prompt-len", "8", "--min-output", "4", "--max-output", "8", "--no-plots"]
+    # outputs long enough that a level outlasts a few of the 0.2 s GetLoad polls (at 4-8 tokens a level took
+    # ~0.1 s on a faster CPU and no poll saw the cache in use)
+    workload = ["--num-requests", "4", "--prompt-len", "8", "--min-output", "24", "--max-output", "32", "--no-plots"]
     with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300):
         assert main(["--address", config.gateway_address, "--scheduler-address", config.scheduler_address,
                      "--concurrency", "1,2", "--warmup", "1", "--out", str(tmp_path), *workload]) == 0
@@ -121,7 +123,7 @@ def test_bench_against_a_started_cluster_reports_sane_numbers(tmp_path):
     from gateway.tokenizer import load_tokenizer
     from tokenmill.bench.workload import build_workload
 
-    expected_tokens = build_workload(load_tokenizer(None), 4, 8, 4, 8).num_output_tokens
+    expected_tokens = build_workload(load_tokenizer(None), 4, 8, 24, 32).num_output_tokens
     for level in run["levels"]:
         assert (level["num_requests"], level["num_errors"]) == (4, 0)
         assert level["output_tokens"] == expected_tokens  # EOS ignored: every request ran to its length

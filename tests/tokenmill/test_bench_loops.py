@@ -225,10 +225,21 @@ def test_cli_open_loop_against_an_openai_url(tmp_path, capsys):
     assert "linear interpolation between closest ranks" in captured.out
 
 
-def test_interleaved_order_runs_each_step_on_every_run_reversing_every_other_step():
-    assert interleaved_order(["a", "b", "c"], 3) == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"),
-                                                     (2, "a"), (2, "b"), (2, "c")]
+def test_interleaved_order_runs_each_step_on_every_run_rotating_the_order():
+    assert interleaved_order(["a", "b", "c"], 3) == [(0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"),
+                                                     (2, "c"), (2, "a"), (2, "b")]
+    assert interleaved_order(["a", "b"], 2) == [(0, "a"), (0, "b"), (1, "b"), (1, "a")]
     assert interleaved_order(["a"], 2) == [(0, "a"), (1, "a")]
+
+
+def test_interleaved_order_never_runs_the_same_run_last_twice():
+    # issue 19's acceptance run: six clusters, three levels; forward/reverse ran "f" last at levels 0 and 2
+    names, steps = list("abcdef"), 3
+    order = interleaved_order(names, steps)
+    lasts = [[name for step, name in order if step == level][-1] for level in range(steps)]
+    firsts = [[name for step, name in order if step == level][0] for level in range(steps)]
+    assert len(set(lasts)) == steps and len(set(firsts)) == steps
+    assert all(sorted(name for step, name in order if step == level) == names for level in range(steps))
 
 
 async def _interleaved_openai(urls: dict[str, str], workload: BenchWorkload, levels: list[int]) -> dict:

@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--swap-space-gb", type=float, help="also a paged cluster with this much swap space")
     parser.add_argument("--interleave", action="store_true",
                         help="start every cluster first, then run each level on all of them back to back (the "
-                             "order reversed at every other level), so that the machine's drift over a long "
+                             "order rotated at every level), so that the machine's drift over a long "
                              "run falls on every configuration alike; the transformers baseline still runs last")
     return parser
 
@@ -343,8 +343,8 @@ def cluster_note(args, runs: dict) -> str:
               else "the KV cache sized from memory as `tokenmill serve` does")
     if args.compare_kv_layouts:
         sizing += " (deliberately small, --compare-kv-layouts, so the KV policies differ)"
-    order = ("; all started at once, each level run on every cluster back to back, the order reversed at every "
-             "other level (--interleave)" if args.interleave else "; one after the other")
+    order = ("; all started at once, each level run on every cluster back to back, the order rotated at every "
+             "level (--interleave)" if args.interleave else "; one after the other")
     return (f"started clusters: {sizing}" + (f"; {'/'.join(map(str, pages))} pages reported" if pages else "")
             + order + "; KV util and preemptions from the scheduler's GetLoad, polled every 0.2 s")
 

@@ -115,10 +115,14 @@ async def sweep(target, workload: BenchWorkload, levels: list[int], requests_per
 
 
 def interleaved_order(names: list[str], steps: int) -> list[tuple[int, str]]:
-    """(step, run name) in the order an interleaved sweep runs them: every run's step i back to back, in
-    reverse order at every other step, so that the machine drifting faster or slower over a long run
-    falls on every configuration alike rather than on whichever ran last."""
-    return [(step, name) for step in range(steps) for name in (names if step % 2 == 0 else names[::-1])]
+    """(step, run name) in the order an interleaved sweep runs them: every run's step i back to back, each
+    step's order rotated ceil(runs / steps) places from the one before, so that the machine drifting
+    faster or slower over a long run falls on every configuration alike rather than on whichever ran
+    last. (Forward / reverse instead put the same run last at steps 0, 2, 4: issue 19's latency-target
+    cluster, added last, ran last at c=1 and c=32 of its three levels, after the longest idle gap, and
+    was the slowest there twice.) Two runs, two steps: a b, then b a."""
+    shift = -(-len(names) // max(steps, 1))
+    return [(step, names[(step * shift + index) % len(names)]) for step in range(steps) for index in range(len(names))]
 
 
 async def interleaved_sweeps(targets: dict[str, tuple], workload: BenchWorkload, levels: list[int],
