@@ -46,6 +46,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def load_result(output_lens: list[int], elapsed: float, ttfts: list[float], outputs: list[list[int]]) -> dict:
+    """One path's full-workload run, in the same shape for both paths."""
+    return {"output_tokens_per_s": sum(output_lens) / elapsed, "elapsed_s": elapsed,
+            "ttft_p50_s": percentile(ttfts, 0.5), "outputs": outputs}
+
+
 def run_in_process(llm: LLM, prompt_ids: list[list[int]], output_lens: list[int]) -> dict:
     engine = llm.new_engine(llm.config)
     requests = [Request(f"b{i}", ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
@@ -57,10 +63,8 @@ def run_in_process(llm: LLM, prompt_ids: list[list[int]], output_lens: list[int]
     while engine.has_unfinished():
         for output in engine.step():
             first_token.setdefault(output.request_id, time.perf_counter() - start)
-    elapsed = time.perf_counter() - start
-    return {"output_tokens_per_s": sum(output_lens) / elapsed, "elapsed_s": elapsed,
-            "ttft_p50_s": percentile(list(first_token.values()), 0.5),
-            "outputs": [r.output_token_ids for r in requests]}
+    return load_result(output_lens, time.perf_counter() - start, list(first_token.values()),
+                       [r.output_token_ids for r in requests])
 
 
 def in_process_ttft(llm: LLM, ids: list[int]) -> float:
@@ -89,9 +93,7 @@ async def cluster_load(stub, prompts: list[str], output_lens: list[int]) -> dict
     """The whole workload at once through the gateway."""
     start = time.perf_counter()
     results = await asyncio.gather(*(stream_one(stub, p, n, start) for p, n in zip(prompts, output_lens)))
-    elapsed = time.perf_counter() - start
-    return {"output_tokens_per_s": sum(output_lens) / elapsed, "elapsed_s": elapsed,
-            "ttft_p50_s": percentile([r[0] for r in results], 0.5), "outputs": [r[1] for r in results]}
+    return load_result(output_lens, time.perf_counter() - start, [r[0] for r in results], [r[1] for r in results])
 
 
 async def run_cluster(address: str, llm: LLM, workloads: list[list[str]], output_lens: list[int],
@@ -102,6 +104,7 @@ async def run_cluster(address: str, llm: LLM, workloads: list[list[str]], output
     import grpc
 
     from protos.tokenmill.v1 import generation_pb2_grpc
+    from tokenmill.bench.runner import interleaved_order  # here: tokenmill.bench imports this module
 
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
@@ -115,16 +118,14 @@ async def run_cluster(address: str, llm: LLM, workloads: list[list[str]], output
             ttft, _, forward_ns = await stream_one(stub, prompt, 1, time.perf_counter())
             remote_ttfts.append(ttft)
             beyond_forward.append(ttft - forward_ns * 1e-9)  # all that is not the worker's own step
-        # The full workload on both paths, back to back, the order reversed every round: this shared
+        # The full workload on both paths, back to back, the order alternating every round: this shared
         # machine's speed drifts by tens of percent over minutes (one process's decode step measured
         # 8-12.6 ms within a minute), so one run of each side would compare two moments, not two paths.
-        pairs = []
-        for index, prompts in enumerate(workloads):
-            pair = {}
-            for side in ("local", "remote") if index % 2 == 0 else ("remote", "local"):
-                pair[side] = (run_in_process(llm, [tokenizer.encode(p) for p in prompts], output_lens) if side == "local"
-                              else await cluster_load(stub, prompts, output_lens))
-            pairs.append(pair)
+        pairs = [{} for _ in workloads]
+        for index, side in interleaved_order(["local", "remote"], len(workloads)):
+            prompts = workloads[index]
+            pairs[index][side] = (run_in_process(llm, [tokenizer.encode(p) for p in prompts], output_lens)
+                                  if side == "local" else await cluster_load(stub, prompts, output_lens))
     rounds = len(workloads)
     ratios = [pair["remote"]["output_tokens_per_s"] / pair["local"]["output_tokens_per_s"] for pair in pairs]
     median_pair = pairs[sorted(range(rounds), key=ratios.__getitem__)[rounds // 2]]
@@ -133,7 +134,7 @@ async def run_cluster(address: str, llm: LLM, workloads: list[list[str]], output
     local["sync_added_ttft_ms"] = [(r - l) * 1e3 for l, r in zip(local_ttfts, remote_ttfts)]
     remote["sync_ttft_p50_s"] = statistics.median(remote_ttfts)
     remote["sync_ttft_beyond_worker_step_p50_ms"] = statistics.median(beyond_forward) * 1e3
-    rounds_summary = [{"order": "in-process first" if index % 2 == 0 else "cluster first",
+    rounds_summary = [{"order": "in-process first" if next(iter(pair)) == "local" else "cluster first",
                        "in_process_tok_s": pair["local"]["output_tokens_per_s"],
                        "cluster_tok_s": pair["remote"]["output_tokens_per_s"], "ratio": ratio}
                       for index, (pair, ratio) in enumerate(zip(pairs, ratios))]

@@ -229,11 +229,13 @@ def group_quant_matmul(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     gemv_config: tuple[int, int, int] | None = None,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """x: [M, K] float (rows may be strided); codes: uint8 [N, K] (bits 8) or [N, K / 2] (bits 4, packed);
     scales, mins: float32 [N, K / group_size]; bias: [N] float32 or x's dtype, or None
     -> out [M, N] in x's dtype (allocated when None, else written and returned).
-    gemv_config: (BLOCK_N, BLOCK_GROUPS, num_warps) for M <= GEMV_MAX_ROWS instead of GEMV_CONFIG (benchmarks)."""
+    gemv_config: (BLOCK_N, BLOCK_GROUPS, num_warps) for M <= GEMV_MAX_ROWS instead of GEMV_CONFIG; kernel:
+    "auto" (the GEMV kernel up to GEMV_MAX_ROWS rows) or "tiled" at any row count (both for benchmarks)."""
     _check_inputs("group_quant_matmul", x, codes, scales, mins, bits, group_size, bias)
     num_rows, in_features = x.shape
     num_outputs = codes.shape[0]
@@ -243,7 +245,9 @@ def group_quant_matmul(
     if num_rows == 0 or num_outputs == 0:
         return out
     bias_or_any = bias if bias is not None else scales  # a pointer the kernel never reads without HAS_BIAS
-    if num_rows <= GEMV_MAX_ROWS:
+    if kernel not in ("auto", "tiled"):
+        raise ValueError(f"group_quant_matmul: kernel={kernel!r}, expected 'auto' or 'tiled'")
+    if kernel == "auto" and num_rows <= GEMV_MAX_ROWS:
         block_n, block_groups, num_warps = gemv_config or GEMV_CONFIG
         _group_quant_gemv_kernel[(triton.cdiv(num_outputs, block_n),)](
             x, codes, scales, mins, bias_or_any, out,
