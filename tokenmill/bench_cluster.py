@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import resource
 import statistics
 import sys
 import time
@@ -50,6 +52,23 @@ def load_result(output_lens: list[int], elapsed: float, ttfts: list[float], outp
     """One path's full-workload run, in the same shape for both paths."""
     return {"output_tokens_per_s": sum(output_lens) / elapsed, "elapsed_s": elapsed,
             "ttft_p50_s": percentile(ttfts, 0.5), "outputs": outputs}
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds each process has used so far (Linux /proc), and this process's as
+    "client": during a cluster round the in-process engine is idle, so its share is the benchmark's
+    32 gRPC streams."""
+    seconds = {}
+    for name, pid in pids.items():
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            seconds[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            continue
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    seconds["client"] = usage.ru_utime + usage.ru_stime
+    return seconds
 
 
 def run_in_process(llm: LLM, prompt_ids: list[list[int]], output_lens: list[int]) -> dict:
@@ -97,7 +116,8 @@ async def cluster_load(stub, prompts: list[str], output_lens: list[int]) -> dict
 
 
 async def run_cluster(address: str, llm: LLM, workloads: list[list[str]], output_lens: list[int],
-                      sync_prompts: list[str], warm_up_prompt: str, tokenizer: TextTokenizer) -> dict:
+                      sync_prompts: list[str], warm_up_prompt: str, tokenizer: TextTokenizer,
+                      pids: dict[str, int]) -> dict:
     """workloads: one prompt list per round, each its own texts: the cluster's scheduler keeps its prefix
     cache across rounds (the in-process side starts a new engine each time), so repeated prompts would
     be cache hits on one side only."""
@@ -124,8 +144,15 @@ async def run_cluster(address: str, llm: LLM, workloads: list[list[str]], output
         pairs = [{} for _ in workloads]
         for index, side in interleaved_order(["local", "remote"], len(workloads)):
             prompts = workloads[index]
-            pairs[index][side] = (run_in_process(llm, [tokenizer.encode(p) for p in prompts], output_lens)
-                                  if side == "local" else await cluster_load(stub, prompts, output_lens))
+            if side == "local":
+                pairs[index][side] = run_in_process(llm, [tokenizer.encode(p) for p in prompts], output_lens)
+                continue
+            # Where the cluster's CPU time goes: on 2 cores every second the gateway, scheduler, redis
+            # and the client spend is a second the worker's two compute threads wait for a core.
+            before = cpu_seconds(pids)
+            pairs[index][side] = await cluster_load(stub, prompts, output_lens)
+            after = cpu_seconds(pids)
+            pairs[index][side]["cpu_s"] = {name: after[name] - before[name] for name in after if name in before}
     rounds = len(workloads)
     ratios = [pair["remote"]["output_tokens_per_s"] / pair["local"]["output_tokens_per_s"] for pair in pairs]
     median_pair = pairs[sorted(range(rounds), key=ratios.__getitem__)[rounds // 2]]
@@ -136,7 +163,8 @@ async def run_cluster(address: str, llm: LLM, workloads: list[list[str]], output
     remote["sync_ttft_beyond_worker_step_p50_ms"] = statistics.median(beyond_forward) * 1e3
     rounds_summary = [{"order": "in-process first" if next(iter(pair)) == "local" else "cluster first",
                        "in_process_tok_s": pair["local"]["output_tokens_per_s"],
-                       "cluster_tok_s": pair["remote"]["output_tokens_per_s"], "ratio": ratio}
+                       "cluster_tok_s": pair["remote"]["output_tokens_per_s"], "ratio": ratio,
+                       "cluster_elapsed_s": pair["remote"]["elapsed_s"], "cluster_cpu_s": pair["remote"]["cpu_s"]}
                       for index, (pair, ratio) in enumerate(zip(pairs, ratios))]
     return {"local": local, "remote": remote, "rounds": rounds_summary}
 
@@ -175,14 +203,19 @@ def main(argv: list[str] | None = None) -> int:
     cluster_config = resolve_ports(ClusterConfig(gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
                                                  kv_cache_mb=args.kv_cache_mb, max_num_seqs=config.max_num_seqs,
                                                  async_scheduling=args.async_scheduling))
-    with Supervisor(cluster_specs(cluster_config), echo=False):
+    with Supervisor(cluster_specs(cluster_config), echo=False) as supervisor:
         sync_prompts = text_prompts(tokenizer, 32, 8, args.seed + 1)
+        pids = {name: pid for name in ("worker", "scheduler", "gateway", "redis")
+                if (pid := supervisor.pid(name)) is not None}
         runs = asyncio.run(run_cluster(cluster_config.gateway_address, llm, workloads, output_lens, sync_prompts,
-                                       warm_up_prompt, tokenizer))
+                                       warm_up_prompt, tokenizer, pids))
     local, remote = runs["local"], runs["remote"]
     for index, row in enumerate(runs["rounds"]):
         log(f"round {index + 1} ({row['order']}): in-process {row['in_process_tok_s']:.1f} tok/s, "
             f"cluster {row['cluster_tok_s']:.1f} tok/s, ratio {row['ratio']:.3f}")
+        cpu = row["cluster_cpu_s"]
+        log(f"  cluster round's CPU seconds over {row['cluster_elapsed_s']:.1f} s wall: "
+            + ", ".join(f"{name} {seconds:.1f}" for name, seconds in sorted(cpu.items(), key=lambda kv: -kv[1])))
     sync_ttft = local["sync_ttft_p50_s"]
     log(f"median round: in-process {local['output_tokens_per_s']:.1f} tok/s, TTFT P50 {local['ttft_p50_s'] * 1e3:.0f} ms; "
         f"cluster {remote['output_tokens_per_s']:.1f} tok/s, TTFT P50 {remote['ttft_p50_s'] * 1e3:.0f} ms")
