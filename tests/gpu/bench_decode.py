@@ -176,6 +176,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="group-quantize every linear (groups of 32), as --quantization does at load")
     parser.add_argument("--gemv-config", help="BLOCK_N,BLOCK_GROUPS,num_warps for the group-quantized GEMV kernel "
                         "(default: its GEMV_CONFIG; tests/gpu/run.sh passes bench_group_quant's best)")
+    parser.add_argument("--many-rows-kernel", choices=("tiled", "dequant"),
+                        help="the group-quantized kernel above GEMV_MAX_ROWS rows (default: its MANY_ROWS_KERNEL)")
     parser.add_argument("--output", help="write the rows as JSON here")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -205,6 +207,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
         from worker.kernels import group_quant_matmul
 
         group_quant_matmul.GEMV_CONFIG = tuple(int(value) for value in args.gemv_config.split(","))
+    if args.many_rows_kernel:
+        from worker.kernels import group_quant_matmul
+
+        group_quant_matmul.MANY_ROWS_KERNEL = args.many_rows_kernel
     if args.quantization != "none":
         quantize_linears(model, bits=int(args.quantization[3:]), group_size=32)
         if device.type == "cuda":
@@ -245,7 +251,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
             torch.cuda.empty_cache()
     if args.output:
         with open(args.output, "w") as handle:
-            json.dump({"copy_gb_s": copy_gb_s, "quantization": args.quantization, "gemv_config": args.gemv_config, "rows": [asdict(row) for row in rows]}, handle, indent=2)
+            json.dump({"copy_gb_s": copy_gb_s, "quantization": args.quantization, "gemv_config": args.gemv_config,
+                       "many_rows_kernel": args.many_rows_kernel, "rows": [asdict(row) for row in rows]}, handle, indent=2)
     return rows
 
 

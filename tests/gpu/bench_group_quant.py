@@ -1,11 +1,13 @@
 """Group-quantized weight-only matmul on the GPU, on Llama-3-8B's linear shapes: `python -m tests.gpu.bench_group_quant`.
 
 Per shape, layout and row count: the tiled kernel (the only one before the GEMV kernel), the GEMV kernel
-(at most GEMV_MAX_ROWS rows) and bfloat16 weights through torch (cuBLAS), as microseconds and achieved
-GB/s (codes, scales, mins, x and out, each once). First it sweeps the GEMV kernel's (BLOCK_N, BLOCK_GROUPS,
-num_warps) at one row, 4-bit groups of 32, over every shape, and ranks the configurations by their summed
-time; the best is the one every later row uses, and the last line printed is `best gemv config: N,G,W`
-(tests/gpu/run.sh hands it to bench_decode). Every timed output is first checked against the float32
+(at most GEMV_MAX_ROWS rows), the dequantizing kernel (kernel="dequant": the weight tile in bfloat16, one
+deep dot a K step) and bfloat16 weights through torch (cuBLAS), as microseconds and achieved GB/s (codes,
+scales, mins, x and out, each once). First it sweeps the GEMV kernel's (BLOCK_N, BLOCK_GROUPS, num_warps)
+at one row, 4-bit groups of 32, over every shape, and ranks the configurations by their summed time; the
+best is the one every later row uses, and the last line printed is `best gemv config: N,G,W`
+(tests/gpu/run.sh hands it to bench_decode). Then it sweeps the dequantizing kernel's (BLOCK_N,
+BLOCK_GROUPS, num_warps) likewise at 32 rows; the best one is the dequant column's. Every timed output is first checked against the float32
 reference. Times are medians of CUDA-graph replays. --dry-run: a tiny shape on the CPU under the Triton interpreter, one configuration.
 """
 from __future__ import annotations
@@ -24,6 +26,8 @@ SHAPES = {  # name: (in_features K, out_features N), Llama-3-8B
     "wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 28672), "w_down": (14336, 4096),
     "lm_head": (4096, 128256)}
 SWEEP = list(itertools.product((16, 32, 64), (4, 8, 16), (2, 4, 8)))  # (BLOCK_N, BLOCK_GROUPS, num_warps)
+DEQUANT_SWEEP = list(itertools.product((64, 128), (2, 4, 8), (4, 8)))  # the same for kernel="dequant"
+DEQUANT_SWEEP_ROWS = 32
 
 
 def time_us(fn, device: torch.device) -> float:
@@ -59,7 +63,9 @@ def check(out: torch.Tensor, reference: torch.Tensor, what: str) -> float:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m tests.gpu.bench_group_quant", description=__doc__)
     parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--rows", default="1,4,8,16")
+    parser.add_argument("--rows", default="1,4,8,16,32,64")
+    parser.add_argument("--gemv-sweep", action=argparse.BooleanOptionalAction, default=True,
+                        help="sweep the GEMV configurations (--no-gemv-sweep: GEMV_CONFIG only)")
     parser.add_argument("--output", help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -68,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     shapes = {"tiny": (96, 40)} if args.dry_run else SHAPES
-    sweep = [gq.GEMV_CONFIG] if args.dry_run else SWEEP
+    sweep = [gq.GEMV_CONFIG] if args.dry_run or not args.gemv_sweep else SWEEP
     layouts = [(4, 32)] if args.dry_run else list(gq.LAYOUTS)
     row_counts = [1, 3] if args.dry_run else [int(r) for r in args.rows.split(",")]
     weights = {(name, bits, group): make_weight(k, n, bits, group, device, seed)
@@ -76,15 +82,18 @@ def main(argv: list[str] | None = None) -> dict:
     inputs = {(name, rows): torch.randn(rows, k, device=device).to(torch.bfloat16)
               for name, (k, n) in shapes.items() for rows in row_counts}
 
-    def timed(name, bits, group, rows, config=None, tiled=False):
+    def timed(name, bits, group, rows, config=None, tiled=False, dequant=None):
+        """dequant: (BLOCK_N, BLOCK_GROUPS, num_warps) of the dequantizing kernel, which runs instead."""
         weight, x = weights[name, bits, group], inputs[name, rows]
         reference = F.linear(x.float(), weight.dequantize())
+        kernel = "dequant" if dequant else "tiled" if tiled else "auto"
+        dequant_config = (gq._dequant_config(rows)[0], *dequant) if dequant else None
 
         def call():
             return gq.group_quant_matmul(x, weight.codes, weight.scales, weight.mins, bits, group, gemv_config=config,
-                                         kernel="tiled" if tiled else "auto")
+                                         kernel=kernel, dequant_config=dequant_config)
 
-        check(call(), reference, f"{name} {bits}-bit/{group} rows {rows} {'tiled' if tiled else config}")
+        check(call(), reference, f"{name} {bits}-bit/{group} rows {rows} {kernel} {dequant or config}")
         return time_us(call, device)
 
     # 1. the GEMV sweep: one row, 4-bit groups of 32
@@ -102,25 +111,46 @@ def main(argv: list[str] | None = None) -> dict:
     ranked = sorted(sweep_rows, key=lambda row: row["total_us"]) if device.type == "cuda" else sweep_rows
     best = tuple(ranked[0]["config"]) if ranked else gq.GEMV_CONFIG
 
+    # 1b. the dequantizing kernel's sweep at DEQUANT_SWEEP_ROWS rows (or the largest row count asked for)
+    dequant_rows = DEQUANT_SWEEP_ROWS if DEQUANT_SWEEP_ROWS in row_counts else max(row_counts)
+    dequant_sweep = [gq._dequant_config(dequant_rows)[1:]] if args.dry_run else DEQUANT_SWEEP
+    dequant_ranked = []
+    for config in dequant_sweep:
+        try:
+            per_shape = {name: timed(name, 4, 32, dequant_rows, dequant=config) for name in shapes}
+        except Exception as error:  # noqa: BLE001 - as above
+            print(f"dequant {config}: skipped, {type(error).__name__}: {str(error)[:160]}", flush=True)
+            continue
+        dequant_ranked.append({"config": list(config), "total_us": sum(per_shape.values()), "us": per_shape})
+        print(f"dequant {config} at {dequant_rows} rows: " + " ".join(f"{name} {us:7.1f}" for name, us in per_shape.items())
+              + f"  total {sum(per_shape.values()):8.1f} us", flush=True)
+    if device.type == "cuda":
+        dequant_ranked.sort(key=lambda row: row["total_us"])
+    best_dequant = tuple(dequant_ranked[0]["config"]) if dequant_ranked else tuple(gq._dequant_config(dequant_rows)[1:])
+
     # 2. every layout and row count: tiled vs GEMV (best config) vs bfloat16 weights
-    print(f"{'shape':>9} {'layout':>7} {'rows':>4} {'tiled us':>9} {'gemv us':>8} {'bf16 us':>8} "
-          f"{'gemv GB/s':>9} {'tiled/gemv':>10} {'bf16/gemv':>9}", flush=True)
+    print(f"{'shape':>9} {'layout':>7} {'rows':>4} {'tiled us':>9} {'gemv us':>8} {'dequant us':>10} {'bf16 us':>8} "
+          f"{'GB/s':>6} {'tiled/best':>10} {'bf16/best':>9}", flush=True)
     table = []
     for (name, (k, n)), (bits, group), rows in itertools.product(shapes.items(), layouts, row_counts):
         weight, x = weights[name, bits, group], inputs[name, rows]
         tiled_us = timed(name, bits, group, rows, tiled=True)
         gemv_us = timed(name, bits, group, rows, best) if rows <= gq.GEMV_MAX_ROWS else float("nan")
+        dequant_us = timed(name, bits, group, rows, dequant=best_dequant)
         dense = weight.dequantize().to(torch.bfloat16)
         dense_us = time_us(lambda: F.linear(x, dense), device)
         del dense
-        fastest = tiled_us if math.isnan(gemv_us) else min(tiled_us, gemv_us)
+        fastest = min(us for us in (tiled_us, gemv_us, dequant_us) if not math.isnan(us)) if device.type == "cuda" \
+            else float("nan")
         row = {"shape": name, "k": k, "n": n, "bits": bits, "group_size": group, "rows": rows, "tiled_us": tiled_us,
-               "gemv_us": gemv_us, "bf16_us": dense_us, "gb_s": bytes_moved(weight, rows, k, n) / fastest / 1e3}
+               "gemv_us": gemv_us, "dequant_us": dequant_us, "bf16_us": dense_us,
+               "gb_s": bytes_moved(weight, rows, k, n) / fastest / 1e3}
         table.append(row)
-        print(f"{name:>9} {bits}/{group:<5} {rows:>4} {tiled_us:>9.1f} {gemv_us:>8.1f} {dense_us:>8.1f} "
-              f"{row['gb_s']:>9.0f} {tiled_us / gemv_us:>10.2f} {dense_us / gemv_us:>9.2f}", flush=True)
+        print(f"{name:>9} {bits}/{group:<5} {rows:>4} {tiled_us:>9.1f} {gemv_us:>8.1f} {dequant_us:>10.1f} "
+              f"{dense_us:>8.1f} {row['gb_s']:>6.0f} {tiled_us / fastest:>10.2f} {dense_us / fastest:>9.2f}", flush=True)
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-               "best_gemv_config": list(best), "sweep": ranked, "table": table}
+               "best_gemv_config": list(best), "sweep": ranked, "best_dequant_config": list(best_dequant),
+               "dequant_sweep": dequant_ranked, "table": table}
     if args.output:
         with open(args.output, "w") as handle:
             json.dump(results, handle, indent=2)

@@ -65,13 +65,18 @@ SPREAD=()
   run timeout 90 "$PYTHON" -m tests.gpu.bench_decode --output "$OUTPUT_DIR/bench_decode.json" || status=1
   # issue 15 item 5: the group-quantized kernels alone (GEMV configurations swept), then the 8B model with its
   # linears in int4 and int8 groups of 32 through them, with the sweep's best GEMV configuration
-  run timeout 150 "$PYTHON" -m tests.gpu.bench_group_quant --output "$OUTPUT_DIR/bench_group_quant.json" || status=1
+  # (the GEMV sweep ran on 2026-12-04 and set GEMV_CONFIG; the dequantizing kernel's sweep and column are new)
+  run timeout 170 "$PYTHON" -m tests.gpu.bench_group_quant --no-gemv-sweep --rows 1,8,16,64 \
+      --output "$OUTPUT_DIR/bench_group_quant.json" || status=1
   gemv=$("$PYTHON" -c "import json, sys; print(*json.load(open(sys.argv[1]))['best_gemv_config'], sep=',')" \
       "$OUTPUT_DIR/bench_group_quant.json" 2>/dev/null)
   for bits in int4 int8; do
     run timeout 50 "$PYTHON" -m tests.gpu.bench_decode --quantization $bits --settings default --batch-sizes 1,8,16,64 \
         ${gemv:+--gemv-config "$gemv"} --output "$OUTPUT_DIR/bench_decode_$bits.json" || status=1
   done
+  # int4 above GEMV_MAX_ROWS rows through the dequantizing kernel instead of the tiled one (auto's choice today)
+  run timeout 50 "$PYTHON" -m tests.gpu.bench_decode --quantization int4 --settings default --batch-sizes 16,64 \
+      --many-rows-kernel dequant || status=1  # its rows in gpu_run.log: 8 files is the most the device returns
   # issue 19: memory pressure on the GPU, preemption by swap (pinned host pages, copy stream) vs recompute vs static
   run timeout 80 "$PYTHON" -m tests.gpu.bench_swap --output "$OUTPUT_DIR/bench_swap.json" || status=1
   echo "== done: status=$status"

@@ -49,4 +49,5 @@ def test_group_quant_benchmark_dry_run_checks_and_ranks(tmp_path):
 
     results = bench_group_quant(["--dry-run", "--output", str(tmp_path / "gq.json")])
     assert results["best_gemv_config"] and [row["rows"] for row in results["table"]] == [1, 3]
+    assert results["best_dequant_config"] and all("dequant_us" in row for row in results["table"])
     assert json.loads((tmp_path / "gq.json").read_text())["best_gemv_config"] == results["best_gemv_config"]

@@ -19,6 +19,11 @@ and two 16-deep dots a step, is latency-bound (an H200 read int4 codes at 7% of 
 coalesced tile, multiplies in float32 on the CUDA cores (the same per-group sums, scale and min applied per
 group, nothing rounded before the end) and reuses the tile for each of its rows.
 
+A third kernel, kernel="dequant", dequantizes a tile of BLOCK_GROUPS groups into x's dtype (scale * code + min
+in float32, rounded once) and multiplies it in one deep tensor-core dot per K step, as GPTQ/AWQ Triton
+kernels do: the tiled kernel's one-group K steps are what keeps int4 behind bfloat16 weights from 8 to 64
+rows on an H200. Not measured on a device yet, so "auto" does not pick it.
+
 group_quant_matmul_torch is the same computation in plain torch (the weight dequantized to float32), the
 reference in the tests.
 """
@@ -40,6 +45,9 @@ GEMV_MAX_ROWS = 8
 # (BLOCK_N, BLOCK_GROUPS, num_warps): the fastest of 27 on that H200 at 1 row, summed over the five
 # shapes (279 us; 32/8/4 took 332, 64/4/2 580): narrow column tiles give enough programs for 132 SMs
 GEMV_CONFIG = (16, 16, 4)
+# What "auto" runs above GEMV_MAX_ROWS: "tiled" until a device shows "dequant" faster (tests/gpu/run.sh
+# measures both, kernel alone and in the 8B decode step; bench_decode --many-rows-kernel sets this)
+MANY_ROWS_KERNEL = "tiled"
 
 
 @triton.jit
@@ -159,6 +167,70 @@ def _group_quant_gemv_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & col_mask[None, :])
 
 
+@triton.jit
+def _group_quant_dequant_kernel(
+    x_ptr, codes_ptr, scales_ptr, mins_ptr, bias_ptr, out_ptr,  # as _group_quant_matmul_kernel
+    M, N, num_groups,
+    stride_x_row, stride_codes_row, stride_scales_row, stride_mins_row, stride_out_row,
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,  # groups per K step: one dot BLOCK_GROUPS * GROUP_SIZE deep (two for 4-bit)
+):  # fmt: skip
+    # The weight tile is dequantized into x's dtype (scale * code + min in float32, then rounded once) so
+    # that a K step is one deep tensor-core dot instead of one 16-deep dot per group: the tiled kernel's
+    # per-group dots left an H200 latency-bound from 8 to 64 rows (int4 2-3x slower than bfloat16 weights).
+    # The price is one rounding of each dequantized weight to x's dtype (exact for float32 x).
+    HALF: tl.constexpr = GROUP_SIZE // 2
+    BYTES: tl.constexpr = BLOCK_GROUPS * GROUP_SIZE * BITS // 8  # the K step's bytes of one column
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < M, cols < N
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_row  # [BLOCK_M, 1]
+    code_cols = codes_ptr + cols.to(tl.int64)[None, :] * stride_codes_row  # [1, BLOCK_N]
+    byte = tl.arange(0, BYTES)  # [BYTES]: byte b of the step
+    if BITS == 4:
+        group_of_byte = byte // HALF
+        k_low = group_of_byte * GROUP_SIZE + byte % HALF  # byte j of a group: columns j and j + 16
+    else:
+        group_of_byte = byte // GROUP_SIZE
+        k_low = byte
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for first in range(0, num_groups, BLOCK_GROUPS):
+        groups = first + group_of_byte  # [BYTES]
+        k_mask = groups < num_groups
+        tile_mask = k_mask[:, None] & col_mask[None, :]  # [BYTES, BLOCK_N]
+        packed = tl.load(code_cols + first * (GROUP_SIZE * BITS // 8) + byte[:, None], mask=tile_mask, other=0)
+        scales = tl.load(scales_ptr + cols.to(tl.int64)[None, :] * stride_scales_row + groups[:, None],
+                         mask=tile_mask, other=0.0)  # [BYTES, BLOCK_N], each group's repeated over its bytes
+        mins = tl.load(mins_ptr + cols.to(tl.int64)[None, :] * stride_mins_row + groups[:, None],
+                       mask=tile_mask, other=0.0)
+        x_mask = row_mask[:, None] & k_mask[None, :]
+        x_low = tl.load(x_rows + first * GROUP_SIZE + k_low[None, :], mask=x_mask, other=0.0)  # [BLOCK_M, BYTES]
+        # each weight rounded once to x's dtype, under the interpreter too (then widened back: UPCAST)
+        if BITS == 4:
+            w_low = ((packed & 0x0F).to(tl.float32) * scales + mins).to(x_ptr.dtype.element_ty)
+            w_high = ((packed >> 4).to(tl.float32) * scales + mins).to(x_ptr.dtype.element_ty)
+            x_high = tl.load(x_rows + first * GROUP_SIZE + HALF + k_low[None, :], mask=x_mask, other=0.0)
+            if UPCAST:
+                x_low, x_high = x_low.to(tl.float32), x_high.to(tl.float32)
+                w_low, w_high = w_low.to(tl.float32), w_high.to(tl.float32)
+            acc = tl.dot(x_low, w_low, acc, input_precision=INPUT_PRECISION)
+            acc = tl.dot(x_high, w_high, acc, input_precision=INPUT_PRECISION)
+        else:
+            w_low = (packed.to(tl.float32) * scales + mins).to(x_ptr.dtype.element_ty)
+            if UPCAST:
+                x_low, w_low = x_low.to(tl.float32), w_low.to(tl.float32)
+            acc = tl.dot(x_low, w_low, acc, input_precision=INPUT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out_row + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
 def _check_inputs(
     where: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
     bits: int, group_size: int, bias: torch.Tensor | None,
@@ -219,6 +291,13 @@ def _block_sizes(num_rows: int) -> tuple[int, int]:
     return 128, 64
 
 
+def _dequant_config(num_rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_GROUPS, num_warps) of the dequantizing kernel: a first guess (K steps of
+    4 groups, 128 columns of x), to be swept on a device with tests/gpu/bench_group_quant.py."""
+    block_m = 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
+    return block_m, 64, 4, 4
+
+
 def group_quant_matmul(
     x: torch.Tensor,
     codes: torch.Tensor,
@@ -230,12 +309,16 @@ def group_quant_matmul(
     out: torch.Tensor | None = None,
     gemv_config: tuple[int, int, int] | None = None,
     kernel: str = "auto",
+    dequant_config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """x: [M, K] float (rows may be strided); codes: uint8 [N, K] (bits 8) or [N, K / 2] (bits 4, packed);
     scales, mins: float32 [N, K / group_size]; bias: [N] float32 or x's dtype, or None
     -> out [M, N] in x's dtype (allocated when None, else written and returned).
     gemv_config: (BLOCK_N, BLOCK_GROUPS, num_warps) for M <= GEMV_MAX_ROWS instead of GEMV_CONFIG; kernel:
-    "auto" (the GEMV kernel up to GEMV_MAX_ROWS rows) or "tiled" at any row count (both for benchmarks)."""
+    "auto" (the GEMV kernel up to GEMV_MAX_ROWS rows, then MANY_ROWS_KERNEL), "tiled" at any row count, or
+    "dequant" (the weight tile dequantized into x's dtype for one deep dot a K step; not yet measured on a
+    device, so not auto's choice); dequant_config: its (BLOCK_M, BLOCK_N, BLOCK_GROUPS, num_warps)
+    instead of _dequant_config's (the last three for benchmarks)."""
     _check_inputs("group_quant_matmul", x, codes, scales, mins, bits, group_size, bias)
     num_rows, in_features = x.shape
     num_outputs = codes.shape[0]
@@ -245,9 +328,11 @@ def group_quant_matmul(
     if num_rows == 0 or num_outputs == 0:
         return out
     bias_or_any = bias if bias is not None else scales  # a pointer the kernel never reads without HAS_BIAS
-    if kernel not in ("auto", "tiled"):
-        raise ValueError(f"group_quant_matmul: kernel={kernel!r}, expected 'auto' or 'tiled'")
-    if kernel == "auto" and num_rows <= GEMV_MAX_ROWS:
+    if kernel not in ("auto", "tiled", "dequant"):
+        raise ValueError(f"group_quant_matmul: kernel={kernel!r}, expected 'auto', 'tiled' or 'dequant'")
+    if kernel == "auto" and num_rows > GEMV_MAX_ROWS:
+        kernel = MANY_ROWS_KERNEL
+    if kernel == "auto":
         block_n, block_groups, num_warps = gemv_config or GEMV_CONFIG
         _group_quant_gemv_kernel[(triton.cdiv(num_outputs, block_n),)](
             x, codes, scales, mins, bias_or_any, out,
@@ -261,6 +346,21 @@ def group_quant_matmul(
         )  # fmt: skip
         return out
     upcast = _dot_upcast(x)
+    if kernel == "dequant":
+        block_m, block_n, block_groups, num_warps = dequant_config or _dequant_config(num_rows)
+        grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_outputs, block_n))
+        _group_quant_dequant_kernel[grid](
+            x, codes, scales, mins, bias_or_any, out,
+            num_rows, num_outputs, in_features // group_size,
+            x.stride(0), codes.stride(0), scales.stride(0), mins.stride(0), out.stride(0),
+            BITS=bits, GROUP_SIZE=group_size,
+            HAS_BIAS=bias is not None,
+            UPCAST=upcast,
+            INPUT_PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32",
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_GROUPS=block_groups,
+            num_warps=num_warps,
+        )  # fmt: skip
+        return out
     block_m, block_n = _block_sizes(num_rows)
     grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_outputs, block_n))
     _group_quant_matmul_kernel[grid](

@@ -108,6 +108,12 @@ def linear_variants(dtype: str) -> Iterator[Variant]:
                               ROWS=rows, BLOCK_N=block_n, BLOCK_GROUPS=block_groups)
             yield Variant(f"{dtype} group_quant {bits}-bit/{group_size}, GEMV {rows} row(s)",
                           group_quant_matmul._group_quant_gemv_kernel, types, constexprs, num_warps)
+        for rows in (16, 64):
+            block_m, block_n, block_groups, num_warps = group_quant_matmul._dequant_config(rows)
+            constexprs = dict(BITS=bits, GROUP_SIZE=group_size, HAS_BIAS=rows == 16, UPCAST=False,
+                              INPUT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_GROUPS=block_groups)
+            yield Variant(f"{dtype} group_quant {bits}-bit/{group_size}, dequant {rows} rows",
+                          group_quant_matmul._group_quant_dequant_kernel, types, constexprs, num_warps)
     types = dict(x_ptr=f"*{dtype}", qweight_ptr="*i8", scales_ptr="*fp32", bias_ptr=f"*{dtype}", out_ptr=f"*{dtype}")
     constexprs = dict(HAS_BIAS=True, UPCAST=False, INPUT_PRECISION=precision, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
     yield Variant(f"{dtype} int8_matmul", int8_matmul._int8_weight_matmul_kernel, types, constexprs)

@@ -69,6 +69,42 @@ def test_gemv_kernel_steps_over_many_groups_with_a_partial_last_step(bits, group
     assert_close(out, _reference(x, weight, bias), torch.bfloat16)
 
 
+def _rounded_as_the_kernel_does(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """weight (float32) rounded to dtype and back: to nearest on CUDA; the Triton interpreter's float32 ->
+    bfloat16 conversion truncates (its bit pattern's low 16 bits dropped), so there the reference does too."""
+    if dtype == torch.bfloat16 and DEVICE.type != "cuda":
+        return (weight.contiguous().view(torch.int32) & ~0xFFFF).view(torch.float32)
+    return weight.to(dtype).float()
+
+
+@pytest.mark.parametrize("bits,group_size", LAYOUTS)
+@pytest.mark.parametrize("dtype,num_rows", [(torch.float32, 3), (torch.float16, 17), (torch.bfloat16, 40)])
+def test_dequant_kernel_steps_over_partial_k_and_row_tiles(bits, group_size, dtype, num_rows):
+    """The weight tile dequantized into x's dtype, one deep dot a K step: 11 groups of 32 (22 of 16) in
+    steps of 4 (8 of 16) groups, the last partial; 40 columns in tiles of 16, the last partial."""
+    in_features = 11 * 32
+    weight = quantize_weight(_randn(NUM_OUTPUTS, in_features, seed=16) - 0.25, bits, group_size)
+    x = _randn(num_rows, 2 * in_features, seed=17).to(dtype)[:, in_features:]  # strided rows
+    bias = _randn(NUM_OUTPUTS, seed=18) if num_rows != 17 else None
+    groups_per_step = 4 if group_size == 32 else 8
+
+    # what it computes: x times the dequantized weight rounded once to x's dtype (exact for float32)
+    rounded = F.linear(x.float(), _rounded_as_the_kernel_does(weight.dequantize(), dtype),
+                       None if bias is None else bias.float())
+
+    out = group_quant_matmul(x, weight.codes, weight.scales, weight.mins, bits, group_size, bias, kernel="dequant",
+                             dequant_config=(16, 16, groups_per_step, 2))
+
+    assert out.dtype == dtype and out.shape == (num_rows, NUM_OUTPUTS)
+    assert_close(out, rounded, dtype)
+    default = group_quant_matmul(x, weight.codes, weight.scales, weight.mins, bits, group_size, bias, kernel="dequant")
+    assert_close(default, rounded, dtype)
+    # and what that rounding costs against the unrounded weight: about the dtype's own rounding, relative
+    unrounded = _reference(x, weight, bias)
+    relative = ((out.float() - unrounded).norm() / unrounded.norm()).item()
+    assert relative < {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+
+
 @pytest.mark.parametrize("bits,group_size", LAYOUTS)
 def test_linear_triton_path_matches_its_cpu_forward_with_a_float32_bias(bits, group_size):
     weight = _weight(bits, group_size, seed=6)
@@ -108,6 +144,8 @@ def test_inputs_are_validated_with_the_argument_named():
             matmul(x, codes, scales, mins, 8, 32)  # 4-bit codes given as 8-bit ones
         with pytest.raises(ValueError, match=rf"{name}: codes has dtype torch.int8, expected torch.uint8"):
             matmul(x, codes.view(torch.int8), scales, mins, 4, 32)
+    with pytest.raises(ValueError, match=r"group_quant_matmul: kernel='fast', expected 'auto', 'tiled' or 'dequant'"):
+        group_quant_matmul(x, codes, scales, mins, 4, 32, kernel="fast")
         with pytest.raises(ValueError, match=rf"{name}: scales has shape \[39, 3\], expected \[40, 3\]"):
             matmul(x, codes, scales[:39], mins, 4, 32)
         with pytest.raises(ValueError, match=rf"{name}: mins has dtype torch.bfloat16, expected torch.float32"):
