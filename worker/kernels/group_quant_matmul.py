@@ -332,45 +332,27 @@ def group_quant_matmul(
         raise ValueError(f"group_quant_matmul: kernel={kernel!r}, expected 'auto', 'tiled' or 'dequant'")
     if kernel == "auto" and num_rows > GEMV_MAX_ROWS:
         kernel = MANY_ROWS_KERNEL
+    # every kernel's pointers, sizes and strides, in its signature's order
+    shared = (x, codes, scales, mins, bias_or_any, out, num_rows, num_outputs, in_features // group_size,
+              x.stride(0), codes.stride(0), scales.stride(0), mins.stride(0), out.stride(0))
     if kernel == "auto":
         block_n, block_groups, num_warps = gemv_config or GEMV_CONFIG
         _group_quant_gemv_kernel[(triton.cdiv(num_outputs, block_n),)](
-            x, codes, scales, mins, bias_or_any, out,
-            num_rows, num_outputs, in_features // group_size,
-            x.stride(0), codes.stride(0), scales.stride(0), mins.stride(0), out.stride(0),
-            BITS=bits, GROUP_SIZE=group_size, GROUP_BYTES=group_size * bits // 8,
-            HAS_BIAS=bias is not None,
-            ROWS=triton.next_power_of_2(num_rows),
-            BLOCK_N=block_n, BLOCK_GROUPS=block_groups,
-            num_warps=num_warps,
+            *shared, BITS=bits, GROUP_SIZE=group_size, GROUP_BYTES=group_size * bits // 8,
+            HAS_BIAS=bias is not None, ROWS=triton.next_power_of_2(num_rows),
+            BLOCK_N=block_n, BLOCK_GROUPS=block_groups, num_warps=num_warps,
         )  # fmt: skip
         return out
     upcast = _dot_upcast(x)
+    dot_options = dict(BITS=bits, GROUP_SIZE=group_size, HAS_BIAS=bias is not None, UPCAST=upcast,
+                       INPUT_PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32")
     if kernel == "dequant":
         block_m, block_n, block_groups, num_warps = dequant_config or _dequant_config(num_rows)
         grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_outputs, block_n))
-        _group_quant_dequant_kernel[grid](
-            x, codes, scales, mins, bias_or_any, out,
-            num_rows, num_outputs, in_features // group_size,
-            x.stride(0), codes.stride(0), scales.stride(0), mins.stride(0), out.stride(0),
-            BITS=bits, GROUP_SIZE=group_size,
-            HAS_BIAS=bias is not None,
-            UPCAST=upcast,
-            INPUT_PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32",
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_GROUPS=block_groups,
-            num_warps=num_warps,
-        )  # fmt: skip
+        _group_quant_dequant_kernel[grid](*shared, **dot_options, BLOCK_M=block_m, BLOCK_N=block_n,
+                                          BLOCK_GROUPS=block_groups, num_warps=num_warps)
         return out
     block_m, block_n = _block_sizes(num_rows)
     grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_outputs, block_n))
-    _group_quant_matmul_kernel[grid](
-        x, codes, scales, mins, bias_or_any, out,
-        num_rows, num_outputs, in_features // group_size,
-        x.stride(0), codes.stride(0), scales.stride(0), mins.stride(0), out.stride(0),
-        BITS=bits, GROUP_SIZE=group_size,
-        HAS_BIAS=bias is not None,
-        UPCAST=upcast,
-        INPUT_PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n,
-    )  # fmt: skip
+    _group_quant_matmul_kernel[grid](*shared, **dot_options, BLOCK_M=block_m, BLOCK_N=block_n)
     return out
