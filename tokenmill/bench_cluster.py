@@ -205,8 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  async_scheduling=args.async_scheduling))
     with Supervisor(cluster_specs(cluster_config), echo=False) as supervisor:
         sync_prompts = text_prompts(tokenizer, 32, 8, args.seed + 1)
-        pids = {name: pid for name in ("worker", "scheduler", "gateway", "redis")
-                if (pid := supervisor.pid(name)) is not None}
+        pids = {name: pid for name in supervisor.children if (pid := supervisor.pid(name)) is not None}
         runs = asyncio.run(run_cluster(cluster_config.gateway_address, llm, workloads, output_lens, sync_prompts,
                                        warm_up_prompt, tokenizer, pids))
     local, remote = runs["local"], runs["remote"]
