@@ -203,13 +203,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
     print(f"device-to-device copy: {copy_gb_s:.1f} GB/s (read + write)", flush=True)
     started = time.perf_counter()
     model = random_llama(config, dtype, device, seed=args.seed)
-    if args.gemv_config:
-        from worker.kernels import group_quant_matmul
+    from worker.kernels import group_quant_matmul
 
+    if args.gemv_config:
         group_quant_matmul.GEMV_CONFIG = tuple(int(value) for value in args.gemv_config.split(","))
     if args.many_rows_kernel:
-        from worker.kernels import group_quant_matmul
-
         group_quant_matmul.MANY_ROWS_KERNEL = args.many_rows_kernel
     if args.quantization != "none":
         quantize_linears(model, bits=int(args.quantization[3:]), group_size=32)

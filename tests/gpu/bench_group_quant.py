@@ -7,8 +7,8 @@ scales, mins, x and out, each once). First it sweeps the GEMV kernel's (BLOCK_N,
 at one row, 4-bit groups of 32, over every shape, and ranks the configurations by their summed time; the
 best is the one every later row uses, and the last line printed is `best gemv config: N,G,W`
 (tests/gpu/run.sh hands it to bench_decode). Then it sweeps the dequantizing kernel's (BLOCK_N,
-BLOCK_GROUPS, num_warps) likewise at 32 rows; the best one is the dequant column's. Every timed output is first checked against the float32
-reference. Times are medians of CUDA-graph replays. --dry-run: a tiny shape on the CPU under the Triton interpreter, one configuration.
+BLOCK_GROUPS, num_warps) likewise at 32 rows; the best one is the dequant column's. Every timed output is
+first checked against the float32 reference. Times are medians of CUDA-graph replays. --dry-run: a tiny shape on the CPU under the Triton interpreter, one configuration.
 """
 from __future__ import annotations
 

@@ -292,8 +292,8 @@ def _block_sizes(num_rows: int) -> tuple[int, int]:
 
 
 def _dequant_config(num_rows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_GROUPS, num_warps) of the dequantizing kernel: a first guess (K steps of
-    4 groups, 128 columns of x), to be swept on a device with tests/gpu/bench_group_quant.py."""
+    """(BLOCK_M, BLOCK_N, BLOCK_GROUPS, num_warps) of the dequantizing kernel: a first guess (4 groups a K
+    step), to be swept on a device with tests/gpu/bench_group_quant.py."""
     block_m = 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
     return block_m, 64, 4, 4
 

@@ -144,8 +144,6 @@ def test_inputs_are_validated_with_the_argument_named():
             matmul(x, codes, scales, mins, 8, 32)  # 4-bit codes given as 8-bit ones
         with pytest.raises(ValueError, match=rf"{name}: codes has dtype torch.int8, expected torch.uint8"):
             matmul(x, codes.view(torch.int8), scales, mins, 4, 32)
-    with pytest.raises(ValueError, match=r"group_quant_matmul: kernel='fast', expected 'auto', 'tiled' or 'dequant'"):
-        group_quant_matmul(x, codes, scales, mins, 4, 32, kernel="fast")
         with pytest.raises(ValueError, match=rf"{name}: scales has shape \[39, 3\], expected \[40, 3\]"):
             matmul(x, codes, scales[:39], mins, 4, 32)
         with pytest.raises(ValueError, match=rf"{name}: mins has dtype torch.bfloat16, expected torch.float32"):
@@ -154,3 +152,5 @@ def test_inputs_are_validated_with_the_argument_named():
             matmul(x, codes, scales, mins, 4, 32, torch.zeros(NUM_OUTPUTS, device=DEVICE, dtype=torch.float16))
         with pytest.raises(ValueError, match=rf"{name}: x has strides \[1, 2\], expected stride 1 in its last dim"):
             matmul(_randn(IN_FEATURES, 2, seed=0).T, codes, scales, mins, 4, 32)
+    with pytest.raises(ValueError, match=r"group_quant_matmul: kernel='fast', expected 'auto', 'tiled' or 'dequant'"):
+        group_quant_matmul(x, codes, scales, mins, 4, 32, kernel="fast")
