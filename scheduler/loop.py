@@ -66,10 +66,11 @@ class EngineLoop:
     # --- called by RPC handlers: check, enqueue, return -------------------------------------------
 
     def submit(self, request: Request, deadline: float | None = None, resumable: bool = False,
-               owner: str | None = None) -> RequestStream:
+               owner: str | None = None, delta_stream_id: str = "") -> RequestStream:
         """deadline: wall-clock Unix seconds after which the request ends (pages freed) unfinished.
         resumable: its tokens also go to the token sink (ignored without one).
-        owner: the API key name that submitted it, recorded for the gateways' by-id checks."""
+        owner: the API key name that submitted it, recorded for the gateways' by-id checks.
+        delta_stream_id: its gateway's StreamDeltas call, for its deltas after the first (scheduler.delta_streams)."""
         self.admission.check_request(request)
         if request.request_id in self.streams:
             raise AlreadyExists("request_id", request.request_id)
@@ -77,7 +78,7 @@ class EngineLoop:
         arriving = self._inbox.arriving()
         self.admission.check_room(request, len(self.scheduler.waiting) + len(arriving),
                                   lambda: self._waiting_tokens(arriving))
-        stream = self.streams.open(request, deadline, resumable, owner)
+        stream = self.streams.open(request, deadline, resumable, owner, delta_stream_id)
         if resumable and self.live is not None and self.tokens is not None:
             self.live.admitted(request, deadline, owner)
         self.num_requests_total += 1

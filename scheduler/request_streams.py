@@ -14,6 +14,7 @@ from typing import Protocol
 from core.errors import ServingError
 from core.outputs import FinishReason, RequestOutput
 from core.step import StepPlan
+from scheduler.delta_streams import DeltaStream, DeltaStreams
 from scheduler.request import Request
 
 # A running request's record gets its output token count at least this often (and its first-token
@@ -66,6 +67,9 @@ class RequestStream:
     # the reason an Abort call asked for (a stop string the gateway matched, a CancelRequest), until the
     # loop ends the request with it: how it ended if its Submit call is dropped in the meantime
     abort_reason: FinishReason | None = None
+    # its gateway's StreamDeltas call, which carries its deltas after the first (scheduler.delta_streams)
+    delta_stream: DeltaStream | None = None
+    started: bool = False  # a delta went to its own queue: the first message, which the Submit call sends
 
 
 class RequestStreams:
@@ -76,6 +80,7 @@ class RequestStreams:
         self._streams: dict[str, RequestStream] = {}
         self._deadlines: dict[str, float] = {}  # request id -> wall-clock deadline
         self._resumable: set[str] = set()  # ids whose tokens go to `tokens`, to outlive their caller
+        self.delta_streams = DeltaStreams()
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._streams
@@ -83,11 +88,13 @@ class RequestStreams:
     def __len__(self) -> int:
         return len(self._streams)
 
-    def open(self, request: Request, deadline: float | None, resumable: bool, owner: str | None) -> RequestStream:
+    def open(self, request: Request, deadline: float | None, resumable: bool, owner: str | None,
+             delta_stream_id: str = "") -> RequestStream:
         """deadline: wall-clock Unix seconds; resumable: its tokens also go to the token sink (if any);
-        owner: the API key name that submitted it, recorded for the gateways' by-id checks."""
+        owner: the API key name that submitted it, recorded for the gateways' by-id checks;
+        delta_stream_id: its gateway's open delta stream, if any (an unknown id: none)."""
         request_id = request.request_id
-        stream = self._streams[request_id] = RequestStream()
+        stream = self._streams[request_id] = RequestStream(delta_stream=self.delta_streams.get(delta_stream_id))
         if deadline is not None:
             self._deadlines[request_id] = deadline
         if resumable and self.tokens is not None:
@@ -129,6 +136,7 @@ class RequestStreams:
     def deliver(self, outputs: list[RequestOutput], forward_ns: int) -> None:
         """One step's deltas; forward_ns: the worker's time for that step."""
         now = time.monotonic()
+        batched: list[DeltaStream] = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -143,7 +151,15 @@ class RequestStreams:
             else:
                 if output.request_id in self._resumable:
                     self._write_tokens(output)
-                stream.queue.put_nowait(output)
+                delta_stream = stream.delta_stream
+                if stream.started and delta_stream is not None and not delta_stream.closed:
+                    if delta_stream.add(output):
+                        batched.append(delta_stream)
+                else:
+                    stream.started = True
+                    stream.queue.put_nowait(output)
+        for delta_stream in batched:  # one message per gateway for the whole step
+            delta_stream.flush()
 
     def _record_progress(self, stream: RequestStream, output: RequestOutput, now: float) -> None:
         """The first token at once (its time is first_token_at), then every PROGRESS_INTERVAL_TOKENS

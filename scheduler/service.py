@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
-from core.errors import DrainTimeout, PermissionDenied, Unavailable
+from core.errors import DrainTimeout, InvalidArgument, PermissionDenied, Unavailable
 from plumbing import peer_roles
 from core.outputs import FinishReason, RequestTimings
 from protos import codec
@@ -60,14 +60,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         domain_request = Request.from_generation_request(codec.generation_request_from_submit_proto(request),
                                                          trace_context=start_request(request.request_id))
         stream = self.loop.submit(domain_request, codec.deadline_from_submit_proto(request), resumable,
-                                  owner=request.owner or None)
+                                  owner=request.owner or None, delta_stream_id=request.delta_stream_id)
         finished = False
         first = True
         try:
             while not finished:
                 output = await stream.queue.get()
-                # coalesce deltas that piled up while this client was slow to read
-                while not output.finished and not stream.queue.empty():
+                # coalesce deltas that piled up while this client was slow to read; only adjacent ones
+                # (with a delta stream, the deltas between the first and the last went there)
+                while not output.finished and not stream.queue.empty() and _adjacent(output, stream.queue):
                     more = stream.queue.get_nowait()
                     more.new_token_ids = output.new_token_ids + more.new_token_ids
                     more.logprobs = output.logprobs + more.logprobs
@@ -98,6 +99,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if not finished and not resumable:  # the client went away or cancelled: free its pages
                 self.loop.abort(request.request_id)
 
+    async def StreamDeltas(self, request, context):
+        if not request.stream_id:
+            raise InvalidArgument("StreamDeltasRequest.stream_id", "", "must be set (the id the gateway's "
+                                  "SubmitRequest.delta_stream_id names)")
+        deltas = self.loop.streams.delta_streams.open(request.stream_id)  # AlreadyExists for an open id
+        try:
+            while True:
+                batch = await deltas.next_batch()
+                await context.write(scheduler_pb2.StepDeltas(deltas=[codec.request_output_to_proto(o) for o in batch]))
+        finally:  # the gateway cancelled it (or went away): its requests' deltas go to their Submit calls
+            self.loop.streams.delta_streams.close(deltas)
+
     async def Abort(self, request, context):
         reason = codec.finish_reason_from_proto(request.reason) or FinishReason.ABORT
         aborted = [rid for rid in request.request_ids if self.loop.abort(rid, finish_reason=reason)]
@@ -120,6 +133,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def GetModelInfo(self, request, context):
         self.loop  # noqa: B018 - raises Unavailable until the worker registered
         return self.model_info
+
+
+def _adjacent(output, queue: asyncio.Queue) -> bool:
+    """Whether the next queued output's tokens follow output's with none between."""
+    more = queue._queue[0]  # noqa: SLF001 - asyncio.Queue has no peek
+    return more.num_output_tokens - len(more.new_token_ids) == output.num_output_tokens
 
 
 async def drain(loop: EngineLoop, timeout_s: float, drain_timeout_s: float) -> None:

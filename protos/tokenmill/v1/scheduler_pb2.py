@@ -27,7 +27,7 @@ from protos.tokenmill.v1 import common_pb2 as protos_dot_tokenmill_dot_v1_dot_co
 from protos.tokenmill.v1 import sampling_pb2 as protos_dot_tokenmill_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/tokenmill/v1/scheduler.proto\x12\x0ctokenmill.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a protos/tokenmill/v1/common.proto\x1a\"protos/tokenmill/v1/sampling.proto\"\xe0\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1c.tokenmill.v1.SamplingParams\x12\x19\n\x0c\x65os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12,\n\x08\x64\x65\x61\x64line\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tresumable\x18\x07 \x01(\x08\x12\r\n\x05owner\x18\x08 \x01(\t\x12\x1a\n\rtarget_itl_ms\x18\t \x01(\x01H\x01\x88\x01\x01\x12\x1b\n\x0etarget_ttft_ms\x18\n \x01(\x01H\x02\x88\x01\x01\x42\x0f\n\r_eos_token_idB\x10\n\x0e_target_itl_msB\x11\n\x0f_target_ttft_ms\"\xf7\x02\n\x0eSubmitResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.tokenmill.v1.TokenLogprobs\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.tokenmill.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\t \x01(\r\x12&\n\x07timings\x18\n \x01(\x0b\x32\x15.tokenmill.v1.Timings\x12\x34\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1b.tokenmill.v1.TokenLogprobs\"O\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12*\n\x06reason\x18\x02 \x01(\x0e\x32\x1a.tokenmill.v1.FinishReason\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t\"5\n\x0eGetLoadRequest\x12#\n\x1binclude_running_request_ids\x18\x01 \x01(\x08\"\xae\x02\n\x0fGetLoadResponse\x12\x1c\n\x14num_waiting_requests\x18\x01 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x02 \x01(\r\x12\x1a\n\x12num_waiting_tokens\x18\x03 \x01(\x04\x12\x1a\n\x12num_kv_pages_total\x18\x04 \x01(\r\x12\x19\n\x11num_kv_pages_used\x18\x05 \x01(\r\x12\x19\n\x11num_kv_pages_free\x18\x06 \x01(\r\x12\x16\n\x0ekv_utilization\x18\x07 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x08 \x01(\x01\x12\x1d\n\x15num_preemptions_total\x18\t \x01(\x04\x12\x1b\n\x13running_request_ids\x18\n \x03(\t2\xb3\x02\n\tScheduler\x12\x45\n\x06Submit\x12\x1b.tokenmill.v1.SubmitRequest\x1a\x1c.tokenmill.v1.SubmitResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.tokenmill.v1.AbortRequest\x1a\x1b.tokenmill.v1.AbortResponse\x12\x46\n\x07GetLoad\x12\x1c.tokenmill.v1.GetLoadRequest\x1a\x1d.tokenmill.v1.GetLoadResponse\x12U\n\x0cGetModelInfo\x12!.tokenmill.v1.GetModelInfoRequest\x1a\".tokenmill.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/tokenmill/v1/scheduler.proto\x12\x0ctokenmill.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a protos/tokenmill/v1/common.proto\x1a\"protos/tokenmill/v1/sampling.proto\"\xf9\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1c.tokenmill.v1.SamplingParams\x12\x19\n\x0c\x65os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12,\n\x08\x64\x65\x61\x64line\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tresumable\x18\x07 \x01(\x08\x12\r\n\x05owner\x18\x08 \x01(\t\x12\x1a\n\rtarget_itl_ms\x18\t \x01(\x01H\x01\x88\x01\x01\x12\x1b\n\x0etarget_ttft_ms\x18\n \x01(\x01H\x02\x88\x01\x01\x12\x17\n\x0f\x64\x65lta_stream_id\x18\x0b \x01(\tB\x0f\n\r_eos_token_idB\x10\n\x0e_target_itl_msB\x11\n\x0f_target_ttft_ms\"\xf7\x02\n\x0eSubmitResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.tokenmill.v1.TokenLogprobs\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.tokenmill.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\t \x01(\r\x12&\n\x07timings\x18\n \x01(\x0b\x32\x15.tokenmill.v1.Timings\x12\x34\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1b.tokenmill.v1.TokenLogprobs\"(\n\x13StreamDeltasRequest\x12\x11\n\tstream_id\x18\x01 \x01(\t\":\n\nStepDeltas\x12,\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x1c.tokenmill.v1.SubmitResponse\"O\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12*\n\x06reason\x18\x02 \x01(\x0e\x32\x1a.tokenmill.v1.FinishReason\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t\"5\n\x0eGetLoadRequest\x12#\n\x1binclude_running_request_ids\x18\x01 \x01(\x08\"\xae\x02\n\x0fGetLoadResponse\x12\x1c\n\x14num_waiting_requests\x18\x01 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x02 \x01(\r\x12\x1a\n\x12num_waiting_tokens\x18\x03 \x01(\x04\x12\x1a\n\x12num_kv_pages_total\x18\x04 \x01(\r\x12\x19\n\x11num_kv_pages_used\x18\x05 \x01(\r\x12\x19\n\x11num_kv_pages_free\x18\x06 \x01(\r\x12\x16\n\x0ekv_utilization\x18\x07 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x08 \x01(\x01\x12\x1d\n\x15num_preemptions_total\x18\t \x01(\x04\x12\x1b\n\x13running_request_ids\x18\n \x03(\t2\x82\x03\n\tScheduler\x12\x45\n\x06Submit\x12\x1b.tokenmill.v1.SubmitRequest\x1a\x1c.tokenmill.v1.SubmitResponse0\x01\x12M\n\x0cStreamDeltas\x12!.tokenmill.v1.StreamDeltasRequest\x1a\x18.tokenmill.v1.StepDeltas0\x01\x12@\n\x05\x41\x62ort\x12\x1a.tokenmill.v1.AbortRequest\x1a\x1b.tokenmill.v1.AbortResponse\x12\x46\n\x07GetLoad\x12\x1c.tokenmill.v1.GetLoadRequest\x1a\x1d.tokenmill.v1.GetLoadResponse\x12U\n\x0cGetModelInfo\x12!.tokenmill.v1.GetModelInfoRequest\x1a\".tokenmill.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,17 +35,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.tokenmill.v1.schedul
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMITREQUEST']._serialized_start=157
-  _globals['_SUBMITREQUEST']._serialized_end=509
-  _globals['_SUBMITRESPONSE']._serialized_start=512
-  _globals['_SUBMITRESPONSE']._serialized_end=887
-  _globals['_ABORTREQUEST']._serialized_start=889
-  _globals['_ABORTREQUEST']._serialized_end=968
-  _globals['_ABORTRESPONSE']._serialized_start=970
-  _globals['_ABORTRESPONSE']._serialized_end=1014
-  _globals['_GETLOADREQUEST']._serialized_start=1016
-  _globals['_GETLOADREQUEST']._serialized_end=1069
-  _globals['_GETLOADRESPONSE']._serialized_start=1072
-  _globals['_GETLOADRESPONSE']._serialized_end=1374
-  _globals['_SCHEDULER']._serialized_start=1377
-  _globals['_SCHEDULER']._serialized_end=1684
+  _globals['_SUBMITREQUEST']._serialized_end=534
+  _globals['_SUBMITRESPONSE']._serialized_start=537
+  _globals['_SUBMITRESPONSE']._serialized_end=912
+  _globals['_STREAMDELTASREQUEST']._serialized_start=914
+  _globals['_STREAMDELTASREQUEST']._serialized_end=954
+  _globals['_STEPDELTAS']._serialized_start=956
+  _globals['_STEPDELTAS']._serialized_end=1014
+  _globals['_ABORTREQUEST']._serialized_start=1016
+  _globals['_ABORTREQUEST']._serialized_end=1095
+  _globals['_ABORTRESPONSE']._serialized_start=1097
+  _globals['_ABORTRESPONSE']._serialized_end=1141
+  _globals['_GETLOADREQUEST']._serialized_start=1143
+  _globals['_GETLOADREQUEST']._serialized_end=1196
+  _globals['_GETLOADRESPONSE']._serialized_start=1199
+  _globals['_GETLOADRESPONSE']._serialized_end=1501
+  _globals['_SCHEDULER']._serialized_start=1504
+  _globals['_SCHEDULER']._serialized_end=1890
 # @@protoc_insertion_point(module_scope)

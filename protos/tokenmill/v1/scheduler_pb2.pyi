@@ -12,7 +12,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority", "deadline", "resumable", "owner", "target_itl_ms", "target_ttft_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority", "deadline", "resumable", "owner", "target_itl_ms", "target_ttft_ms", "delta_stream_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class SubmitRequest(_message.Message):
     OWNER_FIELD_NUMBER: _ClassVar[int]
     TARGET_ITL_MS_FIELD_NUMBER: _ClassVar[int]
     TARGET_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _sampling_pb2.SamplingParams
@@ -33,7 +34,8 @@ class SubmitRequest(_message.Message):
     owner: str
     target_itl_ms: float
     target_ttft_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., eos_token_id: _Optional[int] = ..., priority: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., resumable: _Optional[bool] = ..., owner: _Optional[str] = ..., target_itl_ms: _Optional[float] = ..., target_ttft_ms: _Optional[float] = ...) -> None: ...
+    delta_stream_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., eos_token_id: _Optional[int] = ..., priority: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., resumable: _Optional[bool] = ..., owner: _Optional[str] = ..., target_itl_ms: _Optional[float] = ..., target_ttft_ms: _Optional[float] = ..., delta_stream_id: _Optional[str] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("request_id", "new_token_ids", "logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "num_preemptions", "timings", "prompt_logprobs")
@@ -60,6 +62,18 @@ class SubmitResponse(_message.Message):
     timings: _common_pb2.Timings
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+
+class StreamDeltasRequest(_message.Message):
+    __slots__ = ("stream_id",)
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    def __init__(self, stream_id: _Optional[str] = ...) -> None: ...
+
+class StepDeltas(_message.Message):
+    __slots__ = ("deltas",)
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    deltas: _containers.RepeatedCompositeFieldContainer[SubmitResponse]
+    def __init__(self, deltas: _Optional[_Iterable[_Union[SubmitResponse, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids", "reason")

@@ -41,6 +41,11 @@ class SchedulerStub:
                 request_serializer=protos_dot_tokenmill_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=protos_dot_tokenmill_dot_v1_dot_scheduler__pb2.SubmitResponse.FromString,
                 _registered_method=True)
+        self.StreamDeltas = channel.unary_stream(
+                '/tokenmill.v1.Scheduler/StreamDeltas',
+                request_serializer=protos_dot_tokenmill_dot_v1_dot_scheduler__pb2.StreamDeltasRequest.SerializeToString,
+                response_deserializer=protos_dot_tokenmill_dot_v1_dot_scheduler__pb2.StepDeltas.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tokenmill.v1.Scheduler/Abort',
                 request_serializer=protos_dot_tokenmill_dot_v1_dot_scheduler__pb2.AbortRequest.SerializeToString,
@@ -67,6 +72,20 @@ class SchedulerServicer:
         finished = true. Cancelling the call aborts the request and frees its pages.
         RESOURCE_EXHAUSTED when the queue is full or the prompt can never fit in the KV cache;
         ALREADY_EXISTS when a request with this id is queued or running.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamDeltas(self, request, context):
+        """A gateway's one stream of token deltas for all the requests it submits with delta_stream_id set to
+        this call's stream_id: one message per step carries every such request's new tokens, where Submit
+        would write one message per request per step (at 32 running requests, 32 HTTP/2 writes and as
+        many wake-ups on each side, on the cores the worker computes on). The first and the last message of
+        each request still come on its Submit call (the first once its record is written, the last with its
+        ending, timings or error status); the gateway orders the two by num_output_tokens. Ends when the
+        gateway cancels it; requests bound to it then get their deltas on their Submit calls again.
+        ALREADY_EXISTS when a stream with this id is open.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -100,6 +119,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=protos_dot_tokenmill_dot_v1_dot_scheduler__pb2.SubmitRequest.FromString,
                     response_serializer=protos_dot_tokenmill_dot_v1_dot_scheduler__pb2.SubmitResponse.SerializeToString,
+            ),
+            'StreamDeltas': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamDeltas,
+                    request_deserializer=protos_dot_tokenmill_dot_v1_dot_scheduler__pb2.StreamDeltasRequest.FromString,
+                    response_serializer=protos_dot_tokenmill_dot_v1_dot_scheduler__pb2.StepDeltas.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -145,6 +169,33 @@ class Scheduler:
             '/tokenmill.v1.Scheduler/Submit',
             protos_dot_tokenmill_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
             protos_dot_tokenmill_dot_v1_dot_scheduler__pb2.SubmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamDeltas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tokenmill.v1.Scheduler/StreamDeltas',
+            protos_dot_tokenmill_dot_v1_dot_scheduler__pb2.StreamDeltasRequest.SerializeToString,
+            protos_dot_tokenmill_dot_v1_dot_scheduler__pb2.StepDeltas.FromString,
             options,
             channel_credentials,
             insecure,
