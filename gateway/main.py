@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_message_size_argument(parser, PUBLIC_MAX_MESSAGE_BYTES)
     tls.add_server_arguments(parser)  # the HTTP API serves HTTPS with the same files
     parser.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
+    parser.add_argument("--no-delta-stream", action="store_true",
+                        help="each request's tokens come on its own Submit call instead of one StreamDeltas call "
+                             "per scheduler carrying a step's tokens for all of them (gateway.delta_stream)")
     tls.add_client_arguments(parser, "scheduler")
     add_access_arguments(parser)
     telemetry.add_metrics_argument(parser)
@@ -81,12 +84,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def scheduler_client(args: argparse.Namespace):
     """One replica: a plain SchedulerClient; several (or a DNS name): a router that balances them."""
     if len(args.scheduler) == 1 and not args.scheduler_dns:
-        return SchedulerClient(args.scheduler[0], tls=args.scheduler_tls)
+        return SchedulerClient(args.scheduler[0], tls=args.scheduler_tls, delta_stream=not args.no_delta_stream)
     from gateway.replica_router import ReplicaRouter
 
     return ReplicaRouter(args.scheduler, dns_name=args.scheduler_dns, redis_url=args.redis_url,
                          dns_refresh_s=args.scheduler_dns_refresh_s,
-                         max_load_imbalance=args.replica_max_load_imbalance, tls=args.scheduler_tls)
+                         max_load_imbalance=args.replica_max_load_imbalance, tls=args.scheduler_tls,
+                         delta_stream=not args.no_delta_stream)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -93,7 +93,7 @@ class ReplicaRouter(FailureHandling):
     def __init__(self, addresses: list[str], *, dns_name: str = "", redis_url: str = "",
                  refresh_s: float = REPORT_INTERVAL_S, dns_refresh_s: float = 10.0,
                  max_load_imbalance: float = DEFAULT_MAX_LOAD_IMBALANCE,
-                 tls: ClientTLS | None = None) -> None:
+                 tls: ClientTLS | None = None, delta_stream: bool = True) -> None:
         if not addresses and not dns_name:
             raise ValueError("ReplicaRouter needs scheduler addresses or a DNS name; got neither")
         self.dns_name = dns_name
@@ -101,6 +101,7 @@ class ReplicaRouter(FailureHandling):
         self.dns_refresh_s = dns_refresh_s
         self.max_load_imbalance = max_load_imbalance
         self.tls = tls  # every replica's link, like the single scheduler's
+        self.delta_stream = delta_stream  # SchedulerClient's: tokens batched per step on one call per replica
         # each replica's SchedulerClient has its own circuit breaker: calls failing on one replica
         # open only its breaker, and route() sends requests to the others until it answers again
         self.on_request_lost = None
@@ -125,7 +126,8 @@ class ReplicaRouter(FailureHandling):
     def _set_addresses(self, addresses: list[str]) -> None:
         for address in addresses:
             if address not in self.replicas:
-                self.replicas[address] = Replica(address, SchedulerClient(address, tls=self.tls))
+                self.replicas[address] = Replica(address, SchedulerClient(address, tls=self.tls,
+                                                                             delta_stream=self.delta_stream))
                 logger.info("model replica %s added", address)
         for address in [a for a in self.replicas if a not in addresses]:
             self._retired.append(self.replicas.pop(address))

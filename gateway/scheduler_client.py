@@ -25,6 +25,7 @@ from core.errors import ServingError
 from core.outputs import FinishReason, RequestOutput
 from core.requests import GenerationRequest
 from gateway.circuit_breaker import BreakerState, CircuitBreaker
+from gateway.delta_stream import DeltaReader, FromSubmit, SubmitEnded, in_order
 from plumbing.rpc import error_from_rpc_error
 from protos import codec
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -94,7 +95,9 @@ class SchedulerClient(FailureHandling):
     def __init__(self, address: str, breaker: CircuitBreaker | None = None,
                  on_request_lost: Callable[[str, ServingError, bool], None] | None = None, *,
                  tls: tls_config.ClientTLS | None = None,
-                 max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES, delta_stream: bool = True) -> None:
+        """delta_stream: requests' tokens come batched per step on one StreamDeltas call (gateway.delta_stream)
+        rather than each on its own Submit call."""
         self.address = address
         self.breaker = breaker or CircuitBreaker(f"scheduler at {address}")
         self.breaker.on_open = self._watch_readiness_while_open
@@ -105,6 +108,7 @@ class SchedulerClient(FailureHandling):
             address, tls, message_size_options(max_message_bytes) + RECONNECT_OPTIONS)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._deltas = DeltaReader(self.stub, address) if delta_stream else None
 
     async def wait_ready(self, timeout_s: float) -> common_pb2.GetModelInfoResponse:
         """Waits until the scheduler reports ready (its worker registered); returns the model info."""
@@ -161,14 +165,27 @@ class SchedulerClient(FailureHandling):
         resumable: the scheduler keeps it running if this gateway goes away (gateway.resume).
         owner: the API key name that sent it, recorded with the request."""
         message = codec.submit_request_to_proto(request, deadline_unix_s, resumable=resumable, owner=owner)
+        queue: asyncio.Queue = asyncio.Queue()
+        if self._deltas is not None:
+            message.delta_stream_id = self._deltas.bind(request.request_id, queue)
         call = self.stub.Submit(message, timeout=timeout_s)
+        if not message.delta_stream_id:
+            try:
+                async for response in call:
+                    yield codec.request_output_from_proto(response)
+            except grpc.aio.AioRpcError as error:
+                raise error_from_rpc_error(error) from error
+            finally:
+                call.cancel()  # a no-op once the call has ended; otherwise the scheduler aborts the request
+            return
+        pump = asyncio.get_running_loop().create_task(_pump(call, queue))
         try:
-            async for response in call:
-                yield codec.request_output_from_proto(response)
-        except grpc.aio.AioRpcError as error:
-            raise error_from_rpc_error(error) from error
+            async for output in in_order(queue, request.request_id):
+                yield output
         finally:
-            call.cancel()  # a no-op once the call has ended; otherwise the scheduler aborts the request
+            call.cancel()
+            pump.cancel()
+            self._deltas.unbind(request.request_id, queue)
 
     async def abort(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> list[str]:
         """Ends the requests in the scheduler with reason; returns the ids it still had."""
@@ -191,4 +208,19 @@ class SchedulerClient(FailureHandling):
     async def close(self) -> None:
         if self._readiness_watch is not None:
             self._readiness_watch.cancel()
+        if self._deltas is not None:
+            await self._deltas.close()
         await self._channel.close()
+
+
+async def _pump(call, queue: asyncio.Queue) -> None:
+    """A Submit call's messages into the request's queue, beside its delta stream's."""
+    try:
+        async for response in call:
+            queue.put_nowait(FromSubmit(codec.request_output_from_proto(response)))
+    except grpc.aio.AioRpcError as error:
+        typed = error_from_rpc_error(error)
+        typed.__cause__ = error
+        queue.put_nowait(SubmitEnded(typed))
+    else:
+        queue.put_nowait(SubmitEnded())

@@ -183,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                              "ratio reported is the median round's (default: %(default)s)")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="the cluster's scheduler plans step N+1 while the worker runs step N (serve's flag)")
+    parser.add_argument("--no-delta-stream", action="store_true",
+                        help="the gateway gets each request's tokens on its own Submit call, not batched per step "
+                             "on one StreamDeltas call (serve's --no-delta-stream)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
@@ -202,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cluster_config = resolve_ports(ClusterConfig(gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
                                                  kv_cache_mb=args.kv_cache_mb, max_num_seqs=config.max_num_seqs,
-                                                 async_scheduling=args.async_scheduling))
+                                                 async_scheduling=args.async_scheduling,
+                                                 delta_stream=not args.no_delta_stream))
     with Supervisor(cluster_specs(cluster_config), echo=False) as supervisor:
         sync_prompts = text_prompts(tokenizer, 32, 8, args.seed + 1)
         pids = {name: pid for name in supervisor.children if (pid := supervisor.pid(name)) is not None}
@@ -220,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         f"cluster {remote['output_tokens_per_s']:.1f} tok/s, TTFT P50 {remote['ttft_p50_s'] * 1e3:.0f} ms")
     result = {
         "async_scheduling": args.async_scheduling,
+        "delta_stream": not args.no_delta_stream,
         "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
                      "output_lens": [args.min_output, args.max_output], "seed": args.seed},
         "in_process": {k: v for k, v in local.items() if k not in ("outputs", "sync_added_ttft_ms")},

@@ -111,6 +111,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="the scheduler plans step N+1 while the worker runs step N")
+    parser.add_argument("--no-delta-stream", action="store_true",
+                        help="the gateway gets each request's tokens on its own Submit call instead of one "
+                             "StreamDeltas call carrying a step's tokens for all of them")
     # the worker's execution; the same names and choices as worker.backends (not imported: it needs torch)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="worker device; auto: cuda when torch sees a GPU (default: %(default)s)")
@@ -287,7 +290,7 @@ def serve(args: argparse.Namespace) -> int:
         target_itl_ms=args.target_itl_ms, target_ttft_ms=args.target_ttft_ms,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-        async_scheduling=args.async_scheduling, device=args.device, kernel_backend=args.kernel_backend, quantization=args.quantization,
+        async_scheduling=args.async_scheduling, delta_stream=not args.no_delta_stream, device=args.device, kernel_backend=args.kernel_backend, quantization=args.quantization,
         cuda_graphs=not args.no_cuda_graphs, stream_overlap=not args.no_stream_overlap,
         packed_linears=not args.no_packed_linears, cpu_int8_activations=args.cpu_int8_activations,
         cpu_fused_ops=not args.no_cpu_fused_ops, cpu_dense_weights=args.cpu_dense_weights,

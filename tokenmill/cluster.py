@@ -88,6 +88,8 @@ class ClusterConfig:
     # a gateway stream whose client has read nothing for this long is cancelled (gateway.stream_idle); 0: never
     stream_idle_timeout_s: float = 120.0
     tool_call_parser: str = "auto"  # the gateway's --tool-call-parser (gateway.tool_syntax)
+    # tokens batched per step on one StreamDeltas call (gateway.delta_stream); False: each on its own Submit call
+    delta_stream: bool = True
     python: str = sys.executable
     # Prometheus /metrics of each process; None: off (so parallel test clusters never clash; `tokenmill
     # serve` passes 9400 / 9401 / 9402); 0: pick a free port (resolve_ports).
@@ -240,6 +242,8 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
                "--rate-limit-rps", str(config.rate_limit_rps), "--rate-limit-burst", str(config.rate_limit_burst)]
     if config.api_keys_file:
         gateway += ["--api-keys-file", config.api_keys_file]
+    if not config.delta_stream:
+        gateway.append("--no-delta-stream")
     for argv, port in ((worker, config.worker_metrics_port), (scheduler, config.scheduler_metrics_port),
                        (gateway, config.gateway_metrics_port)):
         if port is not None:
