@@ -54,3 +54,40 @@ def test_without_a_default_budget_run_there_is_no_verdict():
     result = {"runs": {"tokenmill paged itl<=200ms": run(512, {8: (150, 35.0)}, target_itl_ms=200)}}
     assert itl_verdicts(result, 200.0, default_budget=512) == []
     assert "needs a paged run" in format_verdicts([])
+
+
+def repeated(budget: int, concurrency: int, figures: list[tuple[float, float]], target_itl_ms: float | None = None) -> dict:
+    """One run whose level ran once per (ITL P99 ms, tok/s) pair, as --interleave --repeats lists them."""
+    result = run(budget, {}, target_itl_ms)
+    result["levels"] = [{"concurrency": concurrency, "itl_p99_s": itl / 1e3, "output_tokens_per_s": tok_s,
+                         "repeat": index} for index, (itl, tok_s) in enumerate(figures)]
+    return result
+
+
+def test_repeats_are_judged_by_medians_and_the_median_paired_ratio():
+    # repeat 1 ran in a slow minute for the target run only: its ratio 0.60 alone would fail the level
+    result = {"runs": {
+        "tokenmill paged": repeated(512, 32, [(500, 140.0), (520, 130.0), (510, 150.0)]),
+        "tokenmill paged budget=32": repeated(32, 32, [(120, 100.0), (115, 100.0), (118, 110.0)]),
+        "tokenmill paged budget=128": repeated(128, 32, [(300, 125.0), (160, 120.0), (310, 126.0)]),
+        "tokenmill paged itl<=150ms": repeated(512, 32, [(140, 95.0), (170, 60.0), (145, 104.0)], target_itl_ms=150),
+    }}
+    (verdict,) = itl_verdicts(result, 150.0, default_budget=512)
+    assert verdict["repeats"] == 3 and verdict["target"]["itl_p99_ms"] == 145  # the median P99 meets 150
+    assert verdict["best_fixed"]["budget"] == 32  # budget 128's median P99 (300) misses the target
+    assert [round(r, 3) for r in verdict["throughput_ratios"]] == [0.95, 0.6, 0.945]
+    assert abs(verdict["throughput_ratio"] - 104 / 110) < 1e-9 and verdict["passed"]
+    text = format_verdicts([verdict])
+    assert "medians of 3 repeats" in text and "per repeat: 0.95x / 0.60x / 0.95x" in text and "140 / 170 / 145" in text
+    # slow minutes on different configs in different repeats: medians of each side would compare 58 with
+    # 100 tok/s (0.58x); paired, two repeats of three say 0.95x and 0.97x
+    result["runs"]["tokenmill paged budget=32"] = repeated(32, 32, [(120, 100.0), (115, 60.0), (118, 110.0)])
+    result["runs"]["tokenmill paged itl<=150ms"] = repeated(512, 32, [(140, 57.0), (145, 58.0), (145, 104.0)],
+                                                            target_itl_ms=150)
+    (verdict,) = itl_verdicts(result, 150.0, default_budget=512)
+    assert abs(verdict["throughput_ratio"] - 104 / 110) < 1e-9 and verdict["passed"]
+    # and a target run slower in every repeat fails
+    result["runs"]["tokenmill paged itl<=150ms"] = repeated(512, 32, [(140, 85.0), (145, 50.0), (145, 95.0)],
+                                                            target_itl_ms=150)
+    (verdict,) = itl_verdicts(result, 150.0, default_budget=512)
+    assert abs(verdict["throughput_ratio"] - 0.85) < 1e-9 and not verdict["passed"]

@@ -242,10 +242,11 @@ def test_interleaved_order_never_runs_the_same_run_last_twice():
     assert all(sorted(name for step, name in order if step == level) == names for level in range(steps))
 
 
-async def _interleaved_openai(urls: dict[str, str], workload: BenchWorkload, levels: list[int]) -> dict:
+async def _interleaved_openai(urls: dict[str, str], workload: BenchWorkload, levels: list[int],
+                              repeats: int = 1) -> dict:
     targets = {name: (OpenAITarget(url), None) for name, url in urls.items()}
     try:
-        return await interleaved_sweeps(targets, workload, levels, len(workload.prompts), 1)
+        return await interleaved_sweeps(targets, workload, levels, len(workload.prompts), 1, repeats=repeats)
     finally:
         for target, _ in targets.values():
             await target.close()
@@ -267,3 +268,24 @@ def test_interleaved_sweeps_run_each_level_on_every_server_before_the_next_level
     assert len(a) == len(b) == 13
     assert a[0] < b[0] < min(a[1:7]) and max(a[1:7]) < min(b[1:7])
     assert max(b[1:7]) < min(b[7:]) and max(b[7:]) < min(a[7:])
+
+
+def test_repeats_run_each_level_again_on_every_server_in_rotated_order():
+    workload = text_workload([2] * 3)
+    with closing_sse_server() as (server_a, url_a), closing_sse_server() as (server_b, url_b):
+        results = asyncio.run(_interleaved_openai({"a": url_a, "b": url_b}, workload, [1, 2], repeats=2))
+    for result in results.values():
+        assert [(level["concurrency"], level["repeat"]) for level in result["levels"]] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+        assert all((level["num_requests"], level["num_errors"]) == (3, 0) for level in result["levels"])
+    # after the warm-ups: a b | b a | a b | b a, three requests each
+    a, b = server_a.arrivals[1:], server_b.arrivals[1:]
+    assert max(a[0:3]) < min(b[0:3]) and max(b[3:6]) < min(a[3:6]) and max(a[6:9]) < min(b[6:9])
+    assert max(b[0:3]) < min(b[3:6]) and max(a[3:6]) < min(a[6:9])
+
+
+def test_repeats_need_interleave():
+    from tokenmill.bench.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--repeats", "3", "--no-baseline"])
+    assert exited.value.code == 2

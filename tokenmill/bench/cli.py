@@ -133,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="start every cluster first, then run each level on all of them back to back (the "
                              "order rotated at every level), so that the machine's drift over a long "
                              "run falls on every configuration alike; the transformers baseline still runs last")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="with --interleave: each level this many times on every cluster (the order rotating "
+                             "on); the ITL target verdict then judges medians over the repeats and the median of "
+                             "the per-repeat throughput ratios, for a machine whose speed drifts more than the "
+                             "verdict's 10%% (default: %(default)s)")
     return parser
 
 
@@ -212,7 +217,7 @@ def run_clusters_interleaved(args, workload, clusters: list[tuple[str, str, dict
                        for name, (config, _) in configs.items()}
             try:
                 return await interleaved_sweeps(targets, workload, args.concurrency, args.num_requests, args.warmup,
-                                                args.request_rate, args.seed)
+                                                args.request_rate, args.seed, args.repeats)
             finally:
                 for target, _ in targets.values():
                     await target.close()
@@ -260,7 +265,10 @@ def interrupt_on_sigterm(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = resolve_defaults(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = resolve_defaults(parser.parse_args(argv))
+    if args.repeats < 1 or (args.repeats > 1 and not args.interleave):
+        parser.error(f"--repeats {args.repeats}: must be 1, or more together with --interleave")
     on_main_thread = threading.current_thread() is threading.main_thread()  # where handlers can be set
     previous = signal.signal(signal.SIGTERM, interrupt_on_sigterm) if on_main_thread else None
     try:

@@ -8,8 +8,15 @@
 meets the target at that level (the budget someone tuning by hand for the target would keep); when no
 fixed budget meets it, the best of them all. Both are reported, so the other reading can be checked.
 Runs are told apart by the settings each run records (run_cluster's "settings"), not by their names.
+
+With `--interleave --repeats N` every level ran N times on every config, back to back: each config's
+figures are then its medians over the repeats (which budget is best, who meets the target), and the
+throughput ratio is the median of the N paired ratios (the target's tok/s over the best budget's in the
+same repeat, minutes apart), so that one slow minute on a drifting machine decides nothing.
 """
 from __future__ import annotations
+
+import statistics
 
 THROUGHPUT_TOLERANCE = 0.10
 
@@ -19,14 +26,29 @@ def _is_fixed(settings: dict) -> bool:
             and not settings.get("swap_space_gb"))
 
 
-def _closed_levels(run: dict) -> dict[int, dict]:
-    return {level["concurrency"]: level for level in run["levels"] if level.get("request_rate") is None}
+def _closed_levels(run: dict) -> dict[int, list[dict]]:
+    """concurrency -> that level's runs, one per repeat, in order."""
+    levels: dict[int, list[dict]] = {}
+    for level in run["levels"]:
+        if level.get("request_rate") is None:
+            levels.setdefault(level["concurrency"], []).append(level)
+    return levels
 
 
-def _figures(name: str, run: dict, level: dict) -> dict:
+def _figures(name: str, run: dict, levels: list[dict]) -> dict:
+    """Medians over the repeats (with one, that level's own figures); tok_s_repeats: each repeat's."""
+    p99s = [level["itl_p99_s"] * 1e3 for level in levels if level["itl_p99_s"] is not None]
+    tok_s = [level["output_tokens_per_s"] for level in levels]
     return {"run": name, "budget": run["settings"].get("max_num_batched_tokens"),
-            "itl_p99_ms": None if level["itl_p99_s"] is None else level["itl_p99_s"] * 1e3,
-            "tok_s": level["output_tokens_per_s"]}
+            "itl_p99_ms": statistics.median(p99s) if p99s else None, "tok_s": statistics.median(tok_s),
+            "tok_s_repeats": tok_s,
+            "itl_p99_ms_repeats": [None if level["itl_p99_s"] is None else level["itl_p99_s"] * 1e3 for level in levels]}
+
+
+def _paired_ratio(ours: dict, best: dict) -> float:
+    """The median over repeats of ours / best in the same repeat."""
+    ratios = [mine / theirs if theirs > 0 else 0.0 for mine, theirs in zip(ours["tok_s_repeats"], best["tok_s_repeats"])]
+    return statistics.median(ratios) if ratios else 0.0
 
 
 def itl_verdicts(result: dict, target_itl_ms: float, default_budget: int) -> list[dict]:
@@ -50,13 +72,16 @@ def itl_verdicts(result: dict, target_itl_ms: float, default_budget: int) -> lis
         best_any = max(sweep, key=lambda f: f["tok_s"])
         default_misses = base["itl_p99_ms"] is None or base["itl_p99_ms"] > target_itl_ms
         target_meets = ours["itl_p99_ms"] is not None and ours["itl_p99_ms"] <= target_itl_ms
-        ratio = ours["tok_s"] / best["tok_s"] if best["tok_s"] > 0 else 0.0
+        ratio = _paired_ratio(ours, best)
         itl_ok = target_meets or not default_misses
         verdicts.append({
             "concurrency": concurrency, "target_itl_ms": target_itl_ms, "sweep": sweep, "target": ours,
             "default_misses": default_misses, "target_meets": target_meets,
             "best_fixed": best, "best_fixed_meets": bool(meeting), "best_fixed_any": best_any,
-            "throughput_ratio": ratio, "throughput_ratio_any": ours["tok_s"] / best_any["tok_s"] if best_any["tok_s"] > 0 else 0.0,
+            "repeats": len(ours["tok_s_repeats"]),
+            "throughput_ratios": [mine / theirs if theirs > 0 else 0.0 for mine, theirs
+                                  in zip(ours["tok_s_repeats"], best["tok_s_repeats"])],
+            "throughput_ratio": ratio, "throughput_ratio_any": _paired_ratio(ours, best_any),
             "passed": itl_ok and ratio >= 1 - THROUGHPUT_TOLERANCE,
         })
     return verdicts
@@ -71,7 +96,10 @@ def format_verdicts(verdicts: list[dict]) -> str:
     if not verdicts:
         return "ITL target verdict: needs a paged run with the default budget and the --target-itl-ms run"
     target_ms = verdicts[0]["target_itl_ms"]
-    lines = [f"ITL target verdict (target {target_ms:g} ms; ITL P99 ms / out tok/s per config)"]
+    repeats = verdicts[0].get("repeats", 1)
+    lines = [f"ITL target verdict (target {target_ms:g} ms; ITL P99 ms / out tok/s per config"
+             + (f", medians of {repeats} repeats; throughput: the median of the paired per-repeat ratios)"
+                if repeats > 1 else ")")]
     for verdict in verdicts:
         cells = [f"{f['run'].removeprefix('tokenmill ')} {_ms(f['itl_p99_ms'])}/{f['tok_s']:.1f}"
                  for f in [*verdict["sweep"], verdict["target"]]]
@@ -86,4 +114,7 @@ def format_verdicts(verdicts: list[dict]) -> str:
                      f"(budget {best['budget']}, {best['tok_s']:.1f} tok/s); "
                      f"{verdict['throughput_ratio_any']:.2f}x the best of all fixed "
                      f"(budget {verdict['best_fixed_any']['budget']})")
+        if repeats > 1:
+            lines.append("    per repeat: " + " / ".join(f"{r:.2f}x" for r in verdict["throughput_ratios"])
+                         + "; target's ITL P99 " + " / ".join(_ms(level) for level in verdict["target"]["itl_p99_ms_repeats"]))
     return "\n".join(lines)

@@ -52,11 +52,13 @@ def is_open_loop(level: dict) -> bool:
 
 
 def level_load(level: dict) -> str:
-    """The table's load cell: the concurrency, or the request rate asked for and the one achieved."""
+    """The table's load cell: the concurrency, or the request rate asked for and the one achieved; which
+    repeat it was (--repeats)."""
+    repeat = f" #{level['repeat'] + 1}" if "repeat" in level else ""
     if not is_open_loop(level):
-        return str(level["concurrency"])
+        return str(level["concurrency"]) + repeat
     achieved = level.get("achieved_rate")
-    return f"{level['request_rate']:g}/s" + ("" if achieved is None else f" (sent {achieved:.2f}/s)")
+    return f"{level['request_rate']:g}/s" + ("" if achieved is None else f" (sent {achieved:.2f}/s)") + repeat
 
 
 def level_name(level: dict) -> str:

@@ -127,21 +127,26 @@ def interleaved_order(names: list[str], steps: int) -> list[tuple[int, str]]:
 
 async def interleaved_sweeps(targets: dict[str, tuple], workload: BenchWorkload, levels: list[int],
                              requests_per_level: int, warmup: int, rates: list[float] = (),
-                             seed: int = 0) -> dict[str, dict]:
+                             seed: int = 0, repeats: int = 1) -> dict[str, dict]:
     """sweep() for several targets (run name -> (target, poller or None)) at once, a level at a time in
-    interleaved_order; returns run name -> what sweep() returns for that target."""
+    interleaved_order; returns run name -> what sweep() returns for that target.
+    repeats: each level this many times in a row (each time on every target, the order rotating on), its
+    levels then listed once per repeat with "repeat": 0, 1, ... (itl_verdict takes medians over them)."""
     results = {}
     for name, (target, _) in targets.items():
         results[name] = {"target": target.name, "warmup": await warm_up(target, workload, warmup), "levels": []}
-    steps = [("closed", level) for level in levels] + [("open", rate) for rate in rates]
+    steps = [(kind, value, repeat) for kind, values in (("closed", levels), ("open", rates))
+             for value in values for repeat in range(repeats)]
     for step, name in interleaved_order(list(targets), len(steps)):
         target, poller = targets[name]
-        kind, value = steps[step]
+        kind, value, repeat = steps[step]
         if kind == "closed":
             count = max(requests_per_level, value)  # every client gets at least one request
             level = await run_level(target, workload.head(count), value, poller, name)
         else:
             level = await run_open_level(target, workload.head(requests_per_level), value, seed, poller, name)
+        if repeats > 1:
+            level["repeat"] = repeat
         results[name]["levels"].append(level)
     return results
 
