@@ -10,11 +10,8 @@ the scheduler's clock, so nothing here reads a clock of its own.
 A target is an inter-token P99, while the model predicts a step's mean time: steps of one shape spread
 around it (other processes on the cores, the machine's load changing faster than the fit). So plans aim
 at `headroom` times the target, and the headroom follows the misses: each step an ITL target governed
-moves it down by HEADROOM_STEP if it missed and up by HEADROOM_STEP * MISS_RATE if not, which settles
-where MISS_RATE of those steps miss (a stochastic-approximation quantile tracker). A step misses when
-the gap a decoding request saw at this end ran over the target: from the previous step's result to
-this one's, which holds the loop's turn between a result and the next plan besides the step itself
-(counted on the step alone, the clients' P99 landed 1-4% over a 150 ms target at 32 streams).
+moves it down by HEADROOM_STEP if the step ran over the target and up by HEADROOM_STEP * MISS_RATE if
+not, which settles where MISS_RATE of those steps miss (a stochastic-approximation quantile tracker).
 Only misses move it down: a decode that took three times its prediction but stayed under the target
 changes nothing (a ratio-of-errors margin, tried first, cut every plan to a quarter on a shared
 2-core machine for such steps, down to one running request). Nor does a miss by a step that ran over
@@ -45,8 +42,8 @@ from scheduler.step_time import (
 )
 
 # The share of an ITL target plans aim at: it starts at TARGET_HEADROOM and follows the misses, within
-# MIN_HEADROOM..MAX_HEADROOM (the rest of MAX_HEADROOM is for what the scheduler never sees: the gateway
-# and the streams to the client). A TTFT target is planned against TARGET_HEADROOM of itself.
+# MIN_HEADROOM..MAX_HEADROOM (the rest of MAX_HEADROOM is for what no step time shows: the loop's turn
+# between a result and the next plan). A TTFT target is planned against TARGET_HEADROOM of itself.
 TARGET_HEADROOM = 0.8
 MIN_HEADROOM, MAX_HEADROOM = 0.2, 0.95
 MISS_RATE = 0.005  # the share of governed steps allowed over the target: P99 of the gaps, with room
@@ -61,7 +58,6 @@ class LatencyTargets:
         # steps sent, not yet observed: (shape, planned at, the ITL target that governed it, its prediction)
         self._step_shapes: dict[int, tuple[StepShape, float, ItlTarget | None, float | None]] = {}
         self.headroom = TARGET_HEADROOM  # plans aim at this share of the ITL target
-        self._last_result_at: float | None = None  # when the latest step's result came in
         self.step_tunings: dict[int, StepTuning] = {}  # the same steps' decisions, observed ones kept until read
         self.token_budget = config.max_num_batched_tokens  # the latest step's
         self.num_itl_target_misses = 0
@@ -173,16 +169,12 @@ class LatencyTargets:
         tuning = self.step_tunings.get(plan.step_id)
         if tuning is not None:
             tuning.observed_s = seconds
-        # the gap since the previous result: the loop's turn too (only a step that decodes someone is
-        # governed, and that someone had a token by the previous result, or is a resumed preemption)
-        gap_s = seconds if self._last_result_at is None else max(seconds, now - self._last_result_at)
-        self._last_result_at = now
-        missed = itl_target is not None and gap_s * 1e3 > itl_target.ms
+        missed = itl_target is not None and seconds * 1e3 > itl_target.ms
         if missed:
             self.num_itl_target_misses += 1
             if tuning is not None:
                 tuning.target_missed = True
-        stalled = predicted_s is not None and gap_s > STALL_RATIO * predicted_s
+        stalled = predicted_s is not None and seconds > STALL_RATIO * predicted_s
         if itl_target is not None and predicted_s is not None and not (missed and stalled):
             change = HEADROOM_STEP * (MISS_RATE - missed)
             self.headroom = min(max(self.headroom * math.exp(change), MIN_HEADROOM), MAX_HEADROOM)
@@ -195,4 +187,3 @@ class LatencyTargets:
         """The worker was lost with them: nothing to learn from those steps."""
         self._step_shapes.clear()
         self.step_tunings.clear()
-        self._last_result_at = None  # the wait for the worker is no inter-token gap to plan against
