@@ -12,11 +12,6 @@ around it (other processes on the cores, the machine's load changing faster than
 at `headroom` times the target, and the headroom follows the misses: each step an ITL target governed
 moves it down by HEADROOM_STEP if the step ran over the target and up by HEADROOM_STEP * MISS_RATE if
 not, which settles where MISS_RATE of those steps miss (a stochastic-approximation quantile tracker).
-A step's time for this is the step (plan sent to result in) and the loop's turn before it (the previous
-result applied and delivered, this plan made): what a decoding request waits between two tokens here.
-Counted on the step alone, the clients' P99 landed 1-4% over a 150 ms target at 32 streams. A turn far
-beyond the usual (the scheduler descheduled on cores the worker fills) is left out like a stall: with
-every turn counted, such misses drove the headroom down to 0.72x the throughput of a fixed budget.
 Only misses move it down: a decode that took three times its prediction but stayed under the target
 changes nothing (a ratio-of-errors margin, tried first, cut every plan to a quarter on a shared
 2-core machine for such steps, down to one running request). Nor does a miss by a step that ran over
@@ -53,10 +48,6 @@ TARGET_HEADROOM = 0.8
 MIN_HEADROOM, MAX_HEADROOM = 0.2, 0.95
 MISS_RATE = 0.005  # the share of governed steps allowed over the target: P99 of the gaps, with room
 HEADROOM_STEP = 0.1  # the headroom's relative change on a miss (and MISS_RATE of it up otherwise)
-# a turn between a result and the next plan counts towards the step after it while it is at most
-# STALL_RATIO times the usual turn (an average that follows the turns, each capped at that) or this
-TURN_SLACK_S = 0.002
-TURN_AVERAGING = 0.05
 KEPT_STEP_TUNINGS = 8  # steps whose tuning record waits for the loop's span (two are in flight at most)
 
 
@@ -67,8 +58,6 @@ class LatencyTargets:
         # steps sent, not yet observed: (shape, planned at, the ITL target that governed it, its prediction)
         self._step_shapes: dict[int, tuple[StepShape, float, ItlTarget | None, float | None]] = {}
         self.headroom = TARGET_HEADROOM  # plans aim at this share of the ITL target
-        self._last_result_at: float | None = None  # when the latest step's result came in
-        self.usual_turn_s = 0.0  # the loop's turn from a result to the next plan, averaged
         self.step_tunings: dict[int, StepTuning] = {}  # the same steps' decisions, observed ones kept until read
         self.token_budget = config.max_num_batched_tokens  # the latest step's
         self.num_itl_target_misses = 0
@@ -180,8 +169,7 @@ class LatencyTargets:
         tuning = self.step_tunings.get(plan.step_id)
         if tuning is not None:
             tuning.observed_s = seconds
-        waited_s = seconds + self._turn_before(planned_at, now)
-        missed = itl_target is not None and waited_s * 1e3 > itl_target.ms
+        missed = itl_target is not None and seconds * 1e3 > itl_target.ms
         if missed:
             self.num_itl_target_misses += 1
             if tuning is not None:
@@ -191,17 +179,6 @@ class LatencyTargets:
             change = HEADROOM_STEP * (MISS_RATE - missed)
             self.headroom = min(max(self.headroom * math.exp(change), MIN_HEADROOM), MAX_HEADROOM)
 
-    def _turn_before(self, planned_at: float, now: float) -> float:
-        """The loop's turn before the step planned at planned_at (0 when a step overlapped it, or after a
-        turn far beyond the usual one), learning the usual turn."""
-        last, self._last_result_at = self._last_result_at, now
-        if last is None:
-            return 0.0
-        turn_s = max(planned_at - last, 0.0)
-        limit_s = max(STALL_RATIO * self.usual_turn_s, TURN_SLACK_S)
-        self.usual_turn_s += TURN_AVERAGING * (min(turn_s, limit_s) - self.usual_turn_s)
-        return turn_s if turn_s <= limit_s else 0.0
-
     def pop_step_tuning(self, step_id: int) -> StepTuning | None:
         """The step's tuning record (observed once its result was applied); forgotten once read."""
         return self.step_tunings.pop(step_id, None)
@@ -210,4 +187,3 @@ class LatencyTargets:
         """The worker was lost with them: nothing to learn from those steps."""
         self._step_shapes.clear()
         self.step_tunings.clear()
-        self._last_result_at = None  # the wait for the worker is no turn of the loop
