@@ -46,3 +46,13 @@ class RequestOutput:
     # why an unfinished ending happened, by type: DeadlineExceeded, WorkerUnavailable, InvalidArgument, ...
     error: ServingError | None = None
     timings: RequestTimings | None = None  # on the last output of a request, from its scheduler
+
+
+def coalesce(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output for two consecutive ones of a request (a reader that fell behind): later's, with
+    earlier's tokens, logprobs and prompt logprobs in front."""
+    later.new_token_ids = earlier.new_token_ids + later.new_token_ids
+    later.logprobs = earlier.logprobs + later.logprobs
+    if later.prompt_logprobs is None:
+        later.prompt_logprobs = earlier.prompt_logprobs
+    return later

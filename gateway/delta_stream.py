@@ -130,13 +130,12 @@ async def in_order(queue: asyncio.Queue, request_id: str) -> AsyncIterator[Reque
     lost = submit_ended = False
     while True:
         item = await queue.get()
-        if isinstance(item, FromSubmit):
-            output = item.output
-            if next_start is None:
-                next_start = output.num_output_tokens - len(output.new_token_ids)
-            held[output.num_output_tokens - len(output.new_token_ids)] = output
-        elif isinstance(item, RequestOutput):
-            held[item.num_output_tokens - len(item.new_token_ids)] = item
+        if isinstance(item, (FromSubmit, RequestOutput)):
+            output = item.output if isinstance(item, FromSubmit) else item
+            start = output.num_output_tokens - len(output.new_token_ids)
+            if next_start is None and isinstance(item, FromSubmit):
+                next_start = start
+            held[start] = output
         elif isinstance(item, SubmitEnded):
             if item.error is not None:
                 raise item.error

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 
 from core.errors import AlreadyExists
-from core.outputs import RequestOutput
+from core.outputs import RequestOutput, coalesce
 
 
 class DeltaStream:
@@ -47,13 +47,7 @@ class DeltaStream:
         for step in [batch, *self._drain()]:
             for output in step:
                 earlier = merged.get(output.request_id)
-                if earlier is None:
-                    merged[output.request_id] = output
-                    continue
-                earlier.new_token_ids = earlier.new_token_ids + output.new_token_ids
-                earlier.logprobs = earlier.logprobs + output.logprobs
-                earlier.num_output_tokens = output.num_output_tokens
-                earlier.num_preemptions = output.num_preemptions
+                merged[output.request_id] = output if earlier is None else coalesce(earlier, output)
         return list(merged.values())
 
     def _drain(self) -> list[list[RequestOutput]]:

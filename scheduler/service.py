@@ -5,7 +5,7 @@ import asyncio
 
 from core.errors import DrainTimeout, InvalidArgument, PermissionDenied, Unavailable
 from plumbing import peer_roles
-from core.outputs import FinishReason, RequestTimings
+from core.outputs import FinishReason, RequestTimings, coalesce
 from protos import codec
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.loop import EngineLoop
@@ -69,12 +69,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 # coalesce deltas that piled up while this client was slow to read; only adjacent ones
                 # (with a delta stream, the deltas between the first and the last went there)
                 while not output.finished and not stream.queue.empty() and _adjacent(output, stream.queue):
-                    more = stream.queue.get_nowait()
-                    more.new_token_ids = output.new_token_ids + more.new_token_ids
-                    more.logprobs = output.logprobs + more.logprobs
-                    if more.prompt_logprobs is None:
-                        more.prompt_logprobs = output.prompt_logprobs
-                    output = more
+                    output = coalesce(output, stream.queue.get_nowait())
                 if first or output.finished:
                     # GetRequestStatus (answered from Redis) must know the id by the time the client
                     # has its first message, and know how it ended by the time it has the last
