@@ -155,7 +155,11 @@ async def serve(args: argparse.Namespace) -> None:
     await health.set_ready(True)
     logger.info("gateway ready on %s serving %s", address, model_info.model_config.name)
     await wait_for_stop_signal()
-    # readiness off first, so load balancers stop sending; then in-flight requests get drain_timeout_s
+    # new requests refused and readiness off first, so load balancers stop sending; then in-flight
+    # requests get drain_timeout_s
+    drain.refuse_new()
+    if http_api is not None:
+        http_api.ready = False
     await health.enter_graceful_shutdown()
     logger.info("gateway draining")
     draining = [drain.drain(args.drain_timeout_s)]

@@ -4,6 +4,7 @@
     server = rpc.create_server(interceptors=[drain])
     ...
     await wait_for_stop_signal()
+    drain.refuse_new()                          # before readiness flips: NOT_SERVING never admits work
     await health.enter_graceful_shutdown()      # readiness NOT_SERVING: load balancers stop routing here
     unfinished = await drain.drain(timeout_s)   # new guarded calls: UNAVAILABLE; waits for in-flight ones
     await server.stop(grace=1.0)
@@ -64,10 +65,15 @@ class DrainInterceptor(grpc.aio.ServerInterceptor):
     def in_flight(self) -> int:
         return self._in_flight.count
 
+    def refuse_new(self) -> None:
+        """Refuses new guarded calls from now on. Called before readiness turns NOT_SERVING (and before
+        any await in between): a client that saw NOT_SERVING must never have its next call admitted."""
+        self.draining = True
+
     async def drain(self, timeout_s: float) -> int:
         """Refuses new guarded calls from now on and waits (up to timeout_s) for the in-flight ones;
         returns how many were still running when it gave up (0: all finished)."""
-        self.draining = True
+        self.refuse_new()
         return await self._in_flight.wait_idle(timeout_s)
 
     def refuses(self, method: str) -> bool:

@@ -180,6 +180,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     await wait_for_stop_signal()
     logger.info("scheduler draining (%d requests in flight)", len(loop.streams))
+    drain_calls.refuse_new()  # first: the reporter's close below awaits Redis, with readiness already off
     await health.enter_graceful_shutdown()
     if reporter:
         await reporter.aclose()  # gateways stop routing here while it drains
