@@ -120,7 +120,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             kv_utilization=stats.kv_utilization,
             prefix_cache_hit_rate=stats.prefix_cache_hits / stats.prefix_cache_queries
             if stats.prefix_cache_queries else 0.0,
-            num_preemptions_total=stats.num_preemptions)
+            num_preemptions_total=stats.num_preemptions, step_token_budget=stats.token_budget,
+            itl_target_headroom=stats.itl_target_headroom, num_itl_target_misses_total=stats.num_itl_target_misses)
         if request.include_running_request_ids:
             reply.running_request_ids.extend(r.request_id for r in self.loop.scheduler.running)
         return reply

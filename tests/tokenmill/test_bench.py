@@ -131,6 +131,8 @@ def test_bench_against_a_started_cluster_reports_sane_numbers(tmp_path):
         assert 0 < level["ttft_p50_s"] <= level["ttft_p99_s"] <= level["e2e_p99_s"] < level["elapsed_s"]
         assert 0 < level["itl_p50_s"] < level["e2e_p50_s"]
         assert 0 < level["kv_utilization_mean"] <= 1 and level["preemptions"] == 0
+        # no latency target: every step had the fixed budget, and no step was judged against a target
+        assert level["token_budget_p50"] == 256 and level["itl_target_misses"] == 0
     assert "| tokenmill | 2 |" in (tmp_path / "bench.md").read_text()
     http = json.loads((tmp_path / "http" / "bench.json").read_text())["runs"]["openai-http"]["levels"][0]
     assert (http["num_errors"], http["output_tokens"]) == (0, expected_tokens)

@@ -91,3 +91,21 @@ def test_repeats_are_judged_by_medians_and_the_median_paired_ratio():
                                                             target_itl_ms=150)
     (verdict,) = itl_verdicts(result, 150.0, default_budget=512)
     assert abs(verdict["throughput_ratio"] - 0.85) < 1e-9 and not verdict["passed"]
+
+
+def test_the_verdict_shows_what_the_target_chose_in_each_repeat():
+    result = {"runs": {
+        "tokenmill paged": repeated(512, 8, [(100, 150.0), (104, 155.0)]),
+        "tokenmill paged itl<=150ms": repeated(512, 8, [(120, 130.0), (110, 150.0)], target_itl_ms=150),
+    }}
+    tunings = [(96, 0.31, 0.62, 14), (160, 0.8, 0.9, 1)]
+    for level, (budget, low, middle, misses) in zip(result["runs"]["tokenmill paged itl<=150ms"]["levels"], tunings):
+        level.update(token_budget_p50=budget, itl_target_headroom_min=low, itl_target_headroom_p50=middle,
+                     itl_target_misses=misses)
+    text = format_verdicts(itl_verdicts(result, 150.0, default_budget=512))
+    assert ("the target chose: budget P50 96, headroom min 0.31 P50 0.62, 14 steps missed | "
+            "budget P50 160, headroom min 0.80 P50 0.90, 1 steps missed") in text
+    # runs from before GetLoad reported it: no such line
+    for level in result["runs"]["tokenmill paged itl<=150ms"]["levels"]:
+        del level["token_budget_p50"], level["itl_target_headroom_min"]
+    assert "the target chose" not in format_verdicts(itl_verdicts(result, 150.0, default_budget=512))

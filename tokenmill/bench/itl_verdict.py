@@ -42,7 +42,16 @@ def _figures(name: str, run: dict, levels: list[dict]) -> dict:
     return {"run": name, "budget": run["settings"].get("max_num_batched_tokens"),
             "itl_p99_ms": statistics.median(p99s) if p99s else None, "tok_s": statistics.median(tok_s),
             "tok_s_repeats": tok_s,
-            "itl_p99_ms_repeats": [None if level["itl_p99_s"] is None else level["itl_p99_s"] * 1e3 for level in levels]}
+            "itl_p99_ms_repeats": [None if level["itl_p99_s"] is None else level["itl_p99_s"] * 1e3 for level in levels],
+            "tuning_repeats": [_tuning(level) for level in levels]}
+
+
+def _tuning(level: dict) -> str | None:
+    """What a latency target chose in one level (from the scheduler's GetLoad), or None without it."""
+    if level.get("itl_target_headroom_min") is None or level.get("token_budget_p50") is None:
+        return None
+    return (f"budget P50 {level['token_budget_p50']:.0f}, headroom min {level['itl_target_headroom_min']:.2f} "
+            f"P50 {level['itl_target_headroom_p50']:.2f}, {level.get('itl_target_misses') or 0} steps missed")
 
 
 def _paired_ratios(ours: dict, best: dict) -> list[float]:
@@ -120,4 +129,7 @@ def format_verdicts(verdicts: list[dict]) -> str:
         if repeats > 1:
             lines.append("    per repeat: " + " / ".join(f"{r:.2f}x" for r in verdict["throughput_ratios"])
                          + "; target's ITL P99 " + " / ".join(_ms(level) for level in verdict["target"]["itl_p99_ms_repeats"]))
+        tunings = verdict["target"].get("tuning_repeats", [])
+        if any(tunings):
+            lines.append("    the target chose: " + " | ".join(tuning or "-" for tuning in tunings))
     return "\n".join(lines)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -158,12 +159,14 @@ class TransformersTarget:
 
 
 class LoadPoller:
-    """Samples the scheduler's GetLoad every interval_s while running: KV utilization and preemptions."""
+    """Samples the scheduler's GetLoad every interval_s while running: KV utilization and preemptions,
+    and with a latency target what it chose (token budget, headroom) and how often it missed."""
 
     def __init__(self, scheduler_address: str, interval_s: float = 0.2) -> None:
         self.address, self.interval_s = scheduler_address, interval_s
-        # (kv_utilization, preemptions_total, waiting, running, kv_pages_total)
-        self.samples: list[tuple[float, int, int, int, int]] = []
+        # (kv_utilization, preemptions_total, waiting, running, kv_pages_total, step token budget,
+        #  ITL target headroom, ITL target misses total)
+        self.samples: list[tuple[float, int, int, int, int, int, float, int]] = []
         self._task: asyncio.Task | None = None
 
     async def _poll(self) -> None:
@@ -176,7 +179,9 @@ class LoadPoller:
             while True:
                 reply = await stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=5.0)
                 self.samples.append((reply.kv_utilization, reply.num_preemptions_total,
-                                     reply.num_waiting_requests, reply.num_running_requests, reply.num_kv_pages_total))
+                                     reply.num_waiting_requests, reply.num_running_requests, reply.num_kv_pages_total,
+                                     reply.step_token_budget, reply.itl_target_headroom,
+                                     reply.num_itl_target_misses_total))
                 await asyncio.sleep(self.interval_s)
 
     def start(self) -> None:
@@ -191,8 +196,13 @@ class LoadPoller:
             await self._task
         except (asyncio.CancelledError, Exception):  # noqa: BLE001 - a failed poll just ends the samples
             pass
-        busy = [s[0] for s in self.samples if s[3] > 0]
-        return {"kv_utilization_mean": sum(busy) / len(busy) if busy else None,
+        busy = [s for s in self.samples if s[3] > 0]
+        return {"kv_utilization_mean": sum(s[0] for s in busy) / len(busy) if busy else None,
                 "preemptions": self.samples[-1][1] - self.samples[0][1] if self.samples else None,
                 "max_waiting": max((s[2] for s in self.samples), default=None),
-                "kv_pages_total": self.samples[-1][4] if self.samples else None}
+                "kv_pages_total": self.samples[-1][4] if self.samples else None,
+                # what a latency target chose while requests ran (why its throughput is what it is)
+                "token_budget_p50": statistics.median(s[5] for s in busy) if busy else None,
+                "itl_target_headroom_min": min((s[6] for s in busy), default=None),
+                "itl_target_headroom_p50": statistics.median(s[6] for s in busy) if busy else None,
+                "itl_target_misses": self.samples[-1][7] - self.samples[0][7] if self.samples else None}

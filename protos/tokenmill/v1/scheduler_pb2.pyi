@@ -96,7 +96,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self, include_running_request_ids: _Optional[bool] = ...) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("num_waiting_requests", "num_running_requests", "num_waiting_tokens", "num_kv_pages_total", "num_kv_pages_used", "num_kv_pages_free", "kv_utilization", "prefix_cache_hit_rate", "num_preemptions_total", "running_request_ids")
+    __slots__ = ("num_waiting_requests", "num_running_requests", "num_waiting_tokens", "num_kv_pages_total", "num_kv_pages_used", "num_kv_pages_free", "kv_utilization", "prefix_cache_hit_rate", "num_preemptions_total", "running_request_ids", "step_token_budget", "itl_target_headroom", "num_itl_target_misses_total")
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,9 @@ class GetLoadResponse(_message.Message):
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    ITL_TARGET_HEADROOM_FIELD_NUMBER: _ClassVar[int]
+    NUM_ITL_TARGET_MISSES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     num_waiting_requests: int
     num_running_requests: int
     num_waiting_tokens: int
@@ -117,4 +120,7 @@ class GetLoadResponse(_message.Message):
     prefix_cache_hit_rate: float
     num_preemptions_total: int
     running_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, num_waiting_requests: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_kv_pages_total: _Optional[int] = ..., num_kv_pages_used: _Optional[int] = ..., num_kv_pages_free: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_preemptions_total: _Optional[int] = ..., running_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    step_token_budget: int
+    itl_target_headroom: float
+    num_itl_target_misses_total: int
+    def __init__(self, num_waiting_requests: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_kv_pages_total: _Optional[int] = ..., num_kv_pages_used: _Optional[int] = ..., num_kv_pages_free: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_preemptions_total: _Optional[int] = ..., running_request_ids: _Optional[_Iterable[str]] = ..., step_token_budget: _Optional[int] = ..., itl_target_headroom: _Optional[float] = ..., num_itl_target_misses_total: _Optional[int] = ...) -> None: ...
