@@ -9,15 +9,20 @@ the scheduler's clock, so nothing here reads a clock of its own.
 
 A target is an inter-token P99, while the model predicts a step's mean time: steps of one shape spread
 around it (other processes on the cores, the machine's load changing faster than the fit). So plans aim
-at `headroom` times the target, and the headroom follows the misses: each step an ITL target governed
-moves it down by HEADROOM_STEP if the step ran over the target and up by HEADROOM_STEP * MISS_RATE if
-not, which settles where MISS_RATE of those steps miss (a stochastic-approximation quantile tracker).
-Only misses move it down: a decode that took three times its prediction but stayed under the target
-changes nothing (a ratio-of-errors margin, tried first, cut every plan to a quarter on a shared
-2-core machine for such steps, down to one running request). Nor does a miss by a step that ran over
-STALL_RATIO times its prediction: no smaller plan would have avoided that stall (or the model had not
-yet learnt the step's shape, which its fit is correcting), and counting such misses drove the plans to
-the floor while other processes held the cores.
+at `headroom` times the target, where the headroom is one over the RATIO_QUANTILE of observed / predicted
+time over the last RATIO_WINDOW binding steps: those an ITL target governed whose prediction reached
+BINDING_SHARE of it. A step planned at the limit, headroom * target, misses when its ratio exceeds
+1 / headroom: reading the headroom off that quantile lets 1 - RATIO_QUANTILE of such steps, and fewer
+gaps, over the target. Read from a window, it follows the machine within
+a window's steps, both ways (an up-and-down miss tracker, tried before, moved by 10 % on each rare
+miss and took 1 / (miss rate) steps to undo one: longer than a load level, so its headroom was that of
+the history before it, 0.95 in one 32-stream level whose P99 went 4 % over the target).
+Steps far under the target do not count: a decode that took three times its prediction but stayed a
+quarter of the target says nothing of the spread of full steps (a margin over every step's ratio, tried
+first, cut every plan to a quarter on a shared 2-core machine, down to one running request). Nor does a
+step that ran over STALL_RATIO times its prediction: no smaller plan would have avoided that stall (or
+the model had not yet learnt the step's shape, which its fit is correcting), and counting such steps
+drove the plans to the floor while other processes held the cores.
 
 An ITL target governs only steps that decode someone (a running request that has had a token): a step
 of prefills alone delays first tokens, not the gap between two, so it gets the whole budget.
@@ -25,6 +30,7 @@ of prefills alone delays first tokens, not the gap between two, so it gets the w
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Iterable, Sequence
 
 from core.step import StepPlan, StepResult
@@ -41,13 +47,18 @@ from scheduler.step_time import (
     StepTuning,
 )
 
-# The share of an ITL target plans aim at: it starts at TARGET_HEADROOM and follows the misses, within
-# MIN_HEADROOM..MAX_HEADROOM (the rest of MAX_HEADROOM is for what no step time shows: the loop's turn
-# between a result and the next plan). A TTFT target is planned against TARGET_HEADROOM of itself.
+# The share of an ITL target plans aim at: TARGET_HEADROOM until MIN_RATIOS binding steps were seen,
+# then read from their spread, within MIN_HEADROOM..MAX_HEADROOM (the rest of MAX_HEADROOM is for what
+# no step time shows: the loop's turn between a result and the next plan, ~1 ms). A TTFT target is
+# planned against TARGET_HEADROOM of itself.
 TARGET_HEADROOM = 0.8
 MIN_HEADROOM, MAX_HEADROOM = 0.2, 0.95
-MISS_RATE = 0.005  # the share of governed steps allowed over the target: P99 of the gaps, with room
-HEADROOM_STEP = 0.1  # the headroom's relative change on a miss (and MISS_RATE of it up otherwise)
+RATIO_QUANTILE = 0.995  # the share of binding steps kept under the target: P99 of the gaps, with room
+RATIO_WINDOW = 256  # binding steps the quantile is read over (~30 s at 32 streams on 2 cores)
+MIN_RATIOS = 32
+# a step binds when its prediction reached this share of the target (of the target, not of the plan: a
+# threshold that fell with the headroom let 3-times-slow decodes in once it fell, which held it down)
+BINDING_SHARE = 0.5
 KEPT_STEP_TUNINGS = 8  # steps whose tuning record waits for the loop's span (two are in flight at most)
 
 
@@ -58,6 +69,7 @@ class LatencyTargets:
         # steps sent, not yet observed: (shape, planned at, the ITL target that governed it, its prediction)
         self._step_shapes: dict[int, tuple[StepShape, float, ItlTarget | None, float | None]] = {}
         self.headroom = TARGET_HEADROOM  # plans aim at this share of the ITL target
+        self._ratios: deque[float] = deque(maxlen=RATIO_WINDOW)  # observed / predicted, of binding steps
         self.step_tunings: dict[int, StepTuning] = {}  # the same steps' decisions, observed ones kept until read
         self.token_budget = config.max_num_batched_tokens  # the latest step's
         self.num_itl_target_misses = 0
@@ -174,10 +186,13 @@ class LatencyTargets:
             self.num_itl_target_misses += 1
             if tuning is not None:
                 tuning.target_missed = True
-        stalled = predicted_s is not None and seconds > STALL_RATIO * predicted_s
-        if itl_target is not None and predicted_s is not None and not (missed and stalled):
-            change = HEADROOM_STEP * (MISS_RATE - missed)
-            self.headroom = min(max(self.headroom * math.exp(change), MIN_HEADROOM), MAX_HEADROOM)
+        binding = (itl_target is not None and predicted_s is not None
+                   and predicted_s >= BINDING_SHARE * itl_target.ms / 1e3)
+        if binding and seconds <= STALL_RATIO * predicted_s:
+            self._ratios.append(seconds / predicted_s)
+            if len(self._ratios) >= MIN_RATIOS:
+                spread = _quantile(self._ratios, RATIO_QUANTILE)
+                self.headroom = min(max(1.0 / spread, MIN_HEADROOM), MAX_HEADROOM)
 
     def pop_step_tuning(self, step_id: int) -> StepTuning | None:
         """The step's tuning record (observed once its result was applied); forgotten once read."""
@@ -187,3 +202,12 @@ class LatencyTargets:
         """The worker was lost with them: nothing to learn from those steps."""
         self._step_shapes.clear()
         self.step_tunings.clear()
+
+
+def _quantile(values: Iterable[float], q: float) -> float:
+    """The q-quantile, linear between the closest ranks (numpy's default, as the bench reads P99)."""
+    ordered = sorted(values)
+    rank = q * (len(ordered) - 1)
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)

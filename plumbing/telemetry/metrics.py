@@ -112,8 +112,8 @@ SCHEDULER_METRICS = {
                                    "--target-itl-ms holds it back)",
     "tokenmill:step_time_prediction_error_seconds": "Latest step's time (planning to result) minus the "
                                                     "step-time model's prediction for it",
-    "tokenmill:itl_target_headroom": "Share of --target-itl-ms the step plans aim at (down on each step over the "
-                                     "target, slowly up otherwise, settling where 0.5 % of steps miss)",
+    "tokenmill:itl_target_headroom": "Share of --target-itl-ms the step plans aim at (one over the 99.5th "
+                                     "percentile of observed / predicted time of recent steps near the plan's limit)",
     "tokenmill:itl_target_misses_total": "Steps whose time (planning to result) exceeded --target-itl-ms",
     "tokenmill:cache_config_info": "The KV cache's configuration, as labels (value 1)",
 }
