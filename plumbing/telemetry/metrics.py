@@ -113,7 +113,8 @@ SCHEDULER_METRICS = {
     "tokenmill:step_time_prediction_error_seconds": "Latest step's time (planning to result) minus the "
                                                     "step-time model's prediction for it",
     "tokenmill:itl_target_headroom": "Share of --target-itl-ms the step plans aim at (one over the 99.5th "
-                                     "percentile of observed / predicted time of recent steps near the plan's limit)",
+                                     "percentile of observed / predicted time of recent steps predicted at half the "
+                                     "target or more)",
     "tokenmill:itl_target_misses_total": "Steps whose time (planning to result) exceeded --target-itl-ms",
     "tokenmill:cache_config_info": "The KV cache's configuration, as labels (value 1)",
 }

@@ -4,8 +4,8 @@ A result is a dict: {"title", "notes": [str], "command", "runs": {name: sweep di
 is {"target", "warmup": summary, "levels": [summary + load]}: a closed-loop level has "concurrency", an
 open-loop one "request_rate", "achieved_rate" and "peak_in_flight"; both may have
 "kv_utilization_mean", "preemptions" and "kv_pages_total", and with a latency target "token_budget_p50",
-"itl_target_headroom_min", "itl_target_headroom_p50" and "itl_target_misses" (what it chose). Latencies are in seconds in the data,
-milliseconds in the tables.
+"itl_target_headroom_min", "itl_target_headroom_p50" and "itl_target_misses" (what it chose). Latencies
+are in seconds in the data, milliseconds in the tables.
 """
 from __future__ import annotations
 
