@@ -334,29 +334,30 @@ async def test_sigterm_drains_the_scheduler_then_without_retry_a_killed_worker_f
         stub = generation_pb2_grpc.GenerationStub(channel)
         ids, exit_code = [], None
         redis_process = supervisor.children["redis"]
-        async for message in stub.GenerateStream(request("Drain the scheduler", 480)):
-            ids += message.token_ids
-            if exit_code is None and len(ids) >= 3:
-                # Redis hung across the SIGTERM: the scheduler's shutdown awaits it (its load report's
-                # close, up to the 2 s socket timeout) after readiness turned NOT_SERVING, so a Submit
-                # admitted in that window (new work refused only after it) would run to the end here
-                redis_process.send_signal(signal.SIGSTOP)
-                exit_code = asyncio.create_task(asyncio.to_thread(supervisor.children["scheduler"].kill,
-                                                                  signal.SIGTERM, 120))
+        try:
+            async for message in stub.GenerateStream(request("Drain the scheduler", 480)):
+                ids += message.token_ids
+                if exit_code is None and len(ids) >= 3:
+                    # Redis hung across the SIGTERM: the scheduler's shutdown awaits it (its load report's
+                    # close, up to the 2 s socket timeout) after readiness turned NOT_SERVING, so a Submit
+                    # admitted in that window (new work refused only after it) would run to the end here
+                    redis_process.send_signal(signal.SIGSTOP)
+                    exit_code = asyncio.create_task(asyncio.to_thread(supervisor.children["scheduler"].kill,
+                                                                      signal.SIGTERM, 120))
 
-                async def not_ready():
-                    async with grpc.aio.insecure_channel(config.scheduler_address) as scheduler_channel:
-                        reply = await health_pb2_grpc.HealthStub(scheduler_channel).Check(
-                            health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE), timeout=5)
-                    return reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+                    async def not_ready():
+                        async with grpc.aio.insecure_channel(config.scheduler_address) as scheduler_channel:
+                            reply = await health_pb2_grpc.HealthStub(scheduler_channel).Check(
+                                health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE), timeout=5)
+                        return reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
 
-                await wait_until(not_ready, 10, "scheduler readiness NOT_SERVING after SIGTERM", interval_s=0.01)
-                try:
+                    await wait_until(not_ready, 10, "scheduler readiness NOT_SERVING after SIGTERM", interval_s=0.01)
                     with pytest.raises(grpc.aio.AioRpcError) as refused:
                         await stub.Generate(request("too late", 2), timeout=10)
-                finally:
                     redis_process.send_signal(signal.SIGCONT)
-                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:  # whatever failed, Redis runs on for the tests after this one
+            redis_process.send_signal(signal.SIGCONT)
         assert len(ids) == 480 and message.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert await exit_code == 0
     # back with retry switched off
