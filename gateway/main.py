@@ -159,7 +159,7 @@ async def serve(args: argparse.Namespace) -> None:
     # requests get drain_timeout_s
     drain.refuse_new()
     if http_api is not None:
-        http_api.ready = False
+        http_api.refuse_new()
     await health.enter_graceful_shutdown()
     logger.info("gateway draining")
     draining = [drain.drain(args.drain_timeout_s)]

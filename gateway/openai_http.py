@@ -71,12 +71,16 @@ class OpenAIHTTP:
         self.ready = True  # False once the gateway is draining
         self._generating = InFlight()  # completion handlers running, which a drain waits for
 
+    def refuse_new(self) -> None:
+        """Refuses new requests from now on (as DrainInterceptor.refuse_new: before readiness flips)."""
+        self.ready = False
+
     async def drain(self, timeout_s: float) -> int:
         """Refuses new requests from now on and waits (up to timeout_s) for the ones generating; returns
         how many were still running when it gave up. The drain is done here, not by aiohttp's shutdown
         timeout, so the gateway knows when it starts cutting requests (they end drained, not as
         clients gone away)."""
-        self.ready = False
+        self.refuse_new()
         return await self._generating.wait_idle(timeout_s, "HTTP requests")
 
     def app(self, max_body_bytes: int | None = None) -> web.Application:

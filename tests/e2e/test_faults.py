@@ -301,6 +301,21 @@ async def test_one_request_id_runs_one_request_even_through_two_gateways_at_once
             assert len([f for f in finishes if f]) == 1, f"{request_id} ran {len([f for f in finishes if f])} times"
 
 
+async def sigterm_until_not_serving(supervisor, child: str, address: str, service: str) -> asyncio.Task:
+    """SIGTERM to child, then waits until its readiness (service at address) says NOT_SERVING; returns
+    the task that ends with the child's exit code."""
+    exit_code = asyncio.create_task(asyncio.to_thread(supervisor.children[child].kill, signal.SIGTERM, 120))
+
+    async def not_ready():
+        async with grpc.aio.insecure_channel(address) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=5)
+        return reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+    await wait_until(not_ready, 10, f"{child} readiness NOT_SERVING after SIGTERM", interval_s=0.01)
+    return exit_code
+
+
 async def test_sigterm_drains_the_gateway_refuses_new_requests_and_exits_zero(cluster):
     config, supervisor = cluster
     async with grpc.aio.insecure_channel(config.gateway_address) as channel:
@@ -310,15 +325,8 @@ async def test_sigterm_drains_the_gateway_refuses_new_requests_and_exits_zero(cl
         async for message in call:
             ids += message.token_ids
             if exit_code is None and len(ids) >= 3:
-                exit_code = asyncio.create_task(asyncio.to_thread(supervisor.children["gateway"].kill,
-                                                                  signal.SIGTERM, 120))
-
-                async def not_ready():
-                    reply = await health_pb2_grpc.HealthStub(channel).Check(
-                        health_pb2.HealthCheckRequest(service=GENERATION_SERVICE), timeout=5)
-                    return reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
-
-                await wait_until(not_ready, 10, "readiness NOT_SERVING after SIGTERM", interval_s=0.01)
+                exit_code = await sigterm_until_not_serving(supervisor, "gateway", config.gateway_address,
+                                                            GENERATION_SERVICE)
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await stub.Generate(request("too late", 2), timeout=10)
                 assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -342,16 +350,8 @@ async def test_sigterm_drains_the_scheduler_then_without_retry_a_killed_worker_f
                     # close, up to the 2 s socket timeout) after readiness turned NOT_SERVING, so a Submit
                     # admitted in that window (new work refused only after it) would run to the end here
                     redis_process.send_signal(signal.SIGSTOP)
-                    exit_code = asyncio.create_task(asyncio.to_thread(supervisor.children["scheduler"].kill,
-                                                                      signal.SIGTERM, 120))
-
-                    async def not_ready():
-                        async with grpc.aio.insecure_channel(config.scheduler_address) as scheduler_channel:
-                            reply = await health_pb2_grpc.HealthStub(scheduler_channel).Check(
-                                health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE), timeout=5)
-                        return reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
-
-                    await wait_until(not_ready, 10, "scheduler readiness NOT_SERVING after SIGTERM", interval_s=0.01)
+                    exit_code = await sigterm_until_not_serving(supervisor, "scheduler", config.scheduler_address,
+                                                                SCHEDULER_SERVICE)
                     with pytest.raises(grpc.aio.AioRpcError) as refused:
                         await stub.Generate(request("too late", 2), timeout=10)
                     redis_process.send_signal(signal.SIGCONT)
