@@ -9,11 +9,11 @@ the scheduler's clock, so nothing here reads a clock of its own.
 
 A target is an inter-token P99, while the model predicts a step's mean time: steps of one shape spread
 around it (other processes on the cores, the machine's load changing faster than the fit). So plans aim
-at `headroom` times the target, where the headroom is one over the RATIO_QUANTILE of observed / predicted
-time over the last RATIO_WINDOW binding steps: those an ITL target governed whose prediction reached
-BINDING_SHARE of it. A step planned at the limit, headroom * target, misses when its ratio exceeds
-1 / headroom: reading the headroom off that quantile lets 1 - RATIO_QUANTILE of such steps, and fewer
-gaps, over the target. Read from a window, it follows the machine within
+at `headroom` times the target, where the headroom is one over the RATIO_PERCENTILE-th percentile of
+observed / predicted time over the last RATIO_WINDOW binding steps: those an ITL target governed whose
+prediction reached BINDING_SHARE of it. A step planned at the limit, headroom * target, misses when its
+ratio exceeds 1 / headroom: reading the headroom off that percentile lets 100 - RATIO_PERCENTILE % of
+such steps, and fewer gaps, over the target. Read from a window, it follows the machine within
 a window's steps, both ways (an up-and-down miss tracker, tried before, moved by 10 % on each rare
 miss and took 1 / (miss rate) steps to undo one: longer than a load level, so its headroom was that of
 the history before it, 0.95 in one 32-stream level whose P99 went 4 % over the target).
@@ -29,10 +29,10 @@ of prefills alone delays first tokens, not the gap between two, so it gets the w
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 from typing import Iterable, Sequence
 
+from core.percentile import percentile
 from core.step import StepPlan, StepResult
 from scheduler.config import SchedulerConfig
 from scheduler.queue_policy import WaitingQueue
@@ -53,7 +53,7 @@ from scheduler.step_time import (
 # planned against TARGET_HEADROOM of itself.
 TARGET_HEADROOM = 0.8
 MIN_HEADROOM, MAX_HEADROOM = 0.2, 0.95
-RATIO_QUANTILE = 0.995  # the share of binding steps kept under the target: P99 of the gaps, with room
+RATIO_PERCENTILE = 99.5  # of binding steps' ratios, kept under the target: P99 of the gaps, with room
 RATIO_WINDOW = 256  # binding steps the quantile is read over (~30 s at 32 streams on 2 cores)
 MIN_RATIOS = 32
 # a step binds when its prediction reached this share of the target (of the target, not of the plan: a
@@ -191,7 +191,7 @@ class LatencyTargets:
         if binding and seconds <= STALL_RATIO * predicted_s:
             self._ratios.append(seconds / predicted_s)
             if len(self._ratios) >= MIN_RATIOS:
-                spread = _quantile(self._ratios, RATIO_QUANTILE)
+                spread = percentile(self._ratios, RATIO_PERCENTILE)
                 self.headroom = min(max(1.0 / spread, MIN_HEADROOM), MAX_HEADROOM)
 
     def pop_step_tuning(self, step_id: int) -> StepTuning | None:
@@ -202,12 +202,3 @@ class LatencyTargets:
         """The worker was lost with them: nothing to learn from those steps."""
         self._step_shapes.clear()
         self.step_tunings.clear()
-
-
-def _quantile(values: Iterable[float], q: float) -> float:
-    """The q-quantile, linear between the closest ranks (numpy's default, as the bench reads P99)."""
-    ordered = sorted(values)
-    rank = q * (len(ordered) - 1)
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)

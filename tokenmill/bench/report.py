@@ -10,24 +10,12 @@ are in seconds in the data, milliseconds in the tables.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
+
+from core.percentile import percentile
 
 PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft", "itl", "e2e")
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0..100), linear between closest ranks (numpy's default); None when empty."""
-    if not values:
-        return None
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile q={q} is out of range: must be in 0..100")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def summarize(records: list, elapsed_s: float) -> dict:
