@@ -92,13 +92,28 @@ def test_bench_engine_gets_every_remaining_argument(monkeypatch):
     assert seen == [["--json", "--help"]]
 
 
-def test_bench_engine_entry_points_at_a_module_with_main():
-    import importlib.util
+def test_bench_engine_runs_through_the_command_on_a_tiny_model(tmp_path):
+    """`tokenmill bench-engine` for real, in its own process (it loads torch): the command's dispatch,
+    the module's main, both tokenmill KV layouts and the transformers baseline on a tiny random model
+    (~5 s). float32 on both sides, so every greedy request must match transformers token for token."""
+    import json
 
-    # read, not imported: importing bench_engine loads torch (seconds)
-    module = cli.DELEGATED["bench-engine"][0]
-    source = Path(importlib.util.find_spec(module).origin).read_text()
-    assert "def main(argv: list[str] | None = None) -> int:" in source
+    from tests.helpers.tiny_models import make_tiny_hf_model
+
+    folder, _ = make_tiny_hf_model(tmp_path, "llama")
+    argv = ["bench-engine", "--model", str(folder), "--num-requests", "4", "--prompt-len", "8", "--min-output", "2",
+            "--max-output", "6", "--kv-cache-mb", "1", "--baseline-batch-size", "2", "--dtype", "float32", "--json"]
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", *argv], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["workload"]["num_requests"] == 4 and result["workload"]["dtype"] == "float32"
+    assert 4 * 2 <= result["workload"]["num_output_tokens"] <= 4 * 6
+    for side in ("tokenmill_paged", "tokenmill_static", "transformers_static_batches"):
+        assert result[side]["output_tokens_per_s"] > 0 and result[side]["elapsed_s"] > 0, side
+    assert result["tokenmill_paged"]["preemptions"] == 0
+    assert result["speedup_vs_transformers"] > 0
+    assert result["greedy_requests_identical_to_transformers"] == 1.0
 
 
 # -- generate against a scripted Generation server -------------------------------------------------
