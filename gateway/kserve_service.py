@@ -23,8 +23,8 @@ import grpc
 
 from gateway.generation_stream import Finish, stream_generation
 from gateway.ownership import caller_key
-from gateway.openai_constraints import openai_constraint
-from gateway.request_builder import prepare_request, text_token_ids
+from gateway.openai_constraints import constraint_field, openai_constraint
+from gateway.request_builder import check_constraints, prepare_request, sandbox_or_default, text_token_ids
 from gateway.scheduler_client import SchedulerClient
 from gateway.stream_idle import StreamIdle, record_idle, write_within
 from gateway.tokenizer import TextTokenizer
@@ -32,6 +32,7 @@ from gateway.validation import Limits
 from protos.kserve import codec, grpc_service_pb2 as pb, grpc_service_pb2_grpc, model_config_pb2
 from protos.tokenmill.v1 import common_pb2
 from core.errors import InvalidArgument, NotFound, ServingError
+from plumbing.grammar_sandbox import GrammarSandbox
 from plumbing.rpc import status_for
 
 logger = logging.getLogger(__name__)
@@ -67,8 +68,10 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     stream_idle_timeout_s: float = 0.0
 
     def __init__(self, tokenizer: TextTokenizer, scheduler: SchedulerClient, limits: Limits,
-                 model_info: common_pb2.GetModelInfoResponse, state_reader=None, access=None) -> None:
+                 model_info: common_pb2.GetModelInfoResponse, state_reader=None, access=None,
+                 constraints: GrammarSandbox | None = None) -> None:
         self.tokenizer = tokenizer
+        self.constraints = sandbox_or_default(constraints)  # compiles client constraints off the event loop
         self.access = access  # gateway.access.AccessControl: the caller's key brings its latency targets
         self.scheduler = scheduler
         self.limits = limits
@@ -209,7 +212,7 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
                 finish = delta.finish
         return text, finish
 
-    def _deltas(self, request, llm: codec.LlmInferRequest, context, scheduler_id: str = ""):
+    async def _deltas(self, request, llm: codec.LlmInferRequest, context, scheduler_id: str = ""):
         """scheduler_id: the request's id in the scheduler ("": a fresh one), never the KServe id."""
         self._check_model(request.model_name, request.model_version)
         arrival = time.monotonic()
@@ -221,9 +224,14 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         prepared = prepare_request(prompt_ids, self.tokenizer, self.limits, sampling=sampling, stop=llm.stop,
                                    stop_token_ids=llm.stop_token_ids, ignore_eos=llm.ignore_eos,
                                    request_id=scheduler_id, priority=llm.priority)
+        prepared.constraint_field = constraint_field(llm.constraint_fields)
+        await check_constraints(prepared, self.constraints)
         if (key := caller_key(self.access, context)) is not None:
             prepared.request = key.with_targets(prepared.request)
-        return stream_generation(prepared, self.tokenizer, self.scheduler, context.time_remaining(), arrival)
+        deltas = stream_generation(prepared, self.tokenizer, self.scheduler, context.time_remaining(), arrival)
+        async with contextlib.aclosing(deltas):
+            async for delta in deltas:
+                yield delta
 
     def _response(self, request, text: str | None, finish: Finish | None, final: bool | None = None):
         """text None: a response without outputs (the empty final response)."""
@@ -258,7 +266,7 @@ def _error_response(request, exc: Exception) -> pb.ModelStreamInferResponse:
 
 def add_kserve_servicer(server: grpc.aio.Server, tokenizer: TextTokenizer, scheduler: SchedulerClient,
                         limits: Limits, model_info: common_pb2.GetModelInfoResponse,
-                        state_reader=None, access=None) -> KServeServicer:
-    servicer = KServeServicer(tokenizer, scheduler, limits, model_info, state_reader, access)
+                        state_reader=None, access=None, constraints: GrammarSandbox | None = None) -> KServeServicer:
+    servicer = KServeServicer(tokenizer, scheduler, limits, model_info, state_reader, access, constraints)
     grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     return servicer

@@ -9,12 +9,13 @@ import os
 from gateway.access import AccessInterceptor, add_access_arguments, build_access
 from gateway.scheduler_client import SchedulerClient
 from gateway.service import GenerationServicer
-from gateway.tokenizer import load_tokenizer
+from gateway.tokenizer import default_model_path, load_tokenizer
 from gateway.tool_syntax import TOOL_CALL_PARSERS
 from gateway.validation import Limits
 from protos.tokenmill.v1 import generation_pb2_grpc
 from plumbing import rpc, telemetry, tls
 from plumbing.drain import DrainInterceptor
+from plumbing.grammar_sandbox import GrammarSandbox
 from plumbing.keepalive import server_options
 from plumbing.message_size import PUBLIC_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
 from gateway.telemetry import set_model_name, set_server_address
@@ -60,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-connection-age-s", type=float, default=1800.0,
                         help="gRPC connections older than this get GOAWAY (calls in flight finish first), so "
                              "clients behind a load balancer spread over new replicas; 0 disables")
+    parser.add_argument("--grammar-helpers", type=int, default=2,
+                        help="helper processes that compile clients' output constraints (JSON schemas, regexes, "
+                             "grammars) off the event loop; a constraint that crashes or overruns one costs that "
+                             "helper only (plumbing.grammar_sandbox)")
+    parser.add_argument("--grammar-timeout-s", type=float, default=5.0,
+                        help="a constraint whose compile takes longer is refused (400 naming the limit)")
+    parser.add_argument("--grammar-memory-mb", type=int, default=1024,
+                        help="address-space cap of each grammar helper; a constraint needing more is refused")
     add_message_size_argument(parser, PUBLIC_MAX_MESSAGE_BYTES)
     tls.add_server_arguments(parser)  # the HTTP API serves HTTPS with the same files
     parser.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
@@ -100,6 +109,9 @@ async def serve(args: argparse.Namespace) -> None:
 
         await check_redis_credentials(args.redis_url, "gateway")
     tokenizer = await asyncio.to_thread(load_tokenizer, args.model)
+    constraints = GrammarSandbox(args.model or default_model_path(), num_helpers=args.grammar_helpers,
+                                 timeout_s=args.grammar_timeout_s, memory_mb=args.grammar_memory_mb)
+    await constraints.start()  # the helpers load the vocabulary now, not on the first constrained request
     scheduler = scheduler_client(args)
     access = build_access(args)
     # on SIGTERM: calls that start generation are refused (UNAVAILABLE) and in-flight ones awaited
@@ -135,10 +147,10 @@ async def serve(args: argparse.Namespace) -> None:
         token_reader = TokenStreamReader(args.redis_url)  # resume by request id
         claims = RequestClaims(args.redis_url)  # one request per client-chosen id, across replicas
     servicer = GenerationServicer(tokenizer, scheduler, limits, model_info, state_reader, token_reader, access,
-                                  claims)
+                                  claims, constraints)
     servicer.stream_idle_timeout_s = args.stream_idle_timeout_s
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    kserve = add_kserve_servicer(server, tokenizer, scheduler, limits, model_info, state_reader, access)
+    kserve = add_kserve_servicer(server, tokenizer, scheduler, limits, model_info, state_reader, access, constraints)
     kserve.stream_idle_timeout_s = args.stream_idle_timeout_s
     http_api = http_runner = None
     if args.http_port:
@@ -146,7 +158,7 @@ async def serve(args: argparse.Namespace) -> None:
 
         http_api = OpenAIHTTP(tokenizer, scheduler, limits, model_info, api_key=args.http_api_key, access=access,
                               stream_idle_timeout_s=args.stream_idle_timeout_s, state_reader=state_reader,
-                              tool_call_parser=args.tool_call_parser)
+                              tool_call_parser=args.tool_call_parser, constraints=constraints)
         http_runner = await start_http(http_api, args.host, args.http_port,
                                        ssl_context=args.tls.ssl_context() if args.tls else None,
                                        max_body_bytes=args.max_message_bytes)
@@ -172,6 +184,7 @@ async def serve(args: argparse.Namespace) -> None:
         stopping.append(http_runner.cleanup())
     await asyncio.gather(*stopping)
     await scheduler.close()
+    await constraints.close()
     if cut and metrics_server is not None and args.metrics_linger_s > 0:
         # the cut requests' endings were counted just now, in this process's registry: without a scrape
         # before exit, no dashboard would ever see a drain that lost streams

@@ -5,8 +5,10 @@ The OpenAI API reads them from its JSON body, the KServe API from sampling_param
     response_format: {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
     guided_json (a schema, object or JSON text), guided_regex, guided_choice, guided_grammar   (vLLM's names)
 
-At most one may be given. A malformed schema, regex or grammar is InvalidArgument naming the field the
-client used (a 400 with that `param`), found here, before any compute (plumbing.grammar.check_constraint).
+At most one may be given. A constraint over a limit (size, nesting, rules, invalid Unicode) is
+InvalidArgument naming the field the client used (a 400 with that `param`), found here; one that does not
+compile is found by the gateway's grammar sandbox (gateway.request_builder.check_constraints), named by
+the same field (constraint_field).
 """
 from __future__ import annotations
 
@@ -14,25 +16,33 @@ import json
 
 from core.errors import InvalidArgument
 from core.sampling import ConstraintKind, OutputConstraint
-from plumbing.grammar import check_constraint
+from plumbing.constraint_limits import check_limits
 
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 def openai_constraint(body: dict) -> OutputConstraint | None:
-    found = [(field, value) for field, value in _response_format_constraint(body.get("response_format"))]
-    found += [(field, _guided(field, body[field])) for field in _GUIDED_FIELDS if body.get(field) is not None]
+    found = _found(body)
     if not found:
         return None
+    field, constraint = found[0]
+    check_limits(constraint, field)
+    return constraint
+
+
+def constraint_field(body: dict) -> str | None:
+    """The field the client put its constraint in (None: none), to name it in a refusal."""
+    found = _found(body)
+    return found[0][0] if found else None
+
+
+def _found(body: dict) -> list[tuple[str, OutputConstraint]]:
+    found = [(field, value) for field, value in _response_format_constraint(body.get("response_format"))]
+    found += [(field, _guided(field, body[field])) for field in _GUIDED_FIELDS if body.get(field) is not None]
     if len(found) > 1:
         names = [field for field, _ in found]
         raise InvalidArgument(names[1], "...", f"only one output constraint may be given, got {', '.join(names)}")
-    field, constraint = found[0]
-    try:
-        check_constraint(constraint)
-    except InvalidArgument as error:
-        raise InvalidArgument(field, error.value, error.limit_or_reason) from None
-    return constraint
+    return found
 
 
 def _response_format_constraint(response_format: object) -> list[tuple[str, OutputConstraint]]:

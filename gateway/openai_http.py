@@ -35,14 +35,17 @@ from gateway.openai_errors import openai_error
 from gateway.openai_requests import ModelNotFound, parse_chat, parse_completion
 from gateway.openai_responses import ResponseBuilder
 from gateway.parallel_samples import sample_ids, stream_samples
+from gateway.request_builder import check_constraints, sandbox_or_default
 from gateway.scheduler_client import SchedulerClient
 from gateway.stream_idle import StreamIdle, record_idle, write_within
 from gateway.tokenizer import TextTokenizer
 from gateway.tool_syntax import choose_tool_syntax
 from gateway.validation import Limits
 from plumbing.drain import InFlight
+from plumbing.grammar_sandbox import GrammarSandbox
 from protos.tokenmill.v1 import common_pb2
 from core.errors import InvalidArgument, Unauthenticated, Unavailable
+from core.json_limits import check_document
 from gateway.telemetry import CHAT, TEXT_COMPLETION, http_server_span, request_scope
 
 logger = logging.getLogger(__name__)
@@ -54,8 +57,10 @@ STOP_GRACE_S = 1.0  # after the drain, what still runs gets this long before it 
 class OpenAIHTTP:
     def __init__(self, tokenizer: TextTokenizer, scheduler: SchedulerClient, limits: Limits,
                  model_info: common_pb2.GetModelInfoResponse, api_key: str = "", access=None,
-                 stream_idle_timeout_s: float = 0.0, state_reader=None, tool_call_parser: str = "auto") -> None:
+                 stream_idle_timeout_s: float = 0.0, state_reader=None, tool_call_parser: str = "auto",
+                 constraints: GrammarSandbox | None = None) -> None:
         self.tokenizer = tokenizer
+        self.constraints = sandbox_or_default(constraints)  # compiles client constraints off the event loop
         self.scheduler = scheduler
         self.limits = limits
         self.model_name = model_info.model_config.name
@@ -154,6 +159,7 @@ class OpenAIHTTP:
         parse = functools.partial(parse_chat, tool_format=self.tool_format) if chat else parse_completion
         with request_scope(request_id, CHAT if chat else TEXT_COMPLETION):  # a refusal still names its request
             parsed = parse(body, self.tokenizer, self.limits, self.model_name, request_id)
+            await check_constraints(parsed.prepared, self.constraints)
         request_id = parsed.prepared.request.request_id
         if (key := request.get(API_KEY)) is not None:  # its latency targets travel with the request
             parsed.prepared.request = key.with_targets(parsed.prepared.request)
@@ -245,6 +251,7 @@ async def _json_object(request: web.Request) -> dict:
                               "nests arrays or objects deeper than the JSON parser allows (about 1,000 levels)") from None
     if not isinstance(body, dict):
         raise InvalidArgument("body", body, f"must be a JSON object, not {type(body).__name__}")
+    check_document(body, "body")  # deep nesting, and lone surrogates ("\ud800") in any string, by path
     return body
 
 

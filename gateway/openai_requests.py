@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from gateway.openai_constraints import openai_constraint
+from gateway.openai_constraints import constraint_field, openai_constraint
 from gateway.openai_tools import parse_tools, tool_chat, tool_constraint
 from gateway.parallel_samples import check_streamable
 from gateway.request_builder import PreparedRequest, chat_token_ids, prepare_request, text_token_ids
@@ -98,8 +98,11 @@ def parse_chat(body: dict, tokenizer: TextTokenizer, limits: Limits, model_name:
                 or not 0 <= top_logprobs <= limits.max_logprobs:
             raise InvalidArgument("top_logprobs", top_logprobs, f"must be an integer in [0, {limits.max_logprobs}]")
     sampling["logprobs"] = (top_logprobs or 0) if logprobs else None
-    sampling["constraint"] = tool_constraint(tools, tool_format.syntax, sampling["constraint"])
+    own = sampling["constraint"]
+    sampling["constraint"], tool_schemas = tool_constraint(tools, tool_format.syntax, own)
     parsed = _finish(body, prompt_ids, tokenizer, limits, sampling, request_id, max_field)
+    if sampling["constraint"] is not own:  # the tools' grammar: each schema is checked under its own name
+        parsed.prepared.constraint_field, parsed.prepared.constraint_parts = "tools", tool_schemas
     if tools is not None and tools.parses_output:
         parsed.tool_syntax = tool_format.syntax
     return parsed
@@ -112,6 +115,7 @@ def _finish(body: dict, prompt_ids: list[int], tokenizer: TextTokenizer, limits:
                                    stop_token_ids=body.get("stop_token_ids"), ignore_eos=body.get("ignore_eos"),
                                    request_id=request_id, priority=body.get("priority"), n=body.get("n"),
                                    best_of=body.get("best_of"))
+    prepared.constraint_field = constraint_field(body)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise InvalidArgument("stream", stream, "must be true or false")

@@ -25,7 +25,7 @@ from core.errors import InvalidArgument
 from core.sampling import ConstraintKind, OutputConstraint
 from gateway.chat_template import validate_messages
 from gateway.tool_syntax import ToolFormat, ToolSyntax
-from plumbing.grammar import check_constraint
+from plumbing.constraint_limits import check_limits
 
 MAX_TOOLS = 128  # OpenAI's limit
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -105,30 +105,30 @@ def _named_choice(choice: object, names: list[str]) -> str | None:
     return name
 
 
-def tool_constraint(tools: ToolRequest | None, syntax: ToolSyntax,
-                    constraint: OutputConstraint | None) -> OutputConstraint | None:
+def tool_constraint(tools: ToolRequest | None, syntax: ToolSyntax, constraint: OutputConstraint | None
+                    ) -> tuple[OutputConstraint | None, list[tuple[OutputConstraint, str]]]:
     """constraint: the request's own (response_format, guided_*); required / named replace it, so the two
-    together are a 400."""
+    together are a 400. Also each enforced tool's parameters schema with its field, for the grammar
+    sandbox to compile first (a schema that does not compile is named by its own field)."""
     if tools is None or tools.choice in ("auto", "none"):
-        return constraint
+        return constraint, []
     shown = {"type": "function", "function": {"name": tools.named}} if tools.named else tools.choice
     if constraint is not None:
         raise InvalidArgument("tool_choice", shown, "is enforced with constrained decoding and cannot be combined "
                               "with response_format or guided_* in one request")
-    functions = []
+    functions, schemas = [], []
     for index, tool in enumerate(tools.tools):
         function = tool["function"]
         if tools.named not in (None, function["name"]):
             continue
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
-        try:
-            check_constraint(OutputConstraint(ConstraintKind.JSON_SCHEMA, json.dumps(parameters)))
-        except InvalidArgument as error:
-            raise InvalidArgument(f"tools[{index}].function.parameters", error.value, error.limit_or_reason) from None
+        schema = OutputConstraint(ConstraintKind.JSON_SCHEMA, json.dumps(parameters))
+        check_limits(schema, f"tools[{index}].function.parameters")
+        schemas.append((schema, f"tools[{index}].function.parameters"))
         functions.append((function["name"], parameters))
     grammar = OutputConstraint(ConstraintKind.GRAMMAR, syntax.grammar(functions, tools.parallel and not tools.named))
-    check_constraint(grammar)
-    return grammar
+    check_limits(grammar, "tools")
+    return grammar, schemas
 
 
 def tool_chat(messages: object, tools: ToolRequest | None, tool_format: ToolFormat,

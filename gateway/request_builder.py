@@ -6,18 +6,21 @@ and a dict of sampling values, so the same value gets the same verdict whichever
 """
 from __future__ import annotations
 
+import dataclasses
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.chat_encoding import encode_chat
 from gateway.chat_template import validate_messages
-from gateway.tokenizer import TextTokenizer
+from gateway.tokenizer import TextTokenizer, default_model_path
 from gateway.validation import (Limits, validate_chat_size, validate_priority, validate_prompt_ids,
                                 validate_prompt_text, validate_sampling, validate_samples, validate_stop_strings)
 from protos.codec import constraint_from_proto
 from protos.tokenmill.v1 import generation_pb2
 from core.requests import GenerationRequest
 from core.errors import InvalidArgument, NotFound
+from core.sampling import OutputConstraint
+from plumbing.grammar_sandbox import GrammarSandbox
 
 _OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed", "logprobs", "prompt_logprobs")
@@ -39,6 +42,30 @@ class PreparedRequest:
     stop: list[str]
     n: int = 1  # choices to return (gateway.parallel_samples draws them)
     best_of: int = 1  # samples to draw, of which the n with the highest cumulative logprob are returned
+    constraint_field: str | None = None  # the field the client sent its constraint in (None: its kind)
+    # parts of the constraint checked first under their own names (a tools grammar's parameter schemas)
+    constraint_parts: list[tuple[OutputConstraint, str]] = field(default_factory=list)
+
+
+def sandbox_or_default(sandbox: GrammarSandbox | None) -> GrammarSandbox:
+    """The gateway's sandbox (gateway.main builds it from its flags), or one for the default model whose
+    helpers start on the first constrained request (an API built without one, as tests build them)."""
+    return sandbox if sandbox is not None else GrammarSandbox(default_model_path())
+
+
+async def check_constraints(prepared: PreparedRequest, sandbox: GrammarSandbox) -> None:
+    """Compiles the request's constraint in the grammar sandbox (each distinct one once; InvalidArgument
+    naming the client's field when it does not compile or breaks a limit) and puts its forwarded form,
+    GBNF converted to Lark, in the request. Every API calls it after prepare, before routing."""
+    constraint = prepared.request.sampling_params.constraint
+    if constraint is None:
+        return
+    for part, name in prepared.constraint_parts:
+        await sandbox.check(part, name)
+    forwarded = await sandbox.check(constraint, prepared.constraint_field)
+    if forwarded != constraint:
+        params = dataclasses.replace(prepared.request.sampling_params, constraint=forwarded)
+        prepared.request = dataclasses.replace(prepared.request, sampling_params=params)
 
 
 def text_token_ids(text: object, tokenizer: TextTokenizer, limits: Limits,

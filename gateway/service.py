@@ -11,7 +11,7 @@ from redis.exceptions import RedisError
 from gateway.generation_stream import GenerationDelta, TokenLogprob, stream_generation
 from gateway.ownership import RequestOwners, caller_key, caller_name
 from gateway.parallel_samples import check_streamable, sample_ids, stream_samples
-from gateway.request_builder import prepare, prompt_token_ids
+from gateway.request_builder import check_constraints, prepare, prompt_token_ids, sandbox_or_default
 from gateway.resume import submit_or_attach
 from gateway.sample_groups import SampleGroups, candidate_sample_ids, group_record
 from gateway.scheduler_client import SchedulerClient
@@ -23,6 +23,7 @@ from protos import codec
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from core.errors import InvalidArgument, NotFound, Unavailable
 from gateway.telemetry import CHAT, TEXT_COMPLETION, request_scope
+from plumbing.grammar_sandbox import GrammarSandbox
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,9 @@ _STATUS = {
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: TextTokenizer, scheduler: SchedulerClient, limits: Limits,
                  model_info: common_pb2.GetModelInfoResponse, state_reader=None, token_reader=None,
-                 access=None, claims=None) -> None:
+                 access=None, claims=None, constraints: GrammarSandbox | None = None) -> None:
         self.tokenizer = tokenizer
+        self.constraints = sandbox_or_default(constraints)  # compiles client constraints off the event loop
         self.scheduler = scheduler
         self.limits = limits
         self.model_info = model_info
@@ -101,6 +103,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         operation = CHAT if request.WhichOneof("input") == "messages" else TEXT_COMPLETION
         with request_scope(request.request_id, operation):  # a refusal here still names its request
             prepared = prepare(request, self.tokenizer, self.limits, self.model_name)
+            await check_constraints(prepared, self.constraints)
         key = caller_key(self.access, context)
         caller = None if key is None else key.name
         if key is not None:  # its latency targets, its class of service, travel with the request

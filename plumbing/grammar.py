@@ -30,9 +30,18 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from core.errors import InvalidArgument
 from core.sampling import ConstraintKind, OutputConstraint
+from plumbing.constraint_limits import MAX_CONSTRAINT_CHARS, check_limits, is_gbnf  # noqa: F401 - re-exported
 
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
-MAX_CONSTRAINT_CHARS = 256 * 1024  # a schema / regex / grammar longer than this is refused
+
+
+def parser_limits() -> llguidance.LLParserLimits:
+    """llguidance's own bounds on a grammar's size, its lexer's states and the work of one mask: the
+    same for the gateway's check and the worker's matchers, so what was checked is what runs. A mask
+    step past its fuel fails that request's matcher (the request ends), never stalls the step."""
+    return llguidance.LLParserLimits(max_grammar_size=200_000, max_lexer_states=100_000,
+                                     initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+                                     step_max_items=50_000, verbose_errors=False)
 
 
 def to_grammar(constraint: OutputConstraint) -> str:
@@ -42,7 +51,7 @@ def to_grammar(constraint: OutputConstraint) -> str:
     if kind is ConstraintKind.JSON_SCHEMA:
         try:
             schema = json.loads(value)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise InvalidArgument("json_schema", _short(value), f"is not JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidArgument("json_schema", _short(value), "must be a JSON object (or true/false)")
@@ -56,13 +65,25 @@ def to_grammar(constraint: OutputConstraint) -> str:
         return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}\n")
     if kind is ConstraintKind.GRAMMAR:
         lark = value
-        if "::=" in value:
+        if is_gbnf(value):
             try:
                 lark = gbnf_to_lark(value)
             except Exception as exc:  # the converter raises its own error types on bad GBNF
                 raise InvalidArgument("grammar", _short(value), f"is not a valid GBNF grammar: {exc}") from None
         return llguidance.LLMatcher.grammar_from_lark(lark)
     raise ValueError(f"to_grammar: unknown constraint kind {kind!r}")
+
+
+def as_lark(constraint: OutputConstraint) -> OutputConstraint:
+    """A GBNF grammar as the Lark grammar it converts to (the same language); any other constraint as
+    it is. The gateway forwards this, so GBNF's conversion (pure Python, seconds for a large grammar:
+    it holds the GIL) runs once, in its helper process, never on a worker beside the model."""
+    if constraint.kind is not ConstraintKind.GRAMMAR or not is_gbnf(constraint.value):
+        return constraint
+    try:
+        return OutputConstraint(ConstraintKind.GRAMMAR, gbnf_to_lark(constraint.value))
+    except Exception as exc:  # the converter raises its own error types on bad GBNF
+        raise InvalidArgument("grammar", _short(constraint.value), f"is not a valid GBNF grammar: {exc}") from None
 
 
 def _json_grammar(schema: object, field: str, value: str) -> str:
@@ -73,23 +94,17 @@ def _json_grammar(schema: object, field: str, value: str) -> str:
 
 
 @functools.lru_cache(maxsize=1024)  # a valid constraint is checked once (a failing one raises every time)
-def check_constraint(constraint: OutputConstraint, field_prefix: str = "") -> None:
-    """Raises InvalidArgument naming the field and the problem when constraint cannot be compiled."""
+def check_constraint(constraint: OutputConstraint, field_prefix: str = "") -> str:
+    """The grammar text the worker will compile; raises InvalidArgument naming the field and the
+    problem when constraint breaks a limit (check_limits) or cannot be compiled. Runs the compiler:
+    serving processes call it in a helper process (plumbing.grammar_sandbox), never inline."""
     name = field_prefix + constraint.kind.value
-    if constraint.kind is ConstraintKind.CHOICE:
-        if not constraint.choices:
-            raise InvalidArgument(name, [], "must list at least one choice")
-        if any(not isinstance(choice, str) or not choice for choice in constraint.choices):
-            raise InvalidArgument(name, list(constraint.choices), "every choice must be a non-empty string")
-    elif constraint.kind is not ConstraintKind.JSON_OBJECT and not constraint.value:
-        raise InvalidArgument(name, "", "must not be empty")
-    size = len(constraint.value) + sum(len(choice) for choice in constraint.choices)
-    if size > MAX_CONSTRAINT_CHARS:
-        raise InvalidArgument(name, f"<{size} characters>", f"must be at most {MAX_CONSTRAINT_CHARS} characters")
+    check_limits(constraint, name)
     grammar = to_grammar(constraint)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None, limits=parser_limits())
     if is_error:
         raise InvalidArgument(name, _short(constraint.value or list(constraint.choices)), f"is invalid: {'; '.join(messages)}")
+    return grammar
 
 
 def _short(value: object, limit: int = 200) -> object:
@@ -205,7 +220,13 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 class GrammarCompiler:
     """Compiles constraints against one vocabulary, each distinct constraint once (an LRU of compiled
-    matchers; a request gets a deep copy). Thread-safe; the vocabulary loads on first use."""
+    matchers; a request gets a deep copy). Thread-safe; the vocabulary loads on first use.
+
+    The compile runs on a thread of its own with a 64 MiB stack: the compiler recurses once per level
+    of a grammar's rule chaining, and the gateway's check (plumbing.grammar_sandbox) proved each
+    constraint compiles on an 8 MiB stack, so what reaches a worker has 8x the stack it needed."""
+
+    COMPILE_STACK_BYTES = 64 << 20
 
     def __init__(self, model_path: str | Path, max_cached: int = 256) -> None:
         self.model_path = model_path
@@ -230,12 +251,57 @@ class GrammarCompiler:
             if template is not None:
                 self._compiled.move_to_end(constraint)
                 return template.deep_copy()
-        template = llguidance.LLMatcher(vocabulary, to_grammar(constraint), log_level=0)
-        if template.is_error():
-            raise InvalidArgument(constraint.kind.value, _short(constraint.value), template.get_error())
+        template = run_with_stack(lambda: compile_matcher(vocabulary, constraint), self.COMPILE_STACK_BYTES)
         with self._lock:
             self.num_compiled += 1
             self._compiled[constraint] = template
             while len(self._compiled) > self.max_cached:
                 self._compiled.popitem(last=False)
         return template.deep_copy()
+
+
+def compile_matcher(vocabulary: llguidance.LLTokenizer, constraint: OutputConstraint,
+                    field: str | None = None) -> llguidance.LLMatcher:
+    """constraint's matcher at its start, under parser_limits(). Raises InvalidArgument naming field
+    (default: the kind) when it does not compile, or when no output can satisfy it: a schema whose
+    every branch recurses forever ({"$ref": "#"}) leaves no token allowed at the start, and the client
+    would otherwise get an empty, unparsable 200."""
+    name = field or constraint.kind.value
+    shown = _short(constraint.value or list(constraint.choices))
+    matcher = llguidance.LLMatcher(vocabulary, to_grammar(constraint), log_level=0, limits=parser_limits())
+    if matcher.is_error():
+        raise InvalidArgument(name, shown, f"is invalid: {matcher.get_error()}")
+    probe = matcher.deep_copy()
+    mask = bytearray(probe.compute_bitmask())  # one bit per token of the vocabulary
+    eos = vocabulary.eos_token
+    mask[eos // 8] &= ~(1 << (eos % 8)) & 0xFF  # ending at once satisfies it only if it accepts ""
+    if probe.is_error() or not (any(mask) or probe.is_accepting()):
+        raise InvalidArgument(name, shown, "is unsatisfiable: no output can match it (every way to start it "
+                              "recurses forever or contradicts itself)")
+    return matcher
+
+
+def run_with_stack(work, stack_bytes: int):
+    """work() on a fresh thread with stack_bytes of stack; its result, or its exception re-raised."""
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = work()
+        except BaseException as error:  # noqa: BLE001 - handed back to the caller's thread
+            outcome["error"] = error
+
+    with _STACK_SIZE_LOCK:  # threading.stack_size is process-wide: set, start, restore
+        previous = threading.stack_size(stack_bytes)
+        try:
+            thread = threading.Thread(target=run, name="grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["result"]
+
+
+_STACK_SIZE_LOCK = threading.Lock()

@@ -24,6 +24,7 @@ import struct
 from dataclasses import dataclass, field
 
 from core.errors import InvalidArgument
+from core.json_limits import load_json
 
 TEXT_INPUT = "text_input"
 STREAM_INPUT = "stream"
@@ -109,10 +110,7 @@ def _constraint_value(key: str, value: object) -> object:
     """A request parameter can only be a string: guided_choice, guided_json and response_format may come
     as JSON text there (a JSON-schema string stays text: guided_json accepts either)."""
     if key in ("guided_choice", "response_format") and isinstance(value, str):
-        try:
-            return json.loads(value)
-        except ValueError:
-            raise InvalidArgument(key, value, "must be JSON") from None
+        return load_json(value, key)
     return value
 
 
@@ -173,10 +171,7 @@ def _decode_raw(name: str, datatype: str, raw: bytes) -> list:
 
 
 def _json_object(raw: bytes) -> dict:
-    try:
-        value = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise InvalidArgument(SAMPLING_PARAMETERS_INPUT, raw, f"must be a JSON object ({error})") from None
+    value = load_json(raw, SAMPLING_PARAMETERS_INPUT)  # nesting and lone surrogates refused by path
     if not isinstance(value, dict):
         raise InvalidArgument(SAMPLING_PARAMETERS_INPUT, raw, "must be a JSON object of sampling parameters")
     return value
@@ -204,7 +199,7 @@ def _json_list_or_value(value: object) -> object:
     """A request parameter can only be a scalar: a JSON array in a string stands for a list."""
     if isinstance(value, str) and value.startswith("["):
         try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            pass
+            return load_json(value, "sampling_parameters")
+        except InvalidArgument:
+            pass  # not a JSON array after all: validation names the field with the value as sent
     return value

@@ -20,7 +20,9 @@ from gateway.openai_responses import ResponseBuilder
 from gateway.tokenizer import TextTokenizer, default_model_path, load_tokenizer
 from gateway.tool_syntax import SYNTAXES, choose_tool_syntax
 from gateway.validation import Limits
+from gateway.request_builder import check_constraints
 from plumbing.grammar import GrammarCompiler
+from plumbing.grammar_sandbox import GrammarSandbox
 
 MODEL = "SmolLM2"
 LIMITS = Limits(max_model_len=4096, vocab_size=49152)
@@ -144,9 +146,14 @@ def chat(tokenizer, messages=None, **body):
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]},
      "messages[0].tool_calls", "only assistant"),
 ])
-def test_bad_tool_fields_are_400s_naming_the_field(tokenizer, body, param, words):
-    with pytest.raises(errors.InvalidArgument) as caught:
-        chat(tokenizer, **body)
+async def test_bad_tool_fields_are_400s_naming_the_field(tokenizer, body, param, words):
+    """Found by parsing, or (a schema that does not compile) by the grammar sandbox's check after it."""
+    sandbox = GrammarSandbox(default_model_path(), num_helpers=1)
+    try:
+        with pytest.raises(errors.InvalidArgument) as caught:
+            await check_constraints(chat(tokenizer, **body).prepared, sandbox)
+    finally:
+        await sandbox.close()
     error = openai_error(caught.value)
     assert (error.status, error.param) == (400, param) and words in str(caught.value), str(caught.value)
 
