@@ -7,7 +7,9 @@ stops them in reverse order. `tokenmill serve`, the end-to-end tests and the ben
     supervisor.address("gateway")       # "127.0.0.1:50051"
     supervisor.kill("worker")           # kill -9 one child on purpose (not reported as a failure)
     supervisor.wait()                   # until request_stop(); raises ChildExited if a child dies
-                                        # (one with a RestartPolicy is started again, with backoff)
+                                        # (one with a RestartPolicy is started again, with backoff,
+                                        # however often it crashes: the others keep serving)
+    supervisor.child_states()           # per child: alive, restarts, crash-looping, last exit
     supervisor.stop()                   # gateway, scheduler, worker, redis: SIGTERM, grace, SIGKILL
 
 Children start one at a time because each needs the one before it (the scheduler registers with the
@@ -20,15 +22,16 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TextIO
 
 from plumbing.telemetry.logs import echo_line
 from tokenmill.child_process import ChildProcess, ChildSpec, Probe
 from tokenmill.readiness import GrpcHealthProbe, port_in_use
-from tokenmill.restart_policy import RestartHistory, RestartPolicy
+from tokenmill.restart_policy import RestartHistory, RestartPolicy, RestartState
 
-__all__ = ["ChildSpec", "Supervisor", "SupervisorError", "ChildExited", "StartupTimeout", "PortInUse",
-           "StopRequested", "run_until_stopped"]
+__all__ = ["ChildSpec", "ChildState", "Supervisor", "SupervisorError", "ChildExited", "StartupTimeout",
+           "PortInUse", "StopRequested", "run_until_stopped"]
 
 
 class SupervisorError(Exception):
@@ -62,6 +65,25 @@ class PortInUse(SupervisorError):
 class StopRequested(SupervisorError):
     def __init__(self) -> None:
         super().__init__("stop requested")
+
+
+@dataclass(frozen=True, slots=True)
+class ChildState:
+    """One child as Supervisor.child_states() sees it (restart fields stay zero without a RestartPolicy)."""
+
+    name: str
+    alive: bool
+    pid: int | None
+    restarts: int  # crashes the restart monitor has restarted (or is about to)
+    crashes_in_window: int  # crashes within its policy's window_s
+    crash_looping: bool  # restarted every backoff_max_s until a window_s without a crash
+    last_exit: str  # how it last crashed, "exited with code 1"; "" if it never did
+
+    def describe(self) -> str:
+        """'gateway: 7 restarts, crash-looping (6 crashes in the window), last exited with code 1'"""
+        looping = f", crash-looping ({self.crashes_in_window} crashes in the window)" if self.crash_looping else ""
+        last = f", last {self.last_exit}" if self.last_exit else ""
+        return f"{self.name}: {self.restarts} restarts{looping}{last}"
 
 
 class Supervisor:
@@ -240,6 +262,18 @@ class Supervisor:
     def tail(self, name: str) -> list[str]:
         return self.children[name].tail()
 
+    def child_states(self) -> dict[str, ChildState]:
+        """Every child's state, from any thread: what reports a crash-looping child while the rest serve."""
+        now = time.monotonic()
+        never = RestartState(num_restarts=0, crashes_in_window=0, crash_looping=False, last_exit="")
+        states = {}
+        for name, child in self.children.items():
+            history = self.restarts.get(name)
+            restart = history.state(now) if history is not None else never
+            states[name] = ChildState(name, child.alive, child.pid, restart.num_restarts, restart.crashes_in_window,
+                                      restart.crash_looping, restart.last_exit)
+        return states
+
     def say(self, text: str) -> None:
         """A line of the supervisor's own on its echo stream (the restart monitor reports through it too)."""
         if self._echo is not None:
@@ -261,7 +295,10 @@ class Supervisor:
 
 def run_until_stopped(supervisor: Supervisor, on_ready=lambda: None, out: TextIO | None = None) -> int:
     """What `tokenmill serve` does: start, call on_ready(), run until SIGINT/SIGTERM (exit 0) or until a
-    child dies (exit 1), and always stop every child before returning, whatever went wrong."""
+    child without a RestartPolicy dies, or any child dies before it is first ready (exit 1), and always
+    stop every child before returning, whatever went wrong. A child with a policy that keeps crashing
+    is restarted (crash-looping) while the rest keep serving; the children that restarted are listed
+    at the end."""
     out = out or sys.stderr
     handled = (signal.SIGINT, signal.SIGTERM)
     previous = {sig: signal.signal(sig, lambda *_: supervisor.request_stop()) for sig in handled}
@@ -281,3 +318,6 @@ def run_until_stopped(supervisor: Supervisor, on_ready=lambda: None, out: TextIO
         supervisor.stop()  # a second Ctrl-C meanwhile skips the grace periods
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        for state in supervisor.child_states().values():
+            if state.restarts:
+                print(supervisor.own_line(f"restarted while serving: {state.describe()}"), file=out, flush=True)
