@@ -252,6 +252,16 @@ class KVCacheManager:
             self.host_pool.unregister(block_id)
         self.take_copies()
 
+    def resize(self, num_blocks: int, num_host_blocks: int) -> None:
+        """Empty pools of the given sizes, for a worker that came back with another KV cache: no page id
+        of the old pools survives, so none can be planned. No request may hold a page (free them first)."""
+        if self.block_tables or self.host_tables:
+            raise RuntimeError(f"the KV pools cannot be resized while {len(self.block_tables)} requests hold "
+                               f"device pages and {len(self.host_tables)} host pages")
+        self.pool = BlockPool(num_blocks)
+        self.host_pool = BlockPool(num_host_blocks)
+        self.take_copies()
+
     def utilization(self, requests: list[Request]) -> float:
         """Live tokens / reserved slots over the given (running) requests; 0 with none."""
         reserved = sum(len(self.live_block_ids(r.request_id)) for r in requests) * self.block_size

@@ -26,7 +26,7 @@ from scheduler.scheduler import Scheduler
 from scheduler.stats import SchedulerStats
 from scheduler.telemetry import StepSpans
 from scheduler.step_pipeline import StepPipeline, depth_for
-from scheduler.worker_recovery import RecoveryAction, RecoveryDecision, WorkerRecovery
+from scheduler.worker_recovery import RecoveryAction, RecoveryDecision, WorkerPages, WorkerRecovery
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,21 @@ class EngineLoop:
             if decision.action is RecoveryAction.FAIL_ALL:
                 self._fail(decision.error, list(self.scheduler.requests))
                 return
+        if decision.pages is not None:
+            self._adopt_worker_pages(decision.pages)
         logger.info("worker back; %d requests to run", len(self.scheduler.requests))
+
+    def _adopt_worker_pages(self, pages: WorkerPages) -> None:
+        """Plans from now on stay within the pages the worker that came back has; a request that can no
+        longer fit even alone ends with its RequestTooLarge error instead of waiting forever."""
+        config = self.scheduler.config
+        if (pages.num_blocks, pages.num_host_blocks) == (config.num_blocks, config.num_host_blocks):
+            return
+        logger.warning("the worker came back with %d KV pages (%d host pages); the scheduler had %d (%d): "
+                       "adopting them", pages.num_blocks, pages.num_host_blocks, config.num_blocks,
+                       config.num_host_blocks)
+        for request_id, error in self.scheduler.adopt_worker_pages(pages.num_blocks, pages.num_host_blocks):
+            self._fail(error, [request_id])
 
     def _fail(self, error: ServingError, request_ids: list[str]) -> None:
         """Ends the given requests with finish reason error."""

@@ -113,6 +113,23 @@ class Scheduler:
         self.kv.forget_cached_content()
         return requeued
 
+    def adopt_worker_pages(self, num_blocks: int, num_host_blocks: int) -> list[tuple[str, RequestTooLarge]]:
+        """A worker came back with other page counts (its KV cache sized again from the memory it found):
+        the scheduler takes them, so no plan names a page the worker lacks. Running requests are
+        re-queued for recompute first (after a worker loss there are none left), so no request keeps a
+        page id of the old pools. Returns the requests that no longer fit even alone, with why: the
+        caller ends them (they would wait forever)."""
+        self.requeue_after_worker_loss()
+        self.config = dataclasses.replace(self.config, num_blocks=num_blocks, num_host_blocks=num_host_blocks)
+        self.kv.resize(num_blocks, num_host_blocks)
+        too_large = []
+        for request in list(self.waiting):
+            try:
+                self.check_fits(request)
+            except RequestTooLarge as error:
+                too_large.append((request.request_id, error))
+        return too_large
+
     # --- one step ---------------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:

@@ -12,6 +12,7 @@ from core.step import StepPlan, StepResult
 from plumbing import tls as tls_config
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, message_size_options
 from plumbing.rpc import WORKER_SERVICE, error_from_rpc_error
+from scheduler.worker_recovery import WorkerPages
 
 # A restarted worker is found within a second, not after gRPC's default reconnect backoff (up to 120 s).
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
@@ -55,16 +56,17 @@ class WorkerClient:
         self.capacity = await self._stub.GetCapacity(worker_pb2.GetCapacityRequest(), timeout=10.0)
         return self.capacity
 
-    async def reconnect(self, timeout_s: float) -> None:
-        """Re-registers a worker that came back (after a crash): ready, and with the KV capacity the
-        scheduler was built for; raises if it is not back within timeout_s or differs."""
+    async def reconnect(self, timeout_s: float) -> WorkerPages:
+        """Re-registers a worker that came back (after a crash): ready, and with the page size the
+        scheduler was built for; returns its pages (the scheduler adopts a different count). Raises if
+        it is not back within timeout_s or its pages hold another number of tokens."""
         known = self.capacity
         capacity = await self.register(timeout_s)
-        if known is not None and (capacity.num_blocks, capacity.block_size) != (known.num_blocks, known.block_size):
+        if known is not None and capacity.block_size != known.block_size:
             self.capacity = known
-            raise RuntimeError(f"worker at {self.address} came back with {capacity.num_blocks} KV pages of "
-                               f"{capacity.block_size} tokens; this scheduler was built for {known.num_blocks} "
-                               f"of {known.block_size}")
+            raise RuntimeError(f"worker at {self.address} came back with KV pages of {capacity.block_size} tokens; "
+                               f"this scheduler was built for pages of {known.block_size}")
+        return WorkerPages(capacity.num_blocks, capacity.num_host_blocks)
 
     def watch_connection(self, on_lost) -> None:
         """Calls on_lost() whenever a connection to the worker that was up breaks, even while no step

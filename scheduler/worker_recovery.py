@@ -7,10 +7,17 @@ num_computed_tokens = 0: the one scheduling rule then recomputes prompt + tokens
 after too many failed steps in a row, they fail at once with a WorkerUnavailable error instead (the
 servicer answers UNAVAILABLE).
 
-Either way the loop then waits for a worker to answer again (re-registration: healthy, same KV
-capacity), asking wait_for_worker() once per attempt and applying submits, aborts and deadlines
+Either way the loop then waits for a worker to answer again (re-registration: healthy, same page
+size), asking wait_for_worker() once per attempt and applying submits, aborts and deadlines
 between attempts; if none comes back within reconnect_timeout_s every request left fails, so nothing
 waits forever. WorkerRecovery only decides and reconnects: it never touches the loop or the scheduler.
+
+A restarted worker keeps its page count (worker.kv_sizing records the first start's sizing from
+memory and a restart reuses it). Where the memory it needs is truly gone it comes back with fewer
+pages: the RESUME decision carries the pages it reported, and the loop makes the scheduler adopt them
+(Scheduler.adopt_worker_pages) before it plans again. Nothing holds a page then (every request was
+re-queued for recompute), so no plan can name a page id the new worker lacks; only a request too large
+for the smaller cache even alone fails, with RequestTooLarge.
 """
 from __future__ import annotations
 
@@ -35,15 +42,25 @@ class RecoveryAction(enum.Enum):
 
 
 @dataclass(slots=True, frozen=True)
+class WorkerPages:
+    """The KV pages a worker that came back reported (GetCapacity): the scheduler plans within them."""
+
+    num_blocks: int  # device pages: every page id planned is below this
+    num_host_blocks: int  # the swap tier's pages
+
+
+@dataclass(slots=True, frozen=True)
 class RecoveryDecision:
     action: RecoveryAction
     error: WorkerUnavailable | None = None  # set for the FAIL_* actions
+    pages: WorkerPages | None = None  # RESUME: the pages of the worker that came back (None: not reported)
 
 
 class WorkerRecovery:
-    def __init__(self, reconnect: Callable[[float], Awaitable[None]], *, retry: bool = True,
+    def __init__(self, reconnect: Callable[[float], Awaitable[WorkerPages | None]], *, retry: bool = True,
                  reconnect_timeout_s: float = 60.0, max_consecutive_failures: int = 3) -> None:
-        """reconnect(timeout_s): returns once the worker is back and registered, raises otherwise."""
+        """reconnect(timeout_s): returns the worker's pages once it is back and registered (None: it
+        does not report them), raises otherwise."""
         self.reconnect = reconnect
         self.retry = retry
         self.reconnect_timeout_s = reconnect_timeout_s
@@ -81,7 +98,7 @@ class WorkerRecovery:
         started = self._away_since if self._away_since is not None else time.monotonic()
         deadline = started + self.reconnect_timeout_s
         try:
-            await self.reconnect(min(1.0, max(deadline - time.monotonic(), 0.1)))
+            pages = await self.reconnect(min(1.0, max(deadline - time.monotonic(), 0.1)))
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 - any failure means "not back yet"
@@ -95,4 +112,4 @@ class WorkerRecovery:
         self.lost = False  # what the watcher saw while we waited is this same loss
         self._away_since = None
         logger.info("worker back after %.1fs", time.monotonic() - started)
-        return RecoveryDecision(RecoveryAction.RESUME)
+        return RecoveryDecision(RecoveryAction.RESUME, pages=pages)

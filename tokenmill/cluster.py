@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from tokenmill.child_process import ChildSpec
@@ -172,6 +172,15 @@ def torch_thread_env() -> dict[str, str]:
     return {"GOMP_SPINCOUNT": SPIN_COUNT}
 
 
+# The worker's KV sizing record, in its temp dir (worker --kv-sizing-record)
+KV_SIZING_RECORD = "kv-sizing.json"
+
+
+def _absolute_tls(tls: ClusterTLS) -> ClusterTLS:
+    paths = {field.name: getattr(tls, field.name) for field in fields(tls)}
+    return replace(tls, **{name: os.path.abspath(path) for name, path in paths.items() if path})
+
+
 def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
     """Children in start order: [redis,] worker, scheduler, gateway. Ports must be resolved already."""
     ports = [config.worker_port, config.scheduler_port, config.gateway_port]
@@ -186,10 +195,16 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
     server_tls = config.tls.server().argv() if config.tls else []
     probe_tls = config.tls.client() if config.tls else None
     internal_size = ["--max-message-bytes", str(config.internal_max_message_bytes)]
+    # Sized from memory, the worker records its page count in its temp dir (its cwd, kept across crash
+    # restarts), so a restart keeps the count the scheduler knows (worker.kv_sizing); paths it is given
+    # are made absolute, since it no longer runs where they were named.
+    records_sizing = config.num_blocks is None and config.kv_cache_mb is None
+    worker_model = ["--model", os.path.abspath(config.model)] if config.model and records_sizing else model
+    worker_tls = _absolute_tls(config.tls).server().argv() if config.tls and records_sizing else server_tls
     worker = [config.python, "-m", "worker.main", "--host", config.internal_host, "--port", str(config.worker_port),
-              *model, "--dtype", config.dtype, "--block-size", str(config.block_size),
+              *worker_model, "--dtype", config.dtype, "--block-size", str(config.block_size),
               "--max-num-batched-tokens", str(config.max_num_batched_tokens), "--swap-space-gb", str(config.swap_space_gb),
-              *server_tls, *internal_size]
+              *worker_tls, *internal_size, *(["--kv-sizing-record", KV_SIZING_RECORD] if records_sizing else [])]
     if config.kv_cache_mb is not None:
         worker += ["--kv-cache-mb", str(config.kv_cache_mb)]
     if config.kv_cache_memory_fraction is not None:
@@ -253,7 +268,7 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
     worker_env = {name: value for name, value in env.items() if name != "TOKENMILL_REDIS_URL"}  # no Redis there
     return specs + [
         ChildSpec("worker", worker, WORKER_SERVICE, f"{config.internal_host}:{config.worker_port}",
-                  port_hint="--worker-port", env=worker_env, tls=probe_tls),
+                  port_hint="--worker-port", env=worker_env, tls=probe_tls, use_temp_dir=records_sizing),
         ChildSpec("scheduler", scheduler, SCHEDULER_SERVICE, f"{config.internal_host}:{config.scheduler_port}",
                   port_hint="--scheduler-port", env=env, tls=probe_tls),
         ChildSpec("gateway", gateway, GENERATION_SERVICE, f"{config.host}:{config.gateway_port}",

@@ -9,8 +9,9 @@ from plumbing.grammar import GrammarCompiler
 from worker.backends import ExecutionOptions
 from worker.group_quant import quantize_linears
 from worker.kv_cache import bytes_per_block
-from worker.kv_sizing import (KVCacheSizing, default_memory_fraction, free_memory_bytes,
-                               measure_activation_peak, profile_batch, size_from_budget, size_from_free_memory)
+from worker.kv_sizing import (KVCacheSizing, default_memory_fraction, free_memory_bytes, measure_activation_peak,
+                               profile_batch, read_sizing_record, size_from_budget, size_from_memory_or_record,
+                               write_sizing_record)
 from worker.loader import default_model_path, load_model
 from worker.model_runner import ModelRunner
 from worker.native_ops import cpu_has_native_bf16
@@ -55,11 +56,13 @@ def build_runner(model: str | Path | None, dtype: str, block_size: int, kv_cache
 def build_sized_runner(model: str | Path | None, dtype: str, block_size: int, kv_cache_bytes: int | None,
                        num_blocks: int | None = None, progress: bool = True, device: str = "cpu",
                        options: ExecutionOptions = ExecutionOptions(), memory_fraction: float | None = None,
-                       profile_tokens: int = 512, swap_space_bytes: int = 0) -> tuple[ModelRunner, KVCacheSizing]:
+                       profile_tokens: int = 512, swap_space_bytes: int = 0, *, sizing_record: Path | None = None,
+                       free_bytes: int | None = None) -> tuple[ModelRunner, KVCacheSizing]:
     """Loads the model (None: the default GGUF) onto the device, quantizes its linears if asked, and
     sizes the KV cache: num_blocks, else kv_cache_bytes, else memory_fraction (None: the device's
-    default) of the memory left after the weights and a profile pass of profile_tokens tokens.
-    swap_space_bytes of host memory become the swap tier's pages."""
+    default) of the memory left after the weights and a profile pass of profile_tokens tokens (free_bytes:
+    that memory as given, None: measured), reusing the page count in sizing_record when it has one for
+    these settings (worker.kv_sizing). swap_space_bytes of host memory become the swap tier's pages."""
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     path = Path(model) if model else default_model_path()
@@ -77,20 +80,33 @@ def build_sized_runner(model: str | Path | None, dtype: str, block_size: int, kv
     elif kv_cache_bytes:
         sizing = size_from_budget(kv_cache_bytes, per_block)
     else:
-        # a throw-away runner over just the pages the profile step needs: its peak is the activations'
-        profile = profile_batch(profile_tokens, block_size)
-        probe = ModelRunner(network, config, num_blocks=len(profile.spans[0].block_table), block_size=block_size,
-                            dtype=torch_dtype, options=options)
-        peak = measure_activation_peak(probe.execution_path, profile, torch_device)
-        del probe
-        if torch_device.type == "cuda":
-            torch.cuda.empty_cache()
         fraction = memory_fraction if memory_fraction is not None else default_memory_fraction(torch_device)
-        sizing = size_from_free_memory(free_memory_bytes(torch_device), peak, fraction, per_block, torch_device)
+        settings = (f"model={path.resolve()} dtype={str(torch_dtype).removeprefix('torch.')} device={torch_device} "
+                    f"block_size={block_size} fraction={fraction:g} profile_tokens={profile_tokens} {options}")
+        peak = _activation_peak(network, config, torch_dtype, torch_device, block_size, options, profile_tokens)
+        record = read_sizing_record(sizing_record) if sizing_record else None
+        sizing, new_record = size_from_memory_or_record(
+            record, settings, free_memory_bytes(torch_device) if free_bytes is None else free_bytes, peak,
+            fraction, per_block, torch_device)
+        if sizing_record and new_record:
+            write_sizing_record(sizing_record, new_record)
     runner = ModelRunner(network, config, num_blocks=sizing.num_blocks, block_size=block_size, dtype=torch_dtype,
                          options=options, num_host_blocks=swap_space_bytes // per_block)
     runner.structured_output = StructuredOutput(GrammarCompiler(path))
     return runner, sizing
+
+
+def _activation_peak(network, config, dtype: torch.dtype, device: torch.device, block_size: int,
+                     options: ExecutionOptions, profile_tokens: int) -> int:
+    """The profile pass's peak: a throw-away runner over just the pages the profile step needs."""
+    profile = profile_batch(profile_tokens, block_size)
+    probe = ModelRunner(network, config, num_blocks=len(profile.spans[0].block_table), block_size=block_size,
+                        dtype=dtype, options=options)
+    peak = measure_activation_peak(probe.execution_path, profile, device)
+    del probe
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return peak
 
 
 def model_name(model: str | Path | None) -> str:

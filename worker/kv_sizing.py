@@ -11,12 +11,31 @@ peak is the process's peak resident set over the pass (VmHWM, reset first throug
 where that is not allowed, the growth of ru_maxrss, 0 when loading the weights peaked higher). The
 CPU default fraction is small because that memory is shared with the OS,
 other processes and the swap tier, and a CPU step is compute-bound long before the cache is full.
+
+A restart keeps the page count (--kv-sizing-record). The free memory a restarted worker finds differs
+from the first start's (a CPU's MemAvailable moves with the page cache and the other processes; a
+GPU's with whatever else runs on it), and so would a fresh sizing: the scheduler, built for the first
+count, would meet a worker with another one. So the first start records its choice and the settings it
+depended on (SizingRecord, a small JSON file), and a start with the same settings reuses the recorded
+count when its pages fit in the memory free now (after the weights and the activation peak; the
+fraction's headroom, kept for other processes, may be used up). Where they no longer fit the worker
+sizes afresh and says so; the scheduler then adopts the smaller pool (scheduler.worker_recovery). The
+record stays: memory that comes back brings the first count back. Only other settings (another
+fraction, model, dtype, ...), a fixed --num-blocks / --kv-cache-mb, or removing the file size anew.
+The record lives as long as the deployment, not the process: the local supervisor keeps it in the
+worker's temp dir (kept across crash restarts); on Kubernetes an emptyDir volume does the same.
+
+Why the worker and not the scheduler keeps it: the worker allocates its cache before it can
+register, and the scheduler may itself have restarted; a file next to the worker needs no new RPC.
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
 import resource
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -24,6 +43,9 @@ from worker.attention import RequestSpan
 from worker.execution_path import ExecutionPath, StepBatch
 
 DEFAULT_MEMORY_FRACTION = {"cuda": 0.9, "cpu": 0.1}
+
+logger = logging.getLogger("tokenmill.worker")
+REUSED_SIZING = "the sizing recorded by the first start (reused)"  # how a reused count's reason begins
 
 
 @dataclass(slots=True, frozen=True)
@@ -114,3 +136,54 @@ def size_from_budget(budget_bytes: int, bytes_per_block: int) -> KVCacheSizing:
     if num_blocks < 1:
         raise ValueError(f"KV cache budget of {budget_bytes} bytes holds no block: one block needs {bytes_per_block} bytes")
     return KVCacheSizing(num_blocks, num_blocks * bytes_per_block, f"--kv-cache-mb {budget_bytes / 2**20:g}")
+
+
+@dataclass(slots=True, frozen=True)
+class SizingRecord:
+    """The first start's sizing from memory, reused by later starts with the same settings."""
+
+    num_blocks: int
+    bytes_per_block: int
+    settings: str  # what the sizing depended on besides the memory (model, dtype, fraction, ...)
+    reason: str  # the first start's KVCacheSizing.reason
+
+
+def read_sizing_record(path: Path) -> SizingRecord | None:
+    """The record at path; None when there is none yet, or (logged) when it cannot be read."""
+    try:
+        fields = json.loads(path.read_text())
+        record = SizingRecord(int(fields["num_blocks"]), int(fields["bytes_per_block"]), str(fields["settings"]),
+                              str(fields["reason"]))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        logger.warning("KV sizing record %s is unreadable (%s): sizing from memory anew", path, error)
+        return None
+    return record
+
+
+def write_sizing_record(path: Path, record: SizingRecord) -> None:
+    """Written whole or not at all (a crash mid-write leaves the old record or none)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(asdict(record), indent=1) + "\n")
+    os.replace(partial, path)
+
+
+def size_from_memory_or_record(record: SizingRecord | None, settings: str, free_bytes: int, activation_peak: int,
+                               fraction: float, bytes_per_block: int,
+                               device: torch.device) -> tuple[KVCacheSizing, SizingRecord | None]:
+    """The recorded page count when the record has these settings and its pages fit in free_bytes -
+    activation_peak, else size_from_free_memory(). Also returns the record to write (None: keep the one
+    there): a first start's, or one for changed settings."""
+    if record is None or (record.settings, record.bytes_per_block) != (settings, bytes_per_block):
+        fresh = size_from_free_memory(free_bytes, activation_peak, fraction, bytes_per_block, device)
+        return fresh, SizingRecord(fresh.num_blocks, bytes_per_block, settings, fresh.reason)
+    needed, room = record.num_blocks * bytes_per_block, free_bytes - activation_peak
+    if needed <= room:
+        return KVCacheSizing(record.num_blocks, needed, (
+            f"{REUSED_SIZING}: {record.num_blocks} pages from {record.reason}; "
+            f"{room / 2**20:.0f} MiB free now after the weights and the activation peak")), None
+    fresh = size_from_free_memory(free_bytes, activation_peak, fraction, bytes_per_block, device)
+    return KVCacheSizing(fresh.num_blocks, fresh.kv_cache_bytes, (
+        f"{fresh.reason}: the recorded {record.num_blocks} pages ({needed / 2**20:.1f} MiB) of the first start "
+        f"no longer fit in {room / 2**20:.0f} MiB")), None

@@ -5,6 +5,7 @@ import argparse
 import logging
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -40,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--swap-space-gb", type=float, default=0.0,
                         help="host memory for swapped-out KV pages (pinned on CUDA); 0: preemption only recomputes")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV pages; overrides --kv-cache-mb")
+    parser.add_argument("--kv-sizing-record", type=Path, default=None,
+                        help="JSON file where the first start records the KV cache size it chose from memory; a "
+                             "restart with the same settings reuses it, so the scheduler meets the page count it "
+                             "was built for. Put it where it outlives the process, not the deployment (tokenmill "
+                             "serve: the worker's temp dir; Kubernetes: an emptyDir). Default: none, each start "
+                             "sizes anew")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     add_execution_flags(parser)
     add_message_size_argument(parser, INTERNAL_MAX_MESSAGE_BYTES)
@@ -71,7 +78,8 @@ def build_worker(args: argparse.Namespace) -> tuple[ModelRunner, worker_pb2.GetC
     runner, sizing = build_sized_runner(
         args.model, args.dtype, args.block_size, args.kv_cache_mb and args.kv_cache_mb * 2**20, args.num_blocks,
         device=args.device, options=args.execution, memory_fraction=args.kv_cache_memory_fraction,
-        profile_tokens=args.max_num_batched_tokens, swap_space_bytes=int(args.swap_space_gb * 2**30))
+        profile_tokens=args.max_num_batched_tokens, swap_space_bytes=int(args.swap_space_gb * 2**30),
+        sizing_record=args.kv_sizing_record)
     logger.info("KV cache: %d pages of %d tokens (%.1f MiB), from %s; swap tier: %d host pages",
                 sizing.num_blocks, runner.block_size, sizing.kv_cache_bytes / 2**20, sizing.reason,
                 runner.swap_space.num_host_blocks)

@@ -27,10 +27,11 @@ FAST_RESTARTS = RestartPolicy(backoff_initial_s=0.2, backoff_max_s=2.0, max_rest
 @contextlib.contextmanager
 def tiny_cluster(tmp_path, model_overrides: dict | None = None, **overrides):
     """model_overrides: the tiny model's config attributes (e.g. max_position_embeddings); overrides:
-    ClusterConfig fields."""
+    ClusterConfig fields (num_blocks=None: the KV cache sized from memory)."""
     folder, _ = make_tiny_hf_model(tmp_path, **(model_overrides or {}))
+    settings = {"num_blocks": 256, "max_num_batched_tokens": 256, **overrides}
     config = resolve_ports(ClusterConfig(model=str(folder), gateway_port=0, scheduler_port=0, worker_port=0,
-                                         redis_port=0, num_blocks=256, max_num_batched_tokens=256, **overrides))
+                                         redis_port=0, **settings))
     # every child's output and the supervisor's own lines (restarts) go to a file a failing test names
     with open(tmp_path / "cluster.log", "w", buffering=1) as log:
         supervisor = Supervisor(cluster_specs(config), echo=log, startup_timeout_s=300,
