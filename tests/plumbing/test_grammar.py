@@ -58,3 +58,12 @@ def test_the_gguf_vocabulary_spells_tokens_as_the_tokenizer_does_and_compiles_on
     assert compiler.num_compiled == 1
     assert first.consume_tokens(tokenizer.encode("yes", add_special_tokens=False)) and first.is_accepting()
     assert not second.is_accepting()  # a copy of its own, at the start
+
+
+def test_the_worker_compiles_on_a_stack_8x_what_the_gateway_check_allowed():
+    """3,000 chained rules overflow an 8 MiB stack (the gateway's helper refuses them); the worker's compile
+    thread has 64 MiB, so anything that passed the check, with room to spare, never crashes a worker."""
+    rules = "".join(f'r{i}: "x{i}" r{i + 1}\n' for i in range(3000))
+    compiler = GrammarCompiler(default_model_path())
+    matcher = compiler.matcher(OutputConstraint(K.GRAMMAR, f"start: r0\n{rules}r3000: \"end\"\n"))
+    assert not matcher.is_error() and compiler.num_compiled == 1

@@ -1,0 +1,129 @@
+"""Fairness under hostile constraints (issue 31, item 2): does one client's heavy grammar slow anybody else?
+
+    .venv/bin/python scripts/bench_hostile_constraints.py [--heavy 10] [--tokens 96] [--repeats 2]
+
+Starts the default cluster (SmolLM2-135M), then, alternating, `--repeats` times each:
+- unloaded: one normal greedy stream of --tokens tokens over gRPC GenerateStream;
+- loaded: the same stream while --heavy distinct heavy constraints are in flight: GBNF grammars of
+  ~100 kB (1,500 chained rules, the pure-Python converter's slow case) and 3,000-rule Lark grammars
+  (the crash case), sent over the OpenAI HTTP API as fast as they are answered;
+and throughout both, a Tokenize call every 50 ms. Prints the stream's tok/s and largest inter-token gap,
+the Tokenize latencies (P50 / P99 / max) and the loaded/unloaded tok/s ratio. Targets: ratio >= 0.8,
+no gap over 0.5 s, Tokenize under 50 ms. A benchmark, not a test: the figures go in docs/reliability.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+
+from core.percentile import percentile
+from protos.tokenmill.v1 import generation_pb2 as g
+from protos.tokenmill.v1 import generation_pb2_grpc
+from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
+from tokenmill.supervisor import Supervisor
+
+
+def heavy_grammar(index: int, nonce: int) -> str:
+    """A grammar no earlier request sent (the nonce), so no cached verdict helps: every one compiles."""
+    if index % 2 == 0:  # GBNF, ~100 kB: seconds of pure-Python conversion
+        rules = "".join(f'g{nonce}r{i} ::= "x{i}" g{nonce}r{i + 1} | "y"\n' for i in range(1500))
+        return f"root ::= g{nonce}r0\n{rules}g{nonce}r1500 ::= \"end{index}\"\n"
+    rules = "".join(f'r{i}: "x{nonce}_{i}" r{i + 1}\n' for i in range(3000))  # the crash case
+    return f"start: r0\n{rules}r3000: \"end\"\n"
+
+
+def stream_once(stub, num_tokens: int) -> tuple[float, float]:
+    """(tok/s, largest gap in s) of one greedy stream, timed from its first token."""
+    request = g.GenerateRequest(prompt="Write a long story about a lighthouse keeper.",
+                                parameters=g.GenerateParameters(max_tokens=num_tokens, temperature=0.0,
+                                                                ignore_eos=True))
+    stamps = []
+    for message in stub.GenerateStream(request, timeout=600):
+        now = time.monotonic()
+        stamps.extend([now] * len(message.token_ids))
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0]), max(gaps)
+
+
+def hammer(http_address: str, num_heavy: int, stop: threading.Event, answers: list) -> list[threading.Thread]:
+    def send(index: int) -> None:
+        nonce = index * 1_000_000
+        while not stop.is_set():
+            nonce += 1
+            body = json.dumps({"prompt": "hi", "max_tokens": 4, "guided_grammar": heavy_grammar(index, nonce)}).encode()
+            request = urllib.request.Request(f"http://{http_address}/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"}, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=120) as response:
+                    answers.append(response.status)
+            except urllib.error.HTTPError as error:
+                answers.append(error.code)
+    threads = [threading.Thread(target=send, args=(index,), daemon=True) for index in range(num_heavy)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def tokenize_probe(stub, stop: threading.Event, latencies: list) -> threading.Thread:
+    def run() -> None:
+        while not stop.is_set():
+            start = time.monotonic()
+            stub.Tokenize(g.TokenizeRequest(text="How long does this take?"), timeout=60)
+            latencies.append(time.monotonic() - start)
+            time.sleep(0.05)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def measure(config: ClusterConfig, stub, num_heavy: int, num_tokens: int) -> dict:
+    stop, answers, latencies = threading.Event(), [], []
+    probe = tokenize_probe(stub, stop, latencies)
+    threads = hammer(config.http_address, num_heavy, stop, answers) if num_heavy else []
+    time.sleep(1.0 if num_heavy else 0.0)  # the heavy requests in flight first
+    tok_s, gap = stream_once(stub, num_tokens)
+    stop.set()
+    for thread in (probe, *threads):
+        thread.join()
+    return {"tok_s": tok_s, "max_gap_s": gap, "tokenize_p50_ms": 1000 * percentile(latencies, 50),
+            "tokenize_p99_ms": 1000 * percentile(latencies, 99), "tokenize_max_ms": 1000 * max(latencies),
+            "heavy_answers": {code: answers.count(code) for code in sorted(set(answers))}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heavy", type=int, default=10)
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    config = resolve_ports(ClusterConfig(gateway_port=0, http_port=0, scheduler_port=0, worker_port=0,
+                                         redis_port=0, kv_cache_mb=64))
+    with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300) as supervisor:
+        gateway_pid = supervisor.children["gateway"].pid
+        with grpc.insecure_channel(config.gateway_address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            stream_once(stub, 8)  # warm-up
+            runs = {"unloaded": [], "loaded": []}
+            for _ in range(args.repeats):
+                runs["unloaded"].append(measure(config, stub, 0, args.tokens))
+                runs["loaded"].append(measure(config, stub, args.heavy, args.tokens))
+        for name, results in runs.items():
+            for result in results:
+                print(f"{name:9s} {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()})}")
+        ratio = statistics.median(r["tok_s"] for r in runs["loaded"]) / statistics.median(
+            r["tok_s"] for r in runs["unloaded"])
+        print(f"loaded / unloaded tok/s (medians): {ratio:.2f}; largest loaded gap "
+              f"{max(r['max_gap_s'] for r in runs['loaded']):.3f} s; Tokenize max "
+              f"{max(r['tokenize_max_ms'] for r in runs['loaded']):.1f} ms; gateway pid unchanged: "
+              f"{supervisor.children['gateway'].pid == gateway_pid}")
+
+
+if __name__ == "__main__":
+    main()
