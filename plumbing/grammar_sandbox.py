@@ -20,8 +20,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import select
 import signal
+import subprocess
 import sys
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -32,30 +36,57 @@ from plumbing.constraint_limits import MAX_GRAMMAR_RULES, check_limits
 
 logger = logging.getLogger(__name__)
 
-_MAX_LINE_BYTES = 64 << 20  # a reply carries a grammar of up to the size limit, JSON-escaped
+_START_TIMEOUT_S = 120.0  # a helper's start: Python, llguidance and the model's vocabulary
 
 
 class _Helper:
-    """One helper process and its pipes; used by one check at a time."""
+    """One helper process and its pipes, used by one check at a time, from a worker thread: spawning
+    (a fork of this process), writing a 256 kB grammar and waiting for the answer all stay off the
+    event loop, which only awaits the thread (measured: forking the gateway on its loop for each
+    crashed helper's replacement put 100+ ms into a concurrent Tokenize call's P99)."""
 
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
-        self.process = process
+    def __init__(self, argv: list[str]) -> None:
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._buffer = b""
+        if self._read_line(deadline=time.monotonic() + _START_TIMEOUT_S) is None:  # the vocabulary loaded
+            self.kill()
+            raise RuntimeError(f"the grammar helper {argv} exited with {self.process.returncode} before it was ready")
 
-    async def ask(self, constraint: OutputConstraint) -> dict | None:
-        """The helper's reply, or None when it died before answering."""
+    def ask(self, constraint: OutputConstraint, timeout_s: float) -> dict | None:
+        """The helper's reply; None when it died before answering. Raises TimeoutError past timeout_s."""
         line = json.dumps({"kind": constraint.kind.value, "value": constraint.value,
                            "choices": list(constraint.choices)}) + "\n"
         try:
             self.process.stdin.write(line.encode())
-            await self.process.stdin.drain()
-            reply = await self.process.stdout.readline()
+            self.process.stdin.flush()
         except (BrokenPipeError, ConnectionResetError):
             return None
+        reply = self._read_line(deadline=time.monotonic() + timeout_s)
         return json.loads(reply) if reply else None
 
-    def kill(self) -> None:
-        if self.process.returncode is None:
+    def _read_line(self, deadline: float) -> bytes | None:
+        stdout = self.process.stdout.fileno()
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            readable, _, _ = select.select([stdout], [], [], left)
+            if readable:
+                chunk = os.read(stdout, 1 << 20)
+                if not chunk:
+                    return None  # the helper is gone
+                self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line
+
+    def kill(self) -> int:
+        if self.process.poll() is None:
             self.process.kill()
+        return self.process.wait()
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
 
 
 class GrammarSandbox:
@@ -107,28 +138,32 @@ class GrammarSandbox:
         idle = self._idle_helpers()
         helper = await idle.get()
         try:
-            if helper is None or helper.process.returncode is not None:
-                helper = await self._start_helper()
-            try:
-                reply = await asyncio.wait_for(helper.ask(constraint), self.timeout_s)
-            except asyncio.TimeoutError:
-                self.num_timeouts += 1
-                helper.kill()
-                await helper.process.wait()
-                logger.warning("grammar check of a %s constraint (%d characters) passed %.1fs: helper killed",
-                               constraint.kind.value, len(constraint.value), self.timeout_s)
-                return f"takes longer than {self.timeout_s:g}s to compile (the compile time limit)"
-            if reply is None:
-                return await self._crashed(helper, constraint)
-            if not reply["ok"]:
-                return reply["reason"]
-            return OutputConstraint(ConstraintKind(reply["kind"]), reply["value"], tuple(reply["choices"]))
+            helper, verdict = await asyncio.to_thread(self._ask_blocking, helper, constraint)
+            return verdict
         finally:
-            idle.put_nowait(helper if helper is not None and helper.process.returncode is None else None)
+            idle.put_nowait(helper if helper is not None and helper.alive else None)
 
-    async def _crashed(self, helper: _Helper, constraint: OutputConstraint) -> str:
+    def _ask_blocking(self, helper: _Helper | None, constraint: OutputConstraint
+                      ) -> tuple[_Helper | None, OutputConstraint | str]:
+        """On a worker thread: (the helper, alive or not, and the verdict)."""
+        helper = helper if helper is not None and helper.alive else self._start_helper()
+        try:
+            reply = helper.ask(constraint, self.timeout_s)
+        except TimeoutError:
+            self.num_timeouts += 1
+            helper.kill()
+            logger.warning("grammar check of a %s constraint (%d characters) passed %.1fs: helper killed",
+                           constraint.kind.value, len(constraint.value), self.timeout_s)
+            return helper, f"takes longer than {self.timeout_s:g}s to compile (the compile time limit)"
+        if reply is None:
+            return helper, self._crashed(helper, constraint)
+        if not reply["ok"]:
+            return helper, reply["reason"]
+        return helper, OutputConstraint(ConstraintKind(reply["kind"]), reply["value"], tuple(reply["choices"]))
+
+    def _crashed(self, helper: _Helper, constraint: OutputConstraint) -> str:
         self.num_crashes += 1
-        code = await helper.process.wait()
+        code = helper.kill()
         how = _signal_name(-code) if code < 0 else f"exit {code}"
         logger.warning("a %s constraint (%d characters) crashed the grammar compiler helper (%s)",
                        constraint.kind.value, len(constraint.value), how)
@@ -143,26 +178,20 @@ class GrammarSandbox:
                 self._idle.put_nowait(None)
         return self._idle
 
-    async def _start_helper(self) -> _Helper:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "plumbing.grammar_helper", "--model", self.model_path,
-            "--memory-mb", str(self.memory_mb), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            limit=_MAX_LINE_BYTES)
-        ready = await process.stdout.readline()  # the vocabulary loaded
-        if not ready:
-            code = await process.wait()
-            raise RuntimeError(f"the grammar helper for {self.model_path} exited with {code} before it was ready")
-        return _Helper(process)
+    def _start_helper(self) -> _Helper:
+        return _Helper([sys.executable, "-m", "plumbing.grammar_helper", "--model", self.model_path,
+                        "--memory-mb", str(self.memory_mb)])
 
     async def start(self, num: int | None = None) -> None:
         """Starts helpers now (else on first use), so the first constrained request does not wait for one."""
         idle = self._idle_helpers()
-        started = []
-        for _ in range(min(num or self._num_helpers, idle.qsize())):
-            slot = idle.get_nowait()
-            started.append(slot if slot is not None else await self._start_helper())
-        for helper in started:
-            idle.put_nowait(helper)
+        slots = [idle.get_nowait() for _ in range(min(num or self._num_helpers, idle.qsize()))]
+        try:
+            slots = await asyncio.gather(*(asyncio.to_thread(self._start_helper) if slot is None
+                                           else asyncio.sleep(0, slot) for slot in slots))
+        finally:
+            for slot in slots:
+                idle.put_nowait(slot)
 
     async def close(self) -> None:
         if self._idle is None:
@@ -170,8 +199,7 @@ class GrammarSandbox:
         while not self._idle.empty():
             helper = self._idle.get_nowait()
             if helper is not None:
-                helper.kill()
-                await helper.process.wait()
+                await asyncio.to_thread(helper.kill)
 
 
 def _signal_name(number: int) -> str:
