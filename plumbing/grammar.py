@@ -1,7 +1,8 @@
 """Constrained decoding's grammar engine (llguidance), shared by the gateway and the worker.
 
-The gateway calls check_constraint() on each request's OutputConstraint: a malformed schema, regex or
-grammar is InvalidArgument naming the problem, before any compute. The worker compiles each
+The gateway checks each request's OutputConstraint with check_for_worker() in a helper process
+(plumbing.grammar_sandbox): a malformed schema, regex or grammar is InvalidArgument naming the problem,
+before any compute. The worker compiles each
 constraint against the model's vocabulary (GrammarCompiler, cached by content) into an llguidance
 matcher per request, which masks the tokens that would break it before every sampling step.
 
@@ -19,7 +20,6 @@ Lark as they are, GBNF through llguidance's converter, a choice as a Lark altern
 """
 from __future__ import annotations
 
-import functools
 import json
 import threading
 from collections import OrderedDict
@@ -30,7 +30,7 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from core.errors import InvalidArgument
 from core.sampling import ConstraintKind, OutputConstraint
-from plumbing.constraint_limits import MAX_CONSTRAINT_CHARS, check_limits, is_gbnf  # noqa: F401 - re-exported
+from plumbing.constraint_limits import check_limits, is_gbnf
 
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
@@ -46,7 +46,7 @@ def parser_limits() -> llguidance.LLParserLimits:
 
 def to_grammar(constraint: OutputConstraint) -> str:
     """llguidance's grammar text for constraint. Raises InvalidArgument for a schema that is not JSON
-    (the other checks need the compiler: check_constraint)."""
+    (the other checks need the compiler: check_for_worker)."""
     kind, value = constraint.kind, constraint.value
     if kind is ConstraintKind.JSON_SCHEMA:
         try:
@@ -93,18 +93,14 @@ def _json_grammar(schema: object, field: str, value: str) -> str:
         raise InvalidArgument(field, _short(value), f"is not a JSON schema this server supports: {exc}") from None
 
 
-@functools.lru_cache(maxsize=1024)  # a valid constraint is checked once (a failing one raises every time)
-def check_constraint(constraint: OutputConstraint, field_prefix: str = "") -> str:
-    """The grammar text the worker will compile; raises InvalidArgument naming the field and the
-    problem when constraint breaks a limit (check_limits) or cannot be compiled. Runs the compiler:
-    serving processes call it in a helper process (plumbing.grammar_sandbox), never inline."""
-    name = field_prefix + constraint.kind.value
-    check_limits(constraint, name)
-    grammar = to_grammar(constraint)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None, limits=parser_limits())
-    if is_error:
-        raise InvalidArgument(name, _short(constraint.value or list(constraint.choices)), f"is invalid: {'; '.join(messages)}")
-    return grammar
+def check_for_worker(constraint: OutputConstraint, vocabulary: llguidance.LLTokenizer) -> OutputConstraint:
+    """The constraint a worker will compile (GBNF as Lark), after compiling it exactly as the worker will;
+    InvalidArgument naming the kind and the problem or limit otherwise. Runs the compiler: serving
+    processes call it only in a helper process (plumbing.grammar_helper), never inline."""
+    check_limits(constraint)
+    forwarded = as_lark(constraint)  # GBNF converted once, here
+    compile_matcher(vocabulary, forwarded)
+    return forwarded
 
 
 def _short(value: object, limit: int = 200) -> object:

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.nice(args.nice)
     # imported before the cap: loading the library maps address space that is not the compile's
-    from plumbing.grammar import as_lark, check_limits, compile_matcher, load_vocabulary, run_with_stack
+    from plumbing.grammar import check_for_worker, load_vocabulary, run_with_stack
 
     vocabulary = load_vocabulary(args.model)
     limit = args.memory_mb << 20
@@ -46,14 +46,8 @@ def main(argv: list[str] | None = None) -> None:
         constraint = OutputConstraint(ConstraintKind(message["kind"]), message.get("value", ""),
                                       tuple(message.get("choices", ())))
 
-        def check() -> OutputConstraint:
-            check_limits(constraint)
-            forwarded = as_lark(constraint)  # GBNF converted once, here
-            compile_matcher(vocabulary, forwarded)  # with the vocabulary, exactly as a worker will
-            return forwarded
-
         try:
-            forwarded = run_with_stack(check, HELPER_STACK_BYTES)
+            forwarded = run_with_stack(lambda: check_for_worker(constraint, vocabulary), HELPER_STACK_BYTES)
             reply = {"ok": True, "kind": forwarded.kind.value, "value": forwarded.value,
                      "choices": list(forwarded.choices)}
         except InvalidArgument as error:

@@ -9,10 +9,15 @@ import pytest
 from core.errors import InvalidArgument
 from core.sampling import ConstraintKind, OutputConstraint
 from gateway.tokenizer import load_tokenizer
-from plumbing.grammar import GrammarCompiler, check_constraint
+from plumbing.grammar import GrammarCompiler, check_for_worker
 from worker.loader import default_model_path
 
 K = ConstraintKind
+
+
+@pytest.fixture(scope="module")
+def vocabulary():
+    return GrammarCompiler(default_model_path()).vocabulary
 
 
 @pytest.mark.parametrize("constraint", [
@@ -23,8 +28,8 @@ K = ConstraintKind
     OutputConstraint(K.GRAMMAR, 'root ::= "a" root | "b"'),  # GBNF
     OutputConstraint(K.GRAMMAR, 'start: "x"+'),  # Lark
 ])
-def test_well_formed_constraints_pass(constraint):
-    check_constraint(constraint)
+def test_well_formed_constraints_pass(constraint, vocabulary):
+    check_for_worker(constraint, vocabulary)
 
 
 @pytest.mark.parametrize("constraint, field, words", [
@@ -38,9 +43,9 @@ def test_well_formed_constraints_pass(constraint):
     (OutputConstraint(K.CHOICE), "choice", "at least one"),
     (OutputConstraint(K.CHOICE, choices=("a", "")), "choice", "non-empty"),
 ])
-def test_malformed_constraints_are_named_with_the_engines_reason(constraint, field, words):
+def test_malformed_constraints_are_named_with_the_engines_reason(constraint, field, words, vocabulary):
     with pytest.raises(InvalidArgument) as caught:
-        check_constraint(constraint)
+        check_for_worker(constraint, vocabulary)
     assert caught.value.field == field and words in str(caught.value)
 
 
