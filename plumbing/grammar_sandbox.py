@@ -33,6 +33,7 @@ from core.errors import InvalidArgument
 from core.sampling import ConstraintKind, OutputConstraint
 from core.json_limits import MAX_NESTING_DEPTH
 from plumbing.constraint_limits import MAX_GRAMMAR_RULES, check_limits
+from plumbing.telemetry.metrics import CONSTRAINT_CHECKS, model_name
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class GrammarSandbox:
         verdict = self._verdicts.get(constraint)
         if verdict is not None:
             self.num_cache_hits += 1
+            _count("cached")
             self._verdicts.move_to_end(constraint)
         else:
             check = self._pending.get(constraint)
@@ -151,18 +153,21 @@ class GrammarSandbox:
             reply = helper.ask(constraint, self.timeout_s)
         except TimeoutError:
             self.num_timeouts += 1
+            _count("timed_out")
             helper.kill()
             logger.warning("grammar check of a %s constraint (%d characters) passed %.1fs: helper killed",
                            constraint.kind.value, len(constraint.value), self.timeout_s)
             return helper, f"takes longer than {self.timeout_s:g}s to compile (the compile time limit)"
         if reply is None:
             return helper, self._crashed(helper, constraint)
+        _count("compiled" if reply["ok"] else "refused")
         if not reply["ok"]:
             return helper, reply["reason"]
         return helper, OutputConstraint(ConstraintKind(reply["kind"]), reply["value"], tuple(reply["choices"]))
 
     def _crashed(self, helper: _Helper, constraint: OutputConstraint) -> str:
         self.num_crashes += 1
+        _count("crashed")
         code = helper.kill()
         how = _signal_name(-code) if code < 0 else f"exit {code}"
         logger.warning("a %s constraint (%d characters) crashed the grammar compiler helper (%s)",
@@ -200,6 +205,10 @@ class GrammarSandbox:
             helper = self._idle.get_nowait()
             if helper is not None:
                 await asyncio.to_thread(helper.kill)
+
+
+def _count(outcome: str) -> None:
+    CONSTRAINT_CHECKS.labels(model_name(), outcome).inc()
 
 
 def _signal_name(number: int) -> str:

@@ -4,7 +4,8 @@
 Each process serves only the metrics it owns (register_owned, called by start_process):
 
     gateway    TTFT, inter-token, time per output token and end-to-end latency as the client sees them,
-               prompt / generation tokens (totals and per-request histograms), requests by finish reason
+               prompt / generation tokens (totals and per-request histograms), requests by finish reason,
+               constraint checks by outcome (a crashing grammar helper shows as `crashed`)
     scheduler  queue / prefill / decode / inference time per request; running / waiting requests, KV
                cache usage, prefix cache, preemptions, cache config (read at scrape time: nothing on
                the step loop's path)
@@ -91,6 +92,11 @@ ITERATION_TOKENS = _histogram("tokenmill:iteration_tokens_total", "Tokens comput
                               _ITERATION_BUCKETS)
 
 # ---- every process -------------------------------------------------------------------------------
+CONSTRAINT_CHECKS = Counter("tokenmill:constraint_checks_total",
+                            "Output constraints checked by the gateway's grammar helpers, by outcome: compiled, "
+                            "refused (invalid or over a limit), crashed (the compiler crashed its helper), "
+                            "timed_out (killed at --grammar-timeout-s), cached (a verdict reused)",
+                            [*MODEL, "outcome"], registry=None)
 REQUEST_ERRORS = Counter("tokenmill:request_errors_total", "Calls that ended with a gRPC error status "
                          "(HTTP errors by the status they map to)", [*MODEL, "code"], registry=None)
 
@@ -126,7 +132,7 @@ REDIS_WRITES_DROPPED_HELP = ("Request-record changes and token-stream entries th
 OWNED = {
     "gateway": (TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, REQUEST_TIME_PER_OUTPUT_TOKEN, E2E_REQUEST_LATENCY,
                 REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS, PROMPT_TOKENS, GENERATION_TOKENS,
-                REQUEST_SUCCESS, REQUEST_ERRORS),
+                REQUEST_SUCCESS, REQUEST_ERRORS, CONSTRAINT_CHECKS),
     "scheduler": (REQUEST_QUEUE_TIME, REQUEST_PREFILL_TIME, REQUEST_DECODE_TIME, REQUEST_INFERENCE_TIME,
                   REQUEST_ERRORS),
     "worker": (WORKER_STEP_TIME, ITERATION_TOKENS, REQUEST_ERRORS),

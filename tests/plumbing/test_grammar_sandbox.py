@@ -13,6 +13,7 @@ from core.sampling import ConstraintKind, OutputConstraint
 from gateway.tokenizer import default_model_path
 from plumbing.constraint_limits import MAX_GRAMMAR_RULES, is_gbnf
 from plumbing.grammar_sandbox import GrammarSandbox
+from plumbing.telemetry.metrics import CONSTRAINT_CHECKS, model_name
 
 K = ConstraintKind
 
@@ -31,11 +32,14 @@ async def sandbox():
 
 
 async def test_a_compiler_crash_costs_one_helper_and_names_the_limits(sandbox):
+    crashed = CONSTRAINT_CHECKS.labels(model_name(), "crashed")
+    before = crashed._value.get()
     stack_deep = OutputConstraint(K.GRAMMAR, chained(MAX_GRAMMAR_RULES - 2, '("x{i}" ((r{j})))'))
     with pytest.raises(InvalidArgument) as caught:
         await sandbox.check(stack_deep, "guided_grammar")
     assert caught.value.field == "guided_grammar" and "crashed the grammar compiler (SIGSEGV)" in str(caught.value)
     assert f"{MAX_GRAMMAR_RULES} rules" in str(caught.value) and sandbox.num_crashes == 1
+    assert crashed._value.get() == before + 1  # tokenmill:constraint_checks_total{outcome="crashed"}
     assert await sandbox.check(OutputConstraint(K.REGEX, "[0-9]+")) == OutputConstraint(K.REGEX, "[0-9]+")
     with pytest.raises(InvalidArgument):  # the crash's verdict is cached: no second crash
         await sandbox.check(stack_deep)
