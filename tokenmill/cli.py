@@ -139,6 +139,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "of 5 rows or more (batched decode, prefill): one GEMM a linear, AMX where there is "
                              "one, for 2 bytes a weight; auto: bfloat16 models on a CPU with native bfloat16, within "
                              "a quarter of available memory (default: %(default)s)")
+    parser.add_argument("--deterministic", "--batch-invariant", action="store_true",
+                        help="batch-invariant kernels: greedy output the same alone or batched, after preemption "
+                             "and after a worker restart (CPU torch path only; slower: docs/reliability.md)")
     parser.add_argument("--max-waiting-requests", type=POSITIVE, default=4096,
                         help="queued requests beyond which the scheduler answers RESOURCE_EXHAUSTED (default: %(default)s)")
     parser.add_argument("--max-waiting-tokens", type=NON_NEGATIVE_INT, default=0,
@@ -294,6 +297,7 @@ def serve(args: argparse.Namespace) -> int:
         cuda_graphs=not args.no_cuda_graphs, stream_overlap=not args.no_stream_overlap,
         packed_linears=not args.no_packed_linears, cpu_int8_activations=args.cpu_int8_activations,
         cpu_fused_ops=not args.no_cpu_fused_ops, cpu_dense_weights=args.cpu_dense_weights,
+        deterministic=args.deterministic,
         max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
         api_keys_file=args.api_keys_file, rate_limit_rps=args.rate_limit_rps,
         rate_limit_burst=args.rate_limit_burst,

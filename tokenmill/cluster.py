@@ -73,6 +73,7 @@ class ClusterConfig:
     cpu_int8_activations: bool = False  # worker.backends.ExecutionOptions
     cpu_fused_ops: bool = True  # worker.backends.ExecutionOptions; False: the plain-torch reference
     cpu_dense_weights: str = "auto"  # worker.backends.ExecutionOptions (worker.dense_weights)
+    deterministic: bool = False  # worker.backends.ExecutionOptions: batch-invariant kernels (worker.batch_invariant)
     max_waiting_requests: int = 4096  # beyond these the scheduler answers RESOURCE_EXHAUSTED at once
     max_waiting_tokens: int = 0  # prompt tokens waiting; 0: no bound
     api_keys_file: str | None = None  # the gateway's keys (gateway.api_keys); None: authentication off
@@ -223,6 +224,8 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
     if not config.cpu_fused_ops:
         worker.append("--no-cpu-fused-ops")
     worker += ["--cpu-dense-weights", config.cpu_dense_weights]
+    if config.deterministic:
+        worker.append("--deterministic")
     scheduler = [config.python, "-m", "scheduler.main", "--host", config.internal_host,
                  "--port", str(config.scheduler_port), "--worker", config.worker_address,
                  *server_tls, *(probe_tls.argv("worker") if probe_tls else []), *internal_size,

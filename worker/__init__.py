@@ -14,6 +14,8 @@ Layout (arrows point down; nothing here imports scheduler/, gateway/ or the roof
   build_execution_path() picks the implementation once, from backends.py's resolved options:
     - torch_path.py: plain torch over model.py and attention.py, the float32 reference and the CPU
       path (cpu_linear.py: oneDNN-packed linears); samples with sampler.py + penalties.py.
+      batch_invariant.py: its --deterministic kernels (row-kernel / fixed-tile linears, every query
+      token through the decode attention), so a token's sums do not depend on what else the step holds.
     - triton_path.py: triton_forward.py over kernels/; on CUDA step_staging.py (pinned staging, copy
       stream, token readback) and cuda_graphs.py (decode graphs); samples on the device with the
       sampling kernel, falling back to sampler.py for penalties and logprobs.

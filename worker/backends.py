@@ -22,6 +22,10 @@ DENSE_WEIGHTS_HELP = ("CPU: group-quantized linears (a GGUF file's, --quantizati
                       "one GEMM a linear (AMX where the CPU has it) for 2 bytes a weight; auto: bfloat16 models on a "
                       "CPU with native bfloat16 when the copies take at most a quarter of available memory "
                       "(default: %(default)s)")
+DETERMINISTIC_REFUSAL = (
+    "--deterministic runs on the CPU torch path only (device cpu, kernel backend torch), not on device {device} "
+    "with kernel backend {backend}: the Triton kernels (and cuBLAS under the torch backend on CUDA) pick tilings and "
+    "split reductions by batch size; see docs/reliability.md, 'Deterministic mode'")
 # decode batch sizes with a captured graph; a decode step of B rows replays the smallest bucket >= B
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -43,6 +47,9 @@ class ExecutionOptions:
     # group-quantized linears keep a dense copy of their weight for steps of many rows (worker.dense_weights):
     # auto (bfloat16 models on a CPU with native bfloat16, within a memory share), on, off
     cpu_dense_weights: str = "auto"
+    # every kernel's reduction order independent of batch composition (worker.batch_invariant): greedy output
+    # then survives batching, preemption and worker restarts token for token; CPU torch backend only
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.kernel_backend not in KERNEL_BACKENDS:
@@ -68,7 +75,8 @@ class ResolvedExecution:
     packed_linears: bool  # worker.cpu_linear.pack_linears applies (it still skips non-float32 linears)
     cpu_int8_activations: bool  # CPU only
     cpu_fused_ops: bool  # CPU + torch backend; TorchPath still falls back to torch where the build is missing
-    cpu_dense_weights: str  # one of DENSE_WEIGHT_MODES; "off" off the CPU torch path
+    cpu_dense_weights: str  # one of DENSE_WEIGHT_MODES; "off" off the CPU torch path and when deterministic
+    deterministic: bool  # batch-invariant kernels (worker.batch_invariant); CPU + torch backend only
 
 
 def resolve_execution(options: ExecutionOptions, device: torch.device | str) -> ResolvedExecution:
@@ -76,6 +84,8 @@ def resolve_execution(options: ExecutionOptions, device: torch.device | str) -> 
     backend = options.kernel_backend
     if backend == "auto":
         backend = "triton" if on_cuda else "torch"
+    if options.deterministic and (on_cuda or backend != "torch"):
+        raise ValueError(DETERMINISTIC_REFUSAL.format(device=torch.device(device).type, backend=backend))
     return ResolvedExecution(
         kernel_backend=backend,
         quantization=options.quantization,
@@ -85,7 +95,10 @@ def resolve_execution(options: ExecutionOptions, device: torch.device | str) -> 
         packed_linears=options.packed_linears and not on_cuda and backend == "torch",
         cpu_int8_activations=options.cpu_int8_activations and not on_cuda,
         cpu_fused_ops=options.cpu_fused_ops and not on_cuda and backend == "torch",
-        cpu_dense_weights=options.cpu_dense_weights if not on_cuda and backend == "torch" else "off",
+        # the dense copies serve only steps of many rows, which deterministic mode runs on the row kernels
+        cpu_dense_weights=(options.cpu_dense_weights if not on_cuda and backend == "torch" and not options.deterministic
+                           else "off"),
+        deterministic=options.deterministic,
     )
 
 
@@ -133,6 +146,11 @@ def add_execution_flags(parser) -> None:
                              "instead of the compiled ops that read the KV pages in place (CPU)")
     parser.add_argument("--cpu-dense-weights", choices=DENSE_WEIGHT_MODES, default="auto",
                         help=DENSE_WEIGHTS_HELP)
+    parser.add_argument("--deterministic", "--batch-invariant", action="store_true",
+                        help="batch-invariant kernels: each token's linears, attention, norms and sampling reduce in "
+                             "an order that does not depend on what else is in the step, so greedy output is the "
+                             "same alone or batched, after preemption and after a worker restart (CPU torch path "
+                             "only; slower: see docs/reliability.md)")
 
 
 def execution_options_from_args(args) -> ExecutionOptions:
@@ -140,4 +158,5 @@ def execution_options_from_args(args) -> ExecutionOptions:
         kernel_backend=args.kernel_backend, quantization=args.quantization, cuda_graphs=not args.no_cuda_graphs,
         stream_overlap=not args.no_stream_overlap, graph_batch_sizes=parse_batch_sizes(args.cuda_graph_batch_sizes),
         packed_linears=not args.no_packed_linears, cpu_int8_activations=args.cpu_int8_activations,
-        cpu_fused_ops=not args.no_cpu_fused_ops, cpu_dense_weights=args.cpu_dense_weights)
+        cpu_fused_ops=not args.no_cpu_fused_ops, cpu_dense_weights=args.cpu_dense_weights,
+        deterministic=args.deterministic)

@@ -213,6 +213,19 @@ class GroupQuantLinear(nn.Module):
             out.add_(bias)
         return out if out.dtype is x.dtype else out.to(x.dtype)
 
+    def forward_rows(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N], CPU, compiled ops loaded
+        """The row kernel (the int8-dot one under int8 activations) whatever the row count: each output is one
+        dot per activation row in K order, so a row's result does not depend on the others (worker.batch_invariant)."""
+        linear, int8_dot, _ = _cpu_ops()
+        if self.int8_activations:
+            out = int8_dot(_float32(x), self.codes, self.scales, self.mins, self.bits, self.group_size)
+        else:
+            out = linear(x if x.dtype is torch.bfloat16 else _float32(x), self.codes, self.scales, self.mins, self.bits,
+                         self.group_size)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out if out.dtype is x.dtype else out.to(x.dtype)
+
     def forward_triton(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N], in x's dtype
         """The Triton kernel, which dequantizes the codes inside its K loop: forward's path for CUDA tensors
         (the tests run it on CPU tensors under the Triton interpreter)."""

@@ -16,6 +16,7 @@ import torch
 from core.step import TokenLogprobs
 from worker.attention import GatherWorkspace, HostAttentionPlan, attention_metadata, plan_attention
 from worker.backends import ResolvedExecution
+from worker.batch_invariant import plan_batch_invariant_attention, set_batch_invariant
 from worker.cpu_linear import pack_linears
 from worker.dense_weights import keep_dense_weights
 from worker.execution_path import StepBatch
@@ -49,13 +50,18 @@ class TorchPath:
             set_fused(model, False)  # a model another path had switched goes back to the reference
         log.info("decoder ops: %s", "compiled, decode attention on the KV pages in place" if self.fused_ops
                  else "plain torch (the reference)")
+        # --deterministic: each token's sums in an order its step's other rows do not change (chosen here, once)
+        set_batch_invariant(model, execution.deterministic)
+        self.plan_attention = plan_batch_invariant_attention if execution.deterministic else plan_attention
+        if execution.deterministic:
+            log.info("deterministic: row-kernel / fixed-tile linears, every query token through the decode attention")
         # spinning OpenMP threads beside another busy process: one thread until the cores are free again
         self.thread_governor = (ThreadGovernor(torch.get_num_threads()) if torch.device(device).type == "cpu"
                                 else None)
 
     def prepare(self, batch: StepBatch) -> HostAttentionPlan:
         # the tensors are made in forward(), on the compute thread
-        return plan_attention(batch.spans, self.block_size, self.gather_workspace, in_place=self.fused_ops)
+        return self.plan_attention(batch.spans, self.block_size, self.gather_workspace, in_place=self.fused_ops)
 
     def forward(self, batch: StepBatch, inputs: HostAttentionPlan) -> torch.Tensor:
         started = time.perf_counter_ns()

@@ -1,0 +1,133 @@
+"""Deterministic mode (worker.batch_invariant): greedy tokens and their logprobs, to the bit, are the same for a
+request run alone, in one batch with others, and through chunked prefill and preemption by recompute; without
+the mode the logprobs differ. On a tiny random model (float32 and bfloat16, compiled ops and plain torch)
+and on the default GGUF model."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from core.sampling import SamplingParams
+from tests.helpers.tiny_models import make_tiny_hf_model
+from tokenmill.llm import LLM, EngineConfig
+from worker.backends import ExecutionOptions, resolve_execution
+from worker.batch_invariant import ROW_TILE, RowTileLinear, plan_batch_invariant_attention, token_spans
+from worker.attention import RequestSpan
+from worker.cpu_linear import PackedLinear
+from worker.loader import load_model
+from worker.model_runner import ModelRunner
+
+BLOCK_SIZE = 4
+PARAMS = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=0)
+
+
+def prompts(vocab_size: int, count: int = 6, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(rng.randrange(3, 23))] for _ in range(count)]
+
+
+def engine(model, config, dtype, deterministic: bool, fused: bool, num_blocks: int, token_budget: int) -> LLM:
+    """A runner built now (it sets the model's kernels for its mode) and an engine over it."""
+    options = ExecutionOptions(deterministic=deterministic, cpu_fused_ops=fused)
+    runner = ModelRunner(model, config, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=dtype, options=options)
+    return LLM(EngineConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=token_budget, max_num_seqs=16), runner=runner,
+               progress=False)
+
+
+def outputs(llm: LLM, batch: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    results = llm.generate(batch, PARAMS)
+    return [([t for out in outs for t in out.new_token_ids], [lp.logprob for out in outs for lp in out.logprobs])
+            for outs in results]
+
+
+def three_ways(model, config, dtype, deterministic: bool, fused: bool, batch: list[list[int]]):
+    """(alone, batched, squeezed): each prompt alone; all in one batch; all with few pages and a small
+    token budget, so prefills are chunked and requests are preempted and recomputed mid-generation."""
+    llm = engine(model, config, dtype, deterministic, fused, num_blocks=256, token_budget=256)
+    alone = [outputs(llm, [prompt])[0] for prompt in batch]
+    batched = outputs(engine(model, config, dtype, deterministic, fused, 256, 256), batch)
+    squeezed_llm = engine(model, config, dtype, deterministic, fused, num_blocks=24, token_budget=12)
+    squeezed = outputs(squeezed_llm, batch)
+    assert squeezed_llm.engine.scheduler.num_preemptions > 0, "the small cache preempted someone"
+    return alone, batched, squeezed
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder, _ = make_tiny_hf_model(tmp_path_factory.mktemp("batch_invariant"), "llama_gqa")
+    return folder
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fused", [True, False], ids=["compiled-ops", "plain-torch"])
+def test_tiny_model_greedy_output_is_identical_alone_batched_and_recomputed(tiny, dtype, fused):
+    model, config = load_model(tiny, dtype=dtype, progress=False)
+    batch = prompts(config.vocab_size)
+    alone, batched, squeezed = three_ways(model, config, dtype, True, fused, batch)
+    assert batched == alone, "tokens and logprobs (exact floats) of each request, batched vs alone"
+    assert squeezed == alone, "chunked, preempted and recomputed vs alone"
+
+
+def test_without_the_mode_batch_composition_changes_the_bits(tiny):
+    model, config = load_model(tiny, dtype=torch.float32, progress=False)
+    batch = prompts(config.vocab_size)
+    alone, batched, squeezed = three_ways(model, config, torch.float32, False, True, batch)
+    # the logprobs' last bits move with the batch (the tokens of a random tiny model seldom flip)
+    assert any(a[1] != b[1] for a, b in zip(alone, batched)) or any(a[1] != s[1] for a, s in zip(alone, squeezed))
+
+
+@pytest.mark.slow
+def test_default_model_greedy_output_is_identical_alone_batched_and_recomputed():
+    model, config = load_model(None, dtype=torch.bfloat16, progress=False, keep_quantized=True)
+    batch = prompts(config.vocab_size, count=4, seed=1)
+    alone, batched, squeezed = three_ways(model, config, torch.bfloat16, True, True, batch)
+    assert batched == alone
+    assert squeezed == alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_tile_linear_gives_each_row_the_same_bits_whatever_the_row_count(dtype):
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(576, 1536, bias=False).to(dtype)
+    linears = [RowTileLinear(plain)] + ([RowTileLinear(PackedLinear(plain))] if dtype == torch.float32 else [])
+    x = torch.randn(3 * ROW_TILE + 5, 576, dtype=dtype)
+    for linear in linears:
+        every_row = linear(x)
+        for count in (1, 2, ROW_TILE - 1, ROW_TILE, ROW_TILE + 3):
+            for start in (0, 5):
+                assert torch.equal(linear(x[start : start + count]), every_row[start : start + count])
+
+
+def test_token_spans_make_every_prefill_token_a_decode_row():
+    spans = [RequestSpan(0, 3, 7, [4, 5]), RequestSpan(3, 1, 9, [6, 7, 8])]
+    rows = token_spans(spans)
+    assert [(r.query_start, r.query_len, r.context_len) for r in rows] == [(0, 1, 5), (1, 1, 6), (2, 1, 7), (3, 1, 9)]
+    plan = plan_batch_invariant_attention(spans, BLOCK_SIZE, in_place=True)
+    assert plan.prefills == [] and len(plan.decode_groups) == 1 and len(plan.slot_mapping) == 4
+    gathered = plan_batch_invariant_attention(spans, BLOCK_SIZE)
+    assert [[r.context_len for r in group] for group in gathered.decode_groups] == [[5], [6], [7], [9]]
+
+
+def test_the_mode_is_refused_off_the_cpu_torch_path():
+    assert resolve_execution(ExecutionOptions(deterministic=True), "cpu").deterministic
+    assert resolve_execution(ExecutionOptions(deterministic=True), "cpu").cpu_dense_weights == "off"
+    with pytest.raises(ValueError, match="--deterministic runs on the CPU torch path only"):
+        resolve_execution(ExecutionOptions(deterministic=True, kernel_backend="triton"), "cpu")
+    with pytest.raises(ValueError, match="not on device cuda"):
+        resolve_execution(ExecutionOptions(deterministic=True), "cuda")
+
+
+def test_serve_passes_the_flag_to_the_worker_which_parses_it():
+    import argparse
+
+    from tokenmill.cluster import ClusterConfig, cluster_specs
+    from worker.backends import add_execution_flags, execution_options_from_args
+
+    worker = next(spec for spec in cluster_specs(ClusterConfig(deterministic=True)) if spec.name == "worker")
+    assert "--deterministic" in worker.argv
+    assert "--deterministic" not in next(spec for spec in cluster_specs(ClusterConfig()) if spec.name == "worker").argv
+    parser = argparse.ArgumentParser()
+    add_execution_flags(parser)
+    assert execution_options_from_args(parser.parse_args(["--batch-invariant"])).deterministic
