@@ -31,6 +31,7 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 from core.errors import InvalidArgument
 from core.sampling import ConstraintKind, OutputConstraint
 from plumbing.constraint_limits import check_limits, is_gbnf
+from plumbing.schema_satisfiable import has_finite_instance
 
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
@@ -98,6 +99,9 @@ def check_for_worker(constraint: OutputConstraint, vocabulary: llguidance.LLToke
     InvalidArgument naming the kind and the problem or limit otherwise. Runs the compiler: serving
     processes call it only in a helper process (plumbing.grammar_helper), never inline."""
     check_limits(constraint)
+    if constraint.kind is ConstraintKind.JSON_SCHEMA and not has_finite_instance(json.loads(constraint.value)):
+        raise InvalidArgument("json_schema", _short(constraint.value), "is unsatisfiable: no finite JSON matches it "
+                              "(a $ref loop every way out of which is required)")
     forwarded = as_lark(constraint)  # GBNF converted once, here
     compile_matcher(vocabulary, forwarded)
     return forwarded

@@ -131,7 +131,8 @@ def test_deep_nesting_in_json_bearing_strings_is_invalid_argument(guarded, stub,
 @pytest.mark.parametrize("schema", [
     {"$ref": "#"},
     {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
-], ids=["self", "mutual"])
+    {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+], ids=["self", "mutual", "through a required property"])
 def test_an_unsatisfiable_schema_is_a_400_not_an_empty_200(guarded, stub, schema):
     error = http_refusal(guarded, {"response_format": {"type": "json_schema", "json_schema": {
         "name": "loop", "schema": schema}}})
