@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 
+from gateway import http_connections
 from gateway.access import AccessInterceptor, add_access_arguments, build_access
 from gateway.scheduler_client import SchedulerClient
 from gateway.service import GenerationServicer
@@ -13,7 +14,7 @@ from gateway.tokenizer import default_model_path, load_tokenizer
 from gateway.tool_syntax import TOOL_CALL_PARSERS
 from gateway.validation import Limits
 from protos.tokenmill.v1 import generation_pb2_grpc
-from plumbing import rpc, telemetry, tls
+from plumbing import internal_secret, rpc, telemetry, tls
 from plumbing.drain import DrainInterceptor
 from plumbing.grammar_sandbox import GrammarSandbox
 from plumbing.keepalive import server_options
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "a drain that cut nothing exits at once; 0: never wait")
     parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API; 0 disables")
     parser.add_argument("--http-api-key", default="", help="HTTP clients must send 'Authorization: Bearer KEY'")
+    http_connections.add_arguments(parser)  # --http-header-timeout-s, --http-keepalive-timeout-s, per-client cap
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
                         help="how the model writes tool calls (OpenAI chat tools): hermes (<tool_call> JSON: "
                              "Qwen2.5, Hermes) or llama3_json (Llama 3.1+); auto reads the chat template")
@@ -76,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="each request's tokens come on its own Submit call instead of one StreamDeltas call "
                              "per scheduler carrying a step's tokens for all of them (gateway.delta_stream)")
     tls.add_client_arguments(parser, "scheduler")
+    internal_secret.add_arguments(parser, "sent with every call to the scheduler (one --scheduler only)")
     add_access_arguments(parser)
     telemetry.add_metrics_argument(parser)
     return parser
@@ -87,13 +90,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.scheduler = args.scheduler or ([] if args.scheduler_dns else ["127.0.0.1:50052"])
     args.tls = tls.server_tls_from_args(parser, args)
     args.scheduler_tls = tls.client_tls_from_args(parser, args, "scheduler")
+    args.http_connections = http_connections.limits_from_args(parser, args)
+    args.internal_secret = internal_secret.secret_from_args(parser, args)
+    if args.internal_secret and (len(args.scheduler) != 1 or args.scheduler_dns):
+        parser.error("the internal secret ($TOKENMILL_INTERNAL_SECRET or --internal-secret-file) is sent to one "
+                     "--scheduler only; with several replicas (--scheduler-dns, --scheduler repeated) use mutual TLS")
     return args
 
 
 def scheduler_client(args: argparse.Namespace):
     """One replica: a plain SchedulerClient; several (or a DNS name): a router that balances them."""
     if len(args.scheduler) == 1 and not args.scheduler_dns:
-        return SchedulerClient(args.scheduler[0], tls=args.scheduler_tls, delta_stream=not args.no_delta_stream)
+        return SchedulerClient(args.scheduler[0], tls=args.scheduler_tls, delta_stream=not args.no_delta_stream,
+                               internal_secret=args.internal_secret)
     from gateway.replica_router import ReplicaRouter
 
     return ReplicaRouter(args.scheduler, dns_name=args.scheduler_dns, redis_url=args.redis_url,
@@ -161,7 +170,7 @@ async def serve(args: argparse.Namespace) -> None:
                               tool_call_parser=args.tool_call_parser, constraints=constraints)
         http_runner = await start_http(http_api, args.host, args.http_port,
                                        ssl_context=args.tls.ssl_context() if args.tls else None,
-                                       max_body_bytes=args.max_message_bytes)
+                                       max_body_bytes=args.max_message_bytes, connections=args.http_connections)
         logger.info("gateway HTTP (OpenAI-compatible) on %s:%d", args.host, args.http_port)
     await server.start()
     await health.set_ready(True)

@@ -31,6 +31,7 @@ import uuid
 from aiohttp import web
 
 from gateway.access import API_KEY, access_middleware
+from gateway.http_connections import ConnectionLimits, GuardedSite, track_requests
 from gateway.openai_errors import openai_error
 from gateway.openai_requests import ModelNotFound, parse_chat, parse_completion
 from gateway.openai_responses import ResponseBuilder
@@ -278,16 +279,20 @@ async def _errors(request: web.Request, handler):
 
 
 async def start_http(api: OpenAIHTTP, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None,
-                     max_body_bytes: int | None = None) -> web.AppRunner:
+                     max_body_bytes: int | None = None,
+                     connections: ConnectionLimits = ConnectionLimits()) -> web.AppRunner:
     """Listening on host:port when it returns (HTTPS with ssl_context). Stopping: api.drain(timeout_s),
-    then runner.cleanup(), which gives what still runs STOP_GRACE_S and then cancels it."""
+    then runner.cleanup(), which gives what still runs STOP_GRACE_S and then cancels it. connections:
+    header and keep-alive timeouts, open connections per client address (gateway.http_connections)."""
+    app = api.app(max_body_bytes)
+    app.middlewares.insert(0, track_requests)  # outermost: a request's header deadline ends where it begins
     # aiohttp's stop waits shutdown_timeout for a handler, cancels its request's body, waits as long
     # again, and only then cancels the handler: half the grace each
-    runner = web.AppRunner(api.app(max_body_bytes), handler_cancellation=True, shutdown_timeout=STOP_GRACE_S / 2,
-                           access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=STOP_GRACE_S / 2,
+                           access_log=None, keepalive_timeout=connections.keepalive_timeout_s)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
+        await GuardedSite(runner, host, port, limits=connections, ssl_context=ssl_context).start()
     except OSError as error:
         await runner.cleanup()
         raise SystemExit(f"gateway: cannot listen for HTTP on {host}:{port} ({error.strerror}); "

@@ -30,6 +30,7 @@ from plumbing.rpc import error_from_rpc_error
 from protos import codec
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from plumbing import tls as tls_config
+from plumbing.internal_secret import aio_channel_with_secret
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, message_size_options
 from plumbing.rpc import SCHEDULER_SERVICE
 
@@ -95,17 +96,19 @@ class SchedulerClient(FailureHandling):
     def __init__(self, address: str, breaker: CircuitBreaker | None = None,
                  on_request_lost: Callable[[str, ServingError, bool], None] | None = None, *,
                  tls: tls_config.ClientTLS | None = None,
-                 max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES, delta_stream: bool = True) -> None:
+                 max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES, delta_stream: bool = True,
+                 internal_secret: str | None = None) -> None:
         """delta_stream: requests' tokens come batched per step on one StreamDeltas call (gateway.delta_stream)
-        rather than each on its own Submit call."""
+        rather than each on its own Submit call. internal_secret: sent with every call
+        (plumbing.internal_secret); None: none."""
         self.address = address
         self.breaker = breaker or CircuitBreaker(f"scheduler at {address}")
         self.breaker.on_open = self._watch_readiness_while_open
         self._readiness_watch: asyncio.Task | None = None
         self.on_request_lost = on_request_lost
         self._background: set[asyncio.Task] = set()
-        self._channel = tls_config.aio_channel(
-            address, tls, message_size_options(max_message_bytes) + RECONNECT_OPTIONS)
+        self._channel = aio_channel_with_secret(
+            address, tls, message_size_options(max_message_bytes) + RECONNECT_OPTIONS, secret=internal_secret)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._deltas = DeltaReader(self.stub, address) if delta_stream else None

@@ -17,7 +17,7 @@ from scheduler.scheduler import Scheduler
 from scheduler.service import SchedulerServicer, drain
 from scheduler.worker_client import WorkerClient
 from scheduler.worker_recovery import WorkerRecovery
-from plumbing import peer_roles, rpc, telemetry, tls
+from plumbing import internal_secret, peer_roles, rpc, telemetry, tls
 from plumbing.drain import DrainInterceptor
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
 from plumbing.telemetry import metrics
@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     tls.add_server_arguments(parser)
     peer_roles.add_arguments(parser, ["gateway"])
     tls.add_client_arguments(parser, "worker")
+    internal_secret.add_arguments(parser, "callers other than health checks must send it, and this scheduler sends "
+                                          "it to its worker")
     parser.add_argument("--advertise-address", default="",
                         help="HOST:PORT gateways dial to reach this scheduler; names its load and prefix keys "
                              "in Redis (default: --host:--port)")
@@ -79,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.tls = tls.server_tls_from_args(parser, args)
     args.allowed_roles = peer_roles.allowed_roles_from_args(parser, args)
     args.worker_tls = tls.client_tls_from_args(parser, args, "worker")
+    args.internal_secret = internal_secret.secret_from_args(parser, args)
     return args
 
 
@@ -92,13 +95,15 @@ async def serve(args: argparse.Namespace) -> None:
                                        args.insecure_internal)
     drain_calls = DrainInterceptor(["/tokenmill.v1.Scheduler/Submit"])  # SIGTERM: no new Submit, Abort still works
     callers = peer_roles.interceptors(args.tls, args.allowed_roles, "scheduler")  # mTLS: gateways only
-    server = rpc.create_server(interceptors=[drain_calls, *callers],
+    secret_check = internal_secret.interceptors(args.internal_secret, "scheduler")  # tokenmill serve: its gateway only
+    server = rpc.create_server(interceptors=[*secret_check, drain_calls, *callers],
                                options=message_size_options(args.max_message_bytes))
     health = rpc.add_health_and_reflection(server, [rpc.SCHEDULER_SERVICE], reflection_on=not args.no_reflection)
     address = f"{args.host}:{args.port}"
     if tls.listen(server, address, args.tls) == 0:
         raise SystemExit(f"scheduler: cannot listen on {address} (in use?); change --port")
-    worker = WorkerClient(args.worker, tls=args.worker_tls, max_message_bytes=args.max_message_bytes)
+    worker = WorkerClient(args.worker, tls=args.worker_tls, max_message_bytes=args.max_message_bytes,
+                          internal_secret=args.internal_secret)
     state = tokens = live = readmittable = None
     scheduler_id = args.advertise_address or address  # the same after a restart: it names what to re-admit
     if args.redis_url:

@@ -10,6 +10,7 @@ from protos import codec
 from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc
 from core.step import StepPlan, StepResult
 from plumbing import tls as tls_config
+from plumbing.internal_secret import aio_channel_with_secret
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, message_size_options
 from plumbing.rpc import WORKER_SERVICE, error_from_rpc_error
 from scheduler.worker_recovery import WorkerPages
@@ -21,12 +22,13 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reco
 
 class WorkerClient:
     def __init__(self, address: str, step_timeout_s: float = 120.0, *, tls: tls_config.ClientTLS | None = None,
-                 max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES, internal_secret: str | None = None) -> None:
+        """internal_secret: sent with every call (plumbing.internal_secret); None: none."""
         self.address = address
         self.step_timeout_s = step_timeout_s
         # step plans carry whole prompts of new requests (plumbing.message_size sizes the limit)
-        self._channel = tls_config.aio_channel(
-            address, tls, message_size_options(max_message_bytes) + RECONNECT_OPTIONS)
+        self._channel = aio_channel_with_secret(
+            address, tls, message_size_options(max_message_bytes) + RECONNECT_OPTIONS, secret=internal_secret)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         self.capacity: worker_pb2.GetCapacityResponse | None = None
         self._watcher: asyncio.Task | None = None

@@ -172,6 +172,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
                         help="how the model writes tool calls (OpenAI chat tools): hermes (<tool_call> JSON: "
                              "Qwen2.5, Hermes) or llama3_json (Llama 3.1+); auto reads the chat template")
+    parser.add_argument("--http-header-timeout-s", type=NON_NEGATIVE_FLOAT, default=10.0,
+                        help="an HTTP client that has not sent a request's complete headers this long after their "
+                             "first byte is disconnected; 0: no limit (default: %(default)s)")
+    parser.add_argument("--http-keepalive-timeout-s", type=_ranged(float, 0.0, low_open=True, what="> 0"),
+                        default=30.0, help="an idle HTTP connection is closed after this long (default: %(default)s)")
+    parser.add_argument("--http-max-connections-per-client", type=NON_NEGATIVE_INT, default=256,
+                        help="open HTTP connections per client address; more are answered 429 and closed; "
+                             "0: no cap (default: %(default)s)")
     add_serve_security_arguments(parser)
 
 
@@ -303,6 +311,8 @@ def serve(args: argparse.Namespace) -> int:
         rate_limit_burst=args.rate_limit_burst,
         drain_timeout_s=args.drain_timeout_s, retry_on_worker_failure=not args.no_retry_on_worker_failure,
         stream_idle_timeout_s=args.stream_idle_timeout_s, tool_call_parser=args.tool_call_parser,
+        http_header_timeout_s=args.http_header_timeout_s, http_keepalive_timeout_s=args.http_keepalive_timeout_s,
+        http_max_connections_per_client=args.http_max_connections_per_client,
         **({} if args.no_metrics else {"gateway_metrics_port": args.gateway_metrics_port,
                                        "scheduler_metrics_port": args.scheduler_metrics_port,
                                        "worker_metrics_port": args.worker_metrics_port})))
@@ -356,9 +366,11 @@ def serve(args: argparse.Namespace) -> int:
 def serve_security_options(args: argparse.Namespace) -> dict:
     """ClusterConfig fields from serve's TLS, Redis credential and message size flags; raises
     ValueError naming the flag when they cannot work."""
+    from plumbing.internal_secret import new_secret
     from plumbing.tls import ClusterTLS
 
-    options: dict = {"max_message_bytes": args.max_message_bytes}
+    # scheduler and worker admit only this cluster's gateway and scheduler (plumbing.internal_secret)
+    options: dict = {"max_message_bytes": args.max_message_bytes, "internal_secret": new_secret()}
     if args.redis_user and not args.redis_password_file:
         raise ValueError("--redis-user needs --redis-password-file")
     if (args.redis_user or args.redis_password_file) and args.redis_url:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from tokenmill.child_process import ChildSpec
@@ -91,6 +91,13 @@ class ClusterConfig:
     tool_call_parser: str = "auto"  # the gateway's --tool-call-parser (gateway.tool_syntax)
     # tokens batched per step on one StreamDeltas call (gateway.delta_stream); False: each on its own Submit call
     delta_stream: bool = True
+    # the HTTP API's connection limits (gateway.http_connections); the gateway's flags of the same names
+    http_header_timeout_s: float = 10.0
+    http_keepalive_timeout_s: float = 30.0
+    http_max_connections_per_client: int = 256  # 0: no cap
+    # scheduler and worker refuse calls without it, the gateway and scheduler send it (plumbing.internal_secret);
+    # it travels in the environment, never argv. `tokenmill serve` makes one per cluster; None: none
+    internal_secret: str | None = field(default=None, repr=False)
     python: str = sys.executable
     # Prometheus /metrics of each process; None: off (so parallel test clusters never clash; `tokenmill
     # serve` passes 9400 / 9401 / 9402); 0: pick a free port (resolve_ports).
@@ -191,6 +198,8 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
     env = {"PYTHONPATH": os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p),
            # the mains read it as their --redis-url default: a password in argv is in every `ps` listing
            "TOKENMILL_REDIS_URL": config.effective_redis_url,
+           # set even when empty: none of ours reaches the children from the supervisor's own environment
+           "TOKENMILL_INTERNAL_SECRET": config.internal_secret or "",
            **torch_thread_env(), **dict(config.child_env)}
     model = ["--model", config.model] if config.model else []
     server_tls = config.tls.server().argv() if config.tls else []
@@ -257,6 +266,9 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
                "--tool-call-parser", config.tool_call_parser,
                *server_tls, *(probe_tls.argv("scheduler") if probe_tls else []),
                "--max-message-bytes", str(config.max_message_bytes),
+               "--http-header-timeout-s", str(config.http_header_timeout_s),
+               "--http-keepalive-timeout-s", str(config.http_keepalive_timeout_s),
+               "--http-max-connections-per-client", str(config.http_max_connections_per_client),
                "--rate-limit-rps", str(config.rate_limit_rps), "--rate-limit-burst", str(config.rate_limit_burst)]
     if config.api_keys_file:
         gateway += ["--api-keys-file", config.api_keys_file]

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc
-from plumbing import peer_roles, rpc, telemetry, tls
+from plumbing import internal_secret, peer_roles, rpc, telemetry, tls
 from plumbing.telemetry import metrics
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
 from plumbing.process import run_process, wait_for_stop_signal
@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_message_size_argument(parser, INTERNAL_MAX_MESSAGE_BYTES)
     tls.add_server_arguments(parser)
     peer_roles.add_arguments(parser, ["scheduler"])
+    internal_secret.add_arguments(parser, "callers other than health checks must send it")
     telemetry.add_metrics_argument(parser)
     return parser
 
@@ -61,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.tls = tls.server_tls_from_args(parser, args)
     args.allowed_roles = peer_roles.allowed_roles_from_args(parser, args)
+    args.internal_secret = internal_secret.secret_from_args(parser, args)
     if args.block_size <= 0 or args.block_size & (args.block_size - 1):
         parser.error(f"--block-size={args.block_size} must be a positive power of two")
     if args.kv_cache_memory_fraction is not None and not 0.0 < args.kv_cache_memory_fraction <= 1.0:
@@ -102,7 +104,9 @@ async def serve(args: argparse.Namespace) -> None:
     peer_roles.check_internal_exposure("worker", args.host, bool(args.tls and args.tls.client_ca),
                                        args.insecure_internal)
     callers = peer_roles.interceptors(args.tls, args.allowed_roles, "worker")  # mTLS: schedulers only
-    server = rpc.create_server(interceptors=callers, options=message_size_options(args.max_message_bytes))
+    secret_check = internal_secret.interceptors(args.internal_secret, "worker")  # tokenmill serve: its scheduler only
+    server = rpc.create_server(interceptors=[*secret_check, *callers],
+                               options=message_size_options(args.max_message_bytes))
     health = rpc.add_health_and_reflection(server, [rpc.WORKER_SERVICE], reflection_on=not args.no_reflection)
     servicer = WorkerServicer()
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)

@@ -86,3 +86,36 @@ def test_serve_reads_the_redis_password_from_a_file(tmp_path):
     (tmp_path / "pw").write_text("hunter2\n")
     options = _serve_options("--redis-user", "app", "--redis-password-file", str(tmp_path / "pw"))
     assert (options["redis_user"], options["redis_password"]) == ("app", "hunter2")
+
+
+def test_serve_makes_a_secret_per_cluster_that_travels_in_the_environment_not_argv(monkeypatch):
+    monkeypatch.delenv("TOKENMILL_INTERNAL_SECRET", raising=False)
+    first, second = _serve_options()["internal_secret"], _serve_options()["internal_secret"]
+    assert first != second and len(first) >= 32
+    config = resolve_ports(ClusterConfig(gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
+                                         internal_secret=first))
+    assert first not in repr(config)
+    redis, *servers = cluster_specs(config)
+    for spec in servers:
+        assert spec.env["TOKENMILL_INTERNAL_SECRET"] == first and first not in " ".join(spec.argv), spec.name
+    assert first not in " ".join(redis.argv) and "TOKENMILL_INTERNAL_SECRET" not in (redis.env or {})
+    # a config without one hands its children an empty value: none inherited from the supervisor's environment
+    _, *servers = cluster_specs(resolve_ports(ClusterConfig(gateway_port=0, scheduler_port=0, worker_port=0,
+                                                            redis_port=0)))
+    assert {spec.env["TOKENMILL_INTERNAL_SECRET"] for spec in servers} == {""}
+    # processes started by hand without one check nothing, as before
+    for parse in (gateway_args, scheduler_args, worker_args):
+        assert parse([]).internal_secret is None, parse.__module__
+
+
+def test_the_http_api_has_header_and_keepalive_timeouts_and_a_per_client_cap_by_default():
+    limits = gateway_args([]).http_connections
+    assert (limits.header_timeout_s, limits.keepalive_timeout_s, limits.max_connections_per_client) == (10.0, 30.0, 256)
+    serve = cli.build_parser().parse_args(["serve", "--http-header-timeout-s", "5", "--http-keepalive-timeout-s", "20",
+                                           "--http-max-connections-per-client", "32"])
+    config = resolve_ports(ClusterConfig(gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
+                                         http_header_timeout_s=serve.http_header_timeout_s,
+                                         http_keepalive_timeout_s=serve.http_keepalive_timeout_s,
+                                         http_max_connections_per_client=serve.http_max_connections_per_client))
+    limits = gateway_args(list(cluster_specs(config)[-1].argv[3:])).http_connections
+    assert (limits.header_timeout_s, limits.keepalive_timeout_s, limits.max_connections_per_client) == (5.0, 20.0, 32)
