@@ -65,13 +65,7 @@ def to_grammar(constraint: OutputConstraint) -> str:
         alternatives = " | ".join(json.dumps(choice) for choice in constraint.choices)
         return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}\n")
     if kind is ConstraintKind.GRAMMAR:
-        lark = value
-        if is_gbnf(value):
-            try:
-                lark = gbnf_to_lark(value)
-            except Exception as exc:  # the converter raises its own error types on bad GBNF
-                raise InvalidArgument("grammar", _short(value), f"is not a valid GBNF grammar: {exc}") from None
-        return llguidance.LLMatcher.grammar_from_lark(lark)
+        return llguidance.LLMatcher.grammar_from_lark(as_lark(constraint).value)
     raise ValueError(f"to_grammar: unknown constraint kind {kind!r}")
 
 
@@ -260,13 +254,12 @@ class GrammarCompiler:
         return template.deep_copy()
 
 
-def compile_matcher(vocabulary: llguidance.LLTokenizer, constraint: OutputConstraint,
-                    field: str | None = None) -> llguidance.LLMatcher:
-    """constraint's matcher at its start, under parser_limits(). Raises InvalidArgument naming field
-    (default: the kind) when it does not compile, or when no output can satisfy it: a schema whose
+def compile_matcher(vocabulary: llguidance.LLTokenizer, constraint: OutputConstraint) -> llguidance.LLMatcher:
+    """constraint's matcher at its start, under parser_limits(). Raises InvalidArgument naming its kind
+    when it does not compile, or when no output can satisfy it: a schema whose
     every branch recurses forever ({"$ref": "#"}) leaves no token allowed at the start, and the client
     would otherwise get an empty, unparsable 200."""
-    name = field or constraint.kind.value
+    name = constraint.kind.value
     shown = _short(constraint.value or list(constraint.choices))
     matcher = llguidance.LLMatcher(vocabulary, to_grammar(constraint), log_level=0, limits=parser_limits())
     if matcher.is_error():
