@@ -5,9 +5,9 @@ The OpenAI API reads them from its JSON body, the KServe API from sampling_param
     response_format: {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
     guided_json (a schema, object or JSON text), guided_regex, guided_choice, guided_grammar   (vLLM's names)
 
-At most one may be given. A constraint over a limit (size, nesting, rules, invalid Unicode) is
-InvalidArgument naming the field the client used (a 400 with that `param`), found here; one that does not
-compile is found by the gateway's grammar sandbox (gateway.request_builder.check_constraints), named by
+At most one may be given. A constraint over a size limit or with invalid Unicode is InvalidArgument
+naming the field the client used (a 400 with that `param`), found here; one over a structural limit
+(nesting, rules) or that does not compile is found by the gateway's grammar sandbox (gateway.request_builder.check_constraints), named by
 the same field (constraint_field).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 
 from core.errors import InvalidArgument
 from core.sampling import ConstraintKind, OutputConstraint
-from plumbing.constraint_limits import check_limits
+from plumbing.constraint_limits import check_size
 
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -26,7 +26,7 @@ def openai_constraint(body: dict) -> OutputConstraint | None:
     if not found:
         return None
     field, constraint = found[0]
-    check_limits(constraint, field)
+    check_size(constraint, field)
     return constraint
 
 

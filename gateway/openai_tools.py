@@ -25,7 +25,7 @@ from core.errors import InvalidArgument
 from core.sampling import ConstraintKind, OutputConstraint
 from gateway.chat_template import validate_messages
 from gateway.tool_syntax import ToolFormat, ToolSyntax
-from plumbing.constraint_limits import check_limits
+from plumbing.constraint_limits import check_size
 
 MAX_TOOLS = 128  # OpenAI's limit
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -123,11 +123,11 @@ def tool_constraint(tools: ToolRequest | None, syntax: ToolSyntax, constraint: O
             continue
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
         schema = OutputConstraint(ConstraintKind.JSON_SCHEMA, json.dumps(parameters))
-        check_limits(schema, f"tools[{index}].function.parameters")
+        check_size(schema, f"tools[{index}].function.parameters")
         schemas.append((schema, f"tools[{index}].function.parameters"))
         functions.append((function["name"], parameters))
     grammar = OutputConstraint(ConstraintKind.GRAMMAR, syntax.grammar(functions, tools.parallel and not tools.named))
-    check_limits(grammar, "tools")
+    check_size(grammar, "tools")
     return grammar, schemas
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from core.errors import InvalidArgument
 from core.sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, OutputConstraint, SamplingLimits, SamplingParams,
                            check_float_range, check_int_range, check_sampling_field, is_int)
-from plumbing.constraint_limits import check_limits
+from plumbing.constraint_limits import check_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +124,7 @@ def validate_sampling(
     for name, value in raw.items():
         check_sampling_field(name, value, sampling_limits)
     if constraint is not None:
-        check_limits(constraint)  # the compile check is async, in the grammar sandbox (check_constraints)
+        check_size(constraint)  # the rest is checked in the grammar sandbox (check_constraints)
     return SamplingParams(
         max_tokens=max_tokens,  # type: ignore[arg-type]
         temperature=_float_or(temperature, defaults.temperature),

@@ -32,7 +32,7 @@ from pathlib import Path
 from core.errors import InvalidArgument
 from core.sampling import ConstraintKind, OutputConstraint
 from core.json_limits import MAX_NESTING_DEPTH
-from plumbing.constraint_limits import MAX_GRAMMAR_RULES, check_limits
+from plumbing.constraint_limits import MAX_GRAMMAR_RULES, check_size
 from plumbing.telemetry.metrics import CONSTRAINT_CHECKS, model_name
 
 logger = logging.getLogger(__name__)
@@ -108,9 +108,10 @@ class GrammarSandbox:
 
     async def check(self, constraint: OutputConstraint, field: str | None = None) -> OutputConstraint:
         """The constraint to forward (GBNF as Lark; any other as it is). Raises InvalidArgument naming
-        field (default: the kind) and the problem or limit. Cheap limits are checked here, inline."""
+        field (default: the kind) and the problem or limit. Only the free limits are checked here, inline
+        (check_size); the structural ones run in the helper, before its compile."""
         name = field or constraint.kind.value
-        check_limits(constraint, name)
+        check_size(constraint, name)
         verdict = self._verdicts.get(constraint)
         if verdict is not None:
             self.num_cache_hits += 1
