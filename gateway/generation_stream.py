@@ -81,7 +81,8 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
                             timeout_s: float | None = None, arrival: float | None = None,
                             resumable: bool = False, owner: str | None = None,
                             deadline_unix_s: float | None = None, target=None,
-                            counts_prompt: bool = True) -> AsyncIterator[GenerationDelta]:
+                            counts_prompt: bool = True,
+                            observer: RequestObserver | None = None) -> AsyncIterator[GenerationDelta]:
     """timeout_s: the client's time left (None: no deadline), read with nothing awaited since;
     deadline_unix_s instead: the deadline itself (Unix seconds), from a caller that awaited something
     after reading it (gateway.resume asks Redis first), for the time left counts from that read.
@@ -92,6 +93,8 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
     counts_prompt: False for the samples of an n > 1 request but the first (RequestObserver).
     resumable: the scheduler keeps the request running if this gateway dies (see gateway.resume),
     so a client's cancel is sent as an explicit Abort.
+    observer: the caller's RequestObserver (None: one made here). Given, an UNAVAILABLE is left to the
+    caller to record: it may follow the request on from Redis (gateway.resume) rather than end it.
 
     Raises Unavailable when the scheduler cannot be reached; the scheduler's other refusals and
     failures come through as the core.errors type it sent (InvalidArgument, DeadlineExceeded, ...)."""
@@ -103,14 +106,17 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
     deadline = deadline_unix_s
     if deadline is None and timeout_s is not None:
         deadline = time.time() + timeout_s
-    observer = RequestObserver(prepared.request, arrival, counts_prompt)  # GenAI span attributes, latency metrics
+    ends_unavailable = observer is None  # else the caller records an UNAVAILABLE ending (it may go on)
+    if observer is None:  # GenAI span attributes, latency metrics
+        observer = RequestObserver(prepared.request, arrival, counts_prompt)
     try:
         if target is None:  # Unavailable when no scheduler can take it
             target = scheduler.route(prepared.request.prompt_token_ids)
         breaker = target.breaker
         probe = breaker.before_call()  # UNAVAILABLE at once while the scheduler is known to be down
     except ServingError as error:
-        observer.on_error(error)
+        if ends_unavailable or not isinstance(error, Unavailable):
+            observer.on_error(error)
         raise
     outputs = target.submit(prepared.request, deadline_unix_s=deadline, resumable=resumable, owner=owner,
                             timeout_s=None if deadline is None else max(deadline - time.time(), 0.0))
@@ -145,7 +151,8 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
                 yield delta
     except Unavailable as error:
         finished = True  # the call ended with a status: nothing to abort
-        observer.on_error(error)
+        if ends_unavailable:
+            observer.on_error(error)
         breaker.record_failure()
         # the scheduler (or its worker) is gone: the record must not stay "running" in Redis, unless the
         # request is resumable, which the restarted scheduler re-admits (scheduler.readmission)

@@ -25,6 +25,7 @@ from gateway.generation_stream import Finish, stream_generation
 from gateway.ownership import caller_key
 from gateway.openai_constraints import constraint_field, openai_constraint
 from gateway.request_builder import check_constraints, prepare_request, sandbox_or_default, text_token_ids
+from gateway.resume import submit_or_attach
 from gateway.scheduler_client import SchedulerClient
 from gateway.stream_idle import StreamIdle, record_idle, write_within
 from gateway.tokenizer import TextTokenizer
@@ -66,6 +67,9 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     # --stream-idle-timeout-s (gateway.main sets it): ModelStreamInfer's client must take each
     # response within it, or the stream ends CANCELLED and its requests are aborted; 0: no limit
     stream_idle_timeout_s: float = 0.0
+    # gateway.resume.ResumeStore (gateway.main sets it with Redis): requests run resumable, with records, and
+    # go on through a scheduler restart; None: plain stream_generation
+    resume = None
 
     def __init__(self, tokenizer: TextTokenizer, scheduler: SchedulerClient, limits: Limits,
                  model_info: common_pb2.GetModelInfoResponse, state_reader=None, access=None,
@@ -226,9 +230,16 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
                                    request_id=scheduler_id, priority=llm.priority)
         prepared.constraint_field = constraint_field(llm.constraint_fields)
         await check_constraints(prepared, self.constraints)
-        if (key := caller_key(self.access, context)) is not None:
+        key = caller_key(self.access, context)
+        if key is not None:
             prepared.request = key.with_targets(prepared.request)
-        deltas = stream_generation(prepared, self.tokenizer, self.scheduler, context.time_remaining(), arrival)
+        owner = None if key is None else key.name
+        if self.resume is None:
+            deltas = stream_generation(prepared, self.tokenizer, self.scheduler, context.time_remaining(), arrival,
+                                       owner=owner)
+        else:  # the id is ours, fresh: nothing to claim; resumable, so a scheduler restart does not cut it
+            deltas = submit_or_attach(prepared, self.tokenizer, self.scheduler, self.resume, context.time_remaining(),
+                                      arrival, owner)
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
                 yield delta

@@ -8,6 +8,8 @@ import os
 
 from gateway import http_connections
 from gateway.access import AccessInterceptor, add_access_arguments, build_access
+from gateway.ownership import RequestOwners
+from gateway.resume import SCHEDULER_RESUME_WAIT_S, ResumeStore
 from gateway.scheduler_client import SchedulerClient
 from gateway.service import GenerationServicer
 from gateway.tokenizer import default_model_path, load_tokenizer
@@ -60,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "client has read nothing for this long (its messages back up under flow control) is "
                              "cancelled (gRPC CANCELLED; HTTP: the connection is reset), its pages freed and its "
                              "record failed with the reason; 0 disables")
+    parser.add_argument("--scheduler-resume-wait-s", type=float, default=SCHEDULER_RESUME_WAIT_S,
+                        help="with Redis, a stream (every API) whose scheduler goes away mid-request waits this "
+                             "long for the restarted scheduler to go on with it (it re-admits the request) and "
+                             "continues from Redis without a lost or repeated token; 0: it ends UNAVAILABLE at once")
     parser.add_argument("--max-connection-age-s", type=float, default=1800.0,
                         help="gRPC connections older than this get GOAWAY (calls in flight finish first), so "
                              "clients behind a load balancer spread over new replicas; 0 disables")
@@ -111,6 +117,22 @@ def scheduler_client(args: argparse.Namespace):
                          delta_stream=not args.no_delta_stream)
 
 
+def redis_readers(args: argparse.Namespace, scheduler):
+    """The gateway's Redis side: request records, and what resume needs (gateway.resume.ResumeStore)."""
+    from gateway.lost_requests import LostRequestRecorder
+    from kvstore.followers import Followers
+    from kvstore.request_claims import RequestClaims
+    from kvstore.state_reader import RequestStateReader
+    from kvstore.token_streams import TokenStreamReader
+
+    state_reader = RequestStateReader(args.redis_url)
+    scheduler.on_request_lost = LostRequestRecorder(state_reader)  # requests without Redis's resume (n > 1)
+    resume = ResumeStore(TokenStreamReader(args.redis_url), state_reader, RequestOwners(state_reader),
+                         RequestClaims(args.redis_url),  # one request per client-chosen id, across replicas
+                         Followers(args.redis_url), scheduler_wait_s=args.scheduler_resume_wait_s)
+    return state_reader, resume
+
+
 async def serve(args: argparse.Namespace) -> None:
     metrics_server = await telemetry.start_process("gateway", args.metrics_port, args.host)  # before any channel
     if args.redis_url:
@@ -144,23 +166,15 @@ async def serve(args: argparse.Namespace) -> None:
     model_info.model_config.has_chat_template = bool(tokenizer.chat_template)
     limits = Limits(max_model_len=model_info.model_config.max_context_length, vocab_size=tokenizer.vocab_size,
                     max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens)
-    state_reader = token_reader = claims = None
+    state_reader = resume = None
     if args.redis_url:
-        from gateway.lost_requests import LostRequestRecorder
-        from kvstore.request_claims import RequestClaims
-        from kvstore.state_reader import RequestStateReader
-        from kvstore.token_streams import TokenStreamReader
-
-        state_reader = RequestStateReader(args.redis_url)
-        scheduler.on_request_lost = LostRequestRecorder(state_reader)
-        token_reader = TokenStreamReader(args.redis_url)  # resume by request id
-        claims = RequestClaims(args.redis_url)  # one request per client-chosen id, across replicas
-    servicer = GenerationServicer(tokenizer, scheduler, limits, model_info, state_reader, token_reader, access,
-                                  claims, constraints)
+        state_reader, resume = redis_readers(args, scheduler)
+    servicer = GenerationServicer(tokenizer, scheduler, limits, model_info, state_reader, resume, access, constraints)
     servicer.stream_idle_timeout_s = args.stream_idle_timeout_s
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     kserve = add_kserve_servicer(server, tokenizer, scheduler, limits, model_info, state_reader, access, constraints)
     kserve.stream_idle_timeout_s = args.stream_idle_timeout_s
+    kserve.resume = resume
     http_api = http_runner = None
     if args.http_port:
         from gateway.openai_http import OpenAIHTTP, start_http
@@ -168,6 +182,7 @@ async def serve(args: argparse.Namespace) -> None:
         http_api = OpenAIHTTP(tokenizer, scheduler, limits, model_info, api_key=args.http_api_key, access=access,
                               stream_idle_timeout_s=args.stream_idle_timeout_s, state_reader=state_reader,
                               tool_call_parser=args.tool_call_parser, constraints=constraints)
+        http_api.resume = resume
         http_runner = await start_http(http_api, args.host, args.http_port,
                                        ssl_context=args.tls.ssl_context() if args.tls else None,
                                        max_body_bytes=args.max_message_bytes, connections=args.http_connections)
@@ -202,8 +217,7 @@ async def serve(args: argparse.Namespace) -> None:
         await asyncio.sleep(args.metrics_linger_s)
     if state_reader:
         await state_reader.aclose()
-        await token_reader.aclose()
-        await claims.aclose()
+        await resume.aclose()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,6 +31,7 @@ _BY_STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", None),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "request_id_taken"),  # a reused X-Request-Id
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
     grpc.StatusCode.CANCELLED: (499, "invalid_request_error", "cancelled"),  # nginx's "client closed request"
     grpc.StatusCode.UNIMPLEMENTED: (501, "server_error", "not_implemented"),

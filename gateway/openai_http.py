@@ -8,6 +8,10 @@
 
 Routes: GET /v1/models, GET /v1/models/{model}, POST /v1/completions, POST /v1/chat/completions
 (`stream: true` as server-sent events ending with `data: [DONE]`), GET /health (liveness), GET /ready.
+With Redis (`resume` set) a one-sample request is resumable: X-Request-Id is claimed (a different request
+under a taken id: 409), each delta's last event carries `id: <request id>:<tokens sent>`, the same body
+POSTed again with `Last-Event-ID` resumes after that event on any gateway, and a scheduler restart does
+not cut the stream (gateway.resume).
 Thin: JSON -> openai_requests -> the same prepare_request / stream_samples path as the gRPC API
 (stream_generation per sample) -> openai_responses -> JSON. Errors are OpenAI's JSON shape
 (openai_errors). A client that goes away cancels its handler (handler_cancellation), which cancels the
@@ -27,16 +31,19 @@ import ssl
 import struct
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
 from gateway.access import API_KEY, access_middleware
 from gateway.http_connections import ConnectionLimits, GuardedSite, track_requests
+from gateway.generation_stream import GenerationDelta
 from gateway.openai_errors import openai_error
 from gateway.openai_requests import ModelNotFound, parse_chat, parse_completion
 from gateway.openai_responses import ResponseBuilder
 from gateway.parallel_samples import sample_ids, stream_samples
 from gateway.request_builder import check_constraints, sandbox_or_default
+from gateway.resume import submit_or_attach
 from gateway.scheduler_client import SchedulerClient
 from gateway.stream_idle import StreamIdle, record_idle, write_within
 from gateway.tokenizer import TextTokenizer
@@ -76,6 +83,10 @@ class OpenAIHTTP:
         self.created = int(time.time())
         self.ready = True  # False once the gateway is draining
         self._generating = InFlight()  # completion handlers running, which a drain waits for
+
+    # gateway.resume.ResumeStore (gateway.main sets it with Redis): one-sample requests run resumable, with
+    # records and claimed X-Request-Ids, resume by Last-Event-ID and go on through a scheduler restart
+    resume = None
 
     def refuse_new(self) -> None:
         """Refuses new requests from now on (as DrainInterceptor.refuse_new: before readiness flips)."""
@@ -156,36 +167,53 @@ class OpenAIHTTP:
 
     async def _generate(self, request: web.Request, chat: bool, arrival: float) -> web.StreamResponse:
         body = await _json_object(request)
-        request_id = request.headers.get("X-Request-Id") or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        request_id, chosen_id, resume_from = _request_id(request, chat)
         parse = functools.partial(parse_chat, tool_format=self.tool_format) if chat else parse_completion
         with request_scope(request_id, CHAT if chat else TEXT_COMPLETION):  # a refusal still names its request
             parsed = parse(body, self.tokenizer, self.limits, self.model_name, request_id)
             await check_constraints(parsed.prepared, self.constraints)
         request_id = parsed.prepared.request.request_id
-        if (key := request.get(API_KEY)) is not None:  # its latency targets travel with the request
+        key = request.get(API_KEY)
+        if key is not None:  # its latency targets travel with the request
             parsed.prepared.request = key.with_targets(parsed.prepared.request)
         builder = ResponseBuilder(chat=chat, request_id=request_id, model=self.model_name, logprobs=parsed.logprobs,
-                                  include_usage=parsed.stream and parsed.include_usage, echo=parsed.echo,
-                                  echo_first_token=parsed.echo_first_token, n=parsed.prepared.n,
-                                  tool_syntax=parsed.tool_syntax if chat else None)
+                                  include_usage=parsed.stream and parsed.include_usage,
+                                  echo=parsed.echo if resume_from is None else "", echo_first_token=parsed.echo_first_token,
+                                  n=parsed.prepared.n, tool_syntax=parsed.tool_syntax if chat else None)
         headers = {"X-Request-Id": request_id}
-        deltas = stream_samples(parsed.prepared, self.tokenizer, self.scheduler, None, arrival)
+        deltas, resumable = self._deltas(parsed.prepared, arrival, None if key is None else key.name, chosen_id,
+                                         resume_from)
         async with contextlib.aclosing(deltas):
             if parsed.stream:
-                return await self._stream(request, deltas, builder, headers, sample_ids(parsed.prepared))
+                event_ids = EventIds(request_id, resume_from or 0) if resumable else None
+                return await self._stream(request, deltas, builder, headers, sample_ids(parsed.prepared), event_ids)
             async for delta in deltas:
                 builder.add(delta)
         if builder.finish is None:
             raise Unavailable("the scheduler ended the request without a result; retry")
         return web.json_response(builder.body(), headers=headers, dumps=_dumps)
 
+    def _deltas(self, prepared, arrival: float, owner: str | None, chosen_id: bool,
+                resume_from: int | None) -> tuple[AsyncIterator[GenerationDelta], bool]:
+        """The request's deltas, and whether it is resumable: with Redis, one sample goes the path every API
+        shares (gateway.resume: records, X-Request-Id claimed, Last-Event-ID, on through a scheduler
+        restart); n > 1 runs its samples side by side, not resumable."""
+        if self.resume is not None and prepared.best_of == 1:
+            return submit_or_attach(prepared, self.tokenizer, self.scheduler, self.resume, None, arrival, owner,
+                                    chosen_id=chosen_id, resume_from=resume_from), True
+        if resume_from is not None:
+            raise InvalidArgument("Last-Event-ID", f"{prepared.request.request_id}:{resume_from}",
+                                  "resumes a request with one sample (n = best_of = 1) on a gateway with Redis")
+        return stream_samples(prepared, self.tokenizer, self.scheduler, None, arrival, owner=owner), False
+
     async def _stream(self, request: web.Request, deltas, builder: ResponseBuilder, headers: dict,
-                      ids: list[str]) -> web.StreamResponse:
+                      ids: list[str], event_ids: EventIds | None) -> web.StreamResponse:
         """Server-sent events. The headers go out with the first delta, so a request the scheduler refuses
         (queue full, unavailable) still gets its own HTTP status; a failure after that becomes an error
         event. Each write must complete within the stream idle timeout (aiohttp has none: a write waits
         for a client that reads nothing for as long as the connection stays up). ids: the request's
-        scheduler request ids (one per sample), whose records say why when that timeout cuts it."""
+        scheduler request ids (one per sample), whose records say why when that timeout cuts it.
+        event_ids: a resumable request's events carry `id: <request id>:<tokens sent>` (None: no ids)."""
         response = None
 
         async def send(data: bytes) -> None:
@@ -198,8 +226,9 @@ class OpenAIHTTP:
                     if response is None:
                         response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
                         await response.prepare(request)
-                    for chunk in chunks:
-                        await send(_event(chunk))
+                    last_id = event_ids.after(delta) if event_ids is not None else None
+                    for number, chunk in enumerate(chunks, 1):  # the delta's last event carries its id
+                        await send(_event(chunk, last_id if number == len(chunks) else None))
                 if builder.finish is None:  # some choice never ended
                     raise Unavailable("the scheduler ended the request without a result; retry")
             except (ConnectionResetError, StreamIdle):
@@ -236,8 +265,42 @@ def _reset_connection(request: web.Request) -> None:
     transport.abort()
 
 
-def _event(payload: dict) -> bytes:
-    return b"data: " + _dumps(payload).encode() + b"\n\n"
+def _event(payload: dict, event_id: str | None = None) -> bytes:
+    head = b"" if event_id is None else b"id: " + event_id.encode() + b"\n"
+    return head + b"data: " + _dumps(payload).encode() + b"\n\n"
+
+
+class EventIds:
+    """The ids of a resumable request's server-sent events: `<request id>:<tokens sent so far>`. An
+    SSE client keeps the last id it got and sends it back as the Last-Event-ID header when it
+    reconnects; POSTed with the same body to any gateway, it resumes the stream right after that event
+    (_request_id). Only the last event of a delta carries one (an id covers the whole delta)."""
+
+    def __init__(self, request_id: str, num_tokens: int) -> None:
+        self.request_id = request_id
+        self.num_tokens = num_tokens  # sent to the client so far (counting a resumed stream's earlier ones)
+
+    def after(self, delta: GenerationDelta) -> str:
+        self.num_tokens += len(delta.token_ids)
+        return f"{self.request_id}:{self.num_tokens}"
+
+
+def _request_id(request: web.Request, chat: bool) -> tuple[str, bool, int | None]:
+    """The request's id, whether the client chose it, and the token index to resume from. Last-Event-ID
+    (an EventIds id: `<request id>:<tokens received>`) resumes that request, sent again with the same
+    body; X-Request-Id names a new one (claimed: a different request under a taken id is a 409);
+    neither: a fresh id."""
+    chosen = request.headers.get("X-Request-Id", "")
+    last_event = request.headers.get("Last-Event-ID")
+    if last_event is None:
+        return chosen or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, bool(chosen), None
+    request_id, _, index = last_event.strip().rpartition(":")
+    if not request_id or not index.isdigit():
+        raise InvalidArgument("Last-Event-ID", last_event, "must be the id of an event of this API's stream: "
+                                                           "'<request id>:<tokens received>'")
+    if chosen and chosen != request_id:
+        raise InvalidArgument("X-Request-Id", chosen, f"must name the request Last-Event-ID resumes ({request_id!r})")
+    return request_id, True, int(index)
 
 
 async def _json_object(request: web.Request) -> dict:

@@ -12,7 +12,7 @@ from gateway.generation_stream import GenerationDelta, TokenLogprob, stream_gene
 from gateway.ownership import RequestOwners, caller_key, caller_name
 from gateway.parallel_samples import check_streamable, sample_ids, stream_samples
 from gateway.request_builder import check_constraints, prepare, prompt_token_ids, sandbox_or_default
-from gateway.resume import submit_or_attach
+from gateway.resume import ResumeStore, submit_or_attach
 from gateway.sample_groups import SampleGroups, candidate_sample_ids, group_record
 from gateway.scheduler_client import SchedulerClient
 from gateway.stream_idle import StreamIdle, record_idle, write_within
@@ -38,8 +38,8 @@ _STATUS = {
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: TextTokenizer, scheduler: SchedulerClient, limits: Limits,
-                 model_info: common_pb2.GetModelInfoResponse, state_reader=None, token_reader=None,
-                 access=None, claims=None, constraints: GrammarSandbox | None = None) -> None:
+                 model_info: common_pb2.GetModelInfoResponse, state_reader=None, resume: ResumeStore | None = None,
+                 access=None, constraints: GrammarSandbox | None = None) -> None:
         self.tokenizer = tokenizer
         self.constraints = sandbox_or_default(constraints)  # compiles client constraints off the event loop
         self.scheduler = scheduler
@@ -47,10 +47,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.model_info = model_info
         self.model_name = model_info.model_config.name
         self.state_reader = state_reader  # kvstore.RequestStateReader, or None without Redis
-        self.token_reader = token_reader  # kvstore.TokenStreamReader (resume), or None without Redis
+        self.resume = resume  # token streams, claims, owners (gateway.resume), or None without Redis
         self.access = access  # gateway.access.AccessControl: whose request an id is (None: keys off)
-        self.owners = RequestOwners(state_reader)
-        self.claims = claims  # kvstore.RequestClaims: client-chosen ids bound to one request (None without Redis)
+        self.owners = resume.owners if resume is not None and resume.owners is not None else RequestOwners(state_reader)
         self.sample_groups = SampleGroups()  # the n > 1 requests streamed here: their sample ids
 
     # --stream-idle-timeout-s (gateway.main sets it); 0: a stream may wait on its client for ever
@@ -117,15 +116,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                       "a request with n or best_of > 1 cannot be resumed")
             deltas = stream_samples(prepared, self.tokenizer, self.scheduler, context.time_remaining(), arrival,
                                     owner=caller)
-        elif self.token_reader is None:
+        elif self.resume is None:
             if request.HasField("resume_from_index"):
                 raise Unavailable("resume_from_index needs Redis; this gateway runs without --redis-url")
             deltas = stream_generation(prepared, self.tokenizer, self.scheduler, context.time_remaining(), arrival,
                                        owner=caller)
         else:
-            deltas = submit_or_attach(request, prepared, self.tokenizer, self.scheduler, self.token_reader,
-                                      self.state_reader, context.time_remaining(), arrival, caller, self.owners,
-                                      self.claims)
+            deltas = submit_or_attach(prepared, self.tokenizer, self.scheduler, self.resume, context.time_remaining(),
+                                      arrival, caller, chosen_id=bool(request.request_id),
+                                      resume_from=request.resume_from_index if request.HasField("resume_from_index")
+                                      else None)
         # only an id this gateway made is surely the caller's before the scheduler takes it; a client-chosen
         # one may name another key's request, and its owner is then known from its Redis record
         samples = sample_ids(prepared) if prepared.best_of > 1 else []

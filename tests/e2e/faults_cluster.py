@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import time
@@ -25,16 +26,20 @@ FAST_RESTARTS = RestartPolicy(backoff_initial_s=0.2, backoff_max_s=2.0, max_rest
 
 
 @contextlib.contextmanager
-def tiny_cluster(tmp_path, model_overrides: dict | None = None, **overrides):
-    """model_overrides: the tiny model's config attributes (e.g. max_position_embeddings); overrides:
+def tiny_cluster(tmp_path, model_overrides: dict | None = None, extra_argv: dict[str, list[str]] | None = None,
+                 **overrides):
+    """model_overrides: the tiny model's config attributes (e.g. max_position_embeddings); extra_argv:
+    flags added to a child's command line by its name ("gateway", "scheduler", ...); overrides:
     ClusterConfig fields (num_blocks=None: the KV cache sized from memory)."""
     folder, _ = make_tiny_hf_model(tmp_path, **(model_overrides or {}))
     settings = {"num_blocks": 256, "max_num_batched_tokens": 256, **overrides}
     config = resolve_ports(ClusterConfig(model=str(folder), gateway_port=0, scheduler_port=0, worker_port=0,
                                          redis_port=0, **settings))
+    specs = [dataclasses.replace(spec, argv=[*spec.argv, *(extra_argv or {}).get(spec.name, [])])
+             for spec in cluster_specs(config)]
     # every child's output and the supervisor's own lines (restarts) go to a file a failing test names
     with open(tmp_path / "cluster.log", "w", buffering=1) as log:
-        supervisor = Supervisor(cluster_specs(config), echo=log, startup_timeout_s=300,
+        supervisor = Supervisor(specs, echo=log, startup_timeout_s=300,
                                 restart_policies=restart_policies(FAST_RESTARTS))
         with supervisor:
             yield config, supervisor

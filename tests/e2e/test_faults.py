@@ -137,19 +137,25 @@ async def test_worker_killed_mid_generation_is_restarted_and_requests_finish_by_
     assert await wait_until(lambda: generate_ok(config.gateway_address), 60, "serving after the worker restart")
 
 
-async def test_scheduler_killed_answers_unavailable_fast_reconnects_and_readmits_the_lost_request(cluster):
+async def test_scheduler_killed_refuses_new_calls_fast_and_the_stream_in_flight_goes_on_after_readmission(cluster):
     config, supervisor = cluster
     async with grpc.aio.insecure_channel(config.gateway_address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        call = stub.GenerateStream(request("The scheduler dies", 480, "lost-with-scheduler"))
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            received = 0
-            async for message in call:
-                received += len(message.token_ids)
-                if received >= 3:
-                    kill9(supervisor, "scheduler")
-        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-        # while it restarts: every call is answered at once, and the breaker opens
+        streaming = asyncio.Event()
+
+        async def in_flight():
+            ids = []
+            async for message in stub.GenerateStream(request("The scheduler dies", 480, "lost-with-scheduler"),
+                                                     timeout=180):
+                ids += message.token_ids
+                if len(ids) >= 3:
+                    streaming.set()
+            return ids, message
+
+        stream = asyncio.ensure_future(in_flight())
+        await asyncio.wait_for(streaming.wait(), 60)
+        kill9(supervisor, "scheduler")
+        # while it restarts: every new call is answered at once, and the breaker opens
         answers = []
         for _ in range(6):
             started = time.monotonic()
@@ -162,6 +168,9 @@ async def test_scheduler_killed_answers_unavailable_fast_reconnects_and_readmits
         assert unavailable and answers[0][0] == grpc.StatusCode.UNAVAILABLE, answers
         assert all(seconds < 2.0 for _, seconds, _ in unavailable), answers
         assert any("circuit open" in details for _, _, details in unavailable), answers
+        # the stream in flight never saw the kill: the gateway followed it from Redis once re-admitted
+        ids, last = await stream
+        assert len(ids) == 480 and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
     # the supervisor restarts it; the gateway's half-open probe closes the breaker
     assert await wait_until(lambda: generate_ok(config.gateway_address), 90, "serving after the scheduler restart")
 
@@ -172,34 +181,36 @@ async def test_scheduler_killed_answers_unavailable_fast_reconnects_and_readmits
     await wait_until(record_finished, 90, "the lost request, re-admitted, finishing")
 
 
-async def test_scheduler_killed_mid_generation_readmits_its_requests_and_a_client_resumes_without_loss(cluster):
+async def test_scheduler_killed_mid_generation_readmits_its_requests_their_streams_go_on_and_a_client_resumes_by_id(
+        cluster):
     config, supervisor = cluster
     async with grpc.aio.insecure_channel(config.gateway_address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         undisturbed, _ = await collect(stub.GenerateStream(request("Readmit me", LONG)))
-        alone = asyncio.ensure_future(collect(stub.GenerateStream(request("Nobody resumes me", LONG, "readmit-alone"))))
-        old_pid, ids = supervisor.pid("scheduler"), []
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            async for message in stub.GenerateStream(request("Readmit me", LONG, "readmit-me")):
-                ids += message.token_ids
-                if len(ids) >= 5 and supervisor.pid("scheduler") == old_pid:
-                    kill9(supervisor, "scheduler")
-        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and 5 <= len(ids) < LONG
-        with pytest.raises(grpc.aio.AioRpcError):  # its client goes away too, and never comes back
-            await alone
+        alone = asyncio.ensure_future(collect(stub.GenerateStream(request("Beside it", LONG, "readmit-alone"))))
+        old_pid, ids, at_kill = supervisor.pid("scheduler"), [], 0
+        async for message in stub.GenerateStream(request("Readmit me", LONG, "readmit-me"), timeout=180):
+            ids += message.token_ids
+            if len(ids) >= 5 and supervisor.pid("scheduler") == old_pid:
+                kill9(supervisor, "scheduler")
+                at_kill = len(ids)
+        assert 5 <= at_kill < LONG and supervisor.pid("scheduler") != old_pid
+        assert ids == undisturbed, "recomputed from the streamed tokens: no token lost, repeated or different"
+        assert message.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        alone_ids, _ = await alone
+        assert len(alone_ids) == LONG
     assert await wait_until(lambda: generate_ok(config.gateway_address), 90, "serving after the scheduler restart")
-    async with grpc.aio.insecure_channel(config.gateway_address) as channel:
+    async with grpc.aio.insecure_channel(config.gateway_address) as channel:  # and by id, from where it broke
         resumed = request("Readmit me", LONG, "readmit-me")
-        resumed.resume_from_index = len(ids)
+        resumed.resume_from_index = at_kill
         rest, last = await collect(generation_pb2_grpc.GenerationStub(channel).GenerateStream(resumed, timeout=120))
-    assert ids + rest == undisturbed, "recomputed from the streamed tokens: no token lost, repeated or different"
-    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert ids[:at_kill] + rest == undisturbed and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
 
     async def alone_finished():
         with redis.Redis.from_url(config.effective_redis_url) as client:
             return client.hget("tokenmill:req:readmit-alone", "status") == b"finished"
 
-    await wait_until(alone_finished, 90, "the request nobody resumed running to its end")
+    await wait_until(alone_finished, 90, "the other request re-admitted and running to its end")
     with redis.Redis.from_url(config.effective_redis_url) as client:
         entries = [fields for _, fields in client.xrange("tokenmill:tokens:readmit-alone")]
         assert sum(len(fields[b"t"].split()) for fields in entries) == LONG

@@ -4,6 +4,8 @@ A 1 s drain timeout and no retry after a lost worker, so that a test can end a r
 by killing the worker (test_request_endings_faults_e2e, which restarts what it stops)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.helpers.otlp_receiver import OtlpReceiver
@@ -40,5 +42,9 @@ def traced_cluster(tmp_path_factory, otlp_receiver):
         num_blocks=256, max_num_batched_tokens=128, gateway_metrics_port=0, scheduler_metrics_port=0,
         worker_metrics_port=0, child_env=env, drain_timeout_s=1.0, gateway_metrics_linger_s=3.0,
         retry_on_worker_failure=False))
-    with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300, tail_lines=400) as supervisor:
+    # a request whose scheduler drained ends UNAVAILABLE at once (the tests read how it ends), instead of its
+    # gateway waiting for a restart that the test only makes afterwards (gateway.resume)
+    specs = [dataclasses.replace(spec, argv=[*spec.argv, "--scheduler-resume-wait-s", "0"]) if spec.name == "gateway"
+             else spec for spec in cluster_specs(config)]
+    with Supervisor(specs, echo=False, startup_timeout_s=300, tail_lines=400) as supervisor:
         yield config, supervisor
