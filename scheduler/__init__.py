@@ -26,4 +26,6 @@ Layout, from the scheduling rule outwards (the shared types it works on live in 
                     service.py        the gRPC servicer (protobuf at the edge only)
                     worker_client.py  the worker over gRPC, an AsyncExecutor
                     load_report.py, telemetry.py   load and prefix keys to Redis; metrics and spans
+                    readmission.py    a restarted scheduler takes up the resumable requests it ran
+                    orphans.py        aborts resumable requests nobody follows (--orphan-timeout-s)
 """

@@ -14,6 +14,7 @@ from scheduler.admission import Admission, AdmissionConfig
 from scheduler.config import KV_POLICIES, QUEUE_POLICIES, SchedulerConfig
 from scheduler.loop import EngineLoop
 from scheduler.scheduler import Scheduler
+from scheduler.orphans import ORPHAN_TIMEOUT_S, start_orphan_reaper
 from scheduler.service import SchedulerServicer, drain
 from scheduler.worker_client import WorkerClient
 from scheduler.worker_recovery import WorkerRecovery
@@ -60,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="on SIGTERM: readiness off, new requests UNAVAILABLE, in-flight ones get this long")
     parser.add_argument("--no-retry-on-worker-failure", action="store_true",
                         help="requests on a worker that crashed fail (UNAVAILABLE) instead of being recomputed")
+    parser.add_argument("--orphan-timeout-s", type=float, default=ORPHAN_TIMEOUT_S,
+                        help="with Redis, a resumable request whose client went away (its gateway died, or it was "
+                             "re-admitted after a restart) and that no gateway follows from Redis for this long is "
+                             "aborted, rather than decoding to max_tokens for nobody; 0: never")
     parser.add_argument("--worker-reconnect-timeout-s", type=float, default=60.0,
                         help="how long requests wait for a crashed worker to come back before failing")
     add_message_size_argument(parser, INTERNAL_MAX_MESSAGE_BYTES)
@@ -173,12 +178,13 @@ async def serve(args: argparse.Namespace) -> None:
         reader = LiveRequestReader(args.redis_url, scheduler_id)
         await readmit(loop, reader)  # before ready: what this scheduler ran when it died runs on
         await reader.aclose()
-    reporter = None
+    reporter = orphans = None
     if args.redis_url:
         from scheduler.load_report import LoadReporter
 
         reporter = LoadReporter(args.redis_url, args.advertise_address or address, loop)
         reporter.start()
+        orphans = start_orphan_reaper(loop, args.redis_url, args.orphan_timeout_s)  # None when off
     await health.set_ready(True)
     logger.info("scheduler ready: %d KV pages of %d tokens, policy %s", config.num_blocks, config.block_size,
                 config.kv_policy)
@@ -196,6 +202,8 @@ async def serve(args: argparse.Namespace) -> None:
                 args.drain_timeout_s)
     await server.stop(grace=1.0)
     await loop.stop()
+    if orphans is not None:
+        await orphans.aclose()
     if redis_watch is not None:
         redis_watch.cancel()
     if state:

@@ -94,6 +94,7 @@ async def readmit(loop, reader: LiveRequestReader) -> int:
         except ServingError as error:  # e.g. a smaller queue bound than before the restart
             _end(loop, request, FinishReason.ERROR, error)
             continue
+        loop.streams.detach(request_id)  # no call: its clients follow it from Redis (scheduler.orphans)
         readmitted += 1
     if live:
         logger.warning("re-admitted %d of %d requests this scheduler was running before it restarted "

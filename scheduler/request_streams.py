@@ -70,6 +70,9 @@ class RequestStream:
     # its gateway's StreamDeltas call, which carries its deltas after the first (scheduler.delta_streams)
     delta_stream: DeltaStream | None = None
     started: bool = False  # a delta went to its own queue: the first message, which the Submit call sends
+    # a resumable request without a Submit call (its gateway went away, or it was re-admitted after a
+    # restart): monotonic time since when; scheduler.orphans aborts it if nobody follows it from Redis
+    detached_since: float | None = None
 
 
 class RequestStreams:
@@ -103,6 +106,17 @@ class RequestStreams:
             self.state.queued(request_id, num_prompt_tokens=request.num_prompt_tokens, model=self.model_name,
                               priority=request.priority, created_at=time.time(), owner=owner)
         return stream
+
+    def detach(self, request_id: str, since: float | None = None) -> None:
+        """The request runs on without a Submit call (since: monotonic time; None: now)."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.detached_since = time.monotonic() if since is None else since
+
+    def detached(self) -> dict[str, float]:
+        """Request id -> since when it runs without a Submit call, for each such request not being aborted."""
+        return {request_id: stream.detached_since for request_id, stream in self._streams.items()
+                if stream.detached_since is not None and stream.abort_reason is None}
 
     def abort_requested(self, request_id: str, reason: FinishReason) -> None:
         stream = self._streams.get(request_id)

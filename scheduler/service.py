@@ -93,6 +93,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 record_request_end(stream.times, finish_reason=FinishReason.ABORT, cause=CLIENT_DISCONNECT)
             if not finished and not resumable:  # the client went away or cancelled: free its pages
                 self.loop.abort(request.request_id)
+            elif not finished:  # runs on for a client to resume by id; an orphan if none does (scheduler.orphans)
+                self.loop.streams.detach(request.request_id)
 
     async def StreamDeltas(self, request, context):
         if not request.stream_id:

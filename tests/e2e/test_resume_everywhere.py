@@ -1,7 +1,10 @@
 """Resume on every API, through a live cluster (tiny random model): a scheduler killed with -9 under
 streams on tokenmill.v1 gRPC, OpenAI HTTP (server-sent events) and KServe, each of which the gateway
 carries on by itself from Redis once the restarted scheduler re-admitted its request; an SSE client
-reconnecting with Last-Event-ID to another gateway; a reused X-Request-Id refused."""
+reconnecting with Last-Event-ID to another gateway; a reused X-Request-Id refused; an orphan aborted.
+
+The scheduler runs with --orphan-timeout-s 2, so the orphan test is quick and the others show that a
+followed request is never taken for an orphan."""
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +19,9 @@ import pytest
 import redis
 
 from plumbing.rpc import GENERATION_SERVICE
-from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tests.e2e.faults_cluster import (cluster_log_on_failure, kill9, request,  # noqa: F401 (a fixture)
+from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2, \
+    scheduler_pb2_grpc
+from tests.e2e.faults_cluster import (cluster_log_on_failure, generate_ok, kill9, request,  # noqa: F401 (a fixture)
                                       tiny_cluster, wait_until)
 from tokenmill.child_process import ChildSpec
 from tokenmill.readiness import free_port
@@ -27,6 +31,7 @@ pytestmark = pytest.mark.slow
 
 NUM_STREAMS = 16  # per API
 TOKENS = 300  # per stream: a few seconds for 48 streams, so the kill lands mid-generation
+ORPHAN_TIMEOUT_S = 2
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +41,8 @@ def cluster_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(cluster_dir):
-    with tiny_cluster(cluster_dir, model_overrides={"max_position_embeddings": 4096}, num_blocks=1024,
-                      http_port=0) as running:
+    with tiny_cluster(cluster_dir, model_overrides={"max_position_embeddings": 4096}, num_blocks=1024, http_port=0,
+                      extra_argv={"scheduler": ["--orphan-timeout-s", str(ORPHAN_TIMEOUT_S)]}) as running:
         yield running
 
 
@@ -223,3 +228,34 @@ async def test_a_reused_x_request_id_is_refused_and_http_ids_are_found_by_get_re
         status = await stub.GetRequestStatus(generation_pb2.GetRequestStatusRequest(request_id=reply["id"]))
         assert status.status == generation_pb2.REQUEST_STATUS_FINISHED and status.num_output_tokens == 4
     assert redis_tokens(config, "http-taken")[0], "the first request's tokens, not overwritten"
+
+
+async def test_an_orphaned_resumable_request_is_aborted_after_the_timeout_and_a_followed_one_is_not(cluster):
+    config, _ = cluster
+
+    def submit(request_id: str) -> scheduler_pb2.SubmitRequest:  # as a gateway would, which then dies
+        return scheduler_pb2.SubmitRequest(request_id=request_id, prompt_token_ids=[65, 66, 67], resumable=True,
+                                           sampling_params=sampling_pb2.SamplingParams(
+                                               max_tokens=3000, temperature=0.0, ignore_eos=True))
+
+    async with grpc.aio.insecure_channel(config.scheduler_address) as channel:
+        scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
+        for request_id in ("orphan", "followed"):
+            call = scheduler.Submit(submit(request_id))
+            await call.read()
+            call.cancel()  # its gateway is gone: a resumable request runs on
+    async with grpc.aio.insecure_channel(config.gateway_address) as channel:
+        follow = request("ABC", 3000, "followed")
+        follow.resume_from_index = 0
+        followed = [m async for m in generation_pb2_grpc.GenerationStub(channel).GenerateStream(follow, timeout=120)]
+
+    def record(request_id: str) -> dict:
+        with redis.Redis.from_url(config.effective_redis_url) as client:
+            return client.hgetall(f"tokenmill:req:{request_id}")
+
+    assert followed[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH, "followed: never taken for an orphan"
+    assert sum(len(m.token_ids) for m in followed) == 3000
+    orphan = record("orphan")
+    assert orphan[b"status"] == b"cancelled" and int(orphan[b"num_output_tokens"]) < 3000, orphan
+    assert redis_tokens(config, "orphan")[1] == [b"ABORT"]
+    assert await wait_until(lambda: generate_ok(config.gateway_address), 30, "still serving")
