@@ -261,3 +261,6 @@ def test_gateway_drain_timeout_ends_an_http_stream_in_spans_and_log(traced_clust
         if not supervisor.children["gateway"].alive:
             supervisor.restart("gateway")
         wait_serving(config)
+        with grpc.insecure_channel(config.gateway_address) as channel:  # resumable: still running in the scheduler
+            generation_pb2_grpc.GenerationStub(channel).CancelRequest(
+                generation_pb2.CancelRequestRequest(request_id="http-drained-1"), timeout=30)
