@@ -75,7 +75,7 @@ class ResolvedExecution:
     packed_linears: bool  # worker.cpu_linear.pack_linears applies (it still skips non-float32 linears)
     cpu_int8_activations: bool  # CPU only
     cpu_fused_ops: bool  # CPU + torch backend; TorchPath still falls back to torch where the build is missing
-    cpu_dense_weights: str  # one of DENSE_WEIGHT_MODES; "off" off the CPU torch path and when deterministic
+    cpu_dense_weights: str  # one of DENSE_WEIGHT_MODES; "off" off the CPU torch path
     deterministic: bool  # batch-invariant kernels (worker.batch_invariant); CPU + torch backend only
 
 
@@ -95,9 +95,7 @@ def resolve_execution(options: ExecutionOptions, device: torch.device | str) -> 
         packed_linears=options.packed_linears and not on_cuda and backend == "torch",
         cpu_int8_activations=options.cpu_int8_activations and not on_cuda,
         cpu_fused_ops=options.cpu_fused_ops and not on_cuda and backend == "torch",
-        # the dense copies serve only steps of many rows, which deterministic mode runs on the row kernels
-        cpu_dense_weights=(options.cpu_dense_weights if not on_cuda and backend == "torch" and not options.deterministic
-                           else "off"),
+        cpu_dense_weights=options.cpu_dense_weights if not on_cuda and backend == "torch" else "off",
         deterministic=options.deterministic,
     )
 

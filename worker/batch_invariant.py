@@ -10,11 +10,15 @@ near-tie argmax flips.
 
 --deterministic (ExecutionOptions.deterministic) picks, once when the torch path is built:
 
-- linears: group-quantized weights always run the row kernel (worker/csrc: each output row is one dot per
-  activation row, in K order; rows share only the weight's loads, never a sum), or the int8-dot kernel for
-  every row under --cpu-int8-activations (activations quantized per row); dense weights (nn.Linear,
-  worker.cpu_linear's packed ones) run in fixed tiles of ROW_TILE rows, the last padded with zeros, so
-  oneDNN sees one shape whatever the step holds (RowTileLinear);
+- linears, each called with one shape whatever the step holds:
+  - a group-quantized weight with a dense copy (worker.dense_weights: --cpu-dense-weights, auto keeps them
+    for bfloat16 on CPUs with native bfloat16) runs every row on that copy, in tiles of exactly ROW_TILE
+    rows, the last padded with zeros (DenseTileLinear): one oneDNN (AMX) call shape for every step;
+  - without one, and always for lm_head (which sees only sampled rows: its codes are a quarter of a
+    dense copy's bytes), the compiled row kernel, or the int8-dot kernel under --cpu-int8-activations,
+    whatever the row count (RowKernelLinear: each output is one dot per activation row in K order; rows
+    share the weight's loads, never a sum);
+  - other weights (nn.Linear, worker.cpu_linear's packed ones) in tiles of ROW_TILE rows (RowTileLinear);
 - attention: every query token, prefill or decode, is a one-token span over its own context
   (token_spans): the compiled path runs them all through paged_decode_attention (one fixed order over the
   keys per query, whatever else is in the step), the plain-torch path through the decode gather + SDPA in
@@ -34,11 +38,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from worker.attention import GatherWorkspace, HostAttentionPlan, RequestSpan, span_slots
+from worker.dense_weights import dense_linear
 from worker.group_quant import GroupQuantLinear
 from worker.native_ops import cpu_ops_available
 
-# rows per dense-linear call: a decode row pays for ROW_TILE - 1 rows of zeros (measured in docs/reliability.md)
-ROW_TILE = 8
+# rows per dense-linear call (an AMX tile's): a decode row pays for ROW_TILE - 1 rows of zeros, which at few
+# rows costs little beside reading the weight (docs/reliability.md, "Deterministic mode", for the figures)
+ROW_TILE = 16
 
 
 class RowKernelLinear(nn.Module):
@@ -53,6 +59,29 @@ class RowKernelLinear(nn.Module):
         return self.inner.forward_rows(x)
 
 
+class DenseTileLinear(nn.Module):
+    """A GroupQuantLinear with a dense copy (worker.dense_weights): every row on the copy, in ROW_TILE-row
+    tiles (verified bit-equal for a row at any place in a tile, beside any rows, on one or two threads)."""
+
+    def __init__(self, linear: GroupQuantLinear) -> None:
+        super().__init__()
+        self.inner = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N], x in the copy's dtype
+        dense, bias = self.inner.dense_weight, self.inner.bias
+        out = _in_tiles(lambda tile: dense_linear(tile, dense), x)
+        return out if bias is None else out.add_(bias)
+
+
+def _in_tiles(linear, x: torch.Tensor) -> torch.Tensor:
+    num_rows = x.shape[0]
+    padding = -num_rows % ROW_TILE
+    if padding:
+        x = F.pad(x, (0, 0, 0, padding))
+    tiles = [linear(tile) for tile in x.split(ROW_TILE)]
+    return torch.cat(tiles)[:num_rows] if len(tiles) > 1 or padding else tiles[0]
+
+
 class RowTileLinear(nn.Module):
     """Any other linear (nn.Linear, a packed oneDNN one, a group-quantized one without the compiled ops),
     called on tiles of exactly ROW_TILE rows: the one shape its kernel ever sees."""
@@ -62,22 +91,21 @@ class RowTileLinear(nn.Module):
         self.inner = linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
-        num_rows = x.shape[0]
-        padding = -num_rows % ROW_TILE
-        if padding:
-            x = F.pad(x, (0, 0, 0, padding))
-        tiles = [self.inner(tile) for tile in x.split(ROW_TILE)]
-        return torch.cat(tiles)[:num_rows] if len(tiles) > 1 or padding else tiles[0]
+        return _in_tiles(self.inner, x)
 
 
-_WRAPPERS = (RowKernelLinear, RowTileLinear)
+_WRAPPERS = (RowKernelLinear, DenseTileLinear, RowTileLinear)
 _LINEAR_NAMES = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
 
 
-def _invariant(linear: nn.Module) -> nn.Module:
-    if isinstance(linear, GroupQuantLinear) and linear.codes.device.type == "cpu" and cpu_ops_available():
-        return RowKernelLinear(linear)
-    return RowTileLinear(linear)
+def _invariant(linear: nn.Module, name: str) -> nn.Module:
+    if not (isinstance(linear, GroupQuantLinear) and linear.codes.device.type == "cpu" and cpu_ops_available()):
+        return RowTileLinear(linear)
+    if name == "lm_head":
+        linear.dense_weight = None  # never read here (a later default-mode runner makes it again)
+    elif linear.dense_weight is not None and not linear.int8_activations:
+        return DenseTileLinear(linear)
+    return RowKernelLinear(linear)
 
 
 def set_batch_invariant(model: nn.Module, invariant: bool) -> int:
@@ -91,7 +119,7 @@ def set_batch_invariant(model: nn.Module, invariant: bool) -> int:
                 continue
             wrapped = isinstance(child, _WRAPPERS)
             if invariant != wrapped:
-                setattr(parent, name, _invariant(child) if invariant else child.inner)
+                setattr(parent, name, _invariant(child, name) if invariant else child.inner)
                 changed += 1
     return changed
 

@@ -28,9 +28,10 @@ def prompts(vocab_size: int, count: int = 6, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab_size) for _ in range(rng.randrange(3, 23))] for _ in range(count)]
 
 
-def engine(model, config, dtype, deterministic: bool, fused: bool, num_blocks: int, token_budget: int) -> LLM:
+def engine(model, config, dtype, deterministic: bool, fused: bool, num_blocks: int, token_budget: int,
+           dense_weights: str = "auto") -> LLM:
     """A runner built now (it sets the model's kernels for its mode) and an engine over it."""
-    options = ExecutionOptions(deterministic=deterministic, cpu_fused_ops=fused)
+    options = ExecutionOptions(deterministic=deterministic, cpu_fused_ops=fused, cpu_dense_weights=dense_weights)
     runner = ModelRunner(model, config, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=dtype, options=options)
     return LLM(EngineConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=token_budget, max_num_seqs=16), runner=runner,
                progress=False)
@@ -42,13 +43,13 @@ def outputs(llm: LLM, batch: list[list[int]]) -> list[tuple[list[int], list[floa
             for outs in results]
 
 
-def three_ways(model, config, dtype, deterministic: bool, fused: bool, batch: list[list[int]]):
+def three_ways(model, config, dtype, deterministic: bool, fused: bool, batch: list[list[int]], dense_weights="auto"):
     """(alone, batched, squeezed): each prompt alone; all in one batch; all with few pages and a small
     token budget, so prefills are chunked and requests are preempted and recomputed mid-generation."""
-    llm = engine(model, config, dtype, deterministic, fused, num_blocks=256, token_budget=256)
+    llm = engine(model, config, dtype, deterministic, fused, 256, 256, dense_weights)
     alone = [outputs(llm, [prompt])[0] for prompt in batch]
-    batched = outputs(engine(model, config, dtype, deterministic, fused, 256, 256), batch)
-    squeezed_llm = engine(model, config, dtype, deterministic, fused, num_blocks=24, token_budget=12)
+    batched = outputs(engine(model, config, dtype, deterministic, fused, 256, 256, dense_weights), batch)
+    squeezed_llm = engine(model, config, dtype, deterministic, fused, 24, 12, dense_weights)
     squeezed = outputs(squeezed_llm, batch)
     assert squeezed_llm.engine.scheduler.num_preemptions > 0, "the small cache preempted someone"
     return alone, batched, squeezed
@@ -79,10 +80,15 @@ def test_without_the_mode_batch_composition_changes_the_bits(tiny):
 
 
 @pytest.mark.slow
-def test_default_model_greedy_output_is_identical_alone_batched_and_recomputed():
+@pytest.mark.parametrize("dense_weights", ["on", "off"], ids=["dense-tiles", "row-kernels"])
+def test_default_model_greedy_output_is_identical_alone_batched_and_recomputed(dense_weights):
+    """The default GGUF file's Q4_1 / Q8_0 linears on both deterministic variants: dense copies in fixed
+    tiles, or the row kernel for every row (and lm_head always on the row kernel)."""
     model, config = load_model(None, dtype=torch.bfloat16, progress=False, keep_quantized=True)
     batch = prompts(config.vocab_size, count=4, seed=1)
-    alone, batched, squeezed = three_ways(model, config, torch.bfloat16, True, True, batch)
+    alone, batched, squeezed = three_ways(model, config, torch.bfloat16, True, True, batch, dense_weights)
+    kinds = {type(module).__name__ for module in model.modules()}
+    assert {"DenseTileLinear", "RowKernelLinear"} <= kinds if dense_weights == "on" else "DenseTileLinear" not in kinds
     assert batched == alone
     assert squeezed == alone
 
@@ -112,7 +118,6 @@ def test_token_spans_make_every_prefill_token_a_decode_row():
 
 def test_the_mode_is_refused_off_the_cpu_torch_path():
     assert resolve_execution(ExecutionOptions(deterministic=True), "cpu").deterministic
-    assert resolve_execution(ExecutionOptions(deterministic=True), "cpu").cpu_dense_weights == "off"
     with pytest.raises(ValueError, match="--deterministic runs on the CPU torch path only"):
         resolve_execution(ExecutionOptions(deterministic=True, kernel_backend="triton"), "cpu")
     with pytest.raises(ValueError, match="not on device cuda"):
