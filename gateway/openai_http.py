@@ -21,6 +21,7 @@ and its connection is reset.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import hmac
@@ -38,7 +39,7 @@ from aiohttp import web
 from gateway.access import API_KEY, access_middleware
 from gateway.http_connections import ConnectionLimits, GuardedSite, track_requests
 from gateway.generation_stream import GenerationDelta
-from gateway.openai_errors import openai_error
+from gateway.openai_errors import OpenAIError, openai_error
 from gateway.openai_requests import ModelNotFound, parse_chat, parse_completion
 from gateway.openai_responses import ResponseBuilder
 from gateway.parallel_samples import sample_ids, stream_samples
@@ -83,6 +84,9 @@ class OpenAIHTTP:
         self.created = int(time.time())
         self.ready = True  # False once the gateway is draining
         self._generating = InFlight()  # completion handlers running, which a drain waits for
+        # resumable SSE handlers: a drain that times out ends each with an error event saying how to go on
+        self._resumable_streams: set[asyncio.Task] = set()
+        self._cutting = False  # set once the drain timed out: what it cancels is told so
 
     # gateway.resume.ResumeStore (gateway.main sets it with Redis): one-sample requests run resumable, with
     # records and claimed X-Request-Ids, resume by Last-Event-ID and go on through a scheduler restart
@@ -98,7 +102,21 @@ class OpenAIHTTP:
         timeout, so the gateway knows when it starts cutting requests (they end drained, not as
         clients gone away)."""
         self.refuse_new()
-        return await self._generating.wait_idle(timeout_s, "HTTP requests")
+        unfinished = await self._generating.wait_idle(timeout_s, "HTTP requests")
+        if unfinished and self._resumable_streams:
+            await self._end_resumable_streams()
+        return unfinished
+
+    async def _end_resumable_streams(self) -> None:
+        """The drain timeout passed: each resumable SSE stream still running gets an error event that says
+        how to go on (its Last-Event-ID, to another replica) before the server's stop cuts its connection,
+        which would otherwise end it with no word. Their requests run on in the scheduler."""
+        self._cutting = True
+        self.scheduler.shutting_down = True  # what is cut now is the drain's doing (gateway.generation_stream)
+        streams = list(self._resumable_streams)
+        for task in streams:
+            task.cancel()
+        await asyncio.wait(streams, timeout=STOP_GRACE_S)
 
     def app(self, max_body_bytes: int | None = None) -> web.Application:
         """max_body_bytes: the gateway's --max-message-bytes; a larger body is answered 413."""
@@ -219,6 +237,8 @@ class OpenAIHTTP:
         async def send(data: bytes) -> None:
             await write_within(response.write(data), self.stream_idle_timeout_s)
 
+        if event_ids is not None:
+            self._resumable_streams.add(asyncio.current_task())
         try:
             try:
                 async for delta in deltas:
@@ -229,6 +249,8 @@ class OpenAIHTTP:
                     last_id = event_ids.after(delta) if event_ids is not None else None
                     for number, chunk in enumerate(chunks, 1):  # the delta's last event carries its id
                         await send(_event(chunk, last_id if number == len(chunks) else None))
+                    if last_id is not None:
+                        event_ids.last_sent = last_id
                 if builder.finish is None:  # some choice never ended
                     raise Unavailable("the scheduler ended the request without a result; retry")
             except (ConnectionResetError, StreamIdle):
@@ -250,7 +272,23 @@ class OpenAIHTTP:
             await deltas.aclose()
             logger.info("HTTP stream %r cancelled: %s", request_id, error)
             _reset_connection(request)
+        except asyncio.CancelledError:
+            if self._cutting and response is not None and event_ids is not None:
+                await _tell_drained(response, event_ids)
+            raise
+        finally:
+            self._resumable_streams.discard(asyncio.current_task())
         return response
+
+
+async def _tell_drained(response: web.StreamResponse, event_ids: EventIds) -> None:
+    """The last event of a resumable stream that the gateway's drain cuts (best effort: a second each)."""
+    error = OpenAIError(503, f"this gateway is shutting down and its drain timeout passed; the request goes on: "
+                             f"send it again to another replica with the header 'Last-Event-ID: {event_ids.last_sent}' "
+                             "for the rest", "server_error", code="service_unavailable")
+    with contextlib.suppress(Exception):  # noqa: BLE001 - the connection may be gone already
+        await write_within(response.write(_event(error.body())), 1.0)
+        await write_within(response.write_eof(), 1.0)
 
 
 def _reset_connection(request: web.Request) -> None:
@@ -278,7 +316,8 @@ class EventIds:
 
     def __init__(self, request_id: str, num_tokens: int) -> None:
         self.request_id = request_id
-        self.num_tokens = num_tokens  # sent to the client so far (counting a resumed stream's earlier ones)
+        self.num_tokens = num_tokens  # handed to the stream so far (counting a resumed stream's earlier ones)
+        self.last_sent = f"{request_id}:{num_tokens}"  # the id of the last event written out
 
     def after(self, delta: GenerationDelta) -> str:
         self.num_tokens += len(delta.token_ids)

@@ -238,6 +238,9 @@ def test_gateway_drain_timeout_ends_an_http_stream_in_spans_and_log(traced_clust
         after = scrape_drained_gateway(config, before)
         stopping.join()
         assert b"data: [DONE]\n" not in events and len(events) < LONG_TOKENS
+        # not cut without a word: the last event says how to go on (the request is resumable)
+        last = json.loads(events[-1][len(b"data: "):])["error"]
+        assert last["code"] == "service_unavailable" and "Last-Event-ID: http-drained-1:" in last["message"], last
         assert supervisor.children["gateway"].returncode == 0
         assert errors(after, "UNAVAILABLE") - errors(before, "UNAVAILABLE") == 1
 
