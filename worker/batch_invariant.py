@@ -14,10 +14,9 @@ near-tie argmax flips.
   - a group-quantized weight with a dense copy (worker.dense_weights: --cpu-dense-weights, auto keeps them
     for bfloat16 on CPUs with native bfloat16) runs every row on that copy, in tiles of exactly ROW_TILE
     rows, the last padded with zeros (DenseTileLinear): one oneDNN (AMX) call shape for every step;
-  - without one, and always for lm_head (which sees only sampled rows: its codes are a quarter of a
-    dense copy's bytes), the compiled row kernel, or the int8-dot kernel under --cpu-int8-activations,
-    whatever the row count (RowKernelLinear: each output is one dot per activation row in K order; rows
-    share the weight's loads, never a sum);
+  - without one, the compiled row kernel, or the int8-dot kernel under --cpu-int8-activations, whatever
+    the row count (RowKernelLinear: each output is one dot per activation row in K order; rows share the
+    weight's loads, never a sum);
   - other weights (nn.Linear, worker.cpu_linear's packed ones) in tiles of ROW_TILE rows (RowTileLinear);
 - attention: every query token, prefill or decode, is a one-token span over its own context
   (token_spans): the compiled path runs them all through paged_decode_attention (one fixed order over the
@@ -98,12 +97,10 @@ _WRAPPERS = (RowKernelLinear, DenseTileLinear, RowTileLinear)
 _LINEAR_NAMES = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
 
 
-def _invariant(linear: nn.Module, name: str) -> nn.Module:
+def _invariant(linear: nn.Module) -> nn.Module:
     if not (isinstance(linear, GroupQuantLinear) and linear.codes.device.type == "cpu" and cpu_ops_available()):
         return RowTileLinear(linear)
-    if name == "lm_head":
-        linear.dense_weight = None  # never read here (a later default-mode runner makes it again)
-    elif linear.dense_weight is not None and not linear.int8_activations:
+    if linear.dense_weight is not None and not linear.int8_activations:
         return DenseTileLinear(linear)
     return RowKernelLinear(linear)
 
@@ -119,7 +116,7 @@ def set_batch_invariant(model: nn.Module, invariant: bool) -> int:
                 continue
             wrapped = isinstance(child, _WRAPPERS)
             if invariant != wrapped:
-                setattr(parent, name, _invariant(child, name) if invariant else child.inner)
+                setattr(parent, name, _invariant(child) if invariant else child.inner)
                 changed += 1
     return changed
 
