@@ -79,18 +79,36 @@ def test_without_the_mode_batch_composition_changes_the_bits(tiny):
     assert any(a[1] != b[1] for a, b in zip(alone, batched)) or any(a[1] != s[1] for a, s in zip(alone, squeezed))
 
 
+DEFAULT_MODEL_PATHS = {  # dtype, GGUF weights kept quantized, compiled ops, --cpu-dense-weights, linear it runs
+    "bf16-dense-tiles": (torch.bfloat16, True, True, "on", "DenseTileLinear"),
+    "bf16-row-kernels": (torch.bfloat16, True, True, "off", "RowKernelLinear"),
+    "f32-row-kernels": (torch.float32, True, True, "off", "RowKernelLinear"),
+    "f32-reference": (torch.float32, False, False, "off", "RowTileLinear"),  # --quantization none --no-cpu-fused-ops
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dense_weights", ["on", "off"], ids=["dense-tiles", "row-kernels"])
-def test_default_model_greedy_output_is_identical_alone_batched_and_recomputed(dense_weights):
-    """The default GGUF file's group-quantized linears on both deterministic variants: dense copies in
-    fixed tiles, or the row kernel for every row."""
-    model, config = load_model(None, dtype=torch.bfloat16, progress=False, keep_quantized=True)
+@pytest.mark.parametrize("path", DEFAULT_MODEL_PATHS)
+def test_default_model_greedy_output_is_identical_alone_batched_and_recomputed(path):
+    """The default GGUF file on each deterministic variant: its group-quantized linears on dense copies in
+    fixed tiles or on the row kernel for every row, and the plain-torch float32 reference."""
+    dtype, keep_quantized, fused, dense_weights, linear_kind = DEFAULT_MODEL_PATHS[path]
+    model, config = load_model(None, dtype=dtype, progress=False, keep_quantized=keep_quantized)
     batch = prompts(config.vocab_size, count=4, seed=1)
-    alone, batched, squeezed = three_ways(model, config, torch.bfloat16, True, True, batch, dense_weights)
-    kinds = {type(module).__name__ for module in model.modules()}
-    assert ("DenseTileLinear" if dense_weights == "on" else "RowKernelLinear") in kinds
+    alone, batched, squeezed = three_ways(model, config, dtype, True, fused, batch, dense_weights)
+    assert linear_kind in {type(module).__name__ for module in model.modules()}
     assert batched == alone
     assert squeezed == alone
+
+
+@pytest.mark.slow
+def test_default_model_without_the_mode_batch_composition_changes_logprobs_and_tokens():
+    model, config = load_model(None, dtype=torch.bfloat16, progress=False, keep_quantized=True)
+    batch = prompts(config.vocab_size, count=4, seed=1)
+    alone, batched, squeezed = three_ways(model, config, torch.bfloat16, False, True, batch, "on")
+    assert any(a[1] != b[1] for a, b in zip(alone, batched))
+    flipped = sum(a[0] != b[0] for a, b in zip(alone, batched)) + sum(a[0] != s[0] for a, s in zip(alone, squeezed))
+    print(f"without --deterministic: {flipped} of 8 greedy outputs differ from the request's run alone")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
