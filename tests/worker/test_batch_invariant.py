@@ -37,8 +37,8 @@ def engine(model, config, dtype, deterministic: bool, fused: bool, num_blocks: i
                progress=False)
 
 
-def outputs(llm: LLM, batch: list[list[int]]) -> list[tuple[list[int], list[float]]]:
-    results = llm.generate(batch, PARAMS)
+def outputs(llm: LLM, batch: list[list[int]], params: SamplingParams = PARAMS) -> list[tuple[list[int], list[float]]]:
+    results = llm.generate(batch, params)
     return [([t for out in outs for t in out.new_token_ids], [lp.logprob for out in outs for lp in out.logprobs])
             for outs in results]
 
@@ -69,6 +69,20 @@ def test_tiny_model_greedy_output_is_identical_alone_batched_and_recomputed(tiny
     alone, batched, squeezed = three_ways(model, config, dtype, True, fused, batch)
     assert batched == alone, "tokens and logprobs (exact floats) of each request, batched vs alone"
     assert squeezed == alone, "chunked, preempted and recomputed vs alone"
+
+
+def test_seeded_sampling_repeats_alone_batched_and_recomputed(tiny):
+    """Identical logits make a seeded draw (noise from (seed, output index): worker.sampler) repeat too."""
+    model, config = load_model(tiny, dtype=torch.bfloat16, progress=False)
+    batch = prompts(config.vocab_size)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True, logprobs=0)
+    runs = []
+    for num_blocks, token_budget in ((256, 256), (24, 12)):
+        llm = engine(model, config, torch.bfloat16, True, True, num_blocks, token_budget)
+        runs.append(outputs(llm, batch, params))
+    llm = engine(model, config, torch.bfloat16, True, True, 256, 256)
+    runs.append([outputs(llm, [prompt], params)[0] for prompt in batch])
+    assert runs[0] == runs[1] == runs[2]
 
 
 def test_without_the_mode_batch_composition_changes_the_bits(tiny):
