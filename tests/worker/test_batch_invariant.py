@@ -13,9 +13,12 @@ from core.sampling import SamplingParams
 from tests.helpers.tiny_models import make_tiny_hf_model
 from tokenmill.llm import LLM, EngineConfig
 from worker.backends import ExecutionOptions, resolve_execution
-from worker.batch_invariant import ROW_TILE, RowTileLinear, plan_batch_invariant_attention, token_spans
+from worker.batch_invariant import (ROW_TILE, DenseTileLinear, RowTileLinear, plan_batch_invariant_attention,
+                                    token_spans)
 from worker.attention import RequestSpan
 from worker.cpu_linear import PackedLinear
+from worker.dense_weights import dense_weight_for
+from worker.group_quant import GroupQuantLinear, quantize_weight
 from worker.loader import load_model
 from worker.model_runner import ModelRunner
 
@@ -125,17 +128,29 @@ def test_default_model_without_the_mode_batch_composition_changes_logprobs_and_t
     print(f"without --deterministic: {flipped} of 8 greedy outputs differ from the request's run alone")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_tile_linear_gives_each_row_the_same_bits_whatever_the_row_count(dtype):
+def tiled_linears(dtype: torch.dtype) -> list[torch.nn.Module]:
     torch.manual_seed(0)
     plain = torch.nn.Linear(576, 1536, bias=False).to(dtype)
-    linears = [RowTileLinear(plain)] + ([RowTileLinear(PackedLinear(plain))] if dtype == torch.float32 else [])
-    x = torch.randn(3 * ROW_TILE + 5, 576, dtype=dtype)
-    for linear in linears:
+    quantized = GroupQuantLinear(quantize_weight(torch.randn(1536, 576), 4))
+    quantized.dense_weight = dense_weight_for(quantized, dtype)
+    packed = [RowTileLinear(PackedLinear(plain))] if dtype == torch.float32 else []
+    return [RowTileLinear(plain), DenseTileLinear(quantized), *packed]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_linears_give_each_row_the_same_bits_whatever_the_rows_and_threads(dtype):
+    x = torch.randn(3 * ROW_TILE + 5, 576).to(dtype)
+    threads = torch.get_num_threads()
+    for linear in tiled_linears(dtype):
         every_row = linear(x)
         for count in (1, 2, ROW_TILE - 1, ROW_TILE, ROW_TILE + 3):
             for start in (0, 5):
                 assert torch.equal(linear(x[start : start + count]), every_row[start : start + count])
+        try:
+            torch.set_num_threads(1)  # the worker's thread governor drops to one thread under contention
+            assert torch.equal(linear(x), every_row)
+        finally:
+            torch.set_num_threads(threads)
 
 
 def test_token_spans_make_every_prefill_token_a_decode_row():
