@@ -61,7 +61,7 @@ def stream_once(stub, num_tokens: int) -> tuple[float, float]:
 def hammer(http_address: str, num_heavy: int, stop: threading.Event, answers: list) -> None:
     """num_heavy clients, each sending a new heavy constraint as soon as the last was answered, until stop."""
     def send(index: int) -> None:
-        nonce = index * 1_000_000
+        nonce = (os.getpid() * 100 + index) * 1_000_000  # new grammars in every run: no cached verdict helps
         while not stop.is_set():
             nonce += 1
             body = json.dumps({"prompt": "hi", "max_tokens": 4, "guided_grammar": heavy_grammar(index, nonce)}).encode()
