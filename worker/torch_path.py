@@ -4,6 +4,7 @@ It runs on any device, and is the CPU path: float32 linears on weights reordered
 (worker.cpu_linear, when the resolved options say so), the decoder's small ops and decode attention on
 the pages in place as compiled ops (worker.fused_ops; without them, decode attention batched through
 one reused gather workspace, worker.attention). Sampling is worker.sampler on the logits' device.
+--deterministic swaps in worker.batch_invariant's linears and attention plan here, once.
 """
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ class TorchPath:
         set_batch_invariant(model, execution.deterministic)
         self.plan_attention = plan_batch_invariant_attention if execution.deterministic else plan_attention
         if execution.deterministic:
-            log.info("deterministic: row-kernel / fixed-tile linears, every query token through the decode attention")
+            log.info("deterministic: linears in fixed 16-row tiles or on the row kernel, every query token through "
+                     "the decode attention (worker.batch_invariant)")
         # spinning OpenMP threads beside another busy process: one thread until the cores are free again
         self.thread_governor = (ThreadGovernor(torch.get_num_threads()) if torch.device(device).type == "cpu"
                                 else None)
