@@ -1,8 +1,9 @@
 """Deterministic mode on a real cluster (tiny random model, --deterministic): 16 concurrent greedy streams,
 the worker (then the scheduler) killed with -9 mid-generation and restarted by the supervisor, every
 request re-queued (re-admitted) and recomputed in batches of another composition, and all 16 outputs
-identical to an undisturbed run (each request alone). bfloat16: without --deterministic the same test fails on this model (7 of 16 streams
-differed in one run; in float32 the tiny model's tokens happened not to flip)."""
+identical to an undisturbed run (each request alone). bfloat16: without --deterministic both tests fail on
+this model (7 of 16 streams differed after the worker kill, 3 of 16 after the scheduler kill, in one run
+each; in float32 the tiny model's tokens happened not to flip)."""
 from __future__ import annotations
 
 import asyncio
