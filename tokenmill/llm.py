@@ -42,6 +42,7 @@ class EngineConfig:
     cpu_int8_activations: bool = False  # worker.backends.ExecutionOptions
     cpu_fused_ops: bool = True  # worker.backends.ExecutionOptions; False: the plain-torch reference
     cpu_dense_weights: str = "auto"  # worker.backends.ExecutionOptions (worker.dense_weights)
+    deterministic: bool = False  # worker.backends.ExecutionOptions: batch-invariant kernels (worker.batch_invariant)
     # a model whose every layer slides: give back each request's pages before its window (scheduler.kv_manager)
     free_window_pages: bool = True
 
@@ -49,7 +50,8 @@ class EngineConfig:
         return ExecutionOptions(kernel_backend=self.kernel_backend, quantization=self.quantization,
                                 cuda_graphs=self.cuda_graphs, stream_overlap=self.stream_overlap,
                                 packed_linears=self.packed_linears, cpu_int8_activations=self.cpu_int8_activations,
-                                cpu_fused_ops=self.cpu_fused_ops, cpu_dense_weights=self.cpu_dense_weights)
+                                cpu_fused_ops=self.cpu_fused_ops, cpu_dense_weights=self.cpu_dense_weights,
+                                deterministic=self.deterministic)
 
 
 def scheduler_config_for(config: EngineConfig, num_blocks: int, model_max_len: int, num_host_blocks: int = 0,

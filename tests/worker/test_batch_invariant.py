@@ -183,3 +183,14 @@ def test_serve_passes_the_flag_to_the_worker_which_parses_it():
     parser = argparse.ArgumentParser()
     add_execution_flags(parser)
     assert execution_options_from_args(parser.parse_args(["--batch-invariant"])).deterministic
+
+
+def test_the_in_process_engine_takes_the_mode_from_its_config(tiny):
+    """EngineConfig(deterministic=True) builds its runner in the mode: batched equals alone, to the bit."""
+    def config_engine() -> LLM:
+        return LLM(EngineConfig(model=str(tiny), dtype="bfloat16", block_size=BLOCK_SIZE, deterministic=True,
+                                max_num_batched_tokens=256, max_num_seqs=16), progress=False)
+    llm = config_engine()
+    batch = prompts(llm.model_config.vocab_size)
+    alone = [outputs(llm, [prompt])[0] for prompt in batch]
+    assert outputs(config_engine(), batch) == alone
