@@ -157,6 +157,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Prometheus /metrics of the gateway; 0 picks a free port (default: %(default)s)")
     parser.add_argument("--scheduler-metrics-port", type=PORT, default=9401, help="(default: %(default)s)")
     parser.add_argument("--worker-metrics-port", type=PORT, default=9402, help="(default: %(default)s)")
+    parser.add_argument("--supervisor-metrics-port", type=PORT, default=9403,
+                        help="this process's own /metrics: each child up, its restarts, and whether it is "
+                             "crash-looping (default: %(default)s)")
     parser.add_argument("--startup-timeout-s", type=_ranged(float, 0.0, low_open=True, what="> 0"), default=300.0,
                         help="how long each component may take to become ready (default: %(default)s)")
     parser.add_argument("--grace-period-s", type=NON_NEGATIVE_FLOAT, default=10.0,
@@ -334,6 +337,10 @@ def serve(args: argparse.Namespace) -> int:
             port = getattr(config, f"{name}_metrics_port")
             if port is not None and port_in_use(f"{config.host}:{port}"):
                 raise PortInUse(f"{name} metrics", f"{config.host}:{port}", f"--{name}-metrics-port (or --no-metrics)")
+        supervisor_metrics_port = None if args.no_metrics else args.supervisor_metrics_port
+        if supervisor_metrics_port and port_in_use(f"{config.host}:{supervisor_metrics_port}"):
+            raise PortInUse("supervisor metrics", f"{config.host}:{supervisor_metrics_port}",
+                            "--supervisor-metrics-port (or --no-metrics)")
     except SupervisorError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -348,6 +355,9 @@ def serve(args: argparse.Namespace) -> int:
         if config.gateway_metrics_port is not None:
             rows.append(("metrics", ", ".join(f"http://{config.host}:{port}/metrics" for port in (
                 config.gateway_metrics_port, config.scheduler_metrics_port, config.worker_metrics_port))))
+        if metrics_server is not None:
+            rows.append(("children", f"http://{config.host}:{metrics_server.server_port}/metrics  (up, restarts, "
+                                     "crash-looping)"))
         tls_flags = ""
         if config.tls:
             tls_flags = f" --tls-ca {config.tls.ca}" + (
@@ -360,7 +370,16 @@ def serve(args: argparse.Namespace) -> int:
         print("\n".join(f"{name:<10} {address}" for name, address in rows))
         print(ready, flush=True)
 
-    return run_until_stopped(supervisor, on_ready)
+    metrics_server = None
+    if supervisor_metrics_port is not None:
+        from tokenmill.supervisor_metrics import serve_supervisor_metrics
+
+        metrics_server = serve_supervisor_metrics(supervisor, config.host, supervisor_metrics_port)
+    try:
+        return run_until_stopped(supervisor, on_ready)
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
 
 
 def serve_security_options(args: argparse.Namespace) -> dict:

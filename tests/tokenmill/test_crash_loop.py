@@ -118,3 +118,27 @@ def test_a_child_that_dies_before_its_first_ready_still_ends_start_despite_its_r
     assert (raised.value.name, raised.value.during_startup) == ("gateway", True)
     assert "cannot bind 0.0.0.0:50051" in str(raised.value)
     assert not supervisor.children["worker"].alive
+
+
+def test_the_supervisor_metrics_report_the_crash_looping_child(tmp_path):
+    """tokenmill serve's own /metrics (--supervisor-metrics-port): the looping child's flag and restarts,
+    the healthy one up, scraped over HTTP while the loop goes on."""
+    import urllib.request
+
+    from tokenmill.supervisor_metrics import serve_supervisor_metrics
+
+    supervisor, trigger, _ = crash_looping_gateway_and_healthy_worker(tmp_path)
+    with supervisor:
+        server = serve_supervisor_metrics(supervisor, "127.0.0.1", 0)
+        try:
+            trigger.touch()
+            wait_for(lambda: supervisor.child_states()["gateway"].crash_looping, supervisor)
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/metrics", timeout=10) as response:
+                lines = response.read().decode().splitlines()
+        finally:
+            server.shutdown()
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("tokenmill:")}
+    assert samples['tokenmill:child_crash_looping{child="gateway"}'] == 1.0
+    assert samples['tokenmill:child_restarts_total{child="gateway"}'] > LOOP.max_restarts
+    assert samples['tokenmill:child_crash_looping{child="worker"}'] == 0.0
+    assert samples['tokenmill:child_up{child="worker"}'] == 1.0
