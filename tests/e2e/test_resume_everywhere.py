@@ -259,3 +259,100 @@ async def test_an_orphaned_resumable_request_is_aborted_after_the_timeout_and_a_
     assert orphan[b"status"] == b"cancelled" and int(orphan[b"num_output_tokens"]) < 3000, orphan
     assert redis_tokens(config, "orphan")[1] == [b"ABORT"]
     assert await wait_until(lambda: generate_ok(config.gateway_address), 30, "still serving")
+
+
+def second_gateway(config) -> tuple[ChildSpec, int, int]:
+    grpc_port, http_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    spec = ChildSpec("gateway-2", [sys.executable, "-m", "gateway.main", "--port", str(grpc_port),
+                                   "--http-port", str(http_port), "--scheduler", config.scheduler_address,
+                                   "--model", config.model],
+                     GENERATION_SERVICE, f"127.0.0.1:{grpc_port}", env={"TOKENMILL_REDIS_URL": config.effective_redis_url})
+    return spec, grpc_port, http_port
+
+
+async def grpc_until_cut(stub, index: int, progress: dict) -> list[int]:
+    """A gRPC stream's token ids until its gateway dies under it (UNAVAILABLE)."""
+    ids = []
+    try:
+        async for message in stub.GenerateStream(request(f"gw {index}", TOKENS, f"gw-grpc-{index}"), timeout=180):
+            ids += list(message.token_ids)
+            progress[("grpc", index)] = len(ids)
+    except grpc.aio.AioRpcError as error:
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+    return ids
+
+
+async def sse_until_cut(session, url: str, index: int, progress: dict) -> tuple[str, list[str]]:
+    """An SSE stream's text and event ids until its gateway dies under it."""
+    text, ids = "", []
+    try:
+        async with session.post(url, json=completion(f"gw {index}"), headers={"X-Request-Id": f"gw-sse-{index}"},
+                                timeout=aiohttp.ClientTimeout(total=180)) as response:
+            async for raw in response.content:
+                line = raw.decode().rstrip("\n")
+                if line.startswith("id: "):
+                    ids.append(line[4:])
+                    progress[("sse", index)] = int(line.rpartition(":")[2])
+                elif line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+    except aiohttp.ClientError:
+        pass  # the connection died with the gateway
+    return text, ids
+
+
+async def test_a_gateway_killed_under_16_streams_per_api_every_client_continues_on_another(cluster):
+    """kill -9 of a gateway under 16 gRPC streams, 16 SSE streams and 16 whole-text HTTP requests: each
+    client continues on the other gateway at once (gRPC resume_from_index, SSE Last-Event-ID, the same
+    X-Request-Id and body re-POSTed) and ends with the request's full output, nothing lost or repeated.
+    KServe has no way to name a request again (its ids are the client's correlation ids, reused freely),
+    so a KServe stream cut by its gateway's death ends with the connection: docs/reliability.md."""
+    config, _ = cluster
+    spec, grpc_port, http_port = second_gateway(config)
+    dying_url, url = f"http://127.0.0.1:{http_port}/v1/completions", f"http://{config.http_address}/v1/completions"
+    progress: dict = {}
+    with Supervisor([spec], echo=False, startup_timeout_s=120) as gateways:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as dying, \
+                grpc.aio.insecure_channel(config.gateway_address) as channel, aiohttp.ClientSession() as session:
+            dying_stub, stub = generation_pb2_grpc.GenerationStub(dying), generation_pb2_grpc.GenerationStub(channel)
+            whole_body = lambda index: {**completion(f"gw {index}"), "stream": False}  # noqa: E731
+            cut = [asyncio.ensure_future(call) for index in range(NUM_STREAMS) for call in (
+                grpc_until_cut(dying_stub, index, progress), sse_until_cut(session, dying_url, index, progress),
+                session.post(dying_url, json=whole_body(index), headers={"X-Request-Id": f"gw-http-{index}"},
+                             timeout=aiohttp.ClientTimeout(total=180)))]
+            await wait_until(lambda: asyncio.sleep(0, len(progress) == 2 * NUM_STREAMS and min(progress.values()) >= 3),
+                             60, "every stream's first tokens", interval_s=0.01)
+            kill9(gateways, "gateway-2")
+            results = await asyncio.gather(*cut, return_exceptions=True)
+
+            async def grpc_rest(index: int, ids: list[int]) -> list[int]:
+                message = request(f"gw {index}", TOKENS, f"gw-grpc-{index}")
+                message.resume_from_index = len(ids)
+                return ids + [t async for m in stub.GenerateStream(message, timeout=180) for t in m.token_ids]
+
+            async def sse_rest(text: str, ids: list[str], index: int) -> tuple[str, list[str], str | None, bool]:
+                async with session.post(url, json=completion(f"gw {index}"), headers={"Last-Event-ID": ids[-1]},
+                                        timeout=aiohttp.ClientTimeout(total=180)) as response:
+                    assert response.status == 200, await response.text()
+                    rest, rest_ids, finish, done = await read_sse(response)
+                return text + rest, rest_ids, finish, done
+
+            async def http_again(index: int) -> dict:
+                async with session.post(url, json=whole_body(index), headers={"X-Request-Id": f"gw-http-{index}"},
+                                        timeout=aiohttp.ClientTimeout(total=180)) as response:
+                    assert response.status == 200, await response.text()
+                    return await response.json()
+
+            finished = await asyncio.gather(*(
+                grpc_rest(index, results[3 * index]) for index in range(NUM_STREAMS)), *(
+                sse_rest(*results[3 * index + 1], index) for index in range(NUM_STREAMS)), *(
+                http_again(index) for index in range(NUM_STREAMS)))
+            for index in range(NUM_STREAMS):
+                ids = finished[index]
+                assert ids == redis_tokens(config, f"gw-grpc-{index}")[0] and len(ids) == TOKENS, f"gRPC {index}"
+                text, rest_ids, finish, done = finished[NUM_STREAMS + index]
+                assert done and finish == "length" and rest_ids[-1] == f"gw-sse-{index}:{TOKENS}", f"SSE {index}"
+                assert text == await replayed_text(stub, f"gw-sse-{index}", f"gw {index}"), f"SSE {index} text"
+                reply = finished[2 * NUM_STREAMS + index]
+                assert reply["usage"]["completion_tokens"] == TOKENS, f"HTTP {index}"
+                assert reply["choices"][0]["text"] == await replayed_text(stub, f"gw-http-{index}", f"gw {index}")
+    assert max(progress[("grpc", i)] for i in range(NUM_STREAMS)) < TOKENS, "killed mid-stream"
