@@ -88,19 +88,20 @@ def completion(prompt: str, max_tokens: int = TOKENS) -> dict:
     return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
 
 
-async def grpc_stream(stub, index: int, progress: dict) -> tuple[list[int], str, int]:
+async def grpc_stream(stub, index: int, progress: dict, victim: str) -> tuple[list[int], str, int]:
     ids, text, finish = [], "", 0
-    async for message in stub.GenerateStream(request(f"stream {index}", TOKENS, f"kill-grpc-{index}"), timeout=180):
+    async for message in stub.GenerateStream(request(f"stream {index}", TOKENS, f"kill-{victim}-grpc-{index}"),
+                                             timeout=180):
         ids, text, finish = ids + list(message.token_ids), text + message.text, message.finish_reason or finish
         progress[("grpc", index)] = len(ids)
     return ids, text, finish
 
 
-async def http_stream(session, url: str, index: int, progress: dict):
+async def http_stream(session, url: str, index: int, progress: dict, victim: str):
     def seen(ids):
         progress[("http", index)] = int(ids[-1].rpartition(":")[2]) if ids else 0
 
-    async with session.post(url, json=completion(f"stream {index}"), headers={"X-Request-Id": f"kill-http-{index}"},
+    async with session.post(url, json=completion(f"stream {index}"), headers={"X-Request-Id": f"kill-{victim}-http-{index}"},
                             timeout=aiohttp.ClientTimeout(total=180)) as response:
         assert response.status == 200, await response.text()
         return await read_sse(response, seen)
@@ -136,7 +137,11 @@ def stream_keys(config) -> set[str]:
         return {key.decode().removeprefix("tokenmill:tokens:") for key in client.scan_iter("tokenmill:tokens:*")}
 
 
-async def test_a_scheduler_killed_under_16_streams_per_api_every_stream_goes_on_to_its_full_output(cluster):
+@pytest.mark.parametrize("victim", ["scheduler", "worker"])
+async def test_a_scheduler_or_worker_killed_under_16_streams_per_api_every_stream_goes_on_to_its_full_output(
+        cluster, victim):
+    """The scheduler: re-admitted from Redis, each stream followed there by its gateway. The worker: the
+    scheduler recomputes its running requests on the restarted worker; the streams never break."""
     from tritonclient.grpc import service_pb2, service_pb2_grpc  # tritonclient's stubs, as tests/gateway do
 
     config, supervisor = cluster
@@ -146,7 +151,7 @@ async def test_a_scheduler_killed_under_16_streams_per_api_every_stream_goes_on_
         stub, kserve = generation_pb2_grpc.GenerationStub(channel), service_pb2_grpc.GRPCInferenceServiceStub(channel)
         model = (await stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=10)).model_config.name
         streams = [asyncio.ensure_future(call) for index in range(NUM_STREAMS) for call in (
-            grpc_stream(stub, index, progress), http_stream(session, url, index, progress),
+            grpc_stream(stub, index, progress, victim), http_stream(session, url, index, progress, victim),
             kserve_stream(kserve, kserve_request(service_pb2, model, index), index, progress))]
 
         async def all_streaming():
@@ -156,26 +161,26 @@ async def test_a_scheduler_killed_under_16_streams_per_api_every_stream_goes_on_
             return len(progress) == 3 * NUM_STREAMS and min(progress.values()) >= 3
 
         await wait_until(all_streaming, 60, "every stream's first tokens", interval_s=0.01)
-        kill9(supervisor, "scheduler")
+        kill9(supervisor, victim)
         at_kill = dict(progress)
         grpc_results, http_results, kserve_results = [], [], []
         for number, result in enumerate(await asyncio.gather(*streams)):
             (grpc_results, http_results, kserve_results)[number % 3].append(result)
         assert max(count for (api, _), count in at_kill.items() if api != "kserve") < TOKENS, "killed mid-stream"
         for index, (ids, text, finish) in enumerate(grpc_results):
-            streamed, finishes = redis_tokens(config, f"kill-grpc-{index}")
+            streamed, finishes = redis_tokens(config, f"kill-{victim}-grpc-{index}")
             assert ids == streamed and len(ids) == TOKENS, f"gRPC stream {index}: lost or repeated tokens"
             assert finish == common_pb2.FINISH_REASON_LENGTH and finishes == [b"LENGTH"]
         for index, (text, ids, finish, done) in enumerate(http_results):
-            assert done and finish == "length" and ids[-1] == f"kill-http-{index}:{TOKENS}", (index, ids[-3:])
-            assert text == await replayed_text(stub, f"kill-http-{index}", f"stream {index}"), f"HTTP stream {index}"
-        kserve_ids = stream_keys(config) - before - {f"kill-{api}-{i}" for api in ("grpc", "http")
+            assert done and finish == "length" and ids[-1] == f"kill-{victim}-http-{index}:{TOKENS}", (index, ids[-3:])
+            assert text == await replayed_text(stub, f"kill-{victim}-http-{index}", f"stream {index}"), f"HTTP {index}"
+        kserve_ids = stream_keys(config) - before - {f"kill-{victim}-{api}-{i}" for api in ("grpc", "http")
                                                        for i in range(NUM_STREAMS)}
         assert len(kserve_ids) == NUM_STREAMS, "KServe streams run under fresh resumable ids"
         replayed = [await replayed_text(stub, request_id, "stream") for request_id in kserve_ids]
         assert collections.Counter(text for text, _ in kserve_results) == collections.Counter(replayed)
         assert all(final.parameters["completion_tokens"].int64_param == TOKENS for _, final in kserve_results)
-    assert supervisor.pid("scheduler") is not None
+    assert supervisor.pid(victim) is not None
 
 
 async def test_an_sse_client_reconnects_with_last_event_id_to_another_gateway_and_continues(cluster):
