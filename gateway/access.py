@@ -20,6 +20,7 @@ from aiohttp import web
 from gateway.api_keys import ApiKey, ApiKeyStore, load_api_keys
 from gateway.rate_limit import ANONYMOUS, RateLimiter
 from core.errors import ServingError
+from plumbing.handlers import with_behavior
 from plumbing.rpc import abort_with_status
 
 # gRPC methods (full names start with "/service/") that need no key: health checks (KServe's own
@@ -73,16 +74,8 @@ def _refusing(handler: grpc.RpcMethodHandler, refusal: ServingError, method: str
         await abort_with_status(context, refusal, method)
         yield  # never reached: makes this an async generator, as a streaming handler must be
 
-    if handler.unary_unary:
-        make, behavior = grpc.unary_unary_rpc_method_handler, refuse_unary
-    elif handler.unary_stream:
-        make, behavior = grpc.unary_stream_rpc_method_handler, refuse_stream
-    elif handler.stream_unary:
-        make, behavior = grpc.stream_unary_rpc_method_handler, refuse_unary
-    else:
-        make, behavior = grpc.stream_stream_rpc_method_handler, refuse_stream
-    return make(behavior, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+    streams = bool(handler.unary_stream or handler.stream_stream)
+    return with_behavior(handler, refuse_stream if streams else refuse_unary)
 
 
 def access_middleware(access: AccessControl, skip: Callable[[], bool] = lambda: False):

@@ -16,14 +16,13 @@ still cancel a request on a draining scheduler.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from collections.abc import Iterable
-from typing import Any
 
 import grpc
 
 from core.errors import Unavailable
+from plumbing.handlers import run_inside
 
 logger = logging.getLogger(__name__)
 
@@ -93,20 +92,4 @@ class DrainInterceptor(grpc.aio.ServerInterceptor):
         return self._wrap(handler, method)
 
     def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        kinds = (("unary_unary", grpc.unary_unary_rpc_method_handler),
-                 ("unary_stream", grpc.unary_stream_rpc_method_handler),
-                 ("stream_unary", grpc.stream_unary_rpc_method_handler),
-                 ("stream_stream", grpc.stream_stream_rpc_method_handler))
-        kind, make = next((name, make) for name, make in kinds if getattr(handler, name))
-        behavior = getattr(handler, kind)
-        if inspect.isasyncgenfunction(behavior):
-            async def wrapped(request: Any, context):
-                with self._admit(method):
-                    async for response in behavior(request, context):
-                        yield response
-        else:
-            async def wrapped(request: Any, context):
-                with self._admit(method):
-                    return await behavior(request, context)
-        return make(wrapped, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)
+        return run_inside(handler, lambda context: self._admit(method))

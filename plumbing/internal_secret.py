@@ -29,6 +29,7 @@ import grpc
 from core.errors import Unauthenticated
 from plumbing import keepalive
 from plumbing import tls as tls_config
+from plumbing.handlers import run_inside
 from plumbing.peer_roles import OPEN_METHOD_PREFIXES
 
 logger = logging.getLogger(__name__)
@@ -106,19 +107,10 @@ def _sent_secret(metadata) -> str | None:
 
 def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same kind that raises Unauthenticated (rpc.ErrorStatusInterceptor maps it)."""
-    if handler.unary_unary or handler.stream_unary:
-        async def refuse(request, context):
-            raise Unauthenticated(message)
-    else:
-        async def refuse(request, context):  # an async generator, as the streaming handlers are
-            raise Unauthenticated(message)
-            yield  # never reached: it makes this an async generator
-    kinds = (("unary_unary", grpc.unary_unary_rpc_method_handler), ("unary_stream", grpc.unary_stream_rpc_method_handler),
-             ("stream_unary", grpc.stream_unary_rpc_method_handler),
-             ("stream_stream", grpc.stream_stream_rpc_method_handler))
-    make = next(make for name, make in kinds if getattr(handler, name))
-    return make(refuse, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+    def refuse(context: grpc.aio.ServicerContext):
+        raise Unauthenticated(message)
+
+    return run_inside(handler, refuse)
 
 
 def interceptors(secret: str | None, server_name: str) -> list[grpc.aio.ServerInterceptor]:

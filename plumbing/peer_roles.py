@@ -15,8 +15,8 @@ check_internal_exposure() stops a process that would listen elsewhere unless --i
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
-import inspect
 import ipaddress
 import logging
 from collections.abc import Iterable
@@ -24,6 +24,7 @@ from collections.abc import Iterable
 import grpc
 
 from core.errors import PermissionDenied
+from plumbing.handlers import run_inside
 
 logger = logging.getLogger(__name__)
 
@@ -69,28 +70,15 @@ class PeerRoleInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _guarded(handler: grpc.RpcMethodHandler, admit) -> grpc.RpcMethodHandler:
-    kinds = (("unary_unary", grpc.unary_unary_rpc_method_handler), ("unary_stream", grpc.unary_stream_rpc_method_handler),
-             ("stream_unary", grpc.stream_unary_rpc_method_handler),
-             ("stream_stream", grpc.stream_stream_rpc_method_handler))
-    kind, make = next((name, make) for name, make in kinds if getattr(handler, name))
-    behavior = getattr(handler, kind)
-    if inspect.isasyncgenfunction(behavior):
-        async def checked(request, context):
-            token = _current_roles.set(admit(context))
-            try:
-                async for response in behavior(request, context):
-                    yield response
-            finally:
-                _current_roles.reset(token)
-    else:
-        async def checked(request, context):
-            token = _current_roles.set(admit(context))
-            try:
-                return await behavior(request, context)
-            finally:
-                _current_roles.reset(token)
-    return make(checked, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+    @contextlib.contextmanager
+    def admitted(context: grpc.aio.ServicerContext):
+        token = _current_roles.set(admit(context))  # admit raises PermissionDenied before the servicer runs
+        try:
+            yield
+        finally:
+            _current_roles.reset(token)
+
+    return run_inside(handler, admitted)
 
 
 def interceptors(server_tls, allowed_roles: Iterable[str], server_name: str) -> list[grpc.aio.ServerInterceptor]:

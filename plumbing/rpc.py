@@ -28,6 +28,7 @@ from opentelemetry import trace
 
 from core import errors
 from plumbing import keepalive
+from plumbing.handlers import behavior_of, with_behavior
 from plumbing.telemetry import metrics
 from plumbing.telemetry.span_policies import record_error
 
@@ -123,15 +124,7 @@ class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-    if handler.unary_unary:
-        make, behavior = grpc.unary_unary_rpc_method_handler, handler.unary_unary
-    elif handler.unary_stream:
-        make, behavior = grpc.unary_stream_rpc_method_handler, handler.unary_stream
-    elif handler.stream_unary:
-        make, behavior = grpc.stream_unary_rpc_method_handler, handler.stream_unary
-    else:
-        make, behavior = grpc.stream_stream_rpc_method_handler, handler.stream_stream
-
+    behavior = behavior_of(handler)
     streaming_requests = bool(handler.stream_unary or handler.stream_stream)
 
     if inspect.isasyncgenfunction(behavior):
@@ -160,11 +153,7 @@ def _wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethod
         # tokenmill has none, so it is left as is rather than wrapped wrongly.
         return handler
 
-    return make(
-        wrapped,
-        request_deserializer=_tolerant(handler.request_deserializer),
-        response_serializer=handler.response_serializer,
-    )
+    return with_behavior(handler, wrapped, request_deserializer=_tolerant(handler.request_deserializer))
 
 
 class _Undecodable:
