@@ -183,13 +183,18 @@ async def test_a_scheduler_or_worker_killed_under_16_streams_per_api_every_strea
     assert supervisor.pid(victim) is not None
 
 
+def second_gateway(config) -> tuple[ChildSpec, int, int]:
+    grpc_port, http_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    spec = ChildSpec("gateway-2", [sys.executable, "-m", "gateway.main", "--port", str(grpc_port),
+                                   "--http-port", str(http_port), "--scheduler", config.scheduler_address,
+                                   "--model", config.model],
+                     GENERATION_SERVICE, f"127.0.0.1:{grpc_port}", env={"TOKENMILL_REDIS_URL": config.effective_redis_url})
+    return spec, grpc_port, http_port
+
+
 async def test_an_sse_client_reconnects_with_last_event_id_to_another_gateway_and_continues(cluster):
     config, supervisor = cluster
-    grpc_port, http_port = free_port("127.0.0.1"), free_port("127.0.0.1")
-    second = ChildSpec("gateway-2", [sys.executable, "-m", "gateway.main", "--port", str(grpc_port),
-                                     "--http-port", str(http_port), "--scheduler", config.scheduler_address,
-                                     "--model", config.model],
-                       GENERATION_SERVICE, f"127.0.0.1:{grpc_port}", env={"TOKENMILL_REDIS_URL": config.effective_redis_url})
+    second, _, http_port = second_gateway(config)
     body = completion("Reconnect me", 600)
     with Supervisor([second], echo=False, startup_timeout_s=120) as gateways:
         async with aiohttp.ClientSession() as session:
@@ -264,15 +269,6 @@ async def test_an_orphaned_resumable_request_is_aborted_after_the_timeout_and_a_
     assert orphan[b"status"] == b"cancelled" and int(orphan[b"num_output_tokens"]) < 3000, orphan
     assert redis_tokens(config, "orphan")[1] == [b"ABORT"]
     assert await wait_until(lambda: generate_ok(config.gateway_address), 30, "still serving")
-
-
-def second_gateway(config) -> tuple[ChildSpec, int, int]:
-    grpc_port, http_port = free_port("127.0.0.1"), free_port("127.0.0.1")
-    spec = ChildSpec("gateway-2", [sys.executable, "-m", "gateway.main", "--port", str(grpc_port),
-                                   "--http-port", str(http_port), "--scheduler", config.scheduler_address,
-                                   "--model", config.model],
-                     GENERATION_SERVICE, f"127.0.0.1:{grpc_port}", env={"TOKENMILL_REDIS_URL": config.effective_redis_url})
-    return spec, grpc_port, http_port
 
 
 async def grpc_until_cut(stub, index: int, progress: dict) -> list[int]:
