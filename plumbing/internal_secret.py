@@ -30,7 +30,7 @@ from core.errors import Unauthenticated
 from plumbing import keepalive
 from plumbing import tls as tls_config
 from plumbing.handlers import run_inside
-from plumbing.peer_roles import OPEN_METHOD_PREFIXES
+from plumbing.peer_roles import ClosedMethodsInterceptor
 
 logger = logging.getLogger(__name__)
 
@@ -77,19 +77,15 @@ def secret_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
 # -- the server's check ----------------------------------------------------------------------------------
 
-class InternalSecretInterceptor(grpc.aio.ServerInterceptor):
+class InternalSecretInterceptor(ClosedMethodsInterceptor):
     """Refuses (UNAUTHENTICATED) every call without the secret, except health and reflection."""
 
     def __init__(self, secret: str, server_name: str) -> None:
         self._secret = secret.encode()
         self.server_name = server_name  # "scheduler", for messages
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or method.startswith(OPEN_METHOD_PREFIXES):
-            return handler
-        sent = _sent_secret(handler_call_details.invocation_metadata)
+    def guard(self, handler: grpc.RpcMethodHandler, method: str, metadata) -> grpc.RpcMethodHandler:
+        sent = _sent_secret(metadata)
         if sent is not None and hmac.compare_digest(sent.encode(), self._secret):
             return handler
         carried = "none" if sent is None else "a different one"

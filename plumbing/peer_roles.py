@@ -46,16 +46,27 @@ def certificate_roles(context: grpc.aio.ServicerContext) -> frozenset[str]:
                      if uri.decode(errors="replace").startswith(ROLE_URI_PREFIX))
 
 
-class PeerRoleInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, allowed_roles: Iterable[str], server_name: str) -> None:
-        self.allowed_roles = frozenset(allowed_roles)
-        self.server_name = server_name  # "scheduler", for messages
+class ClosedMethodsInterceptor(grpc.aio.ServerInterceptor):
+    """Checks every call but health and reflection (OPEN_METHOD_PREFIXES): a subclass's guard(handler,
+    method, metadata) returns the handler to run, the original or one that refuses."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or method.startswith(OPEN_METHOD_PREFIXES):
             return handler
+        return self.guard(handler, method, handler_call_details.invocation_metadata)
+
+    def guard(self, handler: grpc.RpcMethodHandler, method: str, metadata) -> grpc.RpcMethodHandler:
+        raise NotImplementedError
+
+
+class PeerRoleInterceptor(ClosedMethodsInterceptor):
+    def __init__(self, allowed_roles: Iterable[str], server_name: str) -> None:
+        self.allowed_roles = frozenset(allowed_roles)
+        self.server_name = server_name  # "scheduler", for messages
+
+    def guard(self, handler: grpc.RpcMethodHandler, method: str, metadata) -> grpc.RpcMethodHandler:
         return _guarded(handler, lambda context: self._admit(context, method))
 
     def _admit(self, context: grpc.aio.ServicerContext, method: str) -> frozenset[str]:
