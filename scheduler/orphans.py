@@ -4,7 +4,7 @@ A resumable request runs on when its Submit call goes away (its gateway died; or
 restarted and re-admitted it, scheduler.readmission), so that a client can resume it by id through
 any gateway. If none does, it would decode to max_tokens for nobody, holding KV pages and batch slots.
 A gateway that follows such a request from its Redis token stream (a client's resume, or its own
-stream going on after a scheduler restart: gateway.resume) keeps the request's follower key alive
+stream going on after a scheduler restart: gateway.generation.resume) keeps the request's follower key alive
 (kvstore.followers). Every check (a quarter of the timeout, at most a second) this aborts each request
 that has been without its call for the timeout and whose follower key is absent; a followed one starts
 a new timeout. Its record ends cancelled and its token stream's last entry says ABORT.
@@ -32,9 +32,6 @@ from kvstore.followers import Followers
 
 logger = logging.getLogger(__name__)
 _READ_TIMEOUT_S = 2.0
-# The default --orphan-timeout-s: long enough for a client whose gateway died to reconnect through another
-# (and for a gateway to follow a request again after its scheduler restarted)
-ORPHAN_TIMEOUT_S = 60.0
 
 
 def start_orphan_reaper(loop, redis_url: str, timeout_s: float) -> OrphanReaper | None:
