@@ -13,7 +13,7 @@ from aiohttp import web
 
 from plumbing.telemetry.logs import set_service
 from plumbing.telemetry.metrics import REGISTRY, VLLM_REGISTRY, register_owned
-from plumbing.telemetry.tracing import setup_tracing
+from plumbing.telemetry.tracing_setup import setup_tracing
 
 logger = logging.getLogger(__name__)
 

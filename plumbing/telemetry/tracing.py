@@ -44,57 +44,12 @@ def tracing_requested(environ: Mapping[str, str] = os.environ) -> bool:
     return bool(endpoint) or exporter == "otlp"
 
 
-def setup_tracing(service_name: str, environ: Mapping[str, str] = os.environ) -> bool:
-    """Installs the SDK tracer provider with an OTLP/gRPC batch exporter, and instruments gRPC (aio
-    servers and channels: W3C traceparent in the metadata) and Redis, if the environment asks for tracing. Returns whether it did.
-
-    Call once, from a process's main, before any gRPC server or channel is created (the gRPC
-    instrumentation wraps grpc.aio.server / insecure_channel as they are called)."""
+def mark_installed(trace_background: bool) -> None:
+    """Called once by plumbing.telemetry.tracing_setup after it installed the SDK and instrumented
+    the libraries (kept apart from here: the instrumentation imports the gRPC client side, which
+    imports this module's tracer)."""
     global _enabled, _trace_background
-    if _enabled or not tracing_requested(environ):
-        return _enabled
-    _trace_background = environ.get(BACKGROUND_SWITCH, "").strip().lower() in ("1", "true")
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_NAMESPACE, Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-    # attributes passed to Resource.create win over the environment's, so the role is passed only
-    # when OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES name no service
-    attributes = {SERVICE_NAMESPACE: "tokenmill"}
-    if not environ.get("OTEL_SERVICE_NAME") and "service.name=" not in environ.get("OTEL_RESOURCE_ATTRIBUTES", ""):
-        attributes[SERVICE_NAME] = service_name
-    provider = TracerProvider(resource=Resource.create(attributes))  # sampler from OTEL_TRACES_SAMPLER
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    trace.set_tracer_provider(provider)
-    _instrument_libraries(provider)
-    _enabled = True
-    logger.info("tracing on: OTLP to %s as service %s",
-                environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-                or "localhost:4317", provider.resource.attributes.get(SERVICE_NAME))
-    return True
-
-
-def _instrument_libraries(provider) -> None:
-    from opentelemetry.instrumentation.grpc.filters import any_of, health_check, method_name, negate, service_prefix
-    from opentelemetry.instrumentation.redis import RedisInstrumentor
-
-    from plumbing.telemetry.grpc_client import instrument_channels
-    from plumbing.telemetry.grpc_server import instrument_servers
-    from plumbing.telemetry.span_policies import ChildSpansOnly
-
-    # Health probes (the supervisor's, Kubernetes', the gateway waiting for its scheduler),
-    # reflection and load polls would each start a trace of their own every poll: not request work,
-    # left out. The server interceptor goes first in the chain, outside rpc.ErrorStatusInterceptor,
-    # so the status that interceptor aborts with lands on the span.
-    background = [health_check(), service_prefix("grpc.reflection")]
-    if not _trace_background:
-        background.append(method_name("GetLoad"))
-    instrument_servers(provider, negate(any_of(*background)))  # see grpc_server for why not the package's
-    instrument_channels()  # our client side: see grpc_client for why not the package's
-    # a Redis call is traced inside request or step work only: the health PING and the load report
-    # heartbeat would be ~4 root traces a second per idle scheduler
-    RedisInstrumentor().instrument(tracer_provider=provider if _trace_background else ChildSpansOnly(provider))
+    _enabled, _trace_background = True, trace_background
 
 
 def tracing_enabled() -> bool:

@@ -13,7 +13,8 @@ from tests.helpers.otlp_receiver import OtlpReceiver
 
 WATCH = """
 import asyncio, sys
-from plumbing.telemetry.tracing import setup_tracing, shutdown_tracing
+from plumbing.telemetry.tracing import shutdown_tracing
+from plumbing.telemetry.tracing_setup import setup_tracing
 from kvstore.redis_health import watch_redis
 assert setup_tracing("scheduler")
 

@@ -31,7 +31,8 @@ def test_unconfigured_process_installs_nothing_and_prints_nothing():
     script = """
 import asyncio, grpc, logging
 from opentelemetry import trace
-from plumbing.telemetry.tracing import setup_tracing, current_traceparent, tracer
+from plumbing.telemetry.tracing import current_traceparent, tracer
+from plumbing.telemetry.tracing_setup import setup_tracing
 from plumbing.telemetry.logs import configure_logging
 configure_logging("json")
 original = grpc.aio.server
