@@ -17,7 +17,7 @@ class GenerationRequest:
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     priority: int = 0  # lower runs first (vLLM convention)
-    # latency targets of the submitting API key's class of service (gateway.api_keys), milliseconds;
+    # latency targets of the submitting API key's class of service (gateway.access.api_keys), milliseconds;
     # None: the scheduler's --target-itl-ms / --target-ttft-ms apply
     target_itl_ms: float | None = None
     target_ttft_ms: float | None = None

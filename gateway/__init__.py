@@ -1,14 +1,17 @@
 """The public front door: every client-facing API, and the typed client of the scheduler behind it.
 
-| modules | what they hold |
-| --- | --- |
-| `main`, `service`, `kserve_service`, `openai_http` | the process and its three APIs: tokenmill.v1 gRPC, KServe v2 gRPC, OpenAI-compatible HTTP (thin: convert, call, convert back) |
-| `request_builder`, `validation`, `chat_template`, `openai_requests`, `openai_constraints` | a client's request -> a validated, tokenized `core.requests.GenerationRequest` (constraints checked by `plumbing.grammar`) |
-| `tokenizer`, `gguf_tokenizer`, `detokenizer`, `text_stream`, `stop_strings` | text <-> token ids, incremental detokenization, stop strings |
-| `generation_stream`, `resume`, `openai_responses` | one request's outputs as text deltas; attaching to a running request; OpenAI bodies |
-| `scheduler_client`, `replica_router`, `replica_choice`, `circuit_breaker`, `lost_requests` | the hop to the schedulers: typed calls (`GenerationRequest` in, `RequestOutput` out, `core.errors` raised), replica choice, breakers |
-| `access`, `api_keys`, `rate_limit`, `ownership` | who may call, how often, and whose request an id is |
-| `telemetry` | the gateway's request spans and latency metrics (set up by `plumbing.telemetry`) |
+Rooms (arrows point down; tests/test_rooms.py holds them):
+
+| room | what it holds | may import (of the gateway's rooms) |
+| --- | --- | --- |
+| `main`, `options` | the process: `GatewayOptions` (every flag), wiring the rooms together | all; nothing imports `main` |
+| `apis/` | the three front doors: tokenmill.v1 gRPC, KServe v2 gRPC, OpenAI-compatible HTTP (`apis/openai/`), the stream idle timeout; thin: convert, call, convert back | generation, prepare, text, upstream, access |
+| `generation/` | one prepared request through the scheduler as text deltas: a plain stream, parallel samples (n > 1, best_of), resume and id claims, request ownership | prepare, text, upstream, access; never apis |
+| `prepare/` | a client's request -> a validated, tokenized `core.requests.GenerationRequest`: sampling checks, chat encoding, output constraints (compiled by `plumbing.grammar`) | text only |
+| `text/` | text <-> token ids: tokenizers, chat templates, incremental detokenization, stop strings, tool-call syntaxes | none |
+| `upstream/` | the hop to the schedulers: typed calls (`GenerationRequest` in, `RequestOutput` out, `core.errors` raised), delta streams, replica choice, circuit breakers | none |
+| `access/` | who may call, how often: API keys, rate limits, the interceptor and middleware that check them | none |
+| `telemetry` | the gateway's request spans and latency metrics (set up by `plumbing.telemetry`) | none |
 
 Imports: `core`, `plumbing`, `protos`, `kvstore`; never `scheduler` or `worker` (tests/test_layering.py).
 """

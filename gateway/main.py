@@ -6,15 +6,15 @@ import asyncio
 import logging
 import os
 
-from gateway import http_connections
-from gateway.access import AccessInterceptor, add_access_arguments, build_access
-from gateway.ownership import RequestOwners
-from gateway.resume import SCHEDULER_RESUME_WAIT_S, ResumeStore
-from gateway.scheduler_client import SchedulerClient
-from gateway.service import GenerationServicer
-from gateway.tokenizer import default_model_path, load_tokenizer
-from gateway.tool_syntax import TOOL_CALL_PARSERS
-from gateway.validation import Limits
+from gateway.apis.openai import http_connections
+from gateway.access.control import AccessInterceptor, add_access_arguments, build_access
+from gateway.generation.ownership import RequestOwners
+from gateway.generation.resume import SCHEDULER_RESUME_WAIT_S, ResumeStore
+from gateway.upstream.scheduler_client import SchedulerClient
+from gateway.apis.generation import GenerationServicer
+from gateway.text.tokenizer import default_model_path, load_tokenizer
+from gateway.text.tool_syntax import TOOL_CALL_PARSERS
+from gateway.prepare.validation import Limits
 from protos.tokenmill.v1 import generation_pb2_grpc
 from plumbing import internal_secret, rpc, telemetry, tls
 from plumbing.drain import DrainInterceptor
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
     parser.add_argument("--no-delta-stream", action="store_true",
                         help="each request's tokens come on its own Submit call instead of one StreamDeltas call "
-                             "per scheduler carrying a step's tokens for all of them (gateway.delta_stream)")
+                             "per scheduler carrying a step's tokens for all of them (gateway.upstream.delta_stream)")
     tls.add_client_arguments(parser, "scheduler")
     internal_secret.add_arguments(parser, "sent with every call to the scheduler (one --scheduler only)")
     add_access_arguments(parser)
@@ -109,7 +109,7 @@ def scheduler_client(args: argparse.Namespace):
     if len(args.scheduler) == 1 and not args.scheduler_dns:
         return SchedulerClient(args.scheduler[0], tls=args.scheduler_tls, delta_stream=not args.no_delta_stream,
                                internal_secret=args.internal_secret)
-    from gateway.replica_router import ReplicaRouter
+    from gateway.upstream.replica_router import ReplicaRouter
 
     return ReplicaRouter(args.scheduler, dns_name=args.scheduler_dns, redis_url=args.redis_url,
                          dns_refresh_s=args.scheduler_dns_refresh_s,
@@ -118,8 +118,8 @@ def scheduler_client(args: argparse.Namespace):
 
 
 def redis_readers(args: argparse.Namespace, scheduler):
-    """The gateway's Redis side: request records, and what resume needs (gateway.resume.ResumeStore)."""
-    from gateway.lost_requests import LostRequestRecorder
+    """The gateway's Redis side: request records, and what resume needs (gateway.generation.resume.ResumeStore)."""
+    from gateway.generation.lost_requests import LostRequestRecorder
     from kvstore.followers import Followers
     from kvstore.request_claims import RequestClaims
     from kvstore.state_reader import RequestStateReader
@@ -152,7 +152,7 @@ async def serve(args: argparse.Namespace) -> None:
     server = rpc.create_server(interceptors=[drain, AccessInterceptor(access, skip=drain.refuses)],
                                options=server_options(message_size_options(args.max_message_bytes),
                                                       max_connection_age_s=args.max_connection_age_s))
-    from gateway.kserve_service import KSERVE_SERVICE, add_kserve_servicer  # not at the top: tritonclient (its doc)
+    from gateway.apis.kserve import KSERVE_SERVICE, add_kserve_servicer  # not at the top: tritonclient (its doc)
     health = rpc.add_health_and_reflection(server, [rpc.GENERATION_SERVICE, KSERVE_SERVICE],
                                            reflection_on=not args.no_reflection)
     address = f"{args.host}:{args.port}"
@@ -177,7 +177,7 @@ async def serve(args: argparse.Namespace) -> None:
     kserve.resume = resume
     http_api = http_runner = None
     if args.http_port:
-        from gateway.openai_http import OpenAIHTTP, start_http
+        from gateway.apis.openai.http import OpenAIHTTP, start_http
 
         http_api = OpenAIHTTP(tokenizer, scheduler, limits, model_info, api_key=args.http_api_key, access=access,
                               stream_idle_timeout_s=args.stream_idle_timeout_s, state_reader=state_reader,

@@ -4,7 +4,7 @@ when it ends, however it ends.
 
     with request_scope(request_id, "chat"):      # around tokenizing + validating (refusals noted)
         prepared = prepare(...)
-    observer = RequestObserver(prepared.request, arrival)  # in gateway.generation_stream
+    observer = RequestObserver(prepared.request, arrival)  # in gateway.generation.stream
     observer.on_tokens(len(token_ids))                      # per message from the scheduler
     observer.on_finish(finish)     # stop / length / abort (CancelRequest) / ...
     observer.on_error(error)       # refused by the scheduler, failed, deadline, unavailable
@@ -14,7 +14,7 @@ when it ends, however it ends.
 The SERVER span itself is the gRPC instrumentation's (tokenmill.v1, KServe), or http_server_span's
 for the OpenAI-compatible HTTP API; both continue a client's incoming `traceparent`. The error's
 status and its one exception event are set where the error is mapped to a status (plumbing.rpc,
-gateway.openai_errors), except for a call that gRPC itself cut (on_cut), which no edge sees; here,
+gateway.apis.openai.errors), except for a call that gRPC itself cut (on_cut), which no edge sees; here,
 what the request was and how it ended.
 """
 from __future__ import annotations
@@ -142,7 +142,7 @@ class RequestObserver:
         self.last_token = now
 
     def on_finish(self, finish) -> None:
-        """finish: gateway.generation_stream.Finish (stop, length, or abort after a CancelRequest)."""
+        """finish: gateway.generation.stream.Finish (stop, length, or abort after a CancelRequest)."""
         self._end(finish.reason, finish.prompt_tokens, finish.completion_tokens,
                   {"tokenmill.cached_prompt_tokens": finish.cached_prompt_tokens})
 

@@ -8,7 +8,7 @@ vLLM (EngineCoreOutputs) and SGLang (BatchTokenIDOut) do between their engine an
 
 A request's first and last messages stay on its Submit call (scheduler.service): the first waits
 for the request's record, the last carries the ending. The gateway orders the two sources by
-num_output_tokens (gateway.delta_stream).
+num_output_tokens (gateway.upstream.delta_stream).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ the same address; before it reports ready, readmit() submits each such request a
 tokens already streamed appended to its prompt's output, the way a preempted request is recomputed
 (DESIGN invariant 2): the worker recomputes prompt + those tokens, and generation continues at the
 next index of the same token stream. Greedy output is therefore the one an undisturbed run gives,
-and a client resuming by id (gateway.resume) gets the rest with no token lost or repeated. Requests
+and a client resuming by id (gateway.generation.resume) gets the rest with no token lost or repeated. Requests
 nobody resumes run to their end; their record, token stream and claim expire with their TTL.
 
     tokens = ReadmittableTokens(token_writer, live_writer)    # the loop's TokenSink

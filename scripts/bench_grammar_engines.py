@@ -13,7 +13,7 @@ import json
 import statistics
 import time
 
-from gateway.tokenizer import load_tokenizer
+from gateway.text.tokenizer import load_tokenizer
 
 SCHEMA = {
     "type": "object",

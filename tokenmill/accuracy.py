@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-bfloat16", action="store_true",
                         help="skip the bfloat16 rows (minutes each where the CPU emulates bfloat16)")
     args = parser.parse_args(argv)
-    from gateway.tokenizer import load_tokenizer
+    from gateway.text.tokenizer import load_tokenizer
 
     device = torch.device(args.device)
     tokenizer = load_tokenizer(args.model)

@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-from gateway.tokenizer import TextTokenizer, load_tokenizer
+from gateway.text.tokenizer import TextTokenizer, load_tokenizer
 from core.sampling import SamplingParams
 from scheduler.request import Request
 from tokenmill.bench_engine import make_workload

@@ -24,7 +24,7 @@ from concurrent import futures
 
 import grpc
 
-from gateway.tokenizer import load_tokenizer
+from gateway.text.tokenizer import load_tokenizer
 from tokenmill.bench_cluster import stream_one, text_prompts
 
 

@@ -29,7 +29,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "accuracy": ("tokenmill.accuracy", "greedy agreement and perplexity of each weight format / dtype vs float32"),
 }
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # worker.build.DTYPE_CHOICES (not imported: it needs torch)
-# gateway.tool_syntax.TOOL_CALL_PARSERS (a test keeps them equal; not imported: it costs every command 0.2 s)
+# gateway.text.tool_syntax.TOOL_CALL_PARSERS (a test keeps them equal; not imported: it costs every command 0.2 s)
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
 # worker.backends.DENSE_WEIGHT_MODES (a test keeps them equal; not imported: worker.backends needs torch)
 DENSE_WEIGHT_MODES = ("auto", "on", "off")
@@ -238,7 +238,7 @@ def hash_api_key_command(args: argparse.Namespace) -> int:
     import json
     import secrets
 
-    from gateway.api_keys import hash_api_key
+    from gateway.access.api_keys import hash_api_key
 
     key = sys.stdin.readline().strip() if args.key == "-" else args.key
     if key is None:

@@ -76,7 +76,7 @@ class ClusterConfig:
     deterministic: bool = False  # worker.backends.ExecutionOptions: batch-invariant kernels (worker.batch_invariant)
     max_waiting_requests: int = 4096  # beyond these the scheduler answers RESOURCE_EXHAUSTED at once
     max_waiting_tokens: int = 0  # prompt tokens waiting; 0: no bound
-    api_keys_file: str | None = None  # the gateway's keys (gateway.api_keys); None: authentication off
+    api_keys_file: str | None = None  # the gateway's keys (gateway.access.api_keys); None: authentication off
     rate_limit_rps: float = 0.0  # per API key unless its line says; 0: none
     rate_limit_burst: int = 0
     # SIGTERM to the gateway or scheduler: how long in-flight requests may take to finish
@@ -86,12 +86,12 @@ class ClusterConfig:
     gateway_metrics_linger_s: float = 0.0
     # a lost worker's requests are re-queued and recomputed once it is back; False: they fail (UNAVAILABLE)
     retry_on_worker_failure: bool = True
-    # a gateway stream whose client has read nothing for this long is cancelled (gateway.stream_idle); 0: never
+    # a gateway stream whose client has read nothing for this long is cancelled (gateway.apis.stream_idle); 0: never
     stream_idle_timeout_s: float = 120.0
-    tool_call_parser: str = "auto"  # the gateway's --tool-call-parser (gateway.tool_syntax)
-    # tokens batched per step on one StreamDeltas call (gateway.delta_stream); False: each on its own Submit call
+    tool_call_parser: str = "auto"  # the gateway's --tool-call-parser (gateway.text.tool_syntax)
+    # tokens batched per step on one StreamDeltas call (gateway.upstream.delta_stream); False: each on its own Submit call
     delta_stream: bool = True
-    # the HTTP API's connection limits (gateway.http_connections); the gateway's flags of the same names
+    # the HTTP API's connection limits (gateway.apis.openai.http_connections); the gateway's flags of the same names
     http_header_timeout_s: float = 10.0
     http_keepalive_timeout_s: float = 30.0
     http_max_connections_per_client: int = 256  # 0: no cap

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--no-bfloat16", action="store_true", help="skip the bfloat16-vs-float32 comparison")
     args = parser.parse_args(argv)
-    from gateway.tokenizer import load_tokenizer
+    from gateway.text.tokenizer import load_tokenizer
     from worker.loader import load_model
 
     device = torch.device(args.device)

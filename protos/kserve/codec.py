@@ -10,7 +10,7 @@ The conventions are the vLLM backend's (the TensorRT-LLM backend's names agree w
 
 Sampling values may also come as request parameters (`parameters={"max_tokens": 32}` in tritonclient),
 and then override the same key in sampling_parameters. Numbers may be strings, as the vLLM backend
-accepts ({"temperature": "0.1"}). Range checks are not made here: gateway.request_builder makes them,
+accepts ({"temperature": "0.1"}). Range checks are not made here: gateway.prepare.request_builder makes them,
 with the same verdict for every API.
 
 No generated message type is imported: fields are read by name, so the same code reads tritonclient's

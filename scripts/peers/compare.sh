@@ -64,7 +64,7 @@ LLAMA_CTX_PER_SLOT="${LLAMA_CTX_PER_SLOT:-512}"
 READY_TIMEOUT_S="${READY_TIMEOUT_S:-900}"
 BENCH_ARGS=(--concurrency 1,32 --num-requests 100 --prompt-len 128 --min-output 32 --max-output 256
             --warmup 2 --no-plots "${EXTRA[@]}")
-GGUF="$("$PYTHON" -c 'from gateway.tokenizer import default_model_path; print(default_model_path())')"
+GGUF="$("$PYTHON" -c 'from gateway.text.tokenizer import default_model_path; print(default_model_path())')"
 
 wants() { [[ ",$SIDES_WANTED," == *",$1,"* ]]; }
 need() {  # a peer's file, or the script that makes it

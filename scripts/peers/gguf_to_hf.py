@@ -7,7 +7,7 @@ Weights: tokenmill's own GGUF loader (worker.loader.gguf_loader.read_gguf) dequa
 llama.cpp's q/k row permutation, giving Hugging Face names; its parity tests hold it to transformers.
 They are written in float32, which holds every dequantized value exactly, so a peer told `--dtype
 bfloat16` rounds the same values tokenmill rounds. Tokenizer: the one tokenmill builds from the file's
-metadata (gateway.tokenizer), saved as tokenizer.json.
+metadata (gateway.text.tokenizer), saved as tokenizer.json.
 
 The JSON files are written here rather than by transformers' save_pretrained: transformers 5 writes
 `rope_parameters` without `rope_theta` and names its tokenizer class `TokenizersBackend`, which the
@@ -62,7 +62,7 @@ def write_model(gguf_path: Path, out_dir: Path) -> dict:
 
 def write_tokenizer(gguf_path: Path, out_dir: Path, model_max_length: int) -> None:
     """tokenizer.json, tokenizer_config.json (with the chat template) and special_tokens_map.json."""
-    from gateway.tokenizer import load_tokenizer
+    from gateway.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(gguf_path)
     out_dir.mkdir(parents=True, exist_ok=True)

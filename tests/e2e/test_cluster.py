@@ -8,7 +8,7 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.tokenizer import load_tokenizer
+from gateway.text.tokenizer import load_tokenizer
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from core.sampling import SamplingParams
 from tokenmill.llm import LLM, EngineConfig

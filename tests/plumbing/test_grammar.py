@@ -8,7 +8,7 @@ import pytest
 
 from core.errors import InvalidArgument
 from core.sampling import ConstraintKind, OutputConstraint
-from gateway.tokenizer import load_tokenizer
+from gateway.text.tokenizer import load_tokenizer
 from plumbing.grammar import GrammarCompiler, check_for_worker
 from worker.loader import default_model_path
 

@@ -10,7 +10,7 @@ import pytest
 
 from core.errors import InvalidArgument
 from core.sampling import ConstraintKind, OutputConstraint
-from gateway.tokenizer import default_model_path
+from gateway.text.tokenizer import default_model_path
 from plumbing.constraint_limits import MAX_GRAMMAR_RULES, is_gbnf
 from plumbing.grammar_sandbox import GrammarSandbox
 from plumbing.telemetry.metrics import CONSTRAINT_CHECKS, model_name

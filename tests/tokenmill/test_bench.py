@@ -120,7 +120,7 @@ def test_bench_against_a_started_cluster_reports_sane_numbers(tmp_path):
     run = result["runs"]["tokenmill"]
     assert run["warmup"]["num_requests"] == 1 and run["warmup"]["num_errors"] == 0
     assert [level["concurrency"] for level in run["levels"]] == [1, 2]
-    from gateway.tokenizer import load_tokenizer
+    from gateway.text.tokenizer import load_tokenizer
     from tokenmill.bench.workload import build_workload
 
     expected_tokens = build_workload(load_tokenizer(None), 4, 8, 24, 32).num_output_tokens

@@ -151,7 +151,7 @@ def test_gguf_to_hf_folder_loads_in_transformers_with_the_same_logits(tmp_path, 
 def test_gguf_to_hf_tokenizer_encodes_as_ours(tmp_path):
     from transformers import AutoTokenizer
 
-    from gateway.tokenizer import load_tokenizer
+    from gateway.text.tokenizer import load_tokenizer
 
     _converter().write_tokenizer(load_default_gguf(), tmp_path, 8192)
     ours = load_tokenizer(None)
@@ -164,7 +164,7 @@ def test_gguf_to_hf_tokenizer_encodes_as_ours(tmp_path):
 
 
 def load_default_gguf() -> Path:
-    from gateway.tokenizer import default_model_path
+    from gateway.text.tokenizer import default_model_path
 
     return default_model_path()
 

@@ -208,7 +208,7 @@ def test_serve_reports_a_taken_metrics_port_with_the_flag_to_change_it(capsys):
 
 
 def test_serve_passes_the_tool_call_parser_to_the_gateway(capsys, monkeypatch):
-    from gateway.tool_syntax import TOOL_CALL_PARSERS
+    from gateway.text.tool_syntax import TOOL_CALL_PARSERS
     from tokenmill import supervisor
 
     class Captured(supervisor.Supervisor):  # takes the command lines; stops serve before anything starts

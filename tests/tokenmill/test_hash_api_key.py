@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from gateway.api_keys import ApiKeyStore, api_key_from_entry
+from gateway.access.api_keys import ApiKeyStore, api_key_from_entry
 
 
 def run(*args: str, stdin: str = "") -> subprocess.CompletedProcess:

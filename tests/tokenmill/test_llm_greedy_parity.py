@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gateway.tokenizer import load_tokenizer
+from gateway.text.tokenizer import load_tokenizer
 from core.sampling import SamplingParams
 from tokenmill.bench_engine import load_transformers_model
 from tokenmill.llm import LLM, EngineConfig

@@ -97,8 +97,8 @@ MULTILINGUAL = ["Hello world", " leading space", "The quick brown fox jumps over
 def test_real_gemma3_tokenizer_matches_transformers(gemma3_gguf):
     from transformers import AutoTokenizer
 
-    from gateway.detokenizer import IncrementalDetokenizer
-    from gateway.tokenizer import load_tokenizer
+    from gateway.text.detokenizer import IncrementalDetokenizer
+    from gateway.text.tokenizer import load_tokenizer
 
     ours = load_tokenizer(gemma3_gguf)
     reference = AutoTokenizer.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from core.outputs import FinishReason
 from core.sampling import ConstraintKind, OutputConstraint, SamplingParams
-from gateway.tokenizer import load_tokenizer
+from gateway.text.tokenizer import load_tokenizer
 from plumbing.grammar import to_grammar
 from scheduler.engine import EngineCore
 from scheduler.scheduler import Scheduler

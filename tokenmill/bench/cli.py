@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args, argv: list[str] | None) -> int:
-    from gateway.tokenizer import load_tokenizer
+    from gateway.text.tokenizer import load_tokenizer
 
     if p99_warning(args.num_requests):
         print(f"warning: {p99_warning(args.num_requests)}", file=sys.stderr)

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.api_keys import hash_api_key
+from gateway.access.api_keys import hash_api_key
 from tests.helpers.tiny_models import make_tiny_hf_model
 from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
 from plumbing.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE

@@ -43,7 +43,7 @@ def traced_cluster(tmp_path_factory, otlp_receiver):
         worker_metrics_port=0, child_env=env, drain_timeout_s=1.0, gateway_metrics_linger_s=3.0,
         retry_on_worker_failure=False))
     # a request whose scheduler drained ends UNAVAILABLE at once (the tests read how it ends), instead of its
-    # gateway waiting for a restart that the test only makes afterwards (gateway.resume)
+    # gateway waiting for a restart that the test only makes afterwards (gateway.generation.resume)
     specs = [dataclasses.replace(spec, argv=[*spec.argv, "--scheduler-resume-wait-s", "0"]) if spec.name == "gateway"
              else spec for spec in cluster_specs(config)]
     with Supervisor(specs, echo=False, startup_timeout_s=300, tail_lines=400) as supervisor:
