@@ -15,7 +15,7 @@ from core.sampling import SamplingParams
 # request, so a decode row that follows an in-flight step is packed from the worker's real token.
 PLACEHOLDER_TOKEN_ID = -1
 
-# A page a sliding-window request gave back (scheduler.kv_manager: every position in it lies before the
+# A page a sliding-window request gave back (scheduler.pages.kv_manager: every position in it lies before the
 # window of all its later tokens). It keeps its place in the block table, so the pages after it keep
 # their indices, and no attention reads it: the windowed Triton kernels start at the window, the torch
 # gather masks it. Any valid page id would do; page 0 always exists. The worker's copy of a running

@@ -4,7 +4,7 @@ A resumable request's Submit call shows the scheduler that a gateway is there; w
 (its gateway died, or the scheduler restarted and re-admitted the request) a client can still follow
 the request through any gateway, which reads the request's token stream (gateway.generation.resume) and meanwhile
 keeps `tokenmill:followed:{request_id}` alive: set with a TTL of FOLLOW_TTL_S, renewed every
-FOLLOW_RENEW_S. The scheduler (scheduler.orphans) aborts a request that has had neither a call nor
+FOLLOW_RENEW_S. The scheduler (scheduler.process.orphans) aborts a request that has had neither a call nor
 this key for its --orphan-timeout-s.
 
     followers = Followers(redis_url)

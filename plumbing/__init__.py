@@ -12,5 +12,5 @@ OpenTelemetry and Prometheus, which `core/` does not.
 | `plumbing.telemetry` | tracing, Prometheus metrics, JSON logs set up per process |
 
 It imports only `core/` of ours; what is specific to one service (its spans, its metrics' meaning)
-lives in that service (`gateway.telemetry`, `scheduler.telemetry`, `worker.step_telemetry`).
+lives in that service (`gateway.telemetry`, `scheduler.process.telemetry`, `worker.step_telemetry`).
 """

@@ -1,7 +1,7 @@
 """What the step pipeline sends plans to: anything that runs a step plan.
 
 Executor runs it before returning (an in-process worker: scheduler.engine); AsyncExecutor returns an
-awaitable (the gRPC worker client: scheduler.loop), so the loop can plan the next step meanwhile.
+awaitable (the gRPC worker client: scheduler.process.loop), so the loop can plan the next step meanwhile.
 """
 from __future__ import annotations
 

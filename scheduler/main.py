@@ -12,12 +12,12 @@ from protos.tokenmill.v1 import common_pb2, scheduler_pb2_grpc
 from scheduler.admission import Admission, AdmissionConfig
 from scheduler.config import SchedulerConfig
 from scheduler.options import SchedulerOptions, add_shared_arguments, shared_values
-from scheduler.loop import EngineLoop
+from scheduler.process.loop import EngineLoop
 from scheduler.scheduler import Scheduler
-from scheduler.orphans import start_orphan_reaper
-from scheduler.service import SchedulerServicer, drain
-from scheduler.worker_client import WorkerClient
-from scheduler.worker_recovery import WorkerRecovery
+from scheduler.process.orphans import start_orphan_reaper
+from scheduler.process.service import SchedulerServicer, drain
+from scheduler.process.worker_client import WorkerClient
+from scheduler.process.worker_recovery import WorkerRecovery
 from plumbing import internal_secret, peer_roles, rpc, telemetry, tls
 from plumbing.drain import DrainInterceptor
 from plumbing.message_size import message_size_options
@@ -67,12 +67,12 @@ async def serve(options: SchedulerOptions) -> None:
         from kvstore.live_requests import LiveRequestWriter
         from kvstore.state_writer import RequestStateWriter
         from kvstore.token_streams import TokenStreamWriter
-        from scheduler.readmission import ReadmittableTokens
+        from scheduler.process.readmission import ReadmittableTokens
 
         state = RequestStateWriter(options.redis_url, ttl_s=options.state_ttl_s)
         tokens = TokenStreamWriter(options.redis_url, ttl_s=options.state_ttl_s)  # for resumable requests
         live = LiveRequestWriter(options.redis_url, scheduler_id, ttl_s=options.state_ttl_s)
-        readmittable = ReadmittableTokens(tokens, live)  # re-admitted after a crash (scheduler.readmission)
+        readmittable = ReadmittableTokens(tokens, live)  # re-admitted after a crash (scheduler.process.readmission)
     # Listen (health, reflection) while the worker loads; the servicer answers UNAVAILABLE until the
     # worker has registered and the loop exists.
     servicer = SchedulerServicer()
@@ -125,14 +125,14 @@ async def serve(options: SchedulerOptions) -> None:
     loop.start()
     if live:
         from kvstore.live_requests import LiveRequestReader
-        from scheduler.readmission import readmit
+        from scheduler.process.readmission import readmit
 
         reader = LiveRequestReader(options.redis_url, scheduler_id)
         await readmit(loop, reader)  # before ready: what this scheduler ran when it died runs on
         await reader.aclose()
     reporter = orphans = None
     if options.redis_url:
-        from scheduler.load_report import LoadReporter
+        from scheduler.process.load_report import LoadReporter
 
         reporter = LoadReporter(options.redis_url, options.advertise_address or address, loop)
         reporter.start()

@@ -5,7 +5,7 @@ step hands out a token budget so that computed catches up with total. Prefill, c
 decode, prefix hits and recompute after preemption are all that one rule.
 
 A preempted request either recomputes (pages freed, num_computed_tokens back to 0) or, with a swap
-tier, keeps its computed tokens in host pages (scheduler.preemption picks the cheaper per victim);
+tier, keeps its computed tokens in host pages (scheduler.pages.preemption picks the cheaper per victim);
 it resumes like any waiting request, its pages copied back into fresh device pages.
 
 The scheduler is owned by a single loop: schedule() -> executor -> update(); nothing else mutates it.
@@ -21,9 +21,9 @@ from core.outputs import RequestOutput
 from core.sampling import SamplingParams
 from core.step import PLACEHOLDER_TOKEN_ID, CachedRequestData, NewRequestData, StepPlan, StepResult
 from scheduler.config import SchedulerConfig
-from scheduler.kv_manager import KVCacheManager, cdiv
+from scheduler.pages.kv_manager import KVCacheManager, cdiv
 from scheduler.latency_targets import LatencyTargets
-from scheduler.preemption import RecomputeRate, swap_is_cheaper
+from scheduler.pages.preemption import RecomputeRate, swap_is_cheaper
 from scheduler.queue_policy import make_waiting_queue
 from scheduler.request import FINISH_REASONS, Request, RequestStatus
 from scheduler.stats import SchedulerStats

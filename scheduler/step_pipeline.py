@@ -9,7 +9,7 @@ in step order.
 
 The pipeline does no I/O: its driver passes in how a plan is sent and awaits (or just takes) what
 that returned. The in-process engine (scheduler.engine, a synchronous executor: "sending" runs the
-step) and the scheduler service's asyncio loop (scheduler.loop, sending starts a task) both drive it,
+step) and the scheduler service's asyncio loop (scheduler.process.loop, sending starts a task) both drive it,
 so the rule of the loop exists once.
 """
 from __future__ import annotations

@@ -21,10 +21,10 @@ from core.sampling import SamplingParams  # noqa: E402
 from plumbing.rpc import WORKER_SERVICE  # noqa: E402
 from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 from scheduler.config import SchedulerConfig  # noqa: E402
-from scheduler.loop import EngineLoop  # noqa: E402
+from scheduler.process.loop import EngineLoop  # noqa: E402
 from scheduler.request import Request  # noqa: E402
 from scheduler.scheduler import Scheduler  # noqa: E402
-from scheduler.worker_client import WorkerClient  # noqa: E402
+from scheduler.process.worker_client import WorkerClient  # noqa: E402
 from tokenmill.child_process import ChildSpec  # noqa: E402
 from tokenmill.readiness import free_port  # noqa: E402
 from tokenmill.supervisor import Supervisor  # noqa: E402

@@ -43,7 +43,7 @@ class EngineConfig:
     cpu_fused_ops: bool = True  # worker.backends.ExecutionOptions; False: the plain-torch reference
     cpu_dense_weights: str = "auto"  # worker.backends.ExecutionOptions (worker.dense_weights)
     deterministic: bool = False  # worker.backends.ExecutionOptions: batch-invariant kernels (worker.batch_invariant)
-    # a model whose every layer slides: give back each request's pages before its window (scheduler.kv_manager)
+    # a model whose every layer slides: give back each request's pages before its window (scheduler.pages.kv_manager)
     free_window_pages: bool = True
 
     def execution_options(self) -> ExecutionOptions:

@@ -19,7 +19,7 @@ count, would meet a worker with another one. So the first start records its choi
 depended on (SizingRecord, a small JSON file), and a start with the same settings reuses the recorded
 count when its pages fit in the memory free now (after the weights and the activation peak; the
 fraction's headroom, kept for other processes, may be used up). Where they no longer fit the worker
-sizes afresh and says so; the scheduler then adopts the smaller pool (scheduler.worker_recovery). The
+sizes afresh and says so; the scheduler then adopts the smaller pool (scheduler.process.worker_recovery). The
 record stays: memory that comes back brings the first count back. Only other settings (another
 fraction, model, dtype, ...), a fixed --num-blocks / --kv-cache-mb, or removing the file size anew.
 The record lives as long as the deployment, not the process: the local supervisor keeps it in the

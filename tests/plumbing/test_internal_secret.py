@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from plumbing import internal_secret, rpc
 from plumbing.internal_secret import METADATA_KEY, aio_channel_with_secret
 from protos.tokenmill.v1 import scheduler_pb2, scheduler_pb2_grpc
-from scheduler.service import SchedulerServicer
+from scheduler.process.service import SchedulerServicer
 
 SECRET = internal_secret.new_secret()
 

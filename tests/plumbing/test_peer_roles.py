@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from plumbing import peer_roles, rpc
 from plumbing.tls import ClientTLS, ServerTLS, aio_channel, listen
 from protos.tokenmill.v1 import scheduler_pb2, scheduler_pb2_grpc
-from scheduler.service import SchedulerServicer
+from scheduler.process.service import SchedulerServicer
 from tests.helpers.certificates import make_pki
 
 

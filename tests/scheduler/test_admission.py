@@ -7,7 +7,7 @@ import pytest
 
 from scheduler.admission import Admission, AdmissionConfig
 from scheduler.config import SchedulerConfig
-from scheduler.loop import EngineLoop
+from scheduler.process.loop import EngineLoop
 from core.sampling import SamplingParams
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler

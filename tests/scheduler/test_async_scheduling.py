@@ -9,7 +9,7 @@ from core.outputs import FinishReason
 import asyncio
 
 from scheduler.config import SchedulerConfig
-from scheduler.loop import EngineLoop
+from scheduler.process.loop import EngineLoop
 from core.step import PLACEHOLDER_TOKEN_ID
 from scheduler.scheduler import Scheduler
 from tests.helpers.fake_executor import FakeExecutor
@@ -151,7 +151,8 @@ async def test_engine_loop_pipelines_steps_with_the_same_tokens():
 def test_flag_reaches_the_scheduler_command_line_and_is_off_by_default():
     from scheduler.main import parse_args
     from tokenmill.cli import build_parser
-    from tokenmill.cluster import ClusterConfig, cluster_specs
+    from tokenmill.cluster.config import ClusterConfig
+    from tokenmill.cluster.specs import cluster_specs
 
     assert build_parser().parse_args(["serve", "--async-scheduling"]).async_scheduling
     assert not build_parser().parse_args(["serve"]).async_scheduling
@@ -187,7 +188,7 @@ class LosesWorkerOnce(RecordingExecutor):
 
 
 async def test_worker_lost_with_two_steps_in_flight_recomputes_to_the_same_tokens():
-    from scheduler.worker_recovery import WorkerRecovery
+    from scheduler.process.worker_recovery import WorkerRecovery
 
     async def reconnect(timeout_s: float) -> None:
         return None

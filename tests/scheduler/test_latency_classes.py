@@ -9,7 +9,7 @@ import pytest
 
 from core.errors import InvalidArgument
 from scheduler.step_time import ITL_FROM_FLAG, ITL_FROM_REQUEST, MIN_OBSERVATIONS
-from scheduler.telemetry import step_tuning_attributes
+from scheduler.process.telemetry import step_tuning_attributes
 from tests.scheduler.conftest import make_request
 from tests.scheduler.test_latency_targets import timed_engine
 

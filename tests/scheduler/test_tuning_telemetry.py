@@ -7,7 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from plumbing.telemetry.metrics import SchedulerStatsCollector
 from scheduler.latency_targets import MAX_HEADROOM
-from scheduler.telemetry import step_tuning_attributes
+from scheduler.process.telemetry import step_tuning_attributes
 from tests.scheduler.test_latency_targets import run_mixed_load, timed_engine
 
 
@@ -45,7 +45,7 @@ def test_step_span_carries_the_tuning_decision(monkeypatch):
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    import scheduler.telemetry as scheduler_telemetry
+    import scheduler.process.telemetry as scheduler_telemetry
     from core.step import StepPlan
     from scheduler.step_time import StepTuning
 

@@ -10,11 +10,11 @@ import grpc
 
 from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc
 from scheduler.config import SchedulerConfig
-from scheduler.loop import EngineLoop
+from scheduler.process.loop import EngineLoop
 from core.sampling import SamplingParams
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
-from scheduler.worker_client import WorkerClient
+from scheduler.process.worker_client import WorkerClient
 from tests.helpers.tiny_models import make_tiny_hf_model
 from tokenmill.child_process import ChildSpec
 from tokenmill.readiness import free_port

@@ -1,4 +1,4 @@
-"""A sliding-window request whose oldest pages the scheduler gave back (scheduler.kv_manager): the first
+"""A sliding-window request whose oldest pages the scheduler gave back (scheduler.pages.kv_manager): the first
 entries of its block table then name pages that another request may overwrite (the worker's copy of a
 running request keeps the old ids), or FREED_BLOCK_ID in a table sent in full (a swapped request
 resumed). Neither may change what it computes, on the torch path (which gathers those pages and masks

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from core.sampling import SamplingParams
 from plumbing.telemetry.metrics import SchedulerStatsCollector
 from scheduler.config import SchedulerConfig
-from scheduler.loop import EngineLoop
+from scheduler.process.loop import EngineLoop
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.helpers.fake_executor import FakeExecutor

@@ -1,7 +1,7 @@
 """Aborting resumable requests that nobody follows any more (`--orphan-timeout-s`).
 
 A resumable request runs on when its Submit call goes away (its gateway died; or this scheduler
-restarted and re-admitted it, scheduler.readmission), so that a client can resume it by id through
+restarted and re-admitted it, scheduler.process.readmission), so that a client can resume it by id through
 any gateway. If none does, it would decode to max_tokens for nobody, holding KV pages and batch slots.
 A gateway that follows such a request from its Redis token stream (a client's resume, or its own
 stream going on after a scheduler restart: gateway.generation.resume) keeps the request's follower key alive

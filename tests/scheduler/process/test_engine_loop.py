@@ -7,7 +7,7 @@ import time
 from scheduler.config import SchedulerConfig
 from core.errors import DeadlineExceeded
 from core.outputs import FinishReason
-from scheduler.loop import EngineLoop
+from scheduler.process.loop import EngineLoop
 from scheduler.scheduler import Scheduler
 from tests.helpers.fake_executor import FakeExecutor
 from tests.scheduler.conftest import make_request

@@ -3,7 +3,7 @@
 RPC handlers call submit() / abort(), which only check and put a typed item in the inbox; the loop
 task applies the inbox at the top of each iteration, then drives the step pipeline
 (scheduler.step_pipeline: schedule -> send to the worker -> apply the result, one or two steps deep)
-and hands each request's deltas to its stream (scheduler.request_streams). When a step fails, the
+and hands each request's deltas to its stream (scheduler.process.request_streams). When a step fails, the
 worker recovery decides what becomes of the requests it held and the loop carries that out.
 """
 from __future__ import annotations
@@ -19,20 +19,20 @@ from core.step import StepPlan
 from plumbing.process import cancel_and_wait
 from scheduler.admission import Admission, AdmissionConfig
 from scheduler.executor import AsyncExecutor
-from scheduler.inbox import AbortRequest, AddRequest, Inbox
+from scheduler.process.inbox import AbortRequest, AddRequest, Inbox
 from scheduler.request import Request
-from scheduler.request_streams import RequestStream, RequestStreams, StateSink, TokenSink
+from scheduler.process.request_streams import RequestStream, RequestStreams, StateSink, TokenSink
 from scheduler.scheduler import Scheduler
 from scheduler.stats import SchedulerStats
-from scheduler.telemetry import StepSpans
+from scheduler.process.telemetry import StepSpans
 from scheduler.step_pipeline import StepPipeline, depth_for
-from scheduler.worker_recovery import RecoveryAction, RecoveryDecision, WorkerPages, WorkerRecovery
+from scheduler.process.worker_recovery import RecoveryAction, RecoveryDecision, WorkerPages, WorkerRecovery
 
 logger = logging.getLogger(__name__)
 
 
 class LiveSubmissions(Protocol):
-    """Where resumable requests' submissions are kept while they run (scheduler.readmission)."""
+    """Where resumable requests' submissions are kept while they run (scheduler.process.readmission)."""
 
     def admitted(self, request: Request, deadline: float | None, owner: str | None) -> None: ...
 
@@ -50,7 +50,7 @@ class EngineLoop:
         self.worker_recovery = worker_recovery
         self.tokens = tokens
         # keeps each resumable request's submission until it ends, so a restarted scheduler re-admits
-        # it (scheduler.readmission); None: a crash loses the requests
+        # it (scheduler.process.readmission); None: a crash loses the requests
         self.live = live
         self.model_name = model_name
         config = scheduler.config  # without vocabulary knowledge only the ids' sign is checked
@@ -61,7 +61,7 @@ class EngineLoop:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.num_steps = 0
-        self.num_requests_total = 0  # accepted by submit(); published per replica (scheduler/load_report.py)
+        self.num_requests_total = 0  # accepted by submit(); published per replica (scheduler/process/load_report.py)
 
     # --- called by RPC handlers: check, enqueue, return -------------------------------------------
 
@@ -70,7 +70,7 @@ class EngineLoop:
         """deadline: wall-clock Unix seconds after which the request ends (pages freed) unfinished.
         resumable: its tokens also go to the token sink (ignored without one).
         owner: the API key name that submitted it, recorded for the gateways' by-id checks.
-        delta_stream_id: its gateway's StreamDeltas call, for its deltas after the first (scheduler.delta_streams)."""
+        delta_stream_id: its gateway's StreamDeltas call, for its deltas after the first (scheduler.process.delta_streams)."""
         self.admission.check_request(request)
         if request.request_id in self.streams:
             raise AlreadyExists("request_id", request.request_id)

@@ -10,11 +10,11 @@ import pytest
 from core.errors import AlreadyExists
 from core.outputs import RequestOutput
 from scheduler.config import SchedulerConfig
-from scheduler.delta_streams import DeltaStream
-from scheduler.loop import EngineLoop
+from scheduler.process.delta_streams import DeltaStream
+from scheduler.process.loop import EngineLoop
 from scheduler.scheduler import Scheduler
 from tests.scheduler.conftest import make_request
-from tests.scheduler.test_engine_loop import SlowAsyncExecutor, drain
+from tests.scheduler.process.test_engine_loop import SlowAsyncExecutor, drain
 
 PROMPTS = ([5, 6, 7, 8, 9], [11, 12, 13], [21, 22, 23, 24])
 

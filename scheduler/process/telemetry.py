@@ -8,7 +8,7 @@ spans for the phases it went through, children of that span:
     scheduler.decode   first token -> finished
 
 They are made when the request ends (however it ends: finished, aborted, failed, its client gone),
-from the times the step loop already keeps (scheduler.request_streams.RequestTimes), so the step loop
+from the times the step loop already keeps (scheduler.process.request_streams.RequestTimes), so the step loop
 itself does no tracing work per request per token.
 
 And one `scheduler.step` span per step (StepSpans), from sending its plan to delivering its outputs:
@@ -71,7 +71,7 @@ def start_request(request_id: str) -> str:
 
 def record_request_end(times, num_preemptions: int = 0, finish_reason: FinishReason | None = None,
                        cause: str = "") -> None:
-    """times: scheduler.request_streams.RequestTimes of a request that just ended (monotonic seconds);
+    """times: scheduler.process.request_streams.RequestTimes of a request that just ended (monotonic seconds);
     finish_reason / cause: how (cause: CLIENT_DISCONNECT, or "" when the reason says it all)."""
     end = times.finished if times.finished is not None else time.monotonic()
     _observe_times(times, end)

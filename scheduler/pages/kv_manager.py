@@ -24,10 +24,32 @@ every page: such a layer still reads them all.
 """
 from __future__ import annotations
 
-from scheduler.block_pool import BlockPool
+from typing import Protocol
+
 from core.prefix_keys import extend_block_hashes
+from core.sampling import SamplingParams
 from core.step import FREED_BLOCK_ID
-from scheduler.request import Request
+from scheduler.pages.block_pool import BlockPool
+
+
+class PagedRequest(Protocol):
+    """What page accounting reads of a request (scheduler.request.Request is one): the page room
+    imports nothing of the scheduling rule."""
+
+    request_id: str
+    sampling_params: SamplingParams  # max_tokens: what the static policy reserves
+    all_token_ids: list[int]
+    num_computed_tokens: int
+    block_hashes: list[bytes]  # extended here as its pages fill (core.prefix_keys)
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_known_tokens(self) -> int: ...
 
 
 def cdiv(a: int, b: int) -> int:
@@ -71,7 +93,7 @@ class KVCacheManager:
             return 0
         return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
 
-    def _free_outside_window(self, request: Request, table: list[int]) -> None:
+    def _free_outside_window(self, request: PagedRequest, table: list[int]) -> None:
         # num_computed_tokens counts steps already sent (async scheduling: not yet run). A page freed
         # here is written by another request at the earliest in the step being planned, which the
         # worker runs after those (copies included), so their reads of it are done by then.
@@ -84,10 +106,10 @@ class KVCacheManager:
         self._num_freed[request.request_id] = end
         self.pool.release(dead)
 
-    def blocks_needed_at_most(self, request: Request) -> int:
+    def blocks_needed_at_most(self, request: PagedRequest) -> int:
         return cdiv(request.num_prompt_tokens + request.sampling_params.max_tokens, self.block_size)
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
+    def find_cached_prefix(self, request: PagedRequest) -> list[int]:
         """Pages holding the longest cached prefix of the request's tokens.
 
         At least the last token is always left to compute: its logits are needed to sample.
@@ -151,7 +173,7 @@ class KVCacheManager:
         self._pending_fill.clear()
         return copies
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
+    def allocate_slots(self, request: PagedRequest, num_new_tokens: int,
                        cached_blocks: list[int] | tuple[int, ...] = ()) -> list[int] | None:
         """Pages so that the request can hold num_new_tokens more computed tokens (a swapped request
         gets all of its pages anew: call swap_in() after).
@@ -188,7 +210,7 @@ class KVCacheManager:
             self._register_full_blocks(request, table, num_computed + num_new_tokens)
         return added
 
-    def _register_full_blocks(self, request: Request, table: list[int], num_tokens: int) -> None:
+    def _register_full_blocks(self, request: PagedRequest, table: list[int], num_tokens: int) -> None:
         # Registered as soon as the step that fills them is planned: the worker writes a step's K/V
         # before any attention of that step reads, so a request scheduled later in the same step may
         # already share them.
@@ -203,7 +225,7 @@ class KVCacheManager:
     def is_swapped(self, request_id: str) -> bool:
         return request_id in self.host_tables
 
-    def swap_out(self, request: Request) -> bool:
+    def swap_out(self, request: PagedRequest) -> bool:
         """Moves the request's computed pages to host pages (copies queued) and frees its device pages;
         False (nothing changed but pages outside a sliding window given back) when the host tier lacks room."""
         table = self.block_tables[request.request_id]
@@ -218,7 +240,7 @@ class KVCacheManager:
         self.host_tables[request.request_id] = host_ids
         return True
 
-    def swap_in(self, request: Request) -> None:
+    def swap_in(self, request: PagedRequest) -> None:
         """After allocate_slots gave a swapped request its device pages: queues the copies that fill
         them; its host pages are freed once those are sent."""
         host_ids = self.host_tables.pop(request.request_id)
@@ -227,11 +249,11 @@ class KVCacheManager:
         self.swap_in_copies.extend(copies)
         self._pending_fill.update(device_id for device_id, _ in copies)
 
-    def free(self, request: Request) -> None:
+    def free(self, request: PagedRequest) -> None:
         self.host_pool.release(self.host_tables.pop(request.request_id, ()))
         self._free_device(request)
 
-    def _free_device(self, request: Request) -> None:
+    def _free_device(self, request: PagedRequest) -> None:
         table = self.block_tables.pop(request.request_id, [])
         num_freed = self._num_freed.pop(request.request_id, 0)
         num_registered = self._num_registered.pop(request.request_id, 0)

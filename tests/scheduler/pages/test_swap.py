@@ -4,7 +4,7 @@ the pages, so a wrong copy changes the output)."""
 from __future__ import annotations
 
 from core.step import StepResult
-from scheduler.preemption import RecomputeRate, swap_is_cheaper
+from scheduler.pages.preemption import RecomputeRate, swap_is_cheaper
 from tests.scheduler.conftest import make_engine, make_request
 
 PROMPTS = [[i + 1] * (5 + 3 * i) for i in range(8)]

@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 
 from kvstore.client import connect
 from kvstore.replica_keys import LOAD_TTL_S, PREFIX_TTL_S, REPORT_INTERVAL_S, load_key, prefixes_key
-from scheduler.loop import EngineLoop
+from scheduler.process.loop import EngineLoop
 from plumbing.process import cancel_and_wait
 
 logger = logging.getLogger("tokenmill.scheduler.load_report")

@@ -30,7 +30,7 @@ from kvstore.live_requests import LiveRequestReader, LiveRequestWriter
 from protos import codec
 from protos.tokenmill.v1 import scheduler_pb2
 from scheduler.request import Request
-from scheduler.request_streams import TokenSink
+from scheduler.process.request_streams import TokenSink
 
 logger = logging.getLogger(__name__)
 _READ_TIMEOUT_S = 10.0  # start-up waits this long for Redis at most (a missing Redis degrades, never blocks)
@@ -94,7 +94,7 @@ async def readmit(loop, reader: LiveRequestReader) -> int:
         except ServingError as error:  # e.g. a smaller queue bound than before the restart
             _end(loop, request, FinishReason.ERROR, error)
             continue
-        loop.streams.detach(request_id)  # no call: its clients follow it from Redis (scheduler.orphans)
+        loop.streams.detach(request_id)  # no call: its clients follow it from Redis (scheduler.process.orphans)
         readmitted += 1
     if live:
         logger.warning("re-admitted %d of %d requests this scheduler was running before it restarted "

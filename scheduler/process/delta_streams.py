@@ -6,7 +6,7 @@ one read per request in the gateway, each a task wake-up and a pass through gRPC
 CPU host those run on the cores the worker's compute threads need; batching them per step is what
 vLLM (EngineCoreOutputs) and SGLang (BatchTokenIDOut) do between their engine and front end.
 
-A request's first and last messages stay on its Submit call (scheduler.service): the first waits
+A request's first and last messages stay on its Submit call (scheduler.process.service): the first waits
 for the request's record, the last carries the ending. The gateway orders the two sources by
 num_output_tokens (gateway.upstream.delta_stream).
 """

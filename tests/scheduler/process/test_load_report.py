@@ -5,8 +5,8 @@ from __future__ import annotations
 import redis
 
 from kvstore.replica_keys import LOAD_FIELDS, LOAD_TTL_S, load_key, prefixes_key
-from scheduler.load_report import LoadReporter
-from scheduler.loop import EngineLoop
+from scheduler.process.load_report import LoadReporter
+from scheduler.process.loop import EngineLoop
 from core.prefix_keys import extend_block_hashes
 from tests.scheduler.conftest import make_engine, make_request
 

@@ -7,9 +7,9 @@ import asyncio
 from core.errors import WorkerUnavailable
 from core.outputs import FinishReason
 from scheduler.config import SchedulerConfig
-from scheduler.loop import EngineLoop
+from scheduler.process.loop import EngineLoop
 from scheduler.scheduler import Scheduler
-from scheduler.worker_recovery import RecoveryAction, WorkerRecovery
+from scheduler.process.worker_recovery import RecoveryAction, WorkerRecovery
 from tests.helpers.fake_executor import FakeExecutor
 from tests.scheduler.conftest import make_request
 

@@ -8,10 +8,10 @@ from plumbing import peer_roles
 from core.outputs import FinishReason, RequestTimings, coalesce
 from protos import codec
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler.loop import EngineLoop
+from scheduler.process.loop import EngineLoop
 from scheduler.request import Request
-from scheduler.request_streams import RequestTimes
-from scheduler.telemetry import (CLIENT_DISCONNECT, finish_cause, record_deadline_cut, record_request_end,
+from scheduler.process.request_streams import RequestTimes
+from scheduler.process.telemetry import (CLIENT_DISCONNECT, finish_cause, record_deadline_cut, record_request_end,
                                  start_request)
 
 # A call cut this close to its deadline was cut by it: by gRPC here, or by the gateway, which drops the
@@ -93,7 +93,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 record_request_end(stream.times, finish_reason=FinishReason.ABORT, cause=CLIENT_DISCONNECT)
             if not finished and not resumable:  # the client went away or cancelled: free its pages
                 self.loop.abort(request.request_id)
-            elif not finished:  # runs on for a client to resume by id; an orphan if none does (scheduler.orphans)
+            elif not finished:  # runs on for a client to resume by id; an orphan if none does (scheduler.process.orphans)
                 self.loop.streams.detach(request.request_id)
 
     async def StreamDeltas(self, request, context):
@@ -143,7 +143,7 @@ async def drain(loop: EngineLoop, timeout_s: float, drain_timeout_s: float) -> N
     """Waits for in-flight requests to finish (graceful shutdown), at most timeout_s; then ends the
     calls of those left with DrainTimeout (UNAVAILABLE, recorded as ended by the drain), rather than
     leaving them to be cut by the server's stop, which reads as their gateway gone. The requests stay
-    as they are: a resumable one runs on in the scheduler that restarts here (scheduler.readmission).
+    as they are: a resumable one runs on in the scheduler that restarts here (scheduler.process.readmission).
     drain_timeout_s: the whole drain's, for the message."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while loop.streams and asyncio.get_running_loop().time() < deadline:

@@ -1,11 +1,11 @@
-"""scheduler.orphans: a resumable request without its Submit call is aborted once it has been unfollowed
+"""scheduler.process.orphans: a resumable request without its Submit call is aborted once it has been unfollowed
 for the timeout; a followed one starts a new timeout; with Redis away nothing is aborted."""
 from __future__ import annotations
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from core.outputs import FinishReason
-from scheduler.orphans import OrphanReaper
+from scheduler.process.orphans import OrphanReaper
 
 
 class FakeStreams:

@@ -14,7 +14,7 @@ from typing import Protocol
 from core.errors import ServingError
 from core.outputs import FinishReason, RequestOutput
 from core.step import StepPlan
-from scheduler.delta_streams import DeltaStream, DeltaStreams
+from scheduler.process.delta_streams import DeltaStream, DeltaStreams
 from scheduler.request import Request
 
 # A running request's record gets its output token count at least this often (and its first-token
@@ -67,11 +67,11 @@ class RequestStream:
     # the reason an Abort call asked for (a stop string the gateway matched, a CancelRequest), until the
     # loop ends the request with it: how it ended if its Submit call is dropped in the meantime
     abort_reason: FinishReason | None = None
-    # its gateway's StreamDeltas call, which carries its deltas after the first (scheduler.delta_streams)
+    # its gateway's StreamDeltas call, which carries its deltas after the first (scheduler.process.delta_streams)
     delta_stream: DeltaStream | None = None
     started: bool = False  # a delta went to its own queue: the first message, which the Submit call sends
     # a resumable request without a Submit call (its gateway went away, or it was re-admitted after a
-    # restart): monotonic time since when; scheduler.orphans aborts it if nobody follows it from Redis
+    # restart): monotonic time since when; scheduler.process.orphans aborts it if nobody follows it from Redis
     detached_since: float | None = None
 
 
@@ -220,7 +220,7 @@ class RequestStreams:
 
     def cut(self, error_for: Callable[[str], ServingError]) -> None:
         """Ends the call of every open stream with error_for(request_id), leaving the requests themselves
-        as they are (records, pages, resumable tokens): the process is stopping (scheduler.service.drain)."""
+        as they are (records, pages, resumable tokens): the process is stopping (scheduler.process.service.drain)."""
         for request_id, stream in self._streams.items():
             stream.queue.put_nowait(RequestOutput(request_id, finished=True, finish_reason=FinishReason.ERROR,
                                                   error=error_for(request_id)))

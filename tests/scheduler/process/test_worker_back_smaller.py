@@ -10,9 +10,9 @@ from core.errors import InvalidArgument
 from core.outputs import FinishReason
 from core.step import StepPlan
 from scheduler.config import SchedulerConfig
-from scheduler.loop import EngineLoop
+from scheduler.process.loop import EngineLoop
 from scheduler.scheduler import Scheduler
-from scheduler.worker_recovery import WorkerPages, WorkerRecovery
+from scheduler.process.worker_recovery import WorkerPages, WorkerRecovery
 from tests.helpers.fake_executor import FakeExecutor
 from tests.scheduler.conftest import make_engine, make_request
 

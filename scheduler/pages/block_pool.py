@@ -69,7 +69,7 @@ class BlockPool:
                 del self._cached[key]
 
     def cached_keys(self) -> set[bytes]:
-        """A snapshot of the content keys findable now (published to Redis by scheduler/load_report.py)."""
+        """A snapshot of the content keys findable now (published to Redis by scheduler/process/load_report.py)."""
         return set(self._cached)
 
     def lookup(self, key: bytes) -> int | None:

@@ -13,7 +13,7 @@ from plumbing import tls as tls_config
 from plumbing.internal_secret import aio_channel_with_secret
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, message_size_options
 from plumbing.rpc import WORKER_SERVICE, error_from_rpc_error
-from scheduler.worker_recovery import WorkerPages
+from scheduler.process.worker_recovery import WorkerPages
 
 # A restarted worker is found within a second, not after gRPC's default reconnect backoff (up to 120 s).
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
