@@ -27,11 +27,23 @@ from scheduler.pages.preemption import RecomputeRate, swap_is_cheaper
 from scheduler.queue_policy import make_waiting_queue
 from scheduler.request import FINISH_REASONS, Request, RequestStatus
 from scheduler.stats import SchedulerStats
-from scheduler.step_time import StepTuning
+from scheduler.step_time import ItlTarget, StepTuning
 
 
 class RequestTooLarge(InvalidArgument):
     """The request could never fit the KV cache, even alone (prompt + max_tokens past every page)."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Step:
+    """The step schedule() is planning: what its three parts share."""
+
+    plan: StepPlan
+    itl_target: ItlTarget | None  # the tightest ITL target this step's decodes must meet
+    budget: int  # tokens still to hand out
+    targeted: bool  # a latency target cut the budget below max_num_batched_tokens
+    new_block_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # running requests' new pages
+    preempted: bool = False  # a running request lost its pages: no new work this step
 
 
 class Scheduler:
@@ -133,49 +145,60 @@ class Scheduler:
     # --- one step ---------------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        plan = StepPlan(step_id=self._step_id)
+        """One step's plan, in three steps: the running requests first (decodes and prefill chunks, preempting
+        from the tail for pages), then waiting ones while budget, seats and pages last, then the plan is
+        closed (drops, page copies, the latency targets' record of it)."""
         itl_target = self.latency.step_itl_target(self.running)
         budget = self.latency.choose_token_budget(itl_target, self.running, self.waiting, self.clock())
-        targeted = budget < self.config.max_num_batched_tokens
-        new_block_ids: dict[str, list[int]] = {}
-        preempted_now = False
+        step = _Step(StepPlan(step_id=self._step_id), itl_target, budget,
+                     targeted=budget < self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:  # new work would take the pages the preemption freed back
+            self._schedule_waiting(step)
+        return self._close_plan(step)
 
+    def _schedule_running(self, step: _Step) -> None:
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and step.budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if targeted and num_new > 1:  # a prefill chunk shrinks so the decodes after it still run
-                num_new = max(1, min(num_new, budget - self._num_after_needing_tokens(index)))
+            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            if step.targeted and num_new > 1:  # a prefill chunk shrinks so the decodes after it still run
+                num_new = max(1, min(num_new, step.budget - self._num_after_needing_tokens(index)))
             if num_new == 0 or self._ends_on_pending_token(request):
                 index += 1  # async scheduling: its step in flight is its last, whatever it samples
                 continue
-            added = self.kv.allocate_slots(request, num_new)
-            while added is None:
-                victim = self._pick_victim()
-                preempted_now = True
-                if victim.request_id in plan.num_scheduled_tokens:
-                    budget += plan.num_scheduled_tokens.pop(victim.request_id)
-                    new_block_ids.pop(victim.request_id, None)
-                    index -= 1  # it sat before the current request
-                self._preempt(victim)
-                if victim is request:
-                    break
-                added = self.kv.allocate_slots(request, num_new)
+            added, index = self._allocate_preempting(step, request, num_new, index)
             if added is None:
                 continue  # the current request was the victim; self.running shifted under index
-            plan.num_scheduled_tokens[request.request_id] = num_new
-            new_block_ids[request.request_id] = added
-            budget -= num_new
+            step.plan.num_scheduled_tokens[request.request_id] = num_new
+            step.new_block_ids[request.request_id] = added
+            step.budget -= num_new
             index += 1
-
         for request in self.running:
-            if request.request_id in plan.num_scheduled_tokens:
-                plan.cached_requests.append(CachedRequestData(
-                    request.request_id, new_block_ids[request.request_id], request.num_computed_tokens))
+            if request.request_id in step.plan.num_scheduled_tokens:
+                step.plan.cached_requests.append(CachedRequestData(
+                    request.request_id, step.new_block_ids[request.request_id], request.num_computed_tokens))
 
-        # New work only when nothing had to be preempted: otherwise it would take the pages back.
-        while (not preempted_now and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+    def _allocate_preempting(self, step: _Step, request: Request, num_new: int,
+                             index: int) -> tuple[list[int] | None, int]:
+        """Pages for num_new more tokens of the running request at index, preempting victims until they fit:
+        (its new pages, or None when it was the victim itself; index, one back per victim that sat before it)."""
+        added = self.kv.allocate_slots(request, num_new)
+        while added is None:
+            victim = self._pick_victim()
+            step.preempted = True
+            if victim.request_id in step.plan.num_scheduled_tokens:
+                step.budget += step.plan.num_scheduled_tokens.pop(victim.request_id)
+                step.new_block_ids.pop(victim.request_id, None)
+                index -= 1  # it sat before the current request
+            self._preempt(victim)
+            if victim is request:
+                return None, index
+            added = self.kv.allocate_slots(request, num_new)
+        return added, index
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.latency.next_waiting(self.waiting)
             if request.num_pending_tokens:
                 break  # preempted while its step is in flight: sent in full once its token is known
@@ -184,45 +207,52 @@ class Scheduler:
             # all computed (vLLM's choice); its pages still enter the cache for the requests after it
             cached = [] if swapped or request.needs_prompt_logprobs else self.kv.find_cached_prefix(request)
             num_cached_tokens = request.num_computed_tokens if swapped else len(cached) * self.config.block_size
-            num_new = min(request.num_tokens - num_cached_tokens, budget)
-            if targeted and self.running:
-                num_new = self.latency.admissible_tokens(plan, num_new, num_cached_tokens + num_new, itl_target,
-                                                         self.running)
+            num_new = min(request.num_tokens - num_cached_tokens, step.budget)
+            if step.targeted and self.running:
+                num_new = self.latency.admissible_tokens(step.plan, num_new, num_cached_tokens + num_new,
+                                                         step.itl_target, self.running)
                 if num_new < 1:
                     break  # the running set is as large as the ITL target allows
             if self.kv.allocate_slots(request, num_new, cached) is None:
                 break  # the head waits for pages; FCFS does not let later requests overtake it
-            if swapped:
-                self.kv.swap_in(request)
-            if request is self.waiting.peek():
-                self.waiting.pop()
-            else:  # a TTFT target put it ahead of the head
-                self.waiting.remove(request)
-            request.num_computed_tokens = num_cached_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._on_worker.add(request.request_id)
-            plan.new_requests.append(NewRequestData(
-                request_id=request.request_id,
-                token_ids=list(request.all_token_ids),
-                num_prompt_tokens=request.num_prompt_tokens,
-                sampling_params=self._worker_sampling_params(request),
-                block_ids=list(self.kv.block_table(request.request_id)),
-                num_computed_tokens=num_cached_tokens,
-                trace_context=request.trace_context,
-            ))
-            plan.num_scheduled_tokens[request.request_id] = num_new
-            budget -= num_new
+            self._start_running(step, request, swapped, num_cached_tokens, num_new)
 
+    def _start_running(self, step: _Step, request: Request, swapped: bool, num_cached_tokens: int,
+                       num_new: int) -> None:
+        """The waiting request, its pages allocated, joins the running set and the plan in full."""
+        if swapped:
+            self.kv.swap_in(request)
+        if request is self.waiting.peek():
+            self.waiting.pop()
+        else:  # a TTFT target put it ahead of the head
+            self.waiting.remove(request)
+        request.num_computed_tokens = num_cached_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._on_worker.add(request.request_id)
+        step.plan.new_requests.append(NewRequestData(
+            request_id=request.request_id,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=self._worker_sampling_params(request),
+            block_ids=list(self.kv.block_table(request.request_id)),
+            num_computed_tokens=num_cached_tokens,
+            trace_context=request.trace_context,
+        ))
+        step.plan.num_scheduled_tokens[request.request_id] = num_new
+        step.budget -= num_new
+
+    def _close_plan(self, step: _Step) -> StepPlan:
+        plan = step.plan
         if not plan.is_empty:  # an empty plan is never sent, so the drops and copies wait for the next one
             plan.finished_request_ids = self._dropped_since_last_plan
             plan.swap_out, plan.swap_in = self.kv.take_copies()
             self._dropped_since_last_plan = []
             num_context_tokens = sum(self.requests[request_id].num_computed_tokens + num_tokens
                                      for request_id, num_tokens in plan.num_scheduled_tokens.items())
-            self.latency.planned(plan, num_context_tokens, itl_target, self.clock())
+            self.latency.planned(plan, num_context_tokens, step.itl_target, self.clock())
             self._step_id += 1
         return plan
 
