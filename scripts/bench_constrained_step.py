@@ -19,6 +19,7 @@ import torch
 from core.sampling import ConstraintKind, OutputConstraint, SamplingParams
 from core.step import CachedRequestData, NewRequestData, StepPlan
 from worker.build import build_runner
+from worker.options import WorkerOptions
 
 # the order schema the engine choice was measured with
 SCHEMA = runpy.run_path(str(Path(__file__).with_name("bench_grammar_engines.py")))["SCHEMA"]
@@ -52,7 +53,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    runner = build_runner(None, "float32", 16, None, num_blocks=32 * 8, progress=False)
+    runner = build_runner(WorkerOptions(dtype="float32", block_size=16, num_blocks=32 * 8, device="cpu"), progress=False)
     runner.warm_up()
     print(f"torch threads {torch.get_num_threads()}; 32 running requests, prompt 32 tokens, {args.steps} decode steps")
     mask_times: list[float] = []

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core.sampling import SamplingParams  # noqa: E402
 from tokenmill.llm import LLM, EngineConfig  # noqa: E402
-from worker.backends import ExecutionOptions  # noqa: E402
+from worker.options import WorkerOptions  # noqa: E402
 from worker.build import build_runner  # noqa: E402
 
 NUM_STREAMS, PROMPT_LEN, SHORT_PROMPT_LEN, OUTPUT_LEN = 16, 128, 8, 64
@@ -37,8 +37,9 @@ VARIANTS = {"default": dict(deterministic=False), "deterministic": dict(determin
 
 
 def engine(args, **options) -> LLM:
-    execution = ExecutionOptions(cpu_fused_ops=not args.no_cpu_fused_ops, quantization=args.quantization, **options)
-    runner = build_runner(args.model, args.dtype, 16, 256 * 2**20, progress=False, options=execution)
+    execution = WorkerOptions(model=args.model, dtype=args.dtype, block_size=16, kv_cache_mb=256, device="cpu",
+                              cpu_fused_ops=not args.no_cpu_fused_ops, quantization=args.quantization, **options)
+    runner = build_runner(execution, progress=False)
     return LLM(EngineConfig(block_size=16, max_num_seqs=64, max_num_batched_tokens=512), runner=runner, progress=False)
 
 

@@ -11,7 +11,7 @@ from core.outputs import RequestOutput
 from core.sampling import SamplingParams
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
-from worker.backends import ExecutionOptions
+from worker.options import WorkerOptions
 from worker.build import build_runner
 from worker.model_runner import ModelRunner
 
@@ -46,12 +46,15 @@ class EngineConfig:
     # a model whose every layer slides: give back each request's pages before its window (scheduler.pages.kv_manager)
     free_window_pages: bool = True
 
-    def execution_options(self) -> ExecutionOptions:
-        return ExecutionOptions(kernel_backend=self.kernel_backend, quantization=self.quantization,
-                                cuda_graphs=self.cuda_graphs, stream_overlap=self.stream_overlap,
-                                packed_linears=self.packed_linears, cpu_int8_activations=self.cpu_int8_activations,
-                                cpu_fused_ops=self.cpu_fused_ops, cpu_dense_weights=self.cpu_dense_weights,
-                                deterministic=self.deterministic)
+    def execution_options(self) -> WorkerOptions:
+        return WorkerOptions(model=self.model, dtype=self.dtype, block_size=self.block_size, num_blocks=self.num_blocks,
+                             swap_space_gb=self.swap_space_bytes / 2**30, device=self.device,
+                             max_num_batched_tokens=self.max_num_batched_tokens,
+                             kernel_backend=self.kernel_backend, quantization=self.quantization,
+                             cuda_graphs=self.cuda_graphs, stream_overlap=self.stream_overlap,
+                             packed_linears=self.packed_linears, cpu_int8_activations=self.cpu_int8_activations,
+                             cpu_fused_ops=self.cpu_fused_ops, cpu_dense_weights=self.cpu_dense_weights,
+                             deterministic=self.deterministic)
 
 
 def scheduler_config_for(config: EngineConfig, num_blocks: int, model_max_len: int, num_host_blocks: int = 0,
@@ -71,10 +74,8 @@ class LLM:
     def __init__(self, config: EngineConfig = EngineConfig(), runner: ModelRunner | None = None,
                  progress: bool = True) -> None:
         self.config = config
-        self.runner = runner or build_runner(config.model, config.dtype, config.block_size, config.kv_cache_bytes,
-                                             config.num_blocks, progress, device=config.device,
-                                             options=config.execution_options(),
-                                             swap_space_bytes=config.swap_space_bytes)
+        self.runner = runner or build_runner(config.execution_options(), progress=progress,
+                                             kv_cache_bytes=config.kv_cache_bytes)
         self.model_config = self.runner.model_config
         self.engine = self.new_engine(config)
         self._ids = itertools.count()

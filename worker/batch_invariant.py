@@ -8,7 +8,7 @@ paged decode kernel. A recompute runs a request's generated tokens as a prefill,
 steps before, so the K/V written for them, and the tokens after, can differ in their last bits, and a
 near-tie argmax flips.
 
---deterministic (ExecutionOptions.deterministic) picks, once when the torch path is built:
+--deterministic (WorkerOptions.deterministic) picks, once when the torch path is built:
 
 - linears, each called with one shape whatever the step holds:
   - a group-quantized weight with a dense copy (worker.dense_weights: --cpu-dense-weights, auto keeps them

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.backends import DENSE_WEIGHT_MODES
+from worker.options import DENSE_WEIGHT_MODES
 from worker.kv_sizing import free_memory_bytes
 from worker.native_ops import cpu_has_native_bf16
 

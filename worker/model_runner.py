@@ -26,7 +26,8 @@ import torch
 from core.sampling import SamplingParams
 from core.step import PLACEHOLDER_TOKEN_ID, NewRequestData, PromptLogprobs, StepPlan, StepResult
 from worker.attention import DECODE_GROUP_BYTES, RequestSpan
-from worker.backends import ExecutionOptions, resolve_execution
+from worker.backends import resolve_execution
+from worker.options import WorkerOptions
 from worker.config import ModelConfig
 from worker.execution_path import StepBatch, build_execution_path
 from worker.kv_cache import HostSwapSpace, allocate_kv_cache
@@ -83,7 +84,7 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         decode_group_bytes: int = DECODE_GROUP_BYTES,  # K+V gathered per decode group (torch path, worker.attention)
-        options: ExecutionOptions = ExecutionOptions(),  # kernel backend, CUDA graphs, stream overlap
+        options: WorkerOptions = WorkerOptions(),  # kernel backend, CUDA graphs, stream overlap
         num_host_blocks: int = 0,  # pages of the host swap tier (worker.kv_cache.HostSwapSpace)
     ) -> None:
         self.model = model

@@ -28,7 +28,7 @@ import torch
 from core.step import CachedRequestData, NewRequestData, StepPlan
 from core.sampling import SamplingParams
 from tests.gpu.random_model import llama3_8b_config, random_llama, tiny_config
-from worker.backends import ExecutionOptions
+from worker.options import WorkerOptions
 from worker.config import ModelConfig
 from worker.group_quant import quantize_linears
 from worker.model_runner import ModelRunner
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
               f"{'GB/step':>8} {'GB/s':>8} {'of copy':>7}")
     print(header, flush=True)
     for cuda_graphs, stream_overlap in settings:
-        options = ExecutionOptions(kernel_backend=args.kernel_backend, cuda_graphs=cuda_graphs, stream_overlap=stream_overlap,
+        options = WorkerOptions(kernel_backend=args.kernel_backend, cuda_graphs=cuda_graphs, stream_overlap=stream_overlap,
                                    graph_batch_sizes=tuple(sorted(set(batch_sizes))))
         started = time.perf_counter()
         runner = ModelRunner(model, config, num_blocks=num_blocks, block_size=args.block_size, dtype=dtype, options=options)

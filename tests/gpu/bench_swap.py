@@ -24,7 +24,7 @@ from scheduler.engine import EngineCore
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.gpu.random_model import llama3_8b_config, random_llama, tiny_config
-from worker.backends import ExecutionOptions
+from worker.options import WorkerOptions
 from worker.kv_cache import bytes_per_block
 from worker.model_runner import ModelRunner
 
@@ -38,7 +38,7 @@ def run_mode(model, config, args, device, kv_policy: str, swap: bool, always_swa
     page_bytes = bytes_per_block(config, dtype, args.block_size)
     num_host_blocks = args.num_host_blocks if swap else 0
     runner = ModelRunner(model, config, num_blocks=args.num_blocks, block_size=args.block_size, dtype=dtype,
-                         options=ExecutionOptions(kernel_backend=args.kernel_backend), num_host_blocks=num_host_blocks)
+                         options=WorkerOptions(kernel_backend=args.kernel_backend), num_host_blocks=num_host_blocks)
     runner.warm_up()
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=args.num_blocks, block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -14,7 +14,7 @@ import torch
 
 from tests.gpu.random_model import random_llama, tiny_config
 from tests.gpu.steps import BLOCK_SIZE, NUM_BLOCKS, assert_same_steps, run_mixed_steps
-from worker.backends import ExecutionOptions
+from worker.options import WorkerOptions
 from worker.config import RopeScaling
 from worker.model_runner import ModelRunner
 
@@ -43,7 +43,7 @@ def compare_paths(config, device: torch.device, **triton_options) -> None:
     steps = {}
     for backend, options in (("torch", {}), ("triton", triton_options)):
         runner = ModelRunner(model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=torch.float32,
-                             options=ExecutionOptions(kernel_backend=backend, **options))
+                             options=WorkerOptions(kernel_backend=backend, **options))
         runner.warm_up()
         steps[backend] = run_mixed_steps(runner)
     assert_same_steps(steps["torch"], steps["triton"], logprob_atol=1e-4)

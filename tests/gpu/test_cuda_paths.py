@@ -11,10 +11,10 @@ import torch
 from tests.gpu.random_model import random_llama, tiny_config
 from tests.gpu.steps import BLOCK_SIZE, NUM_BLOCKS, PLAIN_GREEDY, assert_same_steps, run_mixed_steps
 from worker.attention import RequestSpan
-from worker.backends import ExecutionOptions
+from worker.options import WorkerOptions
 from worker.execution_path import StepBatch
 from worker.group_quant import GroupQuantLinear, quantize_weight
-from tokenmill.int8_agreement import window_logits
+from tokenmill.bench.int8_agreement import window_logits
 from worker.model_runner import ModelRunner
 from worker.quantization import quantize_linears_int8
 from worker.triton_forward import host_metadata, to_device
@@ -31,7 +31,7 @@ def model_and_config():
 
 def runner_with(model, config, **options) -> ModelRunner:
     runner = ModelRunner(model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=torch.float32,
-                         options=ExecutionOptions(graph_batch_sizes=(1, 2, 4), **options))
+                         options=WorkerOptions(graph_batch_sizes=(1, 2, 4), **options))
     runner.warm_up()
     return runner
 

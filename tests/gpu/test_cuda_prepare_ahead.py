@@ -14,7 +14,7 @@ import torch
 from core.step import CachedRequestData, NewRequestData, StepPlan
 from core.sampling import SamplingParams
 from tests.gpu.random_model import random_llama, tiny_config
-from worker.backends import ExecutionOptions
+from worker.options import WorkerOptions
 from worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only paths; run by tests/gpu/run.sh")
@@ -42,7 +42,7 @@ def test_prepared_on_another_thread_equals_one_after_the_other(params, cuda_grap
 
     def runner() -> ModelRunner:
         built = ModelRunner(model, config, num_blocks=40, block_size=BLOCK_SIZE, dtype=torch.float32,
-                            options=ExecutionOptions(cuda_graphs=cuda_graphs, stream_overlap=stream_overlap,
+                            options=WorkerOptions(cuda_graphs=cuda_graphs, stream_overlap=stream_overlap,
                                                      graph_batch_sizes=(1, 2, 4)))
         built.warm_up()
         return built
@@ -67,7 +67,7 @@ def test_prepared_on_another_thread_equals_one_after_the_other(params, cuda_grap
 def test_next_steps_copy_finishes_while_the_step_before_computes():
     config = tiny_config(num_layers=2)
     model = random_llama(config, torch.float32, torch.device("cuda"), seed=3, std=0.2)
-    options = ExecutionOptions(cuda_graphs=True, stream_overlap=True, graph_batch_sizes=(1, 2, 4))
+    options = WorkerOptions(cuda_graphs=True, stream_overlap=True, graph_batch_sizes=(1, 2, 4))
     steps = plans(PARAMS["greedy"], 2)
     sequential = ModelRunner(model, config, num_blocks=40, block_size=BLOCK_SIZE, dtype=torch.float32, options=options)
     sequential.warm_up()

@@ -12,7 +12,7 @@ from scheduler.engine import EngineCore
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.gpu.random_model import random_llama, tiny_config
-from worker.backends import ExecutionOptions
+from worker.options import WorkerOptions
 from worker.kv_cache import HostSwapSpace, allocate_kv_cache, bytes_per_block
 from worker.kv_sizing import free_memory_bytes, measure_activation_peak, profile_batch, size_from_free_memory
 from worker.model_runner import ModelRunner
@@ -43,7 +43,7 @@ def test_host_pages_are_pinned_and_copies_follow_the_compute_stream(model_and_co
 
 def run_engine(model, config, num_blocks, num_host_blocks):
     runner = ModelRunner(model, config, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=torch.float32,
-                         options=ExecutionOptions(graph_batch_sizes=(1, 2, 4)), num_host_blocks=num_host_blocks)
+                         options=WorkerOptions(graph_batch_sizes=(1, 2, 4)), num_host_blocks=num_host_blocks)
     runner.warm_up()
     scheduler = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=64,
                                           max_model_len=256, num_host_blocks=num_host_blocks,

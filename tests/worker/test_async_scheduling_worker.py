@@ -16,10 +16,10 @@ from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from scheduler.process.worker_client import WorkerClient
 from tests.helpers.tiny_models import make_tiny_hf_model
-from tokenmill.child_process import ChildSpec
-from tokenmill.readiness import free_port
+from tokenmill.cluster.child_process import ChildSpec
+from tokenmill.cluster.readiness import free_port
 from plumbing.rpc import WORKER_SERVICE
-from tokenmill.supervisor import Supervisor
+from tokenmill.cluster.supervisor import Supervisor
 
 # different lengths; a budget of 24 tokens splits the longer prompts into chunks mixed with decodes
 PROMPT_LENGTHS = [5, 30, 17, 41, 9]

@@ -12,7 +12,8 @@ import torch
 from core.sampling import SamplingParams
 from tests.helpers.tiny_models import make_tiny_hf_model
 from tokenmill.llm import LLM, EngineConfig
-from worker.backends import ExecutionOptions, resolve_execution
+from worker.backends import resolve_execution
+from worker.options import WorkerOptions
 from worker.batch_invariant import (ROW_TILE, DenseTileLinear, RowTileLinear, plan_batch_invariant_attention,
                                     token_spans)
 from worker.attention import RequestSpan
@@ -34,7 +35,7 @@ def prompts(vocab_size: int, count: int = 6, seed: int = 0) -> list[list[int]]:
 def engine(model, config, dtype, deterministic: bool, fused: bool, num_blocks: int, token_budget: int,
            dense_weights: str = "auto") -> LLM:
     """A runner built now (it sets the model's kernels for its mode) and an engine over it."""
-    options = ExecutionOptions(deterministic=deterministic, cpu_fused_ops=fused, cpu_dense_weights=dense_weights)
+    options = WorkerOptions(deterministic=deterministic, cpu_fused_ops=fused, cpu_dense_weights=dense_weights)
     runner = ModelRunner(model, config, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=dtype, options=options)
     return LLM(EngineConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=token_budget, max_num_seqs=16), runner=runner,
                progress=False)
@@ -164,25 +165,26 @@ def test_token_spans_make_every_prefill_token_a_decode_row():
 
 
 def test_the_mode_is_refused_off_the_cpu_torch_path():
-    assert resolve_execution(ExecutionOptions(deterministic=True), "cpu").deterministic
+    assert resolve_execution(WorkerOptions(deterministic=True), "cpu").deterministic
     with pytest.raises(ValueError, match="--deterministic runs on the CPU torch path only"):
-        resolve_execution(ExecutionOptions(deterministic=True, kernel_backend="triton"), "cpu")
+        resolve_execution(WorkerOptions(deterministic=True, kernel_backend="triton"), "cpu")
     with pytest.raises(ValueError, match="not on device cuda"):
-        resolve_execution(ExecutionOptions(deterministic=True), "cuda")
+        resolve_execution(WorkerOptions(deterministic=True), "cuda")
 
 
 def test_serve_passes_the_flag_to_the_worker_which_parses_it():
     import argparse
 
-    from tokenmill.cluster import ClusterConfig, cluster_specs
-    from worker.backends import add_execution_flags, execution_options_from_args
+    from tokenmill.cluster.config import ClusterConfig
+    from tokenmill.cluster.specs import cluster_specs
+
 
     worker = next(spec for spec in cluster_specs(ClusterConfig(deterministic=True)) if spec.name == "worker")
     assert "--deterministic" in worker.argv
     assert "--deterministic" not in next(spec for spec in cluster_specs(ClusterConfig()) if spec.name == "worker").argv
     parser = argparse.ArgumentParser()
-    add_execution_flags(parser)
-    assert execution_options_from_args(parser.parse_args(["--batch-invariant"])).deterministic
+    WorkerOptions.add_arguments(parser)
+    assert WorkerOptions.from_args(parser.parse_args(["--batch-invariant"])).deterministic
 
 
 def test_the_in_process_engine_takes_the_mode_from_its_config(tiny):

@@ -9,7 +9,8 @@ import torch
 from core.sampling import SamplingParams
 from tests.gpu.random_model import random_llama, tiny_config
 from tests.worker.test_constrained_sampling import pack
-from worker.backends import ExecutionOptions, resolve_execution
+from worker.backends import resolve_execution
+from worker.options import WorkerOptions
 from worker.execution_path import StepBatch, build_execution_path
 from worker.kv_cache import allocate_kv_cache
 from worker.sampler import SamplingRow
@@ -23,7 +24,7 @@ def paths():
     config = tiny_config(num_layers=1)
     model = random_llama(config, torch.float32, CPU, seed=1)
     return {backend: build_execution_path(model, allocate_kv_cache(config, 4, 4, torch.float32), 4,
-                                          resolve_execution(ExecutionOptions(kernel_backend=backend), CPU), CPU)
+                                          resolve_execution(WorkerOptions(kernel_backend=backend), CPU), CPU)
             for backend in ("torch", "triton")}
 
 

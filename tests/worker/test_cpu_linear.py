@@ -9,7 +9,8 @@ from torch import nn
 from core.step import CachedRequestData, NewRequestData, StepPlan
 from core.sampling import SamplingParams
 from tests.gpu.random_model import random_llama, tiny_config
-from worker.backends import ExecutionOptions, resolve_execution
+from worker.backends import resolve_execution
+from worker.options import WorkerOptions
 from worker.cpu_linear import PackedLinear, pack_linears
 from worker.main import parse_args
 from worker.model_runner import ModelRunner
@@ -36,7 +37,7 @@ def test_pack_linears_replaces_float32_linears_and_leaves_the_rest():
     assert pack_linears(random_llama(config, torch.bfloat16, "cpu")) == 0  # float32 only
 
 
-def _greedy_tokens(options: ExecutionOptions) -> tuple[ModelRunner, list[int]]:
+def _greedy_tokens(options: WorkerOptions) -> tuple[ModelRunner, list[int]]:
     config = tiny_config(num_layers=2)
     runner = ModelRunner(random_llama(config, torch.float32, "cpu", seed=3), config, num_blocks=16, block_size=4,
                          dtype=torch.float32, options=options)
@@ -51,41 +52,43 @@ def _greedy_tokens(options: ExecutionOptions) -> tuple[ModelRunner, list[int]]:
 
 
 def test_cpu_runner_packs_by_default_and_the_switch_turns_it_off():
-    packed_runner, packed_tokens = _greedy_tokens(ExecutionOptions())
-    plain_runner, plain_tokens = _greedy_tokens(ExecutionOptions(packed_linears=False))
+    packed_runner, packed_tokens = _greedy_tokens(WorkerOptions())
+    plain_runner, plain_tokens = _greedy_tokens(WorkerOptions(packed_linears=False))
     assert isinstance(packed_runner.model.lm_head, PackedLinear)
     assert isinstance(plain_runner.model.lm_head, nn.Linear)
     assert packed_tokens == plain_tokens
 
 
 def test_packing_resolves_off_where_it_does_not_apply():
-    assert resolve_execution(ExecutionOptions(), "cpu").packed_linears
-    assert not resolve_execution(ExecutionOptions(), "cuda").packed_linears
-    assert not resolve_execution(ExecutionOptions(kernel_backend="triton"), "cpu").packed_linears
+    assert resolve_execution(WorkerOptions(), "cpu").packed_linears
+    assert not resolve_execution(WorkerOptions(), "cuda").packed_linears
+    assert not resolve_execution(WorkerOptions(kernel_backend="triton"), "cpu").packed_linears
     # quantized linears are not nn.Linear: pack_linears leaves them and packs any float ones left
-    assert resolve_execution(ExecutionOptions(quantization="int8"), "cpu").packed_linears
+    assert resolve_execution(WorkerOptions(quantization="int8"), "cpu").packed_linears
 
 
 def test_flag_reaches_the_worker_from_serve():
     from tokenmill.cli import build_parser
-    from tokenmill.cluster import ClusterConfig, cluster_specs
+    from tokenmill.cluster.config import ClusterConfig
+    from tokenmill.cluster.specs import cluster_specs
 
-    assert parse_args(["--no-packed-linears"]).execution == ExecutionOptions(packed_linears=False)
+    assert parse_args(["--no-packed-linears"]) == WorkerOptions(packed_linears=False)
     serve = build_parser().parse_args(["serve", "--no-packed-linears"])
     assert serve.no_packed_linears
     config = ClusterConfig(redis_url="redis://127.0.0.1:1", http_port=None, packed_linears=False)
     worker = next(spec for spec in cluster_specs(config) if spec.name == "worker")
-    assert parse_args(list(worker.argv[3:])).execution.packed_linears is False
+    assert parse_args(list(worker.argv[3:])).packed_linears is False
 
 
 def test_int8_activations_flag_reaches_the_worker_from_serve():
     from tokenmill.cli import build_parser
-    from tokenmill.cluster import ClusterConfig, cluster_specs
+    from tokenmill.cluster.config import ClusterConfig
+    from tokenmill.cluster.specs import cluster_specs
 
-    assert parse_args(["--cpu-int8-activations"]).execution == ExecutionOptions(cpu_int8_activations=True)
+    assert parse_args(["--cpu-int8-activations"]) == WorkerOptions(cpu_int8_activations=True)
     assert build_parser().parse_args(["serve", "--cpu-int8-activations"]).cpu_int8_activations
     config = ClusterConfig(redis_url="redis://127.0.0.1:1", http_port=None, cpu_int8_activations=True)
     worker = next(spec for spec in cluster_specs(config) if spec.name == "worker")
-    assert parse_args(list(worker.argv[3:])).execution.cpu_int8_activations is True
-    assert resolve_execution(ExecutionOptions(cpu_int8_activations=True), "cpu").cpu_int8_activations
-    assert not resolve_execution(ExecutionOptions(cpu_int8_activations=True), "cuda").cpu_int8_activations
+    assert parse_args(list(worker.argv[3:])).cpu_int8_activations is True
+    assert resolve_execution(WorkerOptions(cpu_int8_activations=True), "cpu").cpu_int8_activations
+    assert not resolve_execution(WorkerOptions(cpu_int8_activations=True), "cuda").cpu_int8_activations

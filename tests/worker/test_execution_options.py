@@ -1,29 +1,29 @@
-"""worker.backends: what each flag resolves to on CPU and on a CUDA device, the graph buckets, and that the
-CPU runner never builds a CUDA-only part. The CUDA paths themselves run in tests/gpu (device script)."""
+"""worker.options and its resolution: what each flag resolves to on CPU and on a CUDA device, the graph
+buckets, and that the CPU runner never builds a CUDA-only part. The CUDA paths themselves run in tests/gpu (device script)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from tests.gpu.random_model import random_llama, tiny_config
-from worker.backends import (DEFAULT_GRAPH_BATCH_SIZES, ExecutionOptions, graph_bucket, parse_batch_sizes,
-                             resolve_execution)
+from worker.backends import graph_bucket, resolve_execution
+from worker.options import DEFAULT_GRAPH_BATCH_SIZES, WorkerOptions, parse_batch_sizes
 from worker.main import parse_args
 from worker.model_runner import ModelRunner
 from worker.torch_path import TorchPath
 
 
 def test_auto_is_triton_on_cuda_and_torch_on_cpu():
-    cpu = resolve_execution(ExecutionOptions(), "cpu")
+    cpu = resolve_execution(WorkerOptions(), "cpu")
     assert (cpu.kernel_backend, cpu.cuda_graphs, cpu.stream_overlap) == ("torch", False, False)
-    cuda = resolve_execution(ExecutionOptions(), torch.device("cuda", 0))  # resolving touches no device
+    cuda = resolve_execution(WorkerOptions(), torch.device("cuda", 0))  # resolving touches no device
     assert (cuda.kernel_backend, cuda.cuda_graphs, cuda.stream_overlap) == ("triton", True, True)
 
 
 def test_graphs_need_cuda_and_the_triton_backend():
-    assert not resolve_execution(ExecutionOptions(kernel_backend="triton"), "cpu").cuda_graphs
-    assert not resolve_execution(ExecutionOptions(kernel_backend="torch"), "cuda").cuda_graphs
-    off = resolve_execution(ExecutionOptions(cuda_graphs=False, stream_overlap=False), "cuda")
+    assert not resolve_execution(WorkerOptions(kernel_backend="triton"), "cpu").cuda_graphs
+    assert not resolve_execution(WorkerOptions(kernel_backend="torch"), "cuda").cuda_graphs
+    off = resolve_execution(WorkerOptions(cuda_graphs=False, stream_overlap=False), "cuda")
     assert (off.kernel_backend, off.cuda_graphs, off.stream_overlap) == ("triton", False, False)
 
 
@@ -35,11 +35,11 @@ def test_graph_bucket_is_the_smallest_that_fits():
 
 def test_bad_options_name_the_field():
     with pytest.raises(ValueError, match="kernel_backend='cuda' is not one of"):
-        ExecutionOptions(kernel_backend="cuda")
+        WorkerOptions(kernel_backend="cuda")
     with pytest.raises(ValueError, match="quantization='int3'"):
-        ExecutionOptions(quantization="int3")
+        WorkerOptions(quantization="int3")
     with pytest.raises(ValueError, match="graph_batch_sizes=\\(0, 2\\)"):
-        ExecutionOptions(graph_batch_sizes=(0, 2))
+        WorkerOptions(graph_batch_sizes=(0, 2))
     with pytest.raises(ValueError, match="comma-separated integers"):
         parse_batch_sizes("1,two")
 
@@ -47,9 +47,9 @@ def test_bad_options_name_the_field():
 def test_worker_flags_build_the_options():
     args = parse_args(["--kernel-backend", "triton", "--quantization", "int8", "--no-cuda-graphs",
                        "--cuda-graph-batch-sizes", "1,2,8"])
-    assert args.execution == ExecutionOptions(kernel_backend="triton", quantization="int8", cuda_graphs=False,
+    assert args == WorkerOptions(kernel_backend="triton", quantization="int8", cuda_graphs=False,
                                               stream_overlap=True, graph_batch_sizes=(1, 2, 8))
-    assert parse_args([]).execution == ExecutionOptions()
+    assert parse_args([]) == WorkerOptions()
     with pytest.raises(SystemExit):
         parse_args(["--cuda-graph-batch-sizes", "0"])
 
@@ -64,7 +64,8 @@ def test_cpu_runner_takes_the_torch_path_and_builds_nothing_cuda():
 
 def test_serve_flags_reach_the_worker_command_line():
     from tokenmill.cli import build_parser
-    from tokenmill.cluster import ClusterConfig, cluster_specs
+    from tokenmill.cluster.config import ClusterConfig
+    from tokenmill.cluster.specs import cluster_specs
 
     serve = build_parser().parse_args(["serve", "--kernel-backend", "torch", "--quantization", "int8",
                                        "--no-cuda-graphs", "--no-stream-overlap", "--device", "cpu"])
@@ -74,39 +75,41 @@ def test_serve_flags_reach_the_worker_command_line():
     worker = next(spec for spec in cluster_specs(config) if spec.name == "worker")
     args = parse_args(list(worker.argv[3:]))  # past "python -m worker.main"
     assert args.device == "cpu"
-    assert args.execution == ExecutionOptions(kernel_backend="torch", quantization="int8", cuda_graphs=False, stream_overlap=False)
+    assert (args.kernel_backend, args.quantization, args.cuda_graphs, args.stream_overlap) == ("torch", "int8", False, False)
 
 
 def test_fused_cpu_ops_are_the_cpu_default_and_the_reference_one_flag_away():
     from tokenmill.cli import build_parser
-    from tokenmill.cluster import ClusterConfig, cluster_specs
+    from tokenmill.cluster.config import ClusterConfig
+    from tokenmill.cluster.specs import cluster_specs
 
-    assert resolve_execution(ExecutionOptions(), "cpu").cpu_fused_ops
-    assert not resolve_execution(ExecutionOptions(), "cuda").cpu_fused_ops  # the Triton path has its own kernels
-    assert not resolve_execution(ExecutionOptions(kernel_backend="triton"), "cpu").cpu_fused_ops
-    assert parse_args([]).execution.cpu_fused_ops and not parse_args(["--no-cpu-fused-ops"]).execution.cpu_fused_ops
+    assert resolve_execution(WorkerOptions(), "cpu").cpu_fused_ops
+    assert not resolve_execution(WorkerOptions(), "cuda").cpu_fused_ops  # the Triton path has its own kernels
+    assert not resolve_execution(WorkerOptions(kernel_backend="triton"), "cpu").cpu_fused_ops
+    assert parse_args([]).cpu_fused_ops and not parse_args(["--no-cpu-fused-ops"]).cpu_fused_ops
     serve = build_parser().parse_args(["serve", "--no-cpu-fused-ops"])
     assert serve.no_cpu_fused_ops
     for fused in (True, False):
         worker = next(spec for spec in cluster_specs(ClusterConfig(redis_url="redis://127.0.0.1:1", http_port=None,
                                                                    cpu_fused_ops=fused)) if spec.name == "worker")
-        assert parse_args(list(worker.argv[3:])).execution.cpu_fused_ops == fused
+        assert parse_args(list(worker.argv[3:])).cpu_fused_ops == fused
 
 
 def test_cpu_dense_weights_flag_is_auto_by_default_and_reaches_the_worker():
     from tokenmill import cli
-    from tokenmill.cluster import ClusterConfig, cluster_specs
-    from worker.backends import DENSE_WEIGHT_MODES
+    from tokenmill.cluster.config import ClusterConfig
+    from tokenmill.cluster.specs import cluster_specs
+    from worker.options import DENSE_WEIGHT_MODES
 
     assert cli.DENSE_WEIGHT_MODES == DENSE_WEIGHT_MODES  # serve's choices are the worker's
-    assert resolve_execution(ExecutionOptions(), "cpu").cpu_dense_weights == "auto"
-    assert resolve_execution(ExecutionOptions(cpu_dense_weights="on"), "cuda").cpu_dense_weights == "off"
-    assert resolve_execution(ExecutionOptions(cpu_dense_weights="on", kernel_backend="triton"),
+    assert resolve_execution(WorkerOptions(), "cpu").cpu_dense_weights == "auto"
+    assert resolve_execution(WorkerOptions(cpu_dense_weights="on"), "cuda").cpu_dense_weights == "off"
+    assert resolve_execution(WorkerOptions(cpu_dense_weights="on", kernel_backend="triton"),
                              "cpu").cpu_dense_weights == "off"
     with pytest.raises(ValueError, match="cpu_dense_weights='bf16' is not one of"):
-        ExecutionOptions(cpu_dense_weights="bf16")
+        WorkerOptions(cpu_dense_weights="bf16")
     assert cli.build_parser().parse_args(["serve", "--cpu-dense-weights", "off"]).cpu_dense_weights == "off"
     for mode in DENSE_WEIGHT_MODES:
         worker = next(spec for spec in cluster_specs(ClusterConfig(redis_url="redis://127.0.0.1:1", http_port=None,
                                                                    cpu_dense_weights=mode)) if spec.name == "worker")
-        assert parse_args(list(worker.argv[3:])).execution.cpu_dense_weights == mode
+        assert parse_args(list(worker.argv[3:])).cpu_dense_weights == mode

@@ -9,7 +9,8 @@ import torch
 from core.sampling import SamplingParams
 from tests.gpu.random_model import random_llama, tiny_config
 from worker.attention import RequestSpan
-from worker.backends import ExecutionOptions, resolve_execution
+from worker.backends import resolve_execution
+from worker.options import WorkerOptions
 from worker.execution_path import ExecutionPath, StepBatch, build_execution_path
 from worker.kv_cache import allocate_kv_cache
 from worker.model_runner import ModelRunner
@@ -28,7 +29,7 @@ def paths():
     model = random_llama(config, torch.float32, CPU, seed=5, std=0.2)
     built = {}
     for backend in ("torch", "triton"):
-        execution = resolve_execution(ExecutionOptions(kernel_backend=backend), CPU)
+        execution = resolve_execution(WorkerOptions(kernel_backend=backend), CPU)
         kv_cache = allocate_kv_cache(config, 8, BLOCK_SIZE, torch.float32)  # one cache each: both write K/V
         built[backend] = build_execution_path(model, kv_cache, BLOCK_SIZE, execution, CPU)
     return built
@@ -39,7 +40,7 @@ def test_each_backend_builds_its_own_path_and_both_satisfy_the_protocol(paths):
     assert all(isinstance(path, ExecutionPath) for path in paths.values())
     config = tiny_config(num_layers=1)
     runner = ModelRunner(random_llama(config, torch.float32, CPU), config, num_blocks=4, block_size=BLOCK_SIZE,
-                         dtype=torch.float32, options=ExecutionOptions(kernel_backend="triton"))
+                         dtype=torch.float32, options=WorkerOptions(kernel_backend="triton"))
     assert type(runner.execution_path) is TritonPath
 
 

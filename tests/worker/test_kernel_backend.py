@@ -10,7 +10,7 @@ from core.step import CachedRequestData, NewRequestData, StepPlan
 from core.sampling import SamplingParams
 from tests.gpu.random_model import random_llama, tiny_config
 from tests.gpu.steps import BLOCK_SIZE, NUM_BLOCKS, assert_same_steps, run_mixed_steps
-from worker.backends import ExecutionOptions
+from worker.options import WorkerOptions
 from worker.model_runner import ModelRunner
 from worker.torch_path import TorchPath
 from worker.triton_path import TritonPath
@@ -26,7 +26,7 @@ def test_triton_backend_matches_torch_backend(model_and_config):
     model, config = model_and_config
     runners = {
         backend: ModelRunner(model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=torch.float32,
-                             options=ExecutionOptions(kernel_backend=backend))
+                             options=WorkerOptions(kernel_backend=backend))
         for backend in ("torch", "triton")
     }
     assert type(runners["triton"].execution_path) is TritonPath and type(runners["torch"].execution_path) is TorchPath
@@ -41,7 +41,7 @@ def test_triton_backend_matches_torch_backend(model_and_config):
 def test_triton_backend_warm_up_on_cpu_needs_no_cuda(model_and_config):
     model, config = model_and_config
     runner = ModelRunner(model, config, num_blocks=4, block_size=BLOCK_SIZE, dtype=torch.float32,
-                         options=ExecutionOptions(kernel_backend="triton"))
+                         options=WorkerOptions(kernel_backend="triton"))
     runner.warm_up()
     # on CPU the CUDA-only parts resolve off and are never built
     path = runner.execution_path
@@ -67,7 +67,7 @@ def test_triton_backend_samples_on_the_device(model_and_config):
 
     def runner(backend: str) -> ModelRunner:
         return ModelRunner(model, config, num_blocks=16, block_size=BLOCK_SIZE, dtype=torch.float32,
-                           options=ExecutionOptions(kernel_backend=backend))
+                           options=WorkerOptions(kernel_backend=backend))
 
     greedy = generate(runner("torch"), {"g": SamplingParams(temperature=0.0)}, 4)["g"]
     seeded = SamplingParams(temperature=1.5, top_p=0.9, seed=1234)

@@ -11,6 +11,7 @@ from tests.helpers.tiny_models import make_tiny_hf_model
 from worker.build import build_sized_runner
 from worker.kv_cache import bytes_per_block
 from worker.kv_sizing import free_memory_bytes, size_from_free_memory
+from worker.options import WorkerOptions
 
 BLOCK_SIZE = 16
 
@@ -35,8 +36,9 @@ def test_fraction_of_free_memory_after_the_activation_peak():
 def test_cpu_cache_takes_the_fraction_of_available_ram(tiny_folder):
     fraction = 1e-4
     available = free_memory_bytes(torch.device("cpu"))
-    runner, sizing = build_sized_runner(tiny_folder, "float32", BLOCK_SIZE, None, progress=False,
-                                        memory_fraction=fraction, profile_tokens=256)
+    runner, sizing = build_sized_runner(WorkerOptions(
+        model=str(tiny_folder), dtype="float32", block_size=BLOCK_SIZE, device="cpu", kv_cache_memory_fraction=fraction,
+        max_num_batched_tokens=256), progress=False)
     per_block = bytes_per_block(runner.model_config, torch.float32, BLOCK_SIZE)
     assert runner.num_blocks == sizing.num_blocks and sizing.kv_cache_bytes == sizing.num_blocks * per_block
     # MemAvailable moves with the rest of the machine: within 20% of the fraction measured here
@@ -45,15 +47,18 @@ def test_cpu_cache_takes_the_fraction_of_available_ram(tiny_folder):
 
 
 def test_kv_cache_mb_overrides_the_fraction(tiny_folder):
-    runner, sizing = build_sized_runner(tiny_folder, "float32", BLOCK_SIZE, 2**20, progress=False, memory_fraction=0.5)
+    runner, sizing = build_sized_runner(WorkerOptions(
+        model=str(tiny_folder), dtype="float32", block_size=BLOCK_SIZE, device="cpu", kv_cache_mb=1,
+        kv_cache_memory_fraction=0.5), progress=False)
     per_block = bytes_per_block(runner.model_config, torch.float32, BLOCK_SIZE)
     assert runner.num_blocks == 2**20 // per_block and sizing.reason == "--kv-cache-mb 1"
 
 
 def test_swapped_pages_come_back_bit_exact(tiny_folder):
     """The worker executes the plan's copies: out to the host tier, then back into other device pages."""
-    runner, _ = build_sized_runner(tiny_folder, "float32", 4, None, num_blocks=8, progress=False,
-                                   swap_space_bytes=64 * 2**20)
+    runner, _ = build_sized_runner(WorkerOptions(
+        model=str(tiny_folder), dtype="float32", block_size=4, device="cpu", num_blocks=8, swap_space_gb=64 / 1024),
+        progress=False)
     params = SamplingParams(temperature=0.0, max_tokens=4)
     runner.execute(StepPlan(0, new_requests=[NewRequestData("a", list(range(1, 9)), 8, params, [0, 1], 0)],
                             num_scheduled_tokens={"a": 8}))

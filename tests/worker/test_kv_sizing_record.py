@@ -13,6 +13,7 @@ from tests.helpers.tiny_models import make_tiny_hf_model
 from worker.build import build_sized_runner
 from worker.kv_cache import bytes_per_block
 from worker.kv_sizing import REUSED_SIZING, SizingRecord, read_sizing_record, size_from_memory_or_record
+from worker.options import WorkerOptions
 
 CPU = torch.device("cpu")
 MIB = 2**20
@@ -60,8 +61,9 @@ def tiny_folder(tmp_path_factory):
 
 def start(folder, record, free_bytes, fraction=0.001):
     """One worker start's model and KV cache, sized from free_bytes of memory."""
-    return build_sized_runner(folder, "float32", BLOCK_SIZE, None, progress=False, memory_fraction=fraction,
-                              profile_tokens=64, sizing_record=record, free_bytes=free_bytes)
+    options = WorkerOptions(model=str(folder), dtype="float32", block_size=BLOCK_SIZE, device="cpu",
+                            kv_cache_memory_fraction=fraction, max_num_batched_tokens=64, kv_sizing_record=record)
+    return build_sized_runner(options, progress=False, free_bytes=free_bytes)
 
 
 def test_a_second_start_reuses_the_first_starts_page_count(tiny_folder, tmp_path):

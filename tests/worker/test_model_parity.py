@@ -17,7 +17,7 @@ import torch
 from core.step import CachedRequestData, NewRequestData, StepPlan
 from core.sampling import SamplingParams
 from tests.helpers.tiny_models import FLAVOURS, VOCAB_SIZE, make_tiny_hf_model
-from worker.backends import ExecutionOptions
+from worker.options import WorkerOptions
 from worker.loader import load_model
 from worker.model_runner import ModelRunner
 from worker.native_ops import cpu_ops_available
@@ -79,7 +79,7 @@ def run_scenario(model, config, block_size: int, decode_group_bytes: int | None 
     if fused and not cpu_ops_available():
         pytest.skip("compiled CPU ops not built (scripts/build_cpu_ops.py)")
     runner = ModelRunner(model, config, num_blocks=256 // block_size * 4, block_size=block_size, dtype=torch.float32,
-                         options=ExecutionOptions(cpu_fused_ops=fused), **group)
+                         options=WorkerOptions(cpu_fused_ops=fused), **group)
     assert runner.execution_path.fused_ops == fused
     captured: list[torch.Tensor] = []
     hook = runner.model.register_forward_hook(lambda module, args, output: captured.append(output))

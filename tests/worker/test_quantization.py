@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from tests.gpu.random_model import random_llama, tiny_config
-from tokenmill.int8_agreement import window_logits
+from tokenmill.bench.int8_agreement import window_logits
 from worker.quantization import Int8Linear, quantize_linears_int8
 
 
@@ -36,15 +36,15 @@ def test_build_runner_quantizes_at_load(tmp_path):
     from core.step import NewRequestData, StepPlan
     from core.sampling import SamplingParams
     from tests.helpers.tiny_models import make_tiny_hf_model
-    from worker.backends import ExecutionOptions
+    from worker.options import WorkerOptions
     from worker.build import build_runner
 
     from worker.group_quant import GroupQuantLinear
 
     folder, _ = make_tiny_hf_model(tmp_path, "qwen2")  # q/k/v bias: the quantized linear keeps it
     for bits in (8, 4):  # on CPU both are group-wise (the per-channel Int8Linear is CUDA's Triton format)
-        runner = build_runner(folder, "float32", 4, 2**20, num_blocks=8, progress=False,
-                              options=ExecutionOptions(quantization=f"int{bits}"))
+        runner = build_runner(WorkerOptions(model=str(folder), dtype="float32", block_size=4, num_blocks=8, device="cpu",
+                                            quantization=f"int{bits}"), progress=False)
         wqkv = runner.model.layers[0].attn.wqkv
         assert isinstance(wqkv, GroupQuantLinear) and wqkv.bits == bits and wqkv.bias is not None
         assert not any(isinstance(m, torch.nn.Linear) for m in runner.model.modules())

@@ -11,7 +11,7 @@ import torch
 from core.step import PLACEHOLDER_TOKEN_ID, CachedRequestData, NewRequestData, StepPlan
 from core.sampling import SamplingParams
 from tests.helpers.tiny_models import make_tiny_hf_model
-from worker.backends import ExecutionOptions
+from worker.options import WorkerOptions
 from worker.loader import load_model
 from worker.model_runner import ModelRunner, PlanMismatchError
 from worker.triton_forward import to_device
@@ -34,7 +34,7 @@ def model_and_config(tmp_path_factory):
 def fresh_runner(model_and_config, kernel_backend: str = "torch") -> ModelRunner:
     model, config = model_and_config
     return ModelRunner(model, config, num_blocks=64, block_size=BLOCK_SIZE, dtype=torch.float32,
-                       options=ExecutionOptions(kernel_backend=kernel_backend))
+                       options=WorkerOptions(kernel_backend=kernel_backend))
 
 
 def plans(num_decode_steps: int, params: dict[str, SamplingParams] = PARAMS) -> list[StepPlan]:

@@ -11,7 +11,7 @@ import torch
 
 from tests.gpu.steps import BLOCK_SIZE, NUM_BLOCKS, assert_same_steps, run_mixed_steps
 from tests.helpers.tiny_models import make_tiny_hf_model
-from worker.backends import ExecutionOptions
+from worker.options import WorkerOptions
 from worker.loader import load_model
 from worker.model_runner import ModelRunner
 
@@ -23,6 +23,6 @@ def test_triton_path_matches_torch_path(tmp_path, flavour):
     steps = {}
     for backend in ("torch", "triton"):
         runner = ModelRunner(model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=torch.float32,
-                             options=ExecutionOptions(kernel_backend=backend))
+                             options=WorkerOptions(kernel_backend=backend))
         steps[backend] = run_mixed_steps(runner)
     assert_same_steps(steps["torch"], steps["triton"], logprob_atol=1e-4)

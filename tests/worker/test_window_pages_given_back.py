@@ -13,7 +13,7 @@ import torch
 from core.sampling import SamplingParams
 from core.step import FREED_BLOCK_ID, CachedRequestData, NewRequestData, StepPlan
 from tests.helpers.tiny_models import SLIDING_WINDOW, make_tiny_hf_model
-from worker.backends import ExecutionOptions
+from worker.options import WorkerOptions
 from worker.loader import load_model
 from worker.model_runner import ModelRunner
 
@@ -80,7 +80,7 @@ def test_pages_given_back_are_never_read(tiny, kernel_backend):
     outputs = {}
     for junk in (False, True):
         runner = ModelRunner(model, config, num_blocks=16, block_size=BLOCK_SIZE, dtype=torch.float32,
-                             options=ExecutionOptions(kernel_backend=kernel_backend))
+                             options=WorkerOptions(kernel_backend=kernel_backend))
         outputs[junk] = run(runner, junk)
     assert len(outputs[True]) == 7
     for (token, logprob, top), (junk_token, junk_logprob, junk_top) in zip(outputs[False], outputs[True]):

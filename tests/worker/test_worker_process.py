@@ -8,10 +8,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc
 from tests.helpers.tiny_models import make_tiny_hf_model
-from tokenmill.child_process import ChildSpec
-from tokenmill.readiness import free_port
+from tokenmill.cluster.child_process import ChildSpec
+from tokenmill.cluster.readiness import free_port
 from plumbing.rpc import WORKER_SERVICE
-from tokenmill.supervisor import Supervisor
+from tokenmill.cluster.supervisor import Supervisor
 
 
 def test_ready_after_warm_up_with_capacity_from_the_budget(tmp_path):

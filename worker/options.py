@@ -1,0 +1,160 @@
+"""The worker's options, declared once (STYLE habit 16): every flag of `python -m worker.main`, torch-free.
+
+`tokenmill serve` offers the fields marked cluster=True under the same names (WorkerOptions.add_arguments
+with cluster=True) and imports the choices tuples below instead of keeping copies; the fields marked
+cluster=False it sets for each child itself (addresses, the sizing record, values several services share).
+
+The execution fields (kernel_backend ... deterministic) say how a step runs. They are resolved once against
+the device by worker.paths.resolve_execution: "auto" means Triton kernels on CUDA and plain torch on CPU.
+CUDA graphs and the copy-stream overlap are CUDA-only, and graphs also need the Triton backend (the torch
+decode path has data-dependent shapes), so on CPU both resolve to off and nothing CUDA-specific is touched.
+
+The last fields are not flags of their own: the TLS settings, the admitted peer roles, the internal secret,
+the message-size limit, the metrics port and the two internal-server switches come from plumbing's shared
+flags (plumbing.tls, peer_roles, internal_secret, message_size, telemetry), which worker.main adds to its
+parser and passes to from_args as overrides.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES
+from plumbing.options import NON_NEGATIVE_FLOAT, PORT, POSITIVE, POWER_OF_TWO, PROBABILITY, Options, option
+
+if TYPE_CHECKING:
+    from plumbing.tls import ServerTLS
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # worker.build.DTYPES maps the last three
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+# auto: a GGUF file's weights run in the formats it holds them in (worker.linears.group_quant), a Hugging Face
+# folder's in the model dtype; none: everything dequantized to the model dtype (the reference path);
+# int8 / int4: a folder's (or a file's float) linears quantized at load, group-wise (CUDA int8: per channel)
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+DENSE_WEIGHT_MODES = ("auto", "on", "off")  # worker.linears.dense_weights
+# decode batch sizes with a captured graph; a decode step of B rows replays the smallest bucket >= B
+DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# the fields that say how a step runs (what worker.paths.ResolvedExecution resolves)
+EXECUTION_FIELDS = ("kernel_backend", "quantization", "cuda_graphs", "stream_overlap", "graph_batch_sizes",
+                    "packed_linears", "cpu_int8_activations", "cpu_fused_ops", "cpu_dense_weights", "deterministic")
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """'1,2,4,8' -> (1, 2, 4, 8), for the --cuda-graph-batch-sizes flag."""
+    try:
+        sizes = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise ValueError(f"cuda graph batch sizes {text!r} must be comma-separated integers") from None
+    check_batch_sizes(sizes)
+    return sizes
+
+
+def _batch_sizes_argument(text: str) -> tuple[int, ...]:
+    try:
+        return parse_batch_sizes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def check_batch_sizes(sizes: tuple[int, ...]) -> None:
+    if not sizes or any(size < 1 for size in sizes) or list(sizes) != sorted(set(sizes)):
+        raise ValueError(f"graph_batch_sizes={sizes!r} must be distinct positive sizes in increasing order")
+
+
+def _flat_sizes(sizes) -> tuple[int, ...]:
+    """The flag gives one tuple per argument ('1,2,8' or '1 2 8'): one sorted tuple of them all."""
+    if all(isinstance(size, int) for size in sizes):
+        return tuple(sizes)
+    return tuple(sorted({size for part in sizes for size in (part if isinstance(part, tuple) else (part,))}))
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOptions(Options):
+    GROUP = "worker"
+
+    host: str = option("127.0.0.1", "address the worker listens on", cluster=False)
+    port: int = option(50053, "port the worker listens on", type=PORT, cluster=False)
+    model: str | None = option(None, "GGUF file or HF folder (default: SmolLM2-135M-Instruct)", cluster=False)
+    dtype: str = option("auto", "auto: bfloat16 on CUDA and on CPUs with avx512_bf16/AMX, else float32 "
+                        "(default: %(default)s)", choices=DTYPE_CHOICES)
+    block_size: int = option(16, "tokens per KV page (a power of two)", type=POWER_OF_TWO, cluster=False)
+    kv_cache_mb: int | None = option(None, "memory budget for the KV cache; overrides --kv-cache-memory-fraction",
+                                     type=int)
+    kv_cache_memory_fraction: float | None = option(
+        None, "share of the memory free after the weights and the profile pass's activation peak that the KV "
+        "cache takes (default: 0.9 on CUDA, 0.1 of available RAM on CPU)", type=PROBABILITY)
+    max_num_batched_tokens: int = option(512, "the largest step the scheduler plans: the profile pass runs one "
+                                         "that size", type=POSITIVE, cluster=False)
+    swap_space_gb: float = option(0.0, "host memory for swapped-out KV pages (pinned on CUDA); 0: preemption only "
+                                  "recomputes", type=NON_NEGATIVE_FLOAT)
+    num_blocks: int | None = option(None, "KV pages; overrides --kv-cache-mb", type=int)
+    kv_sizing_record: Path | None = option(
+        None, "JSON file where the first start records the KV cache size it chose from memory; a restart with the "
+        "same settings reuses it, so the scheduler meets the page count it was built for. Put it where it "
+        "outlives the process, not the deployment (tokenmill serve: the worker's temp dir; Kubernetes: an "
+        "emptyDir). Default: none, each start sizes anew", type=Path, cluster=False)
+    threads: int | None = option(None, "torch CPU threads (default: all cores)", type=int)
+    device: str = option("auto", "auto: cuda when torch sees a GPU, else cpu (default: %(default)s)", choices=DEVICES)
+    # -- execution: how a step runs (resolved against the device by worker.paths.resolve_execution) --
+    kernel_backend: str = option("auto", "auto: triton on CUDA, torch on CPU (default: %(default)s)",
+                                 choices=KERNEL_BACKENDS)
+    quantization: str = option(
+        "auto", "auto: a GGUF file's weights as it holds them (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K), a folder's "
+        "in --dtype; none: all in --dtype; int8 / int4: weight-only, quantized at load (default: %(default)s)",
+        choices=QUANTIZATIONS)
+    # decode-only steps replay a graph per batch bucket (CUDA + triton only)
+    cuda_graphs: bool = option(True, "run decode steps eagerly (CUDA only)")
+    graph_batch_sizes: tuple[int, ...] = option(
+        DEFAULT_GRAPH_BATCH_SIZES, "decode batch buckets with a captured graph, e.g. 1,2,4,8",
+        flag="--cuda-graph-batch-sizes", type=_batch_sizes_argument)
+    # pinned staging + copy stream + event-ordered token readback (CUDA only)
+    stream_overlap: bool = option(True, "no pinned staging / copy stream / async token readback (CUDA only)")
+    # 4-bit weights x activations rounded to int8 per group of 32 for decode rows (worker.linears.group_quant):
+    # about 1.8x faster linears at one row, at the accuracy `tokenmill accuracy` prints
+    cpu_int8_activations: bool = option(
+        False, "up to 16 rows against group-quantized weights (4-bit, Q8_0, K-quants) round their activations to "
+        "int8 per block of 32 (llama.cpp's way; faster, slightly less exact: see tokenmill accuracy)")
+    # float32 linears on oneDNN-reordered weights (CPU, torch backend: worker.linears.packed)
+    packed_linears: bool = option(True, "plain nn.Linear instead of weights reordered once for oneDNN (CPU, float32 "
+                                  "only)")
+    # the decoder's small ops as compiled ops (worker.paths.fused_ops); off: plain torch, the reference
+    cpu_fused_ops: bool = option(
+        True, "the decoder's norms, SwiGLU, RoPE and decode attention in plain torch (the reference) instead of the "
+        "compiled ops that read the KV pages in place (CPU)")
+    cpu_dense_weights: str = option(
+        "auto", "CPU: group-quantized linears (a GGUF file's, --quantization int4/int8) also keep their weight "
+        "dequantized and reordered for oneDNN, for steps of 5 rows or more (batched decode, prefill): one GEMM a "
+        "linear (AMX where the CPU has it) for 2 bytes a weight; auto: bfloat16 models on a CPU with native "
+        "bfloat16 when the copies take at most a quarter of available memory (default: %(default)s)",
+        choices=DENSE_WEIGHT_MODES)
+    # every kernel's reduction order independent of batch composition (worker.paths.batch_invariant)
+    deterministic: bool = option(
+        False, "batch-invariant kernels: each token's linears, attention, norms and sampling reduce in an order "
+        "that does not depend on what else is in the step, so greedy output is the same alone or batched, after "
+        "preemption and after a worker restart (CPU torch path only; slower: see docs/reliability.md)",
+        flag=("--deterministic", "--batch-invariant"))
+    # -- from plumbing's shared flags (worker.main passes them to from_args) --
+    tls: ServerTLS | None = field(default=None)  # None: plaintext
+    allowed_roles: frozenset[str] = field(default=frozenset({"scheduler"}))  # mTLS: the peer roles admitted
+    internal_secret: str | None = field(default=None, repr=False)  # callers other than health checks send it
+    max_message_bytes: int = field(default=INTERNAL_MAX_MESSAGE_BYTES)
+    metrics_port: int | None = field(default=None)
+    insecure_internal: bool = field(default=False)
+    no_reflection: bool = field(default=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "graph_batch_sizes", _flat_sizes(self.graph_batch_sizes))
+        for name, value, allowed in (("dtype", self.dtype, DTYPE_CHOICES), ("device", self.device, DEVICES),
+                                     ("kernel_backend", self.kernel_backend, KERNEL_BACKENDS),
+                                     ("quantization", self.quantization, QUANTIZATIONS),
+                                     ("cpu_dense_weights", self.cpu_dense_weights, DENSE_WEIGHT_MODES)):
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is not one of {list(allowed)}")
+        check_batch_sizes(self.graph_batch_sizes)
+
+    def execution_settings(self) -> str:
+        """The execution fields as text (a KV sizing record is reused only under the same ones)."""
+        return " ".join(f"{name}={getattr(self, name)!r}" for name in EXECUTION_FIELDS)
