@@ -15,7 +15,8 @@ from scheduler.options import SchedulerOptions, add_shared_arguments, shared_val
 from scheduler.process.loop import EngineLoop
 from scheduler.scheduler import Scheduler
 from scheduler.process.orphans import start_orphan_reaper
-from scheduler.process.service import SchedulerServicer, drain
+from scheduler.process.service import SchedulerServicer
+from scheduler.process.submissions import drain
 from scheduler.process.worker_client import WorkerClient
 from scheduler.process.worker_recovery import WorkerRecovery
 from plumbing import internal_secret, peer_roles, rpc, telemetry, tls
