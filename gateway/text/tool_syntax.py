@@ -25,8 +25,8 @@ from gateway.text.tool_parsers import (
     ParsedOutput,
     parse_tool_calls,
 )
+from gateway.text.tool_syntax_names import TOOL_CALL_PARSERS
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
 # Calls written as the models' own templates write them (tojson's ", " and ": "), so a constrained
 # call reads like the calls the model was trained on.
 _SEPARATORS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -119,6 +119,9 @@ class Llama3JsonSyntax(ToolSyntax):
 
 
 SYNTAXES = {syntax.name: syntax for syntax in (HermesSyntax(), Llama3JsonSyntax())}
+if TOOL_CALL_PARSERS != ("auto", *SYNTAXES):  # the flag's choices are declared without importing this module
+    raise ImportError(f"gateway.text.tool_syntax_names.TOOL_CALL_PARSERS {TOOL_CALL_PARSERS} does not name "
+                      f"the syntaxes here: {tuple(SYNTAXES)}")
 
 
 @dataclass(frozen=True, slots=True)
