@@ -25,9 +25,9 @@ from scheduler.process.loop import EngineLoop  # noqa: E402
 from scheduler.request import Request  # noqa: E402
 from scheduler.scheduler import Scheduler  # noqa: E402
 from scheduler.process.worker_client import WorkerClient  # noqa: E402
-from tokenmill.child_process import ChildSpec  # noqa: E402
-from tokenmill.readiness import free_port  # noqa: E402
-from tokenmill.supervisor import Supervisor  # noqa: E402
+from tokenmill.cluster.child_process import ChildSpec  # noqa: E402
+from tokenmill.cluster.readiness import free_port  # noqa: E402
+from tokenmill.cluster.supervisor import Supervisor  # noqa: E402
 
 
 async def run_batch(client: WorkerClient, async_scheduling: bool, args, tag: str) -> tuple[float, int]:

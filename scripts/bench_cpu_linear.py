@@ -1,4 +1,4 @@
-"""Every linear of the default model at a few row counts: nn.Linear vs worker.cpu_linear.PackedLinear.
+"""Every linear of the default model at a few row counts: nn.Linear vs worker.linears.packed.PackedLinear.
 
 Not a test: prints milliseconds for one pass over all 30 layers' linears plus the lm_head (what one
 step multiplies), the two variants interleaved round by round so machine noise hits both alike.
@@ -14,7 +14,7 @@ import time
 import torch
 from torch import nn
 
-from worker.cpu_linear import pack_linears
+from worker.linears.packed import pack_linears
 from worker.loader import load_model
 
 

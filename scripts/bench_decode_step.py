@@ -65,7 +65,7 @@ def bench_prefill(runner: ModelRunner, num_requests: int, prompt_len: int, step_
 
 def ab_float32_rows(runner: ModelRunner, num_requests: int, context_len: int, steps: int, rounds: int,
                     step_id: int) -> int:
-    import worker.group_quant as group_quant
+    import worker.linears.group_quant as group_quant
 
     served = group_quant.GroupQuantLinear.forward
 
@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--quantization", default="auto", help="auto: the GGUF's formats as stored | none | int8 | int4")
     parser.add_argument("--cpu-int8-activations", action="store_true")
     parser.add_argument("--cpu-dense-weights", default="auto", choices=("auto", "on", "off"),
-                        help="dense copies of the quantized weights for steps of 5 rows or more (worker.dense_weights)")
+                        help="dense copies of the quantized weights for steps of 5 rows or more (worker.linears.dense_weights)")
     parser.add_argument("--profile", action="store_true", help="a torch profiler table of the last context's steps")
     parser.add_argument("--ab-float32-rows", type=int, default=0, metavar="ROUNDS",
                         help="A/B in this process, ROUNDS alternations at the last context: bfloat16 activations "

@@ -1,4 +1,4 @@
-"""The compiled decoder ops (worker.fused_ops) against the plain-torch reference, in one process: two
+"""The compiled decoder ops (worker.paths.fused_ops) against the plain-torch reference, in one process: two
 in-process engines on the default model, fused on and off, min of 3 runs each, 48 greedy tokens after a
 128-token prompt, for each batch size; prints tok/s, the ratio and whether the outputs are identical.
 Usage: OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_fused_ops.py [auto|none] [1,32]

@@ -1,10 +1,10 @@
 """Per-linear timings of the group-quantized CPU op against float32 (oneDNN-packed) on the default
-model's shapes, to choose GEMM_ROWS (worker/group_quant.py). Variants are interleaved and the minimum of
+model's shapes, to choose GEMM_ROWS (worker/linears/group_quant.py). Variants are interleaved and the minimum of
 several repeats is kept, so a busy machine distorts the ratios less than the absolute figures.
 Columns: f32, the float kernel ("op"), the strips + GEMM, and the integer-dot kernel of --cpu-int8-activations;
 then bfloat16: a bfloat16 weight through F.linear (what a bfloat16 checkpoint runs), the row op on bfloat16 x
 (its avx512_bf16 kernel where the CPU has one), the bfloat16 strips, and one oneDNN call on a reordered
-bfloat16 copy (worker.dense_weights).
+bfloat16 copy (worker.linears.dense_weights).
 Usage: .venv/bin/python scripts/bench_group_quant.py [--rows 1,2,4,8,16,32,64]
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from worker.dense_weights import dense_linear  # noqa: E402
-from worker.group_quant import quantize_weight  # noqa: E402
+from worker.linears.dense_weights import dense_linear  # noqa: E402
+from worker.linears.group_quant import quantize_weight  # noqa: E402
 from worker.native_ops import cpu_ops_available  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -53,7 +53,7 @@ def main() -> int:
         weight = torch.randn(n, k)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         weight_bf16 = weight.bfloat16()
-        dense_bf16 = torch.ops.mkldnn._reorder_linear_weight(weight_bf16, None)  # worker.dense_weights' copy
+        dense_bf16 = torch.ops.mkldnn._reorder_linear_weight(weight_bf16, None)  # worker.linears.dense_weights' copy
         q4, q8 = quantize_weight(weight, 4), quantize_weight(weight, 8)
         calls = 3 if n > 10000 else 30
         for rows in (int(r) for r in args.rows.split(",")):

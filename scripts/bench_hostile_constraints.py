@@ -31,8 +31,9 @@ import grpc
 from core.percentile import percentile
 from protos.tokenmill.v1 import generation_pb2 as g
 from protos.tokenmill.v1 import generation_pb2_grpc
-from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
-from tokenmill.supervisor import Supervisor
+from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.specs import cluster_specs
+from tokenmill.cluster.supervisor import Supervisor
 
 
 def heavy_grammar(index: int, nonce: int) -> str:

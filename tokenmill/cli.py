@@ -18,20 +18,20 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from tokenmill.cluster import torch_thread_env
+from tokenmill.cluster.specs import torch_thread_env
 
 # Subcommands whose own module parses their arguments (the module is imported only when used).
 DELEGATED: dict[str, tuple[str, str]] = {
-    "bench-engine": ("tokenmill.bench_engine", "in-process engine vs transformers generate (loads torch)"),
-    "bench-cluster": ("tokenmill.bench_cluster", "the engine workload through the gateway over gRPC vs in-process"),
+    "bench-engine": ("tokenmill.bench.engine", "in-process engine vs transformers generate (loads torch)"),
+    "bench-cluster": ("tokenmill.bench.cluster", "the engine workload through the gateway over gRPC vs in-process"),
     "bench": ("tokenmill.bench.cli", "the standard benchmark: paged vs static vs transformers, tables and plots"),
-    "bench-tracing": ("tokenmill.bench_tracing", "throughput with tracing off vs every request traced"),
-    "accuracy": ("tokenmill.accuracy", "greedy agreement and perplexity of each weight format / dtype vs float32"),
+    "bench-tracing": ("tokenmill.bench.tracing", "throughput with tracing off vs every request traced"),
+    "accuracy": ("tokenmill.bench.accuracy", "greedy agreement and perplexity of each weight format / dtype vs float32"),
 }
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # worker.build.DTYPE_CHOICES (not imported: it needs torch)
 # gateway.text.tool_syntax.TOOL_CALL_PARSERS (a test keeps them equal; not imported: it costs every command 0.2 s)
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
-# worker.backends.DENSE_WEIGHT_MODES (a test keeps them equal; not imported: worker.backends needs torch)
+# worker.paths.base.DENSE_WEIGHT_MODES (a test keeps them equal; not imported: worker.paths.base needs torch)
 DENSE_WEIGHT_MODES = ("auto", "on", "off")
 
 
@@ -114,7 +114,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-delta-stream", action="store_true",
                         help="the gateway gets each request's tokens on its own Submit call instead of one "
                              "StreamDeltas call carrying a step's tokens for all of them")
-    # the worker's execution; the same names and choices as worker.backends (not imported: it needs torch)
+    # the worker's execution; the same names and choices as worker.paths.base (not imported: it needs torch)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="worker device; auto: cuda when torch sees a GPU (default: %(default)s)")
     parser.add_argument("--kernel-backend", choices=("auto", "torch", "triton"), default="auto",
@@ -280,9 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve(args: argparse.Namespace) -> int:
     from kvstore.credentials import redact_url
-    from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports, restart_policies
-    from tokenmill.readiness import port_in_use
-    from tokenmill.supervisor import PortInUse, Supervisor, SupervisorError, run_until_stopped
+    from tokenmill.cluster.config import ClusterConfig, resolve_ports
+    from tokenmill.cluster.specs import cluster_specs, restart_policies
+    from tokenmill.cluster.readiness import port_in_use
+    from tokenmill.cluster.supervisor import PortInUse, Supervisor, SupervisorError, run_until_stopped
 
     if args.model is not None and not os.path.exists(args.model):
         print(f"error: --model {args.model}: no such file or directory", file=sys.stderr)
@@ -372,7 +373,7 @@ def serve(args: argparse.Namespace) -> int:
 
     metrics_server = None
     if supervisor_metrics_port is not None:
-        from tokenmill.supervisor_metrics import serve_supervisor_metrics
+        from tokenmill.cluster.supervisor_metrics import serve_supervisor_metrics
 
         metrics_server = serve_supervisor_metrics(supervisor, config.host, supervisor_metrics_port)
     try:

@@ -25,7 +25,7 @@ class EngineConfig:
     num_blocks: int | None = None  # overrides kv_cache_bytes
     target_itl_ms: float | None = None  # latency targets (scheduler.step_time); None: the fixed budgets
     target_ttft_ms: float | None = None
-    swap_space_bytes: int = 0  # host pages for preemption by swap (worker.kv_cache.HostSwapSpace); 0: recompute only
+    swap_space_bytes: int = 0  # host pages for preemption by swap (worker.model.llama.kv_cache.HostSwapSpace); 0: recompute only
     kv_policy: str = "paged"
     queue_policy: str = "fcfs"
     enable_prefix_caching: bool = True
@@ -34,15 +34,15 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's own limit
     device: str = "cpu"  # cpu, cuda or auto (worker.build.resolve_device)
-    kernel_backend: str = "auto"  # auto: triton on CUDA, torch on CPU (worker.backends)
-    quantization: str = "auto"  # worker.backends.QUANTIZATIONS: auto runs a GGUF file's weights as stored
+    kernel_backend: str = "auto"  # auto: triton on CUDA, torch on CPU (worker.paths.base)
+    quantization: str = "auto"  # worker.paths.base.QUANTIZATIONS: auto runs a GGUF file's weights as stored
     cuda_graphs: bool = True  # CUDA + triton only
     stream_overlap: bool = True  # CUDA only
-    packed_linears: bool = True  # CPU float32: weights reordered once for oneDNN (worker.cpu_linear)
-    cpu_int8_activations: bool = False  # worker.backends.ExecutionOptions
-    cpu_fused_ops: bool = True  # worker.backends.ExecutionOptions; False: the plain-torch reference
-    cpu_dense_weights: str = "auto"  # worker.backends.ExecutionOptions (worker.dense_weights)
-    deterministic: bool = False  # worker.backends.ExecutionOptions: batch-invariant kernels (worker.batch_invariant)
+    packed_linears: bool = True  # CPU float32: weights reordered once for oneDNN (worker.linears.packed)
+    cpu_int8_activations: bool = False  # worker.paths.base.ExecutionOptions
+    cpu_fused_ops: bool = True  # worker.paths.base.ExecutionOptions; False: the plain-torch reference
+    cpu_dense_weights: str = "auto"  # worker.paths.base.ExecutionOptions (worker.linears.dense_weights)
+    deterministic: bool = False  # worker.paths.base.ExecutionOptions: batch-invariant kernels (worker.paths.batch_invariant)
     # a model whose every layer slides: give back each request's pages before its window (scheduler.pages.kv_manager)
     free_window_pages: bool = True
 

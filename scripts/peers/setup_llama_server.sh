@@ -3,7 +3,7 @@
 # (scripts/peers/compare.sh): from the llama.cpp sources that the llama-cpp-python sdist on the package
 # registry vendors (vendor/llama.cpp), with cmake, for this CPU (GGML_NATIVE: -march=native). No
 # prebuilt binary is fetched. Outside CI: about 10 minutes on 2 cores (the sdist, 73 MB, downloads in
-# ~30 s), too long for a test run that must stay under ~15 minutes, so tests/tokenmill/test_bench_peers.py
+# ~30 s), too long for a test run that must stay under ~15 minutes, so tests/tokenmill/bench/test_bench_peers.py
 # checks its steps with --dry-run only. Everything lands under .peers/ (git-ignored); a finished build is
 # not repeated.
 #

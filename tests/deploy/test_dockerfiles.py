@@ -35,7 +35,7 @@ def test_multi_stage_with_a_non_root_final_stage(name):
     users = [value for op, value in final_stage if op == "USER"]
     assert users and users[-1].split(":")[0] not in ("0", "root"), f"{name} must end as a non-root user"
     assert any(op == "COPY" and "--from=build" in value for op, value in final_stage), "runtime copies from build"
-    assert any(op == "HEALTHCHECK" and "tokenmill.healthcheck" in value for op, value in final_stage)
+    assert any(op == "HEALTHCHECK" and "tokenmill.cluster.healthcheck" in value for op, value in final_stage)
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)

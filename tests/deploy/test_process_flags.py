@@ -92,7 +92,7 @@ def test_compose_command_lines_parse_and_ports_agree(compose):
         parsed[name] = args
         assert metrics == [str(METRICS_PORTS[module])]
         check = services[name]["healthcheck"]["test"]
-        assert check[:4] == ["CMD", "python", "-m", "tokenmill.healthcheck"]
+        assert check[:4] == ["CMD", "python", "-m", "tokenmill.cluster.healthcheck"]
         assert check[4] == f"127.0.0.1:{args.port}"
         assert check[5] == {"gateway.main": rpc.GENERATION_SERVICE, "scheduler.main": rpc.SCHEDULER_SERVICE,
                             "worker.main": rpc.WORKER_SERVICE}[module]

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
-from tokenmill.supervisor import Supervisor
+from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.specs import cluster_specs
+from tokenmill.cluster.supervisor import Supervisor
 
 
 @pytest.fixture(scope="package")

@@ -17,9 +17,10 @@ import pytest
 
 from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.helpers.tiny_models import make_tiny_hf_model
-from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports, restart_policies
-from tokenmill.restart_policy import RestartPolicy
-from tokenmill.supervisor import Supervisor
+from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.specs import cluster_specs, restart_policies
+from tokenmill.cluster.restart_policy import RestartPolicy
+from tokenmill.cluster.supervisor import Supervisor
 
 # restarts come quickly in tests; a crash loop still ends the cluster
 FAST_RESTARTS = RestartPolicy(backoff_initial_s=0.2, backoff_max_s=2.0, max_restarts=5, window_s=120.0)

@@ -170,9 +170,9 @@ async def test_model_info_describes_the_served_model(cluster):
 async def test_two_gateways_share_one_scheduler(cluster):
     import sys
 
-    from tokenmill.child_process import ChildSpec
-    from tokenmill.readiness import free_port
-    from tokenmill.supervisor import Supervisor
+    from tokenmill.cluster.child_process import ChildSpec
+    from tokenmill.cluster.readiness import free_port
+    from tokenmill.cluster.supervisor import Supervisor
 
     config, _ = cluster
     address = f"127.0.0.1:{free_port('127.0.0.1')}"

@@ -18,9 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore.redis_health import REDIS_HEALTH_SERVICE
 from protos.tokenmill.v1 import (common_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2,
                                  scheduler_pb2_grpc)
-from tokenmill.child_process import ChildSpec
-from tokenmill.readiness import free_port
-from tokenmill.supervisor import Supervisor
+from tokenmill.cluster.child_process import ChildSpec
+from tokenmill.cluster.readiness import free_port
+from tokenmill.cluster.supervisor import Supervisor
 from tests.e2e.faults_cluster import (cluster_log_on_failure, generate_ok, kill9, request,  # noqa: F401 (a fixture)
                                       scheduler_load, tiny_cluster, wait_until)
 from plumbing.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE

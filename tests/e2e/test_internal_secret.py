@@ -17,8 +17,9 @@ from protos.tokenmill.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, w
 from tests.helpers.tiny_models import make_tiny_hf_model
 from tokenmill import cli
 from tokenmill.client import Client
-from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
-from tokenmill.supervisor import Supervisor
+from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.specs import cluster_specs
+from tokenmill.cluster.supervisor import Supervisor
 
 pytestmark = pytest.mark.slow
 

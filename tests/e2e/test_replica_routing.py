@@ -18,10 +18,11 @@ from kvstore.replica_keys import load_key, prefixes_key
 from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 from core.prefix_keys import extend_block_hashes
 from tests.helpers.tiny_models import make_tiny_hf_model
-from tokenmill.child_process import ChildSpec
-from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
+from tokenmill.cluster.child_process import ChildSpec
+from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.specs import cluster_specs
 from plumbing.rpc import GENERATION_SERVICE
-from tokenmill.supervisor import Supervisor
+from tokenmill.cluster.supervisor import Supervisor
 
 BLOCK_SIZE = 16
 

@@ -23,9 +23,9 @@ from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc,
     scheduler_pb2_grpc
 from tests.e2e.faults_cluster import (cluster_log_on_failure, generate_ok, kill9, request,  # noqa: F401 (a fixture)
                                       tiny_cluster, wait_until)
-from tokenmill.child_process import ChildSpec
-from tokenmill.readiness import free_port
-from tokenmill.supervisor import Supervisor
+from tokenmill.cluster.child_process import ChildSpec
+from tokenmill.cluster.readiness import free_port
+from tokenmill.cluster.supervisor import Supervisor
 
 pytestmark = pytest.mark.slow
 

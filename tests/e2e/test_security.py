@@ -21,10 +21,11 @@ from tests.helpers.certificates import make_pki
 from tests.helpers.tiny_models import make_tiny_hf_model
 from tokenmill import cli
 from tokenmill.client import Client, ClientError
-from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
-from tokenmill.readiness import free_port
+from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.specs import cluster_specs
+from tokenmill.cluster.readiness import free_port
 from plumbing.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
-from tokenmill.supervisor import Supervisor
+from tokenmill.cluster.supervisor import Supervisor
 from plumbing.tls import ClientTLS, ClusterTLS, aio_channel
 
 pytestmark = pytest.mark.slow

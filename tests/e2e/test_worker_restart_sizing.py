@@ -14,7 +14,8 @@ from plumbing.tls import ClusterTLS
 from protos.tokenmill.v1 import common_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.e2e.faults_cluster import (cluster_log_on_failure, generate_ok, kill9, request,  # noqa: F401 (a fixture)
                                       scheduler_load, tiny_cluster, wait_until)
-from tokenmill.cluster import KV_SIZING_RECORD, ClusterConfig, cluster_specs, resolve_ports
+from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.specs import KV_SIZING_RECORD, cluster_specs
 from worker.kv_sizing import REUSED_SIZING
 
 pytestmark = pytest.mark.slow

@@ -42,7 +42,7 @@ def time_us(fn, device: torch.device) -> float:
 
 
 def make_weight(k: int, n: int, bits: int, group_size: int, device: torch.device, seed: int):
-    from worker.group_quant import quantize_weight
+    from worker.linears.group_quant import quantize_weight
 
     generator = torch.Generator(device=device).manual_seed(seed)
     weight = torch.randn(n, k, device=device, generator=generator) * 0.02

@@ -25,7 +25,7 @@ from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.gpu.random_model import llama3_8b_config, random_llama, tiny_config
 from worker.options import WorkerOptions
-from worker.kv_cache import bytes_per_block
+from worker.model.llama.kv_cache import bytes_per_block
 from worker.model_runner import ModelRunner
 
 # mode: (kv_policy, host tier, always swap). "swap" chooses per victim by cost, which on a fast GPU can be

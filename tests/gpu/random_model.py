@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from worker.config import ModelConfig
-from worker.model import LlamaModel
+from worker.model.llama.config import ModelConfig
+from worker.model.llama import LlamaModel
 
 
 def llama3_8b_config(max_position_embeddings: int = 2048) -> ModelConfig:

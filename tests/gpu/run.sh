@@ -15,7 +15,7 @@
 #   tests/gpu/run.sh [OUTPUT_DIR]     # default: $OUT if set, else ./gpu-output
 #
 # Installs nothing: it needs python3 with torch (CUDA), triton, pytest and numpy, which the device image
-# carries, plus llguidance (worker.structured_output imports it), which the image lacks: carry its wheel
+# carries, plus llguidance (worker.sampling.structured_output imports it), which the image lacks: carry its wheel
 # and put it on PYTHONPATH before calling this (device README: .whl). The repository goes on PYTHONPATH
 # instead of `pip install -e .`. OUTPUT_DIR gets 8 files (the most the device returns): gpu_run.log (the
 # summary), kernels.log and cuda_paths.log (each pytest's own output), bench_decode.json, bench_group_quant.json,

@@ -15,7 +15,7 @@ import torch
 from tests.gpu.random_model import random_llama, tiny_config
 from tests.gpu.steps import BLOCK_SIZE, NUM_BLOCKS, assert_same_steps, run_mixed_steps
 from worker.options import WorkerOptions
-from worker.config import RopeScaling
+from worker.model.llama.config import RopeScaling
 from worker.model_runner import ModelRunner
 
 WINDOW = 7  # run_mixed_steps' contexts reach 16 tokens

@@ -10,14 +10,14 @@ import torch
 
 from tests.gpu.random_model import random_llama, tiny_config
 from tests.gpu.steps import BLOCK_SIZE, NUM_BLOCKS, PLAIN_GREEDY, assert_same_steps, run_mixed_steps
-from worker.attention import RequestSpan
+from worker.model.llama.attention import RequestSpan
 from worker.options import WorkerOptions
-from worker.execution_path import StepBatch
-from worker.group_quant import GroupQuantLinear, quantize_weight
+from worker.paths.base import StepBatch
+from worker.linears.group_quant import GroupQuantLinear, quantize_weight
 from tokenmill.bench.int8_agreement import window_logits
 from worker.model_runner import ModelRunner
-from worker.quantization import quantize_linears_int8
-from worker.triton_forward import host_metadata, to_device
+from worker.linears.int8 import quantize_linears_int8
+from worker.paths.triton.forward import host_metadata, to_device
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only paths; run by tests/gpu/run.sh")
 CUDA = torch.device("cuda")
@@ -70,7 +70,7 @@ def test_graph_replay_pads_to_the_bucket_and_matches_eager(model_and_config):
 
 
 def test_staging_rotates_slots_and_grows():
-    from worker.step_staging import NUM_SLOTS, StepStager
+    from worker.paths.triton.staging import NUM_SLOTS, StepStager
 
     stager = StepStager(CUDA, initial_capacity=8)  # tiny buffers: the big step must grow one
     for num_rows in (1, 3, 40, 2, 5):

@@ -13,7 +13,7 @@ from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.gpu.random_model import random_llama, tiny_config
 from worker.options import WorkerOptions
-from worker.kv_cache import HostSwapSpace, allocate_kv_cache, bytes_per_block
+from worker.model.llama.kv_cache import HostSwapSpace, allocate_kv_cache, bytes_per_block
 from worker.kv_sizing import free_memory_bytes, measure_activation_peak, profile_batch, size_from_free_memory
 from worker.model_runner import ModelRunner
 

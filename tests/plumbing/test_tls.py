@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.helpers.certificates import make_pki
 from plumbing import rpc, tls
-from tokenmill.readiness import GrpcHealthProbe
+from tokenmill.cluster.readiness import GrpcHealthProbe
 
 SERVICE = rpc.WORKER_SERVICE
 

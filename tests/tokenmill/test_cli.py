@@ -13,7 +13,7 @@ import pytest
 
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tokenmill import cli
-from tokenmill.readiness import free_port
+from tokenmill.cluster.readiness import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,7 +79,7 @@ def test_serve_rejects_a_missing_model_before_starting_anything(capsys, tmp_path
 
 def test_cli_modules_do_not_import_torch():
     # serve and generate must start fast; torch is only for the worker process and bench-engine
-    code = ("import sys, tokenmill.cli, tokenmill.supervisor, tokenmill.cluster, tokenmill.client_cli; "
+    code = ("import sys, tokenmill.cli, tokenmill.cluster.supervisor, tokenmill.cluster.specs, tokenmill.client_cli; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT).returncode == 0
 
@@ -209,7 +209,7 @@ def test_serve_reports_a_taken_metrics_port_with_the_flag_to_change_it(capsys):
 
 def test_serve_passes_the_tool_call_parser_to_the_gateway(capsys, monkeypatch):
     from gateway.text.tool_syntax import TOOL_CALL_PARSERS
-    from tokenmill import supervisor
+    import tokenmill.cluster.supervisor as supervisor
 
     class Captured(supervisor.Supervisor):  # takes the command lines; stops serve before anything starts
         def check_ports(self):

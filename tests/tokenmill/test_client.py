@@ -14,9 +14,10 @@ import pytest
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tokenmill.client import AsyncClient, Client, ClientError, RetryPolicy
 from tokenmill.client.types import generate_request
-from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
-from tokenmill.readiness import free_port
-from tokenmill.supervisor import Supervisor
+from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.specs import cluster_specs
+from tokenmill.cluster.readiness import free_port
+from tokenmill.cluster.supervisor import Supervisor
 
 FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.05)
 

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from tokenmill.cli import build_parser
-from tokenmill.cluster import ClusterConfig, cluster_specs
+from tokenmill.cluster.config import ClusterConfig
+from tokenmill.cluster.specs import cluster_specs
 
 
 def test_serve_parses_the_guard_flags():

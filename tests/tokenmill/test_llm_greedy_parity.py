@@ -6,7 +6,7 @@ import torch
 
 from gateway.text.tokenizer import load_tokenizer
 from core.sampling import SamplingParams
-from tokenmill.bench_engine import load_transformers_model
+from tokenmill.bench.engine import load_transformers_model
 from tokenmill.llm import LLM, EngineConfig
 
 pytestmark = pytest.mark.slow

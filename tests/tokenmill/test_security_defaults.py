@@ -9,9 +9,10 @@ from gateway.main import parse_args as gateway_args
 from scheduler.main import parse_args as scheduler_args
 from tests.helpers.certificates import make_pki
 from tokenmill import cli
-from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
+from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.specs import cluster_specs
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, PUBLIC_MAX_MESSAGE_BYTES
-from tokenmill.redis_process import redis_spec
+from tokenmill.cluster.redis_process import redis_spec
 from plumbing.tls import ClusterTLS
 from worker.main import parse_args as worker_args
 

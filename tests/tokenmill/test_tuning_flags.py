@@ -3,7 +3,8 @@ without --kv-cache-mb the worker sizes its cache from free memory."""
 from __future__ import annotations
 
 from tokenmill.cli import build_parser
-from tokenmill.cluster import ClusterConfig, cluster_specs
+from tokenmill.cluster.config import ClusterConfig
+from tokenmill.cluster.specs import cluster_specs
 
 
 def specs_for(argv: list[str]) -> dict[str, str]:

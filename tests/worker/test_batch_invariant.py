@@ -1,4 +1,4 @@
-"""Deterministic mode (worker.batch_invariant): greedy tokens and their logprobs, to the bit, are the same for a
+"""Deterministic mode (worker.paths.batch_invariant): greedy tokens and their logprobs, to the bit, are the same for a
 request run alone, in one batch with others, and through chunked prefill and preemption by recompute; without
 the mode the logprobs differ. On a tiny random model (float32 and bfloat16, compiled ops and plain torch)
 and on the default GGUF model."""
@@ -12,14 +12,14 @@ import torch
 from core.sampling import SamplingParams
 from tests.helpers.tiny_models import make_tiny_hf_model
 from tokenmill.llm import LLM, EngineConfig
-from worker.backends import resolve_execution
+from worker.paths.base import resolve_execution
 from worker.options import WorkerOptions
-from worker.batch_invariant import (ROW_TILE, DenseTileLinear, RowTileLinear, plan_batch_invariant_attention,
+from worker.paths.batch_invariant import (ROW_TILE, DenseTileLinear, RowTileLinear, plan_batch_invariant_attention,
                                     token_spans)
-from worker.attention import RequestSpan
-from worker.cpu_linear import PackedLinear
-from worker.dense_weights import dense_weight_for
-from worker.group_quant import GroupQuantLinear, quantize_weight
+from worker.model.llama.attention import RequestSpan
+from worker.linears.packed import PackedLinear
+from worker.linears.dense_weights import dense_weight_for
+from worker.linears.group_quant import GroupQuantLinear, quantize_weight
 from worker.loader import load_model
 from worker.model_runner import ModelRunner
 
@@ -76,7 +76,7 @@ def test_tiny_model_greedy_output_is_identical_alone_batched_and_recomputed(tiny
 
 
 def test_seeded_sampling_repeats_alone_batched_and_recomputed(tiny):
-    """Identical logits make a seeded draw (noise from (seed, output index): worker.sampler) repeat too."""
+    """Identical logits make a seeded draw (noise from (seed, output index): worker.sampling.sampler) repeat too."""
     model, config = load_model(tiny, dtype=torch.bfloat16, progress=False)
     batch = prompts(config.vocab_size)
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True, logprobs=0)

@@ -1,6 +1,6 @@
 """Both execution paths apply a constrained row's token bitmask through the ExecutionPath protocol (the
 Triton path under the interpreter on CPU): on the device path (sampling kernel) and on its hand-over to
-worker.sampler (a row with logprobs), masked tokens never come out, and greedy rows agree with torch."""
+worker.sampling.sampler (a row with logprobs), masked tokens never come out, and greedy rows agree with torch."""
 from __future__ import annotations
 
 import pytest
@@ -9,12 +9,12 @@ import torch
 from core.sampling import SamplingParams
 from tests.gpu.random_model import random_llama, tiny_config
 from tests.worker.test_constrained_sampling import pack
-from worker.backends import resolve_execution
+from worker.paths.base import resolve_execution
 from worker.options import WorkerOptions
-from worker.execution_path import StepBatch, build_execution_path
-from worker.kv_cache import allocate_kv_cache
-from worker.sampler import SamplingRow
-from worker.structured_output import TokenBitmask
+from worker.paths.base import StepBatch, build_execution_path
+from worker.model.llama.kv_cache import allocate_kv_cache
+from worker.sampling.sampler import SamplingRow
+from worker.sampling.structured_output import TokenBitmask
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""The token bitmask of constrained rows, applied by worker.sampler for every sampling mode: a masked
+"""The token bitmask of constrained rows, applied by worker.sampling.sampler for every sampling mode: a masked
 token never comes out, whatever the row's temperature, filters, seed, penalties or logprobs; the
 unconstrained rows beside it are untouched; logprobs stay the model's raw ones."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from core.sampling import SamplingParams
-from worker.sampler import SamplingRow, sample, unpack_bitmask
-from worker.structured_output import TokenBitmask
+from worker.sampling.sampler import SamplingRow, sample, unpack_bitmask
+from worker.sampling.structured_output import TokenBitmask
 
 VOCAB_SIZE = 70  # three bitmask words, the last one partly past the vocabulary
 

@@ -1,4 +1,4 @@
-"""worker.cpu_linear: oneDNN-reordered weights give nn.Linear's results, the CPU runner uses them by
+"""worker.linears.packed: oneDNN-reordered weights give nn.Linear's results, the CPU runner uses them by
 default (so the parity tests against transformers run through them), and the switch turns them off."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from torch import nn
 from core.step import CachedRequestData, NewRequestData, StepPlan
 from core.sampling import SamplingParams
 from tests.gpu.random_model import random_llama, tiny_config
-from worker.backends import resolve_execution
+from worker.paths.base import resolve_execution
 from worker.options import WorkerOptions
-from worker.cpu_linear import PackedLinear, pack_linears
+from worker.linears.packed import PackedLinear, pack_linears
 from worker.main import parse_args
 from worker.model_runner import ModelRunner
 

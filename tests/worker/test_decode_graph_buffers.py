@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from tests.gpu.random_model import random_llama, tiny_config
-from worker.attention import RequestSpan
-from worker.cuda_graphs import DecodeGraphs
-from worker.kv_cache import allocate_kv_cache
-from worker.triton_forward import build_kernel_metadata, load_kernels, triton_forward
+from worker.model.llama.attention import RequestSpan
+from worker.paths.triton.cuda_graphs import DecodeGraphs
+from worker.model.llama.kv_cache import allocate_kv_cache
+from worker.paths.triton.forward import build_kernel_metadata, load_kernels, triton_forward
 
 BLOCK_SIZE = 4
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.attention import RequestSpan, build_attention_metadata, paged_attention, plan_attention, attention_metadata, write_kv
-from worker.model import RMSNorm, apply_rope, rope_cos_sin
+from worker.model.llama.attention import RequestSpan, build_attention_metadata, paged_attention, plan_attention, attention_metadata, write_kv
+from worker.model.llama import RMSNorm, apply_rope, rope_cos_sin
 from worker.native_ops import cpu_ops_available
 
 pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="compiled CPU ops not built (scripts/build_cpu_ops.py)")

@@ -1,4 +1,4 @@
-"""Dense copies of group-quantized weights for many-row steps (worker.dense_weights): the same rounded
+"""Dense copies of group-quantized weights for many-row steps (worker.linears.dense_weights): the same rounded
 weights as the strips, one oneDNN GEMM; few-row steps still read the codes; what auto decides; and a
 quantized tiny GGUF with the copies giving its logits without them."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ from tests.helpers.tiny_models import make_tiny_hf_model
 from tests.worker.test_gguf_loader import all_row_logits, max_rel_err
 from tests.worker.test_group_quant import TYPES_BY_TENSOR
 from worker import dense_weights
-from worker.dense_weights import decide, dense_weights_kept, keep_dense_weights
-from worker.group_quant import DENSE_ROWS, INT8_ROWS, GroupQuantLinear, quantize_weight
+from worker.linears.dense_weights import decide, dense_weights_kept, keep_dense_weights
+from worker.linears.group_quant import DENSE_ROWS, INT8_ROWS, GroupQuantLinear, quantize_weight
 from worker.loader import load_model
 from worker.native_ops import cpu_has_native_bf16, cpu_ops_available
 

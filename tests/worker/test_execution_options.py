@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from tests.gpu.random_model import random_llama, tiny_config
-from worker.backends import graph_bucket, resolve_execution
+from worker.paths.base import graph_bucket, resolve_execution
 from worker.options import DEFAULT_GRAPH_BATCH_SIZES, WorkerOptions, parse_batch_sizes
 from worker.main import parse_args
 from worker.model_runner import ModelRunner
-from worker.torch_path import TorchPath
+from worker.paths.torch_path import TorchPath
 
 
 def test_auto_is_triton_on_cuda_and_torch_on_cpu():

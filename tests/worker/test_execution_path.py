@@ -8,15 +8,15 @@ import torch
 
 from core.sampling import SamplingParams
 from tests.gpu.random_model import random_llama, tiny_config
-from worker.attention import RequestSpan
-from worker.backends import resolve_execution
+from worker.model.llama.attention import RequestSpan
+from worker.paths.base import resolve_execution
 from worker.options import WorkerOptions
-from worker.execution_path import ExecutionPath, StepBatch, build_execution_path
-from worker.kv_cache import allocate_kv_cache
+from worker.paths.base import ExecutionPath, StepBatch, build_execution_path
+from worker.model.llama.kv_cache import allocate_kv_cache
 from worker.model_runner import ModelRunner
-from worker.sampler import SamplingRow
-from worker.torch_path import TorchPath
-from worker.triton_path import TritonPath
+from worker.sampling.sampler import SamplingRow
+from worker.paths.torch_path import TorchPath
+from worker.paths.triton.path import TritonPath
 
 BLOCK_SIZE = 4
 CPU = torch.device("cpu")

@@ -8,8 +8,8 @@ import torch
 
 from tests.helpers.tiny_gguf import write_converter_gguf
 from tests.helpers.tiny_models import make_tiny_hf_model
-from worker.attention import RequestSpan, build_attention_metadata
-from worker.kv_cache import allocate_kv_cache
+from worker.model.llama.attention import RequestSpan, build_attention_metadata
+from worker.model.llama.kv_cache import allocate_kv_cache
 from worker.loader import ModelLoadError, default_model_path, load_model
 
 MAX_REL_ERR = 1e-4

@@ -11,7 +11,7 @@ import torch
 from tests.helpers.tiny_gguf import quantized_blocks, write_converter_gguf
 from tests.helpers.tiny_models import make_tiny_hf_model
 from tests.worker.test_gguf_loader import all_row_logits, max_rel_err
-from worker.group_quant import (GEMM_ROWS, GroupQuantEmbedding, GroupQuantLinear, GroupQuantWeight, quantize_weight, weight_formats)
+from worker.linears.group_quant import (GEMM_ROWS, GroupQuantEmbedding, GroupQuantLinear, GroupQuantWeight, quantize_weight, weight_formats)
 from worker.loader import load_model
 from worker.loader.gguf_quants import SUPPORTED_TYPES, group_quant_from_gguf
 from worker.native_ops import cpu_ops_available
@@ -245,7 +245,7 @@ def test_int8_activation_op_names_what_it_cannot_read():
 @needs_ops
 def test_int8_activations_apply_to_the_layouts_the_kernel_reads(monkeypatch):
     from worker import group_quant
-    from worker.group_quant import use_int8_activations
+    from worker.linears.group_quant import use_int8_activations
 
     model = torch.nn.Sequential(GroupQuantLinear(quantize_weight(torch.randn(64, 128), 4)),
                                 GroupQuantLinear(quantize_weight(torch.randn(64, 128), 8, 16)),

@@ -12,8 +12,8 @@ from tests.gpu.random_model import random_llama, tiny_config
 from tests.gpu.steps import BLOCK_SIZE, NUM_BLOCKS, assert_same_steps, run_mixed_steps
 from worker.options import WorkerOptions
 from worker.model_runner import ModelRunner
-from worker.torch_path import TorchPath
-from worker.triton_path import TritonPath
+from worker.paths.torch_path import TorchPath
+from worker.paths.triton.path import TritonPath
 
 
 @pytest.fixture(scope="module")

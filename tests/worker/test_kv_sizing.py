@@ -9,7 +9,7 @@ from core.sampling import SamplingParams
 from core.step import NewRequestData, StepPlan
 from tests.helpers.tiny_models import make_tiny_hf_model
 from worker.build import build_sized_runner
-from worker.kv_cache import bytes_per_block
+from worker.model.llama.kv_cache import bytes_per_block
 from worker.kv_sizing import free_memory_bytes, size_from_free_memory
 from worker.options import WorkerOptions
 

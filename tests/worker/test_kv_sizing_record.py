@@ -11,7 +11,7 @@ import torch
 
 from tests.helpers.tiny_models import make_tiny_hf_model
 from worker.build import build_sized_runner
-from worker.kv_cache import bytes_per_block
+from worker.model.llama.kv_cache import bytes_per_block
 from worker.kv_sizing import REUSED_SIZING, SizingRecord, read_sizing_record, size_from_memory_or_record
 from worker.options import WorkerOptions
 

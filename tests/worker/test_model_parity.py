@@ -5,7 +5,7 @@ full prefill, decode rows interleaved with prefill chunks in one packed batch, a
 from a prefix-cache hit (its first blocks are another request's), and an all-decode step. Every
 computed row's logits are compared with transformers run on the final full sequences: on the plain-torch
 reference path (fused=False, explicitly) and on the compiled decoder ops (fused=True: norms, SwiGLU, RoPE
-+ cache write, decode attention reading the pages in place; worker.fused_ops), every family.
++ cache write, decode attention reading the pages in place; worker.paths.fused_ops), every family.
 """
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ def test_greedy_tokens_are_transformers_argmax(tiny, fused):
 
 
 def test_decode_groups_sort_by_context_and_fit_the_gather_budget():
-    from worker.attention import GatherWorkspace, RequestSpan, build_attention_metadata
+    from worker.model.llama.attention import GatherWorkspace, RequestSpan, build_attention_metadata
 
     block_numel = 4 * 2 * 8  # block_size 4, 2 KV heads, head_dim 8
     block_bytes = 2 * block_numel * 4  # K + V, float32

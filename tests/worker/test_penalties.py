@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from core.sampling import SamplingParams
-from worker.penalties import apply_penalties, has_penalties
-from worker.sampler import SamplingRow
+from worker.sampling.penalties import apply_penalties, has_penalties
+from worker.sampling.sampler import SamplingRow
 
 #                      token:  0     1     2     3
 BASE = torch.tensor([[4.0, -2.0, 1.0, 0.5]])

@@ -9,7 +9,7 @@ from torch import nn
 
 from tests.gpu.random_model import random_llama, tiny_config
 from tokenmill.bench.int8_agreement import window_logits
-from worker.quantization import Int8Linear, quantize_linears_int8
+from worker.linears.int8 import Int8Linear, quantize_linears_int8
 
 
 def test_int8_model_stays_close_to_float32():
@@ -39,7 +39,7 @@ def test_build_runner_quantizes_at_load(tmp_path):
     from worker.options import WorkerOptions
     from worker.build import build_runner
 
-    from worker.group_quant import GroupQuantLinear
+    from worker.linears.group_quant import GroupQuantLinear
 
     folder, _ = make_tiny_hf_model(tmp_path, "qwen2")  # q/k/v bias: the quantized linear keeps it
     for bits in (8, 4):  # on CPU both are group-wise (the per-channel Int8Linear is CUDA's Triton format)

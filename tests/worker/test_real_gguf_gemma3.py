@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from tests.worker.test_gguf_loader import max_rel_err
-from worker.attention import RequestSpan, build_attention_metadata
-from worker.kv_cache import allocate_kv_cache
+from worker.model.llama.attention import RequestSpan, build_attention_metadata
+from worker.model.llama.kv_cache import allocate_kv_cache
 from worker.loader import load_model
 
 pytestmark = pytest.mark.slow
@@ -67,7 +67,7 @@ def test_real_gemma3_gguf_matches_transformers(gemma3_gguf, keep_quantized):
     """as-stored: what `tokenmill serve` runs (--quantization auto): the file's K-quant blocks as they are."""
     model, config = load_model(gemma3_gguf, progress=False, keep_quantized=keep_quantized)
     if keep_quantized:
-        from worker.group_quant import weight_formats
+        from worker.linears.group_quant import weight_formats
 
         formats = weight_formats(model)
         assert "Q4_K" in formats and "Q6_K" in formats and "float" not in formats, formats

@@ -1,4 +1,4 @@
-"""worker.rope against transformers' rotary embeddings, type by type, past the original lengths too.
+"""worker.model.llama.rope against transformers' rotary embeddings, type by type, past the original lengths too.
 
 The parity tests cover the types through whole models at test lengths; here the tables themselves
 are compared over positions well past original_max_position_embeddings, where llama3 / yarn /
@@ -14,7 +14,7 @@ import torch
 
 from tests.helpers.tiny_models import tiny_hf_config
 from worker.loader.hf_loader import parse_hf_config
-from worker.rope import rotary_tables
+from worker.model.llama.rope import rotary_tables
 
 
 def _ours_and_config(flavour: str):

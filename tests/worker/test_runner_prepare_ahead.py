@@ -14,7 +14,7 @@ from tests.helpers.tiny_models import make_tiny_hf_model
 from worker.options import WorkerOptions
 from worker.loader import load_model
 from worker.model_runner import ModelRunner, PlanMismatchError
-from worker.triton_forward import to_device
+from worker.paths.triton.forward import to_device
 
 BLOCK_SIZE = 4
 PARAMS = {
@@ -84,7 +84,7 @@ def test_running_a_step_before_the_one_it_depends_on_is_refused(model_and_config
 
 
 class HostStager:
-    """worker.step_staging.StepStager's contract on CPU tensors, without streams. The inputs are copied
+    """worker.paths.triton.staging.StepStager's contract on CPU tensors, without streams. The inputs are copied
     when the step is prepared, placeholders (-1) and all, so a placeholder row gets its token only
     through the fill the Triton path does in forward() (an embedding of -1 would raise)."""
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from core.sampling import SamplingParams
-from worker.sampler import SamplingRow, sample
+from worker.sampling.sampler import SamplingRow, sample
 
 # probabilities with gaps wide enough that float rounding never decides a top-p / min-p boundary
 KNOWN_PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -89,7 +89,7 @@ def test_top_p_off_keeps_a_negligible_tail_next_to_a_top_p_row():
     # The best token holds all but ~1e-13 of the mass, so the running sum rounds to exactly 1 after
     # it. A row with top_p = 1 must still keep its tail when it shares the pass with a top-p row, or
     # its seeded draw would depend on its neighbours. (Checked on the helper: no draw could see it.)
-    from worker.sampler import _apply_top_k_top_p
+    from worker.sampling.sampler import _apply_top_k_top_p
 
     logits = torch.tensor([[0.0, -30.0, -30.0, -30.0, -31.0]] * 2)
     _apply_top_k_top_p(logits, 4, torch.tensor([0.5, 1.0]))
@@ -308,7 +308,7 @@ def test_seeded_draws_across_positions_follow_the_softmax():
 
 
 def test_argmax_rows_is_argmax_on_ties_and_nan():
-    from worker.sampler import argmax_rows
+    from worker.sampling.sampler import argmax_rows
 
     generator = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):

@@ -10,7 +10,7 @@ from core.sampling import SamplingParams
 from tests.helpers.tiny_models import make_tiny_hf_model
 from worker.loader import load_model
 from worker.model_runner import ModelRunner
-from worker.step_staging import NUM_SLOTS, SlotRing
+from worker.paths.triton.staging import NUM_SLOTS, SlotRing
 
 
 class PlainSlot:  # the ring's slot contract without CUDA: only what the rule reads

@@ -1,4 +1,4 @@
-"""worker.thread_governor: one torch thread while another process holds the cores, all of them otherwise.
+"""worker.paths.thread_governor: one torch thread while another process holds the cores, all of them otherwise.
 The run-queue readings and the clock are scripted; the /proc reader is checked on this machine's kernel."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from worker.thread_governor import ThreadGovernor, process_run_delay_ns
+from worker.paths.thread_governor import ThreadGovernor, process_run_delay_ns
 
 STEP_NS = 10_000_000  # 10 ms steps
 
@@ -97,7 +97,7 @@ def test_run_delay_of_this_process_is_read_from_proc_and_grows_when_threads_wait
 
 
 def test_threads_spin_unless_the_environment_says_passive(monkeypatch):
-    from worker.thread_governor import threads_spin
+    from worker.paths.thread_governor import threads_spin
 
     for value, spins in (("PASSIVE", False), ("passive", False), ("ACTIVE", True), ("", True)):
         monkeypatch.setenv("OMP_WAIT_POLICY", value)

@@ -1,9 +1,9 @@
-"""`tokenmill bench`: the standard serving benchmark (DESIGN.md, "Benchmark methodology").
+"""Every benchmark and measurement command (DESIGN.md, "Benchmark methodology"): `tokenmill bench`
+(the standard serving sweep: its workload, targets, runner, report and command), `bench-engine`,
+`bench-cluster`, `bench-tracing`, `accuracy`, `int8_agreement` and the peer servers' helpers.
 
-workload.py  the requests (fixed prompt length, seeded output lengths, EOS ignored)
-targets.py   what is measured: a tokenmill gRPC gateway, an OpenAI-compatible HTTP server, or an
-             in-process transformers baseline with static batches; plus the scheduler load poller
-runner.py    sync mode and the async concurrency sweep, warm-up kept out of the timed window
-report.py    metrics (percentiles, QPS, tok/s) and the terminal table, JSON, Markdown and PNG plots
-cli.py       the command: starts clusters (paged, static) and the baseline, side by side
+The rule: a benchmark may import cluster/ (to start a cluster), client/, the in-process engine and
+the services; nothing in the roof imports a benchmark module (`tokenmill.cli` names them by string,
+so the command line never loads torch for them). The workload module is the bottom of this room: it
+imports no other benchmark module.
 """

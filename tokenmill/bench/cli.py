@@ -168,7 +168,7 @@ def cluster_config(args, kv_policy: str, **settings):
     """The started cluster's config, with free ports: the KV cache sized as `tokenmill serve` sizes it
     unless --num-blocks (or --compare-kv-layouts) says otherwise. settings: more ClusterConfig fields
     (a fixed budget, a latency target, swap space)."""
-    from tokenmill.cluster import ClusterConfig, resolve_ports
+    from tokenmill.cluster.config import ClusterConfig, resolve_ports
 
     return resolve_ports(ClusterConfig(
         model=args.model, gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
@@ -178,8 +178,8 @@ def cluster_config(args, kv_policy: str, **settings):
 
 def run_cluster(args, workload, kv_policy: str, label: str | None = None, **settings) -> dict:
     """The sweep against a cluster started with these settings; the result records them ("settings")."""
-    from tokenmill.cluster import cluster_specs
-    from tokenmill.supervisor import Supervisor
+    from tokenmill.cluster.specs import cluster_specs
+    from tokenmill.cluster.supervisor import Supervisor
 
     config = cluster_config(args, kv_policy, **settings)
     with Supervisor(cluster_specs(config), echo=False):
@@ -202,8 +202,8 @@ def cluster_settings(config, kv_policy: str) -> dict:
 def run_clusters_interleaved(args, workload, clusters: list[tuple[str, str, dict]]) -> dict[str, dict]:
     """--interleave: clusters (run name, kv policy, settings) all started, then swept together
     (runner.interleaved_sweeps); run name -> result, as run_cluster returns."""
-    from tokenmill.cluster import cluster_specs
-    from tokenmill.supervisor import Supervisor
+    from tokenmill.cluster.specs import cluster_specs
+    from tokenmill.cluster.supervisor import Supervisor
 
     configs = {}
     with contextlib.ExitStack() as stack:
@@ -246,7 +246,7 @@ def default_budget() -> int:
     """The --max-num-batched-tokens a started cluster gets unless told otherwise."""
     import dataclasses
 
-    from tokenmill.cluster import ClusterConfig
+    from tokenmill.cluster.config import ClusterConfig
 
     return next(f.default for f in dataclasses.fields(ClusterConfig) if f.name == "max_num_batched_tokens")
 

@@ -127,7 +127,7 @@ class TransformersTarget:
     name = "transformers"
 
     def __init__(self, model_path: str | None = None) -> None:
-        from tokenmill.bench_engine import load_transformers_model
+        from tokenmill.bench.engine import load_transformers_model
 
         self.model = load_transformers_model(model_path)
         self.model.generation_config.eos_token_id = None  # EOS ignored (see bench_engine.run_transformers)

@@ -6,10 +6,48 @@ request ignores EOS, so each request generates exactly its output length whateve
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from tokenmill.bench_cluster import text_prompts
-from tokenmill.bench_engine import make_workload
+if TYPE_CHECKING:
+    from gateway.text.tokenizer import TextTokenizer
+
+
+WORDS = ("time river light stone garden window music letter market winter island forest number paper "
+         "engine silver question mountain morning yellow bridge animal planet ocean story circle doctor "
+         "kitchen summer village student machine picture history language pocket theory").split()
+
+
+def text_prompts(tokenizer: TextTokenizer, count: int, num_tokens: int, seed: int) -> list[str]:
+    """Texts that tokenize to exactly num_tokens ids (so both paths see the same prompt ids)."""
+    rng = random.Random(seed)
+    prompts = []
+    while len(prompts) < count:
+        text = " ".join(rng.choice(WORDS) for _ in range(num_tokens * 2))
+        ids = tokenizer.encode(text)[:num_tokens]
+        candidate = tokenizer.decode(ids)
+        if tokenizer.encode(candidate) == ids:
+            prompts.append(candidate)
+    return prompts
+
+
+@dataclass(slots=True, frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(vocab_size: int, num_requests: int = 32, prompt_len: int = 128,
+                  min_output: int = 32, max_output: int = 256, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    # ids from the low part of the vocabulary: ordinary tokens, no specials at the very top
+    prompts = [[rng.randrange(100, min(vocab_size, 20000)) for _ in range(prompt_len)] for _ in range(num_requests)]
+    return Workload(prompts, [rng.randint(min_output, max_output) for _ in range(num_requests)])
 
 
 @dataclass(frozen=True, slots=True)

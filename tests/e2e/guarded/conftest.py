@@ -12,9 +12,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.access.api_keys import hash_api_key
 from tests.helpers.tiny_models import make_tiny_hf_model
-from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
+from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.specs import cluster_specs
 from plumbing.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
-from tokenmill.supervisor import Supervisor
+from tokenmill.cluster.supervisor import Supervisor
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant\n{% endif %}")

@@ -12,8 +12,9 @@ import torch
 
 from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from tests.helpers.tiny_models import make_tiny_hf_model
-from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
-from tokenmill.supervisor import Supervisor
+from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.specs import cluster_specs
+from tokenmill.cluster.supervisor import Supervisor
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from gateway.prepare.validation import Limits
 from kvstore.state_reader import RequestStateReader
 from plumbing.rpc import status_for
 from protos.tokenmill.v1 import common_pb2, generation_pb2
-from tokenmill.readiness import free_port
+from tokenmill.cluster.readiness import free_port
 
 
 async def test_status_while_redis_is_away_is_unavailable_not_internal():

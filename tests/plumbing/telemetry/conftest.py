@@ -10,8 +10,9 @@ import pytest
 
 from tests.helpers.otlp_receiver import OtlpReceiver
 from tests.helpers.tiny_models import make_tiny_hf_model
-from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
-from tokenmill.supervisor import Supervisor
+from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.specs import cluster_specs
+from tokenmill.cluster.supervisor import Supervisor
 
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

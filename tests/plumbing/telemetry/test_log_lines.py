@@ -8,8 +8,8 @@ import json
 import sys
 import time
 
-from tokenmill.child_process import ChildProcess, ChildSpec
-from tokenmill.supervisor import Supervisor
+from tokenmill.cluster.child_process import ChildProcess, ChildSpec
+from tokenmill.cluster.supervisor import Supervisor
 
 CHILD = """
 import logging

@@ -1,4 +1,4 @@
-"""Group-quantized weight-only matmul: the kernel against the float32 matmul on worker.group_quant's
+"""Group-quantized weight-only matmul: the kernel against the float32 matmul on worker.linears.group_quant's
 dequantized weight, for each container / group size, in each activation dtype; GroupQuantLinear's Triton
 path likewise; inputs checked with the argument named."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.worker.kernels.tolerances import assert_close
-from worker.group_quant import GroupQuantLinear, GroupQuantWeight, quantize_weight
+from worker.linears.group_quant import GroupQuantLinear, GroupQuantWeight, quantize_weight
 from worker.kernels.group_quant_matmul import GEMV_MAX_ROWS, LAYOUTS, group_quant_matmul, group_quant_matmul_torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -27,7 +27,7 @@ def _weight(bits: int, group_size: int, seed: int) -> GroupQuantWeight:
 
 
 def _reference(x: torch.Tensor, weight: GroupQuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """float32, unrounded: the same rounded inputs times worker.group_quant's dequantized weight."""
+    """float32, unrounded: the same rounded inputs times worker.linears.group_quant's dequantized weight."""
     return F.linear(x.float(), weight.dequantize(), None if bias is None else bias.float())
 
 

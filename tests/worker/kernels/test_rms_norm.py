@@ -1,4 +1,4 @@
-"""RMSNorm kernels against worker.model.RMSNorm run in float32 (the interpreter on CPU, CUDA on a GPU)."""
+"""RMSNorm kernels against worker.model.llama.RMSNorm run in float32 (the interpreter on CPU, CUDA on a GPU)."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from tests.worker.kernels.tolerances import assert_close
 from worker.kernels.rms_norm import fused_add_rms_norm, rms_norm
-from worker.model import RMSNorm
+from worker.model.llama import RMSNorm
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EPS = 1e-6

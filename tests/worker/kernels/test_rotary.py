@@ -1,5 +1,5 @@
-"""The rotary kernel against worker.model.apply_rope, on q / k views of one fused qkv output as the model
-has them, with the cos / sin tables worker.model.rope_cos_sin builds."""
+"""The rotary kernel against worker.model.llama.apply_rope, on q / k views of one fused qkv output as the model
+has them, with the cos / sin tables worker.model.llama.rope_cos_sin builds."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 from tests.worker.kernels.tolerances import assert_close
 from worker.kernels.rotary import apply_rotary
-from worker.model import apply_rope, rope_cos_sin
+from worker.model.llama import apply_rope, rope_cos_sin
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 THETA = 10000.0

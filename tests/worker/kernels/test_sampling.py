@@ -1,4 +1,4 @@
-"""Device sampling against worker.sampler's own filters, drawing with the same Philox noise; greedy and
+"""Device sampling against worker.sampling.sampler's own filters, drawing with the same Philox noise; greedy and
 top-k = 1 rows are the argmax; filtered tokens never come out; no host sync happens inside."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from worker.kernels.sampling import exponential_noise, sample_tokens
-from worker.sampler import _apply_min_p, _apply_top_k_top_p
+from worker.sampling.sampler import _apply_min_p, _apply_top_k_top_p
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 VOCAB_SIZE = 50
@@ -28,7 +28,7 @@ def _rows(values: list, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _reference(logits, temperature, top_k, top_p, min_p, noise) -> torch.Tensor:
-    """worker.sampler's filters row by row, then argmax(softmax / q) with the kernel's own q."""
+    """worker.sampling.sampler's filters row by row, then argmax(softmax / q) with the kernel's own q."""
     tokens = []
     for row in range(logits.shape[0]):
         if temperature[row] < 1e-5:

@@ -18,7 +18,7 @@ from gateway.upstream.scheduler_client import SchedulerClient
 from gateway.text.tokenizer import load_tokenizer
 from gateway.prepare.validation import Limits
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from tokenmill.readiness import free_port
+from tokenmill.cluster.readiness import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from gateway.upstream.scheduler_client import SchedulerClient
 from gateway.text.tokenizer import load_tokenizer
 from gateway.prepare.validation import Limits
 from protos.tokenmill.v1 import common_pb2
-from tokenmill.readiness import free_port
+from tokenmill.cluster.readiness import free_port
 
 HEALTH = b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n"
 

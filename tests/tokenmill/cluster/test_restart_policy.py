@@ -1,6 +1,6 @@
 """Restart backoff and crash-looping, on hand-given times; and the supervisor restarting a real child
-killed with -9 (a stand-in gRPC child, tests/tokenmill/standin_child.py). A child that keeps crashing
-is never given up: tests/tokenmill/test_crash_loop.py."""
+killed with -9 (a stand-in gRPC child, tests/tokenmill/cluster/standin_child.py). A child that keeps crashing
+is never given up: tests/tokenmill/cluster/test_crash_loop.py."""
 from __future__ import annotations
 
 import io
@@ -9,9 +9,9 @@ import signal
 import subprocess
 import time
 
-from tests.tokenmill.test_supervisor import pid_gone, standin
-from tokenmill.restart_policy import RestartHistory, RestartPolicy, RestartState
-from tokenmill.supervisor import Supervisor
+from tests.tokenmill.cluster.test_supervisor import pid_gone, standin
+from tokenmill.cluster.restart_policy import RestartHistory, RestartPolicy, RestartState
+from tokenmill.cluster.supervisor import Supervisor
 
 
 def test_backoff_doubles_up_to_the_cap_then_crash_loops_at_the_cap_until_a_quiet_window():

@@ -1,4 +1,4 @@
-"""The supervisor against real child processes: stand-in gRPC children (tests/tokenmill/standin_child.py)
+"""The supervisor against real child processes: stand-in gRPC children (tests/tokenmill/cluster/standin_child.py)
 whose readiness flips or which fail on cue, and a real redis-server."""
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from tokenmill.readiness import free_port, redis_ping_probe
-from tokenmill.redis_process import redis_spec
-from tokenmill.supervisor import (ChildExited, ChildSpec, PortInUse, StartupTimeout, Supervisor, SupervisorError,
+from tokenmill.cluster.readiness import free_port, redis_ping_probe
+from tokenmill.cluster.redis_process import redis_spec
+from tokenmill.cluster.supervisor import (ChildExited, ChildSpec, PortInUse, StartupTimeout, Supervisor, SupervisorError,
                                   run_until_stopped)
 
 STANDIN = Path(__file__).with_name("standin_child.py")
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def standin(name: str, *flags: str, port: int | None = None) -> ChildSpec:
@@ -167,8 +167,8 @@ def test_run_until_stopped_exits_nonzero_when_a_child_dies_after_ready(echo, tmp
 # A supervisor in a process of its own, as `tokenmill serve` runs: redis-server plus two stand-ins.
 DRIVER = textwrap.dedent("""
     import json, sys
-    from tokenmill.redis_process import redis_spec
-    from tokenmill.supervisor import ChildSpec, Supervisor, run_until_stopped
+    from tokenmill.cluster.redis_process import redis_spec
+    from tokenmill.cluster.supervisor import ChildSpec, Supervisor, run_until_stopped
     specs = [redis_spec(int(sys.argv[1]))] + [ChildSpec(**spec) for spec in json.loads(sys.argv[2])]
     supervisor = Supervisor(specs, grace_s=5)
     def on_ready():

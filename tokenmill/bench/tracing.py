@@ -25,7 +25,8 @@ from concurrent import futures
 import grpc
 
 from gateway.text.tokenizer import load_tokenizer
-from tokenmill.bench_cluster import stream_one, text_prompts
+from tokenmill.bench.cluster import stream_one
+from tokenmill.bench.workload import text_prompts
 
 
 PROCESSES = ("gateway", "scheduler", "worker")
@@ -82,7 +83,7 @@ async def run_together(addresses: dict[str, str], prompts: list[str], output_len
     return dict(zip(addresses, speeds))
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tokenmill bench-tracing", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
@@ -96,11 +97,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="each round runs both clusters' workloads at the same time (same machine "
                              "conditions for both; each gets about half the CPU) instead of one after the other")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
 
-    from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
-    from tokenmill.supervisor import Supervisor
+    from tokenmill.cluster.config import ClusterConfig, resolve_ports
 
     tokenizer = load_tokenizer(args.model)
     prompts = text_prompts(tokenizer, args.num_requests, args.prompt_len, args.seed)
@@ -114,38 +118,57 @@ def main(argv: list[str] | None = None) -> int:
                                            max_num_seqs=max(64, args.num_requests), child_env=env))
 
     configs = {"off": cluster(()), "on": cluster(traced_env)}
+    try:
+        results, cpu = run_rounds(args, configs, prompts, log)
+    finally:
+        sink.stop()
+    result = summarize(args, results, cpu, sink.num_spans)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_report(result, args.rounds)
+    return 0
+
+
+def run_rounds(args: argparse.Namespace, configs: dict, prompts: list[str], log):
+    """Output tokens/s of each cluster per round, and the CPU seconds of each of its processes per run."""
+    from tokenmill.cluster.specs import cluster_specs
+    from tokenmill.cluster.supervisor import Supervisor
+
     results: dict[str, list[float]] = {"off": [], "on": []}
     # CPU seconds per process per run: on a machine shared with others, the CPU a run costs is a
     # steadier measure of overhead than its wall time
     cpu: dict[str, dict[str, list[float]]] = {name: {p: [] for p in PROCESSES} for name in configs}
-    try:
-        with Supervisor(cluster_specs(configs["off"]), echo=False) as off, \
-                Supervisor(cluster_specs(configs["on"]), echo=False) as on:
-            supervisors = {"off": off, "on": on}
-            for name, config in configs.items():  # warm-up, not timed
-                asyncio.run(run_workload(config.gateway_address, prompts[:2], 4))
-            for round_index in range(args.rounds):
-                order = ("off", "on") if round_index % 2 == 0 else ("on", "off")
-                for group in [order] if args.concurrent else [(name,) for name in order]:
-                    pids = {(name, p): supervisors[name].pid(p) for name in group for p in PROCESSES}
-                    cpu_before = {key: cpu_seconds(pid) for key, pid in pids.items()}
-                    speeds = asyncio.run(run_together({name: configs[name].gateway_address for name in group},
-                                                      prompts, args.output_len))
-                    time.sleep(0.5)  # let the run's last span exports and state writes finish
-                    for (name, p), pid in pids.items():
-                        cpu[name][p].append(cpu_seconds(pid) - cpu_before[name, p])
-                    for name, tokens_per_s in speeds.items():
-                        results[name].append(tokens_per_s)
-                        log(f"round {round_index + 1}: tracing {name:<3} {tokens_per_s:7.1f} output tok/s, CPU s "
-                            + " ".join(f"{p} {cpu[name][p][-1]:.2f}" for p in PROCESSES))
-            time.sleep(1.0)  # the last batch of spans reaches the sink
-    finally:
-        sink.stop()
+    with Supervisor(cluster_specs(configs["off"]), echo=False) as off, \
+            Supervisor(cluster_specs(configs["on"]), echo=False) as on:
+        supervisors = {"off": off, "on": on}
+        for name, config in configs.items():  # warm-up, not timed
+            asyncio.run(run_workload(config.gateway_address, prompts[:2], 4))
+        for round_index in range(args.rounds):
+            order = ("off", "on") if round_index % 2 == 0 else ("on", "off")
+            for group in [order] if args.concurrent else [(name,) for name in order]:
+                pids = {(name, p): supervisors[name].pid(p) for name in group for p in PROCESSES}
+                cpu_before = {key: cpu_seconds(pid) for key, pid in pids.items()}
+                speeds = asyncio.run(run_together({name: configs[name].gateway_address for name in group},
+                                                  prompts, args.output_len))
+                time.sleep(0.5)  # let the run's last span exports and state writes finish
+                for (name, p), pid in pids.items():
+                    cpu[name][p].append(cpu_seconds(pid) - cpu_before[name, p])
+                for name, tokens_per_s in speeds.items():
+                    results[name].append(tokens_per_s)
+                    log(f"round {round_index + 1}: tracing {name:<3} {tokens_per_s:7.1f} output tok/s, CPU s "
+                        + " ".join(f"{p} {cpu[name][p][-1]:.2f}" for p in PROCESSES))
+        time.sleep(1.0)  # the last batch of spans reaches the sink
+    return results, cpu
+
+
+def summarize(args: argparse.Namespace, results: dict[str, list[float]], cpu: dict[str, dict[str, list[float]]],
+              num_spans: int) -> dict:
     cpu_medians = {name: {p: statistics.median(values) for p, values in per.items()} for name, per in cpu.items()}
     cpu_total = {name: sum(per.values()) for name, per in cpu_medians.items()}
     median_off, median_on = statistics.median(results["off"]), statistics.median(results["on"])
     paired = [on / off for off, on in zip(results["off"], results["on"])]
-    result = {
+    return {
         "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
                      "output_len": args.output_len, "rounds": args.rounds, "model": args.model or "default",
                      "concurrent": args.concurrent},
@@ -153,23 +176,23 @@ def main(argv: list[str] | None = None) -> int:
         "median_off": median_off, "median_on": median_on,
         "throughput_ratio_on_over_off": median_on / median_off,
         "paired_ratio_median": statistics.median(paired),
-        "spans_exported": sink.num_spans,
+        "spans_exported": num_spans,
         "cpu_s_median_per_run": cpu_medians,
         "cpu_ratio_on_over_off": cpu_total["on"] / cpu_total["off"],
     }
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"\ntracing off: {median_off:.1f} output tok/s (median of {args.rounds})")
-        print(f"tracing on (always_on, OTLP export): {median_on:.1f} output tok/s (median of {args.rounds}); "
-              f"{sink.num_spans} spans exported")
-        print(f"throughput on / off: {result['throughput_ratio_on_over_off']:.3f} (medians), "
-              f"{result['paired_ratio_median']:.3f} (median of the {args.rounds} paired rounds)")
-        for name in ("off", "on"):
-            print(f"CPU seconds per run, tracing {name:<3}: " + ", ".join(
-                f"{p} {cpu_medians[name][p]:.2f}" for p in PROCESSES) + f"; total {cpu_total[name]:.2f}")
-        print(f"CPU on / off: {result['cpu_ratio_on_over_off']:.3f}")
-    return 0
+
+
+def print_report(result: dict, rounds: int) -> None:
+    cpu_medians = result["cpu_s_median_per_run"]
+    print(f"\ntracing off: {result['median_off']:.1f} output tok/s (median of {rounds})")
+    print(f"tracing on (always_on, OTLP export): {result['median_on']:.1f} output tok/s (median of {rounds}); "
+          f"{result['spans_exported']} spans exported")
+    print(f"throughput on / off: {result['throughput_ratio_on_over_off']:.3f} (medians), "
+          f"{result['paired_ratio_median']:.3f} (median of the {rounds} paired rounds)")
+    for name in ("off", "on"):
+        print(f"CPU seconds per run, tracing {name:<3}: " + ", ".join(
+            f"{p} {cpu_medians[name][p]:.2f}" for p in PROCESSES) + f"; total {sum(cpu_medians[name].values()):.2f}")
+    print(f"CPU on / off: {result['cpu_ratio_on_over_off']:.3f}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from tests.helpers.tiny_models import make_tiny_hf_model
-from tokenmill.accuracy import main
+from tokenmill.bench.accuracy import main
 
 
 def test_accuracy_table_compares_every_variant_with_the_float32_reference(tmp_path, capsys):

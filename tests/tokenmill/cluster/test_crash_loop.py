@@ -1,7 +1,7 @@
 """A child that keeps crashing (more than max_restarts in the window) is restarted at the capped backoff
 and reported as crash-looping, while the healthy children keep serving and the supervisor keeps
 running: one request that crashes the gateway in a loop must not take the workers down. Real children:
-a gRPC stand-in (tests/tokenmill/standin_child.py) as the healthy one, and a `python -c` script that
+a gRPC stand-in (tests/tokenmill/cluster/standin_child.py) as the healthy one, and a `python -c` script that
 exits with code 5 at every start once a file exists as the crashing one (it starts in tens of ms, so
 a loop is quick)."""
 from __future__ import annotations
@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from tests.tokenmill.test_supervisor import standin
-from tokenmill.readiness import GrpcHealthProbe
-from tokenmill.restart_policy import RestartPolicy
-from tokenmill.supervisor import ChildExited, ChildSpec, Supervisor, run_until_stopped
+from tests.tokenmill.cluster.test_supervisor import standin
+from tokenmill.cluster.readiness import GrpcHealthProbe
+from tokenmill.cluster.restart_policy import RestartPolicy
+from tokenmill.cluster.supervisor import ChildExited, ChildSpec, Supervisor, run_until_stopped
 
 # crashes at most 0.05 s apart plus a python start-up: three within the window on a loaded machine too
 LOOP = RestartPolicy(backoff_initial_s=0.01, backoff_max_s=0.05, max_restarts=2, window_s=30)
@@ -125,7 +125,7 @@ def test_the_supervisor_metrics_report_the_crash_looping_child(tmp_path):
     the healthy one up, scraped over HTTP while the loop goes on."""
     import urllib.request
 
-    from tokenmill.supervisor_metrics import serve_supervisor_metrics
+    from tokenmill.cluster.supervisor_metrics import serve_supervisor_metrics
 
     supervisor, trigger, _ = crash_looping_gateway_and_healthy_worker(tmp_path)
     with supervisor:

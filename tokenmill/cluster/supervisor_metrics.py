@@ -1,5 +1,5 @@
 """The supervisor's own Prometheus /metrics: which children are up, how often each restarted, and which
-is crash-looping (tokenmill.restart_monitor), read from Supervisor.child_states() at scrape time.
+is crash-looping (tokenmill.cluster.restart_monitor), read from Supervisor.child_states() at scrape time.
 
     server = serve_supervisor_metrics(supervisor, "127.0.0.1", 9403)   # `tokenmill serve --supervisor-metrics-port`
     server.shutdown()
@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tokenmill.supervisor import Supervisor
+from tokenmill.cluster.supervisor import Supervisor
 
 
 class ChildStatesCollector(Collector):

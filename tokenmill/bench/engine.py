@@ -9,33 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from core.sampling import SamplingParams
+from tokenmill.bench.workload import Workload, make_workload
 from tokenmill.llm import LLM, EngineConfig
-
-
-@dataclass(slots=True, frozen=True)
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-def make_workload(vocab_size: int, num_requests: int = 32, prompt_len: int = 128,
-                  min_output: int = 32, max_output: int = 256, seed: int = 0) -> Workload:
-    rng = random.Random(seed)
-    # ids from the low part of the vocabulary: ordinary tokens, no specials at the very top
-    prompts = [[rng.randrange(100, min(vocab_size, 20000)) for _ in range(prompt_len)] for _ in range(num_requests)]
-    return Workload(prompts, [rng.randint(min_output, max_output) for _ in range(num_requests)])
 
 
 def run_tokenmill(llm: LLM, workload: Workload, kv_policy: str) -> dict:
@@ -93,7 +75,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in zip(a, b)) / len(a)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tokenmill bench-engine", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
@@ -105,18 +87,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline-batch-size", type=int, default=8)
     parser.add_argument("--kv-cache-mb", type=int, default=512)
     parser.add_argument("--quantization", choices=("auto", "none", "int8", "int4"), default="auto",
-                        help="tokenmill's weights (worker.backends); transformers always runs the float32 "
+                        help="tokenmill's weights (worker.paths.base); transformers always runs the float32 "
                              "dequantized model (default: %(default)s)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     parser.add_argument("--no-cpu-fused-ops", action="store_true",
-                        help="tokenmill's decoder in plain torch (the reference path; worker.fused_ops)")
+                        help="tokenmill's decoder in plain torch (the reference path; worker.paths.fused_ops)")
     parser.add_argument("--cpu-dense-weights", choices=("auto", "on", "off"), default="auto",
                         help="tokenmill's quantized linears keep dense copies for steps of 5 rows or more "
-                             "(worker.dense_weights; default: %(default)s)")
+                             "(worker.linears.dense_weights; default: %(default)s)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def engine_facts(llm: LLM) -> dict:
+    """What the engine runs: activation dtype, weight formats, fused ops, dense copies, threads."""
+    from worker.linears.dense_weights import dense_weights_kept
+    from worker.linears.group_quant import DENSE_ROWS, weight_formats
+
+    formats = weight_formats(llm.runner.model) or "float"
+    if dense_weights_kept(llm.runner.model):
+        formats += f" (dense copies for steps of {DENSE_ROWS}+ rows)"
+    return {"dtype": str(llm.runner.dtype).removeprefix("torch."), "weights": formats,
+            "transformers": "float32, dequantized weights",
+            "cpu_fused_ops": getattr(llm.runner.execution_path, "fused_ops", False),
+            "cpu_dense_weights": dense_weights_kept(llm.runner.model), "threads": torch.get_num_threads()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     config = EngineConfig(model=args.model, kv_cache_bytes=args.kv_cache_mb * 2**20,
                           max_num_seqs=max(64, args.num_requests), quantization=args.quantization, dtype=args.dtype,
                           cpu_fused_ops=not args.no_cpu_fused_ops, cpu_dense_weights=args.cpu_dense_weights)
@@ -125,16 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     workload = make_workload(llm.model_config.vocab_size, args.num_requests, args.prompt_len,
                              args.min_output, args.max_output, args.seed)
     llm.generate([workload.prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    from worker.dense_weights import dense_weights_kept
-    from worker.group_quant import DENSE_ROWS, weight_formats
-
-    formats = weight_formats(llm.runner.model) or "float"
-    if dense_weights_kept(llm.runner.model):
-        formats += f" (dense copies for steps of {DENSE_ROWS}+ rows)"
-    dtype = str(llm.runner.dtype).removeprefix("torch.")
+    facts = engine_facts(llm)
     log(f"workload: {args.num_requests} requests, {args.prompt_len}-token prompts, "
-        f"{workload.num_output_tokens} output tokens, {torch.get_num_threads()} threads; tokenmill runs "
-        f"{dtype} activations on {formats} weights, transformers float32 on the dequantized weights")
+        f"{workload.num_output_tokens} output tokens, {facts['threads']} threads; tokenmill runs "
+        f"{facts['dtype']} activations on {facts['weights']} weights, transformers float32 on the dequantized weights")
     paged = run_tokenmill(llm, workload, "paged")
     log(f"tokenmill paged:  {paged['output_tokens_per_s']:.1f} tok/s")
     static = run_tokenmill(llm, workload, "static")
@@ -142,11 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
                      "output_lens": [args.min_output, args.max_output], "seed": args.seed,
-                     "num_output_tokens": workload.num_output_tokens, "dtype": dtype, "weights": formats,
-                     "transformers": "float32, dequantized weights",
-                     "cpu_fused_ops": getattr(llm.runner.execution_path, "fused_ops", False),
-                     "cpu_dense_weights": dense_weights_kept(llm.runner.model),
-                     "threads": torch.get_num_threads()},
+                     "num_output_tokens": workload.num_output_tokens, **facts},
         "tokenmill_paged": {k: v for k, v in paged.items() if k != "outputs"},
         "tokenmill_static": {k: v for k, v in static.items() if k != "outputs"},
     }

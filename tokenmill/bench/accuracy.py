@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.int8_agreement import corpus, window_logits, windows
+from tokenmill.bench.int8_agreement import corpus, window_logits, windows
 
 
 @dataclass(frozen=True, slots=True)
 class Variant:
     label: str
-    quantization: str  # worker.backends.QUANTIZATIONS
+    quantization: str  # worker.paths.base.QUANTIZATIONS
     dtype: torch.dtype
     int8_activations: bool = False  # --cpu-int8-activations (run a token at a time, as decode does)
 
@@ -44,8 +44,8 @@ REFERENCE = Variant("reference: dequantized", "none", torch.float32)
 @torch.inference_mode()
 def decode_logits(model, config, token_ids: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Logits [T, vocab] for every position, one token per forward pass as decode runs them."""
-    from worker.attention import RequestSpan, build_attention_metadata
-    from worker.kv_cache import allocate_kv_cache
+    from worker.model.llama.attention import RequestSpan, build_attention_metadata
+    from worker.model.llama.kv_cache import allocate_kv_cache
 
     block_size = 16
     num_blocks = -(-len(token_ids) // block_size)
@@ -71,7 +71,7 @@ class Score:
 
 
 def build_variant(model_path, variant: Variant, device: torch.device):
-    from worker.group_quant import quantize_linears, use_int8_activations, weight_formats
+    from worker.linears.group_quant import quantize_linears, use_int8_activations, weight_formats
     from worker.loader import load_model
 
     model, config = load_model(model_path, dtype=variant.dtype, progress=False, keep_quantized=variant.quantization == "auto")

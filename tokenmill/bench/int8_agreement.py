@@ -1,4 +1,4 @@
-"""How often INT8 weight-only greedy next tokens agree with float32: `python -m tokenmill.int8_agreement`.
+"""How often INT8 weight-only greedy next tokens agree with float32: `python -m tokenmill.bench.int8_agreement`.
 
 Teacher-forced: fixed texts (the prose below, then files of this repository, in a fixed order) are
 tokenized and cut into windows; every position of every window is one comparison of argmax(logits)
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from worker.attention import RequestSpan, build_attention_metadata
-from worker.config import ModelConfig
-from worker.kv_cache import allocate_kv_cache
-from worker.model import LlamaModel
-from worker.quantization import quantize_linears_int8
+from worker.model.llama.attention import RequestSpan, build_attention_metadata
+from worker.model.llama.config import ModelConfig
+from worker.model.llama.kv_cache import allocate_kv_cache
+from worker.model.llama import LlamaModel
+from worker.linears.int8 import quantize_linears_int8
 
 PROSE = """\
 The river had been low all summer, and by September the old ferry landing stood a full meter above
@@ -46,7 +46,7 @@ Question: A train leaves the station at 9:40 and arrives at 13:15. How long is t
 Answer: From 9:40 to 12:40 is three hours, and from 12:40 to 13:15 is another thirty-five minutes,
 so the journey takes three hours and thirty-five minutes.
 """
-REPO_FILES = ("README.md", "docs/benchmarks.md", "worker/model.py", "worker/attention.py", "scheduler/scheduler.py")
+REPO_FILES = ("README.md", "docs/benchmarks.md", "worker/model/llama.py", "worker/model/attention.py", "scheduler/scheduler.py")
 
 
 def corpus(root: Path) -> list[str]:
@@ -95,7 +95,7 @@ def agreement(reference: LlamaModel, candidate: LlamaModel, config: ModelConfig,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tokenmill.int8_agreement", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tokenmill.bench.int8_agreement", description=__doc__)
     parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--positions", type=int, default=4096, help="positions compared (default: %(default)s)")
     parser.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window")

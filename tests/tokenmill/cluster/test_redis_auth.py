@@ -11,9 +11,9 @@ import pytest
 
 from kvstore.credentials import RedisCredentialsRejected, redact_url, verify_credentials
 from kvstore.state_reader import RequestStateReader
-from tokenmill.readiness import free_port, redis_ping_probe
-from tokenmill.redis_process import REDIS_CONFIG_FILE, redis_config, redis_spec, redis_url
-from tokenmill.supervisor import Supervisor
+from tokenmill.cluster.readiness import free_port, redis_ping_probe
+from tokenmill.cluster.redis_process import REDIS_CONFIG_FILE, redis_config, redis_spec, redis_url
+from tokenmill.cluster.supervisor import Supervisor
 
 PASSWORD = "pa:ss/w@rd%"  # every character that needs percent-encoding in a URL
 

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from plumbing.telemetry.logs import echo_line
-from tokenmill.child_process import ChildProcess, ChildSpec, Probe
-from tokenmill.readiness import GrpcHealthProbe, port_in_use
-from tokenmill.restart_policy import RestartHistory, RestartPolicy, RestartState
+from tokenmill.cluster.child_process import ChildProcess, ChildSpec, Probe
+from tokenmill.cluster.readiness import GrpcHealthProbe, port_in_use
+from tokenmill.cluster.restart_monitor import RestartMonitor
+from tokenmill.cluster.restart_policy import RestartHistory, RestartPolicy, RestartState
 
 __all__ = ["ChildSpec", "ChildState", "Supervisor", "SupervisorError", "ChildExited", "StartupTimeout",
            "PortInUse", "StopRequested", "run_until_stopped"]
@@ -110,7 +111,7 @@ class Supervisor:
         if unknown:
             raise ValueError(f"restart_policies name unknown children {sorted(unknown)}; children: {names}")
         self.restarts = {name: RestartHistory(policy) for name, policy in (restart_policies or {}).items()}
-        self._monitor = None  # restart_monitor.RestartMonitor while running
+        self._monitor: RestartMonitor | None = None  # while running
         # held while a child is started, by restart() and by the monitor: one of them starts a dead
         # child, the other then finds it running
         self.lifecycle_lock = threading.Lock()
@@ -130,8 +131,6 @@ class Supervisor:
             self.stop()
             raise
         if self.restarts:
-            from tokenmill.restart_monitor import RestartMonitor
-
             self._monitor = RestartMonitor(self)
             self._monitor.start()
 

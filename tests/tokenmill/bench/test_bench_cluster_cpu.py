@@ -3,7 +3,7 @@ import subprocess
 import sys
 import time
 
-from tokenmill.bench_cluster import cpu_seconds
+from tokenmill.bench.cluster import cpu_seconds
 
 
 def test_cpu_seconds_counts_a_busy_child_and_this_process():

@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import resource
 import statistics
 import sys
@@ -22,25 +21,9 @@ import time
 from gateway.text.tokenizer import TextTokenizer, load_tokenizer
 from core.sampling import SamplingParams
 from scheduler.request import Request
-from tokenmill.bench_engine import make_workload
+from tokenmill.bench.runner import interleaved_order
+from tokenmill.bench.workload import make_workload, text_prompts
 from tokenmill.llm import LLM, EngineConfig
-
-WORDS = ("time river light stone garden window music letter market winter island forest number paper "
-         "engine silver question mountain morning yellow bridge animal planet ocean story circle doctor "
-         "kitchen summer village student machine picture history language pocket theory").split()
-
-
-def text_prompts(tokenizer: TextTokenizer, count: int, num_tokens: int, seed: int) -> list[str]:
-    """Texts that tokenize to exactly num_tokens ids (so both paths see the same prompt ids)."""
-    rng = random.Random(seed)
-    prompts = []
-    while len(prompts) < count:
-        text = " ".join(rng.choice(WORDS) for _ in range(num_tokens * 2))
-        ids = tokenizer.encode(text)[:num_tokens]
-        candidate = tokenizer.decode(ids)
-        if tokenizer.encode(candidate) == ids:
-            prompts.append(candidate)
-    return prompts
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -124,7 +107,6 @@ async def run_cluster(address: str, llm: LLM, workloads: list[list[str]], output
     import grpc
 
     from protos.tokenmill.v1 import generation_pb2_grpc
-    from tokenmill.bench.runner import interleaved_order  # here: tokenmill.bench imports this module
 
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
@@ -169,7 +151,7 @@ async def run_cluster(address: str, llm: LLM, workloads: list[list[str]], output
     return {"local": local, "remote": remote, "rounds": rounds_summary}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tokenmill bench-cluster", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=32)
@@ -187,7 +169,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="the gateway gets each request's tokens on its own Submit call, not batched per step "
                              "on one StreamDeltas call (serve's --no-delta-stream)")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
 
     tokenizer = load_tokenizer(None)
@@ -200,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     warm_up_prompt = text_prompts(tokenizer, 1, 16, args.seed + 999)[0]
     llm.generate([tokenizer.encode(warm_up_prompt)], SamplingParams(max_tokens=4, temperature=0.0))
 
-    from tokenmill.cluster import ClusterConfig, cluster_specs, resolve_ports
-    from tokenmill.supervisor import Supervisor
+    from tokenmill.cluster.config import ClusterConfig, resolve_ports
+    from tokenmill.cluster.specs import cluster_specs
+    from tokenmill.cluster.supervisor import Supervisor
 
     cluster_config = resolve_ports(ClusterConfig(gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
                                                  kv_cache_mb=args.kv_cache_mb, max_num_seqs=config.max_num_seqs,
@@ -212,6 +199,16 @@ def main(argv: list[str] | None = None) -> int:
         pids = {name: pid for name in supervisor.children if (pid := supervisor.pid(name)) is not None}
         runs = asyncio.run(run_cluster(cluster_config.gateway_address, llm, workloads, output_lens, sync_prompts,
                                        warm_up_prompt, tokenizer, pids))
+    log_rounds(runs, log)
+    result = summarize_runs(args, runs)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result, runs)
+    return 0
+
+
+def log_rounds(runs: dict, log) -> None:
     local, remote = runs["local"], runs["remote"]
     for index, row in enumerate(runs["rounds"]):
         log(f"round {index + 1} ({row['order']}): in-process {row['in_process_tok_s']:.1f} tok/s, "
@@ -219,10 +216,13 @@ def main(argv: list[str] | None = None) -> int:
         cpu = row["cluster_cpu_s"]
         log(f"  cluster round's CPU seconds over {row['cluster_elapsed_s']:.1f} s wall: "
             + ", ".join(f"{name} {seconds:.1f}" for name, seconds in sorted(cpu.items(), key=lambda kv: -kv[1])))
-    sync_ttft = local["sync_ttft_p50_s"]
     log(f"median round: in-process {local['output_tokens_per_s']:.1f} tok/s, TTFT P50 {local['ttft_p50_s'] * 1e3:.0f} ms; "
         f"cluster {remote['output_tokens_per_s']:.1f} tok/s, TTFT P50 {remote['ttft_p50_s'] * 1e3:.0f} ms")
-    result = {
+
+
+def summarize_runs(args: argparse.Namespace, runs: dict) -> dict:
+    local, remote = runs["local"], runs["remote"]
+    return {
         "async_scheduling": args.async_scheduling,
         "delta_stream": not args.no_delta_stream,
         "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
@@ -232,25 +232,25 @@ def main(argv: list[str] | None = None) -> int:
         "throughput_ratio": remote["output_tokens_per_s"] / local["output_tokens_per_s"],  # the median round's
         "rounds": runs["rounds"],
         "added_ttft_p50_ms": (remote["ttft_p50_s"] - local["ttft_p50_s"]) * 1e3,
-        "added_sync_ttft_p50_ms": (remote["sync_ttft_p50_s"] - sync_ttft) * 1e3,
+        "added_sync_ttft_p50_ms": (remote["sync_ttft_p50_s"] - local["sync_ttft_p50_s"]) * 1e3,
         "added_sync_ttft_paired_p50_ms": statistics.median(local["sync_added_ttft_ms"]),
         "identical_outputs": sum(a == b for a, b in zip(local["outputs"], remote["outputs"])) / args.num_requests,
     }
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"\n{'path':<26}{'output tok/s':>14}{'TTFT P50 (load)':>17}{'TTFT P50 (sync, 8 tok)':>24}")
-        for name, row, sync in (("in-process engine", result["in_process"], sync_ttft),
-                                ("gateway -> scheduler -> worker", result["cluster_grpc"], remote["sync_ttft_p50_s"])):
-            print(f"{name:<26}{row['output_tokens_per_s']:>14.1f}{row['ttft_p50_s'] * 1e3:>14.0f} ms"
-                  f"{sync * 1e3:>21.1f} ms")
-        ratios = ", ".join(f"{row['ratio']:.3f}" for row in result["rounds"])
-        print(f"\nthroughput cluster / in-process: {result['throughput_ratio']:.3f} (median of {ratios}); added TTFT P50: "
-              f"{result['added_ttft_p50_ms']:.1f} ms under load, {result['added_sync_ttft_paired_p50_ms']:.1f} ms sync "
-              f"(8-token prompts, median of 32 paired differences); client TTFT minus the worker's own "
-              f"step time: {remote['sync_ttft_beyond_worker_step_p50_ms']:.1f} ms (P50); "
-              f"identical greedy outputs: {result['identical_outputs']:.0%}")
-    return 0
+
+
+def print_table(result: dict, runs: dict) -> None:
+    local, remote = runs["local"], runs["remote"]
+    print(f"\n{'path':<26}{'output tok/s':>14}{'TTFT P50 (load)':>17}{'TTFT P50 (sync, 8 tok)':>24}")
+    for name, row, sync in (("in-process engine", result["in_process"], local["sync_ttft_p50_s"]),
+                            ("gateway -> scheduler -> worker", result["cluster_grpc"], remote["sync_ttft_p50_s"])):
+        print(f"{name:<26}{row['output_tokens_per_s']:>14.1f}{row['ttft_p50_s'] * 1e3:>14.0f} ms"
+              f"{sync * 1e3:>21.1f} ms")
+    ratios = ", ".join(f"{row['ratio']:.3f}" for row in result["rounds"])
+    print(f"\nthroughput cluster / in-process: {result['throughput_ratio']:.3f} (median of {ratios}); added TTFT P50: "
+          f"{result['added_ttft_p50_ms']:.1f} ms under load, {result['added_sync_ttft_paired_p50_ms']:.1f} ms sync "
+          f"(8-token prompts, median of 32 paired differences); client TTFT minus the worker's own "
+          f"step time: {remote['sync_ttft_beyond_worker_step_p50_ms']:.1f} ms (P50); "
+          f"identical greedy outputs: {result['identical_outputs']:.0%}")
 
 
 if __name__ == "__main__":

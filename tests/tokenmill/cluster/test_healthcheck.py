@@ -1,4 +1,4 @@
-"""`python -m tokenmill.healthcheck` (the containers' health check) as a real process against a real
+"""`python -m tokenmill.cluster.healthcheck` (the containers' health check) as a real process against a real
 server: readiness follows set_ready, liveness does not, and nobody listening is a failure."""
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import asyncio
 import sys
 
 from plumbing import rpc
-from tokenmill.readiness import free_port
+from tokenmill.cluster.readiness import free_port
 
 
 async def _healthcheck(*args: str) -> tuple[int, str]:
-    process = await asyncio.create_subprocess_exec(sys.executable, "-m", "tokenmill.healthcheck", *args,
+    process = await asyncio.create_subprocess_exec(sys.executable, "-m", "tokenmill.cluster.healthcheck", *args,
                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     out, _ = await asyncio.wait_for(process.communicate(), timeout=60)
     return process.returncode, out.decode()

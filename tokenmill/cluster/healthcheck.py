@@ -1,4 +1,4 @@
-"""`python -m tokenmill.healthcheck HOST:PORT [SERVICE]`: exit 0 when the server reports SERVING for
+"""`python -m tokenmill.cluster.healthcheck HOST:PORT [SERVICE]`: exit 0 when the server reports SERVING for
 SERVICE over grpc.health.v1, 1 otherwise. For container health checks (docker compose, Dockerfile
 HEALTHCHECK) where grpc_health_probe is not installed. SERVICE "" (the default) is liveness; a
 tokenmill service name (tokenmill.v1.Worker, ...) is readiness: SERVING only after warm-up.
@@ -25,7 +25,7 @@ def check(address: str, service: str = "", timeout_s: float = 3.0) -> tuple[bool
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tokenmill.healthcheck", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tokenmill.cluster.healthcheck", description=__doc__)
     parser.add_argument("address", help="HOST:PORT of a tokenmill gRPC server")
     parser.add_argument("service", nargs="?", default="", help='grpc.health.v1 service name ("": liveness)')
     parser.add_argument("--timeout-s", type=float, default=3.0)

@@ -29,15 +29,26 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from tokenmill.restart_policy import RestartHistory
-    from tokenmill.supervisor import Supervisor
+from tokenmill.cluster.child_process import ChildProcess
+from tokenmill.cluster.restart_policy import RestartHistory
+
+
+class RestartTarget(Protocol):
+    """What the monitor needs of the supervisor it serves (the Supervisor is one): the monitor sits
+    below it, so the supervisor imports the monitor and never the other way round."""
+
+    children: dict[str, ChildProcess]
+    restarts: dict[str, RestartHistory]  # the children it restarts, each with its history
+    poll_interval_s: float
+    lifecycle_lock: threading.Lock  # held while a child is started
+
+    def say(self, text: str) -> None: ...
 
 
 class RestartMonitor:
-    def __init__(self, supervisor: Supervisor) -> None:
+    def __init__(self, supervisor: RestartTarget) -> None:
         self._supervisor = supervisor
         # crashed children waiting out their backoff: name -> (monotonic time to restart, crashed pid)
         self._pending: dict[str, tuple[float, int | None]] = {}

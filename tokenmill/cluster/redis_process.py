@@ -7,8 +7,8 @@ import shutil
 from functools import partial
 from urllib.parse import quote
 
-from tokenmill.child_process import ChildSpec
-from tokenmill.readiness import redis_ping_probe
+from tokenmill.cluster.child_process import ChildSpec
+from tokenmill.cluster.readiness import redis_ping_probe
 
 REDIS_SERVER_BINARY = "redis-server"
 REDIS_CONFIG_FILE = "tokenmill-redis.conf"  # in the child's temp dir, mode 0600: secrets stay out of argv

@@ -26,7 +26,7 @@ from tokenmill.bench import peers
 from tokenmill.bench.report import summarize
 from tokenmill.bench.targets import RequestRecord
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 LSCPU = """Architecture:                            x86_64
 CPU(s):                                  2
 Model name:                              Test CPU @ 2.0GHz

@@ -176,7 +176,8 @@ def test_p99_weight_of_the_maximum_and_the_warning_below_100_requests():
 
 def test_no_flags_means_a_normal_cache_and_100_requests_per_level():
     from tokenmill.bench.cli import cluster_config
-    from tokenmill.cluster import ClusterConfig, cluster_specs
+    from tokenmill.cluster.config import ClusterConfig
+    from tokenmill.cluster.specs import cluster_specs
 
     def parse(*argv: str):
         return resolve_defaults(build_parser().parse_args(list(argv)))
