@@ -11,7 +11,7 @@ The flags the plumbing helpers declare for every service (TLS files, --tls-allow
 their values land in plain fields through `from_args` overrides (shared_values), the composites among
 them (tls, worker_tls, allowed_roles, internal_secret) already built and checked. A cluster sets each of
 them per child. The scheduling rule's own config (scheduler.config.SchedulerConfig) is built from these
-options and what the worker reports (scheduler.process.startup.scheduler_config).
+options and what the worker reports (SchedulerOptions.scheduler_config).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from plumbing import internal_secret, peer_roles, telemetry, tls
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument
 from plumbing.options import Options, option
 from plumbing.tls import ClientTLS, ServerTLS
-from scheduler.config import KV_POLICIES, QUEUE_POLICIES
+from scheduler.config import KV_POLICIES, QUEUE_POLICIES, SchedulerConfig
 
 # The default --orphan-timeout-s (scheduler.process.orphans): long enough for a client whose gateway died to
 # reconnect through another (and for a gateway to follow a request again after its scheduler restarted)
@@ -93,6 +93,18 @@ class SchedulerOptions(Options):
     allowed_roles: frozenset[str] = field(default=frozenset({"gateway"}))  # with mutual TLS: who may call
     worker_tls: ClientTLS | None = field(default=None)
     internal_secret: str | None = field(default=None)
+
+    def scheduler_config(self, *, num_blocks: int, block_size: int, model_max_len: int, num_host_blocks: int = 0,
+                         bytes_per_block: int = 0, sliding_window: int | None = None) -> SchedulerConfig:
+        """The scheduling rule's config: these options over the pages and model the worker reports.
+        sliding_window: the model's every-layer window (None: some layer attends the whole context)."""
+        return SchedulerConfig(
+            num_blocks=num_blocks, block_size=block_size, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=min(self.max_model_len or model_max_len, model_max_len), kv_policy=self.kv_policy,
+            queue_policy=self.queue_policy, enable_prefix_caching=self.enable_prefix_caching,
+            num_host_blocks=num_host_blocks, bytes_per_block=bytes_per_block, target_itl_ms=self.target_itl_ms,
+            target_ttft_ms=self.target_ttft_ms, sliding_window=sliding_window if self.free_window_pages else None)
 
 
 def add_shared_arguments(parser: argparse.ArgumentParser) -> None:
