@@ -29,7 +29,7 @@ from gateway.generation.resume import submit_or_attach
 from gateway.upstream.scheduler_client import SchedulerClient
 from gateway.apis.stream_idle import StreamIdle, record_idle, write_within
 from gateway.text.tokenizer import TextTokenizer
-from gateway.prepare.validation import Limits
+from gateway.prepare.validation import ClientSampling, Limits
 from protos.kserve import codec, grpc_service_pb2 as pb, grpc_service_pb2_grpc, model_config_pb2
 from protos.tokenmill.v1 import common_pb2
 from core.errors import InvalidArgument, NotFound, ServingError
@@ -224,9 +224,9 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             prompt_ids = text_token_ids(llm.prompt, self.tokenizer, self.limits)
         except InvalidArgument as error:  # name the tensor the client filled, not the internal field
             raise InvalidArgument(codec.TEXT_INPUT, error.value, error.limit_or_reason) from None
-        sampling = {**llm.sampling, "constraint": openai_constraint(llm.constraint_fields)}
+        sampling = ClientSampling(**llm.sampling, constraint=openai_constraint(llm.constraint_fields),
+                                  stop_token_ids=llm.stop_token_ids, ignore_eos=llm.ignore_eos)
         prepared = prepare_request(prompt_ids, self.tokenizer, self.limits, sampling=sampling, stop=llm.stop,
-                                   stop_token_ids=llm.stop_token_ids, ignore_eos=llm.ignore_eos,
                                    request_id=scheduler_id, priority=llm.priority)
         prepared.constraint_field = constraint_field(llm.constraint_fields)
         await check_constraints(prepared, self.constraints)

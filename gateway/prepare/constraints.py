@@ -7,8 +7,8 @@ The OpenAI API reads them from its JSON body, the KServe API from sampling_param
 
 At most one may be given. A constraint over a size limit or with invalid Unicode is InvalidArgument
 naming the field the client used (a 400 with that `param`), found here; one over a structural limit
-(nesting, rules) or that does not compile is found by the gateway's grammar sandbox (gateway.prepare.request_builder.check_constraints), named by
-the same field (constraint_field).
+(nesting, rules) or that does not compile is found by the gateway's grammar sandbox
+(gateway.prepare.request_builder.check_constraints), named by the same field (constraint_field).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Every public API funnels through prepare_request: the tokenmill.v1 GenerateRequest (prepare) and the
 HTTP/JSON front ends, which turn their own fields into prompt ids (text_token_ids / chat_token_ids)
-and a dict of sampling values, so the same value gets the same verdict whichever API sent it.
+and a ClientSampling of the sampling fields, so the same value gets the same verdict whichever API sent it.
 """
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from gateway.prepare.chat_encoding import encode_chat
 from gateway.text.chat_template import validate_messages
 from gateway.text.tokenizer import TextTokenizer, default_model_path
-from gateway.prepare.validation import (Limits, validate_chat_size, validate_priority, validate_prompt_ids,
-                                validate_prompt_text, validate_sampling, validate_samples, validate_stop_strings)
+from gateway.prepare.validation import (ClientSampling, Limits, validate_chat_size, validate_priority,
+                                        validate_prompt_ids, validate_prompt_text, validate_sampling,
+                                        validate_samples, validate_stop_strings)
 from protos.codec import constraint_from_proto
 from protos.tokenmill.v1 import generation_pb2
 from core.requests import GenerationRequest
@@ -104,20 +105,19 @@ def resolve_request_id(request_id: str) -> str:
     return request_id
 
 
-def prepare_request(prompt_ids: list[int], tokenizer: TextTokenizer, limits: Limits, *, sampling: dict,
-                    stop: object = None, stop_token_ids: object = None, ignore_eos: object = False,
-                    request_id: str = "", priority: object = 0, n: object = None,
-                    best_of: object = None) -> PreparedRequest:
-    """sampling: validate_sampling's keyword values (max_tokens, temperature, ...); None means unset.
+def prepare_request(prompt_ids: list[int], tokenizer: TextTokenizer, limits: Limits, *,
+                    sampling: ClientSampling = ClientSampling(), stop: object = None, request_id: str = "",
+                    priority: object = 0, n: object = None, best_of: object = None) -> PreparedRequest:
+    """sampling: the client's sampling fields, unchecked (validate_sampling checks them); None means unset.
     n, best_of: samples of one prompt (validate_samples); None: one."""
     request_id = resolve_request_id(request_id)
     n, best_of = validate_samples(n, best_of, limits)
     ids = validate_prompt_ids(prompt_ids, limits)
-    stop_token_ids = [] if stop_token_ids is None else stop_token_ids
-    if not ignore_eos and isinstance(stop_token_ids, (list, tuple)):  # the model's other end-of-turn tokens too
+    stop_token_ids = [] if sampling.stop_token_ids is None else sampling.stop_token_ids
+    # the model's other end-of-turn tokens too
+    if not sampling.ignore_eos and isinstance(stop_token_ids, (list, tuple)):
         stop_token_ids = [*stop_token_ids, *(t for t in tokenizer.stop_token_ids if t not in stop_token_ids)]
-    params = validate_sampling(limits, prompt_len=len(ids), stop_token_ids=stop_token_ids,
-                               ignore_eos=ignore_eos, **sampling)
+    params = validate_sampling(limits, dataclasses.replace(sampling, stop_token_ids=stop_token_ids), prompt_len=len(ids))
     stop = validate_stop_strings(stop, limits)
     request = GenerationRequest(request_id, ids, params, eos_token_id=tokenizer.eos_token_id,
                       priority=validate_priority(priority, limits))
@@ -146,6 +146,6 @@ def prepare(message: generation_pb2.GenerateRequest, tokenizer: TextTokenizer, l
     if params.logit_bias:
         sampling["logit_bias"] = _logit_bias(params.logit_bias)
     samples = {name: getattr(params, name) for name in ("n", "best_of") if params.HasField(name)}
-    return prepare_request(ids, tokenizer, limits, sampling=sampling, stop=list(params.stop),
-                           stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-                           request_id=request_id, priority=message.priority, **samples)
+    client = ClientSampling(**sampling, stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
+    return prepare_request(ids, tokenizer, limits, sampling=client, stop=list(params.stop), request_id=request_id,
+                           priority=message.priority, **samples)

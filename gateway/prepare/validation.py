@@ -4,11 +4,11 @@ reaches a scheduler.
 
     limits = Limits(max_model_len=8192, vocab_size=tokenizer.vocab_size)
     prompt_ids = validate_prompt_ids(ids, limits)
-    params = validate_sampling(limits, prompt_len=len(prompt_ids), max_tokens=..., temperature=...)
+    params = validate_sampling(limits, ClientSampling(max_tokens=..., temperature=...), prompt_len=len(prompt_ids))
     stop = validate_stop_strings(request_stop, limits)
     priority = validate_priority(request_priority, limits)
 
-Arguments left as None take the server default (SamplingParams' defaults, Limits.default_max_tokens).
+Fields left as None take the server default (SamplingParams' defaults, Limits.default_max_tokens).
 """
 from __future__ import annotations
 
@@ -82,28 +82,38 @@ def validate_prompt_ids(prompt_ids: object, limits: Limits) -> list[int]:
     return list(prompt_ids)
 
 
-def validate_sampling(
-    limits: Limits,
-    *,
-    prompt_len: int | None = None,
-    max_tokens: object = None,
-    temperature: object = None,
-    top_p: object = None,
-    top_k: object = None,
-    min_p: object = None,
-    repetition_penalty: object = None,
-    presence_penalty: object = None,
-    frequency_penalty: object = None,
-    seed: object = None,
-    stop_token_ids: object = None,
-    ignore_eos: object = None,
-    logprobs: object = None,
-    prompt_logprobs: object = None,
-    constraint: OutputConstraint | None = None,
-    logit_bias: object = None,
-) -> SamplingParams:
+# A client's value before validation: whatever its JSON or protobuf field held (validation names the
+# field, the value and the limit when it is not what the field takes)
+Unchecked = object
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSampling:
+    """The sampling fields as a client sent them, built at each API edge from its own wire format and
+    checked by validate_sampling. None means unset: the server default (SamplingParams', Limits')."""
+
+    max_tokens: Unchecked = None
+    temperature: Unchecked = None
+    top_p: Unchecked = None
+    top_k: Unchecked = None
+    min_p: Unchecked = None
+    repetition_penalty: Unchecked = None
+    presence_penalty: Unchecked = None
+    frequency_penalty: Unchecked = None
+    seed: Unchecked = None
+    stop_token_ids: Unchecked = None
+    ignore_eos: Unchecked = None
+    logprobs: Unchecked = None
+    prompt_logprobs: Unchecked = None
+    constraint: OutputConstraint | None = None  # parsed from the client's own fields (gateway.prepare.constraints)
+    logit_bias: Unchecked = None
+
+
+def validate_sampling(limits: Limits, sampling: ClientSampling = ClientSampling(), *,
+                      prompt_len: int | None = None) -> SamplingParams:
     """Check each field against its range; with prompt_len, also that prompt + max_tokens fits the context."""
     defaults = SamplingParams()
+    max_tokens, constraint = sampling.max_tokens, sampling.constraint
     room = limits.max_model_len - prompt_len if prompt_len is not None else limits.max_tokens_limit
     if max_tokens is None:
         max_tokens = max(1, min(limits.default_max_tokens, limits.max_tokens_limit, room))
@@ -116,31 +126,28 @@ def validate_sampling(
                 f"prompt_tokens={prompt_len} + max_tokens must be <= max_model_len={limits.max_model_len} "
                 f"(at most {max(room, 0)} here)",
             )
-    raw = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
-           "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
-           "frequency_penalty": frequency_penalty, "seed": seed, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
-           "ignore_eos": ignore_eos}
     sampling_limits = limits.sampling_limits
-    for name, value in raw.items():
-        check_sampling_field(name, value, sampling_limits)
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "seed", "logprobs", "prompt_logprobs", "ignore_eos"):
+        check_sampling_field(name, getattr(sampling, name), sampling_limits)
     if constraint is not None:
         check_size(constraint)  # the rest is checked in the grammar sandbox (check_constraints)
     return SamplingParams(
         max_tokens=max_tokens,  # type: ignore[arg-type]
-        temperature=_float_or(temperature, defaults.temperature),
-        top_k=top_k if top_k is not None else defaults.top_k,  # type: ignore[arg-type]
-        top_p=_float_or(top_p, defaults.top_p),
-        min_p=_float_or(min_p, defaults.min_p),
-        repetition_penalty=_float_or(repetition_penalty, defaults.repetition_penalty),
-        presence_penalty=_float_or(presence_penalty, defaults.presence_penalty),
-        frequency_penalty=_float_or(frequency_penalty, defaults.frequency_penalty),
-        seed=seed,  # type: ignore[arg-type]
-        stop_token_ids=_validate_stop_token_ids(stop_token_ids, limits),
-        ignore_eos=bool(ignore_eos),
-        logprobs=logprobs,  # type: ignore[arg-type]
-        prompt_logprobs=prompt_logprobs,  # type: ignore[arg-type]
+        temperature=_float_or(sampling.temperature, defaults.temperature),
+        top_k=sampling.top_k if sampling.top_k is not None else defaults.top_k,  # type: ignore[arg-type]
+        top_p=_float_or(sampling.top_p, defaults.top_p),
+        min_p=_float_or(sampling.min_p, defaults.min_p),
+        repetition_penalty=_float_or(sampling.repetition_penalty, defaults.repetition_penalty),
+        presence_penalty=_float_or(sampling.presence_penalty, defaults.presence_penalty),
+        frequency_penalty=_float_or(sampling.frequency_penalty, defaults.frequency_penalty),
+        seed=sampling.seed,  # type: ignore[arg-type]
+        stop_token_ids=_validate_stop_token_ids(sampling.stop_token_ids, limits),
+        ignore_eos=bool(sampling.ignore_eos),
+        logprobs=sampling.logprobs,  # type: ignore[arg-type]
+        prompt_logprobs=sampling.prompt_logprobs,  # type: ignore[arg-type]
         constraint=constraint,
-        logit_bias=_validate_logit_bias(logit_bias, limits),
+        logit_bias=_validate_logit_bias(sampling.logit_bias, limits),
     )
 
 

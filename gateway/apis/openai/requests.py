@@ -25,7 +25,7 @@ from gateway.generation.samples import check_streamable
 from gateway.prepare.request_builder import PreparedRequest, chat_token_ids, prepare_request, text_token_ids
 from gateway.text.tokenizer import TextTokenizer
 from gateway.text.tool_syntax import ToolFormat, ToolSyntax, choose_tool_syntax
-from gateway.prepare.validation import Limits, validate_prompt_ids
+from gateway.prepare.validation import ClientSampling, Limits, validate_prompt_ids
 from core.errors import InvalidArgument, NotFound
 
 # Passed to validate_sampling as they are: OpenAI's own names match ours.
@@ -111,8 +111,9 @@ def parse_chat(body: dict, tokenizer: TextTokenizer, limits: Limits, model_name:
 def _finish(body: dict, prompt_ids: list[int], tokenizer: TextTokenizer, limits: Limits, sampling: dict,
             request_id: str, max_field: str) -> OpenAIRequest:
     with _renamed("max_tokens", max_field):
-        prepared = prepare_request(prompt_ids, tokenizer, limits, sampling=sampling, stop=body.get("stop"),
-                                   stop_token_ids=body.get("stop_token_ids"), ignore_eos=body.get("ignore_eos"),
+        client = ClientSampling(**sampling, stop_token_ids=body.get("stop_token_ids"),
+                                ignore_eos=body.get("ignore_eos"))
+        prepared = prepare_request(prompt_ids, tokenizer, limits, sampling=client, stop=body.get("stop"),
                                    request_id=request_id, priority=body.get("priority"), n=body.get("n"),
                                    best_of=body.get("best_of"))
     prepared.constraint_field = constraint_field(body)

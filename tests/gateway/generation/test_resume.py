@@ -17,7 +17,7 @@ from gateway.upstream.circuit_breaker import CircuitBreaker
 from gateway.prepare.request_builder import prepare_request
 from gateway.generation.resume import ResumeStore, submit_or_attach
 from gateway.text.tokenizer import load_tokenizer
-from gateway.prepare.validation import Limits
+from gateway.prepare.validation import ClientSampling, Limits
 from kvstore.followers import Followers, followed_key
 from kvstore.state_reader import RequestStateReader
 from kvstore.token_streams import TokenStreamReader, token_stream_key
@@ -75,7 +75,7 @@ def _store(redis_url: str, wait_s: float) -> ResumeStore:
 
 async def test_a_broken_stream_goes_on_from_redis_at_the_index_already_sent(fresh_redis, tokenizer):
     request = prepare_request(PROMPT, tokenizer, Limits(max_model_len=2048, vocab_size=49152),
-                              sampling={"max_tokens": 5}, request_id="goes-on")
+                              sampling=ClientSampling(max_tokens=5), request_id="goes-on")
     await _write(fresh_redis, "goes-on", 0, [101, 102])  # the third token never reached Redis
 
     async def restarted_scheduler():  # re-admitted: recomputes index 2 (sent already), then goes on
@@ -98,7 +98,7 @@ async def test_a_broken_stream_goes_on_from_redis_at_the_index_already_sent(fres
 
 async def test_a_stream_that_cannot_go_on_ends_unavailable_naming_the_wait_and_is_aborted(fresh_redis, tokenizer):
     request = prepare_request(PROMPT, tokenizer, Limits(max_model_len=2048, vocab_size=49152),
-                              sampling={"max_tokens": 5}, request_id="never-back")
+                              sampling=ClientSampling(max_tokens=5), request_id="never-back")
     await _write(fresh_redis, "never-back", 0, [101])
     store, scheduler = _store(fresh_redis, 1.0), DyingScheduler([101])
     received, started = [], time.monotonic()
@@ -113,7 +113,7 @@ async def test_a_stream_that_cannot_go_on_ends_unavailable_naming_the_wait_and_i
 
 async def test_a_request_no_scheduler_took_is_unavailable_at_once(fresh_redis, tokenizer):
     request = prepare_request(PROMPT, tokenizer, Limits(max_model_len=2048, vocab_size=49152),
-                              sampling={"max_tokens": 5}, request_id="never-taken")
+                              sampling=ClientSampling(max_tokens=5), request_id="never-taken")
     store, started = _store(fresh_redis, 30.0), time.monotonic()
     with pytest.raises(Unavailable, match="no scheduler is ready"):
         async for _ in submit_or_attach(request, tokenizer, DyingScheduler([], refuse=True), store, None,

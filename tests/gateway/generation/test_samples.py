@@ -15,7 +15,7 @@ from gateway.upstream.circuit_breaker import CircuitBreaker
 from gateway.generation.samples import check_streamable, sample_requests, stream_samples
 from gateway.prepare.request_builder import prepare_request
 from gateway.text.tokenizer import load_tokenizer
-from gateway.prepare.validation import Limits
+from gateway.prepare.validation import ClientSampling, Limits
 
 LIMITS = Limits(max_model_len=2048, vocab_size=49152)
 PROMPT = [12, 34, 56]
@@ -72,7 +72,7 @@ class ScriptedScheduler:
 
 
 def prepared(tokenizer, **options):
-    sampling = {"max_tokens": 8, "seed": options.pop("seed", None), "logprobs": options.pop("logprobs", None)}
+    sampling = ClientSampling(max_tokens=8, seed=options.pop("seed", None), logprobs=options.pop("logprobs", None))
     return prepare_request(PROMPT, tokenizer, LIMITS, sampling=sampling, request_id="req", **options)
 
 

@@ -4,6 +4,7 @@ import math
 import pytest
 
 from gateway.prepare.validation import (
+    ClientSampling,
     Limits,
     validate_chat_size,
     validate_priority,
@@ -20,8 +21,8 @@ LIMITS = Limits(max_model_len=1000, max_tokens_limit=512, vocab_size=100, max_st
                 min_priority=-10, max_priority=10, max_stop_token_ids=2)
 
 
-def sampling(**kwargs):
-    return lambda: validate_sampling(LIMITS, **kwargs)
+def sampling(prompt_len=None, **kwargs):
+    return lambda: validate_sampling(LIMITS, ClientSampling(**kwargs), prompt_len=prompt_len)
 
 
 # (case, call, field, value as shown in the message, the limit or reason as shown)
@@ -99,9 +100,10 @@ def test_unset_max_tokens_is_capped_by_the_context_left():
 
 def test_valid_values_pass_through():
     params = validate_sampling(
-        LIMITS, prompt_len=10, max_tokens=512, temperature=0, top_p=1, top_k=0, min_p=1.0,
-        repetition_penalty=1.2, presence_penalty=-2, frequency_penalty=2.0, seed=0, stop_token_ids=[0, 99],
-        ignore_eos=True, logprobs=5,
+        LIMITS, ClientSampling(max_tokens=512, temperature=0, top_p=1, top_k=0, min_p=1.0, repetition_penalty=1.2,
+                               presence_penalty=-2, frequency_penalty=2.0, seed=0, stop_token_ids=[0, 99],
+                               ignore_eos=True, logprobs=5),
+        prompt_len=10,
     )
     assert params == SamplingParams(
         max_tokens=512, temperature=0.0, top_k=0, top_p=1.0, min_p=1.0, repetition_penalty=1.2,
