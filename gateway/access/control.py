@@ -10,9 +10,9 @@ rate limit (none unless --rate-limit-rps is given).
 """
 from __future__ import annotations
 
-import argparse
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 import grpc
 from aiohttp import web
@@ -91,28 +91,25 @@ def access_middleware(access: AccessControl, skip: Callable[[], bool] = lambda: 
     return check_access
 
 
-def add_access_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--api-keys-file", default="",
-                        help="JSON lines {name, sha256, requests_per_s?, burst?, target_itl_ms?, target_ttft_ms?} "
-                             "(tokenmill hash-api-key); "
-                             "clients send 'authorization: Bearer KEY'. Empty: authentication off")
-    parser.add_argument("--rate-limit-rps", type=float, default=0.0,
-                        help="requests/s per API key (per client when auth is off) unless its line says; 0: none")
-    parser.add_argument("--rate-limit-burst", type=int, default=0,
-                        help="requests a key may send at once (default: the rate, rounded up)")
+class AccessFlags(Protocol):
+    """The three flags (declared by gateway.options.GatewayOptions) an AccessControl is built from."""
+
+    api_keys_file: str  # empty: authentication off
+    rate_limit_rps: float
+    rate_limit_burst: int
 
 
-def build_access(args: argparse.Namespace) -> AccessControl:
-    """From the flags above; a bad keys file stops the gateway with the file, line and field."""
+def build_access(flags: AccessFlags) -> AccessControl:
+    """From the gateway's options; a bad keys file stops the gateway with the file, line and field."""
     keys = None
-    if args.api_keys_file:
+    if flags.api_keys_file:
         try:
-            keys = ApiKeyStore(load_api_keys(args.api_keys_file))
+            keys = ApiKeyStore(load_api_keys(flags.api_keys_file))
         except (OSError, ValueError) as error:
             raise SystemExit(f"gateway: --api-keys-file: {error}") from None
-        logger.info("API keys required: %d keys from %s", len(keys.keys), args.api_keys_file)
+        logger.info("API keys required: %d keys from %s", len(keys.keys), flags.api_keys_file)
     else:
         logger.warning("no --api-keys-file: authentication is off, every client is let in")
-    if args.rate_limit_rps < 0 or args.rate_limit_burst < 0:
+    if flags.rate_limit_rps < 0 or flags.rate_limit_burst < 0:
         raise SystemExit("gateway: --rate-limit-rps and --rate-limit-burst must be >= 0")
-    return AccessControl(keys, RateLimiter(args.rate_limit_rps, args.rate_limit_burst))
+    return AccessControl(keys, RateLimiter(flags.rate_limit_rps, flags.rate_limit_burst))

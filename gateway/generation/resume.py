@@ -18,7 +18,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
 
@@ -43,9 +43,6 @@ logger = logging.getLogger(__name__)
 # scheduler (the final entry is written after the record only by a few milliseconds).
 _LOST_AFTER_S = 3.0
 _KNOWN_CHECK_TIMEOUT_S = 0.5
-# The default --scheduler-resume-wait-s: a supervisor's or Kubernetes' restart of a killed scheduler, its
-# worker's re-registration and its re-admission of what it ran take seconds; a stream gives it this long
-SCHEDULER_RESUME_WAIT_S = 30.0
 
 
 @dataclass(slots=True)
@@ -57,9 +54,10 @@ class ResumeStore:
     owners: RequestOwners | None = None  # whose request an id is (None: keys off)
     claims: RequestClaims | None = None  # client-chosen ids bound to one request
     followers: Followers | None = None  # marks a followed request, so its scheduler keeps it (scheduler.process.orphans)
-    # --scheduler-resume-wait-s: how long a stream whose scheduler went away waits for the restarted
-    # scheduler's next token before it ends UNAVAILABLE; 0: it ends at once, as before there was resume
-    scheduler_wait_s: float = SCHEDULER_RESUME_WAIT_S
+    # --scheduler-resume-wait-s (its default: gateway.options): how long a stream whose scheduler went away
+    # waits for the restarted scheduler's next token before it ends UNAVAILABLE; 0: it ends at once, as
+    # before there was resume
+    scheduler_wait_s: float = field(kw_only=True)
 
     async def aclose(self) -> None:
         """Closes the Redis clients this store owns (the records reader is its creator's)."""
