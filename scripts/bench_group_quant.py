@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from worker.linears.dense_weights import dense_linear  # noqa: E402
+from worker.linears.dense_linear import dense_linear  # noqa: E402
 from worker.linears.group_quant import quantize_weight  # noqa: E402
 from worker.native_ops import cpu_ops_available  # noqa: E402
 

@@ -6,17 +6,17 @@ from pathlib import Path
 import torch
 
 from plumbing.grammar import GrammarCompiler
-from worker.group_quant import quantize_linears
-from worker.kv_cache import bytes_per_block
-from worker.kv_sizing import (KVCacheSizing, default_memory_fraction, free_memory_bytes, measure_activation_peak,
-                               profile_batch, read_sizing_record, size_from_budget, size_from_memory_or_record,
-                               write_sizing_record)
+from worker.kv_sizing import (KVCacheSizing, default_memory_fraction, measure_activation_peak, profile_batch,
+                              read_sizing_record, size_from_budget, size_from_memory_or_record, write_sizing_record)
+from worker.linears.group_quant import quantize_linears
+from worker.linears.int8 import quantize_linears_int8
 from worker.loader import default_model_path, load_model
+from worker.memory import free_memory_bytes
+from worker.model.kv_cache import bytes_per_block
 from worker.model_runner import ModelRunner
 from worker.native_ops import cpu_has_native_bf16
 from worker.options import DEVICES, DTYPE_CHOICES, WorkerOptions
-from worker.quantization import quantize_linears_int8
-from worker.structured_output import StructuredOutput
+from worker.sampling.structured_output import StructuredOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # DTYPE_CHOICES past auto
 

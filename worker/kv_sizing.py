@@ -39,8 +39,9 @@ from pathlib import Path
 
 import torch
 
-from worker.attention import RequestSpan
-from worker.execution_path import ExecutionPath, StepBatch
+from worker.memory import reset_peak_rss, status_bytes
+from worker.paths.base import ExecutionPath
+from worker.step_batch import RequestSpan, StepBatch
 
 DEFAULT_MEMORY_FRACTION = {"cuda": 0.9, "cpu": 0.1}
 
@@ -57,20 +58,6 @@ class KVCacheSizing:
 
 def default_memory_fraction(device: torch.device) -> float:
     return DEFAULT_MEMORY_FRACTION.get(device.type, DEFAULT_MEMORY_FRACTION["cpu"])
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def profile_batch(num_tokens: int, block_size: int) -> StepBatch:
@@ -90,31 +77,13 @@ def measure_activation_peak(path: ExecutionPath, batch: StepBatch, device: torch
             path.forward(batch, path.prepare(batch))
             torch.cuda.synchronize(device)
             return max(torch.cuda.max_memory_allocated(device) - before, 0)
-        if _reset_peak_rss():
-            before = _status_bytes("VmRSS")
+        if reset_peak_rss():
+            before = status_bytes("VmRSS")
             path.forward(batch, path.prepare(batch))
-            return max(_status_bytes("VmHWM") - before, 0)
+            return max(status_bytes("VmHWM") - before, 0)
         before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         path.forward(batch, path.prepare(batch))
         return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_kb, 0) * 1024
-
-
-def _reset_peak_rss() -> bool:
-    """Resets VmHWM to the current resident set (Linux >= 4.0); False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"/proc/self/status has no {field}")
 
 
 def size_from_free_memory(free_bytes: int, activation_peak: int, fraction: float, bytes_per_block: int,

@@ -14,7 +14,7 @@ from plumbing.telemetry import metrics
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
 from plumbing.process import run_process, wait_for_stop_signal
 from worker.build import build_sized_runner, model_name, resolve_device
-from worker.group_quant import weight_formats
+from worker.linears.group_quant import weight_formats
 from worker.model_runner import ModelRunner
 from worker.options import WorkerOptions
 from worker.service import WorkerServicer, model_config_to_proto

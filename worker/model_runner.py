@@ -5,7 +5,7 @@ tokens it samples) and block table (extended by the plan's diffs). Each step pac
 tokens of all requests into one flat StepBatch, runs the model once, and samples one token for every
 request whose computed count reaches its token count (mid-prefill chunks sample nothing).
 
-How the batch is computed is the execution path's business (worker.execution_path: torch or Triton,
+How the batch is computed is the execution path's business (worker.paths.base: torch or Triton,
 chosen once when the runner is built); nothing here depends on which one runs.
 
 A step is prepare()d (plan state applied, batch packed, the path's host-side inputs built: plain
@@ -20,20 +20,25 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from core.sampling import SamplingParams
 from core.step import PLACEHOLDER_TOKEN_ID, NewRequestData, PromptLogprobs, StepPlan, StepResult
-from worker.attention import DECODE_GROUP_BYTES, RequestSpan
-from worker.backends import resolve_execution
+from worker.model.attention import DECODE_GROUP_BYTES
+from worker.model.config import ModelConfig
+from worker.model.kv_cache import HostSwapSpace, allocate_kv_cache
+from worker.model.llama import LlamaModel
 from worker.options import WorkerOptions
-from worker.config import ModelConfig
-from worker.execution_path import StepBatch, build_execution_path
-from worker.kv_cache import HostSwapSpace, allocate_kv_cache
-from worker.model import LlamaModel
-from worker.sampler import SamplingRow, prompt_logprobs
-from worker.structured_output import StructuredOutput
+from worker.paths import build_execution_path
+from worker.paths.base import StepInputs, resolve_execution
+from worker.sampling.sampler import SamplingRow, prompt_logprobs
+from worker.sampling.structured_output import StructuredOutput
+from worker.step_batch import RequestSpan, StepBatch
+
+if TYPE_CHECKING:
+    import llguidance
 
 
 class PlanMismatchError(RuntimeError):
@@ -50,8 +55,8 @@ class RunnerRequestState:
     num_pending_tokens: int = 0  # tokens that prepared steps will sample and have not yet
     # position of a pending token -> (step id, its index among that step's sampled tokens)
     pending_sources: dict[int, tuple[int, int]] = field(default_factory=dict)
-    # constrained decoding: the grammar matcher at token_ids' end (worker.structured_output); None: unconstrained
-    matcher: object = None
+    # constrained decoding: the grammar matcher at token_ids' end (worker.sampling.structured_output); None: unconstrained
+    matcher: llguidance.LLMatcher | None = None
 
     @property
     def num_planned_tokens(self) -> int:
@@ -65,7 +70,7 @@ class PreparedStep:
     sampling_ids: list[str] = field(default_factory=list)  # requests that sample this step, batch order
     sampling_states: list[RunnerRequestState] = field(default_factory=list)  # theirs, held past a drop
     placeholder_tokens: list[tuple[RunnerRequestState, int]] = field(default_factory=list)  # (request, position) per placeholder row
-    inputs: object = None  # what the execution path's prepare() returned
+    inputs: StepInputs | None = None  # what the execution path's prepare() returned
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # the plan's page copies, made before forward
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     # prompt logprobs (SamplingParams.prompt_logprobs), one entry per batch.prompt_logprob_rows row: the
@@ -83,9 +88,9 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
-        decode_group_bytes: int = DECODE_GROUP_BYTES,  # K+V gathered per decode group (torch path, worker.attention)
+        decode_group_bytes: int = DECODE_GROUP_BYTES,  # K+V gathered per decode group (torch path, worker.model.attention)
         options: WorkerOptions = WorkerOptions(),  # kernel backend, CUDA graphs, stream overlap
-        num_host_blocks: int = 0,  # pages of the host swap tier (worker.kv_cache.HostSwapSpace)
+        num_host_blocks: int = 0,  # pages of the host swap tier (worker.model.kv_cache.HostSwapSpace)
     ) -> None:
         self.model = model
         self.model_config = model_config
@@ -142,14 +147,14 @@ class ModelRunner:
             self._check_block_ids(cached.request_id, cached.new_block_ids, plan.step_id)
             state.block_table.extend(cached.new_block_ids)
 
-    def _new_matcher(self, new: NewRequestData) -> object:
+    def _new_matcher(self, new: NewRequestData) -> llguidance.LLMatcher | None:
         """The request's grammar matcher, replayed over the output it arrives with (a recomputed
         request continues from the same state, so it ends with the same output)."""
         if new.sampling_params.constraint is None:
             return None
         if self.structured_output is None:
             raise PlanMismatchError(f"request {new.request_id!r} is constrained, but this runner has no grammar "
-                                    f"vocabulary (built without worker.structured_output)")
+                                    f"vocabulary (built without worker.sampling.structured_output)")
         return self.structured_output.new_matcher(new.sampling_params, new.token_ids[new.num_prompt_tokens:])
 
     def _state(self, request_id: str, step_id: int) -> RunnerRequestState:

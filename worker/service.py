@@ -7,14 +7,14 @@ from concurrent.futures import ThreadPoolExecutor
 from protos import codec
 from protos.tokenmill.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from core.errors import FailedPrecondition, Unavailable
-from worker.step_telemetry import StepTelemetry
-from worker.config import ModelConfig
+from worker.model.config import ModelConfig
 from worker.model_runner import ModelRunner, PlanMismatchError
 from worker.step_order import StepOrder
+from worker.step_telemetry import StepTelemetry
 
 
 def model_config_to_proto(config: ModelConfig, name: str, dtype: str, quantization: str = "none") -> common_pb2.ModelConfig:
-    """quantization: what the linears run in (worker.group_quant.weight_formats); "" / "none": floats."""
+    """quantization: what the linears run in (worker.linears.group_quant.weight_formats); "" / "none": floats."""
     return common_pb2.ModelConfig(
         name=name, architecture=config.architecture, vocab_size=config.vocab_size,
         max_context_length=config.max_position_embeddings, num_layers=config.num_layers,

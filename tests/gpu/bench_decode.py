@@ -28,10 +28,10 @@ import torch
 from core.step import CachedRequestData, NewRequestData, StepPlan
 from core.sampling import SamplingParams
 from tests.gpu.random_model import llama3_8b_config, random_llama, tiny_config
-from worker.options import WorkerOptions
-from worker.model.llama.config import ModelConfig
 from worker.linears.group_quant import quantize_linears
+from worker.model.config import ModelConfig
 from worker.model_runner import ModelRunner
+from worker.options import WorkerOptions
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20)
 SETTINGS = (  # (cuda_graphs, stream_overlap)

@@ -24,9 +24,9 @@ from scheduler.engine import EngineCore
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.gpu.random_model import llama3_8b_config, random_llama, tiny_config
-from worker.options import WorkerOptions
-from worker.model.llama.kv_cache import bytes_per_block
+from worker.model.kv_cache import bytes_per_block
 from worker.model_runner import ModelRunner
+from worker.options import WorkerOptions
 
 # mode: (kv_policy, host tier, always swap). "swap" chooses per victim by cost, which on a fast GPU can be
 # recompute every time (the first H200 run: 23 preemptions, 0 swapped); "swap-always" measures the copies.

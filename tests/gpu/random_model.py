@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.model.llama.config import ModelConfig
+from worker.model.config import ModelConfig
 from worker.model.llama import LlamaModel
 
 

@@ -50,7 +50,7 @@ SPREAD=()
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1
   "$PYTHON" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'gpu', torch.cuda.get_device_name())"
   status=0
-  # tests/worker/test_kernel_backend.py and test_decode_graph_buffers.py stay out: they run the kernels
+  # tests/worker/paths/test_kernel_backend.py and test_decode_graph_buffers.py stay out: they run the kernels
   # on CPU tensors, which only the interpreter takes; tests/gpu/test_cuda_paths.py is their CUDA twin.
   run timeout 150 "${PYTEST[@]}" "${SPREAD[@]}" tests/worker/kernels \
       >"$OUTPUT_DIR/kernels.log" 2>&1 &

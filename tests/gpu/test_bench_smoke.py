@@ -1,5 +1,5 @@
 """The device benchmark's own code, on a tiny model on the CPU, so that tests/gpu/run.sh cannot rot where
-there is no GPU. The Triton path it drives on the device is checked by tests/worker/test_kernel_backend.py."""
+there is no GPU. The Triton path it drives on the device is checked by tests/worker/paths/test_kernel_backend.py."""
 from __future__ import annotations
 
 import json

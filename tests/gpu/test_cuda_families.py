@@ -3,7 +3,7 @@ copy stream on) against the torch path on the GPU: a sliding window on every lay
 alternating local/global layers with soft-caps, sandwich norms, GeLU-tanh and a query scale (gemma2),
 q/k norms with a local rope base and linear scaling (gemma3), q/k norms (qwen3), longrope (phi3) and
 llama3 scaling. Built from ModelConfig (the device image has no transformers); the CPU twin with
-transformers as the reference is tests/worker/test_triton_families.py. Skipped without CUDA.
+transformers as the reference is tests/worker/paths/test_triton_families.py. Skipped without CUDA.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch
 
 from tests.gpu.random_model import random_llama, tiny_config
 from tests.gpu.steps import BLOCK_SIZE, NUM_BLOCKS, assert_same_steps, run_mixed_steps
-from worker.options import WorkerOptions
-from worker.model.llama.config import RopeScaling
+from worker.model.config import RopeScaling
 from worker.model_runner import ModelRunner
+from worker.options import WorkerOptions
 
 WINDOW = 7  # run_mixed_steps' contexts reach 16 tokens
 

@@ -10,13 +10,12 @@ import torch
 
 from tests.gpu.random_model import random_llama, tiny_config
 from tests.gpu.steps import BLOCK_SIZE, NUM_BLOCKS, PLAIN_GREEDY, assert_same_steps, run_mixed_steps
-from worker.model.llama.attention import RequestSpan
-from worker.options import WorkerOptions
-from worker.paths.base import StepBatch
 from worker.linears.group_quant import GroupQuantLinear, quantize_weight
+from worker.options import WorkerOptions
+from worker.step_batch import RequestSpan, StepBatch
 from tokenmill.bench.int8_agreement import window_logits
-from worker.model_runner import ModelRunner
 from worker.linears.int8 import quantize_linears_int8
+from worker.model_runner import ModelRunner
 from worker.paths.triton.forward import host_metadata, to_device
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only paths; run by tests/gpu/run.sh")

@@ -12,10 +12,11 @@ from scheduler.engine import EngineCore
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.gpu.random_model import random_llama, tiny_config
-from worker.options import WorkerOptions
-from worker.model.llama.kv_cache import HostSwapSpace, allocate_kv_cache, bytes_per_block
-from worker.kv_sizing import free_memory_bytes, measure_activation_peak, profile_batch, size_from_free_memory
+from worker.kv_sizing import measure_activation_peak, profile_batch, size_from_free_memory
+from worker.memory import free_memory_bytes
+from worker.model.kv_cache import HostSwapSpace, allocate_kv_cache, bytes_per_block
 from worker.model_runner import ModelRunner
+from worker.options import WorkerOptions
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only paths; run by tests/gpu/run.sh")
 CUDA = torch.device("cuda")

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from tests.gpu.random_model import random_llama, tiny_config
-from worker.paths.base import graph_bucket, resolve_execution
-from worker.options import DEFAULT_GRAPH_BATCH_SIZES, WorkerOptions, parse_batch_sizes
 from worker.main import parse_args
 from worker.model_runner import ModelRunner
+from worker.options import DEFAULT_GRAPH_BATCH_SIZES, WorkerOptions, parse_batch_sizes
+from worker.paths.base import resolve_execution
 from worker.paths.torch_path import TorchPath
+from worker.paths.triton.cuda_graphs import graph_bucket
 
 
 def test_auto_is_triton_on_cuda_and_torch_on_cpu():
@@ -69,9 +70,9 @@ def test_serve_flags_reach_the_worker_command_line():
 
     serve = build_parser().parse_args(["serve", "--kernel-backend", "torch", "--quantization", "int8",
                                        "--no-cuda-graphs", "--no-stream-overlap", "--device", "cpu"])
-    assert (serve.kernel_backend, serve.quantization, serve.no_cuda_graphs, serve.no_stream_overlap) == ("torch", "int8", True, True)
-    config = ClusterConfig(redis_url="redis://127.0.0.1:1", http_port=None, device="cpu", kernel_backend="torch",
-                           quantization="int8", cuda_graphs=False, stream_overlap=False)
+    assert (serve.kernel_backend, serve.quantization, serve.cuda_graphs, serve.stream_overlap) == ("torch", "int8", False, False)
+    config = ClusterConfig(redis_url="redis://127.0.0.1:1", http_port=None, worker=WorkerOptions(
+        device="cpu", kernel_backend="torch", quantization="int8", cuda_graphs=False, stream_overlap=False))
     worker = next(spec for spec in cluster_specs(config) if spec.name == "worker")
     args = parse_args(list(worker.argv[3:]))  # past "python -m worker.main"
     assert args.device == "cpu"
@@ -88,10 +89,10 @@ def test_fused_cpu_ops_are_the_cpu_default_and_the_reference_one_flag_away():
     assert not resolve_execution(WorkerOptions(kernel_backend="triton"), "cpu").cpu_fused_ops
     assert parse_args([]).cpu_fused_ops and not parse_args(["--no-cpu-fused-ops"]).cpu_fused_ops
     serve = build_parser().parse_args(["serve", "--no-cpu-fused-ops"])
-    assert serve.no_cpu_fused_ops
+    assert serve.cpu_fused_ops is False
     for fused in (True, False):
         worker = next(spec for spec in cluster_specs(ClusterConfig(redis_url="redis://127.0.0.1:1", http_port=None,
-                                                                   cpu_fused_ops=fused)) if spec.name == "worker")
+                                                                   worker=WorkerOptions(cpu_fused_ops=fused))) if spec.name == "worker")
         assert parse_args(list(worker.argv[3:])).cpu_fused_ops == fused
 
 
@@ -101,7 +102,6 @@ def test_cpu_dense_weights_flag_is_auto_by_default_and_reaches_the_worker():
     from tokenmill.cluster.specs import cluster_specs
     from worker.options import DENSE_WEIGHT_MODES
 
-    assert cli.DENSE_WEIGHT_MODES == DENSE_WEIGHT_MODES  # serve's choices are the worker's
     assert resolve_execution(WorkerOptions(), "cpu").cpu_dense_weights == "auto"
     assert resolve_execution(WorkerOptions(cpu_dense_weights="on"), "cuda").cpu_dense_weights == "off"
     assert resolve_execution(WorkerOptions(cpu_dense_weights="on", kernel_backend="triton"),
@@ -111,5 +111,5 @@ def test_cpu_dense_weights_flag_is_auto_by_default_and_reaches_the_worker():
     assert cli.build_parser().parse_args(["serve", "--cpu-dense-weights", "off"]).cpu_dense_weights == "off"
     for mode in DENSE_WEIGHT_MODES:
         worker = next(spec for spec in cluster_specs(ClusterConfig(redis_url="redis://127.0.0.1:1", http_port=None,
-                                                                   cpu_dense_weights=mode)) if spec.name == "worker")
+                                                                   worker=WorkerOptions(cpu_dense_weights=mode))) if spec.name == "worker")
         assert parse_args(list(worker.argv[3:])).cpu_dense_weights == mode

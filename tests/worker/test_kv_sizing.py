@@ -9,8 +9,9 @@ from core.sampling import SamplingParams
 from core.step import NewRequestData, StepPlan
 from tests.helpers.tiny_models import make_tiny_hf_model
 from worker.build import build_sized_runner
-from worker.model.llama.kv_cache import bytes_per_block
-from worker.kv_sizing import free_memory_bytes, size_from_free_memory
+from worker.kv_sizing import size_from_free_memory
+from worker.memory import free_memory_bytes
+from worker.model.kv_cache import bytes_per_block
 from worker.options import WorkerOptions
 
 BLOCK_SIZE = 16

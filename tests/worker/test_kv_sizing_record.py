@@ -11,8 +11,8 @@ import torch
 
 from tests.helpers.tiny_models import make_tiny_hf_model
 from worker.build import build_sized_runner
-from worker.model.llama.kv_cache import bytes_per_block
 from worker.kv_sizing import REUSED_SIZING, SizingRecord, read_sizing_record, size_from_memory_or_record
+from worker.model.kv_cache import bytes_per_block
 from worker.options import WorkerOptions
 
 CPU = torch.device("cpu")

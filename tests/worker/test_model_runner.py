@@ -9,8 +9,8 @@ from scheduler.executor import Executor
 from core.step import CachedRequestData, NewRequestData, StepPlan
 from core.sampling import SamplingParams
 from tests.helpers.tiny_models import make_tiny_hf_model
-from worker.model.llama.kv_cache import num_blocks_for_budget
 from worker.loader import load_model
+from worker.model.kv_cache import num_blocks_for_budget
 from worker.model_runner import ModelRunner, PlanMismatchError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)

@@ -3,7 +3,7 @@
 Teacher-forced over a fixed text (int8_agreement's corpus: its prose, then files of this checkout in a
 fixed order, cut into windows): at every position, the greedy next token of each variant is compared
 with the float32 reference's (the plain-torch path with every weight dequantized: exact to
-transformers, tests/worker/test_gguf_loader.py), and each variant's perplexity of the text is printed
+transformers, tests/worker/loader/test_gguf_loader.py), and each variant's perplexity of the text is printed
 beside the reference's. Variants: the file's own formats (GGUF: as stored; a folder: floats) in float32
 and bfloat16, every linear re-quantized at load to int8 and int4 (group 32), and bfloat16 alone.
 Prints a markdown table (docs/models.md keeps this machine's).
@@ -44,8 +44,9 @@ REFERENCE = Variant("reference: dequantized", "none", torch.float32)
 @torch.inference_mode()
 def decode_logits(model, config, token_ids: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Logits [T, vocab] for every position, one token per forward pass as decode runs them."""
-    from worker.model.llama.attention import RequestSpan, build_attention_metadata
-    from worker.model.llama.kv_cache import allocate_kv_cache
+    from worker.step_batch import RequestSpan
+    from worker.model.attention import build_attention_metadata
+    from worker.model.kv_cache import allocate_kv_cache
 
     block_size = 16
     num_blocks = -(-len(token_ids) // block_size)

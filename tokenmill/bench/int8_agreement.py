@@ -15,11 +15,12 @@ from pathlib import Path
 
 import torch
 
-from worker.model.llama.attention import RequestSpan, build_attention_metadata
-from worker.model.llama.config import ModelConfig
-from worker.model.llama.kv_cache import allocate_kv_cache
-from worker.model.llama import LlamaModel
 from worker.linears.int8 import quantize_linears_int8
+from worker.model.attention import build_attention_metadata
+from worker.model.config import ModelConfig
+from worker.model.kv_cache import allocate_kv_cache
+from worker.model.llama import LlamaModel
+from worker.step_batch import RequestSpan
 
 PROSE = """\
 The river had been low all summer, and by September the old ferry landing stood a full meter above

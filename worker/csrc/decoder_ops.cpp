@@ -6,7 +6,7 @@
 //
 // Same arithmetic as worker/model.py's reference, in the same order (float32 inside; for bfloat16 the
 // results are rounded where the reference rounds), so the float32 path stays within float rounding of
-// the reference (tests/worker/test_decoder_ops.py). Built with -ffp-contract=off: no FMA contraction
+// the reference (tests/worker/paths/test_decoder_ops.py). Built with -ffp-contract=off: no FMA contraction
 // changes the reference's rounding behind our back, except where a loop says it uses FMA (dot products).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

@@ -1,4 +1,4 @@
-"""SiLU(gate) * up, the activation of the gated MLP (worker.model.MLP), in one pass.
+"""SiLU(gate) * up, the activation of the gated MLP (worker.model.llama.MLP), in one pass.
 
 gate and up are usually the two halves of the fused gate_up projection output ([T, 2I] -> two
 [T, I] views with row stride 2I), so rows may be strided; the output is a fresh [T, I].

@@ -1,5 +1,5 @@
 """Group-quantized weight-only matmul: y = x @ W.T + bias with W[n, k] = scales[n, g] * code[n, k] + mins[n, g],
-g = k // group_size, the codes dequantized inside the K loop (worker/group_quant.py's format, which every
+g = k // group_size, the codes dequantized inside the K loop (worker/linears/group_quant.py's format, which every
 GGUF weight format and --quantization int4|int8 load into).
 
 Codes are unsigned bytes: 8-bit containers hold one code a byte ([N, K], groups of 32 or 16); 4-bit

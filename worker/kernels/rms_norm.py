@@ -1,6 +1,6 @@
 """RMSNorm, and RMSNorm fused with the residual add that precedes it in every pre-norm block.
 
-Rounding follows worker.model.RMSNorm (the order HF uses): normalise in float32, round to the
+Rounding follows worker.model.llama.RMSNorm (the order HF uses): normalise in float32, round to the
 activation dtype, then scale by the weight. The fused variant rounds x + residual to the activation
 dtype before normalising it, exactly as the unfused `h = x + attn(...)` does, so both paths see the
 same residual stream.

@@ -1,4 +1,4 @@
-"""Rotary position embedding applied in place to q and k, in worker.model's convention.
+"""Rotary position embedding applied in place to q and k, in worker.model.llama's convention.
 
 worker.model.rope_cos_sin gives cos = cat(cos, cos) and signed_sin = cat(-sin, sin), [T, 1, D], and
 apply_rope computes x * cos + cat(x2, x1) * signed_sin (HF's rotate_half with the sign folded in).

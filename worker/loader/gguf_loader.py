@@ -20,11 +20,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from worker.config import ModelConfig, RopeScaling
-from worker.group_quant import GroupQuantWeight
+from worker.linears.group_quant import GroupQuantWeight
 from worker.loader.errors import ModelLoadError
 from worker.loader.gguf_quants import group_quant_from_gguf
 from worker.loader.weights import EMBEDDING, LINEAR_WEIGHTS, LM_HEAD, check_shape, expected_hf_shapes
+from worker.model.config import ModelConfig, RopeScaling
 
 # GGUF general.architecture -> ours (llama.cpp's converter writes Mistral 7B as "llama")
 SUPPORTED_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",

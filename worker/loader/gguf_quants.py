@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from worker.group_quant import GroupQuantWeight, pack_nibbles
+from worker.linears.group_quant import GroupQuantWeight, pack_nibbles
 
 QK_K = 256
 

@@ -9,9 +9,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from worker.config import ModelConfig, RopeScaling
 from worker.loader.errors import ModelLoadError
 from worker.loader.weights import LM_HEAD, check_shape, expected_hf_shapes
+from worker.model.config import ModelConfig, RopeScaling
 
 
 ARCHITECTURES = {

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from worker.config import ModelConfig
-from worker.group_quant import GroupQuantEmbedding, GroupQuantLinear, GroupQuantWeight
+from worker.linears.group_quant import GroupQuantEmbedding, GroupQuantLinear, GroupQuantWeight
 from worker.loader.errors import ModelLoadError
-from worker.model import LlamaModel
+from worker.model.config import ModelConfig
+from worker.model.llama import LlamaModel
 
 LM_HEAD = "lm_head.weight"
 EMBEDDING = "model.embed_tokens.weight"

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.worker.kernels.tolerances import assert_close
-from worker.model.llama.config import ModelConfig
 from worker.kernels.activation import silu_and_mul
+from worker.model.config import ModelConfig
 from worker.model.llama import MLP
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,5 +1,5 @@
 """The rotary kernel against worker.model.llama.apply_rope, on q / k views of one fused qkv output as the model
-has them, with the cos / sin tables worker.model.llama.rope_cos_sin builds."""
+has them, with the cos / sin tables worker.model.rope_cos_sin builds."""
 from __future__ import annotations
 
 import pytest

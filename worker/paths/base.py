@@ -1,0 +1,101 @@
+"""The seam between the ModelRunner and the hardware: one protocol, one implementation per kernel path.
+
+The runner owns everything that is the same on every device: the requests' tokens and block tables,
+packing a plan into one flat StepBatch (invariant 5), placeholder rows under async scheduling, the
+result. An ExecutionPath owns what differs: how a batch's inputs reach the device, which forward pass
+runs, and how tokens are drawn. A step goes through it in this order:
+
+    inputs = path.prepare(batch)         any thread, plain Python (see below); may start an H2D copy
+    logits = path.forward(batch, inputs)  compute thread, after the previous step's sample()
+    ids, logprobs = path.sample(batch, logits, rows)
+
+and once before serving, after one forward pass: path.warm_up().
+
+prepare() runs on the worker's RPC thread while the step before still computes, so it makes no torch
+CPU op (that would start a second OpenMP team) and reads nothing that step has not produced yet: the
+batch's placeholder rows hold PLACEHOLDER_TOKEN_ID until the runner fills them, just before forward().
+
+Implementations: worker.paths.torch_path.TorchPath (the float32 reference and the CPU path: plain torch,
+packed oneDNN linears) and worker.paths.triton.path.TritonPath (Triton kernels; on CUDA pinned staging,
+device-side sampling and decode graphs). build_execution_path() is the one place that picks one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+from core.step import TokenLogprobs
+from worker.options import WorkerOptions
+from worker.sampling.sampler import SamplingRow
+from worker.sampling.structured_output import TokenBitmask
+from worker.step_batch import StepBatch
+
+
+class StepInputs(Protocol):
+    """What a path's prepare() returns and its own forward() takes (TorchPath: the attention plan as host
+    lists; TritonPath: the staged metadata). The runner only carries it from one to the other."""
+
+
+@runtime_checkable
+class ExecutionPath(Protocol):
+    def prepare(self, batch: StepBatch) -> StepInputs:
+        """Host-side work for batch (attention metadata as lists; on CUDA the staged H2D copy); returns what
+        forward() takes. Plain Python, any thread. Raises ValueError if a block table cannot hold its context."""
+
+    def forward(self, batch: StepBatch, inputs: StepInputs) -> torch.Tensor:
+        """Runs the model over batch, writing its K/V into the pages; -> logits [R + Q, vocab] float32 of
+        batch.logit_rows (sample rows, then prompt-logprob rows). On the compute thread, under
+        torch.inference_mode()."""
+
+    def sample(self, batch: StepBatch, logits: torch.Tensor, rows: Sequence[SamplingRow],
+               token_bitmask: TokenBitmask | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """One token per row of logits (worker.sampling.sampler's semantics), and its logprobs where the row asks;
+        constrained rows pick only among the tokens token_bitmask allows."""
+
+    def warm_up(self) -> None:
+        """What the path does once before serving, after its first forward pass (capture decode graphs)."""
+
+
+DETERMINISTIC_REFUSAL = (
+    "--deterministic runs on the CPU torch path only (device cpu, kernel backend torch), not on device {device} "
+    "with kernel backend {backend}: the Triton kernels (and cuBLAS under the torch backend on CUDA) pick tilings and "
+    "split reductions by batch size; see docs/reliability.md, 'Deterministic mode'")
+
+
+@dataclass(slots=True, frozen=True)
+class ResolvedExecution:
+    """WorkerOptions' execution fields after looking at the device: every field is what will actually run."""
+
+    kernel_backend: str  # "torch" or "triton"
+    quantization: str
+    cuda_graphs: bool
+    stream_overlap: bool
+    graph_batch_sizes: tuple[int, ...]
+    packed_linears: bool  # worker.linears.packed.pack_linears applies (it still skips non-float32 linears)
+    cpu_int8_activations: bool  # CPU only
+    cpu_fused_ops: bool  # CPU + torch backend; TorchPath still falls back to torch where the build is missing
+    cpu_dense_weights: str  # one of DENSE_WEIGHT_MODES; "off" off the CPU torch path
+    deterministic: bool  # batch-invariant kernels (worker.paths.batch_invariant); CPU + torch backend only
+
+
+def resolve_execution(options: WorkerOptions, device: torch.device | str) -> ResolvedExecution:
+    on_cuda = torch.device(device).type == "cuda"
+    backend = options.kernel_backend
+    if backend == "auto":
+        backend = "triton" if on_cuda else "torch"
+    if options.deterministic and (on_cuda or backend != "torch"):
+        raise ValueError(DETERMINISTIC_REFUSAL.format(device=torch.device(device).type, backend=backend))
+    return ResolvedExecution(
+        kernel_backend=backend,
+        quantization=options.quantization,
+        cuda_graphs=options.cuda_graphs and on_cuda and backend == "triton",
+        stream_overlap=options.stream_overlap and on_cuda,
+        graph_batch_sizes=options.graph_batch_sizes,
+        packed_linears=options.packed_linears and not on_cuda and backend == "torch",
+        cpu_int8_activations=options.cpu_int8_activations and not on_cuda,
+        cpu_fused_ops=options.cpu_fused_ops and not on_cuda and backend == "torch",
+        cpu_dense_weights=options.cpu_dense_weights if not on_cuda and backend == "torch" else "off",
+        deterministic=options.deterministic,
+    )

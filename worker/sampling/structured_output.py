@@ -1,0 +1,88 @@
+"""Constrained decoding on the worker: one grammar matcher per constrained request, beside its tokens.
+
+Where the matcher state lives (DESIGN invariant 1): with the tokens. The scheduler plans steps and
+owns pages; the worker already keeps each request's token ids and appends what it samples, so the
+matcher is one more piece of the worker's per-request sampling state, like the tokens penalties and
+seeds read. It is built when a request arrives in full (new, or resumed after a preemption) by
+compiling its constraint (plumbing.grammar, cached by content) and replaying the output tokens it
+arrives with: a recomputed request continues from exactly the state it was preempted in, so its
+output is the same. No mask crosses the wire, and async scheduling is untouched (the mask of step N+1
+is computed after step N's token is appended, on the compute thread, as the penalties are).
+
+Each step the constrained rows' masks are filled by llguidance's thread pool into one [C, W] int32
+bitmask (bit t of a row: token t allowed), which the execution path applies before sampling, for
+every sampling mode (worker.sampling.sampler on torch; the sampling kernel on Triton).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import llguidance
+import llguidance.torch
+import torch
+
+from core.sampling import SamplingParams
+from plumbing.grammar import GrammarCompiler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class TokenBitmask:
+    """Allowed tokens of some rows of a step's logits."""
+
+    rows: list[int]  # [C] row indices into the step's logits, ascending
+    bits: torch.Tensor  # [C, W] int32, W = ceil(vocab / 32); bit (t % 32) of word t // 32 allows token t
+
+    def full(self, num_rows: int) -> torch.Tensor:
+        """[num_rows, W] int32 on bits' device: -1 (everything allowed) for the unconstrained rows."""
+        if len(self.rows) == num_rows:
+            return self.bits
+        full = torch.full((num_rows, self.bits.shape[1]), -1, dtype=torch.int32, device=self.bits.device)
+        full[self.rows] = self.bits
+        return full
+
+
+class StructuredOutput:
+    """Builds, advances and reads the matchers of a runner's constrained requests."""
+
+    def __init__(self, compiler: GrammarCompiler, num_threads: int = 2) -> None:
+        self.compiler = compiler
+        self.executor = llguidance.LLExecutor(num_threads)
+
+    def warm_up(self) -> None:
+        """Loads the vocabulary (a fraction of a second) so the first constrained request does not wait.
+        A model without a readable vocabulary still serves unconstrained requests: this logs why, and a
+        constrained request fails when it arrives, with the same reason."""
+        try:
+            self.compiler.vocabulary  # noqa: B018 - loads on first access
+        except (OSError, ValueError, KeyError) as exc:
+            logger.warning("constrained decoding unavailable: no grammar vocabulary from %s (%s: %s)",
+                           self.compiler.model_path, type(exc).__name__, exc)
+
+    def new_matcher(self, params: SamplingParams, output_token_ids: Sequence[int]) -> llguidance.LLMatcher | None:
+        """A matcher for a request arriving in full, advanced over the output it already has."""
+        if params.constraint is None:
+            return None
+        matcher = self.compiler.matcher(params.constraint)
+        for token_id in output_token_ids:
+            matcher.consume_token(token_id)
+        return matcher
+
+    def bitmask(self, matchers: Sequence[llguidance.LLMatcher | None], device: torch.device) -> TokenBitmask | None:
+        """The masks of this step's constrained rows (matchers: one per sampling row, None if unconstrained)."""
+        rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
+        if not rows:
+            return None
+        bits = llguidance.torch.allocate_token_bitmask(len(rows), self.compiler.vocabulary.vocab_size)
+        llguidance.torch.fill_next_token_bitmask_par(
+            self.executor, [(matchers[row], index) for index, row in enumerate(rows)], bits)
+        return TokenBitmask(rows, bits.to(device, non_blocking=True))
+
+    @staticmethod
+    def advance(matchers: Sequence[llguidance.LLMatcher | None], token_ids: Sequence[int]) -> None:
+        for matcher, token_id in zip(matchers, token_ids):
+            if matcher is not None:
+                matcher.consume_token(token_id)
