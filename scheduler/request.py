@@ -1,4 +1,23 @@
-"""One state object per request, owned by the scheduler loop."""
+"""One state object per request, owned by the scheduler loop.
+
+A request's tokens (the scheduling rule: num_computed_tokens catches up with num_tokens, as in vLLM V1).
+A prompt p0..p7 and its output o0 o1 ... over the first steps; "|" is num_computed_tokens (K/V in the
+cache), "]" is num_tokens (len(all_token_ids): prompt + output). A step computes the tokens between them,
+cut to its budget, and samples one token once it reaches "]"; update() appends that token, so "]" moves
+on by one:
+
+    waiting, a prefix-cache hit of 4   p0 p1 p2 p3|p4 p5 p6 p7]             hits count as computed
+    after step 1, a chunk of 3         p0 p1 p2 p3 p4 p5 p6|p7]             mid-prompt: sampled nothing
+    after step 2, the rest (p7)        p0 p1 p2 p3 p4 p5 p6 p7|o0]          sampled o0
+    after step 3, a decode (o0)        p0 p1 p2 p3 p4 p5 p6 p7 o0|o1]       sampled o1: decodes compute 1
+    async: step 4 sent, not back yet   p0 p1 p2 p3 p4 p5 p6 p7 o0 o1|??]    ?? = PLACEHOLDER_TOKEN_ID
+
+- async scheduling: a step sent counts as computed at once (Scheduler.assume_done), and a placeholder
+  stands for the token it will sample; update_assumed() replaces the oldest first. num_pending_tokens
+  counts them, num_known_tokens leaves them out, drop_pending_tokens() forgets them (steps lost).
+- preemption: recompute moves "|" back to 0 (prompt and output so far run again as one prompt); swap
+  keeps it, with the pages waiting in the host tier.
+"""
 from __future__ import annotations
 
 import enum

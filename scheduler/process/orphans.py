@@ -29,12 +29,13 @@ from redis.exceptions import RedisError
 
 from core.outputs import FinishReason
 from kvstore.followers import Followers
+from scheduler.process.loop import EngineLoop
 
 logger = logging.getLogger(__name__)
 _READ_TIMEOUT_S = 2.0
 
 
-def start_orphan_reaper(loop, redis_url: str, timeout_s: float) -> OrphanReaper | None:
+def start_orphan_reaper(loop: EngineLoop, redis_url: str, timeout_s: float) -> OrphanReaper | None:
     """A started reaper for the loop's requests; None when timeout_s is 0 (orphans run to their end)."""
     if timeout_s <= 0:
         return None
@@ -44,7 +45,7 @@ def start_orphan_reaper(loop, redis_url: str, timeout_s: float) -> OrphanReaper 
 
 
 class OrphanReaper:
-    def __init__(self, loop, followers: Followers, timeout_s: float,
+    def __init__(self, loop: EngineLoop, followers: Followers, timeout_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """loop: the EngineLoop (its streams say which requests run without a call; abort ends one)."""
         self._loop = loop

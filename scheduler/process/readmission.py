@@ -29,8 +29,9 @@ from core.requests import GenerationRequest
 from kvstore.live_requests import LiveRequestReader, LiveRequestWriter
 from protos import codec
 from protos.tokenmill.v1 import scheduler_pb2
-from scheduler.request import Request
+from scheduler.process.loop import EngineLoop
 from scheduler.process.request_streams import TokenSink
+from scheduler.request import Request
 
 logger = logging.getLogger(__name__)
 _READ_TIMEOUT_S = 10.0  # start-up waits this long for Redis at most (a missing Redis degrades, never blocks)
@@ -60,7 +61,7 @@ class ReadmittableTokens:
         self._live.ended(request_id)
 
 
-async def readmit(loop, reader: LiveRequestReader) -> int:
+async def readmit(loop: EngineLoop, reader: LiveRequestReader) -> int:
     """Submits again the requests this scheduler had not ended; returns how many. loop: the EngineLoop
     (started, its tokens a ReadmittableTokens)."""
     try:
@@ -112,7 +113,7 @@ def _ended_by(request: Request) -> FinishReason | None:
     return None
 
 
-def _end(loop, request: Request, reason: FinishReason, error: ServingError | None) -> None:
+def _end(loop: EngineLoop, request: Request, reason: FinishReason, error: ServingError | None) -> None:
     """Writes the ending of a request that is not run again: its stream's finish entry and its record."""
     loop.tokens.finish(request.request_id, request.num_output_tokens, reason, error, request.num_prompt_tokens)
     state = loop.streams.state

@@ -14,7 +14,7 @@ from scheduler.process.submissions import Submission, follow
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self) -> None:
         self._loop: EngineLoop | None = None
-        self.model_info = None  # common_pb2.GetModelInfoResponse, from the worker's capacity
+        self.model_info: common_pb2.GetModelInfoResponse | None = None  # from the worker's capacity
 
     def attach(self, loop: EngineLoop, model_info: common_pb2.GetModelInfoResponse) -> None:
         self._loop, self.model_info = loop, model_info

@@ -151,13 +151,13 @@ async def test_engine_loop_pipelines_steps_with_the_same_tokens():
 def test_flag_reaches_the_scheduler_command_line_and_is_off_by_default():
     from scheduler.main import parse_args
     from tokenmill.cli import build_parser
-    from tokenmill.cluster.config import ClusterConfig
+    from tokenmill.cluster.config import ClusterConfig, with_settings
     from tokenmill.cluster.specs import cluster_specs
 
     assert build_parser().parse_args(["serve", "--async-scheduling"]).async_scheduling
     assert not build_parser().parse_args(["serve"]).async_scheduling
     for enabled in (False, True):
-        config = ClusterConfig(redis_url="redis://127.0.0.1:1", device="cpu", async_scheduling=enabled)
+        config = with_settings(ClusterConfig(), redis_url="redis://127.0.0.1:1", device="cpu", async_scheduling=enabled)
         scheduler = next(spec for spec in cluster_specs(config) if spec.name == "scheduler")
         assert parse_args(list(scheduler.argv[3:])).async_scheduling is enabled  # past "python -m scheduler.main"
 
