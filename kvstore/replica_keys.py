@@ -2,7 +2,7 @@
 scheduler that writes and the gateway that reads cannot disagree).
 
     tokenmill:replica:{replica}:load      hash, LOAD_FIELDS below; expires LOAD_TTL_S after the last report
-    tokenmill:replica:{replica}:prefixes  set of hex chained prefix keys (scheduler/prefix_cache.py) that
+    tokenmill:replica:{replica}:prefixes  set of hex chained prefix keys (scheduler/pages/block_pool.py) that
                                           the replica's KV cache holds now; expires PREFIX_TTL_S after
                                           the last report
 

@@ -1,6 +1,6 @@
 """Prepares and runs the worker's steps in step-id order, however their RPCs arrive.
 
-With async scheduling the scheduler sends step N+1 while step N still runs (scheduler/pipelined_loop.py).
+With async scheduling the scheduler sends step N+1 while step N still runs (scheduler/step_pipeline.py).
 Step N+1 is prepared (plan applied, batch packed, metadata built) on the RPC thread while step N
 computes, then runs after step N on the compute thread (its decode rows read the tokens N samples).
 Two RPCs on one channel may start their handlers in either order, so a step whose predecessor has
