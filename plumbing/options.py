@@ -112,8 +112,9 @@ class Options:
         """cluster=True: only the flags `tokenmill serve` offers under the service's own names."""
         for item, flag in cls.flagged_fields(cluster=cluster):
             default = os.environ.get(flag.env, item.default) if flag.env else item.default
-            help_text = flag.help if "%(default)" in flag.help or item.default in (None, False, True, ()) \
-                else f"{flag.help} (default: %(default)s)"
+            # no default shown for one read from the environment: it may hold a password (a Redis URL)
+            bare = "%(default)" in flag.help or flag.env or item.default in (None, False, True, (), "")
+            help_text = flag.help if bare else f"{flag.help} (default: %(default)s)"
             if isinstance(item.default, bool):
                 parser.add_argument(*_names(item, flag), dest=item.name, help=help_text, default=item.default,
                                     action="store_false" if item.default else "store_true")

@@ -65,3 +65,12 @@ def test_env_default_is_read_and_never_written_to_argv(monkeypatch):
     options = parse([])
     assert options.redis_url == "redis://secret@host:6379/0"
     assert "redis://secret@host:6379/0" not in options.to_argv()
+
+
+def test_help_never_shows_a_default_read_from_the_environment(monkeypatch):
+    """The Redis URL's default comes from TOKENMILL_REDIS_URL, which may carry a password."""
+    monkeypatch.setenv("EXAMPLE_REDIS_URL", "redis://user:hunter2@host:6379/0")
+    parser = argparse.ArgumentParser()
+    Example.add_arguments(parser)
+    text = parser.format_help()
+    assert "hunter2" not in text and "(default: 64)" in text and "(default: )" not in text
