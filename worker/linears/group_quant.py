@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
+from typing import Callable
 
 import torch
 from torch import nn
@@ -178,40 +179,58 @@ class GroupQuantLinear(nn.Module):
         # worker.linears.dense_weights: the weight dequantized and reordered for oneDNN, for steps of many rows
         self.register_buffer("dense_weight", None, persistent=False)
         self.int8_activations = False  # use_int8_activations()
+        self.kernel = kernel_for(weight.codes.device)  # chosen where the buffers live; .to() chooses again
 
     def weight_view(self) -> GroupQuantWeight:
         return GroupQuantWeight(self.codes, self.scales, self.mins, self.bits, self.group_size, self.source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
-        if x.is_cuda:
-            return self.forward_triton(x)
+        return self.kernel(self, x)
+
+    def _apply(self, fn, recurse: bool = True):
+        """Moving the buffers (.to(device)) chooses the kernel for their device, once, not each forward."""
+        super()._apply(fn, recurse)
+        self.kernel = kernel_for(self.codes.device)
+        return self
+
+    def forward_cpu_ops(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N], CPU, compiled ops loaded
+        """The compiled ops, by row count: the dense copy for many rows (where one is kept), the int8-dot
+        kernel for few rows under int8 activations, dequantized strips past GEMM_ROWS, else the row kernel."""
         # ~120 calls a decode step: the buffers dict and the op overloads are read directly, since at one
         # row every microsecond of Python here is a few percent of the step
         buffers = self._buffers
         codes, scales, mins, bias = buffers["codes"], buffers["scales"], buffers["mins"], buffers["bias"]
         dense, rows = buffers["dense_weight"], x.shape[0]
+        linear, int8_dot, strips = _cpu_ops()
         if dense is not None and rows >= DENSE_ROWS and x.dtype is dense.dtype and not (
                 self.int8_activations and rows <= INT8_ROWS):
             out = dense_linear(x, dense)
-        elif cpu_ops_available():
-            linear, int8_dot, strips = _cpu_ops()
-            if self.int8_activations and rows <= INT8_ROWS:
-                out = int8_dot(_float32(x), codes, scales, mins, self.bits, self.group_size)
-            elif rows > GEMM_ROWS:
-                # bfloat16 activations keep bfloat16 strips where the CPU multiplies them natively
-                gemm_x = x if x.dtype is torch.bfloat16 and cpu_has_native_bf16() else _float32(x)
-                out = strips(gemm_x, codes, scales, mins, self.bits, self.group_size,
-                             strip_rows(self.out_features, torch.get_num_threads(), self.in_features,
-                                        gemm_x.element_size()))
-            else:
-                # bfloat16 x goes in as it is: the op's bfloat16 kernel (avx512_bf16) reads it directly and
-                # returns bfloat16, which saves the two copies a call that were ~4% of a one-row decode step
-                row_x = x if x.dtype is torch.bfloat16 else _float32(x)
-                out = linear(row_x, codes, scales, mins, self.bits, self.group_size)
-        else:  # no compiled op: the same numbers, slower
-            out = F.linear(_float32(x), self.weight_view().dequantize())
+        elif self.int8_activations and rows <= INT8_ROWS:
+            out = int8_dot(_float32(x), codes, scales, mins, self.bits, self.group_size)
+        elif rows > GEMM_ROWS:
+            # bfloat16 activations keep bfloat16 strips where the CPU multiplies them natively
+            gemm_x = x if x.dtype is torch.bfloat16 and cpu_has_native_bf16() else _float32(x)
+            out = strips(gemm_x, codes, scales, mins, self.bits, self.group_size,
+                         strip_rows(self.out_features, torch.get_num_threads(), self.in_features,
+                                    gemm_x.element_size()))
+        else:
+            # bfloat16 x goes in as it is: the op's bfloat16 kernel (avx512_bf16) reads it directly and
+            # returns bfloat16, which saves the two copies a call that were ~4% of a one-row decode step
+            out = linear(x if x.dtype is torch.bfloat16 else _float32(x), codes, scales, mins, self.bits,
+                         self.group_size)
         if bias is not None:
             out.add_(bias)
+        return out if out.dtype is x.dtype else out.to(x.dtype)
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
+        """Without the compiled ops: the same numbers from torch ops, slower (a dense copy still serves many rows)."""
+        dense, rows = self._buffers["dense_weight"], x.shape[0]
+        if dense is not None and rows >= DENSE_ROWS and x.dtype is dense.dtype:
+            out = dense_linear(x, dense)
+        else:
+            out = F.linear(_float32(x), self.weight_view().dequantize())
+        if self.bias is not None:
+            out.add_(self.bias)
         return out if out.dtype is x.dtype else out.to(x.dtype)
 
     def forward_rows(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N], CPU, compiled ops loaded
@@ -239,6 +258,14 @@ class GroupQuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, source={self.source!r}")
+
+
+def kernel_for(device: torch.device) -> Callable[[GroupQuantLinear, torch.Tensor], torch.Tensor]:
+    """The variant a GroupQuantLinear runs on device: the Triton kernel on CUDA, the compiled ops on a CPU
+    that has them built, torch ops otherwise."""
+    if device.type == "cuda":
+        return GroupQuantLinear.forward_triton
+    return GroupQuantLinear.forward_cpu_ops if cpu_ops_available() else GroupQuantLinear.forward_torch
 
 
 class GroupQuantEmbedding(nn.Module):

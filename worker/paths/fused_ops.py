@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch import nn
 
 from worker.model.attention import AttentionMetadata, paged_attention
 from worker.model.kv_cache import KVCache
@@ -64,6 +65,19 @@ def _layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     h, normed = torch.ops.tokenmill.add_rms_norm(x, branch, layer.mlp_norm.weight, layer.mlp_norm.eps)
     mlp = _mlp(layer.mlp, normed)
     return h + (mlp if layer.post_mlp_norm is None else _rms_norm(layer.post_mlp_norm, mlp))
+
+
+class FusedDecoder(nn.Module):
+    """LlamaModel.forward on the compiled ops, over model's own modules (a module, so it can be hooked as the
+    model can): the final-normed hidden states [T, hidden]."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        return fused_forward(self.model, input_ids, positions, kv_cache, attn_metadata)
 
 
 def fused_forward(model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from functools import partial
 from typing import Sequence
 
 import torch
@@ -24,7 +23,7 @@ from worker.model.kv_cache import KVCache
 from worker.model.llama import LlamaModel
 from worker.paths.base import ResolvedExecution
 from worker.paths.batch_invariant import plan_batch_invariant_attention, set_batch_invariant
-from worker.paths.fused_ops import fused_forward, fused_ops_usable
+from worker.paths.fused_ops import FusedDecoder, fused_ops_usable
 from worker.paths.thread_governor import ThreadGovernor
 from worker.sampling.sampler import SamplingRow, sample
 from worker.sampling.structured_output import TokenBitmask
@@ -49,7 +48,7 @@ class TorchPath:
         # decode attention then reads the pages in place: the plan skips the gather groups
         self.fused_ops = execution.cpu_fused_ops and torch.device(device).type == "cpu" and fused_ops_usable(model)
         # the forward, chosen once: the compiled ops over the model's weights, or the model itself (the reference)
-        self.decoder = partial(fused_forward, model) if self.fused_ops else model
+        self.decoder = FusedDecoder(model) if self.fused_ops else model
         log.info("decoder ops: %s", "compiled, decode attention on the KV pages in place" if self.fused_ops
                  else "plain torch (the reference)")
         # --deterministic: each token's sums in an order its step's other rows do not change (chosen here, once)

@@ -82,7 +82,8 @@ def run_scenario(model, config, block_size: int, decode_group_bytes: int | None 
                          options=WorkerOptions(cpu_fused_ops=fused), **group)
     assert runner.execution_path.fused_ops == fused
     captured: list[torch.Tensor] = []
-    hook = runner.model.register_forward_hook(lambda module, args, output: captured.append(output))
+    # the path's forward: the model itself, or the compiled-op forward over its weights (fused)
+    hook = runner.execution_path.decoder.register_forward_hook(lambda module, args, output: captured.append(output))
     try:
         return _run_steps(runner, model, block_size, captured)
     finally:

@@ -5,13 +5,15 @@ and on the default GGUF model."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
 from core.sampling import SamplingParams
 from tests.helpers.tiny_models import make_tiny_hf_model
-from tokenmill.llm import LLM, EngineConfig
+from scheduler.options import SchedulerOptions
+from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig
 from worker.linears.dense_weights import dense_weight_for
 from worker.linears.group_quant import GroupQuantLinear, quantize_weight
 from worker.linears.packed import PackedLinear
@@ -37,8 +39,9 @@ def engine(model, config, dtype, deterministic: bool, fused: bool, num_blocks: i
     """A runner built now (it sets the model's kernels for its mode) and an engine over it."""
     options = WorkerOptions(deterministic=deterministic, cpu_fused_ops=fused, cpu_dense_weights=dense_weights)
     runner = ModelRunner(model, config, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=dtype, options=options)
-    return LLM(EngineConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=token_budget, max_num_seqs=16), runner=runner,
-               progress=False)
+    return LLM(EngineConfig(worker=replace(ENGINE_WORKER, block_size=BLOCK_SIZE),
+                            scheduler=SchedulerOptions(max_num_batched_tokens=token_budget, max_num_seqs=16)),
+               runner=runner, progress=False)
 
 
 def outputs(llm: LLM, batch: list[list[int]], params: SamplingParams = PARAMS) -> list[tuple[list[int], list[float]]]:
@@ -188,10 +191,11 @@ def test_serve_passes_the_flag_to_the_worker_which_parses_it():
 
 
 def test_the_in_process_engine_takes_the_mode_from_its_config(tiny):
-    """EngineConfig(deterministic=True) builds its runner in the mode: batched equals alone, to the bit."""
+    """EngineConfig(worker=...deterministic=True) builds its runner in the mode: batched equals alone, to the bit."""
     def config_engine() -> LLM:
-        return LLM(EngineConfig(model=str(tiny), dtype="bfloat16", block_size=BLOCK_SIZE, deterministic=True,
-                                max_num_batched_tokens=256, max_num_seqs=16), progress=False)
+        return LLM(EngineConfig(worker=replace(ENGINE_WORKER, model=str(tiny), dtype="bfloat16", block_size=BLOCK_SIZE,
+                                               deterministic=True),
+                                scheduler=SchedulerOptions(max_num_batched_tokens=256, max_num_seqs=16)), progress=False)
     llm = config_engine()
     batch = prompts(llm.model_config.vocab_size)
     alone = [outputs(llm, [prompt])[0] for prompt in batch]

@@ -20,7 +20,7 @@ from gateway.text.tokenizer import load_tokenizer
 from plumbing.grammar import to_grammar
 from scheduler.engine import EngineCore
 from scheduler.scheduler import Scheduler
-from tokenmill.llm import LLM, EngineConfig, scheduler_config_for
+from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +72,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(EngineConfig(num_blocks=256), progress=False)
+    return LLM(EngineConfig(worker=dataclasses.replace(ENGINE_WORKER, num_blocks=256)), progress=False)
 
 
 def chat_prompt(tokenizer, text: str) -> list[int]:
@@ -146,7 +146,8 @@ def test_a_preempted_constrained_request_ends_with_the_same_output(llm, tokenize
     params = [schema_params(SCHEMAS["nested objects"], MODES[mode], 60) for mode in ("greedy", "sampled") * 2]
     undisturbed = llm.generate(prompts, params)
     # 7 pages of 16 tokens: three requests start (2 prompt pages each) and run out as they grow
-    tight = scheduler_config_for(llm.config, num_blocks=7, model_max_len=llm.model_config.max_position_embeddings)
+    tight = llm.config.scheduler.scheduler_config(num_blocks=7, block_size=llm.runner.block_size,
+                                                  model_max_len=llm.model_config.max_position_embeddings)
     llm.engine = EngineCore(Scheduler(tight), llm.runner)
     try:
         under_pressure = llm.generate(prompts, params)
