@@ -25,7 +25,7 @@ from tokenmill.bench.int8_agreement import corpus, window_logits, windows
 @dataclass(frozen=True, slots=True)
 class Variant:
     label: str
-    quantization: str  # worker.paths.base.QUANTIZATIONS
+    quantization: str  # worker.options.QUANTIZATIONS
     dtype: torch.dtype
     int8_activations: bool = False  # --cpu-int8-activations (run a token at a time, as decode does)
 
