@@ -6,13 +6,14 @@ Usage: OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_decode_cpu.py [none auto
 """
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 
 from core.sampling import SamplingParams  # noqa: E402
-from tokenmill.llm import LLM, EngineConfig  # noqa: E402
+from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig  # noqa: E402
 
 VARIANTS = {"none": dict(quantization="none"), "auto": dict(quantization="auto"),
             "auto+int8act": dict(quantization="auto", cpu_int8_activations=True),
@@ -24,7 +25,7 @@ def main(names: list[str]) -> int:
     prompt = list(range(100, 228))
     print("threads", torch.get_num_threads())
     for name in names or list(VARIANTS):
-        llm = LLM(EngineConfig(kv_cache_bytes=256 * 2**20, **VARIANTS[name]))
+        llm = LLM(EngineConfig(worker=replace(ENGINE_WORKER, kv_cache_mb=256, **VARIANTS[name])))
         params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
         llm.generate_token_ids([prompt], params)  # warm-up
         best = float("inf")

@@ -90,7 +90,9 @@ def ab_float32_rows(runner: ModelRunner, num_requests: int, context_len: int, st
 
 
 def main() -> None:
-    from tokenmill.llm import LLM, EngineConfig
+    from dataclasses import replace
+
+    from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=32)
@@ -117,9 +119,10 @@ def main() -> None:
     # the pool holds the decode requests' blocks or the prefill's, whichever needs more (the prefill step
     # runs after the decode steps have freed theirs)
     prefill_blocks = args.prefill_requests * -(-args.prompt_len // args.block_size)
-    llm = LLM(EngineConfig(dtype=args.dtype, quantization=args.quantization, block_size=args.block_size,
-                           num_blocks=max(args.requests * blocks_per_request, prefill_blocks) + 1,
-                           cpu_int8_activations=args.cpu_int8_activations, cpu_dense_weights=args.cpu_dense_weights))
+    llm = LLM(EngineConfig(worker=replace(
+        ENGINE_WORKER, dtype=args.dtype, quantization=args.quantization, block_size=args.block_size,
+        num_blocks=max(args.requests * blocks_per_request, prefill_blocks) + 1,
+        cpu_int8_activations=args.cpu_int8_activations, cpu_dense_weights=args.cpu_dense_weights)))
     runner = llm.runner
     step_id = 10**6  # past the engine's own warm-up steps
     print(f"threads={torch.get_num_threads()} requests={args.requests} block_size={args.block_size} "

@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core.sampling import SamplingParams  # noqa: E402
+from scheduler.options import SchedulerOptions  # noqa: E402
 from tokenmill.llm import LLM, EngineConfig  # noqa: E402
 from worker.options import WorkerOptions  # noqa: E402
 from worker.build import build_runner  # noqa: E402
@@ -40,7 +41,8 @@ def engine(args, **options) -> LLM:
     execution = WorkerOptions(model=args.model, dtype=args.dtype, block_size=16, kv_cache_mb=256, device="cpu",
                               cpu_fused_ops=not args.no_cpu_fused_ops, quantization=args.quantization, **options)
     runner = build_runner(execution, progress=False)
-    return LLM(EngineConfig(block_size=16, max_num_seqs=64, max_num_batched_tokens=512), runner=runner, progress=False)
+    return LLM(EngineConfig(worker=execution, scheduler=SchedulerOptions(max_num_seqs=64, max_num_batched_tokens=512)),
+               runner=runner, progress=False)
 
 
 def timed(llm: LLM, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:

@@ -5,17 +5,19 @@ Usage: OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_fused_ops.py [auto|none]
 """
 import sys
 import time
+from dataclasses import replace
 
 sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 
 from core.sampling import SamplingParams  # noqa: E402
-from tokenmill.llm import LLM, EngineConfig  # noqa: E402
+from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
     quantization = argv[0] if argv else "auto"
     batch_sizes = [int(n) for n in argv[1].split(",")] if len(argv) > 1 else [1, 32]
-    engines = {fused: LLM(EngineConfig(kv_cache_bytes=256 * 2**20, quantization=quantization, cpu_fused_ops=fused))
+    engines = {fused: LLM(EngineConfig(worker=replace(ENGINE_WORKER, kv_cache_mb=256, quantization=quantization,
+                                                      cpu_fused_ops=fused)))
                for fused in (False, True)}
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     for n in batch_sizes:

@@ -25,13 +25,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import replace
 
 import grpc
 
 from core.percentile import percentile
 from protos.tokenmill.v1 import generation_pb2 as g
 from protos.tokenmill.v1 import generation_pb2_grpc
-from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.config import LOCAL_WORKER, ClusterConfig, resolve_ports
 from tokenmill.cluster.specs import cluster_specs
 from tokenmill.cluster.supervisor import Supervisor
 
@@ -134,7 +135,7 @@ def main() -> None:
     if args.hammer:
         return run_hammer(args.hammer, args.heavy)
     config = resolve_ports(ClusterConfig(gateway_port=0, http_port=0, scheduler_port=0, worker_port=0,
-                                         redis_port=0, kv_cache_mb=64))
+                                         redis_port=0, worker=replace(LOCAL_WORKER, kv_cache_mb=64)))
     with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300) as supervisor:
         gateway_pid = supervisor.children["gateway"].pid
         with grpc.insecure_channel(config.gateway_address) as channel:

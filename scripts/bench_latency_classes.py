@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from core.sampling import SamplingParams
 from scheduler.request import Request
-from tokenmill.llm import LLM, EngineConfig
+from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=1024)
     args = parser.parse_args()
 
-    llm = LLM(EngineConfig(num_blocks=args.num_blocks), progress=False)
+    llm = LLM(EngineConfig(worker=replace(ENGINE_WORKER, num_blocks=args.num_blocks)), progress=False)
     rng = random.Random(0)
     workload = [([rng.randrange(100, 20000) for _ in range(args.prompt_len)], rng.randint(args.min_output, args.max_output))
                 for _ in range(args.num_requests)]

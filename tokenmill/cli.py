@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
+from plumbing.options import NON_NEGATIVE_FLOAT, PORT, POSITIVE, POSITIVE_FLOAT, PROBABILITY, SEED, TOP_K
+from tokenmill.cluster.config import ClusterConfig, resolve_ports
 from tokenmill.cluster.specs import torch_thread_env
 
 # Subcommands whose own module parses their arguments (the module is imported only when used).
@@ -28,161 +30,20 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "bench-tracing": ("tokenmill.bench.tracing", "throughput with tracing off vs every request traced"),
     "accuracy": ("tokenmill.bench.accuracy", "greedy agreement and perplexity of each weight format / dtype vs float32"),
 }
-DTYPES = ("auto", "float32", "bfloat16", "float16")  # worker.build.DTYPE_CHOICES (not imported: it needs torch)
-# gateway.text.tool_syntax.TOOL_CALL_PARSERS (a test keeps them equal; not imported: it costs every command 0.2 s)
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
-# worker.paths.base.DENSE_WEIGHT_MODES (a test keeps them equal; not imported: worker.paths.base needs torch)
-DENSE_WEIGHT_MODES = ("auto", "on", "off")
-
-
-def _ranged(kind: Callable, low=None, high=None, low_open: bool = False, what: str = "") -> Callable:
-    """An argparse type that names the value and the allowed range when it rejects one."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        too_low = low is not None and (value <= low if low_open else value < low)
-        if too_low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"{value} is out of range: must be {what}")
-        return value
-
-    return parse
-
-
-PORT = _ranged(int, 0, 65535, what="a port in 0..65535 (0 picks a free one)")
-POSITIVE = _ranged(int, 1, what=">= 1")
-NON_NEGATIVE_FLOAT = _ranged(float, 0.0, what=">= 0")
-NON_NEGATIVE_INT = _ranged(int, 0, what=">= 0")
-PROBABILITY = _ranged(float, 0.0, 1.0, low_open=True, what="in (0, 1]")
-def POWER_OF_TWO(text: str) -> int:  # noqa: N802 - reads like the other argument types
-    value = POSITIVE(text)
-    if value & (value - 1):
-        raise argparse.ArgumentTypeError(f"{value} is not a power of two (the worker requires one)")
-    return value
-
-
-SEED = _ranged(int, 0, 2**64 - 1, what="in 0..2^64-1")
-TOP_K = _ranged(int, -1, what=">= -1 (-1 or 0 disables)")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct GGUF)")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto",
-                        help="auto: bfloat16 on CUDA and on CPUs with avx512_bf16/AMX, else float32 (default: %(default)s)")
-    parser.add_argument("--host", default="127.0.0.1", help="where the gateway listens (default: %(default)s)")
-    parser.add_argument("--internal-host", default="127.0.0.1",
-                        help="where the scheduler and worker listen (default: %(default)s); anything but "
-                             "loopback needs mutual TLS (--tls-client-cert) or --insecure-internal")
-    parser.add_argument("--insecure-internal", action="store_true",
-                        help="let scheduler and worker listen on a non-loopback --internal-host without mutual TLS "
-                             "(no caller authentication; each logs a warning)")
-    parser.add_argument("--gateway-port", type=PORT, default=50051, help="public API; 0 picks a free port (default: %(default)s)")
-    parser.add_argument("--scheduler-port", type=PORT, default=50052, help="(default: %(default)s)")
-    parser.add_argument("--worker-port", type=PORT, default=50053, help="(default: %(default)s)")
-    http = parser.add_mutually_exclusive_group()
-    http.add_argument("--http-port", type=PORT, default=8000,
-                      help="OpenAI-compatible HTTP API on the gateway; 0 picks a free port (default: %(default)s)")
-    http.add_argument("--no-http", action="store_true", help="no HTTP API, gRPC only")
-    redis = parser.add_mutually_exclusive_group()
-    redis.add_argument("--redis-url", help="use this Redis instead of starting redis-server")
-    redis.add_argument("--redis-port", type=PORT, default=6379,
-                       help="port of the redis-server started here; 0 picks a free one (default: %(default)s)")
-    parser.add_argument("--kv-policy", choices=("paged", "static"), default="paged")
-    parser.add_argument("--queue-policy", choices=("fcfs", "priority"), default="fcfs")
-    parser.add_argument("--block-size", type=POWER_OF_TWO, default=16, help="tokens per KV page (default: %(default)s)")
-    parser.add_argument("--kv-cache-mb", type=POSITIVE,
-                        help="KV cache memory; overrides --kv-cache-memory-fraction (default: sized from free memory)")
-    parser.add_argument("--kv-cache-memory-fraction", type=float,
-                        help="share of the memory free after the weights and a profile pass that the KV cache takes "
-                             "(default: 0.9 on CUDA, 0.1 of available RAM on CPU)")
-    parser.add_argument("--swap-space-gb", type=float, default=0.0,
-                        help="host memory for swapped-out KV pages (pinned on CUDA); preemption swaps or recomputes "
-                             "by cost (default: 0, recompute only)")
-    parser.add_argument("--num-blocks", type=POSITIVE, help="KV pages; overrides --kv-cache-mb")
-    parser.add_argument("--max-num-seqs", type=POSITIVE, default=64, help="batch size limit (default: %(default)s)")
-    parser.add_argument("--max-num-batched-tokens", type=POSITIVE, default=512,
-                        help="token budget per step (default: %(default)s)")
-    parser.add_argument("--max-model-len", type=POSITIVE, help="context limit (default: the model's)")
-    parser.add_argument("--target-itl-ms", type=float,
-                        help="inter-token latency target: step budgets and batch size tuned online to meet it")
-    parser.add_argument("--target-ttft-ms", type=float, help="time-to-first-token target")
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="the scheduler plans step N+1 while the worker runs step N")
-    parser.add_argument("--no-delta-stream", action="store_true",
-                        help="the gateway gets each request's tokens on its own Submit call instead of one "
-                             "StreamDeltas call carrying a step's tokens for all of them")
-    # the worker's execution; the same names and choices as worker.paths.base (not imported: it needs torch)
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="worker device; auto: cuda when torch sees a GPU (default: %(default)s)")
-    parser.add_argument("--kernel-backend", choices=("auto", "torch", "triton"), default="auto",
-                        help="auto: triton on CUDA, torch on CPU (default: %(default)s)")
-    parser.add_argument("--quantization", choices=("auto", "none", "int8", "int4"), default="auto",
-                        help="auto: a GGUF file's weights as it holds them (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K), a folder's "
-                             "in --dtype; none: all in --dtype (the reference); int8 / int4: weight-only, quantized "
-                             "at load (default: %(default)s)")
-    parser.add_argument("--no-cuda-graphs", action="store_true", help="decode steps run eagerly (CUDA only)")
-    parser.add_argument("--no-stream-overlap", action="store_true", help="no pinned staging / copy stream (CUDA only)")
-    parser.add_argument("--cpu-int8-activations", action="store_true",
-                        help="CPU: up to 16 rows against group-quantized weights (4-bit, Q8_0, K-quants) round "
-                             "their activations to int8 per block of 32 (llama.cpp's way; faster, slightly less "
-                             "exact: see tokenmill accuracy)")
-    parser.add_argument("--no-packed-linears", action="store_true",
-                        help="plain nn.Linear instead of oneDNN-reordered weights (CPU, float32 only)")
-    parser.add_argument("--no-cpu-fused-ops", action="store_true",
-                        help="the decoder's norms, SwiGLU, RoPE and decode attention in plain torch (the reference) "
-                             "instead of compiled ops reading the KV pages in place (CPU)")
-    parser.add_argument("--cpu-dense-weights", choices=DENSE_WEIGHT_MODES, default="auto",
-                        help="CPU: group-quantized linears also keep their weight dequantized for oneDNN, for steps "
-                             "of 5 rows or more (batched decode, prefill): one GEMM a linear, AMX where there is "
-                             "one, for 2 bytes a weight; auto: bfloat16 models on a CPU with native bfloat16, within "
-                             "a quarter of available memory (default: %(default)s)")
-    parser.add_argument("--deterministic", "--batch-invariant", action="store_true",
-                        help="batch-invariant kernels: greedy output the same alone or batched, after preemption "
-                             "and after a worker restart (CPU torch path only; slower: docs/reliability.md)")
-    parser.add_argument("--max-waiting-requests", type=POSITIVE, default=4096,
-                        help="queued requests beyond which the scheduler answers RESOURCE_EXHAUSTED (default: %(default)s)")
-    parser.add_argument("--max-waiting-tokens", type=NON_NEGATIVE_INT, default=0,
-                        help="queued prompt tokens beyond which it does; 0: no bound (default: %(default)s)")
-    parser.add_argument("--api-keys-file", help="the gateway's API keys, JSON lines from `tokenmill hash-api-key`; "
-                                                "unset: authentication off")
-    parser.add_argument("--rate-limit-rps", type=NON_NEGATIVE_FLOAT, default=0.0,
-                        help="requests/s per API key unless its line says; 0: no limit (default: %(default)s)")
-    parser.add_argument("--rate-limit-burst", type=NON_NEGATIVE_INT, default=0,
-                        help="requests a key may send at once (default: the rate, rounded up)")
-    parser.add_argument("--no-metrics", action="store_true", help="no Prometheus /metrics endpoints")
-    parser.add_argument("--gateway-metrics-port", type=PORT, default=9400,
-                        help="Prometheus /metrics of the gateway; 0 picks a free port (default: %(default)s)")
-    parser.add_argument("--scheduler-metrics-port", type=PORT, default=9401, help="(default: %(default)s)")
-    parser.add_argument("--worker-metrics-port", type=PORT, default=9402, help="(default: %(default)s)")
+    """The cluster's flags and each service's (tokenmill.cluster.config), then what this process takes itself."""
+    from tokenmill.cluster.config import ClusterConfig
+
+    ClusterConfig.add_arguments(parser)
     parser.add_argument("--supervisor-metrics-port", type=PORT, default=9403,
                         help="this process's own /metrics: each child up, its restarts, and whether it is "
                              "crash-looping (default: %(default)s)")
-    parser.add_argument("--startup-timeout-s", type=_ranged(float, 0.0, low_open=True, what="> 0"), default=300.0,
+    parser.add_argument("--startup-timeout-s", type=POSITIVE_FLOAT, default=300.0,
                         help="how long each component may take to become ready (default: %(default)s)")
     parser.add_argument("--grace-period-s", type=NON_NEGATIVE_FLOAT, default=10.0,
                         help="per component, between SIGTERM and SIGKILL at shutdown (default: %(default)s)")
-    parser.add_argument("--drain-timeout-s", "--drain-timeout", type=NON_NEGATIVE_FLOAT, default=30.0,
-                        help="at shutdown, how long gateway and scheduler let in-flight requests finish; "
-                             "the grace period is stretched to cover it (default: %(default)s)")
-    parser.add_argument("--no-retry-on-worker-failure", action="store_true",
-                        help="a crashed worker's requests fail (UNAVAILABLE) instead of being recomputed")
-    parser.add_argument("--stream-idle-timeout-s", type=NON_NEGATIVE_FLOAT, default=120.0,
-                        help="a stream whose client has read nothing for this long is cancelled, its pages "
-                             "freed and its record failed with the reason; 0 disables (default: %(default)s)")
-    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
-                        help="how the model writes tool calls (OpenAI chat tools): hermes (<tool_call> JSON: "
-                             "Qwen2.5, Hermes) or llama3_json (Llama 3.1+); auto reads the chat template")
-    parser.add_argument("--http-header-timeout-s", type=NON_NEGATIVE_FLOAT, default=10.0,
-                        help="an HTTP client that has not sent a request's complete headers this long after their "
-                             "first byte is disconnected; 0: no limit (default: %(default)s)")
-    parser.add_argument("--http-keepalive-timeout-s", type=_ranged(float, 0.0, low_open=True, what="> 0"),
-                        default=30.0, help="an idle HTTP connection is closed after this long (default: %(default)s)")
-    parser.add_argument("--http-max-connections-per-client", type=NON_NEGATIVE_INT, default=256,
-                        help="open HTTP connections per client address; more are answered 429 and closed; "
-                             "0: no cap (default: %(default)s)")
     add_serve_security_arguments(parser)
 
 
@@ -224,13 +85,13 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 def add_hash_api_key_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("key", nargs="?", help='the key ("-" reads it from stdin); omitted: a new random key')
     parser.add_argument("--name", default="default", help="the key's name in logs and messages (default: %(default)s)")
-    parser.add_argument("--requests-per-s", type=_ranged(float, 0.0, low_open=True, what="> 0"),
+    parser.add_argument("--requests-per-s", type=POSITIVE_FLOAT,
                         help="this key's rate limit (default: the gateway's --rate-limit-rps)")
     parser.add_argument("--burst", type=POSITIVE, help="this key's burst (default: the gateway's)")
-    parser.add_argument("--target-itl-ms", type=_ranged(float, 0.0, low_open=True, what="> 0"),
+    parser.add_argument("--target-itl-ms", type=POSITIVE_FLOAT,
                         help="this key's inter-token latency target, its class of service (default: the "
                              "scheduler's --target-itl-ms)")
-    parser.add_argument("--target-ttft-ms", type=_ranged(float, 0.0, low_open=True, what="> 0"),
+    parser.add_argument("--target-ttft-ms", type=POSITIVE_FLOAT,
                         help="this key's time-to-first-token target (default: the scheduler's --target-ttft-ms)")
 
 
@@ -279,108 +140,85 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from kvstore.credentials import redact_url
-    from tokenmill.cluster.config import ClusterConfig, resolve_ports
     from tokenmill.cluster.specs import cluster_specs, restart_policies
-    from tokenmill.cluster.readiness import port_in_use
-    from tokenmill.cluster.supervisor import PortInUse, Supervisor, SupervisorError, run_until_stopped
+    from tokenmill.cluster.supervisor import Supervisor, SupervisorError, run_until_stopped
 
     if args.model is not None and not os.path.exists(args.model):
         print(f"error: --model {args.model}: no such file or directory", file=sys.stderr)
         return 2
     try:
-        security = serve_security_options(args)
-    except ValueError as error:  # TLSConfigError too
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    config = resolve_ports(ClusterConfig(
-        **security, model=args.model, dtype=args.dtype, host=args.host, internal_host=args.internal_host,
-        insecure_internal=args.insecure_internal,
-        gateway_port=args.gateway_port,
-        http_port=None if args.no_http else args.http_port,
-        scheduler_port=args.scheduler_port, worker_port=args.worker_port, redis_url=args.redis_url,
-        redis_port=args.redis_port, kv_policy=args.kv_policy, queue_policy=args.queue_policy,
-        block_size=args.block_size, kv_cache_mb=args.kv_cache_mb, num_blocks=args.num_blocks,
-        kv_cache_memory_fraction=args.kv_cache_memory_fraction, swap_space_gb=args.swap_space_gb,
-        target_itl_ms=args.target_itl_ms, target_ttft_ms=args.target_ttft_ms,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-        async_scheduling=args.async_scheduling, delta_stream=not args.no_delta_stream, device=args.device, kernel_backend=args.kernel_backend, quantization=args.quantization,
-        cuda_graphs=not args.no_cuda_graphs, stream_overlap=not args.no_stream_overlap,
-        packed_linears=not args.no_packed_linears, cpu_int8_activations=args.cpu_int8_activations,
-        cpu_fused_ops=not args.no_cpu_fused_ops, cpu_dense_weights=args.cpu_dense_weights,
-        deterministic=args.deterministic,
-        max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
-        api_keys_file=args.api_keys_file, rate_limit_rps=args.rate_limit_rps,
-        rate_limit_burst=args.rate_limit_burst,
-        drain_timeout_s=args.drain_timeout_s, retry_on_worker_failure=not args.no_retry_on_worker_failure,
-        stream_idle_timeout_s=args.stream_idle_timeout_s, tool_call_parser=args.tool_call_parser,
-        http_header_timeout_s=args.http_header_timeout_s, http_keepalive_timeout_s=args.http_keepalive_timeout_s,
-        http_max_connections_per_client=args.http_max_connections_per_client,
-        **({} if args.no_metrics else {"gateway_metrics_port": args.gateway_metrics_port,
-                                       "scheduler_metrics_port": args.scheduler_metrics_port,
-                                       "worker_metrics_port": args.worker_metrics_port})))
-    try:
+        config = resolve_ports(ClusterConfig.from_args(args, **serve_security_options(args)))
         specs = cluster_specs(config)
-    except (FileNotFoundError, ValueError) as error:  # no redis-server binary; a password redis.conf cannot hold
-        print(f"error: {error}", file=sys.stderr)
+    except (FileNotFoundError, ValueError) as error:  # TLSConfigError; no redis-server binary; a password
+        print(f"error: {error}", file=sys.stderr)     # redis.conf cannot hold
         return 2
     # crashed worker/scheduler/gateway (and our own redis-server) are restarted with backoff; the
     # grace period covers the drain
     supervisor = Supervisor(specs, startup_timeout_s=args.startup_timeout_s,
                             grace_s=max(args.grace_period_s, args.drain_timeout_s + 5.0),
                             restart_policies=restart_policies(redis=config.redis_url is None))
+    supervisor_metrics_port = None if args.no_metrics else args.supervisor_metrics_port
     try:
-        supervisor.check_ports()
-        if config.http_port is not None and port_in_use(f"{config.host}:{config.http_port}"):
-            raise PortInUse("gateway HTTP", f"{config.host}:{config.http_port}", "--http-port (or --no-http)")
-        for name in ("gateway", "scheduler", "worker"):
-            port = getattr(config, f"{name}_metrics_port")
-            if port is not None and port_in_use(f"{config.host}:{port}"):
-                raise PortInUse(f"{name} metrics", f"{config.host}:{port}", f"--{name}-metrics-port (or --no-metrics)")
-        supervisor_metrics_port = None if args.no_metrics else args.supervisor_metrics_port
-        if supervisor_metrics_port and port_in_use(f"{config.host}:{supervisor_metrics_port}"):
-            raise PortInUse("supervisor metrics", f"{config.host}:{supervisor_metrics_port}",
-                            "--supervisor-metrics-port (or --no-metrics)")
+        check_serve_ports(supervisor, config, supervisor_metrics_port)
     except SupervisorError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-
-    def on_ready() -> None:
-        rows = [("gateway", config.gateway_address)]
-        if config.http_address:
-            scheme = "https" if config.tls else "http"
-            rows.append(("http", f"{scheme}://{config.http_address}/v1  (OpenAI-compatible)"))
-        rows += [("scheduler", config.scheduler_address), ("worker", config.worker_address),
-                 ("redis", redact_url(config.effective_redis_url) + ("" if config.redis_url is None else " (external)"))]
-        if config.gateway_metrics_port is not None:
-            rows.append(("metrics", ", ".join(f"http://{config.host}:{port}/metrics" for port in (
-                config.gateway_metrics_port, config.scheduler_metrics_port, config.worker_metrics_port))))
-        if metrics_server is not None:
-            rows.append(("children", f"http://{config.host}:{metrics_server.server_port}/metrics  (up, restarts, "
-                                     "crash-looping)"))
-        tls_flags = ""
-        if config.tls:
-            tls_flags = f" --tls-ca {config.tls.ca}" + (
-                f" --tls-cert {config.tls.client_cert} --tls-key {config.tls.client_key}" if config.tls.mutual else "")
-        ready = f'ready: try  tokenmill generate "Hello" --address {config.gateway_address}{tls_flags}'
-        if any(child.json_lines for child in supervisor.children.values()):  # keep the output JSON lines
-            print("\n".join(supervisor.own_line(f"{name} {address}".strip()) for name, address in [*rows, ("", ready)]),
-                  flush=True)
-            return
-        print("\n".join(f"{name:<10} {address}" for name, address in rows))
-        print(ready, flush=True)
-
     metrics_server = None
     if supervisor_metrics_port is not None:
         from tokenmill.cluster.supervisor_metrics import serve_supervisor_metrics
 
         metrics_server = serve_supervisor_metrics(supervisor, config.host, supervisor_metrics_port)
     try:
-        return run_until_stopped(supervisor, on_ready)
+        return run_until_stopped(supervisor, lambda: print_ready(supervisor, config, metrics_server))
     finally:
         if metrics_server is not None:
             metrics_server.shutdown()
+
+
+def check_serve_ports(supervisor, config: ClusterConfig, supervisor_metrics_port: int | None) -> None:
+    """Raises PortInUse, naming the flag to change, for a taken port before anything starts."""
+    from tokenmill.cluster.readiness import port_in_use
+    from tokenmill.cluster.supervisor import PortInUse
+
+    supervisor.check_ports()
+    if config.http_port is not None and port_in_use(f"{config.host}:{config.http_port}"):
+        raise PortInUse("gateway HTTP", f"{config.host}:{config.http_port}", "--http-port (or --no-http)")
+    for name in ("gateway", "scheduler", "worker"):
+        port = getattr(config, f"{name}_metrics_port")
+        if port is not None and port_in_use(f"{config.host}:{port}"):
+            raise PortInUse(f"{name} metrics", f"{config.host}:{port}", f"--{name}-metrics-port (or --no-metrics)")
+    if supervisor_metrics_port and port_in_use(f"{config.host}:{supervisor_metrics_port}"):
+        raise PortInUse("supervisor metrics", f"{config.host}:{supervisor_metrics_port}",
+                        "--supervisor-metrics-port (or --no-metrics)")
+
+
+def print_ready(supervisor, config: ClusterConfig, metrics_server) -> None:
+    """Where everything listens, and a command to try it."""
+    from kvstore.credentials import redact_url
+
+    rows = [("gateway", config.gateway_address)]
+    if config.http_address:
+        scheme = "https" if config.tls else "http"
+        rows.append(("http", f"{scheme}://{config.http_address}/v1  (OpenAI-compatible)"))
+    rows += [("scheduler", config.scheduler_address), ("worker", config.worker_address),
+             ("redis", redact_url(config.effective_redis_url) + ("" if config.redis_url is None else " (external)"))]
+    if config.gateway_metrics_port is not None:
+        rows.append(("metrics", ", ".join(f"http://{config.host}:{port}/metrics" for port in (
+            config.gateway_metrics_port, config.scheduler_metrics_port, config.worker_metrics_port))))
+    if metrics_server is not None:
+        rows.append(("children", f"http://{config.host}:{metrics_server.server_port}/metrics  (up, restarts, "
+                                 "crash-looping)"))
+    tls_flags = ""
+    if config.tls:
+        tls_flags = f" --tls-ca {config.tls.ca}" + (
+            f" --tls-cert {config.tls.client_cert} --tls-key {config.tls.client_key}" if config.tls.mutual else "")
+    ready = f'ready: try  tokenmill generate "Hello" --address {config.gateway_address}{tls_flags}'
+    if any(child.json_lines for child in supervisor.children.values()):  # keep the output JSON lines
+        print("\n".join(supervisor.own_line(f"{name} {address}".strip()) for name, address in [*rows, ("", ready)]),
+              flush=True)
+        return
+    print("\n".join(f"{name:<10} {address}" for name, address in rows))
+    print(ready, flush=True)
 
 
 def serve_security_options(args: argparse.Namespace) -> dict:

@@ -17,7 +17,7 @@ import pytest
 
 from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.helpers.tiny_models import make_tiny_hf_model
-from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.config import ClusterConfig, resolve_ports, with_settings
 from tokenmill.cluster.specs import cluster_specs, restart_policies
 from tokenmill.cluster.restart_policy import RestartPolicy
 from tokenmill.cluster.supervisor import Supervisor
@@ -31,11 +31,11 @@ def tiny_cluster(tmp_path, model_overrides: dict | None = None, extra_argv: dict
                  **overrides):
     """model_overrides: the tiny model's config attributes (e.g. max_position_embeddings); extra_argv:
     flags added to a child's command line by its name ("gateway", "scheduler", ...); overrides:
-    ClusterConfig fields (num_blocks=None: the KV cache sized from memory)."""
+    settings of the cluster or a service (with_settings; num_blocks=None: the KV cache sized from memory)."""
     folder, _ = make_tiny_hf_model(tmp_path, **(model_overrides or {}))
     settings = {"num_blocks": 256, "max_num_batched_tokens": 256, **overrides}
-    config = resolve_ports(ClusterConfig(model=str(folder), gateway_port=0, scheduler_port=0, worker_port=0,
-                                         redis_port=0, **settings))
+    config = resolve_ports(with_settings(ClusterConfig(), model=str(folder), gateway_port=0, scheduler_port=0,
+                                         worker_port=0, redis_port=0, **settings))
     specs = [dataclasses.replace(spec, argv=[*spec.argv, *(extra_argv or {}).get(spec.name, [])])
              for spec in cluster_specs(config)]
     # every child's output and the supervisor's own lines (restarts) go to a file a failing test names

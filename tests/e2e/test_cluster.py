@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -11,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.text.tokenizer import load_tokenizer
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from core.sampling import SamplingParams
-from tokenmill.llm import LLM, EngineConfig
+from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig
 from plumbing.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
 
 pytestmark = pytest.mark.slow
@@ -45,7 +46,7 @@ async def test_concurrent_streams_match_the_in_process_engine(cluster):
         results = await asyncio.gather(*(stream_text(stub, chat(q)) for q in QUESTIONS))
         prompts = [list((await stub.Tokenize(generation_pb2.TokenizeRequest(messages=chat(q).messages))).token_ids)
                    for q in QUESTIONS]
-    llm = LLM(EngineConfig(num_blocks=256), progress=False)
+    llm = LLM(EngineConfig(worker=replace(ENGINE_WORKER, num_blocks=256)), progress=False)
     tokenizer = load_tokenizer(None)
     expected = llm.generate_token_ids(prompts, SamplingParams(max_tokens=24, temperature=0.0,
                                                               stop_token_ids=tokenizer.stop_token_ids))

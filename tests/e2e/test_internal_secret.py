@@ -17,7 +17,7 @@ from protos.tokenmill.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, w
 from tests.helpers.tiny_models import make_tiny_hf_model
 from tokenmill import cli
 from tokenmill.client import Client
-from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.config import ClusterConfig, resolve_ports, with_settings
 from tokenmill.cluster.specs import cluster_specs
 from tokenmill.cluster.supervisor import Supervisor
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 def served_cluster(tmp_path_factory):
     model, _ = make_tiny_hf_model(tmp_path_factory.mktemp("model"))
     serve_flags = cli.build_parser().parse_args(["serve"])
-    config = resolve_ports(ClusterConfig(**cli.serve_security_options(serve_flags), model=str(model),
+    config = resolve_ports(with_settings(ClusterConfig(), **cli.serve_security_options(serve_flags), model=str(model),
                                          gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0, kv_cache_mb=4))
     with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300) as supervisor:
         yield config, supervisor

@@ -19,7 +19,7 @@ from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc, sampling_pb
 from core.prefix_keys import extend_block_hashes
 from tests.helpers.tiny_models import make_tiny_hf_model
 from tokenmill.cluster.child_process import ChildSpec
-from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.config import ClusterConfig, resolve_ports, with_settings
 from tokenmill.cluster.specs import cluster_specs
 from plumbing.rpc import GENERATION_SERVICE
 from tokenmill.cluster.supervisor import Supervisor
@@ -39,9 +39,10 @@ def _replica_specs(config: ClusterConfig, suffix: str) -> list[ChildSpec]:
 def two_replicas(tmp_path_factory):
     folder, _ = make_tiny_hf_model(tmp_path_factory.mktemp("replicas"), "llama")
     base = dict(model=str(folder), block_size=BLOCK_SIZE, num_blocks=128, max_num_batched_tokens=256)
-    first = resolve_ports(ClusterConfig(gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0, **base))
-    second = resolve_ports(ClusterConfig(gateway_port=first.gateway_port, scheduler_port=0, worker_port=0,
-                                         redis_url=first.effective_redis_url, **base))
+    first = resolve_ports(with_settings(ClusterConfig(), gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
+                                        **base))
+    second = resolve_ports(with_settings(ClusterConfig(), gateway_port=first.gateway_port, scheduler_port=0,
+                                         worker_port=0, redis_url=first.effective_redis_url, **base))
     redis_spec = cluster_specs(first)[0]
     gateway = cluster_specs(first)[-1]
     argv = list(gateway.argv)

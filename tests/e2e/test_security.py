@@ -21,7 +21,7 @@ from tests.helpers.certificates import make_pki
 from tests.helpers.tiny_models import make_tiny_hf_model
 from tokenmill import cli
 from tokenmill.client import Client, ClientError
-from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.config import ClusterConfig, resolve_ports, with_settings
 from tokenmill.cluster.specs import cluster_specs
 from tokenmill.cluster.readiness import free_port
 from plumbing.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
@@ -38,7 +38,7 @@ REDIS_USER, REDIS_PASSWORD = "tokenmill", "s3cret/P@ss"  # '/' and '@' must surv
 def secure_cluster(tmp_path_factory):
     model, _ = make_tiny_hf_model(tmp_path_factory.mktemp("model"))
     pki = make_pki(tmp_path_factory.mktemp("pki"))
-    config = resolve_ports(ClusterConfig(
+    config = resolve_ports(with_settings(ClusterConfig(),
         model=str(model), gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0, http_port=0,
         kv_cache_mb=4, redis_user=REDIS_USER, redis_password=REDIS_PASSWORD,
         tls=ClusterTLS(pki.ca, pki.server_cert, pki.server_key, pki.client_cert, pki.client_key),

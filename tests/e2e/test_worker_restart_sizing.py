@@ -14,7 +14,7 @@ from plumbing.tls import ClusterTLS
 from protos.tokenmill.v1 import common_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.e2e.faults_cluster import (cluster_log_on_failure, generate_ok, kill9, request,  # noqa: F401 (a fixture)
                                       scheduler_load, tiny_cluster, wait_until)
-from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.config import ClusterConfig, resolve_ports, with_settings
 from tokenmill.cluster.specs import KV_SIZING_RECORD, cluster_specs
 from worker.kv_sizing import REUSED_SIZING
 
@@ -81,7 +81,8 @@ def test_a_worker_sized_from_memory_keeps_its_record_in_its_temp_dir_with_absolu
     ports = {"gateway_port": 0, "scheduler_port": 0, "worker_port": 0, "redis_port": 0}
 
     def worker_spec(**settings):
-        return next(s for s in cluster_specs(resolve_ports(ClusterConfig(**ports, **settings))) if s.name == "worker")
+        config = resolve_ports(with_settings(ClusterConfig(), **ports, **settings))
+        return next(spec for spec in cluster_specs(config) if spec.name == "worker")
 
     spec = worker_spec(model="tiny.gguf", tls=tls)
     argv = list(spec.argv)

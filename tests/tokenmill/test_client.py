@@ -14,7 +14,7 @@ import pytest
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tokenmill.client import AsyncClient, Client, ClientError, RetryPolicy
 from tokenmill.client.types import generate_request
-from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.config import ClusterConfig, resolve_ports, with_settings
 from tokenmill.cluster.specs import cluster_specs
 from tokenmill.cluster.readiness import free_port
 from tokenmill.cluster.supervisor import Supervisor
@@ -172,7 +172,7 @@ def test_a_server_that_starts_late_is_reached_by_retries():
 
 @pytest.fixture(scope="module")
 def cluster_address():
-    config = resolve_ports(ClusterConfig(gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
+    config = resolve_ports(with_settings(ClusterConfig(), gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
                                          kv_cache_mb=64, max_num_batched_tokens=256))
     with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300):
         yield config.gateway_address

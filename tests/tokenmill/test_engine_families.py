@@ -3,12 +3,14 @@ greedy tokens equal to transformers `generate` on the same weights, 30 tokens pa
 (well past the 7-token sliding windows of the mistral / gemma flavours)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from core.sampling import SamplingParams
 from tests.helpers.tiny_models import EOS_ID, FLAVOURS, make_tiny_hf_model
-from tokenmill.llm import LLM, EngineConfig
+from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
 NEW_TOKENS = 30
@@ -17,7 +19,7 @@ NEW_TOKENS = 30
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_engine_greedy_equals_transformers_generate(tmp_path, flavour):
     folder, hf_model = make_tiny_hf_model(tmp_path, flavour)
-    llm = LLM(EngineConfig(model=str(folder), num_blocks=64))
+    llm = LLM(EngineConfig(worker=replace(ENGINE_WORKER, model=str(folder), num_blocks=64)))
     out = llm.generate_token_ids([PROMPT], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))[0]
     ours = list(getattr(out, "token_ids", out))
     with torch.no_grad():

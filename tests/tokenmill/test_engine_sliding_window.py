@@ -14,7 +14,8 @@ import torch
 from core.sampling import SamplingParams
 from scheduler.request import Request
 from tests.helpers.tiny_models import EOS_ID, SLIDING_WINDOW, make_tiny_hf_model
-from tokenmill.llm import LLM, EngineConfig
+from scheduler.options import SchedulerOptions
+from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig
 
 BLOCK_SIZE = 4
 LOGPROB_ATOL = 1e-4  # float32, torch path vs transformers
@@ -57,12 +58,13 @@ def transformers_greedy(hf_model, prompt, max_tokens) -> tuple[list[int], list[f
 def test_a_long_generation_holds_its_window_with_transformers_tokens(tiny, kernel_backend, max_tokens):
     folder, hf_model = tiny
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
-    config = EngineConfig(model=str(folder), block_size=BLOCK_SIZE, num_blocks=64, kernel_backend=kernel_backend)
+    config = EngineConfig(worker=replace(ENGINE_WORKER, model=str(folder), block_size=BLOCK_SIZE, num_blocks=64,
+                                          kernel_backend=kernel_backend))
     llm = LLM(config, progress=False)
     assert llm.model_config.every_layer_window == SLIDING_WINDOW
     (tokens,), (logprobs,), most_pages = run_counting_pages(llm.engine, [prompt], max_tokens)
-    (kept_tokens,), _, kept_pages = run_counting_pages(llm.new_engine(replace(config, free_window_pages=False)),
-                                                       [prompt], max_tokens)
+    keeping = replace(config, scheduler=replace(config.scheduler, free_window_pages=False))
+    (kept_tokens,), _, kept_pages = run_counting_pages(llm.new_engine(keeping), [prompt], max_tokens)
     expected_tokens, expected_logprobs = transformers_greedy(hf_model, prompt, max_tokens)
     assert tokens == kept_tokens == expected_tokens
     assert logprobs == pytest.approx(expected_logprobs, abs=LOGPROB_ATOL)
@@ -82,8 +84,10 @@ def test_requests_sharing_a_tight_pool_keep_transformers_tokens(tiny, async_sche
     prompts = [[40 + i // 2] * 9 + list(range(60 + 5 * i, 63 + 5 * i + 2 * i % 11)) for i in range(8)]
     max_tokens = 30
     bytes_per_page = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4  # K+V x layers x tokens x KV heads x head dim x float32
-    llm = LLM(EngineConfig(model=str(folder), block_size=BLOCK_SIZE, num_blocks=16, max_num_batched_tokens=16,
-                           async_scheduling=async_scheduling, swap_space_bytes=64 * bytes_per_page if swap else 0),
+    worker = replace(ENGINE_WORKER, model=str(folder), block_size=BLOCK_SIZE, num_blocks=16,
+                     swap_space_gb=(64 * bytes_per_page if swap else 0) / 2**30)
+    llm = LLM(EngineConfig(worker=worker, scheduler=SchedulerOptions(max_num_batched_tokens=16,
+                                                                     async_scheduling=async_scheduling)),
               progress=False)
     tokens, logprobs, _ = run_counting_pages(llm.engine, prompts, max_tokens)
     for prompt, ours, our_logprobs in zip(prompts, tokens, logprobs):
@@ -100,6 +104,7 @@ def test_requests_sharing_a_tight_pool_keep_transformers_tokens(tiny, async_sche
 def test_only_models_that_slide_on_every_layer_give_pages_back(tmp_path, flavour, window):
     """gemma's global layers still read every page; a mistral without a window has none to slide."""
     folder, _ = make_tiny_hf_model(tmp_path, flavour)
-    llm = LLM(EngineConfig(model=str(folder), block_size=BLOCK_SIZE, num_blocks=64), progress=False)
+    llm = LLM(EngineConfig(worker=replace(ENGINE_WORKER, model=str(folder), block_size=BLOCK_SIZE, num_blocks=64)),
+              progress=False)
     assert llm.model_config.every_layer_window == window
     assert llm.engine.scheduler.config.sliding_window == window

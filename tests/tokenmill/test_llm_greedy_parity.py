@@ -1,13 +1,16 @@
 """The engine on the real default model produces exactly transformers' greedy tokens."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from gateway.text.tokenizer import load_tokenizer
 from core.sampling import SamplingParams
 from tokenmill.bench.engine import load_transformers_model
-from tokenmill.llm import LLM, EngineConfig
+from scheduler.options import SchedulerOptions
+from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +34,8 @@ def test_concurrent_greedy_equals_transformers_generate():
     prompts = [tokenizer.encode(text) for text in PROMPTS]
     assert len({len(p) for p in prompts}) >= 6  # different lengths, mixed in one batch
     # a small token budget forces chunked prefill mixed with other requests' decode steps
-    llm = LLM(EngineConfig(num_blocks=128, max_num_batched_tokens=48), progress=False)
+    llm = LLM(EngineConfig(worker=replace(ENGINE_WORKER, num_blocks=128),
+                           scheduler=SchedulerOptions(max_num_batched_tokens=48)), progress=False)
     ours = llm.generate_token_ids(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
 
     model = load_transformers_model(None)

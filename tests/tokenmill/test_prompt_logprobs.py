@@ -12,7 +12,8 @@ import torch
 from core.sampling import SamplingParams
 from scheduler.request import Request
 from tests.helpers.tiny_models import make_tiny_hf_model
-from tokenmill.llm import LLM, EngineConfig
+from scheduler.options import SchedulerOptions
+from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig
 
 TOP = 3
 TOLERANCE = 2e-4  # float32 paged engine vs transformers eager, both float32
@@ -22,7 +23,8 @@ TOLERANCE = 2e-4  # float32 paged engine vs transformers eager, both float32
 def tiny(tmp_path_factory):
     folder, model = make_tiny_hf_model(tmp_path_factory.mktemp("prompt-logprobs"), "qwen2")
     # a token budget of 16 splits the 37- and 50-token prompts into chunks
-    config = EngineConfig(model=str(folder), num_blocks=64, max_num_batched_tokens=16)
+    config = EngineConfig(worker=replace(ENGINE_WORKER, model=str(folder), num_blocks=64),
+                          scheduler=SchedulerOptions(max_num_batched_tokens=16))
     return LLM(config, progress=False), model, config
 
 
@@ -92,7 +94,8 @@ def test_prompt_logprobs_skip_the_prefix_cache(tiny):
 
 def test_prompt_logprobs_under_async_scheduling(tiny):
     llm, model, config = tiny
-    asynchronous = LLM(replace(config, async_scheduling=True), runner=llm.runner, progress=False)
+    asynchronous = LLM(replace(config, scheduler=replace(config.scheduler, async_scheduling=True)), runner=llm.runner,
+                       progress=False)
     prompts = [prompt_of(41, 5), prompt_of(12, 6)]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     outputs = asynchronous.generate(prompts, params)
@@ -109,8 +112,9 @@ def test_prompt_logprobs_of_a_request_preempted_mid_prompt(tiny, swap, async_sch
     way its prompt logprobs come out once per position, equal to an undisturbed run's and transformers'."""
     llm, model, config = tiny
     bytes_per_page = 2 * 2 * 16 * 2 * 16 * 4  # K+V x layers x tokens x KV heads x head dim x float32
-    tight = LLM(replace(config, num_blocks=6, swap_space_bytes=16 * bytes_per_page if swap else 0,
-                        async_scheduling=async_scheduling), progress=False)
+    tight = LLM(replace(config, worker=replace(config.worker, num_blocks=6,
+                                               swap_space_gb=(16 * bytes_per_page if swap else 0) / 2**30),
+                        scheduler=replace(config.scheduler, async_scheduling=async_scheduling)), progress=False)
     decoding = Request("decoding", prompt_of(30, 7), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     asks = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=TOP)
     victim = Request("victim", prompt_of(60, 8), asks)

@@ -2,34 +2,34 @@
 without --kv-cache-mb the worker sizes its cache from free memory."""
 from __future__ import annotations
 
+from scheduler.main import parse_args as scheduler_args
 from tokenmill.cli import build_parser
 from tokenmill.cluster.config import ClusterConfig
 from tokenmill.cluster.specs import cluster_specs
+from worker.main import parse_args as worker_args
 
 
-def specs_for(argv: list[str]) -> dict[str, str]:
-    args = build_parser().parse_args(["serve", *argv])
-    config = ClusterConfig(gateway_port=1, scheduler_port=2, worker_port=3, redis_url="redis://x:1",
-                           kv_cache_mb=args.kv_cache_mb, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-                           swap_space_gb=args.swap_space_gb, target_itl_ms=args.target_itl_ms,
-                           target_ttft_ms=args.target_ttft_ms)
-    return {spec.name: " ".join(spec.argv) for spec in cluster_specs(config)}
+def processes(argv: list[str]):
+    """The worker's and the scheduler's options as they parse the command lines serve gives them."""
+    config = ClusterConfig.from_args(build_parser().parse_args(["serve", "--redis-url", "redis://x:1", *argv]))
+    argv_of = {spec.name: list(spec.argv[3:]) for spec in cluster_specs(config)}  # past "python -m x.main"
+    return worker_args(argv_of["worker"]), scheduler_args(argv_of["scheduler"])
 
 
 def test_tuning_flags_reach_the_processes():
-    specs = specs_for(["--kv-cache-memory-fraction", "0.3", "--swap-space-gb", "2", "--target-itl-ms", "40",
-                       "--target-ttft-ms", "800"])
-    assert "--kv-cache-memory-fraction 0.3" in specs["worker"] and "--swap-space-gb 2.0" in specs["worker"]
-    assert "--kv-cache-mb" not in specs["worker"]
-    assert "--max-num-batched-tokens 512" in specs["worker"]  # the size of the worker's profile pass
-    assert "--target-itl-ms 40.0 --target-ttft-ms 800.0" in specs["scheduler"]
+    worker, scheduler = processes(["--kv-cache-memory-fraction", "0.3", "--swap-space-gb", "2", "--target-itl-ms",
+                                   "40", "--target-ttft-ms", "800", "--max-num-batched-tokens", "256"])
+    assert (worker.kv_cache_memory_fraction, worker.swap_space_gb, worker.kv_cache_mb) == (0.3, 2.0, None)
+    assert worker.max_num_batched_tokens == scheduler.max_num_batched_tokens == 256  # the worker's profile pass
+    assert (scheduler.target_itl_ms, scheduler.target_ttft_ms) == (40.0, 800.0)
 
 
 def test_defaults_size_from_memory_and_keep_fixed_budgets():
-    specs = specs_for([])
-    assert "--kv-cache-mb" not in specs["worker"] and "--kv-cache-memory-fraction" not in specs["worker"]
-    assert "--target-itl-ms" not in specs["scheduler"] and "--swap-space-gb 0.0" in specs["worker"]
-    assert "--kv-cache-mb 64" in specs_for(["--kv-cache-mb", "64"])["worker"]
+    worker, scheduler = processes([])
+    assert worker.kv_cache_mb is None and worker.kv_cache_memory_fraction is None and worker.kv_sizing_record
+    assert scheduler.target_itl_ms is None and worker.swap_space_gb == 0.0
+    assert worker.max_num_batched_tokens == scheduler.max_num_batched_tokens == 512
+    assert processes(["--kv-cache-mb", "64"])[0].kv_cache_mb == 64
 
 
 def test_bench_starts_one_extra_cluster_per_tuning_setting():

@@ -168,12 +168,13 @@ def cluster_config(args, kv_policy: str, **settings):
     """The started cluster's config, with free ports: the KV cache sized as `tokenmill serve` sizes it
     unless --num-blocks (or --compare-kv-layouts) says otherwise. settings: more ClusterConfig fields
     (a fixed budget, a latency target, swap space)."""
-    from tokenmill.cluster.config import ClusterConfig, resolve_ports
+    from tokenmill.cluster.config import ClusterConfig, resolve_ports, with_settings
 
-    return resolve_ports(ClusterConfig(
+    return resolve_ports(with_settings(ClusterConfig(
         model=args.model, gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
-        http_port=0 if args.protocol == "http" else None, kv_policy=kv_policy, num_blocks=args.num_blocks,
+        http_port=0 if args.protocol == "http" else None), kv_policy=kv_policy, num_blocks=args.num_blocks,
         **settings))
+
 
 
 def run_cluster(args, workload, kv_policy: str, label: str | None = None, **settings) -> dict:
@@ -196,7 +197,7 @@ def cluster_target(args, config):
 
 def cluster_settings(config, kv_policy: str) -> dict:
     return {"kv_policy": kv_policy, "max_num_batched_tokens": config.max_num_batched_tokens,
-            "target_itl_ms": config.target_itl_ms, "swap_space_gb": config.swap_space_gb}
+            "target_itl_ms": config.scheduler.target_itl_ms, "swap_space_gb": config.worker.swap_space_gb}
 
 
 def run_clusters_interleaved(args, workload, clusters: list[tuple[str, str, dict]]) -> dict[str, dict]:

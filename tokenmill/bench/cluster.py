@@ -17,13 +17,15 @@ import resource
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 from gateway.text.tokenizer import TextTokenizer, load_tokenizer
 from core.sampling import SamplingParams
+from scheduler.options import SchedulerOptions
 from scheduler.request import Request
 from tokenmill.bench.runner import interleaved_order
 from tokenmill.bench.workload import make_workload, text_prompts
-from tokenmill.llm import LLM, EngineConfig
+from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -181,19 +183,21 @@ def main(argv: list[str] | None = None) -> int:
                  for index in range(args.rounds)]
     output_lens = make_workload(tokenizer.vocab_size, args.num_requests, args.prompt_len, args.min_output,
                                 args.max_output, args.seed).output_lens
-    config = EngineConfig(kv_cache_bytes=args.kv_cache_mb * 2**20, max_num_seqs=max(64, args.num_requests))
+    config = EngineConfig(worker=replace(ENGINE_WORKER, kv_cache_mb=args.kv_cache_mb),
+                          scheduler=SchedulerOptions(max_num_seqs=max(64, args.num_requests)))
     llm = LLM(config, progress=False)
     warm_up_prompt = text_prompts(tokenizer, 1, 16, args.seed + 999)[0]
     llm.generate([tokenizer.encode(warm_up_prompt)], SamplingParams(max_tokens=4, temperature=0.0))
 
-    from tokenmill.cluster.config import ClusterConfig, resolve_ports
+    from tokenmill.cluster.config import LOCAL_GATEWAY, LOCAL_WORKER, ClusterConfig, resolve_ports
     from tokenmill.cluster.specs import cluster_specs
     from tokenmill.cluster.supervisor import Supervisor
 
-    cluster_config = resolve_ports(ClusterConfig(gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
-                                                 kv_cache_mb=args.kv_cache_mb, max_num_seqs=config.max_num_seqs,
-                                                 async_scheduling=args.async_scheduling,
-                                                 delta_stream=not args.no_delta_stream))
+    cluster_config = resolve_ports(ClusterConfig(
+        gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
+        worker=replace(LOCAL_WORKER, kv_cache_mb=args.kv_cache_mb),
+        scheduler=replace(config.scheduler, async_scheduling=args.async_scheduling),
+        gateway=replace(LOCAL_GATEWAY, delta_stream=not args.no_delta_stream)))
     with Supervisor(cluster_specs(cluster_config), echo=False) as supervisor:
         sync_prompts = text_prompts(tokenizer, 32, 8, args.seed + 1)
         pids = {name: pid for name in supervisor.children if (pid := supervisor.pid(name)) is not None}

@@ -16,12 +16,13 @@ from dataclasses import replace
 import torch
 
 from core.sampling import SamplingParams
+from scheduler.options import SchedulerOptions
 from tokenmill.bench.workload import Workload, make_workload
-from tokenmill.llm import LLM, EngineConfig
+from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig
 
 
 def run_tokenmill(llm: LLM, workload: Workload, kv_policy: str) -> dict:
-    llm.engine = llm.new_engine(replace(llm.config, kv_policy=kv_policy))
+    llm.engine = llm.new_engine(replace(llm.config, scheduler=replace(llm.config.scheduler, kv_policy=kv_policy)))
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
     start = time.perf_counter()
     outputs = llm.generate_token_ids(workload.prompts, params)
@@ -116,9 +117,11 @@ def engine_facts(llm: LLM) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    config = EngineConfig(model=args.model, kv_cache_bytes=args.kv_cache_mb * 2**20,
-                          max_num_seqs=max(64, args.num_requests), quantization=args.quantization, dtype=args.dtype,
-                          cpu_fused_ops=not args.no_cpu_fused_ops, cpu_dense_weights=args.cpu_dense_weights)
+    config = EngineConfig(
+        worker=replace(ENGINE_WORKER, model=args.model, kv_cache_mb=args.kv_cache_mb, quantization=args.quantization,
+                       dtype=args.dtype, cpu_fused_ops=not args.no_cpu_fused_ops,
+                       cpu_dense_weights=args.cpu_dense_weights),
+        scheduler=SchedulerOptions(max_num_seqs=max(64, args.num_requests)))
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     llm = LLM(config)
     workload = make_workload(llm.model_config.vocab_size, args.num_requests, args.prompt_len,

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from concurrent import futures
+from dataclasses import replace
 
 import grpc
 
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
 
-    from tokenmill.cluster.config import ClusterConfig, resolve_ports
+    from scheduler.options import SchedulerOptions
+    from tokenmill.cluster.config import LOCAL_WORKER, ClusterConfig, resolve_ports
 
     tokenizer = load_tokenizer(args.model)
     prompts = text_prompts(tokenizer, args.num_requests, args.prompt_len, args.seed)
@@ -114,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def cluster(env) -> ClusterConfig:
         return resolve_ports(ClusterConfig(model=args.model, gateway_port=0, scheduler_port=0, worker_port=0,
-                                           redis_port=0, kv_cache_mb=args.kv_cache_mb,
-                                           max_num_seqs=max(64, args.num_requests), child_env=env))
+                                           redis_port=0, worker=replace(LOCAL_WORKER, kv_cache_mb=args.kv_cache_mb),
+                                           scheduler=SchedulerOptions(max_num_seqs=max(64, args.num_requests)),
+                                           child_env=env))
 
     configs = {"off": cluster(()), "on": cluster(traced_env)}
     try:

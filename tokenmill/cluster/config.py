@@ -1,29 +1,59 @@
-"""A whole local cluster described once: the ports, hosts and settings of redis-server, worker,
-scheduler and gateway (ClusterConfig), and resolve_ports for the ports given as 0.
+"""A whole local cluster described once: each service's own options, and what the cluster sets for
+every child itself (ports, hosts, Redis, TLS, and the values several services share).
 
-    config = resolve_ports(ClusterConfig(model="tiny.gguf", gateway_port=0, scheduler_port=0,
-                                         worker_port=0, redis_port=0))   # 0: a free port
+    config = resolve_ports(ClusterConfig(model="tiny.gguf", gateway_port=0, scheduler_port=0, worker_port=0,
+                                         redis_port=0, worker=WorkerOptions(dtype="float32", num_blocks=64)))
+
+`tokenmill serve` builds one from its flags: ClusterConfig.add_arguments declares the cluster's own flags
+and offers each service's under the same names (one argparse group each, from the service's options);
+ClusterConfig.from_args reads them back. Adding a flag to a service's options adds it here too.
+
+A service's fields marked cluster=False (where it listens, its peers, the values below that several
+services take) are the cluster's to set: cluster_specs sets them on each child from the fields of this
+class, whatever the service's options say.
 """
 from __future__ import annotations
 
+import argparse
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
+from gateway.options import GatewayOptions
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, PUBLIC_MAX_MESSAGE_BYTES
+from plumbing.options import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, PORT, POSITIVE, POSITIVE_FLOAT, POWER_OF_TWO
 from plumbing.tls import ClusterTLS
+from scheduler.options import SchedulerOptions
 from tokenmill.cluster.readiness import connect_address, free_port
 from tokenmill.cluster.redis_process import redis_url
+from worker.options import WorkerOptions
+
+# A cluster built in code runs float32 weights unless told otherwise, so a test or a benchmark gets the same
+# numbers on every CPU (`tokenmill serve --dtype` defaults to auto, as the worker does), and its gateway
+# exits as soon as a drain ends (the deployments keep /metrics up one scrape interval).
+LOCAL_WORKER = WorkerOptions(dtype="float32")
+LOCAL_GATEWAY = GatewayOptions(metrics_linger_s=0.0)
+SERVICES = (("worker", WorkerOptions), ("scheduler", SchedulerOptions), ("gateway", GatewayOptions))
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
+    # each service's own options; their cluster=False fields are set per child from the fields below
+    worker: WorkerOptions = LOCAL_WORKER
+    scheduler: SchedulerOptions = SchedulerOptions()
+    gateway: GatewayOptions = LOCAL_GATEWAY
+    # values several services take, held once: the model (worker, gateway's tokenizer), the page size and
+    # the step budget (worker's profile pass, scheduler), the drain (scheduler, gateway), and whether
+    # scheduler and worker may listen beyond loopback without mutual TLS (each logs it)
     model: str | None = None  # GGUF file or HF folder; None: the default SmolLM2-135M-Instruct GGUF
-    dtype: str = "float32"
-    host: str = "127.0.0.1"  # where the gateway listens (gRPC and HTTP)
-    # where the scheduler and worker listen; beyond loopback they need mutual TLS (they admit callers by
-    # the role their certificate names, plumbing.peer_roles) or insecure_internal
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    drain_timeout_s: float = 30.0  # SIGTERM to the gateway or scheduler: how long in-flight requests may take
+    insecure_internal: bool = False
+    # where each listens: the gateway on host, scheduler and worker on internal_host (beyond loopback they
+    # need mutual TLS: they admit callers by the role their certificate names, plumbing.peer_roles)
+    host: str = "127.0.0.1"
     internal_host: str = "127.0.0.1"
-    insecure_internal: bool = False  # --insecure-internal: non-loopback internal_host without mTLS (logged)
     gateway_port: int = 50051  # 0: pick a free port (resolve_ports)
     # The gateway's OpenAI-compatible HTTP API; None: off (so test clusters never fight over one fixed
     # port; `tokenmill serve` passes 8000 unless told otherwise); 0: pick a free port.
@@ -36,52 +66,11 @@ class ClusterConfig:
     # alone sets requirepass; with a user, that ACL user and no unauthenticated default user
     redis_user: str | None = None
     redis_password: str | None = None
+    # the links
     tls: ClusterTLS | None = None  # None: plaintext gRPC on every link
     max_message_bytes: int = PUBLIC_MAX_MESSAGE_BYTES  # the gateway's (gRPC messages and HTTP bodies)
     internal_max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES  # scheduler and worker
-    kv_policy: str = "paged"
-    queue_policy: str = "fcfs"
-    block_size: int = 16
-    kv_cache_mb: int | None = None  # None: sized from free memory (kv_cache_memory_fraction)
-    kv_cache_memory_fraction: float | None = None  # None: the worker's device default (worker.kv_sizing)
-    num_blocks: int | None = None  # overrides kv_cache_mb
-    swap_space_gb: float = 0.0  # host memory for swapped-out KV pages; 0: preemption only recomputes
-    target_itl_ms: float | None = None  # latency targets (scheduler.step_time); None: fixed budgets
-    target_ttft_ms: float | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    async_scheduling: bool = False  # the scheduler plans step N+1 while the worker runs step N
-    # the worker's execution (worker.paths.base): device auto = cuda when visible; backend auto = triton on CUDA
-    device: str = "auto"
-    kernel_backend: str = "auto"
-    quantization: str = "auto"  # worker.paths.base.QUANTIZATIONS
-    cuda_graphs: bool = True
-    stream_overlap: bool = True
-    packed_linears: bool = True  # CPU float32 (worker.linears.packed)
-    cpu_int8_activations: bool = False  # worker.paths.base.ExecutionOptions
-    cpu_fused_ops: bool = True  # worker.paths.base.ExecutionOptions; False: the plain-torch reference
-    cpu_dense_weights: str = "auto"  # worker.paths.base.ExecutionOptions (worker.linears.dense_weights)
-    deterministic: bool = False  # worker.paths.base.ExecutionOptions: batch-invariant kernels (worker.paths.batch_invariant)
-    max_waiting_requests: int = 4096  # beyond these the scheduler answers RESOURCE_EXHAUSTED at once
-    max_waiting_tokens: int = 0  # prompt tokens waiting; 0: no bound
-    api_keys_file: str | None = None  # the gateway's keys (gateway.access.api_keys); None: authentication off
-    rate_limit_rps: float = 0.0  # per API key unless its line says; 0: none
-    rate_limit_burst: int = 0
-    # SIGTERM to the gateway or scheduler: how long in-flight requests may take to finish
-    drain_timeout_s: float = 30.0
-    # the gateway's /metrics stays up this long after a drain that cut requests, for a last scrape (the
-    # deployments set one scrape interval); 0 here: a local `tokenmill serve` stops at once
-    gateway_metrics_linger_s: float = 0.0
-    # a lost worker's requests are re-queued and recomputed once it is back; False: they fail (UNAVAILABLE)
-    retry_on_worker_failure: bool = True
-    # a gateway stream whose client has read nothing for this long is cancelled (gateway.apis.stream_idle); 0: never
-    stream_idle_timeout_s: float = 120.0
-    tool_call_parser: str = "auto"  # the gateway's --tool-call-parser (gateway.text.tool_syntax)
-    # tokens batched per step on one StreamDeltas call (gateway.upstream.delta_stream); False: each on its own Submit call
-    delta_stream: bool = True
-    # the HTTP API's connection limits (gateway.apis.openai.http_connections); the gateway's flags of the same names
+    # the HTTP API's connection limits (gateway.apis.openai.http_connections: the gateway's flags of the same names)
     http_header_timeout_s: float = 10.0
     http_keepalive_timeout_s: float = 30.0
     http_max_connections_per_client: int = 256  # 0: no cap
@@ -96,6 +85,28 @@ class ClusterConfig:
     worker_metrics_port: int | None = None
     # extra environment for the three servers, e.g. (("OTEL_EXPORTER_OTLP_ENDPOINT", "http://..."),)
     child_env: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """`tokenmill serve`'s cluster flags, then each service's flags under its own name, one group each."""
+        _add_address_arguments(parser)
+        _add_shared_arguments(parser)
+        for name, options in SERVICES:
+            options.add_arguments(parser.add_argument_group(f"{name} (python -m {name}.main's flags of the same "
+                                                            "names)"), cluster=True)
+        # today's `tokenmill serve` gateway: a local cluster stops at once after a drain
+        parser.set_defaults(metrics_linger_s=LOCAL_GATEWAY.metrics_linger_s)
+        _keep_serve_checks(parser)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides: Any) -> ClusterConfig:
+        """The config add_arguments' flags describe; overrides: the composites the caller built (TLS, secret)."""
+        services = {name: options.from_args(argparse.Namespace(**{
+            item.name: getattr(args, item.name) for item, _ in options.flagged_fields(cluster=True)}))
+            for name, options in SERVICES}
+        metrics = {} if args.no_metrics else {name: getattr(args, name) for name in METRICS_PORTS}
+        own = {item.name: getattr(args, item.name) for item in fields(cls) if item.name in CLUSTER_FLAGS}
+        return cls(**services, **own, http_port=None if args.no_http else args.http_port, **metrics, **overrides)
 
     @property
     def gateway_address(self) -> str:
@@ -120,7 +131,90 @@ class ClusterConfig:
         return self.redis_url or redis_url(self.redis_port, self.redis_user, self.redis_password)
 
 
+def with_settings(config: ClusterConfig, **settings: Any) -> ClusterConfig:
+    """config with each setting where it lives: a ClusterConfig field of that name, else the one service's
+    options that declare it (for benchmarks and tests that name their settings flat: a page budget, a
+    latency target, swap space).
+
+        with_settings(ClusterConfig(), num_blocks=64, kv_policy="static", max_num_batched_tokens=256)
+        # worker.num_blocks, scheduler.kv_policy, and the cluster's own max_num_batched_tokens
+    """
+    own = {item.name for item in fields(config)}
+    services: dict[str, dict[str, Any]] = {name: {} for name, _ in SERVICES}
+    for name, value in settings.items():
+        if name in own:
+            continue
+        owners = [service for service, options in SERVICES if name in {item.name for item in fields(options)}]
+        if len(owners) != 1:
+            raise ValueError(f"{name}: {'declared by ' + ' and '.join(owners) if owners else 'no such setting'}; "
+                             "set it on that service's options")
+        services[owners[0]][name] = value
+    return replace(config, **{name: value for name, value in settings.items() if name in own},
+                   **{name: replace(getattr(config, name), **values) for name, values in services.items() if values})
+
+
 METRICS_PORTS = ("gateway_metrics_port", "scheduler_metrics_port", "worker_metrics_port")
+# ClusterConfig fields read from flags of the same names (http_port and the metrics ports have switches too)
+CLUSTER_FLAGS = ("model", "block_size", "max_num_batched_tokens", "drain_timeout_s", "insecure_internal", "host",
+                 "internal_host", "gateway_port", "scheduler_port", "worker_port", "redis_url", "redis_port",
+                 "http_header_timeout_s", "http_keepalive_timeout_s", "http_max_connections_per_client")
+
+# Values `tokenmill serve` has always refused before starting anything, where a service's own parser takes
+# any integer (the child would fail after the cluster started). Declared in the services' options, these
+# checks would go from here.
+SERVE_CHECKS = {"kv_cache_mb": POSITIVE, "num_blocks": POSITIVE, "max_num_seqs": POSITIVE, "max_model_len": POSITIVE,
+                "max_waiting_requests": POSITIVE, "max_waiting_tokens": NON_NEGATIVE_INT}
+
+
+def _keep_serve_checks(parser: argparse.ArgumentParser) -> None:
+    for action in parser._actions:  # argparse has no public way to change an added argument's type
+        if action.dest in SERVE_CHECKS and action.type is int:
+            action.type = SERVE_CHECKS[action.dest]
+
+
+def _add_address_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct GGUF)")
+    parser.add_argument("--host", default="127.0.0.1", help="where the gateway listens (default: %(default)s)")
+    parser.add_argument("--internal-host", default="127.0.0.1",
+                        help="where the scheduler and worker listen (default: %(default)s); anything but "
+                             "loopback needs mutual TLS (--tls-client-cert) or --insecure-internal")
+    parser.add_argument("--insecure-internal", action="store_true",
+                        help="let scheduler and worker listen on a non-loopback --internal-host without mutual TLS "
+                             "(no caller authentication; each logs a warning)")
+    parser.add_argument("--gateway-port", type=PORT, default=50051,
+                        help="public API; 0 picks a free port (default: %(default)s)")
+    parser.add_argument("--scheduler-port", type=PORT, default=50052, help="(default: %(default)s)")
+    parser.add_argument("--worker-port", type=PORT, default=50053, help="(default: %(default)s)")
+    http = parser.add_mutually_exclusive_group()
+    http.add_argument("--http-port", type=PORT, default=8000,
+                      help="OpenAI-compatible HTTP API on the gateway; 0 picks a free port (default: %(default)s)")
+    http.add_argument("--no-http", action="store_true", help="no HTTP API, gRPC only")
+    redis = parser.add_mutually_exclusive_group()
+    redis.add_argument("--redis-url", help="use this Redis instead of starting redis-server")
+    redis.add_argument("--redis-port", type=PORT, default=6379,
+                       help="port of the redis-server started here; 0 picks a free one (default: %(default)s)")
+    parser.add_argument("--no-metrics", action="store_true", help="no Prometheus /metrics endpoints")
+    parser.add_argument("--gateway-metrics-port", type=PORT, default=9400,
+                        help="Prometheus /metrics of the gateway; 0 picks a free port (default: %(default)s)")
+    parser.add_argument("--scheduler-metrics-port", type=PORT, default=9401, help="(default: %(default)s)")
+    parser.add_argument("--worker-metrics-port", type=PORT, default=9402, help="(default: %(default)s)")
+
+
+def _add_shared_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--block-size", type=POWER_OF_TWO, default=16, help="tokens per KV page (default: %(default)s)")
+    parser.add_argument("--max-num-batched-tokens", type=POSITIVE, default=512,
+                        help="token budget per step (default: %(default)s)")
+    parser.add_argument("--drain-timeout-s", "--drain-timeout", type=NON_NEGATIVE_FLOAT, default=30.0,
+                        help="at shutdown, how long gateway and scheduler let in-flight requests finish; "
+                             "the grace period is stretched to cover it (default: %(default)s)")
+    parser.add_argument("--http-header-timeout-s", type=NON_NEGATIVE_FLOAT, default=10.0,
+                        help="an HTTP client that has not sent a request's complete headers this long after their "
+                             "first byte is disconnected; 0: no limit (default: %(default)s)")
+    parser.add_argument("--http-keepalive-timeout-s", type=POSITIVE_FLOAT,
+                        default=30.0, help="an idle HTTP connection is closed after this long (default: %(default)s)")
+    parser.add_argument("--http-max-connections-per-client", type=NON_NEGATIVE_INT, default=256,
+                        help="open HTTP connections per client address; more are answered 429 and closed; "
+                             "0: no cap (default: %(default)s)")
 
 
 def resolve_ports(config: ClusterConfig) -> ClusterConfig:

@@ -11,12 +11,15 @@ import os
 from dataclasses import fields, replace
 from pathlib import Path
 
+from gateway.options import GatewayOptions
 from plumbing.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
 from plumbing.tls import ClusterTLS
+from scheduler.options import SchedulerOptions
 from tokenmill.cluster.child_process import ChildSpec
 from tokenmill.cluster.config import METRICS_PORTS, ClusterConfig
 from tokenmill.cluster.redis_process import redis_spec
 from tokenmill.cluster.restart_policy import RestartPolicy
+from worker.options import WorkerOptions
 
 # The checkout (or site-packages) holding the worker/scheduler/gateway packages, put on the children's
 # PYTHONPATH so `python -m worker.main` works whatever directory `tokenmill serve` runs in.
@@ -53,7 +56,11 @@ def _absolute_tls(tls: ClusterTLS) -> ClusterTLS:
 
 
 def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
-    """Children in start order: [redis,] worker, scheduler, gateway. Ports must be resolved already."""
+    """Children in start order: [redis,] worker, scheduler, gateway. Ports must be resolved already.
+
+    Each server's command line is `python -m <service>.main` and its options' own flags (to_argv), after
+    the cluster has set the fields it owns on them (worker_options, scheduler_options, gateway_options),
+    plus the flags plumbing declares for every service (_plumbing_flags)."""
     ports = [config.worker_port, config.scheduler_port, config.gateway_port]
     if (0 in ports or config.http_port == 0 or (config.redis_url is None and config.redis_port == 0)
             or 0 in [getattr(config, name) for name in METRICS_PORTS]):
@@ -64,94 +71,77 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
            # set even when empty: none of ours reaches the children from the supervisor's own environment
            "TOKENMILL_INTERNAL_SECRET": config.internal_secret or "",
            **torch_thread_env(), **dict(config.child_env)}
-    model = ["--model", config.model] if config.model else []
-    server_tls = config.tls.server().argv() if config.tls else []
     probe_tls = config.tls.client() if config.tls else None
-    internal_size = ["--max-message-bytes", str(config.internal_max_message_bytes)]
-    # Sized from memory, the worker records its page count in its temp dir (its cwd, kept across crash
-    # restarts), so a restart keeps the count the scheduler knows (worker.kv_sizing); paths it is given
-    # are made absolute, since it no longer runs where they were named.
-    records_sizing = config.num_blocks is None and config.kv_cache_mb is None
-    worker_model = ["--model", os.path.abspath(config.model)] if config.model and records_sizing else model
-    worker_tls = _absolute_tls(config.tls).server().argv() if config.tls and records_sizing else server_tls
-    worker = [config.python, "-m", "worker.main", "--host", config.internal_host, "--port", str(config.worker_port),
-              *worker_model, "--dtype", config.dtype, "--block-size", str(config.block_size),
-              "--max-num-batched-tokens", str(config.max_num_batched_tokens), "--swap-space-gb", str(config.swap_space_gb),
-              *worker_tls, *internal_size, *(["--kv-sizing-record", KV_SIZING_RECORD] if records_sizing else [])]
-    if config.kv_cache_mb is not None:
-        worker += ["--kv-cache-mb", str(config.kv_cache_mb)]
-    if config.kv_cache_memory_fraction is not None:
-        worker += ["--kv-cache-memory-fraction", str(config.kv_cache_memory_fraction)]
-    if config.num_blocks is not None:
-        worker += ["--num-blocks", str(config.num_blocks)]
-    worker += ["--device", config.device, "--kernel-backend", config.kernel_backend, "--quantization", config.quantization]
-    if not config.cuda_graphs:
-        worker.append("--no-cuda-graphs")
-    if not config.stream_overlap:
-        worker.append("--no-stream-overlap")
-    if not config.packed_linears:
-        worker.append("--no-packed-linears")
-    if config.cpu_int8_activations:
-        worker.append("--cpu-int8-activations")
-    if not config.cpu_fused_ops:
-        worker.append("--no-cpu-fused-ops")
-    worker += ["--cpu-dense-weights", config.cpu_dense_weights]
-    if config.deterministic:
-        worker.append("--deterministic")
-    scheduler = [config.python, "-m", "scheduler.main", "--host", config.internal_host,
-                 "--port", str(config.scheduler_port), "--worker", config.worker_address,
-                 *server_tls, *(probe_tls.argv("worker") if probe_tls else []), *internal_size,
-                 "--kv-policy", config.kv_policy, "--queue-policy", config.queue_policy,
-                 "--max-num-seqs", str(config.max_num_seqs),
-                 "--max-num-batched-tokens", str(config.max_num_batched_tokens)]
-    if config.max_model_len is not None:
-        scheduler += ["--max-model-len", str(config.max_model_len)]
-    for flag, value in (("--target-itl-ms", config.target_itl_ms), ("--target-ttft-ms", config.target_ttft_ms)):
-        if value is not None:
-            scheduler += [flag, str(value)]
-    if not config.enable_prefix_caching:
-        scheduler.append("--no-prefix-caching")
-    if config.async_scheduling:
-        scheduler.append("--async-scheduling")
-    scheduler += ["--max-waiting-requests", str(config.max_waiting_requests),
-                  "--max-waiting-tokens", str(config.max_waiting_tokens),
-                  "--drain-timeout-s", str(config.drain_timeout_s)]
-    if not config.retry_on_worker_failure:
-        scheduler.append("--no-retry-on-worker-failure")
-    if config.insecure_internal:
-        worker.append("--insecure-internal")
-        scheduler.append("--insecure-internal")
-    gateway = [config.python, "-m", "gateway.main", "--host", config.host, "--port", str(config.gateway_port),
-               "--scheduler", config.scheduler_address, *model, "--http-port", str(config.http_port or 0),
-               "--drain-timeout-s", str(config.drain_timeout_s),
-               "--metrics-linger-s", str(config.gateway_metrics_linger_s),
-               "--stream-idle-timeout-s", str(config.stream_idle_timeout_s),
-               "--tool-call-parser", config.tool_call_parser,
-               *server_tls, *(probe_tls.argv("scheduler") if probe_tls else []),
-               "--max-message-bytes", str(config.max_message_bytes),
-               "--http-header-timeout-s", str(config.http_header_timeout_s),
-               "--http-keepalive-timeout-s", str(config.http_keepalive_timeout_s),
-               "--http-max-connections-per-client", str(config.http_max_connections_per_client),
-               "--rate-limit-rps", str(config.rate_limit_rps), "--rate-limit-burst", str(config.rate_limit_burst)]
-    if config.api_keys_file:
-        gateway += ["--api-keys-file", config.api_keys_file]
-    if not config.delta_stream:
-        gateway.append("--no-delta-stream")
-    for argv, port in ((worker, config.worker_metrics_port), (scheduler, config.scheduler_metrics_port),
-                       (gateway, config.gateway_metrics_port)):
-        if port is not None:
-            argv += ["--metrics-port", str(port)]
+    worker, scheduler, gateway = worker_options(config), scheduler_options(config), gateway_options(config)
+    http_limits = [arg for name in HTTP_LIMITS for arg in (f"--{name.replace('_', '-')}", str(getattr(config, name)))]
     specs = [] if config.redis_url else [redis_spec(config.redis_port, user=config.redis_user,
                                                     password=config.redis_password)]
     worker_env = {name: value for name, value in env.items() if name != "TOKENMILL_REDIS_URL"}  # no Redis there
     return specs + [
-        ChildSpec("worker", worker, WORKER_SERVICE, f"{config.internal_host}:{config.worker_port}",
-                  port_hint="--worker-port", env=worker_env, tls=probe_tls, use_temp_dir=records_sizing),
-        ChildSpec("scheduler", scheduler, SCHEDULER_SERVICE, f"{config.internal_host}:{config.scheduler_port}",
-                  port_hint="--scheduler-port", env=env, tls=probe_tls),
-        ChildSpec("gateway", gateway, GENERATION_SERVICE, f"{config.host}:{config.gateway_port}",
-                  port_hint="--gateway-port", env=env, tls=probe_tls),
+        ChildSpec("worker", _argv(config, "worker.main", worker), WORKER_SERVICE,
+                  f"{config.internal_host}:{config.worker_port}", port_hint="--worker-port", env=worker_env,
+                  tls=probe_tls, use_temp_dir=worker.kv_sizing_record is not None),
+        ChildSpec("scheduler", _argv(config, "scheduler.main", scheduler), SCHEDULER_SERVICE,
+                  f"{config.internal_host}:{config.scheduler_port}", port_hint="--scheduler-port", env=env,
+                  tls=probe_tls),
+        ChildSpec("gateway", [*_argv(config, "gateway.main", gateway), *http_limits], GENERATION_SERVICE,
+                  f"{config.host}:{config.gateway_port}", port_hint="--gateway-port", env=env, tls=probe_tls),
     ]
+
+
+# the gateway's HTTP connection limits, flags of the same names (gateway.apis.openai.http_connections)
+HTTP_LIMITS = ("http_header_timeout_s", "http_keepalive_timeout_s", "http_max_connections_per_client")
+
+
+def worker_options(config: ClusterConfig) -> WorkerOptions:
+    """The worker's options with what the cluster sets. Sized from memory, the worker records its page count
+    in its temp dir (its cwd, kept across crash restarts), so a restart keeps the count the scheduler knows
+    (worker.kv_sizing); paths it is given are made absolute, since it no longer runs where they were named."""
+    records_sizing = config.worker.num_blocks is None and config.worker.kv_cache_mb is None
+    tls = (_absolute_tls(config.tls) if records_sizing else config.tls).server() if config.tls else None
+    return replace(config.worker, host=config.internal_host, port=config.worker_port,
+                   model=os.path.abspath(config.model) if config.model and records_sizing else config.model,
+                   block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
+                   kv_sizing_record=Path(KV_SIZING_RECORD) if records_sizing else None, tls=tls,
+                   max_message_bytes=config.internal_max_message_bytes, metrics_port=config.worker_metrics_port,
+                   insecure_internal=config.insecure_internal)
+
+
+def scheduler_options(config: ClusterConfig) -> SchedulerOptions:
+    return replace(config.scheduler, host=config.internal_host, port=config.scheduler_port,
+                   worker=config.worker_address, max_num_batched_tokens=config.max_num_batched_tokens,
+                   drain_timeout_s=config.drain_timeout_s, tls=config.tls.server() if config.tls else None,
+                   worker_tls=config.tls.client() if config.tls else None,
+                   max_message_bytes=config.internal_max_message_bytes,
+                   metrics_port=config.scheduler_metrics_port, insecure_internal=config.insecure_internal)
+
+
+def gateway_options(config: ClusterConfig) -> GatewayOptions:
+    return replace(config.gateway, host=config.host, port=config.gateway_port, http_port=config.http_port or 0,
+                   model=config.model, drain_timeout_s=config.drain_timeout_s, scheduler=(config.scheduler_address,),
+                   tls=config.tls.server() if config.tls else None,
+                   scheduler_tls=config.tls.client() if config.tls else None,
+                   max_message_bytes=config.max_message_bytes, metrics_port=config.gateway_metrics_port)
+
+
+def _argv(config: ClusterConfig, module: str, options: WorkerOptions | SchedulerOptions | GatewayOptions) -> list[str]:
+    return [config.python, "-m", module, *options.to_argv(), *_plumbing_flags(options)]
+
+
+def _plumbing_flags(options: WorkerOptions | SchedulerOptions | GatewayOptions) -> list[str]:
+    """The flags plumbing declares for every service (TLS, message size, metrics, --insecure-internal,
+    the gateway's --scheduler), from the options' composite fields: to_argv writes a service's own flags."""
+    argv = [*(options.tls.argv() if options.tls else []), "--max-message-bytes", str(options.max_message_bytes)]
+    for peer in ("worker", "scheduler"):
+        client = getattr(options, f"{peer}_tls", None)
+        argv += client.argv(peer) if client else []
+    if options.metrics_port is not None:
+        argv += ["--metrics-port", str(options.metrics_port)]
+    if getattr(options, "insecure_internal", False):
+        argv.append("--insecure-internal")
+    for address in getattr(options, "scheduler", ()):  # the gateway's, one per replica
+        argv += ["--scheduler", address]
+    return argv
 
 
 def restart_policies(policy: RestartPolicy | None = None, *, redis: bool = True) -> dict[str, RestartPolicy]:

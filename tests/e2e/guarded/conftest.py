@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.access.api_keys import hash_api_key
 from tests.helpers.tiny_models import make_tiny_hf_model
-from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.config import ClusterConfig, resolve_ports, with_settings
 from tokenmill.cluster.specs import cluster_specs
 from plumbing.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
 from tokenmill.cluster.supervisor import Supervisor
@@ -52,7 +52,7 @@ def guarded(tmp_path_factory) -> GuardedCluster:
          "target_ttft_ms": CLASS_TTFT_MS},
         {"name": "limited", "sha256": hash_api_key(LIMITED_KEY), "requests_per_s": LIMITED_RATE,
          "burst": LIMITED_BURST})) + "\n")
-    config = resolve_ports(ClusterConfig(
+    config = resolve_ports(with_settings(ClusterConfig(),
         model=str(folder), gateway_port=0, http_port=0, scheduler_port=0, worker_port=0, redis_port=0,
         num_blocks=256, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=256,
         max_waiting_requests=MAX_WAITING_REQUESTS, max_waiting_tokens=MAX_WAITING_TOKENS, api_keys_file=str(keys)))

@@ -12,7 +12,7 @@ import torch
 
 from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from tests.helpers.tiny_models import make_tiny_hf_model
-from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.config import ClusterConfig, resolve_ports, with_settings
 from tokenmill.cluster.specs import cluster_specs
 from tokenmill.cluster.supervisor import Supervisor
 
@@ -26,7 +26,7 @@ PROMPT = [(7 * j + 2) % 120 + 3 for j in range(40)]  # three prefill chunks unde
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     folder, model = make_tiny_hf_model(tmp_path_factory.mktemp("prompt-logprobs-model"))
-    config = resolve_ports(ClusterConfig(
+    config = resolve_ports(with_settings(ClusterConfig(),
         model=str(folder), gateway_port=0, http_port=0, scheduler_port=0, worker_port=0, redis_port=0,
         num_blocks=64, max_num_batched_tokens=16))
     with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300):

@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers.otlp_receiver import OtlpReceiver
 from tests.helpers.tiny_models import make_tiny_hf_model
-from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.config import ClusterConfig, resolve_ports, with_settings
 from tokenmill.cluster.specs import cluster_specs
 from tokenmill.cluster.supervisor import Supervisor
 
@@ -38,10 +38,10 @@ def traced_cluster(tmp_path_factory, otlp_receiver):
     env = (("OTEL_EXPORTER_OTLP_ENDPOINT", otlp_receiver.endpoint), ("OTEL_EXPORTER_OTLP_INSECURE", "true"),
            ("OTEL_TRACES_SAMPLER", "always_on"), ("OTEL_BSP_SCHEDULE_DELAY", "100"),
            ("TOKENMILL_LOG_FORMAT", "json"))
-    config = resolve_ports(ClusterConfig(
+    config = resolve_ports(with_settings(ClusterConfig(),
         model=str(model), gateway_port=0, http_port=0, scheduler_port=0, worker_port=0, redis_port=0,
         num_blocks=256, max_num_batched_tokens=128, gateway_metrics_port=0, scheduler_metrics_port=0,
-        worker_metrics_port=0, child_env=env, drain_timeout_s=1.0, gateway_metrics_linger_s=3.0,
+        worker_metrics_port=0, child_env=env, drain_timeout_s=1.0, metrics_linger_s=3.0,
         retry_on_worker_failure=False))
     # a request whose scheduler drained ends UNAVAILABLE at once (the tests read how it ends), instead of its
     # gateway waiting for a restart that the test only makes afterwards (gateway.generation.resume)

@@ -102,11 +102,11 @@ def test_report_writers_produce_valid_json_markdown_and_png(tmp_path):
 @pytest.mark.slow
 def test_bench_against_a_started_cluster_reports_sane_numbers(tmp_path):
     from tokenmill.bench.cli import main
-    from tokenmill.cluster.config import ClusterConfig, resolve_ports
+    from tokenmill.cluster.config import ClusterConfig, resolve_ports, with_settings
     from tokenmill.cluster.specs import cluster_specs
     from tokenmill.cluster.supervisor import Supervisor
 
-    config = resolve_ports(ClusterConfig(gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
+    config = resolve_ports(with_settings(ClusterConfig(), gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
                                          http_port=0, kv_cache_mb=64, max_num_batched_tokens=256))
     # outputs long enough that a level outlasts a few of the 0.2 s GetLoad polls (at 4-8 tokens a level took
     # ~0.1 s on a faster CPU and no poll saw the cache in use)
