@@ -12,12 +12,15 @@ import grpc
 from gateway.access.control import AccessControl, AccessInterceptor, build_access
 from gateway.apis.generation import GenerationServicer
 from gateway.apis.openai import http_connections
+from gateway.apis.served_model import ServedModel
+from gateway.generation.generations import Generations
 from gateway.generation.redis_readers import RedisReaders
 from gateway.options import DEFAULT_SCHEDULER, GatewayOptions, add_process_arguments
 from gateway.prepare.validation import Limits
 from gateway.telemetry import set_model_name, set_server_address
-from gateway.text.tokenizer import TextTokenizer, default_model_path, load_tokenizer
+from gateway.text.tokenizer import default_model_path, load_tokenizer
 from gateway.upstream.scheduler_client import SchedulerClient
+from gateway.upstream.target import SchedulerTarget
 from plumbing import internal_secret, rpc, telemetry, tls
 from plumbing.drain import DrainInterceptor
 from plumbing.grammar_sandbox import GrammarSandbox
@@ -25,7 +28,7 @@ from plumbing.keepalive import server_options
 from plumbing.message_size import message_size_options
 from plumbing.process import run_process, wait_for_stop_signal
 from plumbing.rpc import ReadinessHealthServicer
-from protos.tokenmill.v1 import common_pb2, generation_pb2_grpc
+from protos.tokenmill.v1 import generation_pb2_grpc
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -62,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayOptions:
                                     max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port)
 
 
-def scheduler_client(options: GatewayOptions):
+def scheduler_client(options: GatewayOptions) -> SchedulerTarget:
     """One replica: a plain SchedulerClient; several (or a DNS name): a router that balances them."""
     if len(options.scheduler) == 1 and not options.scheduler_dns:
         return SchedulerClient(options.scheduler[0], tls=options.scheduler_tls, delta_stream=options.delta_stream,
@@ -75,19 +78,8 @@ def scheduler_client(options: GatewayOptions):
                          delta_stream=options.delta_stream)
 
 
-@dataclass(slots=True)
-class ServedModel:
-    """What every API serves: the tokenizer, the scheduler behind it (a client or a replica router), the
-    model it reports, and the request limits both give."""
-
-    tokenizer: TextTokenizer
-    scheduler: SchedulerClient
-    info: common_pb2.GetModelInfoResponse
-    limits: Limits
-
-
-async def wait_for_model(options: GatewayOptions, tokenizer: TextTokenizer,
-                         scheduler: SchedulerClient) -> ServedModel:
+async def wait_for_model(options: GatewayOptions, generations: Generations) -> ServedModel:
+    scheduler, tokenizer = generations.scheduler, generations.tokenizer
     logger.info("gateway waiting for scheduler %s", scheduler.address)
     model_info = await scheduler.wait_ready(options.scheduler_timeout_s)
     set_model_name(model_info.model_config.name)
@@ -96,7 +88,7 @@ async def wait_for_model(options: GatewayOptions, tokenizer: TextTokenizer,
     model_info.model_config.has_chat_template = bool(tokenizer.chat_template)
     limits = Limits(max_model_len=model_info.model_config.max_context_length, vocab_size=tokenizer.vocab_size,
                     max_tokens_limit=options.max_tokens_limit, default_max_tokens=options.default_max_tokens)
-    return ServedModel(tokenizer, scheduler, model_info, limits)
+    return ServedModel(generations, model_info, limits)
 
 
 @dataclass(slots=True)
@@ -151,29 +143,24 @@ def grpc_server(options: GatewayOptions, access: AccessControl) -> FrontDoors:
     return FrontDoors(server, drain, health)
 
 
-async def add_apis(doors: FrontDoors, options: GatewayOptions, model: ServedModel, redis: RedisReaders,
-                   access: AccessControl, constraints: GrammarSandbox) -> None:
-    """The three APIs on the model: tokenmill.v1 and KServe v2 on the gRPC server, OpenAI over HTTP."""
+async def add_apis(doors: FrontDoors, options: GatewayOptions, model: ServedModel, access: AccessControl,
+                   constraints: GrammarSandbox) -> None:
+    """The three APIs on the model, each starting its generations through model.generations: tokenmill.v1
+    and KServe v2 on the gRPC server, OpenAI over HTTP."""
     from gateway.apis.kserve import add_kserve_servicer
 
-    tokenizer, scheduler, limits, info = model.tokenizer, model.scheduler, model.limits, model.info
-    servicer = GenerationServicer(tokenizer, scheduler, limits, info, redis.state_reader, redis.resume, access,
-                                  constraints)
+    servicer = GenerationServicer(model, access, constraints)
     servicer.stream_idle_timeout_s = options.stream_idle_timeout_s
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, doors.server)
-    kserve = add_kserve_servicer(doors.server, tokenizer, scheduler, limits, info, redis.state_reader, access,
-                                 constraints)
+    kserve = add_kserve_servicer(doors.server, model, access, constraints)
     kserve.stream_idle_timeout_s = options.stream_idle_timeout_s
-    kserve.resume = redis.resume
     if not options.http_port:
         return
     from gateway.apis.openai.http import OpenAIHTTP, start_http
 
-    doors.http_api = OpenAIHTTP(tokenizer, scheduler, limits, info, api_key=options.http_api_key, access=access,
+    doors.http_api = OpenAIHTTP(model, access, constraints, api_key=options.http_api_key,
                                 stream_idle_timeout_s=options.stream_idle_timeout_s,
-                                state_reader=redis.state_reader, tool_call_parser=options.tool_call_parser,
-                                constraints=constraints)
-    doors.http_api.resume = redis.resume
+                                tool_call_parser=options.tool_call_parser)
     doors.http_runner = await start_http(
         doors.http_api, options.host, options.http_port, ssl_context=options.tls.ssl_context() if options.tls else None,
         max_body_bytes=options.max_message_bytes,
@@ -190,16 +177,17 @@ async def serve(options: GatewayOptions) -> None:
                                  timeout_s=options.grammar_timeout_s, memory_mb=options.grammar_memory_mb)
     await constraints.start()  # the helpers load the vocabulary now, not on the first constrained request
     scheduler = scheduler_client(options)
-    redis.record_losses_of(scheduler)  # requests without Redis's resume (n > 1)
+    # the one route choice, for every API; with Redis it records the requests a scheduler loses
+    generations = Generations(tokenizer, scheduler, redis.state_reader, redis.resume)
     access = build_access(options)
     doors = grpc_server(options, access)
-    model = await wait_for_model(options, tokenizer, scheduler)
-    await add_apis(doors, options, model, redis, access, constraints)
+    model = await wait_for_model(options, generations)
+    await add_apis(doors, options, model, access, constraints)
     await doors.start()
     logger.info("gateway ready on %s:%d serving %s", options.host, options.port, model.info.model_config.name)
     await wait_for_stop_signal()
     cut = await doors.drain_requests(options.drain_timeout_s)
-    scheduler.shutting_down = True  # what the servers' stops cut now is ours, not the clients' cancels
+    generations.shutting_down = True  # what the servers' stops cut now is ours, not the clients' cancels
     await doors.stop()
     await scheduler.close()
     await constraints.close()

@@ -91,6 +91,20 @@ def access_middleware(access: AccessControl, skip: Callable[[], bool] = lambda: 
     return check_access
 
 
+def caller_key(access: AccessControl | None, context: grpc.aio.ServicerContext) -> ApiKey | None:
+    """A gRPC call's key (the interceptor already admitted it); None when keys are off."""
+    if access is None or access.keys is None:
+        return None
+    metadata = context.invocation_metadata() or ()
+    return access.keys.authenticate(next((value for key, value in metadata if key == "authorization"), None))
+
+
+def caller_name(access: AccessControl | None, context: grpc.aio.ServicerContext) -> str | None:
+    """A gRPC call's key name (the interceptor already admitted it); None when keys are off."""
+    key = caller_key(access, context)
+    return None if key is None else key.name
+
+
 class AccessFlags(Protocol):
     """The three flags (declared by gateway.options.GatewayOptions) an AccessControl is built from."""
 

@@ -8,20 +8,18 @@ import time
 
 from redis.exceptions import RedisError
 
-from gateway.generation.stream import GenerationDelta, TokenLogprob, stream_generation
-from gateway.generation.ownership import RequestOwners, caller_key, caller_name
-from gateway.generation.samples import check_streamable, sample_ids, stream_samples
-from gateway.prepare.request_builder import check_constraints, prepare, prompt_token_ids, sandbox_or_default
-from gateway.generation.resume import ResumeStore, submit_or_attach
-from gateway.generation.sample_groups import SampleGroups, candidate_sample_ids, group_record
-from gateway.upstream.scheduler_client import SchedulerClient
+from gateway.access.control import AccessControl, caller_key, caller_name
+from gateway.apis.served_model import ServedModel
 from gateway.apis.stream_idle import StreamIdle, record_idle, write_within
-from gateway.text.tokenizer import TextTokenizer
-from gateway.prepare.validation import Limits
-from kvstore.records import RecordStatus
+from gateway.generation.context import CallContext
+from gateway.generation.sample_groups import candidate_sample_ids, group_record
+from gateway.generation.samples import check_streamable
+from gateway.generation.stream import GenerationDelta, TokenLogprob
+from gateway.prepare.request_builder import check_constraints, prepare, prompt_token_ids, sandbox_or_default
+from kvstore.records import RecordStatus, RequestRecord
 from protos import codec
-from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from core.errors import InvalidArgument, NotFound, Unavailable
+from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc
+from core.errors import NotFound, Unavailable
 from gateway.telemetry import CHAT, TEXT_COMPLETION, request_scope
 from plumbing.grammar_sandbox import GrammarSandbox
 
@@ -37,20 +35,19 @@ _STATUS = {
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, tokenizer: TextTokenizer, scheduler: SchedulerClient, limits: Limits,
-                 model_info: common_pb2.GetModelInfoResponse, state_reader=None, resume: ResumeStore | None = None,
-                 access=None, constraints: GrammarSandbox | None = None) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, model: ServedModel, access: AccessControl | None = None,
+                 constraints: GrammarSandbox | None = None) -> None:
+        self.generations = model.generations  # the route choice; the scheduler, Redis records, owners, groups
+        self.tokenizer = model.tokenizer
         self.constraints = sandbox_or_default(constraints)  # compiles client constraints off the event loop
-        self.scheduler = scheduler
-        self.limits = limits
-        self.model_info = model_info
-        self.model_name = model_info.model_config.name
-        self.state_reader = state_reader  # kvstore.RequestStateReader, or None without Redis
-        self.resume = resume  # token streams, claims, owners (gateway.generation.resume), or None without Redis
-        self.access = access  # gateway.access.control.AccessControl: whose request an id is (None: keys off)
-        self.owners = resume.owners if resume is not None and resume.owners is not None else RequestOwners(state_reader)
-        self.sample_groups = SampleGroups()  # the n > 1 requests streamed here: their sample ids
+        self.scheduler = model.generations.scheduler
+        self.limits = model.limits
+        self.model_info = model.info
+        self.model_name = model.name
+        self.state_reader = model.generations.records  # kvstore.RequestStateReader, or None without Redis
+        self.access = access  # whose request an id is (None: keys off)
+        self.owners = model.generations.owners
+        self.sample_groups = model.generations.sample_groups  # the n > 1 requests streamed here: their sample ids
 
     # --stream-idle-timeout-s (gateway.main sets it); 0: a stream may wait on its client for ever
     stream_idle_timeout_s: float = 0.0
@@ -104,36 +101,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             prepared = prepare(request, self.tokenizer, self.limits, self.model_name)
             await check_constraints(prepared, self.constraints)
         key = caller_key(self.access, context)
-        caller = None if key is None else key.name
         if key is not None:  # its latency targets, its class of service, travel with the request
             prepared.request = key.with_targets(prepared.request)
-        request_id = prepared.request.request_id
-        if prepared.best_of > 1:  # several samples (gateway.generation.samples): requests <request_id>-<index>
-            if streaming:
-                check_streamable(prepared)
-            if request.HasField("resume_from_index"):
-                raise InvalidArgument("resume_from_index", request.resume_from_index,
-                                      "a request with n or best_of > 1 cannot be resumed")
-            deltas = stream_samples(prepared, self.tokenizer, self.scheduler, context.time_remaining(), arrival,
-                                    owner=caller)
-        elif self.resume is None:
-            if request.HasField("resume_from_index"):
-                raise Unavailable("resume_from_index needs Redis; this gateway runs without --redis-url")
-            deltas = stream_generation(prepared, self.tokenizer, self.scheduler, context.time_remaining(), arrival,
-                                       owner=caller)
-        else:
-            deltas = submit_or_attach(prepared, self.tokenizer, self.scheduler, self.resume, context.time_remaining(),
-                                      arrival, caller, chosen_id=bool(request.request_id),
-                                      resume_from=request.resume_from_index if request.HasField("resume_from_index")
-                                      else None)
-        # only an id this gateway made is surely the caller's before the scheduler takes it; a client-chosen
-        # one may name another key's request, and its owner is then known from its Redis record
-        samples = sample_ids(prepared) if prepared.best_of > 1 else []
-        with (self.owners.streaming(request_id, None if request.request_id else caller),
-              self.sample_groups.streaming(request_id, samples, caller) if samples else contextlib.nullcontext()):
-            async with contextlib.aclosing(deltas):
-                async for delta in deltas:
-                    yield _stream_response(delta, request_id)
+        if streaming and prepared.best_of > 1:
+            check_streamable(prepared)
+        call = CallContext.at_edge(arrival, context.time_remaining(), owner=None if key is None else key.name,
+                                   chosen_id=bool(request.request_id),
+                                   resume_from=request.resume_from_index if request.HasField("resume_from_index")
+                                   else None)
+        deltas = self.generations.stream(prepared, call)
+        async with contextlib.aclosing(deltas):
+            async for delta in deltas:
+                yield _stream_response(delta, prepared.request.request_id)
 
     async def Tokenize(self, request, context):
         ids = prompt_token_ids(request, self.tokenizer, self.limits, request.add_special_tokens)
@@ -196,14 +175,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise refused
         return await self.scheduler.abort(candidates) if candidates else []
 
-    async def _record_or_group(self, request_id: str):
+    async def _record_or_group(self, request_id: str) -> RequestRecord | None:
         """The request's record, or for an n > 1 request one standing for its samples' (None: neither)."""
         record = await self._record(request_id)
         if record is None and (samples := await self._sample_records(request_id)):
             record = group_record(request_id, samples)
         return record
 
-    async def _sample_records(self, request_id: str) -> list:
+    async def _sample_records(self, request_id: str) -> list[RequestRecord]:
         """The records of request_id's samples: <id>-0, <id>-1, ... up to the first without one."""
         if self.state_reader is None:
             return []
@@ -218,7 +197,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             records.append(record)
         return records
 
-    async def _record(self, request_id: str):
+    async def _record(self, request_id: str) -> RequestRecord | None:
         """The request's Redis record; Unavailable (not INTERNAL) while Redis does not answer: status is
         bookkeeping, and generation goes on without it (DESIGN invariant 6)."""
         try:

@@ -1,7 +1,7 @@
 """inference.GRPCInferenceService: the KServe v2 / Triton gRPC protocol on the gateway.
 
 Thin like GenerationServicer: ModelInferRequest -> protos.kserve.codec.llm_request_from_proto ->
-request_builder.prepare_request -> generation.stream.stream_generation -> ModelInferResponse(s). The
+request_builder.prepare_request -> Generations.stream (the route every API shares) -> ModelInferResponse(s). The
 served model is decoupled (Triton's vLLM backend conventions): ModelStreamInfer with stream=true sends
 one response per text delta, the last flagged "triton_final_response"; ModelInfer returns the whole text.
 
@@ -21,15 +21,14 @@ import uuid
 
 import grpc
 
-from gateway.generation.stream import Finish, stream_generation
-from gateway.generation.ownership import caller_key
+from gateway.access.control import AccessControl, caller_key
+from gateway.apis.served_model import ServedModel
+from gateway.apis.stream_idle import StreamIdle, record_idle, write_within
+from gateway.generation.context import CallContext
+from gateway.generation.stream import Finish
 from gateway.prepare.constraints import constraint_field, openai_constraint
 from gateway.prepare.request_builder import check_constraints, prepare_request, sandbox_or_default, text_token_ids
-from gateway.generation.resume import submit_or_attach
-from gateway.upstream.scheduler_client import SchedulerClient
-from gateway.apis.stream_idle import StreamIdle, record_idle, write_within
-from gateway.text.tokenizer import TextTokenizer
-from gateway.prepare.validation import ClientSampling, Limits
+from gateway.prepare.validation import ClientSampling
 from protos.kserve import codec, grpc_service_pb2 as pb, grpc_service_pb2_grpc, model_config_pb2
 from protos.tokenmill.v1 import common_pb2
 from core.errors import InvalidArgument, NotFound, ServingError
@@ -67,21 +66,19 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     # --stream-idle-timeout-s (gateway.main sets it): ModelStreamInfer's client must take each
     # response within it, or the stream ends CANCELLED and its requests are aborted; 0: no limit
     stream_idle_timeout_s: float = 0.0
-    # gateway.generation.resume.ResumeStore (gateway.main sets it with Redis): requests run resumable, with records, and
-    # go on through a scheduler restart; None: plain stream_generation
-    resume = None
 
-    def __init__(self, tokenizer: TextTokenizer, scheduler: SchedulerClient, limits: Limits,
-                 model_info: common_pb2.GetModelInfoResponse, state_reader=None, access=None,
+    def __init__(self, model: ServedModel, access: AccessControl | None = None,
                  constraints: GrammarSandbox | None = None) -> None:
-        self.tokenizer = tokenizer
+        # the route choice (gateway.generation.generations): with Redis, requests run resumable, with records,
+        # and go on through a scheduler restart; a KServe id is never the client's (see ModelStreamInfer)
+        self.generations = model.generations
+        self.tokenizer = model.tokenizer
         self.constraints = sandbox_or_default(constraints)  # compiles client constraints off the event loop
-        self.access = access  # gateway.access.control.AccessControl: the caller's key brings its latency targets
-        self.scheduler = scheduler
-        self.limits = limits
-        self.model_info = model_info
-        self.state_reader = state_reader  # kvstore.RequestStateReader (records an idle stream's reason), or None
-        self.model_name = model_info.model_config.name
+        self.access = access  # the caller's key brings its latency targets
+        self.limits = model.limits
+        self.model_info = model.info
+        self.state_reader = model.generations.records  # records an idle stream's reason; None without Redis
+        self.model_name = model.name
         self.aliases = model_aliases(self.model_name)
 
     def _check_model(self, name: str, version: str = "") -> None:
@@ -233,13 +230,10 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         key = caller_key(self.access, context)
         if key is not None:
             prepared.request = key.with_targets(prepared.request)
-        owner = None if key is None else key.name
-        if self.resume is None:
-            deltas = stream_generation(prepared, self.tokenizer, self.scheduler, context.time_remaining(), arrival,
-                                       owner=owner)
-        else:  # the id is ours, fresh: nothing to claim; resumable, so a scheduler restart does not cut it
-            deltas = submit_or_attach(prepared, self.tokenizer, self.scheduler, self.resume, context.time_remaining(),
-                                      arrival, owner)
+        # the id is ours, fresh: nothing to claim, nothing to resume from (a client cannot name it again);
+        # with Redis still resumable, so a scheduler restart does not cut it
+        call = CallContext.at_edge(arrival, context.time_remaining(), owner=None if key is None else key.name)
+        deltas = self.generations.stream(prepared, call)
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
                 yield delta
@@ -275,9 +269,8 @@ def _error_response(request, exc: Exception) -> pb.ModelStreamInferResponse:
                                                                             id=request.id))
 
 
-def add_kserve_servicer(server: grpc.aio.Server, tokenizer: TextTokenizer, scheduler: SchedulerClient,
-                        limits: Limits, model_info: common_pb2.GetModelInfoResponse,
-                        state_reader=None, access=None, constraints: GrammarSandbox | None = None) -> KServeServicer:
-    servicer = KServeServicer(tokenizer, scheduler, limits, model_info, state_reader, access, constraints)
+def add_kserve_servicer(server: grpc.aio.Server, model: ServedModel, access: AccessControl | None = None,
+                        constraints: GrammarSandbox | None = None) -> KServeServicer:
+    servicer = KServeServicer(model, access, constraints)
     grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     return servicer

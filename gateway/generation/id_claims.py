@@ -1,7 +1,7 @@
 """A client-chosen request id through its claim (kvstore.request_claims): run it, attach to it, or
 refuse it, so one id never runs two requests and one request never runs twice.
 
-    deltas = claimed_generation(prepared, claims, fingerprint, run=..., attach=...)
+    deltas = claimed_generation(request_id, claims, fingerprint, ClaimPaths(run, attach, has_started, unclaimed))
 
 run(): submits (this caller holds the claim); a refusal before any token releases the claim, so a
 retry claims afresh instead of waiting on a request that never ran. attach(on_quiet): follows the
@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
@@ -40,22 +41,29 @@ class ClaimLetGo(Exception):
     """The claim an attacher waited on was released or abandoned: claim again."""
 
 
+@dataclass(frozen=True, slots=True)
+class ClaimPaths:
+    """The ways on from a claim, each a call that starts a stream of deltas."""
+
+    run: Callable[[], AsyncIterator]  # this caller holds the claim: submit
+    attach: Callable[[Callable[[], Awaitable[None]]], AsyncIterator]  # attach(on_quiet): follow the holder's stream
+    has_started: Callable[[], Awaitable[bool]]  # the scheduler took the request (its record or token stream exists)
+    # the path without a claim, for when Redis does not answer (generation must not wait for it, DESIGN
+    # invariant 6; the scheduler still refuses an id that is live there)
+    unclaimed: Callable[[], AsyncIterator]
+
+
 async def claimed_generation(request_id: str, claims: RequestClaims, fingerprint: str,
-                             run: Callable[[], AsyncIterator], attach: Callable[..., AsyncIterator],
-                             has_started: Callable[[], Awaitable[bool]],
-                             unclaimed: Callable[[], AsyncIterator]) -> AsyncIterator:
-    """has_started(): the scheduler took the request (its record or token stream exists).
-    unclaimed(): the path without a claim, for when Redis does not answer (generation must not wait
-    for it, DESIGN invariant 6; the scheduler still refuses an id that is live there)."""
+                             paths: ClaimPaths) -> AsyncIterator:
     for _ in range(_MAX_ATTEMPTS):
         try:
             async with asyncio.timeout(_CLAIM_TIMEOUT_S):
                 claim = await claims.claim(request_id, fingerprint)
         except (RedisError, OSError, TimeoutError) as error:
             logger.warning("cannot claim request_id %r (Redis: %r); submitting it unclaimed", request_id, error)
-            deltas = unclaimed()
+            deltas = paths.unclaimed()
         else:
-            deltas = _follow(claim, claims, run, attach, has_started)
+            deltas = _follow(claim, claims, paths)
         try:
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
@@ -66,12 +74,12 @@ async def claimed_generation(request_id: str, claims: RequestClaims, fingerprint
     raise Unavailable(f"request_id {request_id!r} changed hands {_MAX_ATTEMPTS} times while this call waited; retry")
 
 
-def _follow(claim: Claim, claims: RequestClaims, run, attach, has_started) -> AsyncIterator:
+def _follow(claim: Claim, claims: RequestClaims, paths: ClaimPaths) -> AsyncIterator:
     if claim.verdict is ClaimVerdict.DIFFERENT:
         raise RequestIdTaken(claim.request_id)
     if claim.verdict is ClaimVerdict.CLAIMED:
-        return _run_holding(claim, claims, run())
-    return attach(lambda: _check_claim(claim, claims, has_started))
+        return _run_holding(claim, claims, paths.run())
+    return paths.attach(lambda: _check_claim(claim, claims, paths.has_started))
 
 
 async def _run_holding(claim: Claim, claims: RequestClaims, deltas: AsyncIterator) -> AsyncIterator:

@@ -13,25 +13,8 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-import grpc
-
-from gateway.access.api_keys import ApiKey
 from kvstore.state_reader import RequestStateReader
 from core.errors import NotFound
-
-
-def caller_key(access, context: grpc.aio.ServicerContext) -> ApiKey | None:
-    """The calling key (the interceptor already admitted it); None when keys are off."""
-    if access is None or access.keys is None:
-        return None
-    metadata = context.invocation_metadata() or ()
-    return access.keys.authenticate(next((value for key, value in metadata if key == "authorization"), None))
-
-
-def caller_name(access, context: grpc.aio.ServicerContext) -> str | None:
-    """The calling key's name (the interceptor already admitted it); None when keys are off."""
-    key = caller_key(access, context)
-    return None if key is None else key.name
 
 
 class RequestOwners:

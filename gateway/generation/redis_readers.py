@@ -1,10 +1,10 @@
-"""The gateway's Redis side, in one object: request records (GetRequestStatus, CancelRequest), what resume
-needs (gateway.generation.resume.ResumeStore), and the records of requests a scheduler loses.
+"""The gateway's Redis side, in one object: request records (GetRequestStatus, CancelRequest, and the
+records of requests a scheduler loses) and what resume needs (gateway.generation.resume.ResumeStore).
 
     redis = RedisReaders(options.redis_url, scheduler_wait_s=options.scheduler_resume_wait_s)
     await redis.start()                   # credentials checked (SystemExit naming the URL), readers built
-    redis.record_losses_of(scheduler)     # requests lost without Redis's resume (n > 1) are marked failed
-    ... redis.state_reader, redis.resume  # None without a Redis URL: status unavailable, no resume
+    Generations(tokenizer, scheduler, redis.state_reader, redis.resume)   # None without a Redis URL:
+                                          # status unavailable, no resume, no records of lost requests
     await redis.aclose()
 
 Without a Redis URL every call does nothing, so the process wiring it has no `if redis_url` branches.
@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gateway.generation.resume import ResumeStore
-    from gateway.upstream.scheduler_client import SchedulerClient
     from kvstore.state_reader import RequestStateReader
 
 
@@ -45,14 +44,6 @@ class RedisReaders:
                                   RequestOwners(self.state_reader),
                                   RequestClaims(self.redis_url),  # one request per client-chosen id, across replicas
                                   Followers(self.redis_url), scheduler_wait_s=self.scheduler_wait_s)
-
-    def record_losses_of(self, scheduler: SchedulerClient) -> None:
-        """The scheduler client (or replica router) marks failed in Redis the records of the requests it
-        loses that Redis's resume does not carry on (n > 1)."""
-        if self.state_reader is not None:
-            from gateway.generation.lost_requests import LostRequestRecorder
-
-            scheduler.on_request_lost = LostRequestRecorder(self.state_reader)
 
     async def aclose(self) -> None:
         if self.state_reader is not None:

@@ -3,8 +3,8 @@ resumes its stream after its gateway died, or sent the same request_id twice; an
 stream going on after its scheduler died (the restarted one re-admits the request).
 
     store = ResumeStore(token_reader, state_reader, owners, claims, followers, scheduler_wait_s=30)
-    deltas = submit_or_attach(prepared, tokenizer, scheduler, store, timeout_s, arrival, chosen_id=True)
-    deltas = attach_generation(prepared, tokenizer, store, from_index=17)
+    deltas = submit_or_attach(prepared, call, side, store)     # the route with Redis (Generations.stream)
+    deltas = attach_generation(prepared, call, side, store, from_index=17)
 
 The tokens come from the request's Redis token stream (kvstore.token_streams), which the scheduler
 writes for resumable requests whatever happens to the gateway that submitted them. The prepared
@@ -17,19 +17,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
 
 from gateway.generation.stream import Finish, GenerationDelta, stream_generation
-from gateway.generation.id_claims import claimed_generation
+from gateway.generation.context import CallContext, SchedulerSide
+from gateway.generation.id_claims import ClaimPaths, claimed_generation
 from gateway.generation.ownership import RequestOwners
 from gateway.prepare.request_builder import PreparedRequest
-from gateway.upstream.scheduler_client import SchedulerClient
 from gateway.telemetry import RequestObserver
 from gateway.text.text_stream import TextStream
-from gateway.text.tokenizer import TextTokenizer
 from kvstore.followers import FOLLOW_RENEW_S, Followers
 from kvstore.request_claims import RequestClaims, request_fingerprint
 from kvstore.state_reader import RequestStateReader
@@ -67,30 +66,38 @@ class ResumeStore:
                 await client.aclose()
 
 
-async def attach_generation(prepared: PreparedRequest, tokenizer: TextTokenizer, store: ResumeStore,
-                            from_index: int = 0, timeout_s: float | None = None, on_quiet=None,
-                            quiet_limit_s: float | None = None, why_quiet: str = "") -> AsyncIterator[GenerationDelta]:
-    """on_quiet: awaited about once a second while the stream is still empty (gateway.generation.id_claims checks
-    that the request it waits for is still coming). quiet_limit_s: the stream saying nothing for this
-    long ends the call UNAVAILABLE, naming why_quiet (why it went quiet)."""
+@dataclass(frozen=True, slots=True)
+class WhileQuiet:
+    """What following a token stream does while it says nothing."""
+
+    # awaited about once a second while the stream is still empty (gateway.generation.id_claims checks
+    # that the request it waits for is still coming)
+    check: Callable[[], Awaitable[None]] | None = None
+    limit_s: float | None = None  # saying nothing this long ends the call UNAVAILABLE, naming why
+    why: str = ""  # why it went quiet
+
+
+async def attach_generation(prepared: PreparedRequest, call: CallContext, side: SchedulerSide, store: ResumeStore,
+                            from_index: int = 0, quiet: WhileQuiet = WhileQuiet()) -> AsyncIterator[GenerationDelta]:
+    """The request's deltas from its token stream, from token from_index on, until it ends or call's
+    deadline passes."""
     request_id = prepared.request.request_id
-    text_stream = TextStream(tokenizer, prepared.request.prompt_token_ids, prepared.stop)
+    text_stream = TextStream(side.tokenizer, prepared.request.prompt_token_ids, prepared.stop)
     arrival = time.monotonic()
-    deadline = arrival + timeout_s if timeout_s is not None else None
     after, next_index, quiet_since, followed_at = "0", 0, time.monotonic(), 0.0
     while True:
         followed_at = await _mark_followed(store, request_id, followed_at)
         after, entries = await store.tokens.read(request_id, after, block_ms=1000)
         if not entries:
-            if deadline is not None and time.monotonic() > deadline:
+            if call.deadline_unix_s is not None and time.time() > call.deadline_unix_s:
                 raise DeadlineExceeded(f"request {request_id!r}: deadline passed while attached to its stream")
-            if on_quiet is not None and after == "0":
-                await on_quiet()
+            if quiet.check is not None and after == "0":
+                await quiet.check()
             if time.monotonic() - quiet_since > _LOST_AFTER_S:
                 await _raise_if_lost(store.records, request_id)
-            if quiet_limit_s is not None and time.monotonic() - quiet_since > quiet_limit_s:
-                raise Unavailable(f"request {request_id!r}: {why_quiet}, and it did not go on within "
-                                  f"{quiet_limit_s:g}s (--scheduler-resume-wait-s); {next_index} tokens were sent")
+            if quiet.limit_s is not None and time.monotonic() - quiet_since > quiet.limit_s:
+                raise Unavailable(f"request {request_id!r}: {quiet.why}, and it did not go on within "
+                                  f"{quiet.limit_s:g}s (--scheduler-resume-wait-s); {next_index} tokens were sent")
             continue
         quiet_since = time.monotonic()
         for entry in entries:
@@ -145,54 +152,48 @@ async def _raise_if_lost(records: RequestStateReader | None, request_id: str) ->
                           f"token stream; it was lost with its scheduler")
 
 
-async def submit_or_attach(prepared: PreparedRequest, tokenizer: TextTokenizer, scheduler: SchedulerClient,
-                           store: ResumeStore, timeout_s: float | None, arrival: float, owner: str | None = None,
-                           *, chosen_id: bool = False, resume_from: int | None = None) -> AsyncIterator[GenerationDelta]:
-    """Every API's path with Redis (tokenmill.v1, OpenAI HTTP, KServe). chosen_id: the client chose the
-    request id (tokenmill.v1 request_id, HTTP X-Request-Id); it is claimed first (gateway.generation.id_claims):
-    free, it runs; held by the same request, this call attaches to it; held by another, ALREADY_EXISTS.
-    resume_from (tokenmill.v1 resume_from_index, HTTP Last-Event-ID): a known id attaches from that
-    index. Any other request is submitted as resumable, and goes on through a scheduler restart
-    (_run_resuming). owner: the caller's API key name (None: keys off); only the owner attaches to a
-    known id (store.owners)."""
+async def submit_or_attach(prepared: PreparedRequest, call: CallContext, side: SchedulerSide,
+                           store: ResumeStore) -> AsyncIterator[GenerationDelta]:
+    """The route with Redis (gateway.generation.generations), for every API. call.chosen_id: the client
+    chose the request id (tokenmill.v1 request_id, HTTP X-Request-Id); it is claimed first
+    (gateway.generation.id_claims): free, it runs; held by the same request, this call attaches to it; held
+    by another, ALREADY_EXISTS. call.resume_from (tokenmill.v1 resume_from_index, HTTP Last-Event-ID): a
+    known id attaches from that index. Any other request is submitted as resumable, and goes on through a
+    scheduler restart (_run_resuming). call.owner: the caller's API key name (None: keys off); only the
+    owner attaches to a known id (store.owners)."""
     request_id = prepared.request.request_id
-    # read before any Redis call: the client's call ends when timeout_s (read by the caller) has passed
-    deadline = time.time() + timeout_s if timeout_s is not None else None
 
     def run() -> AsyncIterator[GenerationDelta]:
-        return _run_resuming(prepared, tokenizer, scheduler, store, timeout_s, arrival, owner, deadline)
+        return _run_resuming(prepared, call, side, store)
 
-    if chosen_id and resume_from is None and store.claims is not None:
-        deltas = claimed_generation(
-            request_id, store.claims, request_fingerprint(owner, prepared.request), run=run,
-            attach=lambda on_quiet: attach_generation(prepared, tokenizer, store, 0, timeout_s, on_quiet),
-            has_started=lambda: _is_known(request_id, store),
-            unclaimed=lambda: _submit_then_attach_if_taken(run, prepared, tokenizer, store, timeout_s, owner))
-    elif chosen_id and await _is_known(request_id, store):
-        if not await _owned(request_id, owner, store.owners):  # another key's request: it does not exist for
-            raise NotFound("request", request_id) if resume_from is not None else AlreadyExists("request", request_id)
-        deltas = attach_generation(prepared, tokenizer, store, resume_from or 0, timeout_s)  # this one; its id is taken
-    elif resume_from is not None:
+    if call.chosen_id and call.resume_from is None and store.claims is not None:
+        paths = ClaimPaths(run, lambda on_quiet: attach_generation(prepared, call, side, store, 0, WhileQuiet(on_quiet)),
+                           has_started=lambda: _is_known(request_id, store),
+                           unclaimed=lambda: _submit_then_attach_if_taken(run, prepared, call, side, store))
+        deltas = claimed_generation(request_id, store.claims, request_fingerprint(call.owner, prepared.request), paths)
+    elif call.chosen_id and await _is_known(request_id, store):
+        if not await _owned(request_id, call.owner, store.owners):  # another key's request: it does not exist for
+            raise NotFound("request", request_id) if call.resume_from is not None else AlreadyExists("request", request_id)
+        deltas = attach_generation(prepared, call, side, store, call.resume_from or 0)  # this one; its id is taken
+    elif call.resume_from is not None:
         raise NotFound("request", request_id)
     else:
-        deltas = _submit_then_attach_if_taken(run, prepared, tokenizer, store, timeout_s, owner)
+        deltas = _submit_then_attach_if_taken(run, prepared, call, side, store)
     async with contextlib.aclosing(deltas):
         async for delta in deltas:
             yield delta
 
 
-async def _run_resuming(prepared: PreparedRequest, tokenizer: TextTokenizer, scheduler: SchedulerClient,
-                        store: ResumeStore, timeout_s: float | None, arrival: float, owner: str | None,
-                        deadline: float | None) -> AsyncIterator[GenerationDelta]:
+async def _run_resuming(prepared: PreparedRequest, call: CallContext, side: SchedulerSide,
+                        store: ResumeStore) -> AsyncIterator[GenerationDelta]:
     """stream_generation, resumable. When its scheduler goes away under it (UNAVAILABLE once the request
     was taken), the stream goes on from Redis: the restarted scheduler re-admits the request
     (scheduler.process.readmission) and writes its next tokens to the same token stream, which this follows
     from the index the client has reached (_follow_after_break). The client sees one stream, with no
     token lost or repeated; the request's span, metrics and log line tell one request too."""
     request_id, delivered = prepared.request.request_id, 0
-    observer = RequestObserver(prepared.request, arrival)
-    deltas = stream_generation(prepared, tokenizer, scheduler, timeout_s, arrival, resumable=True, owner=owner,
-                               deadline_unix_s=deadline, observer=observer)
+    observer = RequestObserver(prepared.request, call.arrival)
+    deltas = stream_generation(prepared, call, side, observer=observer, resumable=True)
     try:
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
@@ -206,15 +207,14 @@ async def _run_resuming(prepared: PreparedRequest, tokenizer: TextTokenizer, sch
         broken = error
     logger.warning("request %r: %s; following its token stream from index %d while the scheduler restarts",
                    request_id, broken, delivered)
-    time_left = None if deadline is None else max(deadline - time.time(), 0.0)
-    rest = attach_generation(prepared, tokenizer, store, delivered, time_left, quiet_limit_s=store.scheduler_wait_s,
-                             why_quiet=f"its scheduler went away ({broken})")
-    async with contextlib.aclosing(_follow_after_break(rest, scheduler, observer)) as followed:
+    rest = attach_generation(prepared, call, side, store, delivered,
+                             WhileQuiet(limit_s=store.scheduler_wait_s, why=f"its scheduler went away ({broken})"))
+    async with contextlib.aclosing(_follow_after_break(rest, side, observer)) as followed:
         async for delta in followed:
             yield delta
 
 
-async def _follow_after_break(rest: AsyncIterator[GenerationDelta], scheduler: SchedulerClient,
+async def _follow_after_break(rest: AsyncIterator[GenerationDelta], side: SchedulerSide,
                               observer: RequestObserver) -> AsyncIterator[GenerationDelta]:
     """The rest of a request whose scheduler went away, from its token stream, observed as the same request.
     Left early (its client went away) or failed, the request is aborted: nobody reads it any more."""
@@ -233,13 +233,14 @@ async def _follow_after_break(rest: AsyncIterator[GenerationDelta], scheduler: S
     finally:
         if not finished:
             observer.on_disconnect()  # a no-op after on_error
-            scheduler.abort_in_background(observer.request_id)
+            side.abort_in_background(observer.request_id)
 async def _owned(request_id: str, owner: str | None, owners: RequestOwners | None) -> bool:
     return owner is None or (owners is not None and await owners.recorded_owner(request_id, wait_s=1.0) == owner)
 
 
-async def _submit_then_attach_if_taken(run, prepared: PreparedRequest, tokenizer: TextTokenizer, store: ResumeStore,
-                                       timeout_s: float | None, owner: str | None) -> AsyncIterator[GenerationDelta]:
+async def _submit_then_attach_if_taken(run: Callable[[], AsyncIterator[GenerationDelta]], prepared: PreparedRequest,
+                                       call: CallContext, side: SchedulerSide,
+                                       store: ResumeStore) -> AsyncIterator[GenerationDelta]:
     deltas = run()
     try:
         async with contextlib.aclosing(deltas):
@@ -247,10 +248,10 @@ async def _submit_then_attach_if_taken(run, prepared: PreparedRequest, tokenizer
                 yield delta
         return
     except AlreadyExists:
-        if not await _owned(prepared.request.request_id, owner, store.owners):
+        if not await _owned(prepared.request.request_id, call.owner, store.owners):
             raise
     # the same id was submitted a moment ago (its records not written yet): follow that one
-    attached = attach_generation(prepared, tokenizer, store, 0, timeout_s)
+    attached = attach_generation(prepared, call, side, store)
     async with contextlib.aclosing(attached):
         async for delta in attached:
             yield delta

@@ -1,7 +1,7 @@
 """n > 1 and best_of: several samples of one prompt, run side by side as sibling scheduler requests.
 
     check_streamable(prepared)                       # a stream=true / GenerateStream request
-    deltas = stream_samples(prepared, tokenizer, scheduler, timeout_s, arrival, owner=...)
+    deltas = stream_samples(prepared, call, side)    # gateway.generation.context; chosen by Generations.stream
     async with contextlib.aclosing(deltas):
         async for delta in deltas:                   # delta.index: the choice (0 .. n-1) it belongs to
             ...
@@ -37,14 +37,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import time
 from collections.abc import AsyncIterator
 
 from core.errors import InvalidArgument
 from gateway.generation.stream import GenerationDelta, stream_generation
 from gateway.prepare.request_builder import PreparedRequest
-from gateway.upstream.scheduler_client import SchedulerClient
-from gateway.text.tokenizer import TextTokenizer
+from gateway.generation.context import CallContext, SchedulerSide
+from gateway.telemetry import RequestObserver
+from gateway.upstream.target import Route
 
 _SEED_MODULUS = 2**64  # seeds are 64 bits unsigned on the wire
 
@@ -82,23 +82,30 @@ def sample_requests(prepared: PreparedRequest) -> list[PreparedRequest]:
     return samples
 
 
-async def stream_samples(prepared: PreparedRequest, tokenizer: TextTokenizer, scheduler: SchedulerClient,
-                         timeout_s: float | None = None, arrival: float | None = None,
-                         owner: str | None = None) -> AsyncIterator[GenerationDelta]:
-    """stream_generation for each sample, merged as they arrive (best_of > n: the n best, at the end).
-    timeout_s, arrival and owner as stream_generation's."""
+async def stream_samples(prepared: PreparedRequest, call: CallContext,
+                         side: SchedulerSide) -> AsyncIterator[GenerationDelta]:
+    """stream_generation for each sample, merged as they arrive (best_of > n: the n best, at the end);
+    every sample on one scheduler (one prefix cache), under the call's deadline."""
     if prepared.best_of == 1:
-        deltas = stream_generation(prepared, tokenizer, scheduler, timeout_s, arrival, owner=owner)
+        deltas = stream_generation(prepared, call, side)
     else:
-        arrival = time.monotonic() if arrival is None else arrival
-        deadline = None if timeout_s is None else time.time() + timeout_s
-        target = scheduler.route(prepared.request.prompt_token_ids)  # one replica: one prefix cache
-        deltas = _merged([stream_generation(sample, tokenizer, scheduler, arrival=arrival, owner=owner,
-                                            deadline_unix_s=deadline, target=target, counts_prompt=index == 0)
+        target = side.scheduler.route(prepared.request.prompt_token_ids)  # one replica: one prefix cache
+        deltas = _merged([_sample(sample, call, side, target, index)
                           for index, sample in enumerate(sample_requests(prepared))])
         if prepared.best_of > prepared.n:
             keep_logprobs = prepared.request.sampling_params.logprobs is not None
             deltas = _best(deltas, prepared.n, keep_logprobs)
+    async with contextlib.aclosing(deltas):
+        async for delta in deltas:
+            yield delta
+
+
+async def _sample(sample: PreparedRequest, call: CallContext, side: SchedulerSide, target: Route,
+                  index: int) -> AsyncIterator[GenerationDelta]:
+    """One sample's stream; its observer is made here, in the task that runs it (_merged), and counts the
+    client's prompt for the first sample only (RequestObserver)."""
+    observer = RequestObserver(sample.request, call.arrival, counts_prompt=index == 0)
+    deltas = stream_generation(sample, call, side, target=target, observer=observer)
     async with contextlib.aclosing(deltas):
         async for delta in deltas:
             yield delta

@@ -1,7 +1,9 @@
-"""One prepared request through the scheduler as text deltas: the path every public API shares
-(tokenmill.v1 gRPC, OpenAI-compatible HTTP, KServe v2), each converting GenerationDelta to its own wire.
+"""One prepared request through the scheduler as text deltas, and the delta every route yields (each API
+converts GenerationDelta to its own wire). The plain route (no Redis); every other route runs on it: the
+samples of an n > 1 request (gateway.generation.samples), a resumable request (gateway.generation.resume).
 
-    deltas = stream_generation(prepared, tokenizer, scheduler, timeout_s=None)
+    deltas = stream_generation(prepared, call, side)     # gateway.generation.context; the APIs call
+                                                         # Generations.stream, which chooses this route
     async with contextlib.aclosing(deltas):
         async for delta in deltas:        # text, token_ids, logprobs; .finish is set on the last one
             ...
@@ -16,12 +18,14 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from core.errors import Cancelled, DeadlineExceeded, ServingError, Unavailable
 from core.outputs import FinishReason, RequestOutput, RequestTimings
 from core.step import TokenLogprobs
 from gateway.prepare.request_builder import PreparedRequest
-from gateway.upstream.scheduler_client import SchedulerClient
+from gateway.generation.context import CallContext, SchedulerSide
+from gateway.upstream.target import Route
 from gateway.telemetry import DEADLINE, DRAINED, RequestObserver
 from gateway.text.text_stream import TextStream
 from gateway.text.tokenizer import TextTokenizer
@@ -77,88 +81,48 @@ class GenerationDelta:
     index: int = 0  # which of a request's samples (n > 1: gateway.generation.samples) this delta belongs to
 
 
-async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer, scheduler: SchedulerClient,
-                            timeout_s: float | None = None, arrival: float | None = None,
-                            resumable: bool = False, owner: str | None = None,
-                            deadline_unix_s: float | None = None, target=None,
-                            counts_prompt: bool = True,
-                            observer: RequestObserver | None = None) -> AsyncIterator[GenerationDelta]:
-    """timeout_s: the client's time left (None: no deadline), read with nothing awaited since;
-    deadline_unix_s instead: the deadline itself (Unix seconds), from a caller that awaited something
-    after reading it (gateway.generation.resume asks Redis first), for the time left counts from that read.
-    arrival: time.monotonic() when the request reached the gateway (default: now), for the timings.
-    owner: the API key name that sent it (gateway.generation.ownership), recorded with the request.
-    target: a replica already chosen by scheduler.route() (the samples of one prompt go to one replica,
-    whose prefix cache they share); None: routed here.
-    counts_prompt: False for the samples of an n > 1 request but the first (RequestObserver).
+async def stream_generation(prepared: PreparedRequest, call: CallContext, side: SchedulerSide, *,
+                            target: Route | None = None, observer: RequestObserver | None = None,
+                            resumable: bool = False) -> AsyncIterator[GenerationDelta]:
+    """call: the client's deadline, arrival, owner. side: the tokenizer and the scheduler target.
+    target: a scheduler already chosen by side.scheduler.route() (the samples of one prompt go to one
+    replica, whose prefix cache they share); None: routed here.
+    observer: the caller's RequestObserver (None: one made here, for a request counting its prompt).
     resumable: the scheduler keeps the request running if this gateway dies (see gateway.generation.resume),
-    so a client's cancel is sent as an explicit Abort.
-    observer: the caller's RequestObserver (None: one made here). Given, an UNAVAILABLE is left to the
-    caller to record: it may follow the request on from Redis (gateway.generation.resume) rather than end it.
+    so a client's cancel is sent as an explicit Abort, and an UNAVAILABLE is left to the caller to record:
+    it may follow the request on from Redis rather than end it.
 
     Raises Unavailable when the scheduler cannot be reached; the scheduler's other refusals and
     failures come through as the core.errors type it sent (InvalidArgument, DeadlineExceeded, ...)."""
-    arrival = time.monotonic() if arrival is None else arrival
     request_id = prepared.request.request_id
-    text_stream = TextStream(tokenizer, prepared.request.prompt_token_ids, prepared.stop)
-    # The client's deadline travels twice: as the call's gRPC timeout, and in the request, so the
-    # scheduler ends the request (and frees its pages) itself when it passes.
-    deadline = deadline_unix_s
-    if deadline is None and timeout_s is not None:
-        deadline = time.time() + timeout_s
-    ends_unavailable = observer is None  # else the caller records an UNAVAILABLE ending (it may go on)
     if observer is None:  # GenAI span attributes, latency metrics
-        observer = RequestObserver(prepared.request, arrival, counts_prompt)
-    try:
-        if target is None:  # Unavailable when no scheduler can take it
-            target = scheduler.route(prepared.request.prompt_token_ids)
-        breaker = target.breaker
-        probe = breaker.before_call()  # UNAVAILABLE at once while the scheduler is known to be down
-    except ServingError as error:
-        if ends_unavailable or not isinstance(error, Unavailable):
-            observer.on_error(error)
-        raise
-    outputs = target.submit(prepared.request, deadline_unix_s=deadline, resumable=resumable, owner=owner,
-                            timeout_s=None if deadline is None else max(deadline - time.time(), 0.0))
-    first_token = None
+        observer = RequestObserver(prepared.request, call.arrival)
+    target, probe = _admit(prepared, side, target, observer, records_unavailable=not resumable)
+    breaker = target.breaker
+    outputs = target.submit(prepared.request, deadline_unix_s=call.deadline_unix_s, resumable=resumable,
+                            owner=call.owner, timeout_s=call.time_left())
+    deltas = _Deltas(prepared, side.tokenizer, call.arrival)
     finished = answered = False
-    prompt_logprobs_due = prepared.request.sampling_params.prompt_logprobs is not None
     try:
         async with contextlib.aclosing(outputs):  # leaving early cancels the call: the scheduler frees the pages
             async for output in outputs:
                 if not answered:
                     answered = True
                     breaker.record_success()
-                token_ids = output.new_token_ids
-                if token_ids and first_token is None:
-                    first_token = time.monotonic()
-                observer.on_tokens(len(token_ids))
-                delta = GenerationDelta(request_id, text_stream.push(token_ids), token_ids,
-                                        _logprobs(tokenizer, token_ids, output.logprobs))
-                if prompt_logprobs_due and token_ids:  # a one-token prompt's (no entries) arrive as None
-                    prompt_logprobs_due = False
-                    delta.prompt_logprobs = _logprobs(tokenizer, prepared.request.prompt_token_ids[1:],
-                                                      output.prompt_logprobs or [])
-                if text_stream.stopped or output.finished:
+                observer.on_tokens(len(output.new_token_ids))
+                delta = deltas.of(output)
+                if deltas.text_stream.stopped or output.finished:
                     finished = True
-                    if text_stream.stopped and not output.finished:
-                        await scheduler.abort([request_id], FinishReason.STOP)
-                    delta.text += text_stream.finish()
-                    delta.finish = _finish(output, text_stream, arrival, first_token)
+                    if deltas.text_stream.stopped and not output.finished:
+                        await side.scheduler.abort([request_id], FinishReason.STOP)
+                    deltas.finish(delta, output)
                     observer.on_finish(delta.finish)
                     yield delta
                     return
                 yield delta
     except Unavailable as error:
         finished = True  # the call ended with a status: nothing to abort
-        if ends_unavailable:
-            observer.on_error(error)
-        breaker.record_failure()
-        # the scheduler (or its worker) is gone: the record must not stay "running" in Redis, unless the
-        # request is resumable, which the restarted scheduler re-admits (scheduler.process.readmission)
-        if not resumable:
-            scheduler.report_lost(request_id, Unavailable(f"scheduler unavailable: {error}"), accepted=answered)
-        raise Unavailable(f"scheduler at {target.address} is unavailable: {error}") from error
+        _scheduler_gone(error, side, target, observer, resumable=resumable, answered=answered)
     except ServingError as error:
         finished = True
         observer.on_error(error)
@@ -169,16 +133,67 @@ async def stream_generation(prepared: PreparedRequest, tokenizer: TextTokenizer,
         if probe:
             breaker.release_probe()  # a no-op once the probe's outcome was recorded
         if not finished:  # the call was cut: by its deadline, by this gateway's shutdown or by the client
-            _record_cut(observer, scheduler, deadline)
+            _record_cut(observer, side, call.deadline_unix_s)
         if not finished and resumable:  # the client went away: a resumable request is aborted explicitly
-            scheduler.abort_in_background(request_id)
+            side.abort_in_background(request_id)
 
 
-def _record_cut(observer: RequestObserver, scheduler: SchedulerClient, deadline: float | None) -> None:
+def _admit(prepared: PreparedRequest, side: SchedulerSide, target: Route | None, observer: RequestObserver,
+           records_unavailable: bool) -> tuple[Route, bool]:
+    """The call's scheduler and whether this call is its breaker's half-open probe; Unavailable at once
+    when no scheduler can take it, or while the one chosen is known to be down (its breaker open)."""
+    try:
+        if target is None:
+            target = side.scheduler.route(prepared.request.prompt_token_ids)
+        return target, target.breaker.before_call()
+    except ServingError as error:
+        if records_unavailable or not isinstance(error, Unavailable):
+            observer.on_error(error)
+        raise
+
+
+def _scheduler_gone(error: Unavailable, side: SchedulerSide, target: Route, observer: RequestObserver, *,
+                    resumable: bool, answered: bool) -> NoReturn:
+    target.breaker.record_failure()
+    if not resumable:
+        observer.on_error(error)
+        # the scheduler (or its worker) is gone: the record must not stay "running" in Redis, unless the
+        # request is resumable, which the restarted scheduler re-admits (scheduler.process.readmission)
+        side.report_lost(observer.request_id, Unavailable(f"scheduler unavailable: {error}"), accepted=answered)
+    raise Unavailable(f"scheduler at {target.address} is unavailable: {error}") from error
+
+
+class _Deltas:
+    """A request's outputs as deltas: text (stop strings matched), logprobs, prompt logprobs once, the finish."""
+
+    def __init__(self, prepared: PreparedRequest, tokenizer: TextTokenizer, arrival: float) -> None:
+        self.prepared, self.tokenizer, self.arrival = prepared, tokenizer, arrival
+        self.text_stream = TextStream(tokenizer, prepared.request.prompt_token_ids, prepared.stop)
+        self.first_token: float | None = None
+        self.prompt_logprobs_due = prepared.request.sampling_params.prompt_logprobs is not None
+
+    def of(self, output: RequestOutput) -> GenerationDelta:
+        token_ids = output.new_token_ids
+        if token_ids and self.first_token is None:
+            self.first_token = time.monotonic()
+        delta = GenerationDelta(self.prepared.request.request_id, self.text_stream.push(token_ids), token_ids,
+                                _logprobs(self.tokenizer, token_ids, output.logprobs))
+        if self.prompt_logprobs_due and token_ids:  # a one-token prompt's (no entries) arrive as None
+            self.prompt_logprobs_due = False
+            delta.prompt_logprobs = _logprobs(self.tokenizer, self.prepared.request.prompt_token_ids[1:],
+                                              output.prompt_logprobs or [])
+        return delta
+
+    def finish(self, delta: GenerationDelta, output: RequestOutput) -> None:
+        delta.text += self.text_stream.finish()
+        delta.finish = _finish(output, self.text_stream, self.arrival, self.first_token)
+
+
+def _record_cut(observer: RequestObserver, side: SchedulerSide, deadline: float | None) -> None:
     if deadline is not None and time.time() >= deadline - DEADLINE_SLACK_S:
         observer.on_cut(DeadlineExceeded(f"request {observer.request_id!r} passed its deadline after "
                                          f"{observer.num_tokens} tokens"), DEADLINE)
-    elif scheduler.shutting_down:  # set before the server stops: what it cuts now is the drain's doing
+    elif side.shutting_down:  # set before the server stops: what it cuts now is the drain's doing
         observer.on_cut(Unavailable(f"the gateway shut down before request {observer.request_id!r} finished "
                                     "(its drain timeout passed)"), DRAINED)
     else:  # the client went away (cancelled the call, closed the connection)

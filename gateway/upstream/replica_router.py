@@ -1,6 +1,6 @@
 """The gateway's side of the gateway -> scheduler hop when there are several model replicas.
 
-Stands in for one SchedulerClient (wait_ready / route / abort / close), and picks a replica per
+A SchedulerTarget (gateway.upstream.target) like one SchedulerClient, whose route() picks a replica per
 request with gateway/upstream/replica_choice.py. Replicas come from a static list (--scheduler given more than
 once) or from a DNS name resolved to all its addresses (a Kubernetes headless Service), re-resolved
 every dns_refresh_s. Every refresh_s a background task reads each replica's load and cached prefix
@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
@@ -24,7 +24,8 @@ from core.outputs import FinishReason, RequestOutput
 from core.prefix_keys import extend_block_hashes  # the same keys the replicas publish
 from core.requests import GenerationRequest
 from gateway.upstream.replica_choice import DEFAULT_MAX_LOAD_IMBALANCE, ReplicaView, choose_replica
-from gateway.upstream.scheduler_client import FailureHandling, SchedulerClient
+from gateway.upstream.circuit_breaker import CircuitBreaker
+from gateway.upstream.scheduler_client import SchedulerClient
 from kvstore.replica_keys import REPORT_INTERVAL_S, load_key, prefixes_key
 from plumbing.process import cancel_and_wait
 from plumbing.tls import ClientTLS
@@ -71,7 +72,7 @@ class ReplicaRoute:
         return self.replica.address
 
     @property
-    def breaker(self):
+    def breaker(self) -> CircuitBreaker:
         return self.replica.client.breaker
 
     def submit(self, request: GenerationRequest, **options) -> AsyncIterator[RequestOutput]:
@@ -89,7 +90,9 @@ async def resolve_all(name: str) -> list[str]:
     return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]
 
 
-class ReplicaRouter(FailureHandling):
+class ReplicaRouter:
+    """Several schedulers: a gateway.upstream.target.SchedulerTarget whose routes are its replicas."""
+
     def __init__(self, addresses: list[str], *, dns_name: str = "", redis_url: str = "",
                  refresh_s: float = REPORT_INTERVAL_S, dns_refresh_s: float = 10.0,
                  max_load_imbalance: float = DEFAULT_MAX_LOAD_IMBALANCE,
@@ -104,8 +107,6 @@ class ReplicaRouter(FailureHandling):
         self.delta_stream = delta_stream  # SchedulerClient's: tokens batched per step on one call per replica
         # each replica's SchedulerClient has its own circuit breaker: calls failing on one replica
         # open only its breaker, and route() sends requests to the others until it answers again
-        self.on_request_lost = None
-        self._background: set[asyncio.Task] = set()
         self.replicas: dict[str, Replica] = {}
         self._retired: list[Replica] = []  # left DNS; closed once their calls are done
         self._routed: dict[str, Replica] = {}  # request id -> replica, while its call runs
@@ -148,7 +149,7 @@ class ReplicaRouter(FailureHandling):
                     return model_info
                 await asyncio.sleep(self.refresh_s)
 
-    def route(self, prompt_token_ids) -> ReplicaRoute:
+    def route(self, prompt_token_ids: Sequence[int]) -> ReplicaRoute:
         return ReplicaRoute(self, self.choose(prompt_token_ids))
 
     async def submit_to(self, replica: Replica, request: GenerationRequest, **options) -> AsyncIterator[RequestOutput]:

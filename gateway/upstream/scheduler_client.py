@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from core.errors import ServingError
 from core.outputs import FinishReason, RequestOutput
 from core.requests import GenerationRequest
 from gateway.upstream.circuit_breaker import BreakerState, CircuitBreaker
@@ -49,52 +48,10 @@ class SchedulerLoad:
     kv_usage: float  # pages used / pages in all
 
 
-class FailureHandling:
-    """What the generation paths need beside submit/abort, shared by SchedulerClient and ReplicaRouter:
-    where a request goes (route), the lost-request callback and aborts that nobody waits for.
+class SchedulerClient:
+    """One scheduler: a gateway.upstream.target.SchedulerTarget that is its own Route."""
 
-    route(prompt_token_ids) returns the target of one call: something with .address, .breaker (the
-    circuit breaker of that scheduler: each replica has its own, so one dead replica never refuses
-    calls that would go to a live one) and .submit(...) as SchedulerClient.submit."""
-
-    # (request_id, error, accepted): a request whose scheduler stream broke; the gateway ends its record
-    on_request_lost: Callable[[str, ServingError, bool], None] | None
-    _background: set[asyncio.Task]
-    # set by the gateway before it stops its server: calls cancelled by that are not client cancels,
-    # and resumable requests must keep running for a client to resume them on another gateway
-    shutting_down: bool = False
-
-    def route(self, prompt_token_ids):
-        raise NotImplementedError
-
-    async def abort(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> list[str]:
-        raise NotImplementedError
-
-    def report_lost(self, request_id: str, error: ServingError, accepted: bool) -> None:
-        """accepted: the scheduler had sent tokens, so the request surely existed there."""
-        if self.on_request_lost is not None:
-            self.on_request_lost(request_id, error, accepted)
-
-    def abort_in_background(self, request_id: str) -> None:
-        """Abort without waiting (from a cancelled handler's clean-up); a failure is only logged."""
-        if self.shutting_down:
-            return
-        task = asyncio.get_running_loop().create_task(self._abort_quietly(request_id))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _abort_quietly(self, request_id: str) -> None:
-        try:
-            await self.abort([request_id])
-        except ServingError as error:
-            logger.warning("abort of %r failed: %s", request_id, error)
-        except Exception as error:  # e.g. the channel closed under it while the gateway stops
-            logger.warning("abort of %r failed: %r", request_id, error)
-
-
-class SchedulerClient(FailureHandling):
-    def __init__(self, address: str, breaker: CircuitBreaker | None = None,
-                 on_request_lost: Callable[[str, ServingError, bool], None] | None = None, *,
+    def __init__(self, address: str, breaker: CircuitBreaker | None = None, *,
                  tls: tls_config.ClientTLS | None = None,
                  max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES, delta_stream: bool = True,
                  internal_secret: str | None = None) -> None:
@@ -105,8 +62,6 @@ class SchedulerClient(FailureHandling):
         self.breaker = breaker or CircuitBreaker(f"scheduler at {address}")
         self.breaker.on_open = self._watch_readiness_while_open
         self._readiness_watch: asyncio.Task | None = None
-        self.on_request_lost = on_request_lost
-        self._background: set[asyncio.Task] = set()
         self._channel = aio_channel_with_secret(
             address, tls, message_size_options(max_message_bytes) + RECONNECT_OPTIONS, secret=internal_secret)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
@@ -156,7 +111,7 @@ class SchedulerClient(FailureHandling):
                 pass  # still down or restarting
             await asyncio.sleep(READINESS_POLL_S)
 
-    def route(self, prompt_token_ids) -> SchedulerClient:
+    def route(self, prompt_token_ids: Sequence[int]) -> SchedulerClient:
         return self  # one scheduler: every call goes to it, guarded by its breaker
 
     async def submit(self, request: GenerationRequest, *, deadline_unix_s: float | None = None,

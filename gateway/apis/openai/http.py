@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP API on the gateway: aiohttp on the gateway's own event loop, beside gRPC.
 
-    api = OpenAIHTTP(tokenizer, scheduler, limits, model_info, api_key="")
+    api = OpenAIHTTP(model, access, constraints, api_key="")   # model: gateway.apis.served_model.ServedModel
     runner = await start_http(api, host, port)                       # listening
     ...
     unfinished = await api.drain(drain_timeout_s)   # /ready and new requests 503; in-flight ones finish
@@ -8,12 +8,12 @@
 
 Routes: GET /v1/models, GET /v1/models/{model}, POST /v1/completions, POST /v1/chat/completions
 (`stream: true` as server-sent events ending with `data: [DONE]`), GET /health (liveness), GET /ready.
-With Redis (`resume` set) a one-sample request is resumable: X-Request-Id is claimed (a different request
+With Redis a one-sample request is resumable (gateway.generation.generations chooses the route): X-Request-Id is claimed (a different request
 under a taken id: 409), each delta's last event carries `id: <request id>:<tokens sent>`, the same body
 POSTed again with `Last-Event-ID` resumes after that event on any gateway, and a scheduler restart does
 not cut the stream (gateway.generation.resume).
-Thin: JSON -> openai.requests -> the same prepare_request / stream_samples path as the gRPC API
-(stream_generation per sample) -> openai.responses -> JSON. Errors are OpenAI's JSON shape
+Thin: JSON -> openai.requests -> the same prepare_request and Generations.stream (the route every API
+shares) as the gRPC API -> openai.responses -> JSON. Errors are OpenAI's JSON shape
 (openai.errors). A client that goes away cancels its handler (handler_cancellation), which cancels the
 scheduler call and frees its pages. A streaming client that stays connected but stops reading is cut
 off after stream_idle_timeout_s (gateway.apis.stream_idle): its request is cancelled, its record says why,
@@ -32,27 +32,23 @@ import ssl
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from gateway.access.control import API_KEY, access_middleware
+from gateway.access.control import API_KEY, AccessControl, access_middleware
+from gateway.apis.served_model import ServedModel
 from gateway.apis.openai.http_connections import ConnectionLimits, GuardedSite, track_requests
 from gateway.generation.stream import GenerationDelta
 from gateway.apis.openai.errors import OpenAIError, openai_error
 from gateway.apis.openai.requests import ModelNotFound, parse_chat, parse_completion
 from gateway.apis.openai.responses import ResponseBuilder
-from gateway.generation.samples import sample_ids, stream_samples
+from gateway.generation.context import CallContext
+from gateway.generation.samples import sample_ids
 from gateway.prepare.request_builder import check_constraints, sandbox_or_default
-from gateway.generation.resume import submit_or_attach
-from gateway.upstream.scheduler_client import SchedulerClient
 from gateway.apis.stream_idle import StreamIdle, record_idle, write_within
-from gateway.text.tokenizer import TextTokenizer
 from gateway.text.tool_syntax import choose_tool_syntax
-from gateway.prepare.validation import Limits
 from plumbing.drain import InFlight
 from plumbing.grammar_sandbox import GrammarSandbox
-from protos.tokenmill.v1 import common_pb2
 from core.errors import InvalidArgument, Unauthenticated, Unavailable
 from core.json_limits import check_document
 from gateway.telemetry import CHAT, TEXT_COMPLETION, http_server_span, request_scope
@@ -64,33 +60,30 @@ STOP_GRACE_S = 1.0  # after the drain, what still runs gets this long before it 
 
 
 class OpenAIHTTP:
-    def __init__(self, tokenizer: TextTokenizer, scheduler: SchedulerClient, limits: Limits,
-                 model_info: common_pb2.GetModelInfoResponse, api_key: str = "", access=None,
-                 stream_idle_timeout_s: float = 0.0, state_reader=None, tool_call_parser: str = "auto",
-                 constraints: GrammarSandbox | None = None) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, model: ServedModel, access: AccessControl | None = None,
+                 constraints: GrammarSandbox | None = None, *, api_key: str = "", stream_idle_timeout_s: float = 0.0,
+                 tool_call_parser: str = "auto") -> None:
+        # the route choice (gateway.generation.generations): with Redis a one-sample request is resumable,
+        # with records and a claimed X-Request-Id, resumes by Last-Event-ID and goes on through a scheduler restart
+        self.generations = model.generations
+        self.tokenizer = model.tokenizer
         self.constraints = sandbox_or_default(constraints)  # compiles client constraints off the event loop
-        self.scheduler = scheduler
-        self.limits = limits
-        self.model_name = model_info.model_config.name
-        self.model_facts = model_info.model_config  # architecture, context length, dtype, quantization
+        self.limits = model.limits
+        self.model_name = model.name
+        self.model_facts = model.info.model_config  # architecture, context length, dtype, quantization
         self.api_key = api_key  # "": no authentication
-        self.access = access  # gateway.access.control.AccessControl: API keys and rate limits; None: none
+        self.access = access  # API keys and rate limits; None: none
         # a stream=true client must take each event within this (--stream-idle-timeout-s); 0: no limit
         self.stream_idle_timeout_s = stream_idle_timeout_s
-        self.state_reader = state_reader  # kvstore.RequestStateReader (records an idle stream's reason), or None
+        self.state_reader = model.generations.records  # records an idle stream's reason; None without Redis
         # how the model writes tool calls (--tool-call-parser; auto: read from its chat template)
-        self.tool_format = choose_tool_syntax(tool_call_parser, tokenizer.chat_template)
+        self.tool_format = choose_tool_syntax(tool_call_parser, self.tokenizer.chat_template)
         self.created = int(time.time())
         self.ready = True  # False once the gateway is draining
         self._generating = InFlight()  # completion handlers running, which a drain waits for
         # resumable SSE handlers: a drain that times out ends each with an error event saying how to go on
         self._resumable_streams: set[asyncio.Task] = set()
         self._cutting = False  # set once the drain timed out: what it cancels is told so
-
-    # gateway.generation.resume.ResumeStore (gateway.main sets it with Redis): one-sample requests run resumable, with
-    # records and claimed X-Request-Ids, resume by Last-Event-ID and go on through a scheduler restart
-    resume = None
 
     def refuse_new(self) -> None:
         """Refuses new requests from now on (as DrainInterceptor.refuse_new: before readiness flips)."""
@@ -112,7 +105,7 @@ class OpenAIHTTP:
         how to go on (its Last-Event-ID, to another replica) before the server's stop cuts its connection,
         which would otherwise end it with no word. Their requests run on in the scheduler."""
         self._cutting = True
-        self.scheduler.shutting_down = True  # what is cut now is the drain's doing (gateway.generation.stream)
+        self.generations.shutting_down = True  # what is cut now is the drain's doing (gateway.generation.stream)
         streams = list(self._resumable_streams)
         for task in streams:
             task.cancel()
@@ -199,10 +192,13 @@ class OpenAIHTTP:
                                   echo=parsed.echo if resume_from is None else "", echo_first_token=parsed.echo_first_token,
                                   n=parsed.prepared.n, tool_syntax=parsed.tool_syntax if chat else None)
         headers = {"X-Request-Id": request_id}
-        deltas, resumable = self._deltas(parsed.prepared, arrival, None if key is None else key.name, chosen_id,
-                                         resume_from)
+        # no deadline: HTTP carries none (a client that gives up closes the connection, which cancels this)
+        call = CallContext(arrival, owner=None if key is None else key.name, chosen_id=chosen_id,
+                           resume_from=resume_from, resume_field="Last-Event-ID")
+        deltas = self.generations.stream(parsed.prepared, call)
         async with contextlib.aclosing(deltas):
             if parsed.stream:
+                resumable = self.generations.is_resumable(parsed.prepared)
                 event_ids = EventIds(request_id, resume_from or 0) if resumable else None
                 return await self._stream(request, deltas, builder, headers, sample_ids(parsed.prepared), event_ids)
             async for delta in deltas:
@@ -210,19 +206,6 @@ class OpenAIHTTP:
         if builder.finish is None:
             raise Unavailable("the scheduler ended the request without a result; retry")
         return web.json_response(builder.body(), headers=headers, dumps=_dumps)
-
-    def _deltas(self, prepared, arrival: float, owner: str | None, chosen_id: bool,
-                resume_from: int | None) -> tuple[AsyncIterator[GenerationDelta], bool]:
-        """The request's deltas, and whether it is resumable: with Redis, one sample goes the path every API
-        shares (gateway.generation.resume: records, X-Request-Id claimed, Last-Event-ID, on through a scheduler
-        restart); n > 1 runs its samples side by side, not resumable."""
-        if self.resume is not None and prepared.best_of == 1:
-            return submit_or_attach(prepared, self.tokenizer, self.scheduler, self.resume, None, arrival, owner,
-                                    chosen_id=chosen_id, resume_from=resume_from), True
-        if resume_from is not None:
-            raise InvalidArgument("Last-Event-ID", f"{prepared.request.request_id}:{resume_from}",
-                                  "resumes a request with one sample (n = best_of = 1) on a gateway with Redis")
-        return stream_samples(prepared, self.tokenizer, self.scheduler, None, arrival, owner=owner), False
 
     async def _stream(self, request: web.Request, deltas, builder: ResponseBuilder, headers: dict,
                       ids: list[str], event_ids: EventIds | None) -> web.StreamResponse:

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from core.errors import ResourceExhausted
-from gateway.generation.id_claims import RequestIdTaken, claimed_generation
+from gateway.generation.id_claims import ClaimPaths, RequestIdTaken, claimed_generation
 from kvstore.request_claims import ClaimVerdict, RequestClaims
 
 
@@ -48,10 +48,10 @@ async def test_a_refused_submission_releases_its_claim_and_the_waiting_caller_ru
 
     try:
         first = asyncio.create_task(_consume(claimed_generation(
-            "queue-full", claims, "fp", run("first"), attach, _never_started, _unused)))
+            "queue-full", claims, "fp", ClaimPaths(run("first"), attach, _never_started, _unused))))
         await asyncio.sleep(0.2)
         second = asyncio.create_task(_consume(claimed_generation(
-            "queue-full", claims, "fp", run("second"), attach, _never_started, _unused)))
+            "queue-full", claims, "fp", ClaimPaths(run("second"), attach, _never_started, _unused))))
         await asyncio.sleep(0.2)
         refuse_first.set()
         with pytest.raises(ResourceExhausted):
@@ -60,8 +60,8 @@ async def test_a_refused_submission_releases_its_claim_and_the_waiting_caller_ru
         assert runs == ["first", "second"]
         # the id is now the second caller's: a different request under it is refused naming it
         with pytest.raises(RequestIdTaken, match="request_id 'queue-full' is already taken by a different request"):
-            await _consume(claimed_generation("queue-full", claims, "other", run("third"), attach, _never_started,
-                                              _unused))
+            await _consume(claimed_generation("queue-full", claims, "other",
+                                              ClaimPaths(run("third"), attach, _never_started, _unused)))
         assert (await claims.claim("queue-full", "fp")).verdict is ClaimVerdict.SAME
     finally:
         await claims.aclose()

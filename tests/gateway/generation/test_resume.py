@@ -15,6 +15,7 @@ from core.errors import Unavailable
 from core.outputs import RequestOutput
 from gateway.upstream.circuit_breaker import CircuitBreaker
 from gateway.prepare.request_builder import prepare_request
+from gateway.generation.context import CallContext, SchedulerSide
 from gateway.generation.resume import ResumeStore, submit_or_attach
 from gateway.text.tokenizer import load_tokenizer
 from gateway.prepare.validation import ClientSampling, Limits
@@ -34,8 +35,6 @@ class DyingScheduler:
     """Sends `tokens`, then its call breaks UNAVAILABLE (as when the scheduler is killed); or refuses at
     once (refuse=True), as with no scheduler reachable."""
 
-    shutting_down = False
-
     def __init__(self, tokens: list[int], refuse: bool = False) -> None:
         self.tokens, self.refuse = tokens, refuse
         self.breaker = CircuitBreaker("dying scheduler")
@@ -52,11 +51,19 @@ class DyingScheduler:
             yield RequestOutput(request.request_id, [token_id], num_prompt_tokens=len(PROMPT), num_output_tokens=count)
         raise Unavailable("Stream removed (Socket closed)")
 
-    def abort_in_background(self, request_id: str) -> None:
-        self.aborted.append(request_id)
+    async def abort(self, request_ids, reason=None):
+        self.aborted += request_ids
+        return request_ids
 
-    def report_lost(self, request_id, error, accepted):
-        raise AssertionError("a resumable request is not reported lost")
+
+def _not_lost(request_id, error, accepted):
+    raise AssertionError("a resumable request is not reported lost")
+
+
+def _submit_or_attach(request, tokenizer, scheduler, store):
+    """The route with Redis, as Generations.stream runs it (no deadline, keys off, an id of the gateway's)."""
+    return submit_or_attach(request, CallContext(time.monotonic()), SchedulerSide(tokenizer, scheduler, _not_lost),
+                            store)
 
 
 async def _write(redis_url: str, request_id: str, index: int, token_ids: list[int], finish: str = "") -> None:
@@ -85,7 +92,7 @@ async def test_a_broken_stream_goes_on_from_redis_at_the_index_already_sent(fres
 
     store, scheduler = _store(fresh_redis, 10.0), DyingScheduler([101, 102, 103])
     writer = asyncio.create_task(restarted_scheduler())
-    deltas = [d async for d in submit_or_attach(request, tokenizer, scheduler, store, None, time.monotonic())]
+    deltas = [d async for d in _submit_or_attach(request, tokenizer, scheduler, store)]
     await writer
     assert [t for d in deltas for t in d.token_ids] == [101, 102, 103, 104, 105], "none lost, none repeated"
     assert deltas[-1].finish is not None and deltas[-1].finish.completion_tokens == 5
@@ -103,10 +110,11 @@ async def test_a_stream_that_cannot_go_on_ends_unavailable_naming_the_wait_and_i
     store, scheduler = _store(fresh_redis, 1.0), DyingScheduler([101])
     received, started = [], time.monotonic()
     with pytest.raises(Unavailable) as ended:
-        async for delta in submit_or_attach(request, tokenizer, scheduler, store, None, time.monotonic()):
+        async for delta in _submit_or_attach(request, tokenizer, scheduler, store):
             received += delta.token_ids
     assert received == [101] and 1.0 <= time.monotonic() - started < 5.0
     assert "--scheduler-resume-wait-s" in str(ended.value) and "Socket closed" in str(ended.value)
+    await asyncio.sleep(0)  # the abort is sent in the background
     assert scheduler.aborted == ["never-back"]
     await store.aclose()
 
@@ -116,8 +124,7 @@ async def test_a_request_no_scheduler_took_is_unavailable_at_once(fresh_redis, t
                               sampling=ClientSampling(max_tokens=5), request_id="never-taken")
     store, started = _store(fresh_redis, 30.0), time.monotonic()
     with pytest.raises(Unavailable, match="no scheduler is ready"):
-        async for _ in submit_or_attach(request, tokenizer, DyingScheduler([], refuse=True), store, None,
-                                        time.monotonic()):
+        async for _ in _submit_or_attach(request, tokenizer, DyingScheduler([], refuse=True), store):
             pass
     assert time.monotonic() - started < 1.0, "not waited for: nothing runs under its id"
     await store.aclose()

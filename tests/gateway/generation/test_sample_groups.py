@@ -13,9 +13,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from core.outputs import FinishReason
-from gateway.generation.samples import stream_samples
 from gateway.generation.sample_groups import group_record
 from gateway.apis.generation import GenerationServicer
+from gateway.apis.served_model import ServedModel
+from gateway.generation.generations import Generations
 from gateway.apis.stream_idle import StreamIdle
 from gateway.text.tokenizer import load_tokenizer
 from kvstore.records import RecordStatus, RequestRecord
@@ -26,6 +27,7 @@ from tests.gateway.generation.test_samples import (
     PROMPT,
     ScriptedScheduler,
     prepared,
+    samples,
 )
 
 MODEL_INFO = common_pb2.GetModelInfoResponse(model_config=common_pb2.ModelConfig(name="m"))
@@ -86,7 +88,7 @@ def stream_request(request_id: str, n: int = 2) -> generation_pb2.GenerateReques
 
 
 def servicer(tokenizer, scheduler, records=None) -> GenerationServicer:
-    return GenerationServicer(tokenizer, scheduler, LIMITS, MODEL_INFO, state_reader=records)
+    return GenerationServicer(ServedModel(Generations(tokenizer, scheduler, records), MODEL_INFO, LIMITS))
 
 
 async def until(condition) -> None:
@@ -155,7 +157,7 @@ async def test_the_prompt_token_counter_counts_an_n_sample_prompt_once(tokenizer
 
         before = counted()
         scheduler = Scheduler({index: [(5, -1.0)] for index in range(3)})
-        deltas = stream_samples(prepared(tokenizer, n=3), tokenizer, scheduler)
+        deltas = samples(prepared(tokenizer, n=3), scheduler, tokenizer)
         async with contextlib.aclosing(deltas):
             assert len({delta.index async for delta in deltas}) == 3
         assert counted() - before == len(PROMPT)

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
 
 from core.errors import InvalidArgument, ResourceExhausted
 from core.outputs import FinishReason, RequestOutput
 from core.step import TokenLogprobs
-from gateway.upstream.circuit_breaker import CircuitBreaker
+from gateway.generation.context import CallContext, SchedulerSide
 from gateway.generation.samples import check_streamable, sample_requests, stream_samples
+from gateway.upstream.circuit_breaker import CircuitBreaker
 from gateway.prepare.request_builder import prepare_request
 from gateway.text.tokenizer import load_tokenizer
 from gateway.prepare.validation import ClientSampling, Limits
@@ -29,8 +31,6 @@ def tokenizer():
 class ScriptedScheduler:
     """route() -> itself; each submit plays its sample's script: (token id, logprob) pairs, then the end,
     or an exception at that point, or for ever (None) until cancelled."""
-
-    shutting_down = False
 
     def __init__(self, scripts: dict[int, list | None]) -> None:
         self.scripts = scripts  # sample index -> its script
@@ -67,17 +67,19 @@ class ScriptedScheduler:
     async def abort(self, request_ids, reason=FinishReason.ABORT):
         return request_ids
 
-    def report_lost(self, request_id, error, accepted):
-        pass
-
 
 def prepared(tokenizer, **options):
     sampling = ClientSampling(max_tokens=8, seed=options.pop("seed", None), logprobs=options.pop("logprobs", None))
     return prepare_request(PROMPT, tokenizer, LIMITS, sampling=sampling, request_id="req", **options)
 
 
+def samples(request, scheduler, tokenizer):
+    """stream_samples, as Generations.stream runs it for an n > 1 request (no deadline, keys off)."""
+    return stream_samples(request, CallContext(time.monotonic()), SchedulerSide(tokenizer, scheduler))
+
+
 async def collect(request, scheduler, tokenizer):
-    deltas = stream_samples(request, tokenizer, scheduler)
+    deltas = samples(request, scheduler, tokenizer)
     async with contextlib.aclosing(deltas):
         return [delta async for delta in deltas]
 
@@ -118,7 +120,7 @@ async def test_one_failing_sample_fails_the_request_and_cancels_the_others(token
 
 async def test_the_caller_leaving_cancels_every_sample(tokenizer):
     scheduler = ScriptedScheduler({0: [(5, -1.0)] * 4, 1: None})
-    deltas = stream_samples(prepared(tokenizer, n=2), tokenizer, scheduler)
+    deltas = samples(prepared(tokenizer, n=2), scheduler, tokenizer)
     first = await anext(deltas)
     assert first.index == 0 and first.request_id == "req-0"
     await deltas.aclose()

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from gateway.upstream.circuit_breaker import CircuitBreaker
+from gateway.generation.context import CallContext, SchedulerSide
 from gateway.generation.stream import stream_generation
 from gateway.upstream.replica_router import ReplicaRouter, resolve_all
 from gateway.prepare.request_builder import PreparedRequest
@@ -85,7 +86,7 @@ async def test_a_request_the_router_refuses_at_once_takes_no_probe(tmp_path):
         await asyncio.sleep(0.05)  # open_s passed: the next call is the probe
         prepared = PreparedRequest(make_request([1, 2, 3], max_tokens=2), [])
         with pytest.raises(Unavailable, match=address):
-            async for _ in stream_generation(prepared, load_tokenizer(tmp_path), router):
+            async for _ in stream_generation(prepared, CallContext(0.0), SchedulerSide(load_tokenizer(tmp_path), router)):
                 pass
         assert breaker.before_call()  # probing again, not "circuit open"
     finally:
@@ -111,7 +112,7 @@ async def test_a_dead_replica_opens_only_its_own_breaker_and_the_others_keep_ser
         for i in range(12):  # distinct prompts: the rotation sends about half to the dead replica
             prepared = PreparedRequest(make_request([100 + i] * 3, max_tokens=2), [])
             with pytest.raises(Exception) as caught:  # the live one is a health server only: UNIMPLEMENTED
-                async for _ in stream_generation(prepared, tokenizer, router):
+                async for _ in stream_generation(prepared, CallContext(0.0), SchedulerSide(tokenizer, router)):
                     pass
             if isinstance(caught.value, Unavailable):
                 assert dead in str(caught.value)

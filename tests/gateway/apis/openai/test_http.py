@@ -13,6 +13,8 @@ import grpc
 import openai
 import pytest
 
+from gateway.apis.served_model import ServedModel
+from gateway.generation.generations import Generations
 from gateway.apis.openai.http import OpenAIHTTP, start_http
 from gateway.upstream.scheduler_client import SchedulerClient
 from gateway.text.tokenizer import load_tokenizer
@@ -168,8 +170,8 @@ async def _local_server(scheduler_address: str, api_key: str = ""):
     scheduler = SchedulerClient(scheduler_address)
     info = common_pb2.GetModelInfoResponse(model_config=common_pb2.ModelConfig(name="m", max_context_length=2048))
     tokenizer = await asyncio.to_thread(load_tokenizer, None)
-    api = OpenAIHTTP(tokenizer, scheduler, Limits(max_model_len=2048, vocab_size=tokenizer.vocab_size), info,
-                     api_key=api_key)
+    limits = Limits(max_model_len=2048, vocab_size=tokenizer.vocab_size)
+    api = OpenAIHTTP(ServedModel(Generations(tokenizer, scheduler), info, limits), api_key=api_key)
     port = free_port("127.0.0.1")
     runner = await start_http(api, "127.0.0.1", port)
     return runner, scheduler, f"http://127.0.0.1:{port}/v1"

@@ -13,6 +13,8 @@ import re
 import pytest
 
 from gateway.apis.openai.http_connections import ConnectionLimits
+from gateway.apis.served_model import ServedModel
+from gateway.generation.generations import Generations
 from gateway.apis.openai.http import OpenAIHTTP, start_http
 from gateway.upstream.scheduler_client import SchedulerClient
 from gateway.text.tokenizer import load_tokenizer
@@ -32,7 +34,8 @@ def tokenizer():
 async def http_server(tokenizer, limits: ConnectionLimits):
     scheduler = SchedulerClient(f"127.0.0.1:{free_port('127.0.0.1')}")  # nobody there; never asked
     info = common_pb2.GetModelInfoResponse(model_config=common_pb2.ModelConfig(name="m", max_context_length=2048))
-    api = OpenAIHTTP(tokenizer, scheduler, Limits(max_model_len=2048, vocab_size=tokenizer.vocab_size), info)
+    api = OpenAIHTTP(ServedModel(Generations(tokenizer, scheduler), info,
+                                 Limits(max_model_len=2048, vocab_size=tokenizer.vocab_size)))
     port = free_port("127.0.0.1")
     runner = await start_http(api, "127.0.0.1", port, connections=limits)
     try:
