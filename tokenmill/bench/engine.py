@@ -19,6 +19,7 @@ from core.sampling import SamplingParams
 from scheduler.options import SchedulerOptions
 from tokenmill.bench.workload import Workload, make_workload
 from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig
+from worker.options import DENSE_WEIGHT_MODES, QUANTIZATIONS
 
 
 def run_tokenmill(llm: LLM, workload: Workload, kv_policy: str) -> dict:
@@ -87,13 +88,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline-batch-size", type=int, default=8)
     parser.add_argument("--kv-cache-mb", type=int, default=512)
-    parser.add_argument("--quantization", choices=("auto", "none", "int8", "int4"), default="auto",
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
                         help="tokenmill's weights (worker.paths.base); transformers always runs the float32 "
                              "dequantized model (default: %(default)s)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     parser.add_argument("--no-cpu-fused-ops", action="store_true",
                         help="tokenmill's decoder in plain torch (the reference path; worker.paths.fused_ops)")
-    parser.add_argument("--cpu-dense-weights", choices=("auto", "on", "off"), default="auto",
+    parser.add_argument("--cpu-dense-weights", choices=DENSE_WEIGHT_MODES, default="auto",
                         help="tokenmill's quantized linears keep dense copies for steps of 5 rows or more "
                              "(worker.linears.dense_weights; default: %(default)s)")
     parser.add_argument("--skip-transformers", action="store_true")
