@@ -42,7 +42,8 @@ class GatewayOptions(Options):
     # the schedulers behind it (gateway.upstream)
     scheduler_dns: str = option("", "HOST:PORT whose every address is a model replica (a Kubernetes headless "
                                     "Service), re-resolved every --scheduler-dns-refresh-s", cluster=False)
-    scheduler_dns_refresh_s: float = option(10.0, "how often --scheduler-dns is resolved again", type=float)
+    scheduler_dns_refresh_s: float = option(10.0, "how often --scheduler-dns is resolved again", type=float,
+                                            cluster=False)  # a local cluster names its scheduler
     replica_max_load_imbalance: float = option(
         4.0, "requests more than the least loaded replica a prefix-holding replica may have", type=float)
     scheduler_timeout_s: float = option(600.0, "how long to wait for the scheduler to be ready", type=float)
@@ -77,7 +78,8 @@ class GatewayOptions(Options):
         type=NON_NEGATIVE_FLOAT)
     rate_limit_burst: int = option(0, "requests a key may send at once (default: the rate, rounded up)",
                                    type=NON_NEGATIVE_INT)
-    http_api_key: str = option("", "HTTP clients must send 'Authorization: Bearer KEY'")
+    http_api_key: str = option("", "HTTP clients must send 'Authorization: Bearer KEY'",
+                                cluster=False)  # never through a child's argv, where `ps` shows it: --api-keys-file
     # streams and connections
     stream_idle_timeout_s: float = option(
         120.0, "a streaming call (GenerateStream, KServe ModelStreamInfer, HTTP stream=true) whose client has read "

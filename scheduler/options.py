@@ -21,7 +21,7 @@ from typing import Any
 
 from plumbing import internal_secret, peer_roles, telemetry, tls
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument
-from plumbing.options import Options, option
+from plumbing.options import NON_NEGATIVE_INT, POSITIVE, Options, option
 from plumbing.tls import ClientTLS, ServerTLS
 from scheduler.config import KV_POLICIES, QUEUE_POLICIES, SchedulerConfig
 
@@ -49,8 +49,8 @@ class SchedulerOptions(Options):
                             choices=KV_POLICIES)
     queue_policy: str = option("fcfs", "the waiting queue's order (priority: lower value runs first)",
                                choices=QUEUE_POLICIES)
-    max_num_seqs: int = option(64, "most requests running at once", type=int)
-    max_num_batched_tokens: int = option(512, "token budget of one step (prefill chunks + decode tokens)", type=int,
+    max_num_seqs: int = option(64, "most requests running at once", type=POSITIVE)
+    max_num_batched_tokens: int = option(512, "token budget of one step (prefill chunks + decode tokens)", type=POSITIVE,
                                          cluster=False)
     target_itl_ms: float | None = option(
         None, "inter-token latency target: each step's token budget and the running-set size follow a learnt "
@@ -58,7 +58,7 @@ class SchedulerOptions(Options):
     target_ttft_ms: float | None = option(
         None, "time-to-first-token target: a request about to miss it gets the full budget", type=float)
     max_model_len: int | None = option(None, "prompt + output of one request (default: the model's own limit)",
-                                       type=int)
+                                       type=POSITIVE)
     enable_prefix_caching: bool = option(True, "do not share full prompt pages through the prefix cache",
                                          flag="--no-prefix-caching")
     async_scheduling: bool = option(False, "plan and send step N+1 while the worker runs step N (docs/gpu.md)")
@@ -67,8 +67,9 @@ class SchedulerOptions(Options):
     free_window_pages: bool = True
     # admission (scheduler.admission)
     max_waiting_requests: int = option(4096, "requests queued beyond the running batch; more are refused with "
-                                             "RESOURCE_EXHAUSTED", type=int)
-    max_waiting_tokens: int = option(0, "prompt tokens queued beyond the running batch; 0: no bound", type=int)
+                                             "RESOURCE_EXHAUSTED", type=POSITIVE)
+    max_waiting_tokens: int = option(0, "prompt tokens queued beyond the running batch; 0: no bound",
+                                      type=NON_NEGATIVE_INT)
     # the worker link and its failures (scheduler.process.worker_recovery)
     worker_timeout_s: float = option(600.0, "how long to wait for the worker", type=float)
     retry_on_worker_failure: bool = option(

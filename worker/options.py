@@ -82,7 +82,7 @@ class WorkerOptions(Options):
                         "(default: %(default)s)", choices=DTYPE_CHOICES)
     block_size: int = option(16, "tokens per KV page (a power of two)", type=POWER_OF_TWO, cluster=False)
     kv_cache_mb: int | None = option(None, "memory budget for the KV cache; overrides --kv-cache-memory-fraction",
-                                     type=int)
+                                     type=POSITIVE)
     kv_cache_memory_fraction: float | None = option(
         None, "share of the memory free after the weights and the profile pass's activation peak that the KV "
         "cache takes (default: 0.9 on CUDA, 0.1 of available RAM on CPU)", type=PROBABILITY)
@@ -90,7 +90,7 @@ class WorkerOptions(Options):
                                          "that size", type=POSITIVE, cluster=False)
     swap_space_gb: float = option(0.0, "host memory for swapped-out KV pages (pinned on CUDA); 0: preemption only "
                                   "recomputes", type=NON_NEGATIVE_FLOAT)
-    num_blocks: int | None = option(None, "KV pages; overrides --kv-cache-mb", type=int)
+    num_blocks: int | None = option(None, "KV pages; overrides --kv-cache-mb", type=POSITIVE)
     kv_sizing_record: Path | None = option(
         None, "JSON file where the first start records the KV cache size it chose from memory; a restart with the "
         "same settings reuses it, so the scheduler meets the page count it was built for. Put it where it "

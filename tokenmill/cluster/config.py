@@ -96,7 +96,6 @@ class ClusterConfig:
                                                             "names)"), cluster=True)
         # today's `tokenmill serve` gateway: a local cluster stops at once after a drain
         parser.set_defaults(metrics_linger_s=LOCAL_GATEWAY.metrics_linger_s)
-        _keep_serve_checks(parser)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides: Any) -> ClusterConfig:
@@ -159,17 +158,6 @@ CLUSTER_FLAGS = ("model", "block_size", "max_num_batched_tokens", "drain_timeout
                  "internal_host", "gateway_port", "scheduler_port", "worker_port", "redis_url", "redis_port",
                  "http_header_timeout_s", "http_keepalive_timeout_s", "http_max_connections_per_client")
 
-# Values `tokenmill serve` has always refused before starting anything, where a service's own parser takes
-# any integer (the child would fail after the cluster started). Declared in the services' options, these
-# checks would go from here.
-SERVE_CHECKS = {"kv_cache_mb": POSITIVE, "num_blocks": POSITIVE, "max_num_seqs": POSITIVE, "max_model_len": POSITIVE,
-                "max_waiting_requests": POSITIVE, "max_waiting_tokens": NON_NEGATIVE_INT}
-
-
-def _keep_serve_checks(parser: argparse.ArgumentParser) -> None:
-    for action in parser._actions:  # argparse has no public way to change an added argument's type
-        if action.dest in SERVE_CHECKS and action.type is int:
-            action.type = SERVE_CHECKS[action.dest]
 
 
 def _add_address_arguments(parser: argparse.ArgumentParser) -> None:
