@@ -3,7 +3,7 @@
 - no import circle anywhere in our tree (an import inside a function counts: it runs too);
 - no folder holds more than 20 modules, in the code or in its tests;
 - no function is over 60 lines, outside worker/kernels/ (a kernel is one launch, read top to bottom);
-- the rooms inside a service keep their arrows (ROOM_RULES);
+- the rooms inside a service keep their arrows (the rules are in tests/test_layering.py);
 - a package's `__init__.py` map names each of its rooms, and every file it names exists.
 
 Imports under `if TYPE_CHECKING:` are left out: they never run, so they cannot close a circle.
@@ -20,49 +20,6 @@ PACKAGES = ("core", "plumbing", "protos", "kvstore", "gateway", "scheduler", "wo
 MAX_MODULES = 20
 MAX_FUNCTION_LINES = 60
 LONG_FUNCTIONS_ALLOWED = ("worker/kernels/",)
-_GATEWAY_ROOMS = ("gateway.apis", "gateway.generation", "gateway.prepare", "gateway.text", "gateway.upstream",
-                  "gateway.access")
-# the scheduling rule and what composes it, at scheduler/'s top; the process room drives it
-_SCHEDULER_RULE = tuple(f"scheduler.{name}" for name in (
-    "scheduler", "request", "config", "queue_policy", "latency_targets", "step_time", "admission", "stats",
-    "step_pipeline", "engine", "executor", "options"))
-_WORKER_PROCESS = ("worker.main", "worker.service", "worker.build")
-_WORKER_ABOVE_KERNELS = ("main", "service", "build", "model_runner", "kv_sizing", "step_batch", "options", "memory",
-                         "paths", "model", "linears", "sampling", "loader", "step_order", "step_telemetry")
-# room (a dotted module or package prefix) -> what it never imports
-ROOM_RULES: dict[str, tuple[str, ...]] = {
-    # the gateway: text at the bottom; access and upstream beside it; prepare over text; generation over
-    # those; the API edges on top; the process (main) imported by nobody
-    "gateway.text": tuple(room for room in _GATEWAY_ROOMS if room != "gateway.text") + ("gateway.main",),
-    "gateway.access": tuple(room for room in _GATEWAY_ROOMS if room != "gateway.access") + ("gateway.main",),
-    "gateway.upstream": tuple(room for room in _GATEWAY_ROOMS if room != "gateway.upstream") + ("gateway.main",),
-    "gateway.prepare": ("gateway.apis", "gateway.generation", "gateway.upstream", "gateway.access", "gateway.main"),
-    "gateway.generation": ("gateway.apis", "gateway.main"),
-    "gateway.apis": ("gateway.main",),
-    # the scheduler: page accounting knows pages and a protocol of a request, nothing of the rule or the process
-    "scheduler.pages": ("scheduler.process", "scheduler.main", *_SCHEDULER_RULE),
-    **{module: ("scheduler.process", "scheduler.main") for module in _SCHEDULER_RULE},
-    "scheduler.process": ("scheduler.main",),
-    # the worker: kernels at the bottom; the plain reference model (the oracle) knows no path, no fast
-    # linear, no sampler; linears know kernels but no path or model; a path picks among them; the
-    # process files (main, service, build) sit on top of everything
-    "worker.kernels": tuple(f"worker.{name}" for name in _WORKER_ABOVE_KERNELS),
-    "worker.model": ("worker.paths", "worker.linears", "worker.sampling", *_WORKER_PROCESS),
-    "worker.linears": ("worker.paths", "worker.model", "worker.sampling", *_WORKER_PROCESS),
-    "worker.sampling": ("worker.paths", "worker.model", "worker.linears", *_WORKER_PROCESS),
-    "worker.paths": (*_WORKER_PROCESS, "worker.model_runner", "worker.kv_sizing"),
-    "worker.options": tuple(f"worker.{name}" for name in _WORKER_ABOVE_KERNELS if name != "options"),
-    "worker.step_batch": tuple(f"worker.{name}" for name in _WORKER_ABOVE_KERNELS if name != "step_batch"),
-    "worker.memory": tuple(f"worker.{name}" for name in _WORKER_ABOVE_KERNELS if name != "memory"),
-    # the roof: process management and the client know neither the benchmarks nor the CLI nor the engine
-    "tokenmill.cluster": ("tokenmill.bench", "tokenmill.client", "tokenmill.cli", "tokenmill.client_cli",
-                          "tokenmill.llm"),
-    "tokenmill.client": ("tokenmill.cluster", "tokenmill.bench", "tokenmill.cli", "tokenmill.llm"),
-    "tokenmill.llm": ("tokenmill.cluster", "tokenmill.bench"),
-    "tokenmill.cli": ("tokenmill.bench",),  # it names the benchmarks' modules as strings, imported when run
-    "tokenmill.bench.workload": ("tokenmill.bench",),
-    "tokenmill.cluster.restart_monitor": ("tokenmill.cluster.supervisor",),
-}
 
 
 def source_files(root: Path = ROOT, packages=PACKAGES) -> Iterator[Path]:
@@ -189,7 +146,9 @@ def long_functions(root: Path = ROOT, packages=(*PACKAGES, "scripts")) -> list[s
     return long
 
 
-def arrows_between_rooms(root: Path = ROOT, rules: dict[str, tuple[str, ...]] = ROOM_RULES) -> list[str]:
+def arrows_between_rooms(rules: dict[str, tuple[str, ...]], root: Path = ROOT) -> list[str]:
+    """rules: room (a dotted module or package prefix) -> what it never imports (tests/test_layering.py
+    holds the project's)."""
     paths = {module_name(path, root): path for path in source_files(root)}
     modules = set(paths)
     wrong = []
@@ -245,10 +204,6 @@ def test_no_function_over_sixty_lines_outside_the_kernels():
     assert long_functions() == []
 
 
-def test_rooms_keep_their_arrows():
-    assert arrows_between_rooms() == []
-
-
 def test_package_maps_name_their_rooms_and_only_files_that_exist():
     assert drifting_maps() == []
 
@@ -271,7 +226,7 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     assert import_circles(graph) == [["gateway.apis.http", "gateway.text.tokenizer"]]
     assert crowded_folders(tmp_path) == [f"gateway/apis: {MAX_MODULES + 2} modules"]
     assert long_functions(tmp_path, ("gateway",)) == ["gateway/apis/http.py:3 serve (62 lines)"]
-    wrong = arrows_between_rooms(tmp_path, {"gateway.text": ("gateway.apis",)})
+    wrong = arrows_between_rooms({"gateway.text": ("gateway.apis",)}, tmp_path)
     assert wrong == ["gateway/text/tokenizer.py:2 imports gateway.apis.http (gateway.text never imports gateway.apis)"]
     assert drifting_maps(tmp_path) == ["gateway/__init__.py: the map does not name the room text/",
                                        "gateway/__init__.py: the map names gone.py, which is not there"]
