@@ -1,6 +1,6 @@
 """The public front door: every client-facing API, and the typed client of the scheduler behind it.
 
-Rooms (arrows point down; tests/test_rooms.py holds them):
+Rooms (arrows point down; tests/test_layering.py holds them):
 
 | room | what it holds | may import (of the gateway's rooms) |
 | --- | --- | --- |
