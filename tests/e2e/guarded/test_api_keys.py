@@ -118,7 +118,7 @@ def test_health_and_reflection_stay_open(guarded):
 
 
 def test_the_keys_file_holds_only_hashes(guarded):
-    text = open(guarded.config.api_keys_file).read()
+    text = open(guarded.config.gateway.api_keys_file).read()
     assert MAIN_KEY not in text and '"sha256"' in text
 
 
