@@ -41,6 +41,7 @@ class LiveRequestWriter(BackgroundFlush):
         self._retry_max_s = retry_max_s
         self._pending: deque[tuple[str, str | None]] = deque()  # (request id, submitted; None: ended), in order
         self._has_work = asyncio.Event()
+        self.round_trips = 0  # pipelines sent (one per flush, failed ones included)
 
     @property
     def pending(self) -> int:
@@ -56,14 +57,22 @@ class LiveRequestWriter(BackgroundFlush):
         self._has_work.set()
 
     async def _flush(self) -> bool:
+        """One round trip with three commands, however many requests changed: the queue is folded into
+        each request's last change (changes to different requests commute; a request admitted and ended
+        within one batch is only deleted)."""
         batch = list(self._pending)
-        pipe = self._client.pipeline(transaction=False)
+        last: dict[str, str | None] = {}
         for request_id, submitted in batch:
-            if submitted is None:
-                pipe.hdel(self._key, request_id)
-            else:
-                pipe.hset(self._key, request_id, submitted)
+            last[request_id] = submitted
+        admitted = {request_id: submitted for request_id, submitted in last.items() if submitted is not None}
+        ended = [request_id for request_id, submitted in last.items() if submitted is None]
+        pipe = self._client.pipeline(transaction=False)
+        if admitted:
+            pipe.hset(self._key, mapping=admitted)
+        if ended:
+            pipe.hdel(self._key, *ended)
         pipe.expire(self._key, self._ttl_s)
+        self.round_trips += 1
         try:
             await pipe.execute()
         except (RedisError, OSError, TimeoutError) as error:

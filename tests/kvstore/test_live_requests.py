@@ -31,3 +31,29 @@ async def test_admitted_until_ended_and_streamed_tokens_in_order_without_repeats
         await live.aclose()
         await tokens.aclose()
         await reader.aclose()
+
+
+async def test_a_flush_is_one_round_trip_of_three_commands_however_many_requests_changed(fresh_redis):
+    from kvstore.client import connect
+
+    client, live = connect(fresh_redis), LiveRequestWriter(fresh_redis, "127.0.0.1:9", flush_interval_s=0.05)
+    reader = LiveRequestReader(fresh_redis, "127.0.0.1:9")
+    try:
+        await client.config_resetstat()
+        for request in range(200):
+            live.admitted(f"r{request}", f"submitted-{request}")
+        for request in range(0, 200, 2):  # half of them end within the same batch
+            live.ended(f"r{request}")
+        live.admitted("r0", "submitted-again")  # the last change of a request wins
+        live.start()
+        await wait_until(lambda: live.pending == 0, what="writes")
+        stats = await client.info("commandstats")
+        assert live.round_trips == 1
+        assert {name: stats[f"cmdstat_{name}"]["calls"] for name in ("hset", "hdel", "expire")} == {
+            "hset": 1, "hdel": 1, "expire": 1}
+        assert await reader.live() == {"r0": "submitted-again"} | {
+            f"r{request}": f"submitted-{request}" for request in range(1, 200, 2)}
+    finally:
+        await live.aclose()
+        await reader.aclose()
+        await client.aclose()

@@ -72,3 +72,37 @@ async def test_past_its_bound_a_writer_drops_the_oldest_and_counts_logs_and_expo
     finally:
         own_redis.start()
         await writer.aclose()
+
+
+async def command_calls(client) -> dict[str, int]:
+    """Redis's own count of each command's calls (INFO commandstats), commands inside scripts included."""
+    return {name.removeprefix("cmdstat_"): stats["calls"] for name, stats in (await client.info("commandstats")).items()}
+
+
+async def test_a_flush_of_300_requests_is_one_script_call_and_odd_error_text_survives(fresh_redis):
+    """One command per flush, not an XADD + EXPIRE per request (issue 33): Redis counts one EVALSHA
+    (and its XADDs inside the script), and the client one round trip."""
+    from core.errors import DeadlineExceeded
+    from kvstore.client import connect
+
+    client, reader = connect(fresh_redis), TokenStreamReader(fresh_redis)
+    writer = TokenStreamWriter(fresh_redis, flush_interval_s=0.05)
+    message = 'past "its" deadline\nafter 3 tokens: ünïcode, \\ and ]}'
+    try:
+        await client.config_resetstat()
+        for request in range(300):
+            writer.append(f"r{request}", 0, [request, request + 1])
+        writer.finish("r7", 2, FinishReason.ABORT, DeadlineExceeded(message), num_prompt_tokens=3)
+        writer.start()
+        await wait_until(lambda: writer.pending == 0, what="the writer to flush")
+        calls = await command_calls(client)
+        assert writer.round_trips == 1 and calls.get("evalsha", 0) + calls.get("eval", 0) == 1
+        assert calls["xadd"] == 301 and calls["expire"] == 301
+        entries = await read_all(reader, "r7")
+        assert [(e.index, e.token_ids) for e in entries] == [(0, [7, 8]), (2, [])]
+        assert isinstance(entries[-1].error, DeadlineExceeded) and str(entries[-1].error) == message
+        assert (await read_all(reader, "r299"))[0].token_ids == [299, 300]
+    finally:
+        await writer.aclose()
+        await reader.aclose()
+        await client.aclose()
