@@ -128,6 +128,11 @@ SCHEDULER_METRICS = {
 REDIS_WRITES_DROPPED = "tokenmill:redis_writes_dropped_total"
 REDIS_WRITES_DROPPED_HELP = ("Request-record changes and token-stream entries the scheduler dropped, oldest first, "
                              "because Redis stayed away longer than its in-memory buffers could hold")
+REDIS_ROUND_TRIPS = "tokenmill:redis_round_trips_total"
+REDIS_ROUND_TRIPS_HELP = ("Calls the scheduler's Redis writers sent (one round trip each, failed ones included), by "
+                          "writer: divided by tokenmill:scheduler_steps_total, the round trips per step")
+SCHEDULER_STEPS = "tokenmill:scheduler_steps_total"
+SCHEDULER_STEPS_HELP = "Steps whose results the scheduler applied"
 
 OWNED = {
     "gateway": (TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, REQUEST_TIME_PER_OUTPUT_TOKEN, E2E_REQUEST_LATENCY,
@@ -194,7 +199,9 @@ def exported_metric_names() -> set[str]:
             families.add(family.name)
             kinds[family.name] = family.type
     families.add(REDIS_WRITES_DROPPED.removesuffix("_total"))
-    for name in ("tokenmill:prefix_cache_queries", "tokenmill:prefix_cache_hits", "tokenmill:num_preemptions",
+    families |= {REDIS_ROUND_TRIPS.removesuffix("_total"), SCHEDULER_STEPS.removesuffix("_total")}
+    for name in (REDIS_ROUND_TRIPS.removesuffix("_total"), SCHEDULER_STEPS.removesuffix("_total"),
+                 "tokenmill:prefix_cache_queries", "tokenmill:prefix_cache_hits", "tokenmill:num_preemptions",
                  "tokenmill:num_swapped_preemptions", "tokenmill:itl_target_misses",
                  REDIS_WRITES_DROPPED.removesuffix("_total")):
         kinds[name] = "counter"
@@ -299,6 +306,30 @@ def watch_redis_writers(read_dropped: Callable[[], Mapping[str, int]]) -> None:
     """Exports tokenmill:redis_writes_dropped_total{kind="record"|"token_stream"}; read_dropped()
     returns those counts (kvstore's RequestStateWriter.stats.dropped, TokenStreamWriter.dropped)."""
     REGISTRY.register(DroppedWritesCollector(read_dropped))
+
+
+class RedisRoundTripsCollector(Collector):
+    """The scheduler's Redis round trips by writer and its step count, at scrape time (issue 33's
+    target: at most 2 round trips per step)."""
+
+    def __init__(self, read_round_trips: Callable[[], Mapping[str, int]], read_steps: Callable[[], int]) -> None:
+        self.read_round_trips, self.read_steps = read_round_trips, read_steps
+
+    def describe(self):
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        trips = CounterMetricFamily(REDIS_ROUND_TRIPS.removesuffix("_total"), REDIS_ROUND_TRIPS_HELP, labels=["kind"])
+        for kind, value in self.read_round_trips().items():
+            trips.add_metric([kind], value)
+        yield trips
+        yield CounterMetricFamily(SCHEDULER_STEPS.removesuffix("_total"), SCHEDULER_STEPS_HELP, value=self.read_steps())
+
+
+def watch_redis_round_trips(read_round_trips: Callable[[], Mapping[str, int]], read_steps: Callable[[], int]) -> None:
+    """Exports tokenmill:redis_round_trips_total{kind="record"|"token_stream"|"live"} and
+    tokenmill:scheduler_steps_total."""
+    REGISTRY.register(RedisRoundTripsCollector(read_round_trips, read_steps))
 
 
 def watch_scheduler(read_stats: Callable[[], object], cache_config: Mapping[str, object] | None = None) -> None:

@@ -24,7 +24,7 @@ from kvstore.redis_health import REDIS_HEALTH_SERVICE, watch_redis
 from kvstore.state_writer import RequestStateWriter
 from kvstore.token_streams import TokenStreamWriter
 from plumbing.rpc import ReadinessHealthServicer
-from plumbing.telemetry.metrics import watch_redis_writers
+from plumbing.telemetry.metrics import watch_redis_round_trips, watch_redis_writers
 from scheduler.options import SchedulerOptions
 from scheduler.process.load_report import LoadReporter
 from scheduler.process.loop import EngineLoop
@@ -81,6 +81,7 @@ class RedisSide(NoRedis):
         self._live.start()
         # what a Redis outage longer than the writers' buffers cost: counted, never silent
         watch_redis_writers(lambda: {"record": self.state.stats.dropped, "token_stream": self._token_streams.dropped})
+        watch_redis_round_trips(self.round_trips, lambda: loop.num_steps)
         self._health_watch = asyncio.get_running_loop().create_task(watch_redis(
             self.url, lambda: self.state.healthy and self._token_streams.healthy,
             lambda ok: health.set(REDIS_HEALTH_SERVICE, SERVING if ok else NOT_SERVING)))
@@ -90,6 +91,11 @@ class RedisSide(NoRedis):
         self._reporter = LoadReporter(self.url, self.scheduler_id, loop)
         self._reporter.start()
         self._orphans = start_orphan_reaper(loop, self.url, self.orphan_timeout_s)  # None when off
+
+    def round_trips(self) -> dict[str, int]:
+        """Calls each writer sent to Redis so far, one round trip each (record: batches written)."""
+        return {"record": self.state.stats.batches, "token_stream": self._token_streams.round_trips,
+                "live": self._live.round_trips}
 
     async def withdraw(self) -> None:
         """Draining: the load report's keys go, so gateways stop routing here."""

@@ -106,3 +106,20 @@ async def test_a_flush_of_300_requests_is_one_script_call_and_odd_error_text_sur
         await writer.aclose()
         await reader.aclose()
         await client.aclose()
+
+
+async def test_round_trips_per_step_are_exported_by_writer(fresh_redis):
+    from plumbing.telemetry.metrics import RedisRoundTripsCollector
+
+    writer = TokenStreamWriter(fresh_redis, flush_interval_s=0.05)
+    try:
+        for request in range(64):
+            writer.append(f"r{request}", 0, [request])
+        writer.start()
+        await wait_until(lambda: writer.pending == 0, what="the writer to flush")
+        collected = list(RedisRoundTripsCollector(lambda: {"token_stream": writer.round_trips}, lambda: 3).collect())
+        assert [(s.name, s.labels, s.value) for family in collected for s in family.samples] == [
+            ("tokenmill:redis_round_trips_total", {"kind": "token_stream"}, 1.0),
+            ("tokenmill:scheduler_steps_total", {}, 3.0)]
+    finally:
+        await writer.aclose()
