@@ -6,8 +6,18 @@ import time
 
 import pytest
 
+from kvstore.records import RecordStatus, RequestRecord
 from kvstore.state_reader import RequestStateReader
 from kvstore.state_writer import RequestStateWriter
+
+
+def timed_record(request_id: str, status: RecordStatus, **fields) -> RequestRecord:
+    """A record with its counts, times, model and priority set (times to the nanosecond, so a lossy
+    encoding shows); fields add or replace any."""
+    values = dict(num_preemptions=2, num_prompt_tokens=17, num_output_tokens=5, created_at=1_700_000_000.123456789,
+                  first_scheduled_at=1_700_000_000.25, first_token_at=1_700_000_000.5, model="smollm2-135m",
+                  priority=-3)
+    return RequestRecord(request_id=request_id, status=status, **{**values, **fields})
 
 
 async def wait_until(condition, timeout_s: float = 5.0, what: str = "condition") -> None:

@@ -4,23 +4,12 @@ from dataclasses import fields
 import pytest
 
 from kvstore.records import FIELD_TYPES, RecordStatus, RequestRecord, encode_field, record_key
+from tests.kvstore.conftest import timed_record
 
 
 def test_mapping_round_trip_keeps_every_field_exactly():
-    record = RequestRecord(
-        request_id="req-1",
-        status=RecordStatus.FINISHED,
-        num_preemptions=2,
-        num_prompt_tokens=17,
-        num_output_tokens=5,
-        created_at=1_700_000_000.123456789,
-        first_scheduled_at=1_700_000_000.25,
-        first_token_at=1_700_000_000.5,
-        finished_at=1_700_000_001.0,
-        finish_reason=FinishReason.LENGTH,
-        model="smollm2-135m",
-        priority=-3,
-    )
+    record = timed_record("req-1", RecordStatus.FINISHED, finished_at=1_700_000_001.0,
+                          finish_reason=FinishReason.LENGTH)
     mapping = record.to_mapping()
     assert "error" not in mapping  # None is absent, not the string "None"
     as_bytes = {k.encode(): v.encode() for k, v in mapping.items()}  # HGETALL without decoding

@@ -4,22 +4,11 @@ import redis
 from core.errors import ErrorCode, Unavailable
 from core.outputs import FinishReason
 from kvstore.records import RecordStatus, RequestRecord, record_key
-from tests.kvstore.conftest import drained
+from tests.kvstore.conftest import drained, timed_record
 
 
 async def test_get_record_round_trips_what_was_stored(reader, fresh_redis):
-    record = RequestRecord(
-        request_id="r1",
-        status=RecordStatus.RUNNING,
-        num_preemptions=1,
-        num_prompt_tokens=30,
-        num_output_tokens=4,
-        created_at=1_700_000_000.0,
-        first_scheduled_at=1_700_000_000.125,
-        first_token_at=1_700_000_000.5,
-        model="smollm2",
-        priority=5,
-    )
+    record = timed_record("r1", RecordStatus.RUNNING)
     with redis.Redis.from_url(fresh_redis) as client:
         client.hset(record_key("r1"), mapping=record.to_mapping())
     assert await reader.get_record("r1") == record
