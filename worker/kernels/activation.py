@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels.checks import FLOAT_DTYPES, check_tensor
+from worker.kernels.checks import FLOAT_DTYPES, check_tensor, output_tensor
 
 BLOCK_SIZE = 1024  # columns per program: wide enough to stream, small enough for the interpreter
 
@@ -46,9 +46,7 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None 
     """
     check_tensor("silu_and_mul", "gate", gate, (None, None), FLOAT_DTYPES)
     check_tensor("silu_and_mul", "up", up, tuple(gate.shape), (gate.dtype,), gate.device)
-    if out is None:
-        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    check_tensor("silu_and_mul", "out", out, tuple(gate.shape), (gate.dtype,), gate.device)
+    out = output_tensor("silu_and_mul", "out", out, tuple(gate.shape), gate)
     num_tokens, intermediate_size = gate.shape
     if num_tokens == 0 or intermediate_size == 0:
         return out

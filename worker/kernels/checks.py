@@ -36,6 +36,21 @@ def check_tensor(
     return tensor
 
 
+def output_tensor(
+    where: str,
+    name: str,
+    out: torch.Tensor | None,
+    shape: tuple[int, ...],
+    like: torch.Tensor,
+    dtype_from: str | None = None,
+) -> torch.Tensor:
+    """Every wrapper's optional output: a new tensor of shape in like's dtype and device when out is
+    None, else out checked for that shape, dtype and device (and a dense last dim)."""
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    return check_tensor(where, name, out, shape, (like.dtype,), like.device, True, dtype_from)
+
+
 def _expected_dtypes(dtypes: tuple[torch.dtype, ...], dtype_from: str | None) -> str:
     if dtype_from:
         return f"{dtypes[0]} ({dtype_from}'s dtype)"

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from worker.kernels.checks import FLOAT_DTYPES, check_tensor
+from worker.kernels.checks import FLOAT_DTYPES, check_tensor, output_tensor
 
 # (bits, group_size) the kernel runs: llama.cpp's 4-bit blocks hold 32 codes; Q6_K's 8-bit groups hold 16
 LAYOUTS = ((4, 32), (8, 32), (8, 16))
@@ -322,9 +322,7 @@ def group_quant_matmul(
     _check_inputs("group_quant_matmul", x, codes, scales, mins, bits, group_size, bias)
     num_rows, in_features = x.shape
     num_outputs = codes.shape[0]
-    if out is None:
-        out = torch.empty(num_rows, num_outputs, dtype=x.dtype, device=x.device)
-    check_tensor("group_quant_matmul", "out", out, (num_rows, num_outputs), (x.dtype,), x.device)
+    out = output_tensor("group_quant_matmul", "out", out, (num_rows, num_outputs), x)
     if num_rows == 0 or num_outputs == 0:
         return out
     bias_or_any = bias if bias is not None else scales  # a pointer the kernel never reads without HAS_BIAS

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from worker.kernels.checks import FLOAT_DTYPES, check_tensor
+from worker.kernels.checks import FLOAT_DTYPES, check_tensor, output_tensor
 
 INT8_MAX = 127
 
@@ -127,9 +127,7 @@ def int8_weight_matmul(
     _check_matmul_inputs("int8_weight_matmul", x, qweight, scales, bias)
     num_rows, depth = x.shape
     num_outputs = qweight.shape[0]
-    if out is None:
-        out = torch.empty(num_rows, num_outputs, dtype=x.dtype, device=x.device)
-    check_tensor("int8_weight_matmul", "out", out, (num_rows, num_outputs), (x.dtype,), x.device)
+    out = output_tensor("int8_weight_matmul", "out", out, (num_rows, num_outputs), x)
     if num_rows == 0 or num_outputs == 0:
         return out
     upcast = _dot_dtype_upcast(x)

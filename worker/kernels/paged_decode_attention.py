@@ -16,14 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
+from worker.kernels.checks import output_tensor
 from worker.kernels.paged_shared import (
     LOG2_E,
     attend_keys,
+    attend_keys_meta,
     check_query_and_caches,
     check_window_and_softcap,
     check_tensor,
-    dot_precision,
-    dot_upcast,
+    paged_strides,
 )
 
 BLOCK_N = 64  # keys per inner step
@@ -176,10 +177,7 @@ def paged_decode_attention(
     batch, num_heads, head_dim = query.shape
     check_tensor("block_tables", block_tables, (batch, None), (torch.int32,), device)
     check_tensor("context_lens", context_lens, (batch,), (torch.int32,), device)
-    if out is None:
-        out = torch.empty(query.shape, dtype=query.dtype, device=device)
-    else:
-        check_tensor("out", out, tuple(query.shape), (query.dtype,), device, True, dtype_from="query")
+    out = output_tensor("", "out", out, tuple(query.shape), query, dtype_from="query")
     if batch == 0:
         return out
 
@@ -200,11 +198,7 @@ def paged_decode_attention(
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, context_lens, partial, lse,
         scale * LOG2_E, queries_per_kv, window, softcap,
-        query.stride(0), query.stride(1),
-        *key_cache.stride()[:3],
-        *value_cache.stride()[:3],
-        *block_tables.stride(),
-        context_lens.stride(0),
+        *paged_strides(query, key_cache, value_cache, block_tables, context_lens),
         *partial_strides,
         lse.stride(0), lse.stride(1),
         BLOCK_SIZE=block_size,
@@ -212,9 +206,7 @@ def paged_decode_attention(
         BLOCK_G=max(16, triton.next_power_of_2(queries_per_kv)),
         BLOCK_N=BLOCK_N,
         NUM_SPLITS=num_splits,
-        PRECISION=dot_precision(query.dtype),
-        UPCAST=dot_upcast(query.dtype, device),
-        SOFTCAP=softcap > 0,
+        **attend_keys_meta(query.dtype, device, softcap),
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](

@@ -71,6 +71,19 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def paged_strides(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[int, ...]:
+    """The strides both attention kernels take first, in their signatures' order: query (token, head),
+    each cache (page, slot, KV head), block_tables (row, column), context_lens."""
+    return (*query.stride()[:2], *key_cache.stride()[:3], *value_cache.stride()[:3], *block_tables.stride(),
+            context_lens.stride(0))
+
+
+def attend_keys_meta(dtype: torch.dtype, device: torch.device, softcap: float) -> dict[str, object]:
+    """The meta-parameters both attention kernels pass on to attend_keys."""
+    return {"PRECISION": dot_precision(dtype), "UPCAST": dot_upcast(dtype, device), "SOFTCAP": softcap > 0}
+
+
 @triton.jit
 def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """tl.dot with float32 accumulation; PRECISION from dot_precision(), UPCAST from dot_upcast()."""

@@ -16,14 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
+from worker.kernels.checks import output_tensor
 from worker.kernels.paged_shared import (
     LOG2_E,
     attend_keys,
+    attend_keys_meta,
     check_query_and_caches,
     check_window_and_softcap,
     check_tensor,
-    dot_precision,
-    dot_upcast,
+    paged_strides,
 )
 
 
@@ -161,10 +162,7 @@ def paged_prefill_attention(
         raise ValueError(f"query_start_loc has strides {query_start_loc.stride()}, expected a contiguous tensor")
     check_tensor("block_tables", block_tables, (num_requests, None), (torch.int32,), device)
     check_tensor("context_lens", context_lens, (num_requests,), (torch.int32,), device)
-    if out is None:
-        out = torch.empty(query.shape, dtype=query.dtype, device=device)
-    else:
-        check_tensor("out", out, tuple(query.shape), (query.dtype,), device, True, dtype_from="query")
+    out = output_tensor("", "out", out, tuple(query.shape), query, dtype_from="query")
     if num_tokens == 0 or num_requests == 0:
         return out
 
@@ -174,11 +172,7 @@ def paged_prefill_attention(
     _prefill_kernel[(num_tokens // block_q + num_requests, num_kv_heads)](
         query, key_cache, value_cache, block_tables, query_start_loc, context_lens, out,
         scale * LOG2_E, num_requests, window, softcap,
-        query.stride(0), query.stride(1),
-        *key_cache.stride()[:3],
-        *value_cache.stride()[:3],
-        *block_tables.stride(),
-        context_lens.stride(0),
+        *paged_strides(query, key_cache, value_cache, block_tables, context_lens),
         out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
@@ -186,9 +180,7 @@ def paged_prefill_attention(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        PRECISION=dot_precision(query.dtype),
-        UPCAST=dot_upcast(query.dtype, device),
-        SOFTCAP=softcap > 0,
+        **attend_keys_meta(query.dtype, device, softcap),
         num_warps=num_warps,
     )
     return out

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels.checks import FLOAT_DTYPES, check_tensor
+from worker.kernels.checks import FLOAT_DTYPES, check_tensor, output_tensor
 
 # one program holds a whole row in registers; 64k floats is beyond any hidden size we serve
 MAX_HIDDEN_SIZE = 65536
@@ -72,18 +72,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     Returns out [T, hidden] in x's dtype (allocated when None, else written and returned).
     """
     _check_inputs("rms_norm", x, weight)
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _check_like_x("rms_norm", "out", out, x)
-    if x.shape[0] == 0:
-        return out
-    _rms_norm_kernel[(x.shape[0],)](
-        x, x, weight, out, out,
-        x.shape[1], eps,
-        x.stride(0), x.stride(0), out.stride(0), out.stride(0),
-        HAS_RESIDUAL=False, BLOCK_SIZE=triton.next_power_of_2(x.shape[1]),
-    )  # fmt: skip
-    return out
+    out = output_tensor("rms_norm", "out", out, tuple(x.shape), x)
+    return _launch(x, x, weight, eps, out, out, has_residual=False)
 
 
 def fused_add_rms_norm(
@@ -101,18 +91,20 @@ def fused_add_rms_norm(
     """
     _check_inputs("fused_add_rms_norm", x, weight)
     _check_like_x("fused_add_rms_norm", "residual", residual, x)
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if residual_out is None:
-        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _check_like_x("fused_add_rms_norm", "out", out, x)
-    _check_like_x("fused_add_rms_norm", "residual_out", residual_out, x)
-    if x.shape[0] == 0:
-        return out, residual_out
-    _rms_norm_kernel[(x.shape[0],)](
-        x, residual, weight, out, residual_out,
-        x.shape[1], eps,
-        x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
-        HAS_RESIDUAL=True, BLOCK_SIZE=triton.next_power_of_2(x.shape[1]),
-    )  # fmt: skip
+    out = output_tensor("fused_add_rms_norm", "out", out, tuple(x.shape), x)
+    residual_out = output_tensor("fused_add_rms_norm", "residual_out", residual_out, tuple(x.shape), x)
+    _launch(x, residual, weight, eps, out, residual_out, has_residual=True)
     return out, residual_out
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+            residual_out: torch.Tensor, has_residual: bool) -> torch.Tensor:
+    """One program per row; without a residual, x and out stand in for residual and residual_out."""
+    if x.shape[0] > 0:
+        _rms_norm_kernel[(x.shape[0],)](
+            x, residual, weight, out, residual_out,
+            x.shape[1], eps,
+            x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
+            HAS_RESIDUAL=has_residual, BLOCK_SIZE=triton.next_power_of_2(x.shape[1]),
+        )  # fmt: skip
+    return out

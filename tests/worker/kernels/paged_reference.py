@@ -12,6 +12,20 @@ import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+# (dtype, num_heads, num_kv_heads, block_size, head_dim) both attention kernels are checked at; each
+# test file adds its own bfloat16 row
+HEAD_SHAPES = [
+    (torch.float32, 2, 2, 16, 32),  # GQA ratio 1
+    (torch.float16, 6, 2, 32, 32),  # ratio 3
+    (torch.float32, 8, 1, 32, 16),  # ratio 8
+    (torch.float16, 9, 3, 16, 64),  # SmolLM2's heads
+]
+
+
+def random_query(num_rows: int, num_heads: int, head_dim: int, dtype: torch.dtype, generator) -> torch.Tensor:
+    """[rows, H, D]: one row per request (decode) or per token (prefill)."""
+    return torch.randn(num_rows, num_heads, head_dim, generator=generator).to(dtype).to(DEVICE)
+
 
 @dataclass
 class PagedCache:

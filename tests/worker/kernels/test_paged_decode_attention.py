@@ -2,31 +2,22 @@
 import pytest
 import torch
 
-from tests.worker.kernels.paged_reference import DEVICE, make_paged_cache, reference_attention
+from tests.worker.kernels.paged_reference import (DEVICE, HEAD_SHAPES, make_paged_cache, random_query,
+                                                   reference_attention)
 from tests.worker.kernels.tolerances import assert_close
 from worker.kernels.paged_decode_attention import paged_decode_attention
 
 CONTEXTS = [1, 17, 33, 100]
 
 
-def _query(batch: int, num_heads: int, head_dim: int, dtype: torch.dtype, generator) -> torch.Tensor:
-    return torch.randn(batch, num_heads, head_dim, generator=generator).to(dtype).to(DEVICE)
-
-
 @pytest.mark.parametrize(
     "dtype, num_heads, num_kv_heads, block_size, head_dim",
-    [
-        (torch.float32, 2, 2, 16, 32),  # GQA ratio 1
-        (torch.float16, 6, 2, 32, 32),  # ratio 3
-        (torch.float32, 8, 1, 32, 16),  # ratio 8
-        (torch.bfloat16, 8, 1, 16, 32),
-        (torch.float16, 9, 3, 16, 64),  # SmolLM2's heads
-    ],
+    [*HEAD_SHAPES, (torch.bfloat16, 8, 1, 16, 32)],
 )
 def test_matches_reference(dtype, num_heads, num_kv_heads, block_size, head_dim):
     generator = torch.Generator().manual_seed(0)
     cache = make_paged_cache(CONTEXTS, block_size, num_kv_heads, head_dim, dtype, generator)
-    query = _query(len(CONTEXTS), num_heads, head_dim, dtype, generator)
+    query = random_query(len(CONTEXTS), num_heads, head_dim, dtype, generator)
     scale = head_dim**-0.5
 
     out = paged_decode_attention(query, cache.key_cache, cache.value_cache, cache.block_tables, cache.context_lens, scale)
@@ -40,7 +31,7 @@ def test_split_context_merges_to_the_same_output(dtype):
     # each context is cut into 3 splits of a multiple of 64 keys: 1, 17 and 33 leave two splits empty, 100 fills two
     generator = torch.Generator().manual_seed(1)
     cache = make_paged_cache(CONTEXTS, 32, 2, 32, dtype, generator)
-    query = _query(len(CONTEXTS), 6, 32, dtype, generator)
+    query = random_query(len(CONTEXTS), 6, 32, dtype, generator)
 
     out = paged_decode_attention(
         query, cache.key_cache, cache.value_cache, cache.block_tables, cache.context_lens, 0.2, num_splits=3
@@ -86,7 +77,7 @@ def test_zero_context_row_gives_zeros(num_splits):
     # a padded row of a captured batch has context_len 0: zeros, not NaN, and the other rows unaffected
     generator = torch.Generator().manual_seed(3)
     cache = make_paged_cache([140, 5], 16, 1, 16, torch.float32, generator)  # 2 splits: 128 + 12 keys
-    query = _query(2, 2, 16, torch.float32, generator)
+    query = random_query(2, 2, 16, torch.float32, generator)
     context_lens = torch.tensor([140, 0], dtype=torch.int32, device=DEVICE)
 
     out = paged_decode_attention(
@@ -100,7 +91,7 @@ def test_zero_context_row_gives_zeros(num_splits):
 def _valid_args():
     generator = torch.Generator().manual_seed(4)
     cache = make_paged_cache([3, 20], 16, 2, 16, torch.float16, generator)
-    query = _query(2, 4, 16, torch.float16, generator)
+    query = random_query(2, 4, 16, torch.float16, generator)
     return dict(
         query=query,
         key_cache=cache.key_cache,
@@ -137,7 +128,7 @@ def test_rejects_bad_arguments(name, make_bad, message):
 def test_rejects_head_dim_that_is_not_a_power_of_two():
     generator = torch.Generator().manual_seed(5)
     cache = make_paged_cache([3], 16, 1, 24, torch.float32, generator)
-    query = _query(1, 1, 24, torch.float32, generator)
+    query = random_query(1, 1, 24, torch.float32, generator)
     with pytest.raises(ValueError, match=r"query has head_dim 24, expected a power of two"):
         paged_decode_attention(query, cache.key_cache, cache.value_cache, cache.block_tables, cache.context_lens, 0.2)
 
@@ -149,7 +140,7 @@ def test_sliding_window_and_softcap_match_reference(num_splits, window, softcap)
     # whole splits fall before the window; the cap is small enough to change the scores
     generator = torch.Generator().manual_seed(6)
     cache = make_paged_cache(CONTEXTS + [200], 16, 2, 32, torch.float32, generator)
-    query = 3 * _query(len(CONTEXTS) + 1, 6, 32, torch.float32, generator)
+    query = 3 * random_query(len(CONTEXTS) + 1, 6, 32, torch.float32, generator)
 
     out = paged_decode_attention(query, cache.key_cache, cache.value_cache, cache.block_tables, cache.context_lens,
                                  0.2, num_splits=num_splits, window=window, softcap=softcap)

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from tests.worker.kernels.paged_reference import DEVICE, make_paged_cache, reference_attention
+from tests.worker.kernels.paged_reference import (DEVICE, HEAD_SHAPES, make_paged_cache, random_query,
+                                                   reference_attention)
 from tests.worker.kernels.tolerances import assert_close
 from worker.kernels.prefill_attention import paged_prefill_attention
 
@@ -16,24 +17,14 @@ def _query_start_loc(query_lens: list[int]) -> torch.Tensor:
     return torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
 
 
-def _query(num_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype, generator) -> torch.Tensor:
-    return torch.randn(num_tokens, num_heads, head_dim, generator=generator).to(dtype).to(DEVICE)
-
-
 @pytest.mark.parametrize(
     "dtype, num_heads, num_kv_heads, block_size, head_dim",
-    [
-        (torch.float32, 2, 2, 16, 32),  # GQA ratio 1
-        (torch.float16, 6, 2, 32, 32),  # ratio 3
-        (torch.float32, 8, 1, 32, 16),  # ratio 8
-        (torch.bfloat16, 3, 1, 16, 32),
-        (torch.float16, 9, 3, 16, 64),  # SmolLM2's heads
-    ],
+    [*HEAD_SHAPES, (torch.bfloat16, 3, 1, 16, 32)],
 )
 def test_mixed_batch_matches_reference(dtype, num_heads, num_kv_heads, block_size, head_dim):
     generator = torch.Generator().manual_seed(0)
     cache = make_paged_cache(CONTEXTS, block_size, num_kv_heads, head_dim, dtype, generator)
-    query = _query(sum(QUERY_LENS), num_heads, head_dim, dtype, generator)
+    query = random_query(sum(QUERY_LENS), num_heads, head_dim, dtype, generator)
     scale = head_dim**-0.5
 
     out = paged_prefill_attention(
@@ -54,7 +45,7 @@ def test_one_long_request_spans_query_tiles():
     # ratio 1, float32: 32 tokens per query tile, so 70 tokens after a 30-token prefix take three tiles
     generator = torch.Generator().manual_seed(1)
     cache = make_paged_cache([100], 16, 1, 16, torch.float32, generator)
-    query = _query(70, 1, 16, torch.float32, generator)
+    query = random_query(70, 1, 16, torch.float32, generator)
 
     out = paged_prefill_attention(
         query, cache.key_cache, cache.value_cache, cache.block_tables, _query_start_loc([70]), cache.context_lens, 0.3
@@ -99,7 +90,7 @@ def _valid_args():
     generator = torch.Generator().manual_seed(3)
     cache = make_paged_cache([3, 20], 16, 2, 16, torch.float16, generator)
     return dict(
-        query=_query(4, 4, 16, torch.float16, generator),
+        query=random_query(4, 4, 16, torch.float16, generator),
         key_cache=cache.key_cache,
         value_cache=cache.value_cache,
         block_tables=cache.block_tables,
@@ -135,7 +126,7 @@ def test_sliding_window_and_softcap_match_reference(window, softcap, dtype):
     # in different key blocks; a decode row and a short whole prompt sit beside it
     generator = torch.Generator().manual_seed(7)
     cache = make_paged_cache(CONTEXTS, 16, 2, 32, dtype, generator)
-    query = 3 * _query(sum(QUERY_LENS), 6, 32, dtype, generator)
+    query = 3 * random_query(sum(QUERY_LENS), 6, 32, dtype, generator)
 
     out = paged_prefill_attention(query, cache.key_cache, cache.value_cache, cache.block_tables,
                                   _query_start_loc(QUERY_LENS), cache.context_lens, 0.2, window=window, softcap=softcap)
@@ -149,5 +140,5 @@ def test_rejects_a_bad_window():
     generator = torch.Generator().manual_seed(8)
     cache = make_paged_cache([4], 16, 1, 16, torch.float32, generator)
     with pytest.raises(ValueError, match="window is 0, expected None or >= 1"):
-        paged_prefill_attention(_query(4, 1, 16, torch.float32, generator), cache.key_cache, cache.value_cache,
+        paged_prefill_attention(random_query(4, 1, 16, torch.float32, generator), cache.key_cache, cache.value_cache,
                                 cache.block_tables, _query_start_loc([4]), cache.context_lens, 0.25, window=0)
