@@ -8,13 +8,12 @@ import argparse
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from plumbing import internal_secret, rpc
 from plumbing.internal_secret import METADATA_KEY, aio_channel_with_secret
 from protos.tokenmill.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler.process.service import SchedulerServicer
+from tests.helpers.open_services import assert_health_and_reflection_answer
 
 SECRET = internal_secret.new_secret()
 
@@ -67,12 +66,7 @@ async def test_health_and_reflection_stay_open_without_the_secret():
     try:
         for secret in (None, SECRET):  # reflection is a bidirectional stream: the client side sends it there too
             async with aio_channel_with_secret(address, None, secret=secret) as channel:
-                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-                assert reply.status == health_pb2.HealthCheckResponse.SERVING
-                listed = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
-                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
-                async for answer in listed:
-                    assert rpc.SCHEDULER_SERVICE in [s.name for s in answer.list_services_response.service]
+                await assert_health_and_reflection_answer(channel, rpc.SCHEDULER_SERVICE)
     finally:
         await server.stop(None)
 

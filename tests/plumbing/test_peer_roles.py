@@ -9,7 +9,6 @@ import sys
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from plumbing import peer_roles, rpc
@@ -17,6 +16,7 @@ from plumbing.tls import ClientTLS, ServerTLS, aio_channel, listen
 from protos.tokenmill.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler.process.service import SchedulerServicer
 from tests.helpers.certificates import make_pki
+from tests.helpers.open_services import assert_health_and_reflection_answer
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +55,7 @@ async def test_only_an_allowed_role_gets_past_health_and_reflection(pki):
             assert code == grpc.StatusCode.PERMISSION_DENIED
             assert "needs a client certificate naming the role gateway" in details
             async with aio_channel(address, ClientTLS(pki.ca, cert, key)) as channel:  # open to any certificate
-                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-                assert reply.status == health_pb2.HealthCheckResponse.SERVING
-                listed = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
-                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
-                async for answer in listed:
-                    assert rpc.SCHEDULER_SERVICE in [s.name for s in answer.list_services_response.service]
+                await assert_health_and_reflection_answer(channel, rpc.SCHEDULER_SERVICE)
         # the gateway's certificate gets through to the servicer, which is still starting
         assert (await _submit(address, as_gateway, "alice"))[0] == grpc.StatusCode.UNAVAILABLE
     finally:
