@@ -35,6 +35,13 @@ def errors(samples, code: str) -> float:
     return value(samples, "tokenmill:request_errors_total", code=code)
 
 
+def assert_counted_one_unavailable(before, after) -> None:
+    """Between two scrapes of one service: one more UNAVAILABLE error, one more request timed end to end."""
+    assert errors(after, "UNAVAILABLE") - errors(before, "UNAVAILABLE") == 1
+    assert value(after, "tokenmill:e2e_request_latency_seconds_count") - value(
+        before, "tokenmill:e2e_request_latency_seconds_count") == 1
+
+
 def scrape_drained_gateway(config, before) -> dict:
     """Scrapes the stopping gateway a second after its drain cut the request, until the cut request's
     ending shows. Without --metrics-linger-s (3 s here) the process is gone by then (measured: within
@@ -63,6 +70,80 @@ def wait_serving(config, timeout_s: float = 90) -> None:
             except grpc.RpcError:
                 assert time.monotonic() < deadline, "the cluster not serving again"
                 time.sleep(0.1)
+
+
+class Sigterm:
+    """SIGTERMs one service from a thread, once: Supervisor.kill waits for the exit, and the drain
+    being timed needs the stream read meanwhile. On leaving the `with`: the stop finished, then restore()."""
+
+    def __init__(self, config, supervisor, service: str, still_running: str) -> None:
+        self.config, self.supervisor, self.service, self.still_running = config, supervisor, service, still_running
+        self.thread = None
+
+    def send(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.supervisor.kill, args=(self.service, signal.SIGTERM))
+            self.thread.start()
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+
+    def assert_exited_cleanly(self) -> None:
+        """Waits for the stop: the service exited 0 (it drained; it was not killed)."""
+        self.join()
+        assert self.supervisor.children[self.service].returncode == 0
+
+    def __enter__(self) -> Sigterm:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.join()
+        restore(self.config, self.supervisor, self.service, self.still_running)
+
+
+def stream_until_cut(config, request_id: str, parent: str, stopping: Sigterm) -> tuple[int, grpc.RpcError]:
+    """Streams a long request over gRPC, SIGTERMs stopping's service once 3 tokens have come, and returns
+    the tokens received and the error that cut the stream."""
+    received = 0
+    with grpc.insecure_channel(config.gateway_address) as channel, pytest.raises(grpc.RpcError) as cut:
+        for message in generation_pb2_grpc.GenerationStub(channel).GenerateStream(
+                long_request(request_id), timeout=60, metadata=[("traceparent", parent)]):
+            received += len(message.token_ids)
+            if received >= 3:
+                stopping.send()
+    return received, cut.value
+
+
+def restore(config, supervisor, service: str, still_running: str = "") -> None:
+    """After a test: the service restarted if it is down, the cluster serving again, and the request
+    named still_running (resumable, so still in the scheduler) cancelled."""
+    if not supervisor.children[service].alive:
+        supervisor.restart(service)
+    wait_serving(config)
+    if still_running:
+        with grpc.insecure_channel(config.gateway_address) as channel:
+            generation_pb2_grpc.GenerationStub(channel).CancelRequest(
+                generation_pb2.CancelRequestRequest(request_id=still_running), timeout=30)
+
+
+def assert_gateway_span_drained(otlp_receiver, trace_id: str):
+    """The gateway's one server span of the trace: ended by its drain (UNAVAILABLE, cause drained)."""
+    spans = otlp_receiver.wait_for(lambda spans: any(
+        s.trace_id == trace_id and s.service == "gateway" and s.kind == SERVER for s in spans))
+    (span,) = [s for s in spans if s.trace_id == trace_id and s.service == "gateway" and s.kind == SERVER]
+    assert span.status_code == STATUS_ERROR and span.status_message.startswith("UNAVAILABLE: ")
+    assert span.attributes["error.type"] == "UNAVAILABLE"
+    assert span.attributes["gen_ai.response.finish_reasons"] == ["error"]
+    assert span.attributes["tokenmill.finish_cause"] == "drained"
+    assert span.events.count("exception") == 1
+    return span
+
+
+def assert_ended_line_drained(supervisor, request_id: str, trace_id: str) -> None:
+    (line,) = ended_lines(supervisor, request_id)
+    assert line["trace_id"] == trace_id and line["level"] == "WARNING"
+    assert "ended: error (UNAVAILABLE: " in line["message"] and "drain timeout" in line["message"]
 
 
 def assert_ended_with_error(spans, code: str, scheduler_cause: str) -> None:
@@ -102,10 +183,8 @@ def test_worker_killed_mid_generation_fails_the_request_in_spans_metrics_and_log
         spans = request_spans(otlp_receiver, trace_id)
         assert_ended_with_error(spans, "UNAVAILABLE", scheduler_cause="worker_failed")
         after = {name: scrape("127.0.0.1", port) for name, port in ports.items()}
-        for service in ports:
-            assert errors(after[service], "UNAVAILABLE") - errors(before[service], "UNAVAILABLE") == 1, service
-        assert value(after["gateway"], "tokenmill:e2e_request_latency_seconds_count") - value(
-            before["gateway"], "tokenmill:e2e_request_latency_seconds_count") == 1
+        assert errors(after["scheduler"], "UNAVAILABLE") - errors(before["scheduler"], "UNAVAILABLE") == 1
+        assert_counted_one_unavailable(before["gateway"], after["gateway"])
 
         (line,) = ended_lines(supervisor, "failed-1")
         assert line["trace_id"] == trace_id and line["level"] == "WARNING"
@@ -115,9 +194,7 @@ def test_worker_killed_mid_generation_fails_the_request_in_spans_metrics_and_log
         (status_line,) = log_entries(supervisor, "scheduler", "failed-1", "-> UNAVAILABLE")
         assert status_line["trace_id"] == trace_id
     finally:
-        if not supervisor.children["worker"].alive:
-            supervisor.restart("worker")
-        wait_serving(config)
+        restore(config, supervisor, "worker")
 
 
 def test_scheduler_drain_timeout_ends_the_request_in_spans_metrics_and_log(traced_cluster, otlp_receiver):
@@ -127,40 +204,21 @@ def test_scheduler_drain_timeout_ends_the_request_in_spans_metrics_and_log(trace
     config, supervisor = traced_cluster
     before = scrape("127.0.0.1", config.gateway_metrics_port)
     trace_id, parent = traceparent()
-    received, stopping = 0, None
-    try:
-        with grpc.insecure_channel(config.gateway_address) as channel, pytest.raises(grpc.RpcError) as drained:
-            for message in generation_pb2_grpc.GenerationStub(channel).GenerateStream(
-                    long_request("drained-1"), timeout=60, metadata=[("traceparent", parent)]):
-                received += len(message.token_ids)
-                if received >= 3 and stopping is None:
-                    stopping = threading.Thread(target=supervisor.kill, args=("scheduler", signal.SIGTERM))
-                    stopping.start()
-        stopping.join()
-        assert supervisor.children["scheduler"].returncode == 0
-        assert drained.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "drain timeout of 1s passed" in drained.value.details() and 0 < received < LONG_TOKENS
+    with Sigterm(config, supervisor, "scheduler", still_running="drained-1") as stopping:  # re-admitted
+        received, drained = stream_until_cut(config, "drained-1", parent, stopping)
+        stopping.assert_exited_cleanly()
+        assert drained.code() == grpc.StatusCode.UNAVAILABLE
+        assert "drain timeout of 1s passed" in drained.details() and 0 < received < LONG_TOKENS
 
         spans = request_spans(otlp_receiver, trace_id)  # the scheduler's, exported as it stopped
         assert_ended_with_error(spans, "UNAVAILABLE", scheduler_cause="drained")
         after = scrape("127.0.0.1", config.gateway_metrics_port)
-        assert errors(after, "UNAVAILABLE") - errors(before, "UNAVAILABLE") == 1
-        assert value(after, "tokenmill:e2e_request_latency_seconds_count") - value(
-            before, "tokenmill:e2e_request_latency_seconds_count") == 1
+        assert_counted_one_unavailable(before, after)
 
         (line,) = ended_lines(supervisor, "drained-1")
         assert line["trace_id"] == trace_id and "drain timeout" in line["message"]
         (status_line,) = log_entries(supervisor, "scheduler", "drained-1", "-> UNAVAILABLE")
         assert status_line["trace_id"] == trace_id and "drain timeout" in status_line["message"]
-    finally:
-        if stopping is not None:
-            stopping.join()
-        if not supervisor.children["scheduler"].alive:
-            supervisor.restart("scheduler")
-        wait_serving(config)
-        with grpc.insecure_channel(config.gateway_address) as channel:  # re-admitted: not needed any more
-            generation_pb2_grpc.GenerationStub(channel).CancelRequest(
-                generation_pb2.CancelRequestRequest(request_id="drained-1"), timeout=30)
 
 
 def test_gateway_drain_timeout_ends_the_call_in_spans_and_log(traced_cluster, otlp_receiver):
@@ -171,44 +229,15 @@ def test_gateway_drain_timeout_ends_the_call_in_spans_and_log(traced_cluster, ot
     config, supervisor = traced_cluster
     before = scrape("127.0.0.1", config.gateway_metrics_port)
     trace_id, parent = traceparent()
-    received, stopping = 0, None
-    try:
-        with grpc.insecure_channel(config.gateway_address) as channel, pytest.raises(grpc.RpcError) as drained:
-            for message in generation_pb2_grpc.GenerationStub(channel).GenerateStream(
-                    long_request("gateway-drained-1"), timeout=60, metadata=[("traceparent", parent)]):
-                received += len(message.token_ids)
-                if received >= 3 and stopping is None:
-                    stopping = threading.Thread(target=supervisor.kill, args=("gateway", signal.SIGTERM))
-                    stopping.start()
+    with Sigterm(config, supervisor, "gateway", still_running="gateway-drained-1") as stopping:
+        received, drained = stream_until_cut(config, "gateway-drained-1", parent, stopping)
         after = scrape_drained_gateway(config, before)
-        stopping.join()
-        assert supervisor.children["gateway"].returncode == 0
-        assert drained.value.code() == grpc.StatusCode.UNAVAILABLE and 0 < received < LONG_TOKENS
-        assert errors(after, "UNAVAILABLE") - errors(before, "UNAVAILABLE") == 1
-        assert value(after, "tokenmill:e2e_request_latency_seconds_count") - value(
-            before, "tokenmill:e2e_request_latency_seconds_count") == 1
+        stopping.assert_exited_cleanly()
+        assert drained.code() == grpc.StatusCode.UNAVAILABLE and 0 < received < LONG_TOKENS
+        assert_counted_one_unavailable(before, after)
 
-        spans = otlp_receiver.wait_for(lambda spans: any(
-            s.trace_id == trace_id and s.service == "gateway" and s.kind == SERVER for s in spans))
-        (span,) = [s for s in spans if s.trace_id == trace_id and s.service == "gateway" and s.kind == SERVER]
-        assert span.status_code == STATUS_ERROR and span.status_message.startswith("UNAVAILABLE: ")
-        assert span.attributes["error.type"] == "UNAVAILABLE"
-        assert span.attributes["gen_ai.response.finish_reasons"] == ["error"]
-        assert span.attributes["tokenmill.finish_cause"] == "drained"
-        assert span.events.count("exception") == 1
-
-        (line,) = ended_lines(supervisor, "gateway-drained-1")
-        assert line["trace_id"] == trace_id and line["level"] == "WARNING"
-        assert "ended: error (UNAVAILABLE: " in line["message"] and "drain timeout" in line["message"]
-    finally:
-        if stopping is not None:
-            stopping.join()
-        if not supervisor.children["gateway"].alive:
-            supervisor.restart("gateway")
-        wait_serving(config)
-        with grpc.insecure_channel(config.gateway_address) as channel:  # still running in the scheduler
-            generation_pb2_grpc.GenerationStub(channel).CancelRequest(
-                generation_pb2.CancelRequestRequest(request_id="gateway-drained-1"), timeout=30)
+        assert_gateway_span_drained(otlp_receiver, trace_id)
+        assert_ended_line_drained(supervisor, "gateway-drained-1", trace_id)
 
 
 def test_gateway_drain_timeout_ends_an_http_stream_in_spans_and_log(traced_cluster, otlp_receiver):
@@ -218,12 +247,12 @@ def test_gateway_drain_timeout_ends_an_http_stream_in_spans_and_log(traced_clust
     config, supervisor = traced_cluster
     before = scrape("127.0.0.1", config.gateway_metrics_port)
     trace_id, parent = traceparent()
-    stopping = None
     body = json.dumps({"model": MODEL, "prompt": "a request a fault ends", "max_tokens": LONG_TOKENS, "temperature": 0,
                        "ignore_eos": True, "stream": True})
     host, port = config.http_address.rsplit(":", 1)
     connection = http.client.HTTPConnection(host, int(port), timeout=60)
-    try:
+    with Sigterm(config, supervisor, "gateway", still_running="http-drained-1") as stopping, \
+            contextlib.closing(connection):
         connection.request("POST", "/v1/completions", body=body, headers={
             "Content-Type": "application/json", "traceparent": parent, "X-Request-Id": "http-drained-1"})
         response = connection.getresponse()
@@ -232,38 +261,15 @@ def test_gateway_drain_timeout_ends_an_http_stream_in_spans_and_log(traced_clust
         with contextlib.suppress(http.client.IncompleteRead):  # the stream is cut (no final chunk)
             while line := response.readline():
                 events += [line] if line.startswith(b"data: ") else []
-                if len(events) >= 3 and stopping is None:
-                    stopping = threading.Thread(target=supervisor.kill, args=("gateway", signal.SIGTERM))
-                    stopping.start()
+                if len(events) >= 3:
+                    stopping.send()
         after = scrape_drained_gateway(config, before)
-        stopping.join()
+        stopping.assert_exited_cleanly()
         assert b"data: [DONE]\n" not in events and len(events) < LONG_TOKENS
         # not cut without a word: the last event says how to go on (the request is resumable)
         last = json.loads(events[-1][len(b"data: "):])["error"]
         assert last["code"] == "service_unavailable" and "Last-Event-ID: http-drained-1:" in last["message"], last
-        assert supervisor.children["gateway"].returncode == 0
         assert errors(after, "UNAVAILABLE") - errors(before, "UNAVAILABLE") == 1
 
-        spans = otlp_receiver.wait_for(lambda spans: any(
-            s.trace_id == trace_id and s.service == "gateway" and s.kind == SERVER for s in spans))
-        (span,) = [s for s in spans if s.trace_id == trace_id and s.service == "gateway" and s.kind == SERVER]
-        assert span.name == "POST /v1/completions"
-        assert span.status_code == STATUS_ERROR and span.status_message.startswith("UNAVAILABLE: ")
-        assert span.attributes["error.type"] == "UNAVAILABLE"
-        assert span.attributes["gen_ai.response.finish_reasons"] == ["error"]
-        assert span.attributes["tokenmill.finish_cause"] == "drained"
-        assert span.events.count("exception") == 1
-
-        (line,) = ended_lines(supervisor, "http-drained-1")
-        assert line["trace_id"] == trace_id and line["level"] == "WARNING"
-        assert "ended: error (UNAVAILABLE: " in line["message"] and "drain timeout" in line["message"]
-    finally:
-        connection.close()
-        if stopping is not None:
-            stopping.join()
-        if not supervisor.children["gateway"].alive:
-            supervisor.restart("gateway")
-        wait_serving(config)
-        with grpc.insecure_channel(config.gateway_address) as channel:  # resumable: still running in the scheduler
-            generation_pb2_grpc.GenerationStub(channel).CancelRequest(
-                generation_pb2.CancelRequestRequest(request_id="http-drained-1"), timeout=30)
+        assert assert_gateway_span_drained(otlp_receiver, trace_id).name == "POST /v1/completions"
+        assert_ended_line_drained(supervisor, "http-drained-1", trace_id)
