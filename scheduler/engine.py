@@ -15,7 +15,7 @@ from scheduler.step_pipeline import StepPipeline, depth_for
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, executor: Executor, async_scheduling: bool = False) -> None:
+    def __init__(self, scheduler: Scheduler, executor: Executor, async_scheduling: bool = True) -> None:
         if scheduler.config.block_size != executor.block_size:
             raise ValueError(f"scheduler block_size={scheduler.config.block_size} differs from the "
                              f"worker's block_size={executor.block_size}")

@@ -5,6 +5,7 @@ awaitable (the gRPC worker client: scheduler.process.loop), so the loop can plan
 """
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Protocol
 
 from core.step import StepPlan, StepResult
@@ -18,4 +19,6 @@ class Executor(Protocol):
 
 
 class AsyncExecutor(Protocol):
-    async def execute(self, plan: StepPlan) -> StepResult: ...
+    def execute(self, plan: StepPlan) -> Awaitable[StepResult]:
+        """Starts sending the plan before it returns, where it can (the gRPC client creates its call), so
+        the plan leaves at the loop's next yield; an `async def` also fits (it starts when first awaited)."""

@@ -61,7 +61,11 @@ class SchedulerOptions(Options):
                                        type=POSITIVE)
     enable_prefix_caching: bool = option(True, "do not share full prompt pages through the prefix cache",
                                          flag="--no-prefix-caching")
-    async_scheduling: bool = option(False, "plan and send step N+1 while the worker runs step N (docs/gpu.md)")
+    # on by default on CPU and GPU (issue 33): the worker goes from one step to the next without waiting for
+    # the scheduler's bookkeeping; the flag is the way back to the synchronous loop
+    async_scheduling: bool = option(True, "plan each step only after the previous step's result (the synchronous "
+                                          "loop; default: plan and send step N+1 while the worker runs step N, and "
+                                          "apply N's results while N+1 runs)")
     # a model whose every layer slides: give back each request's pages before its window
     # (scheduler.pages.kv_manager). No flag: the process always does; tokenmill.llm's engine may not
     free_window_pages: bool = True

@@ -2,8 +2,15 @@
 
 RPC handlers call submit() / abort(), which only check and put a typed item in the inbox; the loop
 task applies the inbox at the top of each iteration, then drives the step pipeline
-(scheduler.step_pipeline: schedule -> send to the worker -> apply the result, one or two steps deep)
-and hands each request's deltas to its stream (scheduler.process.request_streams). When a step fails, the
+(scheduler.step_pipeline: schedule -> send to the worker -> apply the result, two steps deep by default)
+and hands each request's deltas to its stream (scheduler.process.request_streams). When a result
+comes, the next plan is sent before the step's deltas are handed out, so the worker never waits on
+that hand-off:
+
+    worker     | step N          | step N+1             | step N+2 ...
+    scheduler  |   plan N+1 ->   |  apply N, plan N+2 -> |  apply N+1, plan N+3 ->
+               |                 |  deliver N (streams, |  deliver N+1 ...
+               |                 |  gateways, Redis)    | When a step fails, the
 worker recovery decides what becomes of the requests it held and the loop carries that out.
 """
 from __future__ import annotations
@@ -15,7 +22,7 @@ from typing import Protocol
 
 from core.errors import AlreadyExists, DeadlineExceeded, ServingError, WorkerUnavailable
 from core.outputs import FinishReason, RequestOutput
-from core.step import StepPlan
+from core.step import StepPlan, StepResult
 from plumbing.process import cancel_and_wait
 from scheduler.admission import Admission, AdmissionConfig
 from scheduler.executor import AsyncExecutor
@@ -41,7 +48,7 @@ class EngineLoop:
     def __init__(self, scheduler: Scheduler, executor: AsyncExecutor, state: StateSink | None = None,
                  model_name: str = "", admission: Admission | None = None,
                  worker_recovery: WorkerRecovery | None = None, tokens: TokenSink | None = None,
-                 async_scheduling: bool = False, live: LiveSubmissions | None = None) -> None:
+                 async_scheduling: bool = True, live: LiveSubmissions | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.async_scheduling = async_scheduling  # plan step N+1 while N runs (pipeline depth 2)
@@ -148,12 +155,24 @@ class EngineLoop:
                 if recovery is not None:
                     recovery.step_succeeded()
                 self.num_steps += 1
-                step_id = step.plan.step_id
-                with self.step_spans.delivering(step_id, lambda: self.scheduler.pop_step_tuning(step_id)):
-                    self.streams.deliver(pipeline.apply(result), result.forward_ns)
-                await asyncio.sleep(0)  # let handlers enqueue between steps
+                await self._apply_then_send_then_deliver(step.plan.step_id, result)
         finally:
             await _cancel(pipeline.abandon())
+
+    async def _apply_then_send_then_deliver(self, step_id: int, result: StepResult) -> None:
+        """A step's result came. The next plan goes out before the step's outputs are handed to the
+        request streams, the gateways' delta streams and the Redis writers' queues, so the worker gets
+        it as soon as the scheduler's state allows (with async scheduling it is then two steps ahead,
+        and delivering overlaps the step it runs; in the synchronous loop delivering overlaps the next
+        step). The inbox is applied first, so requests that arrived while the step ran join that next
+        plan, as they did when it was planned at the top of the loop; an abort found there ends its
+        request before this step's token for it is applied, as one applied while the step ran does."""
+        self.apply_inbox()
+        outputs = self.pipeline.apply(result)
+        self.pipeline.send_next(self._send)
+        await asyncio.sleep(0)  # the plan's call goes out (and handlers may enqueue) before delivering
+        with self.step_spans.delivering(step_id, lambda: self.scheduler.pop_step_tuning(step_id)):
+            self.streams.deliver(outputs, result.forward_ns)
 
     def apply_inbox(self) -> None:
         """Hands the handlers' adds and aborts to the scheduler and ends requests past their deadline:

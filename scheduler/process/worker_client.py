@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -86,11 +87,20 @@ class WorkerClient:
                 on_lost()
             state = new_state
 
-    async def execute(self, plan: StepPlan) -> StepResult:
-        """Raises the typed error of the worker's status, its message naming this worker (it reaches
-        the clients of the requests the step fails)."""
+    def execute(self, plan: StepPlan) -> Awaitable[StepResult]:
+        """Starts the ExecuteStep call now (its message goes out at the event loop's next turn, ahead of
+        whatever the caller does first), and returns its result to await. That raises the typed error of
+        the worker's status, its message naming this worker (it reaches the clients of the requests the
+        step fails)."""
         try:
-            reply = await self._stub.ExecuteStep(codec.step_plan_to_proto(plan), timeout=self.step_timeout_s)
+            call = self._stub.ExecuteStep(codec.step_plan_to_proto(plan), timeout=self.step_timeout_s)
+        except Exception as error:  # noqa: BLE001 - a step that cannot start fails like one that broke: when awaited
+            return _raise(error)
+        return self._result(call)
+
+    async def _result(self, call: grpc.aio.UnaryUnaryCall) -> StepResult:
+        try:
+            reply = await call
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc_error(error, f"ExecuteStep on worker {self.address}") from error
         return codec.step_result_from_proto(reply)
@@ -99,3 +109,7 @@ class WorkerClient:
         if self._watcher is not None:
             self._watcher.cancel()
         await self._channel.close()
+
+
+async def _raise(error: Exception) -> StepResult:
+    raise error

@@ -148,14 +148,15 @@ async def test_engine_loop_pipelines_steps_with_the_same_tokens():
     assert num_steps >= 10 and len(overlapped) >= num_steps - 3
 
 
-def test_flag_reaches_the_scheduler_command_line_and_is_off_by_default():
+def test_flag_reaches_the_scheduler_command_line_and_is_on_by_default():
     from scheduler.main import parse_args
     from tokenmill.cli import build_parser
     from tokenmill.cluster.config import ClusterConfig, with_settings
     from tokenmill.cluster.specs import cluster_specs
 
-    assert build_parser().parse_args(["serve", "--async-scheduling"]).async_scheduling
-    assert not build_parser().parse_args(["serve"]).async_scheduling
+    assert not build_parser().parse_args(["serve", "--no-async-scheduling"]).async_scheduling
+    assert build_parser().parse_args(["serve"]).async_scheduling  # issue 33: the overlapped loop by default
+    assert parse_args([]).async_scheduling and not parse_args(["--no-async-scheduling"]).async_scheduling
     for enabled in (False, True):
         config = with_settings(ClusterConfig(), redis_url="redis://127.0.0.1:1", device="cpu", async_scheduling=enabled)
         scheduler = next(spec for spec in cluster_specs(config) if spec.name == "scheduler")

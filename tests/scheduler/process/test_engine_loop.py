@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from scheduler.config import SchedulerConfig
 from core.errors import DeadlineExceeded
 from core.outputs import FinishReason
@@ -66,3 +68,49 @@ async def test_deadline_already_past_never_runs():
     await loop.stop()
     assert len(outputs) == 1 and isinstance(outputs[0].error, DeadlineExceeded) and not outputs[0].new_token_ids
     assert loop.num_steps == 0
+
+
+class RecordingTokens:
+    """A token sink (the Redis writers' queue) that notes each hand-off in the shared event list."""
+
+    def __init__(self, events: list) -> None:
+        self.events = events
+
+    def append(self, request_id, start_index, token_ids) -> None:
+        self.events.append(("delivered", start_index + len(token_ids)))
+
+    def finish(self, *args) -> None:
+        pass
+
+
+class RecordingSlowExecutor(SlowAsyncExecutor):
+    def __init__(self, events: list) -> None:
+        super().__init__(0.01)
+        self.events = events
+
+    def execute(self, plan):  # starts sending at once, as the gRPC worker client does
+        self.events.append(("sent", plan.step_id))
+        return super().execute(plan)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+async def test_the_next_plan_goes_out_before_a_steps_tokens_are_handed_out(async_scheduling):
+    """Issue 33: when step N's result comes, the plan of the step after it is sent first, then N's tokens
+    go to the streams and the Redis writers' queue, so the worker's next step does not wait on them."""
+    events: list = []
+    loop = EngineLoop(Scheduler(SchedulerConfig(num_blocks=64, block_size=4)), RecordingSlowExecutor(events),
+                      tokens=RecordingTokens(events), async_scheduling=async_scheduling)
+    loop.start()
+    stream = loop.submit(make_request([3] * 5, max_tokens=5), resumable=True)
+    await asyncio.wait_for(drain(stream), 5)
+    await loop.stop()
+    # the first token (step 0's) is handed out after step 1 (sync) or step 2 (async: two ahead) was sent
+    ahead = 2 if async_scheduling else 1
+    first = events.index(("delivered", 1))
+    assert ("sent", ahead) in events[:first], events
+    for tokens in range(1, 4):  # and so on for every step that has a successor
+        assert events.index(("sent", tokens - 1 + ahead)) < events.index(("delivered", tokens)), events
+
+
+async def test_the_loop_is_async_scheduling_by_default():
+    assert make_loop().pipeline.depth == 2
