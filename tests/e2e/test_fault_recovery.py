@@ -55,6 +55,33 @@ def record_ids(config) -> set[str]:
         return {key.decode().removeprefix("tokenmill:req:") for key in client.scan_iter("tokenmill:req:*")}
 
 
+async def wait_freed(config, what: str, request_id: str | None) -> None:
+    """Until the request has left the scheduler (request_id None: no request running) and no KV page is used."""
+
+    async def freed():
+        load = await scheduler_load(config.scheduler_address)
+        gone = load.num_running_requests == 0 if request_id is None else request_id not in load.running_request_ids
+        return gone and load.num_kv_pages_used == 0
+
+    await wait_until(freed, 30, f"the {what} request leaving the scheduler", interval_s=0.05)
+
+
+def assert_failed_idle(config, request_id: str, max_tokens: int) -> None:
+    """Its record: failed by the stream idle timeout, before its last token."""
+    fields = record(config, request_id)
+    assert fields[b"status"] == b"failed" and b"stream idle timeout" in fields[b"error"], fields
+    assert int(fields.get(b"num_output_tokens", b"0")) < max_tokens, "cancelled, not run to the end"
+
+
+async def assert_cancelled_idle(call) -> None:
+    """What is left of a gRPC stream cut by the gateway's idle timeout ends CANCELLED, naming the flag."""
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async with asyncio.timeout(30):  # a call that is not cut never ends
+            while await call.read() is not grpc.aio.EOF:
+                pass
+    assert caught.value.code() == grpc.StatusCode.CANCELLED and "--stream-idle-timeout-s" in caught.value.details()
+
+
 async def test_redis_killed_is_restarted_by_the_supervisor_and_no_record_is_lost(cluster):
     config, supervisor = cluster
     async with grpc.aio.insecure_channel(config.gateway_address) as channel:
@@ -130,21 +157,11 @@ async def test_a_client_that_stops_reading_is_cancelled_after_the_idle_timeout_a
         first = await call.read()
         assert first.token_ids
         started = time.monotonic()
-
-        async def freed():
-            load = await scheduler_load(config.scheduler_address)
-            return "idle-reader" not in load.running_request_ids and load.num_kv_pages_used == 0
-
-        await wait_until(freed, 30, "the idle stream's request leaving the scheduler", interval_s=0.05)
+        await wait_freed(config, "idle stream's", "idle-reader")
         print(f"idle stream: pages freed {time.monotonic() - started:.2f}s after the client stopped reading "
               f"(timeout {IDLE_TIMEOUT_S}s)")
-        fields = record(config, "idle-reader")
-        assert fields[b"status"] == b"failed" and b"stream idle timeout" in fields[b"error"], fields
-        assert int(fields.get(b"num_output_tokens", b"0")) < LONG_TOKENS, "cancelled, not run to the end"
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            while await call.read() is not grpc.aio.EOF:
-                pass
-        assert caught.value.code() == grpc.StatusCode.CANCELLED and "--stream-idle-timeout-s" in caught.value.details()
+        assert_failed_idle(config, "idle-reader", LONG_TOKENS)
+        await assert_cancelled_idle(call)
 
 
 async def test_a_kserve_stream_whose_client_stops_reading_is_cancelled_and_its_requests_aborted(cluster):
@@ -171,23 +188,12 @@ async def test_a_kserve_stream_whose_client_stops_reading_is_cancelled_and_its_r
         call = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(one_request())
         first = await call.read()
         assert not first.error_message, first.error_message
-
-        async def aborted():
-            load = await scheduler_load(config.scheduler_address)
-            return load.num_running_requests == 0 and load.num_kv_pages_used == 0
-
-        await wait_until(aborted, 30, "the idle KServe stream's request leaving the scheduler", interval_s=0.05)
+        await wait_freed(config, "idle KServe stream's", None)  # its id is the scheduler's own, below
         # the scheduler ran it under a fresh id (a KServe id only correlates responses): the one new record
         (scheduler_id,) = record_ids(config) - records_before
-        fields = record(config, scheduler_id)
-        assert fields[b"status"] == b"failed" and b"stream idle timeout" in fields[b"error"], fields
-        assert int(fields.get(b"num_output_tokens", b"0")) < LONG_TOKENS, "cancelled, not run to the end"
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            async with asyncio.timeout(30):  # without the timeout the call never ends
-                while await call.read() is not grpc.aio.EOF:
-                    pass
+        assert_failed_idle(config, scheduler_id, LONG_TOKENS)
+        await assert_cancelled_idle(call)
         requests_done.set()
-        assert caught.value.code() == grpc.StatusCode.CANCELLED and "--stream-idle-timeout-s" in caught.value.details()
 
 
 async def test_an_http_stream_whose_client_stops_reading_is_cancelled_and_its_pages_freed(cluster):
@@ -211,17 +217,10 @@ async def test_an_http_stream_whose_client_stops_reading_is_cancelled_and_its_pa
         client.sendall(head + body)
         assert client.recv(64).startswith(b"HTTP/1.1 200"), "streaming started"
         started = time.monotonic()  # from here the client reads nothing
-
-        async def freed():
-            load = await scheduler_load(config.scheduler_address)
-            return "http-idle" not in load.running_request_ids and load.num_kv_pages_used == 0
-
-        await wait_until(freed, 30, "the idle HTTP stream's request leaving the scheduler", interval_s=0.05)
+        await wait_freed(config, "idle HTTP stream's", "http-idle")
         print(f"idle HTTP stream: pages freed {time.monotonic() - started:.2f}s after the client stopped reading "
               f"(timeout {IDLE_TIMEOUT_S}s)")
-        fields = record(config, "http-idle")
-        assert fields[b"status"] == b"failed" and b"stream idle timeout" in fields[b"error"], fields
-        assert int(fields.get(b"num_output_tokens", b"0")) < 3000, "cancelled, not run to the end"
+        assert_failed_idle(config, "http-idle", 3000)
         # the gateway dropped the connection: what the client reads now ends without the stream's [DONE]
         received = b""
         with contextlib.suppress(ConnectionResetError):
