@@ -17,25 +17,15 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tokenmill.client.retry import RetryPolicy, deadline_after, time_left, wait_before_retry
+from protos.tokenmill.v1 import common_pb2, generation_pb2
 from plumbing import tls as tls_config
-from tokenmill.client.sync_client import CHANNEL_OPTIONS, client_tls
-from tokenmill.client.types import (Delta, GenerationResult, ModelInfo, RequestStatus, chat_messages,
-                                    delta_from_proto, generate_request, model_info_from_proto,
-                                    request_status_from_proto)
+from tokenmill.client.base import ClientBase, tokenize_request
+from tokenmill.client.types import (Delta, GenerationResult, ModelInfo, RequestStatus, delta_from_proto,
+                                    generate_request, model_info_from_proto, request_status_from_proto)
 
-class AsyncClient:
-    def __init__(self, address: str = "127.0.0.1:50051", *, timeout: float | None = None,
-                 retry: RetryPolicy | None = None, channel_options: Sequence[tuple] = (),
-                 tls: bool | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None) -> None:
-        self.address = address
-        self.timeout = timeout  # default deadline per call, in seconds; None: none
-        self.retry = retry or RetryPolicy()
-        self._channel = tls_config.aio_channel(address, client_tls(tls, tls_ca, tls_cert, tls_key),
-                                               [*CHANNEL_OPTIONS, *channel_options])
-        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+
+class AsyncClient(ClientBase):
+    open_channel = staticmethod(tls_config.aio_channel)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -65,11 +55,9 @@ class AsyncClient:
                **params) -> AsyncIterator[Delta]:
         """Deltas as they are generated; the last has finish_reason, usage and timings."""
         request = generate_request(prompt, messages, model, request_id, priority, params)
-        deadline = deadline_after(self._timeout(timeout))
-        attempt = 0
+        attempts = self._attempts(timeout)
         while True:
-            attempt += 1
-            call = self._stub.GenerateStream(request, timeout=time_left(deadline))
+            call = self._stub.GenerateStream(request, timeout=attempts.start())
             received = False
             try:
                 async for message in call:
@@ -77,7 +65,7 @@ class AsyncClient:
                     yield delta_from_proto(message)
                 return
             except grpc.aio.AioRpcError as error:
-                await asyncio.sleep(wait_before_retry(self.retry, error, attempt, received, deadline))
+                await asyncio.sleep(attempts.wait_s(error, received))
             finally:
                 call.cancel()  # no-op once finished; aborts the request if the caller stopped early
 
@@ -86,11 +74,7 @@ class AsyncClient:
     async def tokenize(self, text: str | None = None, *, messages: Sequence[dict] | None = None,
                  add_special_tokens: bool = True, timeout: float | None = None) -> list[int]:
         """Token ids of text (as generate would tokenize a prompt), or of chat messages after the template."""
-        request = generation_pb2.TokenizeRequest(add_special_tokens=add_special_tokens)
-        if messages is not None:
-            request.messages.CopyFrom(chat_messages(messages))
-        else:
-            request.text = text or ""
+        request = tokenize_request(text, messages, add_special_tokens)
         return list((await self._unary(self._stub.Tokenize, request, timeout)).token_ids)
 
     async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True,
@@ -112,14 +96,9 @@ class AsyncClient:
         return (await self._unary(self._stub.CancelRequest, request, timeout)).cancelled
 
     async def _unary(self, method, request, timeout: float | None):
-        deadline = deadline_after(self._timeout(timeout))
-        attempt = 0
+        attempts = self._attempts(timeout)
         while True:
-            attempt += 1
             try:
-                return await method(request, timeout=time_left(deadline))
+                return await method(request, timeout=attempts.start())
             except grpc.aio.AioRpcError as error:
-                await asyncio.sleep(wait_before_retry(self.retry, error, attempt, False, deadline))
-
-    def _timeout(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
+                await asyncio.sleep(attempts.wait_s(error, received=False))

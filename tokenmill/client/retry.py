@@ -76,3 +76,30 @@ def wait_before_retry(policy: RetryPolicy, error: grpc.RpcError, attempt: int, r
         if deadline is None or time.monotonic() + wait < deadline:
             return wait
     raise ClientError.from_rpc_error(error, attempt) from None
+
+
+class Attempts:
+    """One call's attempts under a policy and one deadline for them all; both clients run their calls
+    through one, and differ only in how they wait (time.sleep or asyncio.sleep).
+
+        attempts = Attempts(policy, timeout_s)
+        while True:
+            try:
+                return method(request, timeout=attempts.start())
+            except grpc.RpcError as error:
+                time.sleep(attempts.wait_s(error, received=False))
+    """
+
+    def __init__(self, policy: RetryPolicy, timeout_s: float | None) -> None:
+        self.policy = policy
+        self.deadline = deadline_after(timeout_s)
+        self.number = 0  # of the attempt under way, from 1
+
+    def start(self) -> float | None:
+        """Counts a new attempt; returns its timeout, what is left of the deadline."""
+        self.number += 1
+        return time_left(self.deadline)
+
+    def wait_s(self, error: grpc.RpcError, received: bool) -> float:
+        """wait_before_retry for the attempt that just failed: raises ClientError when there is no retry."""
+        return wait_before_retry(self.policy, error, self.number, received, self.deadline)

@@ -16,44 +16,14 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from protos.tokenmill.v1 import common_pb2, generation_pb2
 from plumbing import tls as tls_config
-from tokenmill.client.retry import RetryPolicy, deadline_after, time_left, wait_before_retry
-from tokenmill.client.types import (Delta, GenerationResult, ModelInfo, RequestStatus, chat_messages,
-                                    delta_from_proto, generate_request, model_info_from_proto,
-                                    request_status_from_proto)
+from tokenmill.client.base import ClientBase, tokenize_request
+from tokenmill.client.types import (Delta, GenerationResult, ModelInfo, RequestStatus, delta_from_proto,
+                                    generate_request, model_info_from_proto, request_status_from_proto)
 
-CHANNEL_OPTIONS = (
-    ("grpc.max_receive_message_length", 64 * 2**20),
-    ("grpc.max_send_message_length", 64 * 2**20),
-    # gRPC's own reconnect backoff starts at 1 s; retries would otherwise find the channel still waiting
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-)
-
-
-def client_tls(tls: bool | None, tls_ca: str | None, tls_cert: str | None,
-               tls_key: str | None) -> tls_config.ClientTLS | None:
-    """The client's TLS settings: on when tls is True or any file is given (no tls_ca: the system's
-    roots); tls_cert/tls_key (PEM paths) for a gateway that requires client certificates (mTLS)."""
-    if tls is False or not (tls or tls_ca or tls_cert or tls_key):
-        return None
-    if bool(tls_cert) != bool(tls_key):
-        raise ValueError("tls_cert and tls_key go together")
-    return tls_config.ClientTLS(tls_ca, tls_cert, tls_key, option_prefix="tls")
-
-
-class Client:
-    def __init__(self, address: str = "127.0.0.1:50051", *, timeout: float | None = None,
-                 retry: RetryPolicy | None = None, channel_options: Sequence[tuple] = (),
-                 tls: bool | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None) -> None:
-        self.address = address
-        self.timeout = timeout  # default deadline per call, in seconds; None: none
-        self.retry = retry or RetryPolicy()
-        self._channel = tls_config.channel(address, client_tls(tls, tls_ca, tls_cert, tls_key),
-                                           [*CHANNEL_OPTIONS, *channel_options])
-        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+class Client(ClientBase):
+    open_channel = staticmethod(tls_config.channel)
 
     def __enter__(self) -> Client:
         return self
@@ -83,11 +53,9 @@ class Client:
                **params) -> Iterator[Delta]:
         """Deltas as they are generated; the last has finish_reason, usage and timings."""
         request = generate_request(prompt, messages, model, request_id, priority, params)
-        deadline = deadline_after(self._timeout(timeout))
-        attempt = 0
+        attempts = self._attempts(timeout)
         while True:
-            attempt += 1
-            call = self._stub.GenerateStream(request, timeout=time_left(deadline))
+            call = self._stub.GenerateStream(request, timeout=attempts.start())
             received = False
             try:
                 for message in call:
@@ -95,7 +63,7 @@ class Client:
                     yield delta_from_proto(message)
                 return
             except grpc.RpcError as error:
-                time.sleep(wait_before_retry(self.retry, error, attempt, received, deadline))
+                time.sleep(attempts.wait_s(error, received))
             finally:
                 call.cancel()  # no-op once finished; aborts the request if the caller stopped early
 
@@ -104,11 +72,7 @@ class Client:
     def tokenize(self, text: str | None = None, *, messages: Sequence[dict] | None = None,
                  add_special_tokens: bool = True, timeout: float | None = None) -> list[int]:
         """Token ids of text (as generate would tokenize a prompt), or of chat messages after the template."""
-        request = generation_pb2.TokenizeRequest(add_special_tokens=add_special_tokens)
-        if messages is not None:
-            request.messages.CopyFrom(chat_messages(messages))
-        else:
-            request.text = text or ""
+        request = tokenize_request(text, messages, add_special_tokens)
         return list(self._unary(self._stub.Tokenize, request, timeout).token_ids)
 
     def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True,
@@ -129,14 +93,9 @@ class Client:
         return self._unary(self._stub.CancelRequest, request, timeout).cancelled
 
     def _unary(self, method, request, timeout: float | None):
-        deadline = deadline_after(self._timeout(timeout))
-        attempt = 0
+        attempts = self._attempts(timeout)
         while True:
-            attempt += 1
             try:
-                return method(request, timeout=time_left(deadline))
+                return method(request, timeout=attempts.start())
             except grpc.RpcError as error:
-                time.sleep(wait_before_retry(self.retry, error, attempt, False, deadline))
-
-    def _timeout(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
+                time.sleep(attempts.wait_s(error, received=False))
