@@ -7,6 +7,7 @@
     tokenmill bench [...]                                       the standard benchmark (sweep, reports, plots)
     tokenmill bench-engine [...]                                in-process engine vs transformers
     tokenmill bench-cluster [...]                               through the gateway vs in-process
+    tokenmill bench-stack [...]                                 near-free model: cluster vs in-process, per-process CPU
     tokenmill bench-tracing [...]                               tracing off vs every request traced
 
 Nothing here imports torch: serve and generate start in well under a second.
@@ -27,6 +28,8 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "bench-engine": ("tokenmill.bench.engine", "in-process engine vs transformers generate (loads torch)"),
     "bench-cluster": ("tokenmill.bench.cluster", "the engine workload through the gateway over gRPC vs in-process"),
     "bench": ("tokenmill.bench.cli", "the standard benchmark: paged vs static vs transformers, tables and plots"),
+    "bench-stack": ("tokenmill.bench.stack", "the stack's ceiling: a near-free model in-process vs through the "
+                    "cluster at 64-1024 streams, with each process's CPU per token"),
     "bench-tracing": ("tokenmill.bench.tracing", "throughput with tracing off vs every request traced"),
     "accuracy": ("tokenmill.bench.accuracy", "greedy agreement and perplexity of each weight format / dtype vs float32"),
 }

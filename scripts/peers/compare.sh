@@ -10,6 +10,8 @@
 #   scripts/peers/compare.sh                                all sides, dtypes float32 and bfloat16
 #   scripts/peers/compare.sh --sides tokenmill,llama-server --dtypes bfloat16 -- --num-requests 32
 #   scripts/peers/compare.sh --dry-run                      prints what it would run
+#   scripts/peers/compare.sh --near-free --sides tokenmill,vllm --dtypes float32
+#                                                           the stack's ceiling (issue 33): see below
 #
 # Options: --sides LIST (tokenmill,vllm,llama-server), --dtypes LIST (activation dtypes for tokenmill and
 # vLLM; llama-server runs the file's own quantization), --tokenmill-variants 'FLAGS;FLAGS' (tokenmill runs
@@ -22,6 +24,14 @@
 # VLLM_CPU_KVCACHE_SPACE (4 GiB), READY_TIMEOUT_S (900: vLLM compiles for ~100 s), TOKENMILL_SERVE_ARGS
 # (extra `tokenmill serve` flags), LLAMA_SERVER_ARGS (extra llama-server flags, named in its row: on a CPU
 # with AMX, llama-server 0.3.36's AMX weight repacking segfaults at warm-up; --no-repack runs it).
+#
+# --near-free: instead of the default model, the near-free model of `tokenmill bench-stack` (1 layer, hidden
+# 64, random weights, the default tokenizer; written once to .peers/hf/near-free by
+# tokenmill.bench.near_free_model), served as that HF folder by tokenmill and vLLM (llama-server takes GGUF
+# files only: not a side here), with the stack's workload: concurrency 64 and 256, 512 requests per level,
+# 32-token prompts, 128 output tokens, greedy, EOS ignored; both servers may run MAX_NUM_SEQS (256) requests
+# at once and batch as many tokens a step (tokenmill --max-num-seqs / --max-num-batched-tokens, vLLM
+# --max-num-seqs / --max-num-batched-tokens). Its table has its own markers in the doc (peers.py --section).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -30,6 +40,7 @@ DTYPES="float32,bfloat16"
 OUT=bench_out/peers
 DOC=docs/benchmarks.md
 DRY_RUN=0
+NEAR_FREE=0
 TOKENMILL_VARIANTS=""
 EXTRA=()
 ORIGINAL_ARGS="$([ $# -eq 0 ] || printf ' %q' "$@")"  # quoted as a shell would need them
@@ -41,6 +52,7 @@ while [ $# -gt 0 ]; do
         --out) OUT="$2"; shift 2 ;;
         --doc) DOC="$2"; shift 2 ;;
         --dry-run) DRY_RUN=1; shift ;;
+        --near-free) NEAR_FREE=1; shift ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         --) shift; EXTRA=("$@"); break ;;
         *) echo "compare.sh: unknown argument $1 (try --help)" >&2; exit 2 ;;
@@ -49,6 +61,11 @@ done
 for side in ${SIDES_WANTED//,/ }; do
     case "$side" in tokenmill|vllm|llama-server) ;; *) echo "compare.sh: --sides: unknown side $side" >&2; exit 2 ;; esac
 done
+if [ "$NEAR_FREE" = 1 ] && [[ ",$SIDES_WANTED," == *",llama-server,"* ]]; then
+    [[ "$ORIGINAL_ARGS" == *--sides* ]] || SIDES_WANTED="tokenmill,vllm"  # the default sides, less llama-server
+    [[ ",$SIDES_WANTED," != *",llama-server,"* ]] || {
+        echo "compare.sh: --near-free: llama-server serves GGUF files only; leave it out of --sides" >&2; exit 2; }
+fi
 for dtype in ${DTYPES//,/ }; do
     case "$dtype" in float32|bfloat16|float16) ;; *) echo "compare.sh: --dtypes: unknown dtype $dtype" >&2; exit 2 ;; esac
 done
@@ -65,12 +82,35 @@ READY_TIMEOUT_S="${READY_TIMEOUT_S:-900}"
 BENCH_ARGS=(--concurrency 1,32 --num-requests 100 --prompt-len 128 --min-output 32 --max-output 256
             --warmup 2 --no-plots "${EXTRA[@]}")
 GGUF="$("$PYTHON" -c 'from gateway.text.tokenizer import default_model_path; print(default_model_path())')"
+MAX_NUM_SEQS="${MAX_NUM_SEQS:-256}"
+TOKENMILL_MODEL=()
+TOKENMILL_WEIGHTS="weights from the GGUF Q4_1 file"
+VLLM_MODEL=("$HF_DIR" --served-model-name smollm2)
+VLLM_WEIGHTS="HF folder of the GGUF's weights dequantized to float32"
+SECTION=peers
+if [ "$NEAR_FREE" = 1 ]; then
+    HF_DIR=.peers/hf/near-free
+    SECTION=near-free
+    STEP_BUDGET=$((MAX_NUM_SEQS > 2048 ? MAX_NUM_SEQS : 2048))  # vLLM's CPU default, or every stream's token
+    TOKENMILL_MODEL=(--model "$HF_DIR" --max-num-seqs "$MAX_NUM_SEQS" --max-num-batched-tokens "$STEP_BUDGET")
+    TOKENMILL_WEIGHTS="near-free model (1 layer, hidden 64, random float32 weights), $HF_DIR"
+    VLLM_MODEL=("$HF_DIR" --served-model-name near-free --max-num-seqs "$MAX_NUM_SEQS"
+                --max-num-batched-tokens "$STEP_BUDGET")
+    VLLM_WEIGHTS="$TOKENMILL_WEIGHTS"
+    BENCH_ARGS=(--concurrency 64,256 --num-requests 512 --prompt-len 32 --min-output 128 --max-output 128
+                --warmup 2 --no-plots "${EXTRA[@]}")
+    echo "+ $PYTHON -m tokenmill.bench.near_free_model $HF_DIR"
+    [ "$DRY_RUN" = 1 ] || [ -f "$HF_DIR/model.safetensors" ] || "$PYTHON" -m tokenmill.bench.near_free_model "$HF_DIR"
+fi
 
 wants() { [[ ",$SIDES_WANTED," == *",$1,"* ]]; }
 need() {  # a peer's file, or the script that makes it
     [ "$DRY_RUN" = 1 ] || [ -e "$1" ] || { echo "compare.sh: $1 is missing: run $2 first" >&2; exit 1; }
 }
-wants vllm && need "$VLLM_VENV/bin/vllm" scripts/peers/setup_vllm_cpu.sh && need "$HF_DIR/config.json" scripts/peers/setup_vllm_cpu.sh
+if wants vllm; then
+    need "$VLLM_VENV/bin/vllm" scripts/peers/setup_vllm_cpu.sh
+    [ "$NEAR_FREE" = 1 ] || need "$HF_DIR/config.json" scripts/peers/setup_vllm_cpu.sh  # --near-free writes its own
+fi
 wants llama-server && need "$LLAMA_SERVER" scripts/peers/setup_llama_server.sh
 
 free_port() {
@@ -125,18 +165,18 @@ if wants tokenmill; then
             flags=($variant)
             slug="tokenmill-$dtype$(printf '%s' "$variant" | tr -c 'a-z0-9' '-' | sed 's/^-*/-/; s/-*$//')"
             [ -n "$variant" ] || slug="tokenmill-$dtype"
-            bench_side "tokenmill serve${variant:+ $variant}" "$dtype (serve --dtype), weights from the GGUF Q4_1 file" \
+            bench_side "tokenmill serve${variant:+ $variant}" "$dtype (serve --dtype), $TOKENMILL_WEIGHTS" \
                 "$slug" "$TOKENMILL" serve --dtype "$dtype" --http-port @PORT@ --gateway-port 0 --scheduler-port 0 \
-                --worker-port 0 --redis-port 0 --no-metrics "${SERVE_EXTRA[@]}" "${flags[@]}"
+                --worker-port 0 --redis-port 0 --no-metrics "${TOKENMILL_MODEL[@]}" "${SERVE_EXTRA[@]}" "${flags[@]}"
         done
     done
 fi
 if wants vllm; then
     for dtype in ${DTYPES//,/ }; do
-        bench_side "vLLM CPU (vllm-cpu)" "$dtype (--dtype), HF folder of the GGUF's weights dequantized to float32, $THREADS OpenMP threads bound" \
+        bench_side "vLLM CPU (vllm-cpu)" "$dtype (--dtype), $VLLM_WEIGHTS, $THREADS OpenMP threads bound" \
             "vllm-$dtype" env VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" \
-            VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-4}" "$VLLM_VENV/bin/vllm" serve "$HF_DIR" \
-            --dtype "$dtype" --host 127.0.0.1 --port @PORT@ --served-model-name smollm2 --max-model-len 2048
+            VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-4}" "$VLLM_VENV/bin/vllm" serve "${VLLM_MODEL[@]}" \
+            --dtype "$dtype" --host 127.0.0.1 --port @PORT@ --max-model-len 2048
     done
 fi
 # shellcheck disable=SC2206 # LLAMA_SERVER_ARGS is a list of flags
@@ -152,7 +192,7 @@ if [ "$DRY_RUN" = 0 ]; then
     wants vllm && versions+=", vllm-cpu $("$VLLM_VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))')"
     wants llama-server && versions+=", llama-server $("$LLAMA_SERVER" --version 2>&1 | head -n 1)"
 fi
-table=("$PYTHON" -m tokenmill.bench.peers table --doc "$DOC" --command "scripts/peers/compare.sh$ORIGINAL_ARGS"
+table=("$PYTHON" -m tokenmill.bench.peers table --doc "$DOC" --section "$SECTION" --command "scripts/peers/compare.sh$ORIGINAL_ARGS"
        --note "versions: $versions" "${SIDE_ARGS[@]}")
 echo "+ ${table[*]}"
 [ "$DRY_RUN" = 1 ] || "${table[@]}"

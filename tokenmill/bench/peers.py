@@ -27,6 +27,13 @@ from tokenmill.bench.report import is_open_loop
 BEGIN = "<!-- peers-table:begin (written by scripts/peers/compare.sh) -->"
 END = "<!-- peers-table:end -->"
 HEADING = "## Peers: tokenmill vs vLLM's CPU backend vs llama.cpp's llama-server (issue 15)"
+# each table compare.sh writes has its own markers, so a --near-free run never replaces the default model's
+SECTIONS = {
+    "peers": (BEGIN, END, HEADING),
+    "near-free": ("<!-- peers-near-free:begin (written by scripts/peers/compare.sh --near-free) -->",
+                  "<!-- peers-near-free:end -->",
+                  "## Peers on the near-free model: the serving stack's ceiling (issue 33)"),
+}
 # the lscpu flags that decide which kernels a CPU server can run (avx512_bf16, avx512_vnni, amx_* included)
 SIMD_FLAG_PREFIXES = ("sse4", "avx", "fma", "f16c", "amx")
 
@@ -116,26 +123,29 @@ def side_table(sides: list[tuple[str, str, dict]]) -> list[str]:
 
 
 def section(sides: list[tuple[str, str, dict]], lscpu_text: str, command: str, notes: list[str],
-            day: str) -> list[str]:
+            day: str, name: str = "peers") -> list[str]:
     """The doc's section: how it was run, the CPU, the workload (from the first side's notes), the table."""
     workload = [note for note in sides[0][2].get("notes", []) if note.startswith(("workload:", "percentiles:"))]
     intro = (f"Run on {day}, one server after the other on this machine, each through the same client "
              "(`tokenmill bench --openai-url`, streamed `/v1/completions`):")
     outro = ("Each side's full table (P50/P90/P99 of TTFT, ITL, E2E) is in the `bench.md` beside its "
              "`bench.json` in the command's output directory.")
-    return [BEGIN, "", intro, "", "```bash", command, "```", "", f"- CPU: {cpu_summary(lscpu_text)}",
-            *(f"- {note}" for note in [*workload, *notes]), "", *side_table(sides), "", outro, "", END]
+    begin, end, _ = SECTIONS[name]
+    return [begin, "", intro, "", "```bash", command, "```", "", f"- CPU: {cpu_summary(lscpu_text)}",
+            *(f"- {note}" for note in [*workload, *notes]), "", *side_table(sides), "", outro, "", end]
 
 
-def write_section(doc: Path, lines: list[str]) -> None:
-    """Replaces the text from BEGIN to END in doc, or appends a heading and the section."""
+def write_section(doc: Path, lines: list[str], name: str = "peers") -> None:
+    """Replaces the text from the section's begin marker to its end marker in doc, or appends a heading and
+    the section."""
+    begin, end, heading = SECTIONS[name]
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
     block = "\n".join(lines)
-    if BEGIN in text and END in text:
-        before, rest = text.split(BEGIN, 1)
-        text = before + block + rest.split(END, 1)[1]
+    if begin in text and end in text:
+        before, rest = text.split(begin, 1)
+        text = before + block + rest.split(end, 1)[1]
     else:
-        text = text.rstrip("\n") + f"\n\n{HEADING}\n\n{block}\n"
+        text = text.rstrip("\n") + f"\n\n{heading}\n\n{block}\n"
     doc.write_text(text)
 
 
@@ -154,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     table.add_argument("--note", action="append", default=[], help="a line under the CPU (versions, settings)")
     table.add_argument("--lscpu-file", type=Path, help="lscpu's output saved in a file (default: run lscpu)")
     table.add_argument("--date", default=date.today().isoformat())
+    table.add_argument("--section", choices=sorted(SECTIONS), default="peers",
+                       help="which of the doc's tables (its own markers): the default model's, or the near-free "
+                            "model's (compare.sh --near-free) (default: %(default)s)")
     args = parser.parse_args(argv)
 
     if args.command == "wait":
@@ -166,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     sides = [(name, form, json.loads(Path(path).read_text())) for name, form, path in args.side]
     lscpu_text = (args.lscpu_file.read_text() if args.lscpu_file
                   else subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout)
-    write_section(args.doc, section(sides, lscpu_text, args.command, args.note, args.date))
+    write_section(args.doc, section(sides, lscpu_text, args.command, args.note, args.date, args.section), args.section)
     print("\n".join(side_table(sides)))
     print(f"\nwritten into {args.doc}", file=sys.stderr)
     return 0

@@ -85,6 +85,13 @@ def test_peers_table_writes_one_row_per_side_between_the_markers(tmp_path):
     assert peers.main([*argv[:2], str(bare), *argv[3:]]) == 0
     assert bare.read_text().startswith(f"# Benchmarks\n\nsomething\n\n{peers.HEADING}\n\n{peers.BEGIN}\n")
 
+    # the near-free model's table (compare.sh --near-free) has its own markers: the default model's stays
+    begin, end, heading = peers.SECTIONS["near-free"]
+    assert peers.main([*argv, "--section", "near-free"]) == 0
+    both = doc.read_text()
+    assert both.startswith(text) and both.count(peers.BEGIN) == 1 and both.count(begin) == both.count(end) == 1
+    assert both.endswith(f"{end}\n") and f"{heading}\n\n{begin}" in both
+
 
 class _ModelsHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
@@ -196,6 +203,19 @@ def test_peer_scripts_parse_and_their_dry_runs_print_the_steps():
     assert table[:4] == [".venv/bin/python", "-m", "tokenmill.bench.peers", "table"] and table.count("--side") == 2
     assert not any("vllm" in " ".join(command) for command in commands)
     assert _dry_run("compare.sh", "--sides", "tgi").returncode == 2
+
+    # --near-free: tokenmill and vLLM on bench-stack's near-free HF folder, the stack's workload, its own section
+    near_free = _dry_run("compare.sh", "--near-free", "--dry-run", "--dtypes", "float32")
+    assert near_free.returncode == 0, near_free.stderr
+    write, serve, bench, vllm, _, table = [shlex.split(line[2:]) for line in near_free.stdout.splitlines()
+                                           if line.startswith("+ ")]
+    assert write == [".venv/bin/python", "-m", "tokenmill.bench.near_free_model", ".peers/hf/near-free"]
+    assert serve[serve.index("--model") + 1] == ".peers/hf/near-free" and serve[serve.index("--max-num-seqs") + 1] == "256"
+    assert vllm[vllm.index("serve") + 1] == ".peers/hf/near-free" and vllm[vllm.index("--max-num-seqs") + 1] == "256"
+    args = build_parser().parse_args(bench[2:])
+    assert (args.concurrency, args.prompt_len, args.min_output, args.max_output) == ([64, 256], 32, 128, 128)
+    assert table[table.index("--section") + 1] == "near-free"
+    assert _dry_run("compare.sh", "--near-free", "--sides", "llama-server").returncode == 2  # GGUF files only
 
     llama_steps = _dry_run("setup_llama_server.sh", "--dry-run").stdout
     assert "pip download -q --no-deps --no-binary :all: -d .peers/sdist llama-cpp-python==" in llama_steps
