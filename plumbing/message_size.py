@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from plumbing.options import ranged
+
 PUBLIC_MAX_MESSAGE_BYTES = 4 * 2**20
 INTERNAL_MAX_MESSAGE_BYTES = 64 * 2**20
 
@@ -20,17 +22,10 @@ def message_size_options(max_message_bytes: int) -> list[tuple[str, Any]]:
             ("grpc.max_send_message_length", max_message_bytes)]
 
 
-def _positive_bytes(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer number of bytes") from None
-    if value < 1024:
-        raise argparse.ArgumentTypeError(f"{value} is below the minimum of 1024 bytes")
-    return value
+_MESSAGE_BYTES = ranged(int, 1024, what=">= 1024 (bytes)")
 
 
 def add_message_size_argument(parser: argparse.ArgumentParser, default: int) -> None:
-    parser.add_argument("--max-message-bytes", type=_positive_bytes, default=default,
+    parser.add_argument("--max-message-bytes", type=_MESSAGE_BYTES, default=default,
                         help="largest gRPC message (and HTTP body) accepted or sent; larger ones get "
                              "RESOURCE_EXHAUSTED (default: %(default)s)")

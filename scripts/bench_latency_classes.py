@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from core.sampling import SamplingParams
 from scheduler.request import Request
+from tokenmill.bench.workload import add_workload_arguments
 from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig
 
 
@@ -72,10 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target-itl-ms", type=float, required=True, help="the tight key's ITL target")
     parser.add_argument("--concurrency", default="8,32")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--min-output", type=int, default=16)
-    parser.add_argument("--max-output", type=int, default=32)
+    add_workload_arguments(parser, num_requests=64, prompt_len=64, min_output=16, max_output=32)
     parser.add_argument("--num-blocks", type=int, default=1024)
     args = parser.parse_args()
 

@@ -36,6 +36,7 @@ import sys
 import threading
 from pathlib import Path
 
+from plumbing.options import POSITIVE
 from tokenmill.bench.itl_verdict import format_verdicts, itl_verdicts
 from tokenmill.bench.report import (
     format_table,
@@ -75,16 +76,6 @@ def parse_rates(text: str) -> list[float]:
     return sorted(set(rates))
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: must be >= 1")
-    return value
-
-
 DEFAULT_CONCURRENCY = [1, 4, 8, 16]
 SMALL_CACHE_BLOCKS = 40  # --compare-kv-layouts: 640 token slots, where paged and static differ at CPU scale
 
@@ -116,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--request-rate", type=parse_rates, default=[],
                         help="open loop: requests/s, Poisson arrivals (exponential gaps seeded by --seed), one "
                              "level per rate, e.g. 0.5,1,2")
-    parser.add_argument("--num-requests", type=positive_int, default=100,
+    parser.add_argument("--num-requests", type=POSITIVE, default=100,
                         help="per level; below 100, P99 is mostly the slowest request (default: %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--min-output", type=int, default=16)

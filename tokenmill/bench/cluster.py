@@ -24,7 +24,7 @@ from core.sampling import SamplingParams
 from scheduler.options import SchedulerOptions
 from scheduler.request import Request
 from tokenmill.bench.runner import interleaved_order
-from tokenmill.bench.workload import make_workload, text_prompts
+from tokenmill.bench.workload import add_workload_arguments, make_workload, text_prompts
 from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig
 
 
@@ -156,10 +156,7 @@ async def run_cluster(address: str, llm: LLM, workloads: list[list[str]], output
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tokenmill bench-cluster", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--min-output", type=int, default=32)
-    parser.add_argument("--max-output", type=int, default=256)
+    add_workload_arguments(parser, num_requests=32, prompt_len=128, min_output=32, max_output=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-cache-mb", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=3,

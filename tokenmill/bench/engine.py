@@ -17,7 +17,7 @@ import torch
 
 from core.sampling import SamplingParams
 from scheduler.options import SchedulerOptions
-from tokenmill.bench.workload import Workload, make_workload
+from tokenmill.bench.workload import Workload, add_workload_arguments, make_workload
 from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig
 from worker.options import DENSE_WEIGHT_MODES, QUANTIZATIONS
 
@@ -81,10 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tokenmill bench-engine", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--min-output", type=int, default=32)
-    parser.add_argument("--max-output", type=int, default=256)
+    add_workload_arguments(parser, num_requests=32, prompt_len=128, min_output=32, max_output=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline-batch-size", type=int, default=8)
     parser.add_argument("--kv-cache-mb", type=int, default=512)

@@ -6,12 +6,22 @@ request ignores EOS, so each request generates exactly its output length whateve
 """
 from __future__ import annotations
 
+import argparse
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gateway.text.tokenizer import TextTokenizer
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, *, num_requests: int, prompt_len: int,
+                           min_output: int, max_output: int) -> None:
+    """The workload's shape, as every closed-loop benchmark takes it; the defaults are each tool's own."""
+    parser.add_argument("--num-requests", type=int, default=num_requests)
+    parser.add_argument("--prompt-len", type=int, default=prompt_len)
+    parser.add_argument("--min-output", type=int, default=min_output)
+    parser.add_argument("--max-output", type=int, default=max_output)
 
 
 WORDS = ("time river light stone garden window music letter market winter island forest number paper "
