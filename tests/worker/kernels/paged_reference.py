@@ -12,8 +12,8 @@ import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-# (dtype, num_heads, num_kv_heads, block_size, head_dim) both attention kernels are checked at; each
-# test file adds its own bfloat16 row
+# the head shapes both attention kernels are checked at; each test file adds its own bfloat16 row
+HEAD_SHAPE_NAMES = "dtype, num_heads, num_kv_heads, block_size, head_dim"
 HEAD_SHAPES = [
     (torch.float32, 2, 2, 16, 32),  # GQA ratio 1
     (torch.float16, 6, 2, 32, 32),  # ratio 3
@@ -66,6 +66,14 @@ def make_paged_cache(
         block_tables.to(DEVICE),
         torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
     )
+
+
+def random_cache_and_query(context_lens: list[int], num_rows: int, dtype: torch.dtype, num_heads: int,
+                           num_kv_heads: int, block_size: int, head_dim: int) -> tuple[PagedCache, torch.Tensor]:
+    """A paged cache over context_lens and a [num_rows, H, D] query, from one generator seeded 0."""
+    generator = torch.Generator().manual_seed(0)
+    cache = make_paged_cache(context_lens, block_size, num_kv_heads, head_dim, dtype, generator)
+    return cache, random_query(num_rows, num_heads, head_dim, dtype, generator)
 
 
 def reference_attention(

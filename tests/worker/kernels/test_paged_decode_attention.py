@@ -2,22 +2,18 @@
 import pytest
 import torch
 
-from tests.worker.kernels.paged_reference import (DEVICE, HEAD_SHAPES, make_paged_cache, random_query,
-                                                   reference_attention)
+from tests.worker.kernels.paged_reference import (DEVICE, HEAD_SHAPE_NAMES, HEAD_SHAPES, make_paged_cache,
+                                                   random_cache_and_query, random_query, reference_attention)
 from tests.worker.kernels.tolerances import assert_close
 from worker.kernels.paged_decode_attention import paged_decode_attention
 
 CONTEXTS = [1, 17, 33, 100]
 
 
-@pytest.mark.parametrize(
-    "dtype, num_heads, num_kv_heads, block_size, head_dim",
-    [*HEAD_SHAPES, (torch.bfloat16, 8, 1, 16, 32)],
-)
+@pytest.mark.parametrize(HEAD_SHAPE_NAMES, [*HEAD_SHAPES, (torch.bfloat16, 8, 1, 16, 32)])
 def test_matches_reference(dtype, num_heads, num_kv_heads, block_size, head_dim):
-    generator = torch.Generator().manual_seed(0)
-    cache = make_paged_cache(CONTEXTS, block_size, num_kv_heads, head_dim, dtype, generator)
-    query = random_query(len(CONTEXTS), num_heads, head_dim, dtype, generator)
+    cache, query = random_cache_and_query(CONTEXTS, len(CONTEXTS), dtype, num_heads, num_kv_heads, block_size,
+                                          head_dim)
     scale = head_dim**-0.5
 
     out = paged_decode_attention(query, cache.key_cache, cache.value_cache, cache.block_tables, cache.context_lens, scale)

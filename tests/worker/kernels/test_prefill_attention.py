@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from tests.worker.kernels.paged_reference import (DEVICE, HEAD_SHAPES, make_paged_cache, random_query,
-                                                   reference_attention)
+from tests.worker.kernels.paged_reference import (DEVICE, HEAD_SHAPE_NAMES, HEAD_SHAPES, make_paged_cache,
+                                                   random_cache_and_query, random_query, reference_attention)
 from tests.worker.kernels.tolerances import assert_close
 from worker.kernels.prefill_attention import paged_prefill_attention
 
@@ -17,14 +17,10 @@ def _query_start_loc(query_lens: list[int]) -> torch.Tensor:
     return torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
 
 
-@pytest.mark.parametrize(
-    "dtype, num_heads, num_kv_heads, block_size, head_dim",
-    [*HEAD_SHAPES, (torch.bfloat16, 3, 1, 16, 32)],
-)
+@pytest.mark.parametrize(HEAD_SHAPE_NAMES, [*HEAD_SHAPES, (torch.bfloat16, 3, 1, 16, 32)])
 def test_mixed_batch_matches_reference(dtype, num_heads, num_kv_heads, block_size, head_dim):
-    generator = torch.Generator().manual_seed(0)
-    cache = make_paged_cache(CONTEXTS, block_size, num_kv_heads, head_dim, dtype, generator)
-    query = random_query(sum(QUERY_LENS), num_heads, head_dim, dtype, generator)
+    cache, query = random_cache_and_query(CONTEXTS, sum(QUERY_LENS), dtype, num_heads, num_kv_heads, block_size,
+                                          head_dim)
     scale = head_dim**-0.5
 
     out = paged_prefill_attention(
