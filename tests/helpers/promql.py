@@ -62,17 +62,17 @@ class Query:
         return text
 
     def _additive(self):
-        left = self._multiplicative()
-        while self._peek()[1] in ("+", "-"):
-            op = self._take()
-            left = _binary(left, self._multiplicative(), op)
-        return left
+        return self._left_associative(("+", "-"), self._multiplicative)
 
     def _multiplicative(self):
-        left = self._term()
-        while self._peek()[1] in ("*", "/"):
+        return self._left_associative(("*", "/"), self._term)
+
+    def _left_associative(self, operators: tuple[str, ...], operand):
+        """operand (op operand)*, evaluated left to right: one precedence level."""
+        left = operand()
+        while self._peek()[1] in operators:
             op = self._take()
-            left = _binary(left, self._term(), op)
+            left = _binary(left, operand(), op)
         return left
 
     def _term(self):
