@@ -10,7 +10,7 @@ from redis.exceptions import RedisError
 
 from gateway.access.control import AccessControl, caller_key, caller_name
 from gateway.apis.served_model import ServedModel
-from gateway.apis.stream_idle import StreamIdle, record_idle, write_within
+from gateway.apis.stream_idle import IdleWatchdog, StreamIdle, record_idle
 from gateway.generation.context import CallContext
 from gateway.generation.sample_groups import candidate_sample_ids, group_record
 from gateway.generation.samples import check_streamable
@@ -55,9 +55,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def GenerateStream(self, request, context):
         # context.write, not yield: a write blocked on a client that stopped reading can time out
         async with contextlib.aclosing(self._generate(request, context, streaming=True)) as messages:
-            async for message in messages:
+            with IdleWatchdog(self.stream_idle_timeout_s) as watchdog:
                 try:
-                    await write_within(context.write(message), self.stream_idle_timeout_s)
+                    async for message in messages:
+                        await watchdog.write(context.write(message))
                 except StreamIdle as error:
                     # before leaving the block aborts the request (whose record would say only "cancelled");
                     # an n > 1 request's records are its samples'

@@ -23,7 +23,7 @@ import grpc
 
 from gateway.access.control import AccessControl, caller_key
 from gateway.apis.served_model import ServedModel
-from gateway.apis.stream_idle import StreamIdle, record_idle, write_within
+from gateway.apis.stream_idle import IdleWatchdog, StreamIdle, record_idle
 from gateway.generation.context import CallContext
 from gateway.generation.stream import Finish
 from gateway.prepare.constraints import constraint_field, openai_constraint
@@ -175,14 +175,15 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
 
         reader = asyncio.create_task(read_requests())
         try:
-            while (response := await responses.get()) is not None:
-                # context.write, not yield, so a client that stopped reading can time out (gateway.apis.stream_idle)
-                try:
-                    await write_within(context.write(response), self.stream_idle_timeout_s)
-                except StreamIdle as error:
-                    # before the finally below aborts them (their records would say only "cancelled")
-                    await record_idle(self.state_reader, generating, error)
-                    raise
+            with IdleWatchdog(self.stream_idle_timeout_s) as watchdog:
+                while (response := await responses.get()) is not None:
+                    # context.write, not yield, so a client that stopped reading can time out (gateway.apis.stream_idle)
+                    try:
+                        await watchdog.write(context.write(response))
+                    except StreamIdle as error:
+                        # before the finally below aborts them (their records would say only "cancelled")
+                        await record_idle(self.state_reader, generating, error)
+                        raise
             await reader  # a broken request stream ends the call with its error
         finally:  # the client went away: cancelling each request aborts it in the scheduler
             for task in (reader, *running):

@@ -16,6 +16,7 @@ had in flight are gone: a request missing some fails with Unavailable rather tha
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 import uuid
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import grpc
 
 from core.errors import ServingError, Unavailable
-from core.outputs import RequestOutput
+from core.outputs import RequestOutput, coalesce
 from protos import codec
 from protos.tokenmill.v1 import scheduler_pb2
 
@@ -124,25 +125,35 @@ async def in_order(queue: asyncio.Queue, request_id: str) -> AsyncIterator[Reque
 
     Every output covers the tokens [num_output_tokens - len(new_token_ids), num_output_tokens); the Submit
     call's first message says where the request starts. An output that starts past what was yielded waits
-    for the one before it; an ending with nothing after it to wait for raises Unavailable."""
+    for the one before it; an ending with nothing after it to wait for raises Unavailable.
+
+    Outputs that piled up while the caller was busy (its client slow to take the last write) come out as
+    one (core.outputs.coalesce): a stream behind its steps writes once with all it missed, not once a step."""
     next_start: int | None = None  # where the next output must start; None before Submit's first message
     held: dict[int, RequestOutput] = {}
+    pending: collections.deque = collections.deque()  # what was queued when the caller came back for more
     lost = submit_ended = False
     while True:
-        item = await queue.get()
+        if not pending:
+            pending.append(await queue.get())
+            while not queue.empty():
+                pending.append(queue.get_nowait())
+        item = pending.popleft()
         if isinstance(item, (FromSubmit, RequestOutput)):
             output = item.output if isinstance(item, FromSubmit) else item
             start = output.num_output_tokens - len(output.new_token_ids)
             if next_start is None and isinstance(item, FromSubmit):
                 next_start = start
             held[start] = output
+            if pending and isinstance(pending[0], (FromSubmit, RequestOutput)):
+                continue  # more outputs came meanwhile: one yield for all of them
         elif isinstance(item, SubmitEnded):
             if item.error is not None:
                 raise item.error
             submit_ended = True
         else:
             lost = True
-        while next_start is not None and (output := held.pop(next_start, None)) is not None:
+        if (output := _next_run(held, next_start)) is not None:
             yield output
             if output.finished:
                 return
@@ -153,3 +164,15 @@ async def in_order(queue: asyncio.Queue, request_id: str) -> AsyncIterator[Reque
                               f"{next_start} in flight")
         if submit_ended and not held:  # a clean end always comes after its last message
             raise Unavailable(f"request {request_id!r}: its Submit call ended before its last message")
+
+
+def _next_run(held: dict[int, RequestOutput], next_start: int | None) -> RequestOutput | None:
+    """The held outputs that follow on from next_start, taken out of held as one (None: none follows on),
+    up to a finished one."""
+    run = None
+    while next_start is not None and (output := held.pop(next_start, None)) is not None:
+        run = output if run is None else coalesce(run, output)
+        if output.finished:
+            break
+        next_start = output.num_output_tokens
+    return run

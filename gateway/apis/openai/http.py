@@ -45,7 +45,7 @@ from gateway.apis.openai.responses import ResponseBuilder
 from gateway.generation.context import CallContext
 from gateway.generation.samples import sample_ids
 from gateway.prepare.request_builder import check_constraints, sandbox_or_default
-from gateway.apis.stream_idle import StreamIdle, record_idle, write_within
+from gateway.apis.stream_idle import IdleWatchdog, StreamIdle, record_idle, write_within
 from gateway.text.tool_syntax import choose_tool_syntax
 from plumbing.drain import InFlight
 from plumbing.grammar_sandbox import GrammarSandbox
@@ -214,39 +214,40 @@ class OpenAIHTTP:
         event. Each write must complete within the stream idle timeout (aiohttp has none: a write waits
         for a client that reads nothing for as long as the connection stays up). ids: the request's
         scheduler request ids (one per sample), whose records say why when that timeout cuts it.
-        event_ids: a resumable request's events carry `id: <request id>:<tokens sent>` (None: no ids)."""
+        event_ids: a resumable request's events carry `id: <request id>:<tokens sent>` (None: no ids).
+        A delta's events go out in one write (a delta is every token that came since the last write)."""
         response = None
+        watchdog = IdleWatchdog(self.stream_idle_timeout_s)
 
         async def send(data: bytes) -> None:
-            await write_within(response.write(data), self.stream_idle_timeout_s)
+            await watchdog.write(response.write(data))
 
         if event_ids is not None:
             self._resumable_streams.add(asyncio.current_task())
         try:
-            try:
-                async for delta in deltas:
-                    chunks = builder.chunks(delta)
+            with watchdog:
+                try:
+                    async for delta in deltas:
+                        if response is None:
+                            response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+                            await response.prepare(request)
+                        last_id = event_ids.after(delta) if event_ids is not None else None
+                        if events := _events(builder.chunks(delta), last_id):
+                            await send(events)
+                        if last_id is not None:
+                            event_ids.last_sent = last_id
+                    if builder.finish is None:  # some choice never ended
+                        raise Unavailable("the scheduler ended the request without a result; retry")
+                except (ConnectionResetError, StreamIdle):
+                    raise  # the client went away, or reads nothing: nobody to tell
+                except Exception as exc:  # noqa: BLE001 - after the headers, the error travels as an event
                     if response is None:
-                        response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
-                        await response.prepare(request)
-                    last_id = event_ids.after(delta) if event_ids is not None else None
-                    for number, chunk in enumerate(chunks, 1):  # the delta's last event carries its id
-                        await send(_event(chunk, last_id if number == len(chunks) else None))
-                    if last_id is not None:
-                        event_ids.last_sent = last_id
-                if builder.finish is None:  # some choice never ended
-                    raise Unavailable("the scheduler ended the request without a result; retry")
-            except (ConnectionResetError, StreamIdle):
-                raise  # the client went away, or reads nothing: nobody to tell
-            except Exception as exc:  # noqa: BLE001 - after the headers, the error travels as an event
-                if response is None:
-                    raise
-                await send(_event(openai_error(exc, request.path).body()))
-            else:
-                if builder.include_usage:
-                    await send(_event(builder.usage_chunk()))
-                await send(b"data: [DONE]\n\n")
-            await write_within(response.write_eof(), self.stream_idle_timeout_s)
+                        raise
+                    await send(_event(openai_error(exc, request.path).body()))
+                else:
+                    usage = _event(builder.usage_chunk()) if builder.include_usage else b""
+                    await send(usage + b"data: [DONE]\n\n")
+                await watchdog.write(response.write_eof())
         except StreamIdle as error:
             # record why before the request is aborted (its record would say only "cancelled"), abort it
             # (frees its pages), then drop the connection: HTTP/1.1 has no way to end a response early
@@ -262,6 +263,11 @@ class OpenAIHTTP:
         finally:
             self._resumable_streams.discard(asyncio.current_task())
         return response
+
+
+def _events(chunks: list[dict], last_id: str | None) -> bytes:
+    """A delta's events as one write; its last event carries its id."""
+    return b"".join(_event(chunk, last_id if number == len(chunks) else None) for number, chunk in enumerate(chunks, 1))
 
 
 async def _tell_drained(response: web.StreamResponse, event_ids: EventIds) -> None:

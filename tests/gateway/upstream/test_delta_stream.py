@@ -74,6 +74,29 @@ async def test_a_submit_error_is_raised_and_a_clean_end_without_the_last_message
         await ordered(FromSubmit(out(0, 1)), SubmitEnded())
 
 
+async def test_outputs_queued_while_the_reader_was_busy_come_out_as_one():
+    # its client was slow to take the last write: the stream writes once with every step it missed
+    outputs = await ordered(FromSubmit(out(0, 1)), out(1, 1), out(2, 2), FromSubmit(out(4, 1, finished=True)),
+                            SubmitEnded())
+    assert [output.new_token_ids for output in outputs] == [[0, 1, 2, 3, 4]] and outputs[0].finished
+
+
+async def test_a_reader_that_keeps_up_gets_each_output_as_it_comes():
+    queue: asyncio.Queue = asyncio.Queue()
+    queue.put_nowait(FromSubmit(out(0, 1)))
+    async with contextlib.aclosing(in_order(queue, "r")) as outputs:
+        seen = [(await anext(outputs)).new_token_ids]
+        for start in (1, 2):
+            queue.put_nowait(out(start, 1, finished=start == 2))
+            seen.append((await anext(outputs)).new_token_ids)
+    assert seen == [[0], [1], [2]]
+
+
+async def test_a_coalesced_run_stops_at_a_gap_and_goes_on_when_it_fills():
+    outputs = await ordered(FromSubmit(out(0, 1)), out(1, 1), out(3, 1), out(2, 1), FromSubmit(out(4, 1, True)))
+    assert tokens(outputs) == [0, 1, 2, 3, 4] and len(outputs) == 1
+
+
 async def test_the_delta_stream_batches_a_step_across_requests(gateway_cluster):
     """Raw calls to the real scheduler: three bound requests get their first and last message on their
     Submit calls and the rest in StepDeltas messages that each carry several of them."""
