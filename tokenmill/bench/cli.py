@@ -53,17 +53,7 @@ from tokenmill.bench.targets import (
     TokenmillTarget,
     TransformersTarget,
 )
-from tokenmill.bench.workload import build_workload
-
-
-def parse_levels(text: str) -> list[int]:
-    try:
-        levels = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--concurrency {text!r}: expected comma-separated integers like 1,4,8") from None
-    if not levels or min(levels) < 1:
-        raise argparse.ArgumentTypeError(f"--concurrency {text!r}: every level must be >= 1")
-    return sorted(set(levels))
+from tokenmill.bench.workload import build_workload, parse_levels
 
 
 def parse_rates(text: str) -> list[float]:

@@ -40,19 +40,11 @@ from dataclasses import replace
 from datetime import date
 from pathlib import Path
 
+from tokenmill.bench.workload import parse_levels, text_prompts
+
 PROCESSES = ("gateway", "scheduler", "worker", "redis", "client")
 STEP_SECONDS = "tokenmill:worker_step_seconds"
 SCHEDULER_STEPS = "tokenmill:scheduler_steps_total"
-
-
-def parse_levels(text: str) -> list[int]:
-    try:
-        levels = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--concurrency {text!r}: expected comma-separated integers") from None
-    if not levels or min(levels) < 1:
-        raise argparse.ArgumentTypeError(f"--concurrency {text!r}: every level must be >= 1")
-    return levels
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -154,7 +146,6 @@ async def cluster_level(address: str, prompts: list[str], output_lens: list[int]
 def run_level(llm, tokenizer, address: str, probe: ClusterProbe, concurrency: int, args: argparse.Namespace,
               log) -> dict:
     from tokenmill.bench.cluster import run_in_process
-    from tokenmill.bench.workload import text_prompts
 
     # its own prompts per level: the cluster's prefix cache outlives a level, a new in-process engine does not
     prompts = text_prompts(tokenizer, concurrency, args.prompt_len, args.seed + 1000 * concurrency)

@@ -87,3 +87,14 @@ def build_workload(tokenizer, num_requests: int, prompt_len: int, min_output: in
     # the output lengths bench-engine and bench-cluster use for the same seed
     output_lens = make_workload(tokenizer.vocab_size, num_requests, prompt_len, min_output, max_output, seed).output_lens
     return BenchWorkload(prompts, [tokenizer.encode(p) for p in prompts], output_lens, prompt_len, seed)
+
+
+def parse_levels(text: str) -> list[int]:
+    """--concurrency (and --budgets): comma-separated levels >= 1, each once, in ascending order."""
+    try:
+        levels = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--concurrency {text!r}: expected comma-separated integers like 1,4,8") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"--concurrency {text!r}: every level must be >= 1")
+    return sorted(set(levels))
