@@ -107,13 +107,16 @@ class TokenStreamWriter(BackgroundFlush):
     _task_name = "token-stream-writer"
 
     def __init__(self, redis_url: str, *, ttl_s: int = 3600, flush_interval_s: float = 0.01,
-                 max_pending: int = 100_000, retry_max_s: float = 1.0) -> None:
+                 max_pending: int = 100_000, retry_max_s: float = 1.0, batch_max: int = 8192) -> None:
         self._client = connect(redis_url)
         self._append_entries = self._client.register_script(APPEND_ENTRIES_LUA)
         self._ttl_s = ttl_s
         self._flush_interval_s = flush_interval_s
         self._max_pending = max_pending
         self._retry_max_s = retry_max_s
+        # entries per script call: a step of 1,024 requests fits many times over, while the catch-up
+        # after a long outage goes in calls that each hold Redis for milliseconds, not seconds
+        self._batch_max = batch_max
         self._pending: deque[tuple[str, dict[str, str]]] = deque()  # (request_id, entry fields), in order
         self._has_work = asyncio.Event()
         self._flushing = False  # a pipeline is in flight: its entries are the first len(batch)
@@ -155,7 +158,7 @@ class TokenStreamWriter(BackgroundFlush):
     async def _flush(self) -> bool:
         """Writes what is pending, in order, as one script call; False (entries kept) if Redis could not
         be reached."""
-        batch = list(self._pending)
+        batch = list(itertools.islice(self._pending, self._batch_max))
         payload = json.dumps([[request_id, *itertools.chain.from_iterable(fields.items())]
                               for request_id, fields in batch], separators=(",", ":"))
         self._flushing = True

@@ -123,3 +123,27 @@ async def test_round_trips_per_step_are_exported_by_writer(fresh_redis):
             ("tokenmill:scheduler_steps_total", {}, 3.0)]
     finally:
         await writer.aclose()
+
+
+async def test_a_backlog_past_batch_max_goes_in_several_calls_in_order(own_redis):
+    """After an outage the backlog is written batch_max entries per call, so no one call holds Redis long."""
+    from kvstore.client import connect
+
+    writer = TokenStreamWriter(own_redis.url, retry_max_s=0.1, batch_max=10)
+    writer.start()
+    own_redis.stop()
+    for index in range(25):
+        writer.append("r1", index, [index])
+    await wait_until(lambda: not writer.healthy, what="the writer to notice Redis is down")
+    own_redis.start()  # empty: its statistics count only what came after the restart
+    await wait_until(lambda: writer.pending == 0, timeout_s=10, what="the writer to catch up")
+    reader, client = TokenStreamReader(own_redis.url), connect(own_redis.url)
+    try:
+        entries = await read_all(reader, "r1")
+        stats = (await client.info("commandstats"))["cmdstat_evalsha"]
+    finally:
+        await reader.aclose()
+        await client.aclose()
+        await writer.aclose()
+    assert [token for entry in entries for token in entry.token_ids] == list(range(25))
+    assert stats["calls"] - stats.get("failed_calls", 0) == 3, stats  # 10 + 10 + 5 (NOSCRIPT replies aside)
