@@ -4,7 +4,7 @@ Rooms (arrows point down; tests/test_layering.py holds them):
 
 | room | what it holds | may import (of the gateway's rooms) |
 | --- | --- | --- |
-| `main`, `options` | the process: `GatewayOptions` (every flag), wiring the rooms together | all; nothing imports `main` |
+| `main`, `options`, `processes` | the process: `GatewayOptions` (every flag), wiring the rooms together; `--processes N` gateways on one port (SO_REUSEPORT) | all; nothing imports `main` |
 | `apis/` | the three front doors: tokenmill.v1 gRPC, KServe v2 gRPC, OpenAI-compatible HTTP (`apis/openai/`), each built on one `ServedModel`, and the stream idle timeout; thin: convert, call `Generations.stream`, convert back | generation, prepare, text, upstream, access |
 | `generation/` | one prepared request through the scheduler as text deltas, its route chosen once (`Generations.stream(prepared, call)`) for every API: a plain stream, parallel samples (n > 1, best_of), resume and id claims, request ownership | prepare, text, upstream, access; never apis |
 | `prepare/` | a client's request -> a validated, tokenized `core.requests.GenerationRequest`: sampling checks, chat encoding, output constraints (compiled by `plumbing.grammar`) | text only |

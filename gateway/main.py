@@ -4,7 +4,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from dataclasses import dataclass
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 import grpc
@@ -17,6 +20,7 @@ from gateway.generation.generations import Generations
 from gateway.generation.redis_readers import RedisReaders
 from gateway.options import DEFAULT_SCHEDULER, GatewayOptions, add_process_arguments
 from gateway.prepare.validation import Limits
+from gateway.processes import GatewayGroup, child_options, process_count, watch_parent
 from gateway.telemetry import set_model_name, set_server_address
 from gateway.text.tokenizer import default_model_path, load_tokenizer
 from gateway.upstream.scheduler_client import SchedulerClient
@@ -36,6 +40,9 @@ if TYPE_CHECKING:
     from gateway.apis.openai.http import OpenAIHTTP
 
 logger = logging.getLogger("tokenmill.gateway")
+# beyond the scheduler wait, how long a --processes gateway's other processes may take to start, or to exit
+# after their drain
+CHILD_START_S = 60.0
 
 # the calls that start generation: refused (UNAVAILABLE) on SIGTERM while the in-flight ones are awaited
 GENERATING_METHODS = ["/tokenmill.v1.Generation/Generate", "/inference.GRPCInferenceService/ModelInfer",
@@ -130,8 +137,10 @@ def grpc_server(options: GatewayOptions, access: AccessControl) -> FrontDoors:
     """Listening (not yet serving) on --host:--port; on SIGTERM the drain refuses what starts generation."""
     drain = DrainInterceptor(GENERATING_METHODS)
     # a draining gateway answers UNAVAILABLE without checking the key or spending a rate-limit token
+    # SO_REUSEPORT only where the gateway's processes share the port: else a port in use is an error
+    sharing = [("grpc.so_reuseport", int(options.reuse_port))]
     server = rpc.create_server(interceptors=[drain, AccessInterceptor(access, skip=drain.refuses)],
-                               options=server_options(message_size_options(options.max_message_bytes),
+                               options=server_options(message_size_options(options.max_message_bytes) + sharing,
                                                       max_connection_age_s=options.max_connection_age_s))
     from gateway.apis.kserve import KSERVE_SERVICE  # not at the top: tritonclient (its doc)
 
@@ -164,11 +173,14 @@ async def add_apis(doors: FrontDoors, options: GatewayOptions, model: ServedMode
     doors.http_runner = await start_http(
         doors.http_api, options.host, options.http_port, ssl_context=options.tls.ssl_context() if options.tls else None,
         max_body_bytes=options.max_message_bytes,
-        connections=options.http_connections or http_connections.ConnectionLimits())
+        connections=options.http_connections or http_connections.ConnectionLimits(), reuse_port=options.reuse_port)
     logger.info("gateway HTTP (OpenAI-compatible) on %s:%d", options.host, options.http_port)
 
 
-async def serve(options: GatewayOptions) -> None:
+async def serve(options: GatewayOptions, group: GatewayGroup | None = None,
+                on_ready: Callable[[], None] | None = None) -> None:
+    """group: the other processes of a --processes gateway, when this is its process 0 (None: the only one,
+    or another's child). on_ready: called once this one serves (a child tells its process 0)."""
     metrics_server = await telemetry.start_process("gateway", options.metrics_port, options.host)  # before any channel
     redis = RedisReaders(options.redis_url, scheduler_wait_s=options.scheduler_resume_wait_s)
     await redis.start()
@@ -183,14 +195,23 @@ async def serve(options: GatewayOptions) -> None:
     doors = grpc_server(options, access)
     model = await wait_for_model(options, generations)
     await add_apis(doors, options, model, access, constraints)
+    if group is not None:  # readiness says all of them: the port answers SERVING once every process serves
+        await group.wait_ready(options.scheduler_timeout_s + CHILD_START_S)
     await doors.start()
-    logger.info("gateway ready on %s:%d serving %s", options.host, options.port, model.info.model_config.name)
+    logger.info("gateway ready on %s:%d serving %s (pid %d)", options.host, options.port,
+                model.info.model_config.name, os.getpid())
+    if on_ready is not None:
+        on_ready()
     await wait_for_stop_signal()
+    if group is not None:
+        group.stop()  # each drains its own streams beside this one
     cut = await doors.drain_requests(options.drain_timeout_s)
     generations.shutting_down = True  # what the servers' stops cut now is ours, not the clients' cancels
     await doors.stop()
     await scheduler.close()
     await constraints.close()
+    if group is not None:
+        await group.wait_exited(options.drain_timeout_s + CHILD_START_S)
     if cut and metrics_server is not None and options.metrics_linger_s > 0:
         # the cut requests' endings were counted just now, in this process's registry: without a scrape
         # before exit, no dashboard would ever see a drain that lost streams
@@ -200,8 +221,27 @@ async def serve(options: GatewayOptions) -> None:
     await redis.aclose()
 
 
+def serve_child(options: GatewayOptions, index: int, ready: Connection) -> None:
+    """A spawned process of a --processes gateway (gateway.processes): serves until SIGTERM, which its
+    process 0 passes on (or the kernel sends if process 0 dies), and sends its pid on ready once it serves."""
+    watch_parent()
+
+    def on_ready() -> None:
+        ready.send(os.getpid())
+        ready.close()
+
+    run_process(serve(options, on_ready=on_ready))
+
+
 def main(argv: list[str] | None = None) -> None:
-    run_process(serve(parse_args(argv)))
+    options = parse_args(argv)
+    count = process_count(options)
+    if count == 1:
+        run_process(serve(replace(options, processes=1)))
+        return
+    group = GatewayGroup(options, count, serve_child)
+    group.start()
+    run_process(serve(child_options(options, 0), group))
 
 
 if __name__ == "__main__":

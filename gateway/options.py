@@ -96,6 +96,11 @@ class GatewayOptions(Options):
         1800.0, "gRPC connections older than this get GOAWAY (calls in flight finish first), so clients behind a "
                 "load balancer spread over new replicas; 0 disables", type=float)
     reflection: bool = option(True, "do not serve gRPC server reflection", flag="--no-reflection", cluster=False)
+    # processes (gateway.processes)
+    processes: int = option(
+        0, "gateway processes sharing the gRPC and HTTP ports (SO_REUSEPORT), each a full gateway on its own core; "
+           "process i serves /metrics on --metrics-port + i. 0: the cores the container's CPU quota gives "
+           "(cgroup cpu.max, at most the CPU affinity; 1 without a quota); always 1 with --port 0", type=NON_NEGATIVE_INT)
     # shutdown
     drain_timeout_s: float = option(
         30.0, "on SIGTERM: readiness off, new requests UNAVAILABLE, in-flight ones get this long",
@@ -112,6 +117,7 @@ class GatewayOptions(Options):
     scheduler_tls: ClientTLS | None = field(default=None)
     http_connections: ConnectionLimits | None = field(default=None)  # None: gateway.apis.openai's defaults
     internal_secret: str | None = field(default=None)  # sent with every call to the (one) scheduler
+    reuse_port: bool = field(default=False)  # set by gateway.processes: this process shares its ports
 
 
 def add_process_arguments(parser: argparse.ArgumentParser) -> None:

@@ -30,9 +30,11 @@ from worker.options import WorkerOptions
 
 # A cluster built in code runs float32 weights unless told otherwise, so a test or a benchmark gets the same
 # numbers on every CPU (`tokenmill serve --dtype` defaults to auto, as the worker does), and its gateway
-# exits as soon as a drain ends (the deployments keep /metrics up one scrape interval).
+# exits as soon as a drain ends (the deployments keep /metrics up one scrape interval). Its gateway is one
+# process (a test scrapes one /metrics; `--processes N` puts process i's on the gateway's metrics port + i,
+# which the next service's default metrics port would be).
 LOCAL_WORKER = WorkerOptions(dtype="float32")
-LOCAL_GATEWAY = GatewayOptions(metrics_linger_s=0.0)
+LOCAL_GATEWAY = GatewayOptions(metrics_linger_s=0.0, processes=1)
 SERVICES = (("worker", WorkerOptions), ("scheduler", SchedulerOptions), ("gateway", GatewayOptions))
 
 
@@ -95,7 +97,7 @@ class ClusterConfig:
             options.add_arguments(parser.add_argument_group(f"{name} (python -m {name}.main's flags of the same "
                                                             "names)"), cluster=True)
         # today's `tokenmill serve` gateway: a local cluster stops at once after a drain
-        parser.set_defaults(metrics_linger_s=LOCAL_GATEWAY.metrics_linger_s)
+        parser.set_defaults(metrics_linger_s=LOCAL_GATEWAY.metrics_linger_s, processes=LOCAL_GATEWAY.processes)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides: Any) -> ClusterConfig:

@@ -371,10 +371,11 @@ async def _errors(request: web.Request, handler):
 
 async def start_http(api: OpenAIHTTP, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None,
                      max_body_bytes: int | None = None,
-                     connections: ConnectionLimits = ConnectionLimits()) -> web.AppRunner:
+                     connections: ConnectionLimits = ConnectionLimits(), reuse_port: bool = False) -> web.AppRunner:
     """Listening on host:port when it returns (HTTPS with ssl_context). Stopping: api.drain(timeout_s),
     then runner.cleanup(), which gives what still runs STOP_GRACE_S and then cancels it. connections:
-    header and keep-alive timeouts, open connections per client address (gateway.apis.openai.http_connections)."""
+    header and keep-alive timeouts, open connections per client address (gateway.apis.openai.http_connections),
+    counted per process. reuse_port: the port is shared with the gateway's other processes (gateway.processes)."""
     app = api.app(max_body_bytes)
     app.middlewares.insert(0, track_requests)  # outermost: a request's header deadline ends where it begins
     # aiohttp's stop waits shutdown_timeout for a handler, cancels its request's body, waits as long
@@ -383,7 +384,7 @@ async def start_http(api: OpenAIHTTP, host: str, port: int, *, ssl_context: ssl.
                            access_log=None, keepalive_timeout=connections.keepalive_timeout_s)
     await runner.setup()
     try:
-        await GuardedSite(runner, host, port, limits=connections, ssl_context=ssl_context).start()
+        await GuardedSite(runner, host, port, limits=connections, ssl_context=ssl_context, reuse_port=reuse_port).start()
     except OSError as error:
         await runner.cleanup()
         raise SystemExit(f"gateway: cannot listen for HTTP on {host}:{port} ({error.strerror}); "

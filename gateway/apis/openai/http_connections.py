@@ -212,9 +212,10 @@ class GuardedSite(web.BaseSite):
     """aiohttp's TCPSite, each connection a GuardedConnection sharing one per-address count."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, *, limits: ConnectionLimits,
-                 ssl_context=None, backlog: int = 128) -> None:
+                 ssl_context=None, backlog: int = 128, reuse_port: bool = False) -> None:
+        """reuse_port: SO_REUSEPORT, the port shared with the gateway's other processes (gateway.processes)."""
         super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
-        self.host, self.port, self.limits = host, port, limits
+        self.host, self.port, self.limits, self.reuse_port = host, port, limits, reuse_port
         self.clients = ClientConnections(limits.max_connections_per_client)
 
     @property
@@ -225,4 +226,4 @@ class GuardedSite(web.BaseSite):
         await super().start()  # registers with the runner, which stops it on cleanup
         factory = functools.partial(GuardedConnection, self._runner.server, self.limits, self.clients)
         self._server = await asyncio.get_running_loop().create_server(
-            factory, self.host, self.port, ssl=self._ssl_context, backlog=self._backlog)
+            factory, self.host, self.port, ssl=self._ssl_context, backlog=self._backlog, reuse_port=self.reuse_port)
