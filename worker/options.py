@@ -130,11 +130,13 @@ class WorkerOptions(Options):
         "linear (AMX where the CPU has it) for 2 bytes a weight; auto: bfloat16 models on a CPU with native "
         "bfloat16 when the copies take at most a quarter of available memory (default: %(default)s)",
         choices=DENSE_WEIGHT_MODES)
-    # every kernel's reduction order independent of batch composition (worker.paths.batch_invariant)
+    # every kernel's reduction order independent of batch composition (worker.paths.batch_invariant and
+    # worker.paths.triton.batch_invariant)
     deterministic: bool = option(
         False, "batch-invariant kernels: each token's linears, attention, norms and sampling reduce in an order "
         "that does not depend on what else is in the step, so greedy output is the same alone or batched, after "
-        "preemption and after a worker restart (CPU torch path only; slower: see docs/reliability.md)",
+        "preemption and after a worker restart (CPU torch path, and the Triton backend, where CUDA graphs are then "
+        "off; not the torch backend on CUDA; slower: see docs/reliability.md)",
         flag=("--deterministic", "--batch-invariant"))
     # -- from plumbing's shared flags (worker.main passes them to from_args) --
     tls: ServerTLS | None = field(default=None)  # None: plaintext

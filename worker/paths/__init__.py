@@ -3,7 +3,8 @@
 Holds the ExecutionPath protocol with the options resolved against the device (base), the torch path
 (torch_path: the reference and the CPU path, with its compiled-op forward in fused_ops, the
 batch-invariant linears and attention plan, the OpenMP thread governor) and the Triton path (triton/:
-its forward, pinned staging, decode graphs). build_execution_path() below is the one place that picks.
+its forward, pinned staging, decode graphs, its batch-invariant mode). build_execution_path() below is the
+one place that picks.
 A path builds once what its model runs on: it swaps the linears' kernels (worker.linears) and chooses
 its forward; the reference model (worker.model) is never switched.
 

@@ -59,9 +59,9 @@ class ExecutionPath(Protocol):
 
 
 DETERMINISTIC_REFUSAL = (
-    "--deterministic runs on the CPU torch path only (device cpu, kernel backend torch), not on device {device} "
-    "with kernel backend {backend}: the Triton kernels (and cuBLAS under the torch backend on CUDA) pick tilings and "
-    "split reductions by batch size; see docs/reliability.md, 'Deterministic mode'")
+    "--deterministic on CUDA runs on the Triton kernel backend (--kernel-backend triton or auto), not on kernel "
+    "backend torch: its linears are cuBLAS calls, which pick their algorithm, tiles and split-K by shape, so a row's "
+    "sums change with the batch; see docs/reliability.md, 'Deterministic mode'")
 
 
 @dataclass(slots=True, frozen=True)
@@ -77,7 +77,7 @@ class ResolvedExecution:
     cpu_int8_activations: bool  # CPU only
     cpu_fused_ops: bool  # CPU + torch backend; TorchPath still falls back to torch where the build is missing
     cpu_dense_weights: str  # one of DENSE_WEIGHT_MODES; "off" off the CPU torch path
-    deterministic: bool  # batch-invariant kernels (worker.paths.batch_invariant); CPU + torch backend only
+    deterministic: bool  # batch-invariant kernels (worker.paths.batch_invariant, worker.paths.triton.batch_invariant)
 
 
 def resolve_execution(options: WorkerOptions, device: torch.device | str) -> ResolvedExecution:
@@ -85,12 +85,14 @@ def resolve_execution(options: WorkerOptions, device: torch.device | str) -> Res
     backend = options.kernel_backend
     if backend == "auto":
         backend = "triton" if on_cuda else "torch"
-    if options.deterministic and (on_cuda or backend != "torch"):
-        raise ValueError(DETERMINISTIC_REFUSAL.format(device=torch.device(device).type, backend=backend))
+    if options.deterministic and on_cuda and backend == "torch":
+        raise ValueError(DETERMINISTIC_REFUSAL)
     return ResolvedExecution(
         kernel_backend=backend,
         quantization=options.quantization,
-        cuda_graphs=options.cuda_graphs and on_cuda and backend == "triton",
+        # off under --deterministic until a device shows a replay equal to the eager step, bit for bit
+        # (tests/gpu/test_cuda_deterministic.py checks it; worker.paths.triton.batch_invariant)
+        cuda_graphs=options.cuda_graphs and on_cuda and backend == "triton" and not options.deterministic,
         stream_overlap=options.stream_overlap and on_cuda,
         graph_batch_sizes=options.graph_batch_sizes,
         packed_linears=options.packed_linears and not on_cuda and backend == "torch",

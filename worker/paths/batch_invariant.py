@@ -24,13 +24,14 @@ near-tie argmax flips.
   groups of equal context length (one shape per context length);
 - norms, activations, RoPE and sampling are per row already (compiled ops loop rows; argmax per row).
 
-What stays the same: the numbers differ from the default mode's in their last bits (other kernels), and
-only the CPU torch backend has the mode (worker.paths.base refuses it elsewhere).
+What stays the same: the numbers differ from the default mode's in their last bits (other kernels). The
+Triton path has its own mode (worker.paths.triton.batch_invariant, sharing InvariantLinear, swap_linears and
+token_spans from here); worker.paths.base refuses the torch backend on CUDA (cuBLAS).
 """
 from __future__ import annotations
 
 from itertools import groupby
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -47,25 +48,28 @@ from worker.step_batch import RequestSpan
 ROW_TILE = 16
 
 
-class RowKernelLinear(nn.Module):
+class InvariantLinear(nn.Module):
+    """The base of every deterministic-mode linear, on the CPU path here and on the Triton path
+    (worker.paths.triton.batch_invariant): the model's own linear (inner, its buffers shared: a tied lm_head
+    keeps sharing the embedding's codes) run so that a row's sums do not depend on the other rows. One
+    base, so that building any path first undoes what another path's mode wrapped (swap_linears)."""
+
+    def __init__(self, linear: nn.Module) -> None:
+        super().__init__()
+        self.inner = linear
+
+
+class RowKernelLinear(InvariantLinear):
     """A GroupQuantLinear that always runs the compiled row kernel (int8-dot under int8 activations),
     whatever the row count: a row's output is the same bits alone or beside others."""
-
-    def __init__(self, linear: GroupQuantLinear) -> None:
-        super().__init__()
-        self.inner = linear  # its buffers, shared (a tied lm_head keeps sharing the embedding's codes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
         return self.inner.forward_rows(x)
 
 
-class DenseTileLinear(nn.Module):
+class DenseTileLinear(InvariantLinear):
     """A GroupQuantLinear with a dense copy (worker.linears.dense_weights): every row on the copy, in ROW_TILE-row
     tiles (verified bit-equal for a row at any place in a tile, beside any rows, on one or two threads)."""
-
-    def __init__(self, linear: GroupQuantLinear) -> None:
-        super().__init__()
-        self.inner = linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N], x in the copy's dtype
         dense, bias = self.inner.dense_weight, self.inner.bias
@@ -82,23 +86,18 @@ def _in_tiles(linear, x: torch.Tensor) -> torch.Tensor:
     return torch.cat(tiles)[:num_rows] if len(tiles) > 1 or padding else tiles[0]
 
 
-class RowTileLinear(nn.Module):
+class RowTileLinear(InvariantLinear):
     """Any other linear (nn.Linear, a packed oneDNN one, a group-quantized one without the compiled ops),
     called on tiles of exactly ROW_TILE rows: the one shape its kernel ever sees."""
-
-    def __init__(self, linear: nn.Module) -> None:
-        super().__init__()
-        self.inner = linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
         return _in_tiles(self.inner, x)
 
 
-_WRAPPERS = (RowKernelLinear, DenseTileLinear, RowTileLinear)
 _LINEAR_NAMES = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
 
 
-def _invariant(linear: nn.Module) -> nn.Module:
+def _invariant(linear: nn.Module) -> InvariantLinear:
     if not (isinstance(linear, GroupQuantLinear) and linear.codes.device.type == "cpu" and cpu_ops_available()):
         return RowTileLinear(linear)
     if linear.dense_weight is not None and not linear.int8_activations:
@@ -106,20 +105,28 @@ def _invariant(linear: nn.Module) -> nn.Module:
     return RowKernelLinear(linear)
 
 
-def set_batch_invariant(model: nn.Module, invariant: bool) -> int:
-    """Wraps (or unwraps) every linear of the model's attention, MLP and lm_head; returns how many changed.
-    Idempotent, and reversible for a model another runner built differently."""
-    changed = 0
+def swap_linears(model: nn.Module, wrap: Callable[[nn.Module], InvariantLinear] | None) -> int:
+    """Every linear of the model's attention, MLP and lm_head back to the model's own (whatever path's
+    InvariantLinear held it), then wrapped by wrap, or left plain when wrap is None; returns how many were
+    wrapped. Each path's build calls it, with or without its mode, so a model another runner built
+    differently is put right."""
+    wrapped = 0
     for parent in list(model.modules()):
+        if isinstance(parent, InvariantLinear):
+            continue
         for name in _LINEAR_NAMES:
             child = getattr(parent, name, None)
-            if not isinstance(child, nn.Module) or isinstance(parent, _WRAPPERS):
+            if not isinstance(child, nn.Module):
                 continue
-            wrapped = isinstance(child, _WRAPPERS)
-            if invariant != wrapped:
-                setattr(parent, name, _invariant(child) if invariant else child.inner)
-                changed += 1
-    return changed
+            plain = child.inner if isinstance(child, InvariantLinear) else child
+            setattr(parent, name, plain if wrap is None else wrap(plain))
+            wrapped += wrap is not None
+    return wrapped
+
+
+def set_batch_invariant(model: nn.Module, invariant: bool) -> int:
+    """The CPU path's linears: each wrapped for the mode (_invariant) or plain; returns how many were wrapped."""
+    return swap_linears(model, _invariant if invariant else None)
 
 
 def token_spans(spans: Sequence[RequestSpan]) -> list[RequestSpan]:

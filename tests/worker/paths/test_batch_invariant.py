@@ -167,12 +167,11 @@ def test_token_spans_make_every_prefill_token_a_decode_row():
     assert [[r.context_len for r in group] for group in gathered.decode_groups] == [[5], [6], [7], [9]]
 
 
-def test_the_mode_is_refused_off_the_cpu_torch_path():
+def test_the_mode_is_refused_only_for_the_torch_backend_on_cuda():
+    """The Triton backend has the mode too (tests/worker/paths/test_triton_batch_invariant.py); cuBLAS does not."""
     assert resolve_execution(WorkerOptions(deterministic=True), "cpu").deterministic
-    with pytest.raises(ValueError, match="--deterministic runs on the CPU torch path only"):
-        resolve_execution(WorkerOptions(deterministic=True, kernel_backend="triton"), "cpu")
-    with pytest.raises(ValueError, match="not on device cuda"):
-        resolve_execution(WorkerOptions(deterministic=True), "cuda")
+    with pytest.raises(ValueError, match="--deterministic on CUDA runs on the Triton kernel backend"):
+        resolve_execution(WorkerOptions(deterministic=True, kernel_backend="torch"), "cuda")
 
 
 def test_serve_passes_the_flag_to_the_worker_which_parses_it():

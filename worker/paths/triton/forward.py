@@ -3,8 +3,8 @@
 Per layer: fused residual-add + RMSNorm, the fused q/k/v matmul, rotary on q and k, write_kv into the
 pages, paged attention, the output matmul, fused add + RMSNorm, gate/up matmul, SiLU·mul, down matmul.
 The family switches ride along: sliding windows and soft-caps in the attention kernels, the sandwich
-norms (gemma) as rms_norm kernels on the branch outputs, and beside the kernels in torch: q/k norms
-(qwen3, gemma3), GeLU-tanh (gemma), the embedding multiplier and the rope variant's tables (the
+norms (gemma) and the per-head q/k norms (qwen3, gemma3) as rms_norm kernels, and beside the kernels in
+torch (elementwise or per row): GeLU-tanh (gemma), the embedding multiplier and the rope variant's tables (the
 model's own embed_input / rotary_tables, so both paths share them).
 Attention is one launch per layer whatever the batch holds: the decode kernel when every row has one
 query token (the case CUDA graphs capture), otherwise the prefill kernel, which also takes the
@@ -108,6 +108,13 @@ def load_kernels() -> TritonKernels:
     )
 
 
+def _head_norm(kernels: TritonKernels, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """qwen3 / gemma3's q or k norm, x: [T, heads, D] (a view into qkv) -> a new [T, heads, D]: one program per
+    head vector, so a token's norm never depends on the step's other rows."""
+    num_tokens, num_heads, head_dim = x.shape
+    return kernels.rms_norm(x.reshape(-1, head_dim), norm.weight, norm.eps).view(num_tokens, num_heads, head_dim)
+
+
 def triton_forward(
     model: LlamaModel,
     input_ids: torch.Tensor,  # [T] long, packed over requests
@@ -134,8 +141,9 @@ def triton_forward(
         q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
         v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
-        if layer.attn.q_norm is not None:  # per-head norms in torch, beside the kernels
-            q, k = layer.attn.q_norm(q), layer.attn.k_norm(k)
+        if layer.attn.q_norm is not None:  # per-head norms: the rms_norm kernel over [T * heads, D] rows
+            q = _head_norm(kernels, layer.attn.q_norm, q)
+            k = _head_norm(kernels, layer.attn.k_norm, k)
         q, k = kernels.apply_rotary(q, k, cos, sin)
         kernels.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
         window, softcap = layer.attn.window, layer.attn.softcap

@@ -12,6 +12,8 @@ Under async scheduling a staged step's placeholder rows (decode rows whose input
 samples) are written on the device from that step's sampled ids, which never leave it: forward()
 index_copies them in on the compute stream, no host sync. When a placeholder reads another step's
 token (or the last step sampled on the host), the host-filled ids go up instead.
+
+--deterministic swaps in worker.paths.triton.batch_invariant's linears, attention metadata and kernels here, once.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from core.step import TokenLogprobs
 from worker.model.kv_cache import KVCache
 from worker.model.llama import LlamaModel
 from worker.paths.base import ResolvedExecution
+from worker.paths.triton.batch_invariant import batch_invariant_kernels, set_fixed_tile_linears, token_host_metadata
 from worker.paths.triton.cuda_graphs import DecodeGraphs
 from worker.paths.triton.forward import HostMetadata, host_metadata, load_kernels, to_device, triton_forward
 from worker.paths.triton.staging import StagedStep, StepStager, TokenReadback
@@ -44,7 +47,10 @@ class TritonPath:
     def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int, execution: ResolvedExecution,
                  device: torch.device) -> None:
         self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device
-        self.kernels = load_kernels()
+        # --deterministic (chosen here, once): fixed-tile linears, every query token a decode row in one split
+        set_fixed_tile_linears(model, execution.deterministic)  # also undoes another runner's mode on this model
+        self.kernels = batch_invariant_kernels(load_kernels()) if execution.deterministic else load_kernels()
+        self.host_metadata = token_host_metadata if execution.deterministic else host_metadata
         self.stager = self.readback = self.graphs = None
         # (step id, its sampled ids [R] int64 on the device): what the next step's placeholder rows read
         self.last_device_tokens: tuple[int, torch.Tensor | None] = (-1, None)
@@ -57,7 +63,7 @@ class TritonPath:
                                        min(max_blocks, kv_cache.num_blocks), device)
 
     def prepare(self, batch: StepBatch) -> TritonInputs:
-        host = host_metadata(batch.spans, self.block_size)
+        host = self.host_metadata(batch.spans, self.block_size)
         if self.stager is None:
             return TritonInputs(host)
         # CUDA: the H2D copy starts now, while the step before runs
