@@ -118,6 +118,11 @@ class Options:
             if isinstance(item.default, bool):
                 parser.add_argument(*_names(item, flag), dest=item.name, help=help_text, default=item.default,
                                     action="store_false" if item.default else "store_true")
+                if item.default and not flag.flags:
+                    # the plain form of a switch that is on by default is taken too (it says the default), so
+                    # a command written when it was off by default (--async-scheduling) still works
+                    parser.add_argument(f"--{item.name.replace('_', '-')}", dest=item.name, action="store_true",
+                                        help=argparse.SUPPRESS)
                 continue
             extra: dict[str, Any] = {"nargs": "+"} if isinstance(item.default, tuple) else {}
             parser.add_argument(*_names(item, flag), dest=item.name, default=default, type=flag.type,

@@ -64,8 +64,8 @@ class SchedulerOptions(Options):
     # on by default on CPU and GPU (issue 33): the worker goes from one step to the next without waiting for
     # the scheduler's bookkeeping; the flag is the way back to the synchronous loop
     async_scheduling: bool = option(True, "plan each step only after the previous step's result (the synchronous "
-                                          "loop; default: plan and send step N+1 while the worker runs step N, and "
-                                          "apply N's results while N+1 runs)")
+                                          "loop; by default step N+1 is planned and sent while the worker runs "
+                                          "step N, and N's results are applied while N+1 runs)")
     # a model whose every layer slides: give back each request's pages before its window
     # (scheduler.pages.kv_manager). No flag: the process always does; tokenmill.llm's engine may not
     free_window_pages: bool = True

@@ -74,3 +74,9 @@ def test_help_never_shows_a_default_read_from_the_environment(monkeypatch):
     Example.add_arguments(parser)
     text = parser.format_help()
     assert "hunter2" not in text and "(default: 64)" in text and "(default: )" not in text
+
+
+def test_a_switch_on_by_default_also_takes_its_plain_form():
+    """--async-scheduling was a flag while the loop was off by default; commands that pass it still work."""
+    assert parse(["--fast-path"]).fast_path is True
+    assert parse(["--no-fast-path"]).fast_path is False

@@ -162,8 +162,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3,
                         help="the full workload on both paths this many times, alternating which goes first; the "
                              "ratio reported is the median round's (default: %(default)s)")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="the cluster's scheduler plans step N+1 while the worker runs step N (serve's flag)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="both sides plan step N+1 while the worker runs step N (default: the engine's and "
+                             "serve's default, on; --no-async-scheduling: the synchronous loop on both sides)")
     parser.add_argument("--no-delta-stream", action="store_true",
                         help="the gateway gets each request's tokens on its own Submit call, not batched per step "
                              "on one StreamDeltas call (serve's --no-delta-stream)")
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster_config = resolve_ports(ClusterConfig(
         gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
         worker=replace(LOCAL_WORKER, kv_cache_mb=args.kv_cache_mb),
-        scheduler=replace(config.scheduler, async_scheduling=args.async_scheduling),
+        scheduler=config.scheduler,  # the in-process side's, so both sides run the same loop
         gateway=replace(LOCAL_GATEWAY, delta_stream=not args.no_delta_stream)))
     with Supervisor(cluster_specs(cluster_config), echo=False) as supervisor:
         sync_prompts = text_prompts(tokenizer, 32, 8, args.seed + 1)
@@ -224,7 +225,7 @@ def log_rounds(runs: dict, log) -> None:
 def summarize_runs(args: argparse.Namespace, runs: dict) -> dict:
     local, remote = runs["local"], runs["remote"]
     return {
-        "async_scheduling": args.async_scheduling,
+        "async_scheduling": args.async_scheduling is not False,
         "delta_stream": not args.no_delta_stream,
         "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
                      "output_lens": [args.min_output, args.max_output], "seed": args.seed},
