@@ -4,7 +4,7 @@ run alone, in the middle of a batch, and recomputed after a preemption (prompt +
 prefilled again in chunks beside another request), in float32 and bfloat16, with float, int8 and
 group-quantized int4 linears; and a decode graph replayed over the mode's kernels equals the eager step (the
 evidence that would let resolve_execution keep CUDA graphs on in the mode, which it turns off today).
-Without the mode the same runs print how many logprobs moved. Skipped without CUDA; tests/gpu/run.sh runs
+Without the mode the same runs (float linears) print how many logprobs moved. Skipped without CUDA; tests/gpu/run.sh runs
 tests/gpu on the device machine. The CPU-interpreted twin: tests/worker/paths/test_triton_batch_invariant.py."""
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ CUDA = torch.device("cuda")
 BLOCK_SIZE = 16
 NUM_BLOCKS = 96
 PARAMS = SamplingParams(temperature=0.0, logprobs=0, max_tokens=1024)
-NUM_TOKENS = 24
+NUM_TOKENS = 16
 QUANTIZE = {"float": lambda model: None, "int8": lambda model: quantize_linears_int8(model, use_kernel=True),
             "int4": lambda model: quantize_linears(model, 4)}
 
@@ -87,7 +87,7 @@ def alone_batched_recomputed(model, config, dtype, deterministic: bool):
     alone = drive(runner_for(model, config, dtype, deterministic), {"a": (a, len(a))}, 512, NUM_TOKENS)["a"]
     batched = drive(runner_for(model, config, dtype, deterministic), {"b": (b, len(b)), "a": (a, len(a)),
                                                                      "c": (c, len(c))}, 512, NUM_TOKENS)["a"]
-    done = 10  # preempted after 10 tokens: prompt + those 10 prefilled again, in chunks of 48, beside b
+    done = 6  # preempted after 6 tokens: prompt + those 6 prefilled again, in chunks of 48, beside b
     again = a + [token for token, _ in alone[:done]]
     recomputed = drive(runner_for(model, config, dtype, deterministic), {"b": (b, len(b)), "a": (again, len(a))},
                        48, NUM_TOKENS - done)["a"]
@@ -103,6 +103,8 @@ def test_greedy_output_is_identical_alone_batched_and_recomputed(dtype, weights)
     alone, batched, recomputed = alone_batched_recomputed(model, config, dtype, True)
     assert batched == alone, "tokens and logprobs (exact floats), batched vs alone"
     assert recomputed == alone, "prompt + generated tokens recomputed in chunks vs alone"
+    if weights != "float":
+        return  # the default mode's drift, printed once per dtype: run.sh gives tests/gpu 150 s in all
     default = alone_batched_recomputed(model, config, dtype, False)
     moved = sum(x != y for x, y in zip(default[0], default[1])) + sum(x != y for x, y in zip(default[0], default[2]))
     print(f"without --deterministic ({dtype}, {weights} linears): {moved} of {2 * NUM_TOKENS} (token, logprob) "
