@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     output_lens = make_workload(tokenizer.vocab_size, args.num_requests, args.prompt_len, args.min_output,
                                 args.max_output, args.seed).output_lens
     config = EngineConfig(worker=replace(ENGINE_WORKER, kv_cache_mb=args.kv_cache_mb),
-                          scheduler=SchedulerOptions(max_num_seqs=max(64, args.num_requests)))
+                          scheduler=SchedulerOptions(max_num_seqs=max(64, args.num_requests), **(
+                              {} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling})))
     llm = LLM(config, progress=False)
     warm_up_prompt = text_prompts(tokenizer, 1, 16, args.seed + 999)[0]
     llm.generate([tokenizer.encode(warm_up_prompt)], SamplingParams(max_tokens=4, temperature=0.0))
