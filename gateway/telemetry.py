@@ -32,7 +32,7 @@ from core.errors import DeadlineExceeded, ServingError
 from core.outputs import FinishReason
 from core.requests import GenerationRequest
 from plumbing.telemetry import metrics
-from plumbing.telemetry.logs import bind_request
+from plumbing.telemetry.logs import bind_request, log_fields
 from plumbing.telemetry.span_policies import record_error
 from plumbing.telemetry.tracing import tracer, tracing_enabled
 
@@ -45,6 +45,8 @@ CLIENT_DISCONNECT = "client_disconnect"  # the client went away
 DEADLINE = "deadline"  # the client's deadline passed
 DRAINED = "drained"  # this gateway shut down (SIGTERM) and its drain timeout passed first
 _model_name = ""
+# span attributes the request-end log line also carries as JSON fields (plumbing.telemetry.logs)
+_LOG_FIELDS = (("error_code", "error.type"), ("finish_cause", "tokenmill.finish_cause"))
 _server_address: tuple[str, int] | None = None  # the gRPC listen address (HTTP spans use the URL's)
 _operation: contextvars.ContextVar[str] = contextvars.ContextVar("gen_ai_operation", default=TEXT_COMPLETION)
 
@@ -201,7 +203,11 @@ class RequestObserver:
         ttft_ms = (self.first_token - self.arrival) * 1e3 if self.first_token is not None else float("nan")
         logger.log(level, "request %s ended: %s%s, %d prompt + %d output tokens, TTFT %.1f ms, total %.1f ms",
                    self.request_id, reason.value, f" ({detail})" if detail else "", prompt_tokens,
-                   completion_tokens, ttft_ms, e2e_s * 1e3, extra={"request_id": self.request_id})
+                   completion_tokens, ttft_ms, e2e_s * 1e3, extra=log_fields(
+                       self.request_id, finish_reason=getattr(reason, "value", reason), prompt_tokens=prompt_tokens,
+                       output_tokens=completion_tokens, ttft_ms=None if self.first_token is None else round(ttft_ms, 3),
+                       e2e_ms=round(e2e_s * 1e3, 3), **{key: attributes[name] for key, name in _LOG_FIELDS
+                                                        if name in attributes}))
 
 
 async def http_server_span(request, handler):

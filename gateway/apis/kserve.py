@@ -22,6 +22,7 @@ import uuid
 import grpc
 
 from gateway.access.control import AccessControl, caller_key
+from gateway.apis import kserve_metrics
 from gateway.apis.served_model import ServedModel
 from gateway.apis.stream_idle import IdleWatchdog, StreamIdle, record_idle
 from gateway.generation.context import CallContext
@@ -214,6 +215,7 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
                 finish = delta.finish
         return text, finish
 
+    @kserve_metrics.counted  # Triton's nv_inference_* metrics
     async def _deltas(self, request, llm: codec.LlmInferRequest, context, scheduler_id: str = ""):
         """scheduler_id: the request's id in the scheduler ("": a fresh one), never the KServe id."""
         self._check_model(request.model_name, request.model_version)

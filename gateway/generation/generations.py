@@ -36,6 +36,7 @@ from gateway.prepare.request_builder import PreparedRequest
 from gateway.text.tokenizer import TextTokenizer
 from gateway.upstream.target import SchedulerTarget
 from kvstore.state_reader import RequestStateReader
+from plumbing.telemetry import metrics
 
 
 class Generations(SchedulerSide):
@@ -60,6 +61,8 @@ class Generations(SchedulerSide):
         """The request's deltas on its route (the table above). Leaving early cancels it (its pages are freed)."""
         request_id = prepared.request.request_id
         deltas = self._route(prepared, call)
+        if call.resume_from is None:  # once per client request (vllm:request_params_n, _max_tokens)
+            metrics.observe_request_params(prepared.n, prepared.request.sampling_params.max_tokens)
         samples = sample_ids(prepared) if prepared.best_of > 1 else []
         # only an id this gateway made is surely the caller's before the scheduler takes it; a client-chosen
         # one may name another key's request, and its owner is then known from its Redis record

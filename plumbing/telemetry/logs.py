@@ -9,6 +9,15 @@ TOKENMILL_LOG_FORMAT=json (read once, in plumbing.process.run_process) gives lin
 trace_id / span_id are the span current when the line was logged (absent when there is none, e.g.
 tracing is off); request_id comes from `extra={"request_id": ...}` or from the request being served
 (request_scope), so log collectors can join logs to traces and to a request's record.
+
+A line may carry structured fields beside its message, `extra={"fields": {...}}` (log_fields): each
+becomes a key of the JSON object (never replacing one above), so a collector filters and sums them
+without parsing the text. The gateway's request-end line has
+
+    "finish_reason": "length", "prompt_tokens": 7, "output_tokens": 16, "ttft_ms": 12.3, "e2e_ms": 80.1,
+    "error_code": "DEADLINE_EXCEEDED" (errors), "finish_cause": "deadline" (where one applies)
+
+Text mode shows the message alone.
 """
 from __future__ import annotations
 
@@ -32,6 +41,14 @@ def bind_request(request_id: str) -> None:
     current_request_id.set(request_id)
 
 
+def log_fields(request_id: str | None = None, **fields) -> dict:
+    """`extra` for a log line with structured fields (JSON mode): logger.info(..., extra=log_fields(id, a=1))."""
+    extra: dict = {"fields": fields}
+    if request_id:
+        extra["request_id"] = request_id
+    return extra
+
+
 def set_service(name: str) -> None:
     global _service
     _service = name
@@ -53,9 +70,11 @@ class JsonFormatter(logging.Formatter):
         request_id = getattr(record, "request_id", None) or current_request_id.get()
         if request_id:
             entry["request_id"] = request_id
+        for key, value in (getattr(record, "fields", None) or {}).items():
+            entry.setdefault(key, value)
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, ensure_ascii=False)
+        return json.dumps(entry, ensure_ascii=False, default=str)
 
 
 def configure_logging(log_format: str = "text", level: int = logging.INFO) -> None:

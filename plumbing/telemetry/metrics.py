@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector, ProcessCollector,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -44,6 +45,11 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 _TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5) if m * 10**e <= 100_000)
 _ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
+# queue and prefill times: vLLM's request buckets start at 0.3 s, where a healthy queue or prefill has long
+# ended; these resolve 1 ms .. 100 ms as well (the TTFT buckets), and reach as far
+_PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0, 7680.0)
+_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's
 
 
 def _histogram(name: str, doc: str, buckets, labels=MODEL) -> Histogram:
@@ -73,12 +79,44 @@ GENERATION_TOKENS = Counter("tokenmill:generation_tokens_total", "Output tokens 
 REQUEST_SUCCESS = Counter("tokenmill:request_success_total",
                           "Requests that ended with a finish reason (abort: the client cancelled or went away)",
                           [*MODEL, "finished_reason"], registry=None)
+REQUEST_PARAMS_N = _histogram("tokenmill:request_params_n", "The n parameter of each client request (samples asked)",
+                              _PARAMS_N_BUCKETS)
+REQUEST_PARAMS_MAX_TOKENS = _histogram("tokenmill:request_params_max_tokens",
+                                       "The max_tokens of each client request (as the gateway filled it in)",
+                                       _TOKEN_COUNT_BUCKETS)
+
+# ---- gateway, KServe endpoint: Triton's names and labels, so Triton dashboards and alerts read them ----
+# In TRITON_REGISTRY, served by triton_text() without prometheus_client's "_total" suffix (Triton's
+# counters have none: nv_inference_request_success, not ..._total).
+TRITON_REGISTRY = CollectorRegistry()
+TRITON = ("model", "version")
+NV_REQUEST_SUCCESS = Counter("nv_inference_request_success", "Number of successful inference requests, all batch "
+                             "sizes (KServe ModelInfer / ModelStreamInfer requests that ended with a finish reason)",
+                             TRITON, registry=None)
+NV_REQUEST_FAILURE = Counter("nv_inference_request_failure", "Number of failed inference requests, all batch sizes, "
+                             "by reason (REJECTED: refused before it ran, CANCELED: the client went away, "
+                             "BACKEND: failed while running)", [*TRITON, "reason"], registry=None)
+NV_INFERENCE_COUNT = Counter("nv_inference_count", "Number of inferences performed (one per successful request: "
+                             "a KServe request is a batch of one)", TRITON, registry=None)
+NV_EXEC_COUNT = Counter("nv_inference_exec_count", "Number of model executions performed (one per successful "
+                        "request)", TRITON, registry=None)
+NV_REQUEST_DURATION = Counter("nv_inference_request_duration_us", "Cumulative inference request duration in "
+                              "microseconds (successful requests, from arrival at the gateway to their end)",
+                              TRITON, registry=None)
+NV_QUEUE_DURATION = Counter("nv_inference_queue_duration_us", "Cumulative inference queuing duration in "
+                            "microseconds (successful requests: the scheduler's queue time)", TRITON, registry=None)
+NV_COMPUTE_INFER_DURATION = Counter("nv_inference_compute_infer_duration_us", "Cumulative compute inference "
+                                    "duration in microseconds (successful requests: their end-to-end time less the "
+                                    "queue time)", TRITON, registry=None)
+
+TRITON_OWNED = (NV_REQUEST_SUCCESS, NV_REQUEST_FAILURE, NV_INFERENCE_COUNT, NV_EXEC_COUNT, NV_REQUEST_DURATION,
+                NV_QUEUE_DURATION, NV_COMPUTE_INFER_DURATION)
 
 # ---- scheduler (per request, observed when it ends) ----------------------------------------------
 REQUEST_QUEUE_TIME = _histogram("tokenmill:request_queue_time_seconds",
-                                "From a request reaching the scheduler to its first step", _REQUEST_BUCKETS)
+                                "From a request reaching the scheduler to its first step", _PHASE_BUCKETS)
 REQUEST_PREFILL_TIME = _histogram("tokenmill:request_prefill_time_seconds",
-                                  "From a request's first step to its first token", _REQUEST_BUCKETS)
+                                  "From a request's first step to its first token", _PHASE_BUCKETS)
 REQUEST_DECODE_TIME = _histogram("tokenmill:request_decode_time_seconds",
                                  "From a request's first token to its end", _REQUEST_BUCKETS)
 REQUEST_INFERENCE_TIME = _histogram("tokenmill:request_inference_time_seconds",
@@ -137,7 +175,7 @@ SCHEDULER_STEPS_HELP = "Steps whose results the scheduler applied"
 OWNED = {
     "gateway": (TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, REQUEST_TIME_PER_OUTPUT_TOKEN, E2E_REQUEST_LATENCY,
                 REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS, PROMPT_TOKENS, GENERATION_TOKENS,
-                REQUEST_SUCCESS, REQUEST_ERRORS, CONSTRAINT_CHECKS),
+                REQUEST_SUCCESS, REQUEST_ERRORS, CONSTRAINT_CHECKS, REQUEST_PARAMS_N, REQUEST_PARAMS_MAX_TOKENS),
     "scheduler": (REQUEST_QUEUE_TIME, REQUEST_PREFILL_TIME, REQUEST_DECODE_TIME, REQUEST_INFERENCE_TIME,
                   REQUEST_ERRORS),
     "worker": (WORKER_STEP_TIME, ITERATION_TOKENS, REQUEST_ERRORS),
@@ -155,6 +193,8 @@ VLLM_ALIASES: dict[str, tuple[str, ...]] = {
     "tokenmill:prompt_tokens": ("vllm:prompt_tokens",),
     "tokenmill:generation_tokens": ("vllm:generation_tokens",),
     "tokenmill:request_success": ("vllm:request_success",),
+    "tokenmill:request_params_n": ("vllm:request_params_n",),
+    "tokenmill:request_params_max_tokens": ("vllm:request_params_max_tokens",),
     "tokenmill:request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
     "tokenmill:request_prefill_time_seconds": ("vllm:request_prefill_time_seconds",),
     "tokenmill:request_decode_time_seconds": ("vllm:request_decode_time_seconds",),
@@ -183,10 +223,31 @@ def model_name() -> str:
 
 
 def register_owned(service: str) -> None:
-    """Puts the metrics `service` owns in REGISTRY (and their vLLM names in VLLM_REGISTRY)."""
+    """Puts the metrics `service` owns in REGISTRY (and their vLLM names in VLLM_REGISTRY), with
+    prometheus_client's process, platform and GC collectors (process_cpu_seconds_total,
+    process_resident_memory_bytes, process_open_fds, python_gc_*, python_info), which the default
+    registry would have had: REGISTRY is our own."""
     for metric in OWNED.get(service, (REQUEST_ERRORS,)):
         REGISTRY.register(metric)
+    ProcessCollector(registry=REGISTRY)
+    PlatformCollector(registry=REGISTRY)
+    GCCollector(registry=REGISTRY)
     VLLM_REGISTRY.register(VllmNames(REGISTRY))
+    if service == "gateway":
+        for metric in TRITON_OWNED:
+            TRITON_REGISTRY.register(metric)
+
+
+def triton_text() -> bytes:
+    """TRITON_REGISTRY in the text format, its counters under Triton's names (no "_total")."""
+    return generate_latest(TRITON_REGISTRY).replace(b"_total", b"")
+
+
+def observe_request_params(n: int, max_tokens: int | None) -> None:
+    """One client request's n and max_tokens (vllm:request_params_n / _max_tokens), once per request."""
+    REQUEST_PARAMS_N.labels(_model_name).observe(n)
+    if max_tokens is not None:
+        REQUEST_PARAMS_MAX_TOKENS.labels(_model_name).observe(max_tokens)
 
 
 def exported_metric_names() -> set[str]:
@@ -296,14 +357,14 @@ class DroppedWritesCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         counter = CounterMetricFamily(REDIS_WRITES_DROPPED.removesuffix("_total"), REDIS_WRITES_DROPPED_HELP,
-                                      labels=["kind"])
+                                      labels=[*MODEL, "kind"])
         for kind, value in self.read_dropped().items():
-            counter.add_metric([kind], value)
+            counter.add_metric([_model_name, kind], value)
         yield counter
 
 
 def watch_redis_writers(read_dropped: Callable[[], Mapping[str, int]]) -> None:
-    """Exports tokenmill:redis_writes_dropped_total{kind="record"|"token_stream"}; read_dropped()
+    """Exports tokenmill:redis_writes_dropped_total{model_name, kind="record"|"token_stream"}; read_dropped()
     returns those counts (kvstore's RequestStateWriter.stats.dropped, TokenStreamWriter.dropped)."""
     REGISTRY.register(DroppedWritesCollector(read_dropped))
 

@@ -12,7 +12,7 @@ import logging
 from aiohttp import web
 
 from plumbing.telemetry.logs import set_service
-from plumbing.telemetry.metrics import REGISTRY, VLLM_REGISTRY, register_owned
+from plumbing.telemetry.metrics import REGISTRY, VLLM_REGISTRY, register_owned, triton_text
 from plumbing.telemetry.tracing_setup import setup_tracing
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ async def start_metrics_server(host: str, port: int) -> web.AppRunner:
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     async def metrics(request: web.Request) -> web.Response:
-        response = web.Response(body=generate_latest(REGISTRY) + generate_latest(VLLM_REGISTRY))
+        response = web.Response(body=generate_latest(REGISTRY) + generate_latest(VLLM_REGISTRY) + triton_text())
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return response
 

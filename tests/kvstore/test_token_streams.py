@@ -55,7 +55,7 @@ async def test_redis_down_keeps_the_entries_and_they_land_in_order_after_the_res
 
 
 async def test_past_its_bound_a_writer_drops_the_oldest_and_counts_logs_and_exports_it(own_redis, caplog):
-    from plumbing.telemetry.metrics import DroppedWritesCollector
+    from plumbing.telemetry.metrics import DroppedWritesCollector, model_name
 
     writer = TokenStreamWriter(own_redis.url, max_pending=5, retry_max_s=0.1)
     writer.start()
@@ -68,7 +68,8 @@ async def test_past_its_bound_a_writer_drops_the_oldest_and_counts_logs_and_expo
         assert any("dropped so far" in record.getMessage() for record in caplog.records)
         collected = list(DroppedWritesCollector(lambda: {"token_stream": writer.dropped}).collect())
         assert [(s.name, s.labels, s.value) for s in collected[0].samples] == [
-            ("tokenmill:redis_writes_dropped_total", {"kind": "token_stream"}, float(writer.dropped))]
+            ("tokenmill:redis_writes_dropped_total", {"model_name": model_name(), "kind": "token_stream"},
+             float(writer.dropped))]
     finally:
         own_redis.start()
         await writer.aclose()

@@ -81,6 +81,11 @@ def test_metrics_move_after_requests(traced_cluster):
     assert moved(gateway, "vllm:request_prompt_tokens_bucket", le="100.0") == 2  # 64-token prompts
     assert moved(gateway, "vllm:request_prompt_tokens_bucket", le="50.0") == 0
     assert moved(gateway, "vllm:request_time_per_output_token_seconds_count") == 2
+    # the request parameters vLLM exports (issue 38 item 5): once per client request that ran
+    assert moved(gateway, "vllm:request_params_n_count") == 2 and moved(gateway, "vllm:request_params_n_sum") == 2
+    assert moved(gateway, "vllm:request_params_max_tokens_count") == 2
+    assert moved(gateway, "vllm:request_params_max_tokens_sum") == 5 + 7
+    assert moved(gateway, "tokenmill:request_params_max_tokens_bucket", le="10.0") == 2
 
     assert moved("scheduler", "tokenmill:request_queue_time_seconds_count") == 2
     assert moved("scheduler", "tokenmill:prefix_cache_queries_total") == 2 * len("metrics " * 8)
@@ -90,6 +95,17 @@ def test_metrics_move_after_requests(traced_cluster):
     for phase in ("queue", "prefill", "decode", "inference"):
         assert moved("scheduler", f"tokenmill:request_{phase}_time_seconds_count") == 2, phase
         assert moved("scheduler", f"vllm:request_{phase}_time_seconds_count") == 2, phase
+    # queue and prefill buckets fine enough for sub-100 ms: two requests on an idle scheduler queue for
+    # well under 100 ms, which vLLM's request buckets (from 0.3 s) cannot tell apart
+    assert moved("scheduler", "tokenmill:request_queue_time_seconds_bucket", le="0.1") == 2
+    for phase in ("queue", "prefill"):
+        for le in ("0.001", "0.01", "0.02", "0.04", "0.06", "0.08", "0.1"):
+            assert (f"vllm:request_{phase}_time_seconds_bucket", (("le", le), ("model_name", MODEL))) in \
+                after["scheduler"], (phase, le)
+    # Redis writes dropped carry model_name like every other request metric (none dropped: Redis is up)
+    for kind in ("record", "token_stream"):
+        key = ("tokenmill:redis_writes_dropped_total", (("kind", kind), ("model_name", MODEL)))
+        assert after["scheduler"].get(key) == 0, kind
     info = [labels for name, labels in after["scheduler"] if name == "vllm:cache_config_info"]
     assert len(info) == 1 and ("block_size", "16") in info[0] and ("model_name", MODEL) in info[0]
     assert value(after["scheduler"], "tokenmill:num_requests_running") == 0
@@ -146,3 +162,90 @@ def test_running_and_waiting_gauges_follow_the_load(traced_cluster):
             time.monotonic() < deadline:
         time.sleep(0.1)  # the cancel reaches the scheduler within a step or two
     assert value(scrape("127.0.0.1", config.scheduler_metrics_port), "tokenmill:num_requests_running") == 0
+
+
+def test_every_endpoint_serves_process_metrics(traced_cluster):
+    """CPU, memory, open fds and GC of each process: prometheus_client's default collectors, which our own
+    registry left out until issue 38."""
+    config, _ = traced_cluster
+    for port in (config.gateway_metrics_port, config.scheduler_metrics_port, config.worker_metrics_port):
+        first = scrape("127.0.0.1", port)
+        sum(range(3_000_000))  # nothing of ours: the processes' own CPU time moves as they serve scrapes
+        second = scrape("127.0.0.1", port)
+        assert second[("process_resident_memory_bytes", ())] > 10 * 2**20, port
+        assert second[("process_open_fds", ())] >= 3, port
+        assert second[("process_max_fds", ())] >= second[("process_open_fds", ())], port
+        assert second[("process_cpu_seconds_total", ())] >= first[("process_cpu_seconds_total", ())] > 0, port
+        assert second[("process_start_time_seconds", ())] < time.time(), port
+        for generation in ("0", "1", "2"):
+            assert second[("python_gc_collections_total", (("generation", generation),))] >= 0, port
+            assert ("python_gc_objects_collected_total", (("generation", generation),)) in second, port
+        assert any(name == "python_info" for name, _ in second), port
+
+
+def kserve_infer(service_pb2, request_id: str, max_tokens: int, stream: bool = False, model: str = MODEL):
+    infer = service_pb2.ModelInferRequest(model_name=model, id=request_id)
+    infer.inputs.add(name="text_input", datatype="BYTES", shape=[1]).contents.bytes_contents.append(b"triton says")
+    if stream:
+        infer.inputs.add(name="stream", datatype="BOOL", shape=[1]).contents.bool_contents.append(True)
+    for key, field, setting in (("max_tokens", "int64_param", max_tokens), ("temperature", "double_param", 0.0),
+                                ("ignore_eos", "bool_param", True)):
+        setattr(infer.parameters[key], field, setting)
+    return infer
+
+
+def scrape_text(host: str, port: int) -> str:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def test_kserve_requests_move_the_triton_metrics_by_exactly(traced_cluster):
+    """Triton's nv_inference_* families (Triton's names: no _total; labels model and version) move by
+    exactly what KServe requests did: successes (ModelInfer and ModelStreamInfer), a refusal, a cancel."""
+    from tritonclient.grpc import service_pb2, service_pb2_grpc  # tritonclient's stubs, as tests/gateway do
+
+    config, _ = traced_cluster
+    port, labels = config.gateway_metrics_port, {"model": MODEL, "version": "1"}
+
+    def nv(samples, name: str, **extra) -> float:
+        return samples.get((f"{name}_total", tuple(sorted({**labels, **extra}.items()))), 0.0)
+
+    before = scrape("127.0.0.1", port)
+    started = time.monotonic()
+    with grpc.insecure_channel(config.gateway_address) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for index, tokens in enumerate((3, 5)):
+            stub.ModelInfer(kserve_infer(service_pb2, f"triton-{index}", tokens), timeout=60)
+        replies = list(stub.ModelStreamInfer(iter([kserve_infer(service_pb2, "triton-2", 4, stream=True)]),
+                                             timeout=60))
+        assert replies and not any(reply.error_message for reply in replies)
+        with pytest.raises(grpc.RpcError) as refused:  # more tokens than the gateway allows: refused, never run
+            stub.ModelInfer(kserve_infer(service_pb2, "triton-3", 10**6), timeout=60)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        elapsed_us = (time.monotonic() - started) * 1e6
+        cancelled = stub.ModelStreamInfer(iter([kserve_infer(service_pb2, "triton-4", LONG_TOKENS, stream=True)]),
+                                          timeout=120)
+        next(cancelled)  # streaming now
+        cancelled.cancel()
+    deadline = time.monotonic() + 30
+    while nv(after := scrape("127.0.0.1", port), "nv_inference_request_failure", reason="CANCELED") == \
+            nv(before, "nv_inference_request_failure", reason="CANCELED") and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+    def moved(name: str, **extra) -> float:
+        return nv(after, name, **extra) - nv(before, name, **extra)
+
+    assert moved("nv_inference_request_success") == 3
+    assert moved("nv_inference_count") == 3 and moved("nv_inference_exec_count") == 3
+    assert moved("nv_inference_request_failure", reason="OTHER") == 1
+    assert moved("nv_inference_request_failure", reason="CANCELED") == 1
+    assert moved("nv_inference_request_failure", reason="BACKEND") == 0
+    assert moved("nv_inference_request_failure", reason="REJECTED") == 0
+    request_us, queue_us = moved("nv_inference_request_duration_us"), moved("nv_inference_queue_duration_us")
+    compute_us = moved("nv_inference_compute_infer_duration_us")
+    assert 0 < request_us <= elapsed_us and queue_us >= 0 and compute_us > 0
+    assert request_us == queue_us + compute_us  # the successes' time, split into queue and compute
+    text = scrape_text("127.0.0.1", port)  # Triton's spelling, so its dashboards' queries match
+    assert "# TYPE nv_inference_request_success counter\n" in text
+    assert '\nnv_inference_request_success{model="tiny-llama",version="1"} ' in text
+    assert "nv_inference_request_success_total" not in text
