@@ -27,6 +27,7 @@ import grpc
 
 from core.errors import ServingError, Unavailable
 from core.outputs import RequestOutput, coalesce
+from plumbing.telemetry.tracing import background
 from protos import codec
 from protos.tokenmill.v1 import scheduler_pb2
 
@@ -88,9 +89,12 @@ class DeltaReader:
             return False
         self.stream_id = uuid.uuid4().hex
         self._listeners = {}
-        self._call = self._stub.StreamDeltas(scheduler_pb2.StreamDeltasRequest(stream_id=self.stream_id))
-        self._task = asyncio.get_running_loop().create_task(self._read(self._call, self._listeners),
-                                                            name=f"delta-stream-{self.address}")
+        # opened by whichever request comes first, but it lives as long as the gateway: not that request's
+        # work (its trace would hold a minutes-long call); the requests' tokens are traced by their steps
+        with background():
+            self._call = self._stub.StreamDeltas(scheduler_pb2.StreamDeltasRequest(stream_id=self.stream_id))
+            self._task = asyncio.get_running_loop().create_task(self._read(self._call, self._listeners),
+                                                                name=f"delta-stream-{self.address}")
         return True
 
     async def _read(self, call, listeners: dict[str, asyncio.Queue]) -> None:

@@ -26,6 +26,7 @@ from core.requests import GenerationRequest
 from gateway.upstream.circuit_breaker import BreakerState, CircuitBreaker
 from gateway.upstream.delta_stream import DeltaReader, FromSubmit, SubmitEnded, in_order
 from plumbing.rpc import error_from_rpc_error
+from plumbing.telemetry.tracing import RequestContexts
 from protos import codec
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from plumbing import tls as tls_config
@@ -67,6 +68,7 @@ class SchedulerClient:
         self.stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._deltas = DeltaReader(self.stub, address) if delta_stream else None
+        self._request_contexts = RequestContexts()  # for a cancel's span to link to the request it ends
 
     async def wait_ready(self, timeout_s: float) -> common_pb2.GetModelInfoResponse:
         """Waits until the scheduler reports ready (its worker registered); returns the model info."""
@@ -124,8 +126,10 @@ class SchedulerClient:
         owner: the API key name that sent it, recorded with the request."""
         message = codec.submit_request_to_proto(request, deadline_unix_s, resumable=resumable, owner=owner)
         queue: asyncio.Queue = asyncio.Queue()
+        request_id = request.request_id
+        self._request_contexts.note(request_id)  # forgotten as the call ends (both finally blocks)
         if self._deltas is not None:
-            message.delta_stream_id = self._deltas.bind(request.request_id, queue)
+            message.delta_stream_id = self._deltas.bind(request_id, queue)
         call = self.stub.Submit(message, timeout=timeout_s)
         if not message.delta_stream_id:
             try:
@@ -135,19 +139,22 @@ class SchedulerClient:
                 raise error_from_rpc_error(error) from error
             finally:
                 call.cancel()  # a no-op once the call has ended; otherwise the scheduler aborts the request
+                self._request_contexts.forget(request_id)
             return
         pump = asyncio.get_running_loop().create_task(_pump(call, queue))
         try:
-            async for output in in_order(queue, request.request_id):
+            async for output in in_order(queue, request_id):
                 yield output
         finally:
             call.cancel()
             pump.cancel()
-            self._deltas.unbind(request.request_id, queue)
+            self._deltas.unbind(request_id, queue)
+            self._request_contexts.forget(request_id)
 
     async def abort(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> list[str]:
         """Ends the requests in the scheduler with reason; returns the ids it still had."""
         message = scheduler_pb2.AbortRequest(request_ids=request_ids, reason=codec.finish_reason_to_proto(reason))
+        self._request_contexts.link_current_span(request_ids)  # a CancelRequest's span -> the request's
         try:
             reply = await self.stub.Abort(message, timeout=5.0)
         except grpc.aio.AioRpcError as error:

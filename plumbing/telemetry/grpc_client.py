@@ -52,13 +52,23 @@ class _MetadataSetter:
         carrier[key] = value
 
 
+# what grpc.aio's call.cancel() ends a call with (grpc.aio._call._LOCAL_CANCELLATION_DETAILS)
+_CANCELLED_HERE = "Locally cancelled by application!"
+
+
 async def _end_span(span: trace.Span, call) -> None:
+    """Status ERROR only when the call failed for its caller: a call this process cancelled itself
+    (the gateway stops reading Submit at the finishing message, or its client left) is no failure;
+    its rpc.grpc.status_code is the CANCELLED it ended with, marked as the caller's own doing."""
     try:
         code = await call.code()
+        details = await call.details() if code is grpc.StatusCode.CANCELLED else ""
     except asyncio.CancelledError:
-        code = grpc.StatusCode.CANCELLED
+        code, details = grpc.StatusCode.CANCELLED, _CANCELLED_HERE
     span.set_attribute("rpc.grpc.status_code", code.value[0])
-    if code is not grpc.StatusCode.OK:
+    if code is grpc.StatusCode.CANCELLED and details == _CANCELLED_HERE:
+        span.set_attribute("tokenmill.rpc.cancelled_by_caller", True)
+    elif code is not grpc.StatusCode.OK:
         span.set_status(Status(StatusCode.ERROR, code.name))
     span.end()
 

@@ -1,9 +1,11 @@
 """Tracer-provider wrappers that bend third-party instrumentations to what an operator can live with,
 and the one way tokenmill records an error on a span.
 
-    RedisInstrumentor().instrument(tracer_provider=ChildSpansOnly(provider))
+    RedisInstrumentor().instrument(tracer_provider=RedisSpans(provider))
     GrpcAioInstrumentorServer(...).instrument(tracer_provider=OneExceptionEvent(provider))
     record_error(span, exc, "INVALID_ARGUMENT")
+
+RedisSpans: ChildSpansOnly, and a NOSCRIPT reply (redis-py's Script sends EVALSHA first) is no error.
 
 ChildSpansOnly: a span is made only under a live parent (request or step work); background calls
 (health PINGs, heartbeats) would otherwise each be a root trace, ~4 a second per idle scheduler.
@@ -57,7 +59,21 @@ def record_error(span: trace.Span, exc: BaseException, code: str, with_traceback
         attributes["exception.stacktrace"] = relative_traceback(exc)
     span.add_event(EXCEPTION_EVENT, attributes)
     span.set_attribute("error.type", code)
+    _set_grpc_status_code(span, code)
     span.set_status(Status(StatusCode.ERROR, f"{code}: {message}"[:512]))
+
+
+def _set_grpc_status_code(span, code: str) -> None:
+    """On a gRPC span, rpc.grpc.status_code is the status the call ends with: the instrumentation sets it
+    only when the handler aborts, so a call gRPC cut (its deadline passed) or one ended by a drain read 0
+    beside an ERROR status."""
+    if (getattr(span, "attributes", None) or {}).get("rpc.system") != "grpc":
+        return
+    import grpc
+
+    status = grpc.StatusCode.__members__.get(code)
+    if status is not None:
+        span.set_attribute("rpc.grpc.status_code", status.value[0])
 
 
 def _has_live_parent(context) -> bool:
@@ -90,6 +106,46 @@ class ChildSpansOnly:
 
     def get_tracer(self, *args, **kwargs):
         return _ChildSpansOnlyTracer(self._provider.get_tracer(*args, **kwargs))
+
+
+class _RedisTracer:
+    def __init__(self, tracer: trace.Tracer) -> None:
+        self._tracer = tracer
+
+    def start_span(self, *args, **kwargs):
+        return self._tracer.start_span(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def start_as_current_span(self, *args, **kwargs):
+        with self._tracer.start_as_current_span(*args, **{**kwargs, "record_exception": False,
+                                                          "set_status_on_exception": False}) as span:
+            try:
+                yield span
+            except Exception as exc:
+                if _is_no_script(exc):  # redis-py's Script: EVALSHA first, EVAL on NOSCRIPT (the first call)
+                    span.set_attribute("tokenmill.redis.script_not_cached", True)
+                else:
+                    record_error(span, exc, type(exc).__name__)
+                raise
+
+
+def _is_no_script(exc: BaseException) -> bool:
+    from redis.exceptions import NoScriptError
+
+    return isinstance(exc, NoScriptError)
+
+
+class RedisSpans:
+    """A tracer provider for the Redis instrumentation: the NOSCRIPT reply redis-py's Script answers by
+    sending the script (a Script's first call on each connection's server) is no error; a real error is
+    recorded once (record_error: status, error.type, one exception event, no stack). child_spans_only:
+    see ChildSpansOnly."""
+
+    def __init__(self, provider, child_spans_only: bool = True) -> None:
+        self._provider = ChildSpansOnly(provider) if child_spans_only else provider
+
+    def get_tracer(self, *args, **kwargs):
+        return _RedisTracer(self._provider.get_tracer(*args, **kwargs))
 
 
 class _SpanWithoutExceptionEvents:

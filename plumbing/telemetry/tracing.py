@@ -21,6 +21,7 @@ import logging
 import os
 from collections.abc import Mapping
 
+from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, SpanContext
@@ -62,7 +63,24 @@ def tracing_background() -> bool:
 
 
 def tracer() -> trace.Tracer:
-    return trace.get_tracer(TRACER_NAME)
+    """tokenmill's tracer. Its spans record no `exception` event of their own when an exception leaves
+    them: a failed request gets exactly one, on its request span, from record_error (a refusal used to
+    get a second, with a stack of host paths, on the gateway.tokenize span it left through)."""
+    return _NoExceptionEvents(trace.get_tracer(TRACER_NAME))
+
+
+class _NoExceptionEvents:
+    __slots__ = ("_tracer",)
+
+    def __init__(self, tracer_: trace.Tracer) -> None:
+        self._tracer = tracer_
+
+    def start_as_current_span(self, *args, **kwargs):
+        kwargs.setdefault("record_exception", False)
+        return self._tracer.start_as_current_span(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tracer, name)
 
 
 def shutdown_tracing() -> None:
@@ -70,6 +88,18 @@ def shutdown_tracing() -> None:
     provider = trace.get_tracer_provider()
     if _enabled and hasattr(provider, "shutdown"):
         provider.shutdown()
+
+
+@contextlib.contextmanager
+def background():
+    """Calls made inside belong to no request: the span current here (a request that happened to
+    open a connection-lifetime stream, say) is not their parent, so they start no trace (or traces of
+    their own with TOKENMILL_TRACE_BACKGROUND=true). A task created inside keeps the empty context."""
+    token = otel_context.attach(Context())
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
 
 
 # ---- carrying a span's identity through our own messages (step plans) ------------------------
@@ -125,3 +155,41 @@ class WriteCauses:
             return contextlib.nullcontext()
         return tracer().start_as_current_span(name, context=Context(), links=[Link(c) for c in contexts.values()],
                                               attributes={"tokenmill.batch.num_causes": len(contexts)})
+
+
+CANCEL_LINK = {"tokenmill.link": "cancels"}  # a cancel's link to the request it cancelled
+
+
+def link_current_span(span_contexts, attributes: Mapping[str, str] = CANCEL_LINK) -> None:
+    """Links the current span to each span context (a cancel to the requests it ended), but not to a
+    span of its own trace (a request that aborts itself when its client leaves)."""
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    own_trace = span.get_span_context().trace_id
+    for span_context in span_contexts:
+        if span_context is not None and span_context.is_valid and span_context.trace_id != own_trace:
+            span.add_link(span_context, dict(attributes))
+
+
+class RequestContexts:
+    """The span each live request runs under, by request id, for a later call about it (a cancel) to
+    link to. note() and forget() cost a dict operation when tracing is on, nothing when it is off."""
+
+    __slots__ = ("_contexts",)
+
+    def __init__(self) -> None:
+        self._contexts: dict[str, SpanContext] = {}
+
+    def note(self, request_id: str) -> None:
+        if _enabled:
+            span_context = trace.get_current_span().get_span_context()
+            if span_context.is_valid:
+                self._contexts[request_id] = span_context
+
+    def forget(self, request_id: str) -> None:
+        self._contexts.pop(request_id, None)
+
+    def link_current_span(self, request_ids) -> None:
+        if self._contexts:
+            link_current_span([self._contexts.get(request_id) for request_id in request_ids])

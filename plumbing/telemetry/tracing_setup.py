@@ -43,13 +43,28 @@ def setup_tracing(service_name: str, environ: Mapping[str, str] = os.environ) ->
     return True
 
 
+# Methods a process calls outside request work (plumbing.telemetry.tracing.background); a call to one
+# that carries no traceparent starts no trace in the server either.
+BACKGROUND_METHODS = frozenset({"GetModelInfo", "GetCapacity", "StreamDeltas"})
+
+
+def _untraced_call_to(methods: frozenset[str]):
+    def untraced(details) -> bool:
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        if method.rsplit("/", 1)[-1] not in methods:
+            return False
+        return not any(key == "traceparent" for key, _ in (details.invocation_metadata or ()))
+
+    return untraced
+
+
 def _instrument_libraries(provider, trace_background: bool) -> None:
     from opentelemetry.instrumentation.grpc.filters import any_of, health_check, method_name, negate, service_prefix
     from opentelemetry.instrumentation.redis import RedisInstrumentor
 
     from plumbing.telemetry.grpc_client import instrument_channels
     from plumbing.telemetry.grpc_server import instrument_servers
-    from plumbing.telemetry.span_policies import ChildSpansOnly
+    from plumbing.telemetry.span_policies import RedisSpans
 
     # Health probes (the supervisor's, Kubernetes', the gateway waiting for its scheduler),
     # reflection and load polls would each start a trace of their own every poll: not request work,
@@ -58,8 +73,11 @@ def _instrument_libraries(provider, trace_background: bool) -> None:
     background = [health_check(), service_prefix("grpc.reflection")]
     if not trace_background:
         background.append(method_name("GetLoad"))
+        # startup's model-info and capacity calls, and the gateway's lifetime StreamDeltas (a request
+        # trace would hold it for minutes, as a failed call): traced only when a caller's trace comes with them
+        background.append(_untraced_call_to(BACKGROUND_METHODS))
     instrument_servers(provider, negate(any_of(*background)))  # see grpc_server for why not the package's
     instrument_channels()  # our client side: see grpc_client for why not the package's
     # a Redis call is traced inside request or step work only: the health PING and the load report
     # heartbeat would be ~4 root traces a second per idle scheduler
-    RedisInstrumentor().instrument(tracer_provider=provider if trace_background else ChildSpansOnly(provider))
+    RedisInstrumentor().instrument(tracer_provider=RedisSpans(provider, child_spans_only=not trace_background))

@@ -9,6 +9,7 @@ from protos import codec
 from protos.tokenmill.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.process.loop import EngineLoop
 from scheduler.process.submissions import Submission, follow
+from scheduler.process.telemetry import link_cancelled
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -60,6 +61,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Abort(self, request, context):
         reason = codec.finish_reason_from_proto(request.reason) or FinishReason.ABORT
         aborted = [rid for rid in request.request_ids if self.loop.abort(rid, finish_reason=reason)]
+        link_cancelled(filter(None, map(self.loop.scheduler.requests.get, aborted)))
         return scheduler_pb2.AbortResponse(aborted_request_ids=aborted)
 
     async def GetLoad(self, request, context):

@@ -33,10 +33,12 @@ from core.step import StepPlan
 from plumbing.telemetry import metrics
 from plumbing.telemetry.logs import bind_request
 from plumbing.telemetry.span_policies import record_error
-from plumbing.telemetry.tracing import current_traceparent, tracer, tracing_enabled
+from plumbing.telemetry.tracing import (current_traceparent, link_current_span, span_context_of, tracer,
+                                        tracing_enabled)
 from scheduler.step_time import StepTuning
 
-__all__ = ["start_request", "record_request_end", "record_deadline_cut", "finish_cause", "StepSpans",
+__all__ = ["start_request", "link_cancelled", "record_request_end", "record_deadline_cut", "finish_cause",
+           "StepSpans",
            "step_tuning_attributes", "CLIENT_DISCONNECT", "DEADLINE", "DRAINED", "WORKER_FAILED"]
 
 logger = logging.getLogger("tokenmill.scheduler.requests")
@@ -67,6 +69,13 @@ def start_request(request_id: str) -> str:
     if span.is_recording():
         span.set_attribute("tokenmill.request_id", request_id)
     return current_traceparent()
+
+
+def link_cancelled(requests) -> None:
+    """On an Abort call's span: a link to each request it ended (scheduler.request.Request), so a cancel
+    is found from the request it cancelled and the other way round."""
+    if tracing_enabled():
+        link_current_span([span_context_of(request.trace_context) for request in requests])
 
 
 def record_request_end(times, num_preemptions: int = 0, finish_reason: FinishReason | None = None,
