@@ -10,6 +10,12 @@ when it ends, however it ends.
     observer.on_error(error)       # refused by the scheduler, failed, deadline, unavailable
     observer.on_cut(error, DEADLINE)  # the call was cut by its deadline or this gateway's shutdown
     observer.on_disconnect()       # the client went away mid-stream
+    note_constraint(constraint, field, check_s)   # gateway.prepare, once its grammar sandbox check passed
+    note_tools(names, tool_choice)                # the OpenAI chat API, when the client offered tools
+
+Constraints and tools: the request span gets `tokenmill.constraint.kind` / `.hash` / `.compile_ms`, the
+offered tools and `tool_choice`; RequestObserver.on_finish(finish, tool_calls=...) the parsed calls, the
+parse outcome and the finish reason `tool_calls`, in the span, the metrics' labels and the log line alike.
 
 The SERVER span itself is the gRPC instrumentation's (tokenmill.v1, KServe), or http_server_span's
 for the OpenAI-compatible HTTP API; both continue a client's incoming `traceparent`. The error's
@@ -22,15 +28,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import hashlib
 import logging
 import time
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
+from prometheus_client import Counter, Histogram
 
 from core.errors import DeadlineExceeded, ServingError
 from core.outputs import FinishReason
 from core.requests import GenerationRequest
+from core.sampling import OutputConstraint
 from plumbing.telemetry import metrics
 from plumbing.telemetry.logs import bind_request, log_fields
 from plumbing.telemetry.span_policies import record_error
@@ -49,14 +58,38 @@ _model_name = ""
 _LOG_FIELDS = (("error_code", "error.type"), ("finish_cause", "tokenmill.finish_cause"))
 _server_address: tuple[str, int] | None = None  # the gRPC listen address (HTTP spans use the URL's)
 _operation: contextvars.ContextVar[str] = contextvars.ContextVar("gen_ai_operation", default=TEXT_COMPLETION)
+# the request's SERVER span, set by request_scope (inside it the current span is gateway.tokenize)
+_request_span: contextvars.ContextVar[trace.Span | None] = contextvars.ContextVar("request_span", default=None)
+TOOL_CALLS = "tool_calls"  # the finish reason of a chat that ended by calling tools (OpenAI's)
+# tokenmill.tool_calls.outcome: what parsing a tools chat's output found
+PARSED, NO_CALL, FAILED = "parsed", "none", "failed"
+
+# The gateway's own families beside plumbing.telemetry.metrics' (registered once the model is known)
+_COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+CONSTRAINED_REQUESTS = Counter("tokenmill:constrained_requests_total",
+                               "Requests with an output constraint, by its kind (json_schema, json_object, regex, "
+                               "choice, grammar)", ["model_name", "kind"], registry=None)
+CONSTRAINT_COMPILE_TIME = Histogram("tokenmill:constraint_compile_seconds",
+                                    "Time the gateway's check of a request's constraint took in the grammar sandbox "
+                                    "(a cached verdict: ~0)", ["model_name"], buckets=_COMPILE_BUCKETS, registry=None)
+TOOL_CALLS_PARSED = Counter("tokenmill:tool_calls_total",
+                            "Tool calls parsed from chat outputs (outcome=parsed), and outputs that began a tool call "
+                            "that did not parse (outcome=failed)", ["model_name", "outcome"], registry=None)
+GATEWAY_FAMILIES = (CONSTRAINED_REQUESTS, CONSTRAINT_COMPILE_TIME, TOOL_CALLS_PARSED)
+_registered = False
 
 
 def set_model_name(name: str) -> None:
     """The model this gateway serves (gen_ai.request.model, the metrics' model_name label); set once
     the scheduler has told it."""
-    global _model_name
+    global _model_name, _registered
     _model_name = name
     metrics.set_model_name(name)
+    if not _registered:
+        _registered = True
+        for family in GATEWAY_FAMILIES:
+            with contextlib.suppress(ValueError):  # already there (a test's second gateway in one process)
+                metrics.REGISTRY.register(family)
 
 
 def set_server_address(host: str, port: int) -> None:
@@ -81,6 +114,7 @@ def request_scope(request_id: str, operation: str = TEXT_COMPLETION):
     if request_id:
         bind_request(request_id)
     span = trace.get_current_span()
+    _request_span.set(span)
     if span.is_recording():
         span.set_attributes(_base_attributes(request_id) if request_id else
                             {k: v for k, v in _base_attributes("").items() if k != "tokenmill.request_id"})
@@ -143,10 +177,17 @@ class RequestObserver:
                 itl.observe(gap)
         self.last_token = now
 
-    def on_finish(self, finish) -> None:
-        """finish: gateway.generation.stream.Finish (stop, length, or abort after a CancelRequest)."""
-        self._end(finish.reason, finish.prompt_tokens, finish.completion_tokens,
-                  {"tokenmill.cached_prompt_tokens": finish.cached_prompt_tokens})
+    def on_finish(self, finish, tool_calls: ToolCallsSeen | None = None) -> None:
+        """finish: gateway.generation.stream.Finish (stop, length, or abort after a CancelRequest).
+        tool_calls: a tools chat's output, parsed: a stop after calls ends as `tool_calls`."""
+        attributes = {"tokenmill.cached_prompt_tokens": finish.cached_prompt_tokens}
+        reason = finish.reason
+        if tool_calls is not None:
+            attributes.update(tool_calls.attributes())
+            tool_calls.count()
+            if tool_calls.names and reason is FinishReason.STOP:
+                reason = TOOL_CALLS
+        self._end(reason, finish.prompt_tokens, finish.completion_tokens, attributes)
 
     def on_error(self, error: ServingError) -> None:
         """The request ended with an error status (its count and span status are the edge's)."""
@@ -164,6 +205,9 @@ class RequestObserver:
             return
         record_error(self.span, error, error.code.name)
         metrics.count_error(error.code.name)
+        # the line plumbing.rpc's edge writes for a status it sends: gRPC sent this one itself
+        logger.info("%s -> %s: %s", getattr(self.span, "name", "") or "RPC", error.code.name, error,
+                    extra={"request_id": self.request_id})
         self._end(FinishReason.ERROR, self.num_prompt_tokens, self.num_tokens,
                   {"error.type": error.code.name, "tokenmill.finish_cause": cause},
                   detail=f"{error.code.name}: {error}", level=logging.WARNING)
@@ -173,11 +217,12 @@ class RequestObserver:
         self._end(FinishReason.ABORT, self.num_prompt_tokens, self.num_tokens,
                   {"tokenmill.finish_cause": CLIENT_DISCONNECT}, detail="the client went away")
 
-    def _end(self, reason: FinishReason, prompt_tokens: int, completion_tokens: int, attributes: dict,
+    def _end(self, reason: FinishReason | str, prompt_tokens: int, completion_tokens: int, attributes: dict,
              detail: str = "", level: int = logging.INFO) -> None:
         if self.ended:
             return
         self.ended = True
+        reason = getattr(reason, "value", reason)
         now = time.monotonic()
         e2e_s = now - self.arrival
         model = _model_name
@@ -190,24 +235,80 @@ class RequestObserver:
         if completion_tokens > 1 and self.first_token is not None:
             metrics.REQUEST_TIME_PER_OUTPUT_TOKEN.labels(model).observe(
                 (self.last_token - self.first_token) / (completion_tokens - 1))
-        if reason is not FinishReason.ERROR:  # errors are counted by status code, at the edge
-            metrics.REQUEST_SUCCESS.labels(model, reason.value).inc()
+        if reason != FinishReason.ERROR.value:  # errors are counted by status code, at the edge
+            metrics.REQUEST_SUCCESS.labels(model, reason).inc()
         if self.span.is_recording():
             self.span.set_attributes({
                 **attributes,
                 "gen_ai.usage.output_tokens": completion_tokens,
-                "gen_ai.response.finish_reasons": [reason.value],
+                "gen_ai.response.finish_reasons": [reason],
                 "gen_ai.response.id": self.request_id,
                 "gen_ai.response.model": model,
             })
         ttft_ms = (self.first_token - self.arrival) * 1e3 if self.first_token is not None else float("nan")
         logger.log(level, "request %s ended: %s%s, %d prompt + %d output tokens, TTFT %.1f ms, total %.1f ms",
-                   self.request_id, reason.value, f" ({detail})" if detail else "", prompt_tokens,
+                   self.request_id, reason, f" ({detail})" if detail else "", prompt_tokens,
                    completion_tokens, ttft_ms, e2e_s * 1e3, extra=log_fields(
                        self.request_id, finish_reason=getattr(reason, "value", reason), prompt_tokens=prompt_tokens,
                        output_tokens=completion_tokens, ttft_ms=None if self.first_token is None else round(ttft_ms, 3),
                        e2e_ms=round(e2e_s * 1e3, 3), **{key: attributes[name] for key, name in _LOG_FIELDS
                                                         if name in attributes}))
+
+
+def _span_of_request() -> trace.Span:
+    span = _request_span.get()
+    return span if span is not None else trace.get_current_span()
+
+
+def constraint_hash(constraint: OutputConstraint) -> str:
+    """A constraint's content hash (16 hex digits): the same schema, regex or grammar, the same hash."""
+    body = "\0".join((constraint.kind.value, constraint.value, *constraint.choices))
+    return hashlib.sha256(body.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def note_constraint(constraint: OutputConstraint, field: str | None, check_s: float) -> None:
+    """A request's constraint passed the gateway's check (check_s: its time in the grammar sandbox).
+    field: the client's field it came in ("tools": the grammar tool_choice required or named)."""
+    kind = constraint.kind.value
+    CONSTRAINED_REQUESTS.labels(_model_name, kind).inc()
+    CONSTRAINT_COMPILE_TIME.labels(_model_name).observe(check_s)
+    span = _span_of_request()
+    if span.is_recording():
+        span.set_attributes({"tokenmill.constraint.kind": kind, "tokenmill.constraint.hash": constraint_hash(constraint),
+                             "tokenmill.constraint.compile_ms": round(check_s * 1e3, 3),
+                             **({"tokenmill.constraint.field": field} if field else {})})
+
+
+def note_tools(names: list[str], tool_choice: str) -> None:
+    """The tools a chat request offered, and its tool_choice (auto, none, required, or the named function)."""
+    span = _span_of_request()
+    if span.is_recording():
+        span.set_attributes({"tokenmill.tools.names": list(names), "tokenmill.tools.count": len(names),
+                             "tokenmill.tool_choice": tool_choice})
+
+
+class ToolCallsSeen:
+    """What parsing a tools chat's output found: the called functions' names, or a call that began and did
+    not parse (failed)."""
+
+    __slots__ = ("names", "failed")
+
+    def __init__(self, names: list[str], failed: bool = False) -> None:
+        self.names, self.failed = names, failed
+
+    @property
+    def outcome(self) -> str:
+        return PARSED if self.names else FAILED if self.failed else NO_CALL
+
+    def attributes(self) -> dict:
+        return {"tokenmill.tool_calls.outcome": self.outcome, "tokenmill.tool_calls.names": list(self.names),
+                "tokenmill.tool_calls.count": len(self.names)}
+
+    def count(self) -> None:
+        if self.names:
+            TOOL_CALLS_PARSED.labels(_model_name, PARSED).inc(len(self.names))
+        if self.failed:
+            TOOL_CALLS_PARSED.labels(_model_name, FAILED).inc()
 
 
 async def http_server_span(request, handler):

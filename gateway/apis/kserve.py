@@ -30,6 +30,8 @@ from gateway.generation.stream import Finish
 from gateway.prepare.constraints import constraint_field, openai_constraint
 from gateway.prepare.request_builder import check_constraints, prepare_request, sandbox_or_default, text_token_ids
 from gateway.prepare.validation import ClientSampling
+from gateway.telemetry import request_scope
+from kvstore.request_claims import ClaimVerdict
 from protos.kserve import codec, grpc_service_pb2 as pb, grpc_service_pb2_grpc, model_config_pb2
 from protos.tokenmill.v1 import common_pb2
 from core.errors import InvalidArgument, NotFound, ServingError
@@ -37,6 +39,7 @@ from plumbing.grammar_sandbox import GrammarSandbox
 from plumbing.rpc import status_for
 
 logger = logging.getLogger(__name__)
+_CLAIM_TIMEOUT_S = 0.5  # a hung Redis delays a KServe request by at most this (then it runs suffixed)
 
 KSERVE_SERVICE = "inference.GRPCInferenceService"
 MODEL_VERSION = "1"  # one version per served model, as Triton numbers a repository's first
@@ -71,8 +74,9 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, model: ServedModel, access: AccessControl | None = None,
                  constraints: GrammarSandbox | None = None) -> None:
         # the route choice (gateway.generation.generations): with Redis, requests run resumable, with records,
-        # and go on through a scheduler restart; a KServe id is never the client's (see ModelStreamInfer)
+        # and go on through a scheduler restart; the record id is the client's KServe id (_record_id)
         self.generations = model.generations
+        self._live_ids: set[str] = set()  # the record ids of the KServe requests running here
         self.tokenizer = model.tokenizer
         self.constraints = sandbox_or_default(constraints)  # compiles client constraints off the event loop
         self.access = access  # the caller's key brings its latency targets
@@ -141,7 +145,8 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         if llm.stream:
             raise InvalidArgument(codec.STREAM_INPUT, True, "ModelInfer returns the whole text; stream with "
                                                             "ModelStreamInfer (the model is decoupled)")
-        text, finish = await self._whole_text(request, llm, context)
+        async with self._record_id(request.id) as record_id:
+            text, finish = await self._whole_text(request, llm, context, record_id)
         return self._response(request, text, finish)
 
     async def ModelStreamInfer(self, request_iterator, context):
@@ -152,16 +157,16 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         generating: set[str] = set()  # the scheduler ids of the requests still running
 
         async def run(request) -> None:
-            # A KServe id only correlates responses (clients reuse them), so the scheduler gets a fresh one.
-            scheduler_id = uuid.uuid4().hex
-            generating.add(scheduler_id)
             try:
-                async for response in self._stream_responses(request, context, scheduler_id):
-                    responses.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
+                async with self._record_id(request.id) as record_id:
+                    generating.add(record_id)
+                    try:
+                        async for response in self._stream_responses(request, context, record_id):
+                            responses.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
+                    finally:
+                        generating.discard(record_id)
             except Exception as exc:  # noqa: BLE001 - one request's failure is a message, not the stream's end
                 responses.put_nowait(_error_response(request, exc))
-            finally:
-                generating.discard(scheduler_id)
 
         async def read_requests() -> None:
             try:
@@ -190,6 +195,36 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             for task in (reader, *running):
                 task.cancel()
 
+    @contextlib.asynccontextmanager
+    async def _record_id(self, client_id: str):
+        """The request's record id (its id in spans, logs, Redis and the scheduler): the client's KServe id.
+        KServe ids only correlate responses and clients reuse them, so a repeated id is never refused: one
+        already running here, or already bound in Redis (kvstore.request_claims: a claim lives as long as
+        the request's record), runs as `<id>~<8 hex>`; the responses still carry the client's id."""
+        record_id = client_id
+        if not client_id:
+            record_id = uuid.uuid4().hex
+        elif client_id in self._live_ids or not await self._claim(client_id):
+            record_id = f"{client_id}~{uuid.uuid4().hex[:8]}"
+        self._live_ids.add(record_id)
+        try:
+            yield record_id
+        finally:
+            self._live_ids.discard(record_id)
+
+    async def _claim(self, client_id: str) -> bool:
+        """Binds the id in Redis for this request (False: taken, or Redis does not answer in time)."""
+        claims = self.generations.resume.claims if self.generations.resume is not None else None
+        if claims is None:
+            return True  # no Redis: no records to collide with; the id is free unless it runs here
+        try:
+            async with asyncio.timeout(_CLAIM_TIMEOUT_S):
+                claim = await claims.claim(client_id, f"kserve:{uuid.uuid4().hex}")
+        except Exception as error:  # noqa: BLE001 - Redis away: run under a suffixed id rather than wait
+            logger.warning("cannot claim KServe id %r (Redis: %r); running it suffixed", client_id, error)
+            return False
+        return claim.verdict is ClaimVerdict.CLAIMED
+
     async def _stream_responses(self, request, context, scheduler_id: str):
         llm = codec.llm_request_from_proto(request)
         if not llm.stream:  # the vLLM backend's default: one response with the whole text
@@ -217,24 +252,25 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @kserve_metrics.counted  # Triton's nv_inference_* metrics
     async def _deltas(self, request, llm: codec.LlmInferRequest, context, scheduler_id: str = ""):
-        """scheduler_id: the request's id in the scheduler ("": a fresh one), never the KServe id."""
-        self._check_model(request.model_name, request.model_version)
+        """scheduler_id: the request's record id (_record_id: the client's KServe id, suffixed when repeated)."""
         arrival = time.monotonic()
-        try:
-            prompt_ids = text_token_ids(llm.prompt, self.tokenizer, self.limits)
-        except InvalidArgument as error:  # name the tensor the client filled, not the internal field
-            raise InvalidArgument(codec.TEXT_INPUT, error.value, error.limit_or_reason) from None
-        sampling = ClientSampling(**llm.sampling, constraint=openai_constraint(llm.constraint_fields),
-                                  stop_token_ids=llm.stop_token_ids, ignore_eos=llm.ignore_eos)
-        prepared = prepare_request(prompt_ids, self.tokenizer, self.limits, sampling=sampling, stop=llm.stop,
-                                   request_id=scheduler_id, priority=llm.priority)
-        prepared.constraint_field = constraint_field(llm.constraint_fields)
-        await check_constraints(prepared, self.constraints)
+        with request_scope(scheduler_id):  # a refusal here still names its request (attributes, log line)
+            self._check_model(request.model_name, request.model_version)
+            try:
+                prompt_ids = text_token_ids(llm.prompt, self.tokenizer, self.limits)
+            except InvalidArgument as error:  # name the tensor the client filled, not the internal field
+                raise InvalidArgument(codec.TEXT_INPUT, error.value, error.limit_or_reason) from None
+            sampling = ClientSampling(**llm.sampling, constraint=openai_constraint(llm.constraint_fields),
+                                      stop_token_ids=llm.stop_token_ids, ignore_eos=llm.ignore_eos)
+            prepared = prepare_request(prompt_ids, self.tokenizer, self.limits, sampling=sampling, stop=llm.stop,
+                                       request_id=scheduler_id, priority=llm.priority)
+            prepared.constraint_field = constraint_field(llm.constraint_fields)
+            await check_constraints(prepared, self.constraints)
         key = caller_key(self.access, context)
         if key is not None:
             prepared.request = key.with_targets(prepared.request)
-        # the id is ours, fresh: nothing to claim, nothing to resume from (a client cannot name it again);
-        # with Redis still resumable, so a scheduler restart does not cut it
+        # claimed already (_record_id) and never resumed by a client (KServe has no resume); with Redis still
+        # resumable, so a scheduler restart does not cut it
         call = CallContext.at_edge(arrival, context.time_remaining(), owner=None if key is None else key.name)
         deltas = self.generations.stream(prepared, call)
         async with contextlib.aclosing(deltas):

@@ -26,7 +26,7 @@ from core.step import TokenLogprobs
 from gateway.prepare.request_builder import PreparedRequest
 from gateway.generation.context import CallContext, SchedulerSide
 from gateway.upstream.target import Route
-from gateway.telemetry import DEADLINE, DRAINED, RequestObserver
+from gateway.telemetry import DEADLINE, DRAINED, RequestObserver, ToolCallsSeen
 from gateway.text.text_stream import TextStream
 from gateway.text.tokenizer import TextTokenizer
 
@@ -116,7 +116,7 @@ async def stream_generation(prepared: PreparedRequest, call: CallContext, side: 
                     if deltas.text_stream.stopped and not output.finished:
                         await side.scheduler.abort([request_id], FinishReason.STOP)
                     deltas.finish(delta, output)
-                    observer.on_finish(delta.finish)
+                    observer.on_finish(delta.finish, deltas.tool_calls())
                     yield delta
                     return
                 yield delta
@@ -171,6 +171,8 @@ class _Deltas:
         self.text_stream = TextStream(tokenizer, prepared.request.prompt_token_ids, prepared.stop)
         self.first_token: float | None = None
         self.prompt_logprobs_due = prepared.request.sampling_params.prompt_logprobs is not None
+        # a tools chat's text, parsed for its calls when it ends (the span, metrics and log line say tool_calls)
+        self.text: list[str] | None = [] if prepared.tool_syntax is not None else None
 
     def of(self, output: RequestOutput) -> GenerationDelta:
         token_ids = output.new_token_ids
@@ -178,6 +180,8 @@ class _Deltas:
             self.first_token = time.monotonic()
         delta = GenerationDelta(self.prepared.request.request_id, self.text_stream.push(token_ids), token_ids,
                                 _logprobs(self.tokenizer, token_ids, output.logprobs))
+        if self.text is not None:
+            self.text.append(delta.text)
         if self.prompt_logprobs_due and token_ids:  # a one-token prompt's (no entries) arrive as None
             self.prompt_logprobs_due = False
             delta.prompt_logprobs = _logprobs(self.tokenizer, self.prepared.request.prompt_token_ids[1:],
@@ -185,8 +189,21 @@ class _Deltas:
         return delta
 
     def finish(self, delta: GenerationDelta, output: RequestOutput) -> None:
-        delta.text += self.text_stream.finish()
+        rest = self.text_stream.finish()
+        delta.text += rest
+        if self.text is not None:
+            self.text.append(rest)
         delta.finish = _finish(output, self.text_stream, self.arrival, self.first_token)
+
+    def tool_calls(self) -> ToolCallsSeen | None:
+        """A tools chat's whole output, parsed as the OpenAI API will answer it (None: not a tools chat)."""
+        if self.text is None:
+            return None
+        syntax = self.prepared.tool_syntax
+        parsed = syntax.parse("".join(self.text))
+        markers = [m for m in (getattr(syntax.stream_class, name, "") for name in ("START", "PYTHON_TAG")) if m]
+        failed = any(marker in (parsed.content or "") for marker in markers)  # a call began and did not parse
+        return ToolCallsSeen([call.name for call in parsed.tool_calls], failed)
 
 
 def _record_cut(observer: RequestObserver, side: SchedulerSide, deadline: float | None) -> None:

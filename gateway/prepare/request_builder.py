@@ -7,12 +7,15 @@ and a ClientSampling of the sampling fields, so the same value gets the same ver
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
 from dataclasses import dataclass, field
 
 from gateway.prepare.chat_encoding import encode_chat
 from gateway.text.chat_template import validate_messages
 from gateway.text.tokenizer import TextTokenizer, default_model_path
+from gateway.text.tool_syntax import ToolSyntax
+from gateway.telemetry import note_constraint
 from gateway.prepare.validation import (ClientSampling, Limits, validate_chat_size, validate_priority,
                                         validate_prompt_ids, validate_prompt_text, validate_sampling,
                                         validate_samples, validate_stop_strings)
@@ -46,6 +49,8 @@ class PreparedRequest:
     constraint_field: str | None = None  # the field the client sent its constraint in (None: its kind)
     # parts of the constraint checked first under their own names (a tools grammar's parameter schemas)
     constraint_parts: list[tuple[OutputConstraint, str]] = field(default_factory=list)
+    # a chat with tools whose output is parsed for calls (OpenAI tool_choice other than none): its syntax
+    tool_syntax: ToolSyntax | None = None
 
 
 def sandbox_or_default(sandbox: GrammarSandbox | None) -> GrammarSandbox:
@@ -61,9 +66,11 @@ async def check_constraints(prepared: PreparedRequest, sandbox: GrammarSandbox) 
     constraint = prepared.request.sampling_params.constraint
     if constraint is None:
         return
+    started = time.perf_counter()
     for part, name in prepared.constraint_parts:
         await sandbox.check(part, name)
     forwarded = await sandbox.check(constraint, prepared.constraint_field)
+    note_constraint(constraint, prepared.constraint_field, time.perf_counter() - started)
     if forwarded != constraint:
         params = dataclasses.replace(prepared.request.sampling_params, constraint=forwarded)
         prepared.request = dataclasses.replace(prepared.request, sampling_params=params)

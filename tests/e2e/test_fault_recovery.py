@@ -188,10 +188,10 @@ async def test_a_kserve_stream_whose_client_stops_reading_is_cancelled_and_its_r
         call = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(one_request())
         first = await call.read()
         assert not first.error_message, first.error_message
-        await wait_freed(config, "idle KServe stream's", None)  # its id is the scheduler's own, below
-        # the scheduler ran it under a fresh id (a KServe id only correlates responses): the one new record
-        (scheduler_id,) = record_ids(config) - records_before
-        assert_failed_idle(config, scheduler_id, LONG_TOKENS)
+        await wait_freed(config, "idle KServe stream's", None)
+        # the record is under the client's KServe id (issue 38): the one new record
+        assert record_ids(config) - records_before == {"kserve-idle"}
+        assert_failed_idle(config, "kserve-idle", LONG_TOKENS)
         await assert_cancelled_idle(call)
         requests_done.set()
 

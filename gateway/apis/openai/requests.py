@@ -25,6 +25,7 @@ from gateway.generation.samples import check_streamable
 from gateway.prepare.request_builder import PreparedRequest, chat_token_ids, prepare_request, text_token_ids
 from gateway.text.tokenizer import TextTokenizer
 from gateway.text.tool_syntax import ToolFormat, ToolSyntax, choose_tool_syntax
+from gateway.telemetry import note_tools
 from gateway.prepare.validation import ClientSampling, Limits, validate_prompt_ids
 from core.errors import InvalidArgument, NotFound
 
@@ -80,6 +81,8 @@ def parse_chat(body: dict, tokenizer: TextTokenizer, limits: Limits, model_name:
     _check_common(body, model_name)
     _refuse(body, "functions", lambda v: not v, "the legacy functions field is not supported; send tools")
     tools = parse_tools(body)
+    if tools is not None:  # on the request span, a refusal after this included
+        note_tools([tool["function"]["name"] for tool in tools.tools], tools.named or tools.choice)
     messages = body.get("messages")
     if messages is None:
         raise InvalidArgument("messages", None, "is required: a list of {role, content} objects")
@@ -104,7 +107,7 @@ def parse_chat(body: dict, tokenizer: TextTokenizer, limits: Limits, model_name:
     if sampling["constraint"] is not own:  # the tools' grammar: each schema is checked under its own name
         parsed.prepared.constraint_field, parsed.prepared.constraint_parts = "tools", tool_schemas
     if tools is not None and tools.parses_output:
-        parsed.tool_syntax = tool_format.syntax
+        parsed.tool_syntax = parsed.prepared.tool_syntax = tool_format.syntax
     return parsed
 
 
