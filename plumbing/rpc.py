@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import grpc
+from grpc._cython import cygrpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
 from grpc_health.v1.health import aio as health_aio
@@ -109,6 +110,20 @@ def retry_after_of(exc: BaseException) -> float | None:
     return None
 
 
+async def _end_failed_call(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    """abort_with_status, unless the caller cancelled the call first: the gateway closes a Submit once a
+    stop string matched, or its client left, and a write still on its way then fails. Nobody is there to
+    read a status, and the call did not fail for its caller, so it is neither an error span nor a counted
+    error (the client side marks the same calls the same way: plumbing.telemetry.grpc_client)."""
+    # a write on a call its caller already ended fails with cygrpc's ExecuteBatchError, while
+    # context.cancelled() still reads False (grpc.aio marks the cancel only once the handler returns)
+    if context.cancelled() or isinstance(exc, cygrpc.ExecuteBatchError):
+        trace.get_current_span().set_attribute("tokenmill.rpc.cancelled_by_caller", True)
+        logger.debug("%s: %s after its caller cancelled the call", method or "RPC", type(exc).__name__)
+        return
+    await abort_with_status(context, exc, method)
+
+
 class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every async handler so a raised exception ends the call with status_for(exc).
 
@@ -136,7 +151,7 @@ def _wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethod
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:  # noqa: BLE001 - this is the one place that maps them
-                await abort_with_status(context, exc, method)
+                await _end_failed_call(context, exc, method)
 
     elif inspect.iscoroutinefunction(behavior):
 
@@ -146,7 +161,7 @@ def _wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethod
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:  # noqa: BLE001
-                await abort_with_status(context, exc, method)
+                await _end_failed_call(context, exc, method)
 
     else:
         # A synchronous handler runs on gRPC's thread pool where it cannot await context.abort;

@@ -46,19 +46,35 @@ class TinyScheduler(scheduler_pb2_grpc.SchedulerServicer):
     async def Abort(self, request, context):
         raise errors.NotFound("request", request.request_ids[0])
 
+    async def StreamDeltas(self, request, context):
+        """Writes once, then fails writing after its caller cancelled (as the scheduler's Submit may once
+        the gateway closed the call on a stop string)."""
+        try:
+            await context.write(scheduler_pb2.StepDeltas())
+            try:
+                await asyncio.sleep(5)  # the caller cancels here
+            except asyncio.CancelledError:
+                pass  # as a handler whose write was already on its way when the cancel landed
+            await context.write(scheduler_pb2.StepDeltas())  # fails: the call is over
+        finally:
+            self.stream_ended.set()
+
 
 @pytest.fixture
 async def served():
     server = rpc.create_server()
     worker = TinyWorker()
     worker_pb2_grpc.add_WorkerServicer_to_server(worker, server)
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(TinyScheduler(), server)
+    scheduler = TinyScheduler()
+    scheduler.stream_ended = asyncio.Event()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, server)
     health = rpc.add_health_and_reflection(server, [rpc.WORKER_SERVICE, rpc.SCHEDULER_SERVICE])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     worker.address = f"127.0.0.1:{port}"
     channel = grpc.aio.insecure_channel(worker.address)
     try:
+        TinyScheduler.last = scheduler  # for a test that waits on its handler
         yield worker.address, channel, health
     finally:
         await channel.close()
@@ -205,3 +221,24 @@ async def test_undecodable_bytes_are_invalid_argument_naming_the_message_not_unk
     assert "is not a valid protobuf message" in failure.value.details()
     assert reason in failure.value.details() and "tokenmill.v1." in failure.value.details()
     assert "<class" not in failure.value.details()
+
+
+async def test_a_failure_after_the_caller_cancelled_is_no_counted_error(served, caplog):
+    """The caller left first: nobody reads a status, and the call did not fail for its caller, so no
+    error is counted or logged (without the check it counted and logged INTERNAL)."""
+    from plumbing.telemetry.metrics import REQUEST_ERRORS
+
+    _, channel, _ = served
+    before = sum(sample.value for metric in REQUEST_ERRORS.collect() for sample in metric.samples
+                 if sample.name.endswith("_total"))
+    with caplog.at_level(logging.DEBUG, logger="plumbing.rpc"):
+        call = scheduler_pb2_grpc.SchedulerStub(channel).StreamDeltas(scheduler_pb2.StreamDeltasRequest(stream_id="s"))
+        await call.read()
+        call.cancel()
+        await asyncio.wait_for(TinyScheduler.last.stream_ended.wait(), 10)
+        await asyncio.sleep(0.1)
+    after = sum(sample.value for metric in REQUEST_ERRORS.collect() for sample in metric.samples
+                if sample.name.endswith("_total"))
+    assert after == before
+    assert not [record for record in caplog.records if record.levelno >= logging.INFO and "StreamDeltas" in record.getMessage()]
+    assert [record for record in caplog.records if "after its caller cancelled" in record.getMessage()]
