@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
 
-from gateway.generation.stream import Finish, GenerationDelta, stream_generation
+from gateway.generation.stream import Finish, GenerationDelta, stream_generation, tool_calls_seen
 from gateway.generation.context import CallContext, SchedulerSide
 from gateway.generation.id_claims import ClaimPaths, claimed_generation
 from gateway.generation.ownership import RequestOwners
@@ -194,10 +194,12 @@ async def _run_resuming(prepared: PreparedRequest, call: CallContext, side: Sche
     request_id, delivered = prepared.request.request_id, 0
     observer = RequestObserver(prepared.request, call.arrival)
     deltas = stream_generation(prepared, call, side, observer=observer, resumable=True)
+    text: list[str] = []  # a tools chat's output before the break, parsed with the rest when it ends
     try:
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
                 delivered += len(delta.token_ids)
+                text.append(delta.text)
                 yield delta
         return
     except Unavailable as error:
@@ -209,13 +211,25 @@ async def _run_resuming(prepared: PreparedRequest, call: CallContext, side: Sche
                    request_id, broken, delivered)
     rest = attach_generation(prepared, call, side, store, delivered,
                              WhileQuiet(limit_s=store.scheduler_wait_s, why=f"its scheduler went away ({broken})"))
-    async with contextlib.aclosing(_follow_after_break(rest, side, observer)) as followed:
+    async with contextlib.aclosing(_follow_after_break(rest, side, observer, _ToolText(prepared, text))) as followed:
         async for delta in followed:
             yield delta
 
 
+@dataclass(slots=True)
+class _ToolText:
+    """A tools chat's text across a scheduler restart, so its ending says tool_calls as an unbroken one would."""
+
+    prepared: PreparedRequest
+    text: list[str]
+
+    def seen(self, delta: GenerationDelta):
+        self.text.append(delta.text)
+        return tool_calls_seen(self.prepared, "".join(self.text)) if delta.finish is not None else None
+
+
 async def _follow_after_break(rest: AsyncIterator[GenerationDelta], side: SchedulerSide,
-                              observer: RequestObserver) -> AsyncIterator[GenerationDelta]:
+                              observer: RequestObserver, tool_text: _ToolText) -> AsyncIterator[GenerationDelta]:
     """The rest of a request whose scheduler went away, from its token stream, observed as the same request.
     Left early (its client went away) or failed, the request is aborted: nobody reads it any more."""
     finished = False
@@ -223,9 +237,10 @@ async def _follow_after_break(rest: AsyncIterator[GenerationDelta], side: Schedu
         async with contextlib.aclosing(rest):
             async for delta in rest:
                 observer.on_tokens(len(delta.token_ids))
+                tool_calls = tool_text.seen(delta)
                 if delta.finish is not None:
                     finished = True
-                    observer.on_finish(delta.finish)
+                    observer.on_finish(delta.finish, tool_calls)
                 yield delta
     except ServingError as error:
         observer.on_error(error)

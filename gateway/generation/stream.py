@@ -197,13 +197,18 @@ class _Deltas:
 
     def tool_calls(self) -> ToolCallsSeen | None:
         """A tools chat's whole output, parsed as the OpenAI API will answer it (None: not a tools chat)."""
-        if self.text is None:
-            return None
-        syntax = self.prepared.tool_syntax
-        parsed = syntax.parse("".join(self.text))
-        markers = [m for m in (getattr(syntax.stream_class, name, "") for name in ("START", "PYTHON_TAG")) if m]
-        failed = any(marker in (parsed.content or "") for marker in markers)  # a call began and did not parse
-        return ToolCallsSeen([call.name for call in parsed.tool_calls], failed)
+        return None if self.text is None else tool_calls_seen(self.prepared, "".join(self.text))
+
+
+def tool_calls_seen(prepared: PreparedRequest, text: str) -> ToolCallsSeen | None:
+    """What a tools chat's whole output calls, parsed as the OpenAI API will answer it (None: not a tools chat)."""
+    syntax = prepared.tool_syntax
+    if syntax is None:
+        return None
+    parsed = syntax.parse(text)
+    markers = [m for m in (getattr(syntax.stream_class, name, "") for name in ("START", "PYTHON_TAG")) if m]
+    failed = any(marker in (parsed.content or "") for marker in markers)  # a call began and did not parse
+    return ToolCallsSeen([call.name for call in parsed.tool_calls], failed)
 
 
 def _record_cut(observer: RequestObserver, side: SchedulerSide, deadline: float | None) -> None:

@@ -30,3 +30,17 @@ def test_the_outcome_names_the_calls_or_the_failure(syntax, text, names, result)
 
 def test_no_tools_no_outcome():
     assert _Deltas.tool_calls(SimpleNamespace(text=None, prepared=SimpleNamespace(tool_syntax=None))) is None
+
+
+def test_a_call_split_by_a_scheduler_restart_is_still_seen_at_the_end():
+    """The part streamed before the break and the part followed from Redis after it are parsed as one
+    text, so a tools chat resumed through a scheduler restart ends as tool_calls, as an unbroken one does."""
+    from gateway.generation.resume import _ToolText
+    from gateway.generation.stream import GenerationDelta
+
+    call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    before_break = [call[:20]]
+    tool_text = _ToolText(SimpleNamespace(tool_syntax=HermesSyntax()), before_break)
+    assert tool_text.seen(GenerationDelta("r", call[20:40], [1], [])) is None  # not finished yet
+    last = GenerationDelta("r", call[40:], [2], [], finish=SimpleNamespace())
+    assert tool_text.seen(last).names == ["weather"]
