@@ -290,7 +290,7 @@ class KVCacheManager:
         self.host_pool = BlockPool(num_host_blocks)
         self.take_copies()
 
-    def utilization(self, requests: list[Request]) -> float:
+    def utilization(self, requests: list[PagedRequest]) -> float:
         """Live tokens / reserved slots over the given (running) requests; 0 with none."""
         reserved = sum(len(self.live_block_ids(r.request_id)) for r in requests) * self.block_size
         live = sum(r.num_computed_tokens - self._num_freed.get(r.request_id, 0) * self.block_size for r in requests)
