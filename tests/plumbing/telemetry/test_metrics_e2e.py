@@ -60,68 +60,87 @@ def test_metrics_move_after_requests(traced_cluster):
         assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     after = {name: scrape(host, port) for name, port in ports.items()}
 
-    def moved(process: str, name: str, **labels) -> float:
-        return value(after[process], name, **labels) - value(before[process], name, **labels)
+    assert_gateway_moved(before["gateway"], after["gateway"])
+    assert_scheduler_moved(before["scheduler"], after["scheduler"])
+    assert_worker_moved(before["worker"], after["worker"])
 
-    gateway = "gateway"
-    assert moved(gateway, "tokenmill:time_to_first_token_seconds_count") == 2
-    assert moved(gateway, "tokenmill:inter_token_latency_seconds_count") == 4 + 6
-    assert moved(gateway, "tokenmill:e2e_request_latency_seconds_count") == 2
-    assert moved(gateway, "tokenmill:e2e_request_latency_seconds_sum") > 0
-    assert moved(gateway, "tokenmill:generation_tokens_total") == 12
-    assert moved(gateway, "tokenmill:prompt_tokens_total") == 2 * len("metrics " * 8)
-    assert moved(gateway, "tokenmill:request_success_total", finished_reason="length") == 2
-    assert moved(gateway, "tokenmill:request_errors_total", code="INVALID_ARGUMENT") == 1
+
+def _mover(before: dict, after: dict):
+    def moved(name: str, **labels) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+    return moved
+
+
+def assert_gateway_moved(before: dict, after: dict) -> None:
+    """Two requests of 5 and 7 tokens and one refusal, in the gateway's families and vLLM's."""
+    moved = _mover(before, after)
+    assert moved("tokenmill:time_to_first_token_seconds_count") == 2
+    assert moved("tokenmill:inter_token_latency_seconds_count") == 4 + 6
+    assert moved("tokenmill:e2e_request_latency_seconds_count") == 2
+    assert moved("tokenmill:e2e_request_latency_seconds_sum") > 0
+    assert moved("tokenmill:generation_tokens_total") == 12
+    assert moved("tokenmill:prompt_tokens_total") == 2 * len("metrics " * 8)
+    assert moved("tokenmill:request_success_total", finished_reason="length") == 2
+    assert moved("tokenmill:request_errors_total", code="INVALID_ARGUMENT") == 1
     # vLLM's families beside ours, same values (what a stock vLLM dashboard reads)
-    assert moved(gateway, "vllm:request_success_total", finished_reason="length") == 2
-    assert moved(gateway, "vllm:e2e_request_latency_seconds_count") == 2
-    assert moved(gateway, "vllm:time_per_output_token_seconds_count") == 4 + 6
-    assert moved(gateway, "vllm:request_generation_tokens_count") == 2
-    assert moved(gateway, "vllm:request_generation_tokens_sum") == 12
-    assert moved(gateway, "vllm:request_prompt_tokens_bucket", le="100.0") == 2  # 64-token prompts
-    assert moved(gateway, "vllm:request_prompt_tokens_bucket", le="50.0") == 0
-    assert moved(gateway, "vllm:request_time_per_output_token_seconds_count") == 2
+    assert moved("vllm:request_success_total", finished_reason="length") == 2
+    assert moved("vllm:e2e_request_latency_seconds_count") == 2
+    assert moved("vllm:time_per_output_token_seconds_count") == 4 + 6
+    assert moved("vllm:request_generation_tokens_count") == 2
+    assert moved("vllm:request_generation_tokens_sum") == 12
+    assert moved("vllm:request_prompt_tokens_bucket", le="100.0") == 2  # 64-token prompts
+    assert moved("vllm:request_prompt_tokens_bucket", le="50.0") == 0
+    assert moved("vllm:request_time_per_output_token_seconds_count") == 2
     # the request parameters vLLM exports (issue 38 item 5): once per client request that ran
-    assert moved(gateway, "vllm:request_params_n_count") == 2 and moved(gateway, "vllm:request_params_n_sum") == 2
-    assert moved(gateway, "vllm:request_params_max_tokens_count") == 2
-    assert moved(gateway, "vllm:request_params_max_tokens_sum") == 5 + 7
-    assert moved(gateway, "tokenmill:request_params_max_tokens_bucket", le="10.0") == 2
+    assert moved("vllm:request_params_n_count") == 2 and moved("vllm:request_params_n_sum") == 2
+    assert moved("vllm:request_params_max_tokens_count") == 2
+    assert moved("vllm:request_params_max_tokens_sum") == 5 + 7
+    assert moved("tokenmill:request_params_max_tokens_bucket", le="10.0") == 2
 
-    assert moved("scheduler", "tokenmill:request_queue_time_seconds_count") == 2
-    assert moved("scheduler", "tokenmill:prefix_cache_queries_total") == 2 * len("metrics " * 8)
-    assert moved("scheduler", "tokenmill:prefix_cache_hits_total") >= 16  # the second request's first block
+
+
+def assert_scheduler_moved(before: dict, after: dict) -> None:
+    moved = _mover(before, after)
+    assert moved("tokenmill:request_queue_time_seconds_count") == 2
+    assert moved("tokenmill:prefix_cache_queries_total") == 2 * len("metrics " * 8)
+    assert moved("tokenmill:prefix_cache_hits_total") >= 16  # the second request's first block
     for name in SCHEDULER_METRICS:  # all there, idle now
-        assert any(sample == name for sample in families(after["scheduler"])), name
+        assert any(sample == name for sample in families(after)), name
     for phase in ("queue", "prefill", "decode", "inference"):
-        assert moved("scheduler", f"tokenmill:request_{phase}_time_seconds_count") == 2, phase
-        assert moved("scheduler", f"vllm:request_{phase}_time_seconds_count") == 2, phase
+        assert moved(f"tokenmill:request_{phase}_time_seconds_count") == 2, phase
+        assert moved(f"vllm:request_{phase}_time_seconds_count") == 2, phase
     # queue and prefill buckets fine enough for sub-100 ms: two requests on an idle scheduler queue for
     # well under 100 ms, which vLLM's request buckets (from 0.3 s) cannot tell apart
-    assert moved("scheduler", "tokenmill:request_queue_time_seconds_bucket", le="0.1") == 2
+    assert moved("tokenmill:request_queue_time_seconds_bucket", le="0.1") == 2
     for phase in ("queue", "prefill"):
         for le in ("0.001", "0.01", "0.02", "0.04", "0.06", "0.08", "0.1"):
             assert (f"vllm:request_{phase}_time_seconds_bucket", (("le", le), ("model_name", MODEL))) in \
-                after["scheduler"], (phase, le)
+                after, (phase, le)
     # Redis writes dropped carry model_name like every other request metric (none dropped: Redis is up)
     for kind in ("record", "token_stream"):
         key = ("tokenmill:redis_writes_dropped_total", (("kind", kind), ("model_name", MODEL)))
-        assert after["scheduler"].get(key) == 0, kind
-    info = [labels for name, labels in after["scheduler"] if name == "vllm:cache_config_info"]
+        assert after.get(key) == 0, kind
+    info = [labels for name, labels in after if name == "vllm:cache_config_info"]
     assert len(info) == 1 and ("block_size", "16") in info[0] and ("model_name", MODEL) in info[0]
-    assert value(after["scheduler"], "tokenmill:num_requests_running") == 0
-    assert value(after["scheduler"], "tokenmill:kv_cache_usage_perc") < 1.0
+    assert value(after, "tokenmill:num_requests_running") == 0
+    assert value(after, "tokenmill:kv_cache_usage_perc") < 1.0
     # the swap tier's families a stock vLLM dashboard reads: present, 0 without --swap-space-gb
     for name in ("vllm:num_requests_swapped", "vllm:cpu_cache_usage_perc"):
-        assert name in families(after["scheduler"]) and value(after["scheduler"], name) == 0, name
+        assert name in families(after) and value(after, name) == 0, name
 
-    steps = sum(moved("worker", "tokenmill:worker_step_seconds_count", kind=kind)
+
+
+def assert_worker_moved(before: dict, after: dict) -> None:
+    moved = _mover(before, after)
+    steps = sum(moved("tokenmill:worker_step_seconds_count", kind=kind)
                 for kind in ("prefill", "decode", "mixed"))
     assert steps >= 5 + 7  # each request: one prefill step, then a decode step per further token
-    assert moved("worker", "tokenmill:worker_step_seconds_count", kind="prefill") >= 1
-    assert moved("worker", "tokenmill:worker_step_seconds_count", kind="decode") >= 4
-    assert moved("worker", "vllm:iteration_tokens_total_count") == steps
+    assert moved("tokenmill:worker_step_seconds_count", kind="prefill") >= 1
+    assert moved("tokenmill:worker_step_seconds_count", kind="decode") >= 4
+    assert moved("vllm:iteration_tokens_total_count") == steps
     # the first prompt in full, the second's uncached tail, one token per decode step
-    assert moved("worker", "vllm:iteration_tokens_total_sum") >= len("metrics " * 8) + 4 + 6
+    assert moved("vllm:iteration_tokens_total_sum") >= len("metrics " * 8) + 4 + 6
+
 
 
 def test_each_process_serves_only_what_it_owns(traced_cluster):
