@@ -183,9 +183,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> list[Row]:
-    args = parse_args(argv)
-    random.seed(args.seed)
+def bench_setup(args: argparse.Namespace):
+    """The device, dtype, model config, batch sizes, context range, step counts and copy bandwidth of a run
+    (--dry-run: a tiny float32 model on CPU, to check the script without a GPU)."""
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.dry_run:
         device, dtype, config = torch.device("cpu"), torch.float32, tiny_config(num_layers=1)
@@ -200,7 +200,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
         context_range, warmup, timed = (args.min_context, args.max_context), args.warmup_steps, args.timed_steps
         copy_gb_s = copy_bandwidth_gb_s(device, 1 << 30, 20)
         print(f"device: {torch.cuda.get_device_name(device)}; torch {torch.__version__}", flush=True)
-    print(f"device-to-device copy: {copy_gb_s:.1f} GB/s (read + write)", flush=True)
+    return device, dtype, config, batch_sizes, context_range, warmup, timed, copy_gb_s
+
+
+def build_model(args: argparse.Namespace, config, dtype: torch.dtype, device: torch.device):
+    """The random-weight model in the weights --quantization names, with the kernel settings asked for."""
     started = time.perf_counter()
     model = random_llama(config, dtype, device, seed=args.seed)
     from worker.kernels import group_quant_matmul
@@ -215,6 +219,15 @@ def main(argv: list[str] | None = None) -> list[Row]:
             torch.cuda.empty_cache()  # the float weights the codes replaced
     print(f"model: {args.quantization} weights, {config.num_layers} layers, hidden {config.hidden_size}, {weight_bytes(model) / 1e9:.2f} GB of weights "
           f"read per step; built in {time.perf_counter() - started:.1f} s", flush=True)
+    return model
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    args = parse_args(argv)
+    random.seed(args.seed)
+    device, dtype, config, batch_sizes, context_range, warmup, timed, copy_gb_s = bench_setup(args)
+    print(f"device-to-device copy: {copy_gb_s:.1f} GB/s (read + write)", flush=True)
+    model = build_model(args, config, dtype, device)
     max_steps = warmup + timed + 2
     blocks_per_request = -(-(context_range[1] + max_steps) // args.block_size)
     num_blocks = 1 + max(batch_sizes) * blocks_per_request
