@@ -60,21 +60,60 @@ def check(out: torch.Tensor, reference: torch.Tensor, what: str) -> float:
     return error
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m tests.gpu.bench_group_quant", description=__doc__)
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--rows", default="1,4,8,16,32,64")
     parser.add_argument("--gemv-sweep", action=argparse.BooleanOptionalAction, default=True,
                         help="sweep the GEMV configurations (--no-gemv-sweep: GEMV_CONFIG only)")
     parser.add_argument("--output", help="write the results as JSON here")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def sweep(label: str, configs, per_shape_of, at: str = "") -> list[dict]:
+    """Each configuration's time per shape (per_shape_of(config) -> {shape: us}); one the compiler rejects
+    (registers, shared memory) is skipped with its reason."""
+    measured = []
+    for config in configs:
+        try:
+            per_shape = per_shape_of(config)
+        except Exception as error:  # noqa: BLE001 - a rejected configuration is skipped, the rest go on
+            print(f"{label} {config}: skipped, {type(error).__name__}: {str(error)[:160]}", flush=True)
+            continue
+        total = sum(per_shape.values())
+        measured.append({"config": list(config), "total_us": total, "us": per_shape})
+        print(f"{label} {config}{at}: " + " ".join(f"{name} {us:7.1f}" for name, us in per_shape.items())
+              + f"  total {total:8.1f} us", flush=True)
+    return measured
+
+
+def table_row(name, k, n, bits, group, rows, weight, x, timed, best, best_dequant, device, gemv_max_rows) -> dict:
+    """One shape x layout x row count: tiled vs GEMV (best config) vs dequantizing kernel vs bfloat16 weights."""
+    tiled_us = timed(name, bits, group, rows, tiled=True)
+    gemv_us = timed(name, bits, group, rows, best) if rows <= gemv_max_rows else float("nan")
+    dequant_us = timed(name, bits, group, rows, dequant=best_dequant)
+    dense = weight.dequantize().to(torch.bfloat16)
+    dense_us = time_us(lambda: F.linear(x, dense), device)
+    del dense
+    fastest = min(us for us in (tiled_us, gemv_us, dequant_us) if not math.isnan(us)) if device.type == "cuda" \
+        else float("nan")
+    row = {"shape": name, "k": k, "n": n, "bits": bits, "group_size": group, "rows": rows, "tiled_us": tiled_us,
+           "gemv_us": gemv_us, "dequant_us": dequant_us, "bf16_us": dense_us,
+           "gb_s": bytes_moved(weight, rows, k, n) / fastest / 1e3}
+    print(f"{name:>9} {bits}/{group:<5} {rows:>4} {tiled_us:>9.1f} {gemv_us:>8.1f} {dequant_us:>10.1f} "
+          f"{dense_us:>8.1f} {row['gb_s']:>6.0f} {tiled_us / fastest:>10.2f} {dense_us / fastest:>9.2f}", flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from worker.kernels import group_quant_matmul as gq
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     shapes = {"tiny": (96, 40)} if args.dry_run else SHAPES
-    sweep = [gq.GEMV_CONFIG] if args.dry_run or not args.gemv_sweep else SWEEP
+    gemv_configs = [gq.GEMV_CONFIG] if args.dry_run or not args.gemv_sweep else SWEEP
     layouts = [(4, 32)] if args.dry_run else list(gq.LAYOUTS)
     row_counts = [1, 3] if args.dry_run else [int(r) for r in args.rows.split(",")]
     weights = {(name, bits, group): make_weight(k, n, bits, group, device, seed)
@@ -97,33 +136,15 @@ def main(argv: list[str] | None = None) -> dict:
         return time_us(call, device)
 
     # 1. the GEMV sweep: one row, 4-bit groups of 32
-    sweep_rows = []
-    for config in sweep:
-        try:
-            per_shape = {name: timed(name, 4, 32, 1, config) for name in shapes}
-        except Exception as error:  # a configuration the compiler rejects (registers, shared memory) is skipped
-            print(f"gemv {config}: skipped, {type(error).__name__}: {str(error)[:160]}", flush=True)
-            continue
-        total = sum(per_shape.values())
-        sweep_rows.append({"config": list(config), "total_us": total, "us": per_shape})
-        print(f"gemv {config}: " + " ".join(f"{name} {us:7.1f}" for name, us in per_shape.items())
-              + f"  total {total:8.1f} us", flush=True)
+    sweep_rows = sweep("gemv", gemv_configs, lambda config: {name: timed(name, 4, 32, 1, config) for name in shapes})
     ranked = sorted(sweep_rows, key=lambda row: row["total_us"]) if device.type == "cuda" else sweep_rows
     best = tuple(ranked[0]["config"]) if ranked else gq.GEMV_CONFIG
 
     # 1b. the dequantizing kernel's sweep at DEQUANT_SWEEP_ROWS rows (or the largest row count asked for)
     dequant_rows = DEQUANT_SWEEP_ROWS if DEQUANT_SWEEP_ROWS in row_counts else max(row_counts)
     dequant_sweep = [gq._dequant_config(dequant_rows)[1:]] if args.dry_run else DEQUANT_SWEEP
-    dequant_ranked = []
-    for config in dequant_sweep:
-        try:
-            per_shape = {name: timed(name, 4, 32, dequant_rows, dequant=config) for name in shapes}
-        except Exception as error:  # noqa: BLE001 - as above
-            print(f"dequant {config}: skipped, {type(error).__name__}: {str(error)[:160]}", flush=True)
-            continue
-        dequant_ranked.append({"config": list(config), "total_us": sum(per_shape.values()), "us": per_shape})
-        print(f"dequant {config} at {dequant_rows} rows: " + " ".join(f"{name} {us:7.1f}" for name, us in per_shape.items())
-              + f"  total {sum(per_shape.values()):8.1f} us", flush=True)
+    dequant_ranked = sweep("dequant", dequant_sweep, lambda config: {
+        name: timed(name, 4, 32, dequant_rows, dequant=config) for name in shapes}, at=f" at {dequant_rows} rows")
     if device.type == "cuda":
         dequant_ranked.sort(key=lambda row: row["total_us"])
     best_dequant = tuple(dequant_ranked[0]["config"]) if dequant_ranked else tuple(gq._dequant_config(dequant_rows)[1:])
@@ -131,23 +152,9 @@ def main(argv: list[str] | None = None) -> dict:
     # 2. every layout and row count: tiled vs GEMV (best config) vs bfloat16 weights
     print(f"{'shape':>9} {'layout':>7} {'rows':>4} {'tiled us':>9} {'gemv us':>8} {'dequant us':>10} {'bf16 us':>8} "
           f"{'GB/s':>6} {'tiled/best':>10} {'bf16/best':>9}", flush=True)
-    table = []
-    for (name, (k, n)), (bits, group), rows in itertools.product(shapes.items(), layouts, row_counts):
-        weight, x = weights[name, bits, group], inputs[name, rows]
-        tiled_us = timed(name, bits, group, rows, tiled=True)
-        gemv_us = timed(name, bits, group, rows, best) if rows <= gq.GEMV_MAX_ROWS else float("nan")
-        dequant_us = timed(name, bits, group, rows, dequant=best_dequant)
-        dense = weight.dequantize().to(torch.bfloat16)
-        dense_us = time_us(lambda: F.linear(x, dense), device)
-        del dense
-        fastest = min(us for us in (tiled_us, gemv_us, dequant_us) if not math.isnan(us)) if device.type == "cuda" \
-            else float("nan")
-        row = {"shape": name, "k": k, "n": n, "bits": bits, "group_size": group, "rows": rows, "tiled_us": tiled_us,
-               "gemv_us": gemv_us, "dequant_us": dequant_us, "bf16_us": dense_us,
-               "gb_s": bytes_moved(weight, rows, k, n) / fastest / 1e3}
-        table.append(row)
-        print(f"{name:>9} {bits}/{group:<5} {rows:>4} {tiled_us:>9.1f} {gemv_us:>8.1f} {dequant_us:>10.1f} "
-              f"{dense_us:>8.1f} {row['gb_s']:>6.0f} {tiled_us / fastest:>10.2f} {dense_us / fastest:>9.2f}", flush=True)
+    table = [table_row(name, k, n, bits, group, rows, weights[name, bits, group], inputs[name, rows], timed, best,
+                       best_dequant, device, gq.GEMV_MAX_ROWS)
+             for (name, (k, n)), (bits, group), rows in itertools.product(shapes.items(), layouts, row_counts)]
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "best_gemv_config": list(best), "sweep": ranked, "best_dequant_config": list(best_dequant),
                "dequant_sweep": dequant_ranked, "table": table}
