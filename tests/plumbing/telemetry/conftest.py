@@ -4,6 +4,8 @@ A 1 s drain timeout and no retry after a lost worker, so that a test can end a r
 by killing the worker (test_request_endings_faults_e2e, which restarts what it stops)."""
 from __future__ import annotations
 
+import secrets
+
 import dataclasses
 
 import pytest
@@ -49,3 +51,9 @@ def traced_cluster(tmp_path_factory, otlp_receiver):
              else spec for spec in cluster_specs(config)]
     with Supervisor(specs, echo=False, startup_timeout_s=300, tail_lines=400) as supervisor:
         yield config, supervisor
+
+
+def traceparent() -> tuple[str, str]:
+    """A fresh trace id and the W3C traceparent header that starts it, for a request to send."""
+    trace_id = secrets.token_hex(16)
+    return trace_id, f"00-{trace_id}-{secrets.token_hex(8)}-01"

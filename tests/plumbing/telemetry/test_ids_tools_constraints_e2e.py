@@ -16,8 +16,8 @@ from gateway.telemetry import constraint_hash
 from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from tests.plumbing.telemetry.conftest import LONG_TOKENS
 from tests.plumbing.telemetry.test_metrics_e2e import MODEL, scrape, value
-from tests.plumbing.telemetry.test_request_endings_e2e import (SERVER, STATUS_ERROR, ended_lines, log_entries,
-                                                               traceparent)
+from tests.plumbing.telemetry.conftest import traceparent
+from tests.plumbing.telemetry.test_request_endings_e2e import SERVER, STATUS_ERROR, ended_lines, log_entries
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,6 @@ test_request_endings_faults_e2e.)"""
 from __future__ import annotations
 
 import json
-import secrets
 import time
 import urllib.request
 
@@ -14,18 +13,13 @@ import grpc
 import pytest
 
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tests.plumbing.telemetry.conftest import LONG_TOKENS
+from tests.plumbing.telemetry.conftest import LONG_TOKENS, traceparent
 from tests.plumbing.telemetry.test_metrics_e2e import MODEL, scrape, value
 
 pytestmark = pytest.mark.slow
 
 SERVER, CLIENT = 2, 3  # opentelemetry.proto.trace.v1.Span.SpanKind
 STATUS_ERROR = 2
-
-
-def traceparent() -> tuple[str, str]:
-    trace_id = secrets.token_hex(16)
-    return trace_id, f"00-{trace_id}-{secrets.token_hex(8)}-01"
 
 
 def log_entries(supervisor, process: str, request_id: str, needle: str, timeout_s: float = 10) -> list[dict]:

@@ -6,7 +6,6 @@ exception event (on the request span, no stack), and a CancelRequest links to th
 from __future__ import annotations
 
 import json
-import secrets
 import threading
 import time
 import urllib.request
@@ -15,7 +14,7 @@ import grpc
 import pytest
 
 from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc
-from tests.plumbing.telemetry.conftest import LONG_TOKENS
+from tests.plumbing.telemetry.conftest import LONG_TOKENS, traceparent
 
 pytestmark = pytest.mark.slow
 
@@ -24,30 +23,29 @@ STATUS_ERROR = 2
 FLUSH_NS = 1_000_000_000  # a span of the request may end this long after the request span (export batch)
 
 
-def traceparent() -> tuple[str, str]:
-    trace_id = secrets.token_hex(16)
-    return trace_id, f"00-{trace_id}-{secrets.token_hex(8)}-01"
+def _grpc(config, tokens: int, streaming: bool) -> str:
+    """A healthy traced tokenmill.v1 request, streamed or whole; its trace id."""
+    trace_id, parent = traceparent()
+    with grpc.insecure_channel(config.gateway_address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        request = generation_pb2.GenerateRequest(
+            prompt=f"healthy {'stream' if streaming else 'unary'}",
+            parameters=generation_pb2.GenerateParameters(max_tokens=tokens, ignore_eos=True))
+        metadata = [("traceparent", parent)]
+        if streaming:
+            messages = list(stub.GenerateStream(request, timeout=120, metadata=metadata))
+            assert messages[-1].finish_reason
+        else:
+            stub.Generate(request, timeout=120, metadata=metadata)
+    return trace_id
 
 
 def grpc_stream(config, tokens: int = 5) -> str:
-    trace_id, parent = traceparent()
-    with grpc.insecure_channel(config.gateway_address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        request = generation_pb2.GenerateRequest(
-            prompt="healthy stream", parameters=generation_pb2.GenerateParameters(max_tokens=tokens, ignore_eos=True))
-        messages = list(stub.GenerateStream(request, timeout=120, metadata=[("traceparent", parent)]))
-    assert messages[-1].finish_reason
-    return trace_id
+    return _grpc(config, tokens, streaming=True)
 
 
 def grpc_unary(config, tokens: int = 4) -> str:
-    trace_id, parent = traceparent()
-    with grpc.insecure_channel(config.gateway_address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        request = generation_pb2.GenerateRequest(
-            prompt="healthy unary", parameters=generation_pb2.GenerateParameters(max_tokens=tokens, ignore_eos=True))
-        stub.Generate(request, timeout=120, metadata=[("traceparent", parent)])
-    return trace_id
+    return _grpc(config, tokens, streaming=False)
 
 
 def http_completion(config, stream: bool, tokens: int = 4) -> str:
