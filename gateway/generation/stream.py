@@ -206,9 +206,7 @@ def tool_calls_seen(prepared: PreparedRequest, text: str) -> ToolCallsSeen | Non
     if syntax is None:
         return None
     parsed = syntax.parse(text)
-    markers = [m for m in (getattr(syntax.stream_class, name, "") for name in ("START", "PYTHON_TAG")) if m]
-    failed = any(marker in (parsed.content or "") for marker in markers)  # a call began and did not parse
-    return ToolCallsSeen([call.name for call in parsed.tool_calls], failed)
+    return ToolCallsSeen([call.name for call in parsed.tool_calls], syntax.call_failed(parsed))
 
 
 def _record_cut(observer: RequestObserver, side: SchedulerSide, deadline: float | None) -> None:

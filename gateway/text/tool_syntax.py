@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass
 
 from gateway.text.chat_template import template_variables
@@ -46,6 +47,14 @@ class ToolSyntax:
 
     def writes_this(self, chat_template: str) -> bool:
         return any(marker in chat_template for marker in self.template_markers)
+
+    def call_failed(self, parsed: ParsedOutput) -> bool:
+        """A call began and did not parse: the parser gave the text back as content with a call's start in it.
+        parsed: this syntax's parse of a whole output."""
+        return not parsed.tool_calls and any(marker in (parsed.content or "") for marker in self._call_starts())
+
+    def _call_starts(self) -> tuple[str, ...]:
+        return tuple(m for m in (getattr(self.stream_class, n, "") for n in ("START", "PYTHON_TAG")) if m)
 
     def grammar(self, functions: list[tuple[str, dict]], parallel: bool) -> str:
         """A Lark grammar (llguidance's, with %json for each call) whose sentences are one call (or
@@ -104,6 +113,11 @@ class Llama3JsonSyntax(ToolSyntax):
     def _start_rules(self, parallel: bool) -> list[str]:
         return ['start: call ("; " call)*' if parallel else "start: call"]
 
+    def call_failed(self, parsed: ParsedOutput) -> bool:
+        # Llama 3.1 often writes its call bare, without <|python_tag|>: an output that opens with a
+        # {"name" object and parsed to no call is a broken call, not an answer.
+        return super().call_failed(parsed) or (not parsed.tool_calls and bool(_BARE_CALL.match(parsed.content or "")))
+
     def system_prompt(self, tools: list[dict]) -> str:
         listed = "".join(_tojson(tool, indent=4) + "\n\n" for tool in tools)
         return ("Given the following functions, please respond with a JSON for a function call with its proper "
@@ -117,6 +131,8 @@ class Llama3JsonSyntax(ToolSyntax):
     def results_text(self, results: list[str]) -> str:
         return "\n".join(results)
 
+
+_BARE_CALL = re.compile(r'\s*\{\s*"name"\s*:')
 
 SYNTAXES = {syntax.name: syntax for syntax in (HermesSyntax(), Llama3JsonSyntax())}
 if TOOL_CALL_PARSERS != ("auto", *SYNTAXES):  # the flag's choices are declared without importing this module

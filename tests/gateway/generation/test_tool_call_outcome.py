@@ -21,6 +21,13 @@ def outcome(syntax, text: str):
     (HermesSyntax(), 'It is sunny.', [], "none"),
     (HermesSyntax(), '<tool_call>\n{"name": "weather", "argu', [], "failed"),
     (Llama3JsonSyntax(), '<|python_tag|>{"name": "time", "parameters": {}}', ["time"], "parsed"),
+    (Llama3JsonSyntax(), '{"name": "time", "parameters": {}}', ["time"], "parsed"),
+    (Llama3JsonSyntax(), '<|python_tag|>{"name": "time", "param', [], "failed"),
+    # Llama 3.1's bare call (no python tag) that breaks off is a failed call too, not an answer
+    (Llama3JsonSyntax(), '{"name": "time", "parameters": {"zone": ', [], "failed"),
+    (Llama3JsonSyntax(), '  {"name": "time" "parameters"}', [], "failed"),
+    (Llama3JsonSyntax(), 'It is noon.', [], "none"),
+    (Llama3JsonSyntax(), 'The answer is {"name": 1}', [], "none"),
 ])
 def test_the_outcome_names_the_calls_or_the_failure(syntax, text, names, result):
     seen = outcome(syntax, text)
