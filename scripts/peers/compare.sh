@@ -12,6 +12,7 @@
 #   scripts/peers/compare.sh --dry-run                      prints what it would run
 #   scripts/peers/compare.sh --near-free --sides tokenmill,vllm --dtypes float32
 #                                                           the stack's ceiling (issue 33): see below
+#   scripts/peers/compare.sh --model qwen2.5-1.5b           a real model's shapes (issue 34): see below
 #
 # Options: --sides LIST (tokenmill,vllm,llama-server), --dtypes LIST (activation dtypes for tokenmill and
 # vLLM; llama-server runs the file's own quantization), --tokenmill-variants 'FLAGS;FLAGS' (tokenmill runs
@@ -24,6 +25,14 @@
 # VLLM_CPU_KVCACHE_SPACE (4 GiB), READY_TIMEOUT_S (900: vLLM compiles for ~100 s), TOKENMILL_SERVE_ARGS
 # (extra `tokenmill serve` flags), LLAMA_SERVER_ARGS (extra llama-server flags, named in its row: on a CPU
 # with AMX, llama-server 0.3.36's AMX weight repacking segfaults at warm-up; --no-repack runs it).
+#
+# --model NAME: instead of the default model, a random-weight model of a real one's shapes (issue 34:
+# llama3.2-1b, qwen2.5-1.5b, llama3.2-3b, llama3.1-8b), written once by scripts/peers/make_shapes.py into
+# .peers/shapes: tokenmill and llama-server serve its Q4_K_M GGUF file, vLLM its bfloat16 HF folder (written
+# only when vllm is a side); the client tokenizes with the file's tokenizer (bench --model). The workload is
+# issue 34's: concurrency 1, 4, 16 and 64, 64 requests per level, 512-token prompts, 64-128 output tokens,
+# greedy, EOS ignored; llama-server gets 64 slots of 1024 tokens; dtypes default to bfloat16. Its table has
+# its own markers in the doc (peers.py --section shape-NAME), with ITL P99 and each server's RSS after its run.
 #
 # --near-free: instead of the default model, the near-free model of `tokenmill bench-stack` (1 layer, hidden
 # 64, random weights, the default tokenizer; written once to .peers/hf/near-free by
@@ -41,6 +50,9 @@ OUT=bench_out/peers
 DOC=docs/benchmarks.md
 DRY_RUN=0
 NEAR_FREE=0
+SHAPE=""
+DTYPES_GIVEN=0
+OUT_GIVEN=0
 TOKENMILL_VARIANTS=""
 EXTRA=()
 ORIGINAL_ARGS="$([ $# -eq 0 ] || printf ' %q' "$@")"  # quoted as a shell would need them
@@ -48,11 +60,12 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --sides) SIDES_WANTED="$2"; shift 2 ;;
         --tokenmill-variants) TOKENMILL_VARIANTS="$2"; shift 2 ;;
-        --dtypes) DTYPES="$2"; shift 2 ;;
-        --out) OUT="$2"; shift 2 ;;
+        --dtypes) DTYPES="$2"; DTYPES_GIVEN=1; shift 2 ;;
+        --out) OUT="$2"; OUT_GIVEN=1; shift 2 ;;
         --doc) DOC="$2"; shift 2 ;;
         --dry-run) DRY_RUN=1; shift ;;
         --near-free) NEAR_FREE=1; shift ;;
+        --model) SHAPE="$2"; shift 2 ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         --) shift; EXTRA=("$@"); break ;;
         *) echo "compare.sh: unknown argument $1 (try --help)" >&2; exit 2 ;;
@@ -66,6 +79,12 @@ if [ "$NEAR_FREE" = 1 ] && [[ ",$SIDES_WANTED," == *",llama-server,"* ]]; then
     [[ ",$SIDES_WANTED," != *",llama-server,"* ]] || {
         echo "compare.sh: --near-free: llama-server serves GGUF files only; leave it out of --sides" >&2; exit 2; }
 fi
+SHAPES="llama3.2-1b qwen2.5-1.5b llama3.2-3b llama3.1-8b"  # make_shapes.py's MODELS
+if [ -n "$SHAPE" ]; then
+    [[ " $SHAPES " == *" $SHAPE "* ]] || { echo "compare.sh: --model: unknown model $SHAPE (one of: $SHAPES)" >&2; exit 2; }
+    [ "$NEAR_FREE" = 0 ] || { echo "compare.sh: --model and --near-free exclude each other" >&2; exit 2; }
+    [ "$DTYPES_GIVEN" = 1 ] || DTYPES=bfloat16
+fi
 for dtype in ${DTYPES//,/ }; do
     case "$dtype" in float32|bfloat16|float16) ;; *) echo "compare.sh: --dtypes: unknown dtype $dtype" >&2; exit 2 ;; esac
 done
@@ -76,6 +95,8 @@ VLLM_VENV=.peers/vllm-venv
 HF_DIR=.peers/hf/SmolLM2-135M-Instruct
 LLAMA_SERVER=.peers/bin/llama-server
 THREADS="${THREADS:-$(nproc)}"
+LLAMA_SLOTS_SET="${LLAMA_SLOTS:-}"  # as the environment gave them: a --model run has its own defaults
+LLAMA_CTX_PER_SLOT_SET="${LLAMA_CTX_PER_SLOT:-}"
 LLAMA_SLOTS="${LLAMA_SLOTS:-32}"
 LLAMA_CTX_PER_SLOT="${LLAMA_CTX_PER_SLOT:-512}"
 READY_TIMEOUT_S="${READY_TIMEOUT_S:-900}"
@@ -104,12 +125,36 @@ if [ "$NEAR_FREE" = 1 ]; then
 fi
 
 wants() { [[ ",$SIDES_WANTED," == *",$1,"* ]]; }
+LLAMA_FORMAT="GGUF Q4_1 file with its own Q4_1 kernels"
+LLAMA_ALIAS=smollm2
+if [ -n "$SHAPE" ]; then
+    SHAPES_DIR=.peers/shapes
+    GGUF="$SHAPES_DIR/$SHAPE.Q4_K_M.gguf"
+    HF_DIR="$SHAPES_DIR/$SHAPE-bf16"
+    SECTION="shape-$SHAPE"
+    [ "$OUT_GIVEN" = 1 ] || OUT="$OUT/$SHAPE"  # the default model's results stay
+    TOKENMILL_MODEL=(--model "$GGUF")
+    TOKENMILL_WEIGHTS="$SHAPE-shaped GGUF Q4_K_M file (random weights, make_shapes.py)"
+    VLLM_MODEL=("$HF_DIR" --served-model-name "$SHAPE")
+    VLLM_WEIGHTS="$SHAPE-shaped HF folder (random bfloat16 weights, make_shapes.py --hf)"
+    LLAMA_FORMAT="$SHAPE-shaped GGUF Q4_K_M file with its own kernels"
+    LLAMA_ALIAS="$SHAPE"
+    LLAMA_SLOTS="${LLAMA_SLOTS_SET:-64}"
+    LLAMA_CTX_PER_SLOT="${LLAMA_CTX_PER_SLOT_SET:-1024}"
+    BENCH_ARGS=(--model "$GGUF" --concurrency 1,4,16,64 --num-requests 64 --prompt-len 512 --min-output 64
+                --max-output 128 --warmup 2 --no-plots "${EXTRA[@]}")
+    make=("$PYTHON" scripts/peers/make_shapes.py --model "$SHAPE" --out "$SHAPES_DIR")
+    wants vllm && make+=(--hf)
+    echo "+ ${make[*]}"
+    [ "$DRY_RUN" = 1 ] || "${make[@]}"  # skips what is written already
+fi
 need() {  # a peer's file, or the script that makes it
     [ "$DRY_RUN" = 1 ] || [ -e "$1" ] || { echo "compare.sh: $1 is missing: run $2 first" >&2; exit 1; }
 }
 if wants vllm; then
     need "$VLLM_VENV/bin/vllm" scripts/peers/setup_vllm_cpu.sh
-    [ "$NEAR_FREE" = 1 ] || need "$HF_DIR/config.json" scripts/peers/setup_vllm_cpu.sh  # --near-free writes its own
+    # --near-free and --model write their own
+    [ "$NEAR_FREE" = 1 ] || [ -n "$SHAPE" ] || need "$HF_DIR/config.json" scripts/peers/setup_vllm_cpu.sh
 fi
 wants llama-server && need "$LLAMA_SERVER" scripts/peers/setup_llama_server.sh
 
@@ -130,6 +175,7 @@ trap stop_server EXIT
 trap 'exit 130' INT TERM
 
 SIDE_ARGS=()
+RSS_ARGS=()
 bench_side() {  # NAME FORMAT SLUG COMMAND... (@PORT@ in COMMAND becomes the port)
     local name="$1" format="$2" slug="$3" port model
     shift 3
@@ -151,6 +197,9 @@ bench_side() {  # NAME FORMAT SLUG COMMAND... (@PORT@ in COMMAND becomes the por
         exit 1
     fi
     "${bench[@]}" --openai-model "$model"
+    if [ -n "$SHAPE" ]; then  # the resident memory of the server's process group (setsid: its pid leads it)
+        RSS_ARGS+=(--rss "$name" "$(ps -o rss= -g "$SERVER_PID" | awk '{ kib += $1 } END { printf "%.0f", kib / 1024 }')")
+    fi
     stop_server
 }
 
@@ -182,9 +231,9 @@ fi
 # shellcheck disable=SC2206 # LLAMA_SERVER_ARGS is a list of flags
 LLAMA_EXTRA=(${LLAMA_SERVER_ARGS:-})
 if wants llama-server; then
-    bench_side "llama.cpp llama-server" "GGUF Q4_1 file with its own Q4_1 kernels, $THREADS threads, $LLAMA_SLOTS slots${LLAMA_SERVER_ARGS:+, $LLAMA_SERVER_ARGS}" \
+    bench_side "llama.cpp llama-server" "$LLAMA_FORMAT, $THREADS threads, $LLAMA_SLOTS slots${LLAMA_SERVER_ARGS:+, $LLAMA_SERVER_ARGS}" \
         llama-server "$LLAMA_SERVER" -m "$GGUF" --host 127.0.0.1 --port @PORT@ -t "$THREADS" \
-        -np "$LLAMA_SLOTS" -c "$((LLAMA_SLOTS * LLAMA_CTX_PER_SLOT))" --alias smollm2 "${LLAMA_EXTRA[@]}"
+        -np "$LLAMA_SLOTS" -c "$((LLAMA_SLOTS * LLAMA_CTX_PER_SLOT))" --alias "$LLAMA_ALIAS" "${LLAMA_EXTRA[@]}"
 fi
 
 versions="tokenmill $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
@@ -193,6 +242,6 @@ if [ "$DRY_RUN" = 0 ]; then
     wants llama-server && versions+=", llama-server $("$LLAMA_SERVER" --version 2>&1 | head -n 1)"
 fi
 table=("$PYTHON" -m tokenmill.bench.peers table --doc "$DOC" --section "$SECTION" --command "scripts/peers/compare.sh$ORIGINAL_ARGS"
-       --note "versions: $versions" "${SIDE_ARGS[@]}")
+       --note "versions: $versions" "${SIDE_ARGS[@]}" "${RSS_ARGS[@]}")
 echo "+ ${table[*]}"
 [ "$DRY_RUN" = 1 ] || "${table[@]}"

@@ -8,6 +8,9 @@
         one row per side (each a `tokenmill bench --openai-url` result), a column group per load level,
         the CPU (lscpu: model, cores, SIMD flags) and the workload, written between the markers below
         in the doc (appended with a heading when the markers are absent)
+    python -m tokenmill.bench.peers table --section shape-qwen2.5-1.5b --rss "tokenmill serve" 6800 ...
+        a real-shape model's table (compare.sh --model): its own markers, the issue-34 columns (output
+        tok/s, TTFT P50, ITL P50 / P99 per level) and each side's RSS in MiB
 """
 from __future__ import annotations
 
@@ -34,8 +37,26 @@ SECTIONS = {
                   "<!-- peers-near-free:end -->",
                   "## Peers on the near-free model: the serving stack's ceiling (issue 33)"),
 }
+SHAPE_PREFIX = "shape-"  # a real-shape model's section (compare.sh --model NAME): shape-NAME
+# the columns of a level: (header, the level's key, seconds shown as ms)
+LEVEL_COLUMNS = (("out tok/s", "output_tokens_per_s", False), ("TTFT P50 ms", "ttft_p50_s", True),
+                 ("ITL P50 ms", "itl_p50_s", True), ("E2E P99 ms", "e2e_p99_s", True))
+SHAPE_LEVEL_COLUMNS = (("out tok/s", "output_tokens_per_s", False), ("TTFT P50 ms", "ttft_p50_s", True),
+                       ("ITL P50 ms", "itl_p50_s", True), ("ITL P99 ms", "itl_p99_s", True))
 # the lscpu flags that decide which kernels a CPU server can run (avx512_bf16, avx512_vnni, amx_* included)
 SIMD_FLAG_PREFIXES = ("sse4", "avx", "fma", "f16c", "amx")
+
+
+def markers(name: str) -> tuple[str, str, str]:
+    """(begin marker, end marker, heading) of one of the doc's tables: SECTIONS, or shape-MODEL."""
+    if name in SECTIONS:
+        return SECTIONS[name]
+    if name.startswith(SHAPE_PREFIX) and len(name) > len(SHAPE_PREFIX):
+        model = name.removeprefix(SHAPE_PREFIX)
+        return (f"<!-- peers-{name}:begin (written by scripts/peers/compare.sh --model {model}) -->",
+                f"<!-- peers-{name}:end -->",
+                f"## Peers on the {model} shape: random weights, llama.cpp's Q4_K_M mix (issue 34)")
+    raise ValueError(f"--section {name!r}: must be one of {', '.join(SECTIONS)} or {SHAPE_PREFIX}MODEL")
 
 
 def wait_ready(base_url: str, pid: int | None, timeout_s: float, interval_s: float = 1.0) -> str:
@@ -95,17 +116,21 @@ def _load(level: dict) -> str:
     return f"{level['request_rate']:g} req/s" if is_open_loop(level) else f"c={level['concurrency']}"
 
 
-def side_table(sides: list[tuple[str, str, dict]]) -> list[str]:
-    """Markdown rows: side, its dtype / format, then per load level (in first-seen order) output tok/s,
-    TTFT P50, ITL P50 and E2E P99, then the failed requests over all levels."""
+def side_table(sides: list[tuple[str, str, dict]], columns=LEVEL_COLUMNS,
+               rss_mib: dict[str, float] | None = None) -> list[str]:
+    """Markdown rows: side, its dtype / format, then per load level (in first-seen order) the columns
+    (default: output tok/s, TTFT P50, ITL P50 and E2E P99), then the failed requests over all levels, then
+    each side's RSS in MiB where rss_mib is given."""
     loads: list[str] = []
     for _, _, result in sides:
         for run in result["runs"].values():
             loads += [load for load in map(_load, run["levels"]) if load not in loads]
     header = ["server", "dtype / format"]
     for load in loads:
-        header += [f"{load} out tok/s", f"{load} TTFT P50 ms", f"{load} ITL P50 ms", f"{load} E2E P99 ms"]
+        header += [f"{load} {label}" for label, _, _ in columns]
     header.append("failed")
+    if rss_mib is not None:
+        header.append("RSS MiB")
     table = ["| " + " | ".join(header) + " |", "| --- | --- " + "| ---: " * (len(header) - 2) + "|"]
     for name, form, result in sides:
         (run,) = result["runs"].values()  # one `tokenmill bench --openai-url` run per side
@@ -113,32 +138,37 @@ def side_table(sides: list[tuple[str, str, dict]]) -> list[str]:
         cells = [name, form]
         for load in loads:
             level = by_load.get(load)
-            cells += (["-"] * 4 if level is None else
-                      [f"{level['output_tokens_per_s']:.1f}", _ms(level["ttft_p50_s"]), _ms(level["itl_p50_s"]),
-                       _ms(level["e2e_p99_s"])])
+            cells += (["-"] * len(columns) if level is None else
+                      [_ms(level[key]) if seconds else f"{level[key]:.1f}" for _, key, seconds in columns])
         failed = sum(level["num_errors"] for level in run["levels"])
         cells.append(f"{failed}/{sum(level['num_requests'] for level in run['levels'])}")
+        if rss_mib is not None:
+            cells.append(f"{rss_mib[name]:.0f}" if name in rss_mib else "-")
         table.append("| " + " | ".join(cells) + " |")
     return table
 
 
 def section(sides: list[tuple[str, str, dict]], lscpu_text: str, command: str, notes: list[str],
-            day: str, name: str = "peers") -> list[str]:
+            day: str, name: str = "peers", rss_mib: dict[str, float] | None = None) -> list[str]:
     """The doc's section: how it was run, the CPU, the workload (from the first side's notes), the table."""
     workload = [note for note in sides[0][2].get("notes", []) if note.startswith(("workload:", "percentiles:"))]
     intro = (f"Run on {day}, one server after the other on this machine, each through the same client "
              "(`tokenmill bench --openai-url`, streamed `/v1/completions`):")
     outro = ("Each side's full table (P50/P90/P99 of TTFT, ITL, E2E) is in the `bench.md` beside its "
              "`bench.json` in the command's output directory.")
-    begin, end, _ = SECTIONS[name]
+    begin, end, _ = markers(name)
+    columns = SHAPE_LEVEL_COLUMNS if name.startswith(SHAPE_PREFIX) else LEVEL_COLUMNS
+    if rss_mib is not None:
+        notes = [*notes, "RSS: the server's whole process group (`ps -g`), summed after its last level"]
     return [begin, "", intro, "", "```bash", command, "```", "", f"- CPU: {cpu_summary(lscpu_text)}",
-            *(f"- {note}" for note in [*workload, *notes]), "", *side_table(sides), "", outro, "", end]
+            *(f"- {note}" for note in [*workload, *notes]), "", *side_table(sides, columns, rss_mib), "", outro, "",
+            end]
 
 
 def write_section(doc: Path, lines: list[str], name: str = "peers") -> None:
     """Replaces the text from the section's begin marker to its end marker in doc, or appends a heading and
     the section."""
-    begin, end, heading = SECTIONS[name]
+    begin, end, heading = markers(name)
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
     block = "\n".join(lines)
     if begin in text and end in text:
@@ -164,11 +194,18 @@ def main(argv: list[str] | None = None) -> int:
     table.add_argument("--note", action="append", default=[], help="a line under the CPU (versions, settings)")
     table.add_argument("--lscpu-file", type=Path, help="lscpu's output saved in a file (default: run lscpu)")
     table.add_argument("--date", default=date.today().isoformat())
-    table.add_argument("--section", choices=sorted(SECTIONS), default="peers",
-                       help="which of the doc's tables (its own markers): the default model's, or the near-free "
-                            "model's (compare.sh --near-free) (default: %(default)s)")
+    table.add_argument("--section", default="peers",
+                       help="which of the doc's tables (its own markers): the default model's (peers), the near-free "
+                            "model's (near-free: compare.sh --near-free) or a real-shape model's (shape-NAME: "
+                            "compare.sh --model NAME) (default: %(default)s)")
+    table.add_argument("--rss", nargs=2, action="append", metavar=("NAME", "MIB"),
+                       help="a side's resident memory after its run (adds an RSS column)")
     args = parser.parse_args(argv)
-
+    if hasattr(args, "section"):  # the table command (whose --command flag shares the subcommand's dest)
+        try:
+            markers(args.section)
+        except ValueError as error:
+            parser.error(str(error))
     if args.command == "wait":
         try:
             print(wait_ready(args.base_url, args.pid, args.timeout))
@@ -179,8 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     sides = [(name, form, json.loads(Path(path).read_text())) for name, form, path in args.side]
     lscpu_text = (args.lscpu_file.read_text() if args.lscpu_file
                   else subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout)
-    write_section(args.doc, section(sides, lscpu_text, args.command, args.note, args.date, args.section), args.section)
-    print("\n".join(side_table(sides)))
+    rss_mib = None if args.rss is None else {name: float(mib) for name, mib in args.rss}
+    lines = section(sides, lscpu_text, args.command, args.note, args.date, args.section, rss_mib)
+    write_section(args.doc, lines, args.section)
+    print("\n".join(line for line in lines if line.startswith("|")))
     print(f"\nwritten into {args.doc}", file=sys.stderr)
     return 0
 

@@ -93,6 +93,34 @@ def test_peers_table_writes_one_row_per_side_between_the_markers(tmp_path):
     assert both.endswith(f"{end}\n") and f"{heading}\n\n{begin}" in both
 
 
+def test_a_real_shape_table_has_its_own_markers_itl_p99_and_rss(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps(bench_result({1: 16.0, 4: 40.0})))
+    (tmp_path / "b.json").write_text(json.dumps(bench_result({1: 20.0, 4: 30.0})))
+    (tmp_path / "lscpu.txt").write_text(LSCPU)
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(f"# Benchmarks\n\n{peers.BEGIN}\nthe default model's table\n{peers.END}\n")
+    argv = ["table", "--doc", str(doc), "--lscpu-file", str(tmp_path / "lscpu.txt"), "--section", "shape-qwen2.5-1.5b",
+            "--side", "tokenmill serve", "bfloat16, Q4_K_M", str(tmp_path / "a.json"),
+            "--side", "llama-server", "Q4_K_M, its own kernels", str(tmp_path / "b.json"),
+            "--rss", "tokenmill serve", "1500.4"]
+    assert peers.main(argv) == 0
+    begin, end, heading = peers.markers("shape-qwen2.5-1.5b")
+    assert "compare.sh --model qwen2.5-1.5b" in begin and "qwen2.5-1.5b" in heading
+    text = doc.read_text()
+    assert "the default model's table" in text and f"{heading}\n\n{begin}" in text and text.endswith(f"{end}\n")
+    rows = [line for line in text.splitlines() if line.startswith("|")]
+    assert rows[0] == ("| server | dtype / format | c=1 out tok/s | c=1 TTFT P50 ms | c=1 ITL P50 ms | c=1 ITL P99 ms "
+                       "| c=4 out tok/s | c=4 TTFT P50 ms | c=4 ITL P50 ms | c=4 ITL P99 ms | failed | RSS MiB |")
+    assert rows[2] == "| tokenmill serve | bfloat16, Q4_K_M | 16.0 | 100 | 10 | 10 | 40.0 | 400 | 40 | 40 | 0/8 | 1500 |"
+    assert rows[3].endswith("| 0/8 | - |")  # no --rss for this side
+    other = ["table", *argv[1:6], "shape-llama3.1-8b", *argv[7:11]]
+    assert peers.main(other) == 0  # a second model's table is added beside the first, which stays
+    both = doc.read_text()
+    assert both.startswith(text) and peers.markers("shape-llama3.1-8b")[0] in both
+    with pytest.raises(SystemExit):
+        peers.main([*argv[:5], "--section", "shape-", *argv[7:]])
+
+
 class _ModelsHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self.server.calls += 1
@@ -216,6 +244,25 @@ def test_peer_scripts_parse_and_their_dry_runs_print_the_steps():
     assert (args.concurrency, args.prompt_len, args.min_output, args.max_output) == ([64, 256], 32, 128, 128)
     assert table[table.index("--section") + 1] == "near-free"
     assert _dry_run("compare.sh", "--near-free", "--sides", "llama-server").returncode == 2  # GGUF files only
+
+    # --model: a real model's shapes (make_shapes.py): the GGUF for tokenmill and llama-server, the HF folder for vLLM
+    shape = _dry_run("compare.sh", "--model", "qwen2.5-1.5b", "--dry-run")
+    assert shape.returncode == 0, shape.stderr
+    make, serve, bench, vllm, _, llama, _, table = [shlex.split(line[2:]) for line in shape.stdout.splitlines()
+                                                    if line.startswith("+ ")]
+    gguf = ".peers/shapes/qwen2.5-1.5b.Q4_K_M.gguf"
+    assert make == [".venv/bin/python", "scripts/peers/make_shapes.py", "--model", "qwen2.5-1.5b", "--out",
+                    ".peers/shapes", "--hf"]
+    assert serve[serve.index("--model") + 1] == gguf and serve[serve.index("--dtype") + 1] == "bfloat16"
+    args = build_parser().parse_args(bench[2:])
+    assert (args.model, args.concurrency, args.prompt_len) == (gguf, [1, 4, 16, 64], 512)  # the file's tokenizer
+    assert str(args.out) == "bench_out/peers/qwen2.5-1.5b/tokenmill-bfloat16"
+    assert vllm[vllm.index("serve") + 1] == ".peers/shapes/qwen2.5-1.5b-bf16"
+    assert llama[llama.index("-m") + 1] == gguf and llama[llama.index("-np") + 1] == "64"
+    assert table[table.index("--section") + 1] == "shape-qwen2.5-1.5b"
+    without_vllm = _dry_run("compare.sh", "--model", "llama3.2-1b", "--sides", "tokenmill", "--dry-run").stdout
+    assert "make_shapes.py --model llama3.2-1b --out .peers/shapes\n" in without_vllm  # no HF folder wanted
+    assert _dry_run("compare.sh", "--model", "gpt-9", "--dry-run").returncode == 2
 
     llama_steps = _dry_run("setup_llama_server.sh", "--dry-run").stdout
     assert "pip download -q --no-deps --no-binary :all: -d .peers/sdist llama-cpp-python==" in llama_steps
