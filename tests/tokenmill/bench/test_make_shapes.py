@@ -55,6 +55,14 @@ def qwen_file(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def llama_file(tmp_path_factory, make_shapes) -> Path:
+    """Llama-3.2-1B's shapes with 1 layer and a 2048-token vocabulary (rope_freqs, tied Q6_K embedding)."""
+    model = make_shapes.shaped("llama3.2-1b", 1, SMALL_VOCAB)
+    path, _ = make_shapes.make(model, tmp_path_factory.mktemp("llama"), hf=True, log=lambda line: None)
+    return path
+
+
 def test_use_more_bits_picks_llama_cpps_layers(make_shapes):
     # Llama-3.1-8B Q4_K_M: attn_v / ffn_down Q6_K on these 16 of 32 layers (as in the published files)
     assert [i for i in range(32) if make_shapes.use_more_bits(i, 32)] == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27,
@@ -129,6 +137,19 @@ def test_llama3_rope_freqs_are_the_converters(make_shapes):
     assert np.all(np.diff(freqs) >= 0) and abs(float(freqs[30]) - 1.553) < 1e-3  # the smooth band, indices 29-34
 
 
+def test_llama_tokenizer_adds_bos_and_renders_llama3_chat(llama_file):
+    from gateway.text.chat_template import render_chat
+    from gateway.text.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(llama_file)
+    bos = SMALL_VOCAB - 256  # Llama 3's 256 control tokens keep their place at the top: 128000 in the full file
+    assert (tokenizer.bos_token_id, tokenizer.token_to_id("<|eot_id|>")) == (bos, bos + 9)
+    assert tokenizer.encode("hi river") == [bos, ord("h"), ord("i"), tokenizer.token_to_id("\u0120river")]
+    chat = render_chat(tokenizer.chat_template, [{"role": "user", "content": "hi"}], bos_token=tokenizer.bos_token)
+    assert chat == "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>" \
+                   "<|start_header_id|>assistant<|end_header_id|>\n\n"
+
+
 def test_tokenizer_encodes_prompts_and_chat(qwen_file):
     from gateway.text.chat_template import render_chat
     from gateway.text.tokenizer import load_tokenizer
@@ -148,18 +169,22 @@ def test_tokenizer_encodes_prompts_and_chat(qwen_file):
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_worker_loads_the_file_and_a_step_gives_finite_logits(qwen_file):
+@pytest.mark.parametrize("which", ["qwen", "llama"])
+def test_worker_loads_the_file_and_a_step_gives_finite_logits(request, which):
     from core.sampling import SamplingParams
     from core.step import CachedRequestData, NewRequestData, StepPlan
     from worker.build import build_runner
     from worker.options import WorkerOptions
 
-    runner = build_runner(WorkerOptions(model=str(qwen_file), dtype="float32", block_size=16, num_blocks=4,
-                                        device="cpu"), progress=False)
+    path = request.getfixturevalue(f"{which}_file")
+    runner = build_runner(WorkerOptions(model=str(path), dtype="float32", block_size=16, num_blocks=4, device="cpu"),
+                          progress=False)
     config = runner.model_config
-    assert (config.architecture, config.num_layers, config.hidden_size, config.vocab_size) == ("qwen2", 2, 1536,
-                                                                                              SMALL_VOCAB)
-    assert config.tie_word_embeddings and config.attention_bias
+    expected = {"qwen": ("qwen2", 2, 1536, 12, 2, 128, True), "llama": ("llama", 1, 2048, 32, 8, 64, False)}[which]
+    assert (config.architecture, config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
+            config.head_dim, config.attention_bias) == expected
+    assert config.vocab_size == SMALL_VOCAB and config.tie_word_embeddings
+    assert (config.rope_scaling is not None) == (which == "llama")  # llama3's rope_freqs
     logits = []
     network = runner.execution_path.model
     compute_logits = network.compute_logits
@@ -171,6 +196,21 @@ def test_worker_loads_the_file_and_a_step_gives_finite_logits(qwen_file):
     runner.execute(StepPlan(2, cached_requests=[CachedRequestData("r", [], len(prompt))], num_scheduled_tokens={"r": 1}))
     assert 0 <= first.sampled_token_ids["r"] < SMALL_VOCAB
     assert len(logits) == 2 and all(step.shape[-1] == SMALL_VOCAB and torch.isfinite(step).all() for step in logits)
+
+
+@pytest.mark.parametrize("which", ["qwen", "llama"])
+def test_hf_folder_loads_in_transformers(request, which):
+    from transformers import AutoModelForCausalLM
+
+    path = request.getfixturevalue(f"{which}_file")
+    folder = path.with_name(path.name.removesuffix(".Q4_K_M.gguf") + "-bf16")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    assert type(model).__name__ == {"qwen": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[which]
+    if which == "llama":  # llama3 rope scaling, as the real config has it
+        assert model.config.rope_parameters["rope_type"] == "llama3"
+    with torch.no_grad():
+        logits = model(torch.arange(300, 316)[None]).logits
+    assert logits.shape == (1, 16, SMALL_VOCAB) and torch.isfinite(logits).all()
 
 
 def test_hf_folder_has_the_shapes_in_bfloat16(qwen_file):
