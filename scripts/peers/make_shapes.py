@@ -414,8 +414,8 @@ def write_hf_folder(model: ModelShape, gguf_path: Path, folder: Path, log=print)
         for index, plan in enumerate(plans):
             for chunk in hf_tensor_bytes(rng, plan, model):
                 out.write(chunk)
-            if plan.hf_name.endswith("mlp.down_proj.weight") or index == len(plans) - 1:
-                log(f"  {plan.hf_name.rsplit('.', 3)[0]}: {out.tell() / 2**30:.2f} GiB written")
+            if plan.hf_name.endswith("mlp.down_proj.weight") or index == len(plans) - 1:  # a layer's last, the end
+                log(f"  {plan.hf_name.removesuffix('.mlp.down_proj.weight')}: {out.tell() / 2**30:.2f} GiB written")
     config = hf_config(model, vocab)
     (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (partial / "generation_config.json").write_text(json.dumps(
