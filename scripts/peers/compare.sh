@@ -23,7 +23,7 @@
 # greedy, EOS ignored. Environment: THREADS (all cores), LLAMA_SLOTS (32: llama-server's parallel
 # sequences; at least the highest concurrency), LLAMA_CTX_PER_SLOT (512: prompt + longest output),
 # VLLM_CPU_KVCACHE_SPACE (4 GiB), READY_TIMEOUT_S (900: vLLM compiles for ~100 s), TOKENMILL_SERVE_ARGS
-# (extra `tokenmill serve` flags), LLAMA_SERVER_ARGS (extra llama-server flags, named in its row: on a CPU
+# (extra `tokenmill serve` flags), LLAMA_SERVER (.peers/bin/llama-server), LLAMA_SERVER_ARGS (extra llama-server flags, named in its row: on a CPU
 # with AMX, llama-server 0.3.36's AMX weight repacking segfaults at warm-up; --no-repack runs it).
 #
 # --model NAME: instead of the default model, a random-weight model of a real one's shapes (issue 34:
@@ -93,7 +93,7 @@ PYTHON=.venv/bin/python
 TOKENMILL=.venv/bin/tokenmill
 VLLM_VENV=.peers/vllm-venv
 HF_DIR=.peers/hf/SmolLM2-135M-Instruct
-LLAMA_SERVER=.peers/bin/llama-server
+LLAMA_SERVER="${LLAMA_SERVER:-.peers/bin/llama-server}"
 THREADS="${THREADS:-$(nproc)}"
 LLAMA_SLOTS_SET="${LLAMA_SLOTS:-}"  # as the environment gave them: a --model run has its own defaults
 LLAMA_CTX_PER_SLOT_SET="${LLAMA_CTX_PER_SLOT:-}"
