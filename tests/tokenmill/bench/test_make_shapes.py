@@ -130,6 +130,12 @@ def test_file_reads_back_with_every_tensor_finite(qwen_file, make_shapes):
     assert len(field("tokenizer.ggml.tokens")) == SMALL_VOCAB
 
 
+def test_files_are_the_same_bytes_on_every_run(make_shapes, llama_file, tmp_path):
+    again, _ = make_shapes.make(make_shapes.shaped("llama3.2-1b", 1, SMALL_VOCAB), tmp_path, hf=False,
+                                log=lambda line: None)
+    assert again.read_bytes() == llama_file.read_bytes()  # seeded: every machine benchmarks the same file
+
+
 def test_llama3_rope_freqs_are_the_converters(make_shapes):
     freqs = make_shapes.rope_freqs(make_shapes.MODELS["llama3.1-8b"])
     # convert_hf_to_gguf.py's llama3 divisors for head_dim 128, factor 8: high frequencies 1, low ones 8
