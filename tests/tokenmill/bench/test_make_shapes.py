@@ -5,8 +5,8 @@ so each is tens of MB; the full-size files are written by hand (docs/benchmarks.
 Checked: the tensor names, shapes and types against llama.cpp's Q4_K_M rule (written out here as tables,
 not through the script's own rule), every tensor finite through gguf-py's dequantize, the tokenizer through
 the gateway's GGUF tokenizer and chat template, and the worker's own build (worker.build.build_runner) loading
-the file and running a prefill and a decode step to finite logits; and the bfloat16 HF folder's config and
-safetensors header."""
+the file and running a prefill and a decode step to finite logits; and the bfloat16 HF folder's config,
+safetensors header and a transformers forward pass."""
 from __future__ import annotations
 
 import importlib.util
@@ -46,7 +46,8 @@ def qwen_file(tmp_path_factory) -> Path:
                           str(SMALL_VOCAB), "--out", str(out), "--hf"], capture_output=True, text=True, timeout=120,
                          cwd=REPO, check=False)
     assert run.returncode == 0, run.stderr
-    assert "blk.1: 5xF32 5xQ4_K 2xQ6_K" in run.stdout  # per-group progress: 2 layers, both use_more_bits
+    # per-group progress; of 2 layers use_more_bits picks the last only (7 * 2 // 8 = 1)
+    assert "blk.0: 5xF32 7xQ4_K," in run.stdout and "blk.1: 5xF32 5xQ4_K 2xQ6_K" in run.stdout
     path = out / f"qwen2.5-1.5b-2l-v{SMALL_VOCAB}.Q4_K_M.gguf"
     again = subprocess.run([sys.executable, str(SCRIPT), "--model", "qwen2.5-1.5b", "--layers", "2", "--vocab",
                             str(SMALL_VOCAB), "--out", str(out), "--hf"], capture_output=True, text=True, timeout=60,
