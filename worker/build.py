@@ -14,7 +14,7 @@ from worker.loader import default_model_path, load_model
 from worker.memory import free_memory_bytes
 from worker.model.kv_cache import bytes_per_block
 from worker.model_runner import ModelRunner
-from worker.native_ops import cpu_has_native_bf16
+from worker.native_ops import cpu_has_native_bf16, cpu_ops_available
 from worker.options import DEVICES, DTYPE_CHOICES, WorkerOptions
 from worker.sampling.structured_output import StructuredOutput
 
@@ -59,7 +59,8 @@ def build_sized_runner(options: WorkerOptions = WorkerOptions(), *, progress: bo
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
     path = Path(options.model) if options.model else default_model_path()
-    network, config = load_model(path, dtype=dtype, progress=progress, keep_quantized=options.quantization == "auto")
+    network, config = load_model(path, dtype=dtype, progress=progress, keep_quantized=options.quantization == "auto",
+                                 native_blocks=options.cpu_block_kernels and device.type == "cpu" and cpu_ops_available())
     network = network.to(device)
     if options.quantization == "int8" and device.type == "cuda":
         quantize_linears_int8(network, use_kernel=True)  # the Triton kernel's per-channel format

@@ -39,7 +39,8 @@ DENSE_WEIGHT_MODES = ("auto", "on", "off")  # worker.linears.dense_weights
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # the fields that say how a step runs (what worker.paths.ResolvedExecution resolves)
 EXECUTION_FIELDS = ("kernel_backend", "quantization", "cuda_graphs", "stream_overlap", "graph_batch_sizes",
-                    "packed_linears", "cpu_int8_activations", "cpu_fused_ops", "cpu_dense_weights", "deterministic")
+                    "packed_linears", "cpu_int8_activations", "cpu_fused_ops", "cpu_dense_weights", "deterministic",
+                    "cpu_block_kernels")
 
 
 def parse_batch_sizes(text: str) -> tuple[int, ...]:
@@ -117,6 +118,12 @@ class WorkerOptions(Options):
     cpu_int8_activations: bool = option(
         False, "up to 16 rows against group-quantized weights (4-bit, Q8_0, K-quants) round their activations to "
         "int8 per block of 32 (llama.cpp's way; faster, slightly less exact: see tokenmill accuracy)")
+    # a GGUF file's Q4_0/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K tensors on its own mapped blocks with int8 activations
+    # (worker.linears.ggml_blocks); off: the group_quant conversion (float activations, ~1.5x the memory)
+    cpu_block_kernels: bool = option(
+        True, "CPU: convert a GGUF file's Q4_0/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K tensors to the group-quantized layout "
+        "(float activations, about 1.5x the file's memory) instead of running them on the file's own mapped blocks "
+        "with activations rounded to int8 per 256 values (llama.cpp's q8_K)")
     # float32 linears on oneDNN-reordered weights (CPU, torch backend: worker.linears.packed)
     packed_linears: bool = option(True, "plain nn.Linear instead of weights reordered once for oneDNN (CPU, float32 "
                                   "only)")

@@ -33,11 +33,12 @@ def default_model_path() -> Path:
 
 def load_model(
     path: str | Path | None = None, dtype: torch.dtype = torch.float32, progress: bool = True,
-    keep_quantized: bool = False,
+    keep_quantized: bool = False, native_blocks: bool = False,
 ) -> tuple[LlamaModel, ModelConfig]:
     """path None: the default GGUF. '*.gguf': a llama.cpp file. A directory: a Hugging Face folder.
     keep_quantized: a GGUF file's quantized linear weights run as they are (worker.linears.group_quant), not
-    dequantized to dtype. Raises ModelLoadError (naming the file, and the tensor / shapes where
+    dequantized to dtype; native_blocks (CPU): those whose type has a block kernel run on the file's own mapped
+    blocks (worker.linears.ggml_blocks), the rest as group_quant converts them. Raises ModelLoadError (naming the file, and the tensor / shapes where
     relevant) for bad inputs."""
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
@@ -45,7 +46,8 @@ def load_model(
     if path.is_dir():
         config, tensors = read_hf_folder(path, dtype, progress)
     elif path.suffix == ".gguf":
-        config, tensors = read_gguf(path, dtype, progress, keep_quantized=keep_quantized)
+        config, tensors = read_gguf(path, dtype, progress, keep_quantized=keep_quantized,
+                                     native_blocks=native_blocks)
     else:
         raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model folder")
     # llama.cpp's converter stores gemma's norm weights as 1 + w; HF folders hold w

@@ -20,11 +20,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from worker.linears.ggml_blocks import GGMLBlocksWeight
 from worker.linears.group_quant import GroupQuantWeight
 from worker.loader.errors import ModelLoadError
-from worker.loader.gguf_quants import group_quant_from_gguf
+from worker.loader.gguf_quants import ggml_blocks_from_gguf, group_quant_from_gguf
 from worker.loader.weights import EMBEDDING, LINEAR_WEIGHTS, LM_HEAD, check_shape, expected_hf_shapes
 from worker.model.config import ModelConfig, RopeScaling
+
+QuantizedWeight = GroupQuantWeight | GGMLBlocksWeight
 
 # GGUF general.architecture -> ours (llama.cpp's converter writes Mistral 7B as "llama")
 SUPPORTED_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
@@ -188,12 +191,13 @@ def _split_readers(path: Path, first) -> list:
     return readers
 
 
-def read_gguf(path: Path, dtype: torch.dtype, progress: bool,
-              keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupQuantWeight]]:
+def read_gguf(path: Path, dtype: torch.dtype, progress: bool, keep_quantized: bool = False,
+              native_blocks: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupQuantWeight | GGMLBlocksWeight]]:
     """Returns the config and the checked, dequantized, un-permuted HF-named tensors in dtype (gemma
     norms still holding their 1, as the converter stored them). keep_quantized: the linear weights the
     file holds in a format worker.loader.gguf_quants maps are returned as GroupQuantWeight instead (a tied
-    embedding also gives lm_head its quantized copy; the embedding lookup stays dequantized)."""
+    embedding also gives lm_head its quantized copy). native_blocks (with keep_quantized, CPU): a tensor
+    whose type has a block kernel (worker.linears.ggml_blocks) is returned as the file's mapped blocks."""
     first = _open(path)
     readers = _split_readers(path, first)
     by_gguf_name = {tensor.name: tensor for reader in readers for tensor in reader.tensors}
@@ -214,7 +218,8 @@ def read_gguf(path: Path, dtype: torch.dtype, progress: bool,
         if tensor is None:
             raise ModelLoadError(f"{path}: tensor {gguf_name!r} is missing from the GGUF file")
         keep = keep_quantized and (hf_name.endswith(LINEAR_WEIGHTS) or hf_name == EMBEDDING)
-        quantized = group_quant_from_gguf(tensor) if keep else None
+        quantized = (ggml_blocks_from_gguf(tensor) if keep and native_blocks else None) or (
+            group_quant_from_gguf(tensor) if keep else None)
         if quantized is not None:
             check_shape(str(path), tensor.name, (quantized.out_features, quantized.in_features), shape)
             tensors[hf_name] = _unpermuted(quantized, gguf_arch, hf_name, config)
@@ -226,12 +231,12 @@ def read_gguf(path: Path, dtype: torch.dtype, progress: bool,
         elif gguf_arch in PERMUTED_ROTARY and hf_name.endswith("k_proj.weight"):
             values = unpermute_rotary_rows(values, config.num_kv_heads)
         tensors[hf_name] = torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
-    if config.tie_word_embeddings and isinstance(tensors[EMBEDDING], GroupQuantWeight):
+    if config.tie_word_embeddings and isinstance(tensors[EMBEDDING], (GroupQuantWeight, GGMLBlocksWeight)):
         tensors[LM_HEAD] = tensors[EMBEDDING]  # one set of codes behind the lookup and the matmul
     return config, tensors
 
 
-def _unpermuted(weight: GroupQuantWeight, gguf_arch: str, hf_name: str, config: ModelConfig) -> GroupQuantWeight:
+def _unpermuted(weight: QuantizedWeight, gguf_arch: str, hf_name: str, config: ModelConfig) -> QuantizedWeight:
     """llama.cpp's q/k row order undone on the codes, scales and minimums (a row permutation)."""
     if gguf_arch not in PERMUTED_ROTARY or not hf_name.endswith(("q_proj.weight", "k_proj.weight")):
         return weight

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from worker.linears.ggml_blocks import GGMLBlocksWeight, block_supported
 from worker.linears.group_quant import GroupQuantWeight, pack_nibbles
 
 QK_K = 256
@@ -94,7 +95,24 @@ def group_quant_from_gguf(tensor) -> GroupQuantWeight | None:
     if type_name not in SUPPORTED_TYPES or len(tensor.shape) != 2:
         return None
     in_features, out_features = (int(d) for d in tensor.shape.tolist())  # GGUF lists the innermost dim first
-    blocks = np.ascontiguousarray(tensor.data).reshape(out_features, -1).view(np.uint8)
+    return group_quant_from_blocks(type_name, np.asarray(tensor.data), out_features, in_features)
+
+
+def ggml_blocks_from_gguf(tensor) -> GGMLBlocksWeight | None:
+    """A gguf ReaderTensor of a 2-D weight -> its blocks as the file maps them (no copy), where a compiled
+    kernel runs that type at that row length; None otherwise (the caller converts or dequantizes)."""
+    type_name = tensor.tensor_type.name
+    if len(tensor.shape) != 2:
+        return None
+    in_features, out_features = (int(d) for d in tensor.shape.tolist())
+    if not block_supported(type_name, in_features):
+        return None
+    return GGMLBlocksWeight.from_blocks(type_name, np.asarray(tensor.data).view(np.uint8), out_features, in_features)
+
+
+def group_quant_from_blocks(type_name: str, data: np.ndarray, out_features: int, in_features: int) -> GroupQuantWeight:
+    """A weight's GGML blocks (any shape holding out_features rows of them) -> its GroupQuantWeight."""
+    blocks = np.ascontiguousarray(data).reshape(out_features, -1).view(np.uint8)
     per_block = QK_K if type_name.endswith("_K") else 32
     blocks = blocks.reshape(out_features * (in_features // per_block), -1)
     codes, scales, mins, bits, group = _convert(type_name, blocks)

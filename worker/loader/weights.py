@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from worker.linears.ggml_blocks import GGMLBlocksEmbedding, GGMLBlocksLinear, GGMLBlocksWeight
 from worker.linears.group_quant import GroupQuantEmbedding, GroupQuantLinear, GroupQuantWeight
+from worker.loader.gguf_quants import group_quant_from_blocks
 from worker.loader.errors import ModelLoadError
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaModel
@@ -68,13 +70,23 @@ def check_shape(source: str, tensor_name: str, actual: tuple[int, ...], expected
         )
 
 
-def cat_rows(parts: list) -> torch.Tensor | GroupQuantWeight:
-    """Fused projections: quantized parts stay quantized (one layout for all); a part the file held as
-    floats makes the whole fusion float (the quantized parts dequantized, exactly)."""
-    if all(isinstance(p, GroupQuantWeight) for p in parts):
-        return GroupQuantWeight.concat_rows(parts)
+def cat_rows(parts: list) -> torch.Tensor | GroupQuantWeight | GGMLBlocksWeight:
+    """Fused projections: quantized parts stay quantized (block parts each in its own type; else one
+    group_quant layout for all, a block part converted to it exactly); a part the file held as floats makes
+    the whole fusion float (the quantized parts dequantized, exactly)."""
+    if all(isinstance(p, GGMLBlocksWeight) for p in parts):
+        return GGMLBlocksWeight.concat_rows(parts)
+    if all(isinstance(p, (GroupQuantWeight, GGMLBlocksWeight)) for p in parts):
+        return GroupQuantWeight.concat_rows([_group_quant(p) for p in parts])
     dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
-    return torch.cat([p.dequantize().to(dtype) if isinstance(p, GroupQuantWeight) else p for p in parts])
+    return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize().to(dtype) for p in parts])
+
+
+def _group_quant(weight: GroupQuantWeight | GGMLBlocksWeight) -> GroupQuantWeight:
+    if isinstance(weight, GroupQuantWeight):
+        return weight
+    return GroupQuantWeight.concat_rows([group_quant_from_blocks(part.type_name, part.blocks.numpy(), part.rows,
+                                                                 weight.in_features) for part in weight.parts])
 
 
 def fuse_hf_state_dict(config: ModelConfig, hf: dict, norm_offset: float = 0.0) -> dict:
@@ -119,7 +131,7 @@ def build_model(config: ModelConfig, hf: dict[str, torch.Tensor], dtype: torch.d
     norms_hold_offset: gemma norm weights already hold the 1 (llama.cpp's converter adds it)."""
     gemma_norms = config.architecture in GEMMA_NORM_ARCHITECTURES and not norms_hold_offset
     fused = fuse_hf_state_dict(config, hf, norm_offset=1.0 if gemma_norms else 0.0)
-    quantized = {name: t for name, t in fused.items() if isinstance(t, GroupQuantWeight)}
+    quantized = {name: t for name, t in fused.items() if isinstance(t, (GroupQuantWeight, GGMLBlocksWeight))}
     with torch.device("meta"):
         model = LlamaModel(config)
     result = model.load_state_dict({name: t.to(dtype).contiguous() for name, t in fused.items() if name not in quantized},
@@ -133,9 +145,11 @@ def build_model(config: ModelConfig, hf: dict[str, torch.Tensor], dtype: torch.d
         module_path = name.removesuffix(".weight")
         parent_path, _, child = module_path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
+        blocks = isinstance(weight, GGMLBlocksWeight)
         if module_path == "embed_tokens":
-            setattr(parent, child, GroupQuantEmbedding(weight, dtype))
+            setattr(parent, child, (GGMLBlocksEmbedding if blocks else GroupQuantEmbedding)(weight, dtype))
             continue
         bias = getattr(parent, child).bias
-        setattr(parent, child, GroupQuantLinear(weight, None if bias is None else bias.detach().float()))
+        bias = None if bias is None else bias.detach().float()
+        setattr(parent, child, GGMLBlocksLinear(weight, bias) if blocks else GroupQuantLinear(weight, bias))
     return model.eval().requires_grad_(False)

@@ -38,6 +38,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from worker.linears.dense_linear import dense_linear
+from worker.linears.ggml_blocks import GGMLBlocksLinear
 from worker.linears.group_quant import GroupQuantLinear
 from worker.model.attention import GatherWorkspace, HostAttentionPlan, span_slots
 from worker.native_ops import cpu_ops_available
@@ -60,7 +61,8 @@ class InvariantLinear(nn.Module):
 
 
 class RowKernelLinear(InvariantLinear):
-    """A GroupQuantLinear that always runs the compiled row kernel (int8-dot under int8 activations),
+    """A GroupQuantLinear that always runs the compiled row kernel (int8-dot under int8 activations), or a
+    GGMLBlocksLinear its integer-dot kernel,
     whatever the row count: a row's output is the same bits alone or beside others."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
@@ -98,6 +100,8 @@ _LINEAR_NAMES = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
 
 
 def _invariant(linear: nn.Module) -> InvariantLinear:
+    if isinstance(linear, GGMLBlocksLinear):  # its integer-dot kernel sums each row alone, in one order
+        return RowKernelLinear(linear)
     if not (isinstance(linear, GroupQuantLinear) and linear.codes.device.type == "cpu" and cpu_ops_available()):
         return RowTileLinear(linear)
     if linear.dense_weight is not None and not linear.int8_activations:

@@ -1,0 +1,89 @@
+"""GGML block linears (worker.linears.ggml_blocks) on a real model's shapes: microseconds per call of the
+integer-dot kernel (forward_rows), the dequantized strips (forward_strips) and a dense bfloat16 GEMM on a
+weight kept dequantized (what --cpu-dense-weights would hold), at several row counts, plus the GB/s the
+one-row kernel reads the weight at. Random blocks with sane scales (speed does not depend on values).
+The Qwen2.5-1.5B Q4_K_M layer by default: qkv Q4_K+Q4_K+Q6_K, o Q4_K, gate_up Q4_K, down Q6_K.
+
+Usage: .venv/bin/python scripts/bench_ggml_blocks.py [--rows 1,4,16,32,64,128] [--threads 2] [--repeat 20]
+       [--hidden 1536 --intermediate 8960 --kv 256]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
+
+from worker.linears.ggml_blocks import BLOCK_BYTES, BLOCK_ELEMENTS, GGMLBlocksLinear, GGMLBlocksWeight  # noqa: E402
+from worker.native_ops import cpu_ops_available  # noqa: E402
+
+SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,)}
+
+
+def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [rows, row bytes]: random codes, every f16 scale in [1e-3, 1e-2] (finite outputs)."""
+    blocks = cols // BLOCK_ELEMENTS[type_name]
+    raw = rng.integers(0, 256, size=(rows, blocks, BLOCK_BYTES[type_name]), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[type_name]:
+        scales = rng.uniform(1e-3, 1e-2, size=(rows, blocks)).astype(np.float16)
+        raw[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(rows, blocks, 2)
+    return raw.reshape(rows, -1)
+
+
+def best_us(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times) * 1e6
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1,4,16,32,64,128")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--hidden", type=int, default=1536)
+    parser.add_argument("--intermediate", type=int, default=8960)
+    parser.add_argument("--kv", type=int, default=256, help="k and v rows each (kv heads x head_dim)")
+    args = parser.parse_args()
+    if not cpu_ops_available():
+        print("the compiled CPU ops are not built: .venv/bin/python scripts/build_cpu_ops.py")
+        return 1
+    torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    h, i, kv = args.hidden, args.intermediate, args.kv
+    layer = {"qkv": [("Q4_K", h, h), ("Q4_K", kv, h), ("Q6_K", kv, h)], "o": [("Q4_K", h, h)],
+             "gate_up": [("Q4_K", 2 * i, h)], "down": [("Q6_K", h, i)]}
+    print(f"threads {args.threads}; us per call (min of {args.repeat}); dot = integer kernel, strips = dequantized "
+          f"strips + GEMM, dense = bf16 GEMM on a kept copy")
+    print(f"{'linear':8s} {'rows':>5s} {'dot':>9s} {'strips':>9s} {'dense':>9s}  one-row GB/s")
+    totals: dict[int, list[float]] = {}
+    for name, parts in layer.items():
+        weight = GGMLBlocksWeight.concat_rows([GGMLBlocksWeight.from_blocks(t, random_blocks(t, n, k, rng), n, k)
+                                               for t, n, k in parts])
+        linear = GGMLBlocksLinear(weight)
+        dense = weight.dequantize().to(torch.bfloat16)
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, weight.in_features).to(torch.bfloat16)
+            dot = best_us(lambda: linear.forward_rows(x), args.repeat)
+            strips = best_us(lambda: linear.forward_strips(x), max(3, args.repeat // 4))
+            gemm = best_us(lambda: torch.nn.functional.linear(x, dense), args.repeat)
+            rate = f"{weight.nbytes / dot / 1e3:6.1f}" if rows == 1 else ""
+            print(f"{name:8s} {rows:5d} {dot:9.0f} {strips:9.0f} {gemm:9.0f}  {rate}", flush=True)
+            totals.setdefault(rows, [0.0, 0.0, 0.0])
+            for k, v in enumerate((dot, strips, gemm)):
+                totals[rows][k] += v
+    print("one layer, ms: " + "; ".join(f"{r} rows dot {t[0] / 1e3:.2f} strips {t[1] / 1e3:.2f} dense {t[2] / 1e3:.2f}"
+                                        for r, t in totals.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,162 @@
+"""GGML block linears (worker/csrc/ggml_blocks_dot.cpp, worker.linears.ggml_blocks) against gguf-py.
+
+Every type with a kernel, every instruction set this CPU has (forced), rows 1, 3, 5, 16, 64 and 512, rows of
+K not a multiple of 256 where the type allows it. The reference: x rounded to int8 per 256 values exactly as
+the kernel's q8_K (absmax / 127, half to even), times gguf-py's dequantized weight, in float64: the kernel's
+integer sums are exact, so only its float32 accumulation differs (relative 1e-5). Against the unrounded x the
+error is the activations' rounding, checked loosely. Dequantization is bit-exact to gguf-py.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from worker.linears.ggml_blocks import (BLOCK_TYPES, DOT_ROWS, KERNEL_PATHS, GGMLBlocksEmbedding, GGMLBlocksLinear,
+                                        GGMLBlocksWeight, block_supported)
+from worker.native_ops import cpu_flags, cpu_ops_available
+
+pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="the compiled CPU ops are not built")
+
+SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,)}
+ROWS = (1, 3, 5, 16, 64, 512)
+
+
+def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    from gguf.constants import GGML_QUANT_SIZES
+
+    per, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // per, nbytes), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[type_name]:  # finite f16 scales; every other byte is any code
+        scales = rng.uniform(1e-3, 1e-2, size=(rows, cols // per)).astype(np.float16)
+        raw[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(rows, cols // per, 2)
+    return raw.reshape(rows, -1)
+
+
+def q8k_rounded(x: np.ndarray) -> np.ndarray:
+    """x as the kernel rounds it: int8 per block of 256 (a short last block alone), scale absmax / 127."""
+    rows, cols = x.shape
+    blocks = -(-cols // 256)
+    padded = np.zeros((rows, blocks * 256), np.float32)
+    padded[:, :cols] = x
+    padded = padded.reshape(rows, blocks, 256)
+    scale = (np.abs(padded).max(-1) / np.float32(127)).astype(np.float32)
+    inverse = np.where(scale > 0, np.float32(1) / np.where(scale > 0, scale, 1), 0).astype(np.float32)
+    q = np.round(padded * inverse[..., None])
+    return (q.astype(np.float64) * scale[..., None]).reshape(rows, -1)[:, :cols]
+
+
+def available_paths() -> list:
+    flags = cpu_flags()
+    wide = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags
+    return [pytest.param("avx2", id="avx2"),
+            pytest.param("avx512_vnni", id="avx512_vnni",
+                         marks=pytest.mark.skipif(not wide, reason="this CPU lacks avx512f/bw/vl/dq + avx512_vnni"))]
+
+
+def shapes():
+    for type_name in BLOCK_TYPES:
+        columns = (512, 1536) if type_name.endswith("_K") else (96, 640)  # 96, 640: not multiples of 256
+        for cols in columns:
+            yield pytest.param(type_name, cols, id=f"{type_name}-K{cols}")
+
+
+@pytest.mark.parametrize("path", available_paths())
+@pytest.mark.parametrize("type_name, cols", list(shapes()))
+def test_the_kernel_equals_gguf_dequantize_then_matmul(type_name, cols, path):
+    out_rows = 37  # not a multiple of any tile
+    raw = random_blocks(type_name, out_rows, cols)
+    weight = dequantize(raw, GGMLQuantizationType[type_name]).reshape(out_rows, cols).astype(np.float64)
+    blocks = torch.from_numpy(raw)
+    rng = np.random.default_rng(1)
+    for rows in ROWS:
+        x = rng.standard_normal((rows, cols)).astype(np.float32)
+        got = torch.ops.tokenmill.ggml_blocks_linear(torch.from_numpy(x), [blocks], [BLOCK_TYPES[type_name]],
+                                                     KERNEL_PATHS[path]).numpy()
+        exact = q8k_rounded(x) @ weight.T
+        assert np.abs(got - exact).max() <= 1e-5 * np.abs(exact).max(), (type_name, cols, rows, path)
+        plain = x.astype(np.float64) @ weight.T  # the activations' rounding, loosely
+        assert np.abs(got - plain).max() <= 0.05 * np.abs(plain).max()
+
+
+@pytest.mark.parametrize("path", available_paths())
+def test_a_fused_projection_of_three_types_shares_one_rounding(path):
+    """Q4_K_M's q/k/v: the parts' outputs side by side, each as if alone, on every path."""
+    cols = 512
+    parts = [("Q4_K", 40), ("Q4_K", 8), ("Q6_K", 8)]
+    raws = [random_blocks(t, n, cols, seed=i) for i, (t, n) in enumerate(parts)]
+    x = torch.randn(5, cols)
+    fused = torch.ops.tokenmill.ggml_blocks_linear(x, [torch.from_numpy(r) for r in raws],
+                                                   [BLOCK_TYPES[t] for t, _ in parts], KERNEL_PATHS[path])
+    alone = torch.cat([torch.ops.tokenmill.ggml_blocks_linear(x, [torch.from_numpy(r)], [BLOCK_TYPES[t]],
+                                                              KERNEL_PATHS[path]) for r, (t, _) in zip(raws, parts)], 1)
+    assert torch.equal(fused, alone)
+
+
+def test_auto_takes_the_widest_path_this_cpu_has():
+    wide = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= cpu_flags()
+    assert torch.ops.tokenmill.ggml_blocks_path(0) == (2 if wide else 1)
+
+
+@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+def test_dequantize_is_gguf_py_bit_for_bit(type_name):
+    cols = 512
+    raw = random_blocks(type_name, 9, cols)
+    expected = dequantize(raw, GGMLQuantizationType[type_name]).reshape(9, cols)
+    weight = GGMLBlocksWeight.from_blocks(type_name, raw, 9, cols)
+    rows = torch.tensor([3, 0, 8, 3])
+    assert np.array_equal(weight.dequantize(rows).numpy(), expected[[3, 0, 8, 3]])
+    assert np.array_equal(weight.dequantize().numpy(), expected)
+    bf16 = torch.ops.tokenmill.ggml_blocks_dequantize_bf16(torch.from_numpy(raw), BLOCK_TYPES[type_name], cols, 2, 7)
+    assert torch.equal(bf16, torch.from_numpy(expected[2:7]).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_linear_switches_to_strips_past_dot_rows_with_the_same_result(dtype):
+    cols = 512
+    weight = GGMLBlocksWeight.concat_rows([GGMLBlocksWeight.from_blocks("Q4_K", random_blocks("Q4_K", 48, cols), 48, cols),
+                                           GGMLBlocksWeight.from_blocks("Q6_K", random_blocks("Q6_K", 16, cols, 1), 16, cols)])
+    bias = torch.randn(64)
+    linear = GGMLBlocksLinear(weight, bias)
+    x = torch.randn(DOT_ROWS + 40, cols).to(dtype)
+    reference = x.double() @ weight.dequantize().double().T + bias.double()
+    many = linear(x)  # strips
+    assert many.dtype == dtype and many.shape == (DOT_ROWS + 40, 64)
+    few = linear(x[:DOT_ROWS])  # the integer kernel
+    scale = reference.abs().max()
+    assert (many.double() - reference).abs().max() <= 0.02 * scale
+    assert (few.double() - reference[:DOT_ROWS]).abs().max() <= 0.05 * scale
+    assert torch.equal(linear.forward_rows(x)[:3], linear.forward_rows(x[:3]))  # a row's bits alone or among others
+
+
+def test_the_embedding_looks_up_rows_of_its_blocks():
+    raw = random_blocks("Q6_K", 30, 256)
+    embedding = GGMLBlocksEmbedding(GGMLBlocksWeight.from_blocks("Q6_K", raw, 30, 256), torch.bfloat16)
+    ids = torch.tensor([[4, 29], [0, 4]])
+    expected = dequantize(raw, GGMLQuantizationType.Q6_K).reshape(30, 256)
+    out = embedding(ids)
+    assert out.shape == (2, 2, 256) and out.dtype == torch.bfloat16
+    assert torch.equal(out[0, 1], torch.from_numpy(expected[29]).to(torch.bfloat16))
+
+
+def test_bad_inputs_name_what_is_wrong():
+    assert not block_supported("Q4_K", 640) and not block_supported("Q2_K", 512) and block_supported("Q8_0", 96)
+    with pytest.raises(ValueError, match="Q4_K blocks of 640 values a row have no kernel"):
+        GGMLBlocksWeight.from_blocks("Q4_K", np.zeros((2, 360), np.uint8), 2, 640)
+    with pytest.raises(ValueError, match=r"uint8 \[rows, 144\]"):
+        GGMLBlocksWeight.from_blocks("Q4_K", np.zeros((2, 140), np.uint8), 2, 256)
+    blocks = torch.from_numpy(random_blocks("Q4_K", 4, 256))
+    with pytest.raises(RuntimeError, match="in_features 100 is not a multiple of 256"):
+        torch.ops.tokenmill.ggml_blocks_linear(torch.randn(1, 100), [blocks], [BLOCK_TYPES["Q4_K"]], 0)
+    with pytest.raises(RuntimeError, match="no kernel for GGML type 10"):
+        torch.ops.tokenmill.ggml_blocks_linear(torch.randn(1, 256), [blocks], [10], 0)
+    with pytest.raises(RuntimeError, match=r"row 4 is outside \[0, 4\)"):
+        torch.ops.tokenmill.ggml_blocks_dequantize(blocks, BLOCK_TYPES["Q4_K"], 256, torch.tensor([4]))
+    with pytest.raises(RuntimeError, match="path 3 is not 0"):
+        torch.ops.tokenmill.ggml_blocks_linear(torch.randn(1, 256), [blocks], [BLOCK_TYPES["Q4_K"]], 3)
+    linear = GGMLBlocksLinear(GGMLBlocksWeight.from_blocks("Q4_K", blocks, 4, 256))
+    with pytest.raises(ValueError, match="CPU only"):
+        linear.to("meta")

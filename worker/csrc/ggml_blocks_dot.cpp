@@ -1,0 +1,739 @@
+// Linears on llama.cpp's quantized blocks exactly as a GGUF file stores them (no conversion, no copy: the
+// weight can be the file's own mapped pages), with integer dot products against 8-bit activations, as
+// llama.cpp's CPU backend does (vec_dot_q4_K_q8_K and friends; this is our own code, written from the
+// block layouts in ggml-common.h).
+//
+// Activations: each row of x is rounded once per call to int8 in blocks of 256 (one float scale, absmax /
+// 127, and the sums of every 16 rounded values), llama.cpp's q8_K. Every weight type here multiplies
+// against that one rounding, so the q/k/v (or gate/up) parts of a fused projection, which a Q4_K_M file
+// holds in different types, share it. A row whose length is not a multiple of 256 (only the 32-element
+// types allow that) ends in one shorter block.
+//
+// Products: the weight codes are unsigned bytes and the activations signed, so _mm*_maddubs_epi16 takes
+// them as they are (a code of at most 63 times 127, twice, fits int16), then _mm*_madd_epi16 against the
+// block's integer scales sums them into int32 exactly; one float multiply per 256 values (per 32 for the
+// 32-element types). Q8_0's signed codes go through the sign trick (|w| times x with w's sign).
+// Formats (y = the weight):
+//   Q4_K [d f16][dmin f16][12 B: 8 six-bit scales, 8 mins][128 B nibbles]  y = d*sc_j*q - dmin*m_j (32 per j)
+//   Q5_K as Q4_K plus [32 B: the fifth bits] before the nibbles
+//   Q6_K [128 B low nibbles][64 B high 2 bits][16 x int8 scales][d f16]      y = d*sc_j*(q - 32) (16 per j)
+//   Q8_0 [d f16][32 x int8]                                                  y = d*q
+//   Q4_0 [d f16][16 B nibbles]                                               y = d*(q - 8)
+//   Q5_0 [d f16][4 B fifth bits][16 B nibbles]                               y = d*(q - 16)
+//
+// Two instruction sets, chosen once per call (`path`: 0 the best this CPU has, 1 AVX2, 2 AVX-512 BW with
+// VNNI's vpdpwssd), so a test can force each. Work: output rows split across threads (at::parallel_for),
+// each weight row read once per tile of up to 4 rows of x.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t QK = 256;  // activation block, and the K-quants' super-block
+constexpr int kTile = 4;     // rows of x per pass over a weight row
+constexpr int64_t kPrefetchBytes = 1024, kPrefetchRowBytes = 2048;  // see part_rows
+
+enum BlockType : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+int64_t block_elems(int64_t type) { return type >= Q4_K ? 256 : 32; }
+int64_t block_bytes(int64_t type) {
+  switch (type) {
+    case Q4_0: return 18;
+    case Q5_0: return 22;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+  }
+  TORCH_CHECK(false, "ggml_blocks: no kernel for GGML type ", type);
+}
+
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define AVX512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+AVX2_TARGET inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// x rounded to q8_K: q [T, nb*256] (a short last block padded with zeros), d [T, nb], bsums [T, nb*16]
+struct Q8Rows {
+  int64_t T = 0, K = 0, nb = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> bsums;
+  const int8_t* qs(int64_t t, int64_t b) const { return q.data() + t * nb * QK + b * QK; }
+  const int16_t* sums(int64_t t, int64_t b) const { return bsums.data() + (t * nb + b) * 16; }
+  float scale(int64_t t, int64_t b) const { return d[t * nb + b]; }
+};
+
+template <typename T>
+void quantize_rows(const T* x, int64_t rows, int64_t K, Q8Rows& r) {
+  r.T = rows;
+  r.K = K;
+  r.nb = (K + QK - 1) / QK;
+  r.q.assign(rows * r.nb * QK, 0);
+  r.d.resize(rows * r.nb);
+  r.bsums.assign(rows * r.nb * 16, 0);
+  at::parallel_for(0, rows * r.nb, 64, [&](int64_t begin, int64_t end) {
+    float buf[QK];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / r.nb, b = i % r.nb, n = std::min(QK, K - b * QK);
+      const T* v = x + t * K + b * QK;
+      float amax = 0.f;
+      for (int64_t j = 0; j < n; ++j) {
+        buf[j] = static_cast<float>(v[j]);
+        amax = std::max(amax, std::abs(buf[j]));
+      }
+      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      int8_t* q = r.q.data() + i * QK;
+      int16_t* s = r.bsums.data() + i * 16;
+      for (int64_t j = 0; j < n; ++j) {
+        q[j] = static_cast<int8_t>(std::nearbyint(buf[j] * inv));  // half to even, as torch.round
+        s[j / 16] += q[j];
+      }
+      r.d[i] = d;
+    }
+  });
+}
+
+// Q4_K / Q5_K's 12 bytes -> scales[0..7], mins[0..7] (six bits each)
+inline void k_scales(const uint8_t* p, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = p[j] & 63;
+    mn[j] = p[j + 4] & 63;
+    sc[j + 4] = (p[j + 8] & 0xF) | ((p[j] >> 6) << 4);
+    mn[j + 4] = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The block kernels. Each is written once over a small vector abstraction so AVX2 and AVX-512 share it:
+// V::load32 / V::nibbles etc. below. `acc[t]` gathers row t's float result.
+
+
+AVX2_TARGET inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// sum over 32 elements of (unsigned w) * (signed x) weighted by int16 scale s (one per 32): AVX2
+AVX2_TARGET inline __m256i dot32_scaled(__m256i w, __m256i x, __m256i s16) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), s16);
+}
+
+// ---- Q4_K ----
+template <int TB>
+AVX2_TARGET void q4k_avx2(const uint8_t* w, int64_t nb, const Q8Rows& x, int64_t t0, float* out) {
+  __m256 acc[TB];
+  float accm[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm256_setzero_ps(), accm[t] = 0.f;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b, w += 144) {
+    const float d = f16(w), dmin = f16(w + 2);
+    uint8_t sc[8], mn[8];
+    k_scales(w + 4, sc, mn);
+    __m256i qv[8];
+    for (int i = 0; i < 4; ++i) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 + 32 * i));
+      qv[2 * i] = _mm256_and_si256(q, m4);
+      qv[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    }
+    for (int t = 0; t < TB; ++t) {
+      const int8_t* xq = x.qs(t0 + t, b);
+      __m256i sum = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j)
+        sum = _mm256_add_epi32(sum, dot32_scaled(qv[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j)),
+                                                 _mm256_set1_epi16(sc[j])));
+      const int16_t* bs = x.sums(t0 + t, b);
+      int32_t summ = 0;
+      for (int j = 0; j < 8; ++j) summ += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+      const float dx = x.scale(t0 + t, b);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * dx), acc[t]);
+      accm[t] += dmin * dx * static_cast<float>(summ);
+    }
+  }
+  for (int t = 0; t < TB; ++t) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    out[t] = _mm_cvtss_f32(s) - accm[t];
+  }
+}
+
+AVX512_TARGET inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// two 256-bit halves -> one 512-bit register
+AVX512_TARGET inline __m512i join(__m256i lo, __m256i hi) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+// per-32 int16 scales for a pair (lanes 0-7: a, 8-15: b), from 8 scales as int16 in s16
+AVX512_TARGET inline __m512i pair_scales(__m512i s16, int pair) {
+  const __m512i idx = _mm512_set_epi16(2 * pair + 1, 2 * pair + 1, 2 * pair + 1, 2 * pair + 1, 2 * pair + 1, 2 * pair + 1,
+                                       2 * pair + 1, 2 * pair + 1, 2 * pair + 1, 2 * pair + 1, 2 * pair + 1, 2 * pair + 1,
+                                       2 * pair + 1, 2 * pair + 1, 2 * pair + 1, 2 * pair + 1, 2 * pair, 2 * pair, 2 * pair,
+                                       2 * pair, 2 * pair, 2 * pair, 2 * pair, 2 * pair, 2 * pair, 2 * pair, 2 * pair,
+                                       2 * pair, 2 * pair, 2 * pair, 2 * pair, 2 * pair);
+  return _mm512_permutexvar_epi16(idx, s16);
+}
+
+// ---- Q5_K: Q4_K's nibbles plus a fifth bit per element (qh byte l, bit 2i for element 64i + l, bit 2i+1
+// for 64i + 32 + l) ----
+template <int TB>
+AVX2_TARGET void q5k_avx2(const uint8_t* w, int64_t nb, const Q8Rows& x, int64_t t0, float* out) {
+  __m256 acc[TB];
+  float accm[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm256_setzero_ps(), accm[t] = 0.f;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  for (int64_t b = 0; b < nb; ++b, w += 176) {
+    const float d = f16(w), dmin = f16(w + 2);
+    uint8_t sc[8], mn[8];
+    k_scales(w + 4, sc, mn);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16));
+    __m256i qv[8];
+    for (int i = 0; i < 4; ++i) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 48 + 32 * i));
+      const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), one), 4);
+      const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i + 1), one), 4);
+      qv[2 * i] = _mm256_or_si256(_mm256_and_si256(q, m4), h0);
+      qv[2 * i + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), h1);
+    }
+    for (int t = 0; t < TB; ++t) {
+      const int8_t* xq = x.qs(t0 + t, b);
+      __m256i sum = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j)
+        sum = _mm256_add_epi32(sum, dot32_scaled(qv[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j)),
+                                                 _mm256_set1_epi16(sc[j])));
+      const int16_t* bs = x.sums(t0 + t, b);
+      int32_t summ = 0;
+      for (int j = 0; j < 8; ++j) summ += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+      const float dx = x.scale(t0 + t, b);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * dx), acc[t]);
+      accm[t] += dmin * dx * static_cast<float>(summ);
+    }
+  }
+  for (int t = 0; t < TB; ++t) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    out[t] = _mm_cvtss_f32(s) - accm[t];
+  }
+}
+
+// Q4_K (FIFTH = false) and Q5_K: codes of the block's 4 pairs of 32-element groups, and the pair scales
+template <bool FIFTH>
+AVX512_TARGET inline void k4_codes(const uint8_t* w, __m512i (&qv)[4]) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  const uint8_t* qs = w + (FIFTH ? 48 : 16);
+  const __m256i qh = FIFTH ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16)) : _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * i));
+    __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    if (FIFTH) {
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), one), 4));
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i + 1), one), 4));
+    }
+    qv[i] = join(lo, hi);
+  }
+}
+
+// The minimums' term: sum_j m_j * (bsums[2j] + bsums[2j+1]) as 8 int32, from the mins duplicated per 16
+AVX512_TARGET inline __m256i k4_min_products(__m256i mins_dup, const int16_t* bsums) {
+  return _mm256_madd_epi16(mins_dup, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)));
+}
+
+template <bool FIFTH, int TB>
+AVX512_TARGET void k4_avx512(const uint8_t* w, int64_t nb, const Q8Rows& x, int64_t t0, float* out) {
+  __m512 acc[TB];
+  __m256 accm[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps(), accm[t] = _mm256_setzero_ps();
+  const int64_t stride = FIFTH ? 176 : 144;
+  for (int64_t b = 0; b < nb; ++b, w += stride) {
+    const float d = f16(w), dmin = f16(w + 2);
+    uint8_t sc[8], mn[8];
+    k_scales(w + 4, sc, mn);
+    uint64_t sc8, mn8;
+    std::memcpy(&sc8, sc, 8);
+    std::memcpy(&mn8, mn, 8);
+    const __m512i s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc8))));
+    const __m128i m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(mn8)));
+    const __m256i mins_dup = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
+    __m512i qv[4], sv[4];
+    k4_codes<FIFTH>(w, qv);
+    for (int i = 0; i < 4; ++i) sv[i] = pair_scales(s16, i);
+    for (int t = 0; t < TB; ++t) {
+      const int8_t* xq = x.qs(t0 + t, b);
+      __m512i sum = _mm512_setzero_si512();
+      for (int i = 0; i < 4; ++i)
+        sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(qv[i], _mm512_loadu_si512(xq + 64 * i)), sv[i]);
+      const float dx = x.scale(t0 + t, b);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[t]);
+      accm[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k4_min_products(mins_dup, x.sums(t0 + t, b))),
+                                _mm256_set1_ps(dmin * dx), accm[t]);
+    }
+  }
+  for (int t = 0; t < TB; ++t) out[t] = hsum512(acc[t]) - hsum512(_mm512_zextps256_ps512(accm[t]));
+}
+
+// ---- Q6_K: per half of 128, elements [0,32) from ql[0..32) low nibbles + qh bits 0-1, [32,64) ql[32..64)
+// low + bits 2-3, [64,96) ql[0..32) high + bits 4-5, [96,128) ql[32..64) high + bits 6-7; one int8 scale per
+// 16 elements, in order. The -32 is taken off once per block from the 16-element sums of x. ----
+AVX2_TARGET inline void q6k_codes(const uint8_t* ql, const uint8_t* qh, __m256i (&e)[4]) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+  const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+  const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+  e[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4));
+  e[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4));
+  e[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4));
+  e[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4));
+}
+
+// sum_j sc[j] * bsums[j] over a block's 16 scales
+AVX2_TARGET inline int32_t q6k_offset_sum(const int8_t* sc, const int16_t* bs) {
+  const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+  return hsum_i32(_mm256_madd_epi16(s, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs))));
+}
+
+template <int TB>
+AVX2_TARGET void q6k_avx2(const uint8_t* w, int64_t nb, const Q8Rows& x, int64_t t0, float* out) {
+  float acc[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = 0.f;
+  for (int64_t b = 0; b < nb; ++b, w += 210) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
+    const float d = f16(w + 208);
+    __m256i e[8];
+    __m256i s16[8];  // each 32 elements: lanes 0-3 (elements 0-15) scale 2j, lanes 4-7 scale 2j+1 after madd
+    for (int h = 0; h < 2; ++h) {
+      __m256i part[4];
+      q6k_codes(w + 64 * h, w + 128 + 32 * h, part);
+      for (int j = 0; j < 4; ++j) {
+        e[4 * h + j] = part[j];
+        const int k = 8 * h + 2 * j;
+        s16[4 * h + j] = _mm256_set_m128i(_mm_set1_epi16(sc[k + 1]), _mm_set1_epi16(sc[k]));
+      }
+    }
+    for (int t = 0; t < TB; ++t) {
+      const int8_t* xq = x.qs(t0 + t, b);
+      __m256i sum = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j)
+        sum = _mm256_add_epi32(sum, dot32_scaled(e[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j)), s16[j]));
+      const int32_t total = hsum_i32(sum) - 32 * q6k_offset_sum(sc, x.sums(t0 + t, b));
+      acc[t] += d * x.scale(t0 + t, b) * static_cast<float>(total);
+    }
+  }
+  for (int t = 0; t < TB; ++t) out[t] = acc[t];
+}
+
+template <int TB>
+AVX512_TARGET void q6k_avx512(const uint8_t* w, int64_t nb, const Q8Rows& x, int64_t t0, float* out) {
+  __m512 acc[TB];
+  __m256 acco[TB];  // the -32's term, 8 partial sums
+  for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps(), acco[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += 210) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
+    const float d = f16(w + 208);
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+    const __m512i sc512 = _mm512_castsi256_si512(sc16);
+    __m512i e[4], sv[4];
+    for (int h = 0; h < 2; ++h) {
+      __m256i part[4];
+      q6k_codes(w + 64 * h, w + 128 + 32 * h, part);
+      e[2 * h] = join(part[0], part[1]);
+      e[2 * h + 1] = join(part[2], part[3]);
+    }
+    for (int p = 0; p < 4; ++p)  // 128-bit lane L of pair p takes scale 4p + L (every int16 of it)
+      sv[p] = _mm512_permutexvar_epi16(
+          _mm512_set_epi16(4 * p + 3, 4 * p + 3, 4 * p + 3, 4 * p + 3, 4 * p + 3, 4 * p + 3, 4 * p + 3, 4 * p + 3,
+                           4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2,
+                           4 * p + 1, 4 * p + 1, 4 * p + 1, 4 * p + 1, 4 * p + 1, 4 * p + 1, 4 * p + 1, 4 * p + 1,
+                           4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p),
+          sc512);
+    for (int t = 0; t < TB; ++t) {
+      const int8_t* xq = x.qs(t0 + t, b);
+      __m512i sum = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p)
+        sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(e[p], _mm512_loadu_si512(xq + 64 * p)), sv[p]);
+      const __m256i offset = _mm256_madd_epi16(sc16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums(t0 + t, b))));
+      const float ddx = d * x.scale(t0 + t, b);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(ddx), acc[t]);
+      acco[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(offset), _mm256_set1_ps(32.f * ddx), acco[t]);
+    }
+  }
+  for (int t = 0; t < TB; ++t) out[t] = hsum512(acc[t]) - hsum512(_mm512_zextps256_ps512(acco[t]));
+}
+
+// ---- the 32-element types: a float scale per block, so a float multiply per 32 ----
+// codes of block b (32 of them, unsigned where `offset` > 0, Q8_0's signed) and its offset: w = d*(q - offset)
+AVX2_TARGET inline __m256i small_codes(int64_t type, const uint8_t* blk) {
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  if (type == Q8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  const uint8_t* qs = blk + (type == Q5_0 ? 6 : 2);
+  const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), m4), _mm_and_si128(p, m4));
+  if (type == Q5_0) {  // bit j of the 32-bit qh is element j's fifth bit
+    uint32_t qh;
+    std::memcpy(&qh, blk + 2, 4);
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), shuf);
+    const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+    q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+  }
+  return q;
+}
+
+template <int TB>
+AVX2_TARGET void small_avx2(int64_t type, const uint8_t* w, int64_t K, const Q8Rows& x, int64_t t0, float* out) {
+  const int64_t bytes = block_bytes(type), blocks = K / 32;
+  const int offset = type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
+  __m256 acc[TB];
+  float acco[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm256_setzero_ps(), acco[t] = 0.f;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < blocks; ++b, w += bytes) {
+    const float d = f16(w);
+    const __m256i q = small_codes(type, w);
+    const __m256i qa = type == Q8_0 ? _mm256_sign_epi8(q, q) : q;
+    for (int t = 0; t < TB; ++t) {
+      const int64_t xb = b / 8, xo = (b % 8) * 32;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qs(t0 + t, xb) + xo));
+      const __m256i p = type == Q8_0 ? _mm256_maddubs_epi16(qa, _mm256_sign_epi8(xv, q)) : _mm256_maddubs_epi16(qa, xv);
+      const float dx = x.scale(t0 + t, xb);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(d * dx), acc[t]);
+      if (offset) {
+        const int16_t* bs = x.sums(t0 + t, xb) + (b % 8) * 2;
+        acco[t] += d * dx * static_cast<float>(offset * (bs[0] + bs[1]));
+      }
+    }
+  }
+  for (int t = 0; t < TB; ++t) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    out[t] = _mm_cvtss_f32(s) - acco[t];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+struct Part {
+  const uint8_t* data;
+  int64_t type, rows, row_bytes;
+};
+
+template <int TB>
+AVX2_TARGET void row_avx2(const Part& p, const uint8_t* w, int64_t K, const Q8Rows& x, int64_t t0, float* r) {
+  const int64_t nb = K / QK;
+  switch (p.type) {
+    case Q4_K: q4k_avx2<TB>(w, nb, x, t0, r); break;
+    case Q5_K: q5k_avx2<TB>(w, nb, x, t0, r); break;
+    case Q6_K: q6k_avx2<TB>(w, nb, x, t0, r); break;
+    default: small_avx2<TB>(p.type, w, K, x, t0, r); break;
+  }
+}
+
+template <int TB>
+AVX512_TARGET void row_avx512(const Part& p, const uint8_t* w, int64_t K, const Q8Rows& x, int64_t t0, float* r) {
+  const int64_t nb = K / QK;
+  switch (p.type) {
+    case Q4_K: k4_avx512<false, TB>(w, nb, x, t0, r); break;
+    case Q5_K: k4_avx512<true, TB>(w, nb, x, t0, r); break;
+    case Q6_K: q6k_avx512<TB>(w, nb, x, t0, r); break;
+    default: small_avx2<TB>(p.type, w, K, x, t0, r); break;
+  }
+}
+
+// rows [n0, n1) of part p (output columns col0 + n) against every row of x
+template <bool WIDE>
+void part_rows(const Part& p, int64_t n0, int64_t n1, int64_t K, const Q8Rows& x, float* out, int64_t ldo, int64_t col0) {
+  float r[kTile];
+  // Short rows (a Q4_K row of 1536 values is 864 bytes) end before the hardware prefetcher has ramped up, so
+  // the next ~1 KiB of rows is requested by hand: 28 Q4_K gate_up weights of Qwen2.5-1.5B (434 MB, not in
+  // cache), one row of x, 2 threads, Sapphire Rapids: 5.5-9.2 GB/s without, 17-19 with 512-1536 bytes ahead.
+  // Long rows stream well on their own (Q6_K down, 7350-byte rows: 16.2 GB/s without, 14.4-15.3 with).
+  const int64_t ahead = p.row_bytes < kPrefetchRowBytes ? (kPrefetchBytes + p.row_bytes - 1) / p.row_bytes : 0;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = p.data + n * p.row_bytes;
+    if (ahead && n + ahead < n1) {
+      const char* next = reinterpret_cast<const char*>(p.data + (n + ahead) * p.row_bytes);
+      for (int64_t line = 0; line < p.row_bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+    }
+    for (int64_t t0 = 0; t0 < x.T; t0 += kTile) {
+      const int64_t tb = std::min<int64_t>(kTile, x.T - t0);
+      if (WIDE) {
+        switch (tb) {
+          case 1: row_avx512<1>(p, w, K, x, t0, r); break;
+          case 2: row_avx512<2>(p, w, K, x, t0, r); break;
+          case 3: row_avx512<3>(p, w, K, x, t0, r); break;
+          default: row_avx512<4>(p, w, K, x, t0, r); break;
+        }
+      } else {
+        switch (tb) {
+          case 1: row_avx2<1>(p, w, K, x, t0, r); break;
+          case 2: row_avx2<2>(p, w, K, x, t0, r); break;
+          case 3: row_avx2<3>(p, w, K, x, t0, r); break;
+          default: row_avx2<4>(p, w, K, x, t0, r); break;
+        }
+      }
+      for (int64_t t = 0; t < tb; ++t) out[(t0 + t) * ldo + col0 + n] = r[t];
+    }
+  }
+}
+
+bool cpu_has_avx512_vnni() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni");
+  }();
+  return yes;
+}
+
+
+// Dequantization to bfloat16 for a many-row step's strips (AVX-512 BF16 CPUs): a block's codes are laid
+// out as bytes with SIMD (the same unpacking the dot kernels use), then each group of 16 becomes
+// scale * code + min in float32, rounded to bfloat16 by vcvtneps2bf16 (nearest even, as torch rounds).
+#define AVX512BF16_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16")))
+
+// codes [256 or 32] as bytes (signed for Q8_0) and scale / min per 16 elements
+AVX512BF16_TARGET inline int block_groups(int64_t type, const uint8_t* w, uint8_t* codes, float* scale, float* minv) {
+  switch (type) {
+    case Q4_K: case Q5_K: {
+      const float d = f16(w), dmin = f16(w + 2);
+      uint8_t sc[8], mn[8];
+      k_scales(w + 4, sc, mn);
+      __m512i qv[4];
+      if (type == Q4_K) k4_codes<false>(w, qv); else k4_codes<true>(w, qv);
+      for (int i = 0; i < 4; ++i) _mm512_storeu_si512(codes + 64 * i, qv[i]);
+      for (int j = 0; j < 16; ++j) scale[j] = d * sc[j / 2], minv[j] = -dmin * mn[j / 2];
+      return 16;
+    }
+    case Q6_K: {
+      const float d = f16(w + 208);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
+      for (int h = 0; h < 2; ++h) {
+        __m256i part[4];
+        q6k_codes(w + 64 * h, w + 128 + 32 * h, part);
+        for (int k = 0; k < 4; ++k) _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 128 * h + 32 * k), part[k]);
+      }
+      for (int j = 0; j < 16; ++j) scale[j] = d * static_cast<float>(sc[j]), minv[j] = -32.f * scale[j];
+      return 16;
+    }
+    default: {
+      const float d = f16(w);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), small_codes(type, w));
+      const float m = type == Q4_0 ? -8.f * d : type == Q5_0 ? -16.f * d : 0.f;
+      scale[0] = scale[1] = d, minv[0] = minv[1] = m;
+      return 2;
+    }
+  }
+}
+
+AVX512BF16_TARGET void dequantize_rows_bf16(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t K,
+                                            int64_t rows, at::BFloat16* out) {
+  const int64_t per = block_elems(type), bytes = block_bytes(type);
+  alignas(64) uint8_t codes[256];
+  float scale[16], minv[16];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < K / per; ++b) {
+      const int groups = block_groups(type, w + r * row_bytes + b * bytes, codes, scale, minv);
+      at::BFloat16* y = out + r * K + b * per;
+      for (int g = 0; g < groups; ++g) {
+        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * g));
+        const __m512i wide = type == Q8_0 ? _mm512_cvtepi8_epi32(c) : _mm512_cvtepu8_epi32(c);
+        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(wide), _mm512_set1_ps(scale[g]), _mm512_set1_ps(minv[g]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + 16 * g), (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+}
+
+bool cpu_has_avx512_bf16_vnni() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return cpu_has_avx512_vnni() && __builtin_cpu_supports("avx512bf16");
+  }();
+  return yes;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Dequantization, one block at a time (the embedding's lookups, the strips of a many-row step, tests):
+// values exactly as gguf-py's dequantize gives them (float32 products of f16 scales and small integers).
+void dequantize_block(int64_t type, const uint8_t* w, float* y) {
+  switch (type) {
+    case Q4_0: case Q5_0: case Q8_0: {
+      const float d = f16(w);
+      if (type == Q8_0) {
+        for (int j = 0; j < 32; ++j) y[j] = d * static_cast<float>(static_cast<int8_t>(w[2 + j]));
+        return;
+      }
+      uint32_t qh = 0;
+      if (type == Q5_0) std::memcpy(&qh, w + 2, 4);
+      const uint8_t* qs = w + (type == Q5_0 ? 6 : 2);
+      const int offset = type == Q5_0 ? 16 : 8;
+      for (int j = 0; j < 16; ++j) {
+        const int lo = (qs[j] & 0xF) | (type == Q5_0 ? ((qh >> j) & 1) << 4 : 0);
+        const int hi = (qs[j] >> 4) | (type == Q5_0 ? ((qh >> (j + 16)) & 1) << 4 : 0);
+        y[j] = d * static_cast<float>(lo - offset);
+        y[j + 16] = d * static_cast<float>(hi - offset);
+      }
+      return;
+    }
+    case Q4_K: case Q5_K: {
+      const float d = f16(w), dmin = f16(w + 2);
+      uint8_t sc[8], mn[8];
+      k_scales(w + 4, sc, mn);
+      const uint8_t* qh = w + 16;
+      const uint8_t* qs = w + (type == Q5_K ? 48 : 16);
+      for (int i = 0; i < 4; ++i)
+        for (int l = 0; l < 32; ++l) {
+          int lo = qs[32 * i + l] & 0xF, hi = qs[32 * i + l] >> 4;
+          if (type == Q5_K) lo |= ((qh[l] >> (2 * i)) & 1) << 4, hi |= ((qh[l] >> (2 * i + 1)) & 1) << 4;
+          y[64 * i + l] = d * sc[2 * i] * lo - dmin * mn[2 * i];
+          y[64 * i + 32 + l] = d * sc[2 * i + 1] * hi - dmin * mn[2 * i + 1];
+        }
+      return;
+    }
+    case Q6_K: {
+      const float d = f16(w + 208);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* ql = w + 64 * h;
+        const uint8_t* qh = w + 128 + 32 * h;
+        float* out = y + 128 * h;
+        for (int l = 0; l < 32; ++l) {
+          const int q[4] = {(ql[l] & 0xF) | ((qh[l] & 3) << 4), (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4),
+                            (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4), (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)};
+          for (int k = 0; k < 4; ++k) {
+            const int e = 32 * k + l;
+            out[e] = d * static_cast<float>(sc[8 * h + e / 16]) * static_cast<float>(q[k] - 32);
+          }
+        }
+      }
+      return;
+    }
+  }
+  TORCH_CHECK(false, "ggml_blocks: no kernel for GGML type ", type);
+}
+
+}  // namespace
+
+// blocks: uint8 [N, K / block_elems * block_bytes]; rows: int64 indices into N -> float32 [len(rows), K]
+at::Tensor ggml_blocks_dequantize(const at::Tensor& blocks, int64_t type, int64_t K, const at::Tensor& rows_in) {
+  const int64_t per = block_elems(type), bytes = block_bytes(type);
+  TORCH_CHECK(K % per == 0 && blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+                  blocks.size(1) == K / per * bytes,
+              "ggml_blocks_dequantize: blocks must be contiguous uint8 [N, ", K / per * bytes, "] for K ", K, ", got ",
+              blocks.sizes());
+  const at::Tensor rows = rows_in.to(at::kLong).contiguous();
+  const int64_t R = rows.numel(), N = blocks.size(0);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i)
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < N, "ggml_blocks_dequantize: row ", rp[i], " is outside [0, ", N, ")");
+  at::Tensor out = at::empty({R, K}, blocks.options().dtype(at::kFloat));
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, R, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t b = 0; b < K / per; ++b) dequantize_block(type, wp + rp[i] * blocks.size(1) + b * bytes, op + i * K + b * per);
+  });
+  return out;
+}
+
+// rows [row0, row1) of blocks -> bfloat16 [row1 - row0, K]: a strip for a many-row step's GEMM. AVX-512 BF16
+// CPUs dequantize with SIMD; others through the float32 dequantizer, then torch's rounding (the same values).
+at::Tensor ggml_blocks_dequantize_bf16(const at::Tensor& blocks, int64_t type, int64_t K, int64_t row0, int64_t row1) {
+  const int64_t per = block_elems(type), bytes = block_bytes(type);
+  TORCH_CHECK(K % per == 0 && blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+                  blocks.size(1) == K / per * bytes && 0 <= row0 && row0 <= row1 && row1 <= blocks.size(0),
+              "ggml_blocks_dequantize_bf16: blocks must be contiguous uint8 [N, ", K / per * bytes, "] and rows [", row0,
+              ", ", row1, ") inside N, got ", blocks.sizes());
+  if (!cpu_has_avx512_bf16_vnni())
+    return ggml_blocks_dequantize(blocks, type, K, at::arange(row0, row1, blocks.options().dtype(at::kLong))).to(at::kBFloat16);
+  at::Tensor out = at::empty({row1 - row0, K}, blocks.options().dtype(at::kBFloat16));
+  const uint8_t* wp = blocks.data_ptr<uint8_t>() + row0 * blocks.size(1);
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, row1 - row0, 16, [&](int64_t begin, int64_t end) {
+    dequantize_rows_bf16(type, wp + begin * blocks.size(1), blocks.size(1), K, end - begin, op + begin * K);
+  });
+  return out;
+}
+
+// 0: the best this CPU has; 1: AVX2; 2: AVX-512 (BW + VNNI). Returns the path a call with `path` runs.
+int64_t ggml_blocks_path(int64_t path) {
+  TORCH_CHECK(path >= 0 && path <= 2, "ggml_blocks: path ", path, " is not 0 (auto), 1 (avx2) or 2 (avx512_vnni)");
+  if (path == 0) return cpu_has_avx512_vnni() ? 2 : 1;
+  TORCH_CHECK(path != 2 || cpu_has_avx512_vnni(), "ggml_blocks: this CPU lacks avx512f/bw/vl/dq + avx512_vnni");
+  return path;
+}
+
+// x: [T, K] float32 or bfloat16; parts: uint8 [N_i, K / block_elems * block_bytes] in types[i] -> [T, sum N_i]
+// float32, the parts' outputs side by side.
+at::Tensor ggml_blocks_linear(const at::Tensor& x_in, at::TensorList parts, at::IntArrayRef types, int64_t path) {
+  TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
+              "ggml_blocks_linear: x must be 2-D float32 or bfloat16, got ", x_in.sizes(), " ", x_in.scalar_type());
+  TORCH_CHECK(parts.size() == types.size() && !parts.empty(), "ggml_blocks_linear: ", parts.size(), " parts but ",
+              types.size(), " types");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t T = x.size(0), K = x.size(1);
+  std::vector<Part> ps;
+  std::vector<int64_t> first_col;
+  int64_t N = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const at::Tensor& w = parts[i];
+    const int64_t type = types[i], per = block_elems(type), bytes = block_bytes(type);
+    TORCH_CHECK(K % per == 0, "ggml_blocks_linear: in_features ", K, " is not a multiple of ", per, " (GGML type ", type, ")");
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(1) == K / per * bytes,
+                "ggml_blocks_linear: part ", i, " must be contiguous uint8 [N, ", K / per * bytes, "], got ", w.sizes());
+    ps.push_back({w.data_ptr<uint8_t>(), type, w.size(0), w.size(1)});
+    first_col.push_back(N);
+    N += w.size(0);
+  }
+  const bool wide = ggml_blocks_path(path) == 2;
+  Q8Rows q;
+  if (x.scalar_type() == at::kFloat)
+    quantize_rows(x.data_ptr<float>(), T, K, q);
+  else
+    quantize_rows(x.data_ptr<at::BFloat16>(), T, K, q);
+  at::Tensor out = at::empty({T, N}, x.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  // one parallel region over every part's rows: a fused projection keeps both threads busy to its end
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const int64_t lo = std::max(begin, first_col[i]), hi = std::min(end, first_col[i] + ps[i].rows);
+      if (lo >= hi) continue;
+      if (wide)
+        part_rows<true>(ps[i], lo - first_col[i], hi - first_col[i], K, q, op, N, first_col[i]);
+      else
+        part_rows<false>(ps[i], lo - first_col[i], hi - first_col[i], K, q, op, N, first_col[i]);
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("ggml_blocks_linear(Tensor x, Tensor[] parts, int[] types, int path) -> Tensor");
+  m.def("ggml_blocks_path(int path) -> int");
+  m.def("ggml_blocks_dequantize(Tensor blocks, int type, int K, Tensor rows) -> Tensor");
+  m.def("ggml_blocks_dequantize_bf16(Tensor blocks, int type, int K, int row0, int row1) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("ggml_blocks_linear", &ggml_blocks_linear);
+  m.impl("ggml_blocks_dequantize", &ggml_blocks_dequantize);
+  m.impl("ggml_blocks_dequantize_bf16", &ggml_blocks_dequantize_bf16);
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CompositeExplicitAutograd, m) {
+  m.impl("ggml_blocks_path", &ggml_blocks_path);
+}

@@ -1,0 +1,199 @@
+"""Linears on a GGUF file's quantized blocks exactly as the file stores them (issue 34): no conversion and
+no copy at load, the weight being the file's own mapped pages, and integer dot products against 8-bit
+activations (worker/csrc/ggml_blocks_dot.cpp, as llama.cpp's CPU backend computes them).
+
+Why a second quantized format beside worker.linears.group_quant: that one unpacks every K-quant into
+one byte or half a byte a code plus a float scale and minimum per 16 or 32 values, so a Q4_K_M file
+grows by half at load (Q6_K more than doubles), and a decode step reads that much more. Here a step reads
+the file's 4.5-6.6 bits a weight. The types with a kernel are BLOCK_TYPES; a tensor in another type
+keeps the group_quant conversion (the loader decides, per tensor).
+
+Accuracy: activations are rounded to int8 per 256 values (llama.cpp's q8_K), the error `tokenmill
+accuracy` measures (docs/models.md); the weights are exact.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from worker.native_ops import cpu_has_native_bf16, cpu_ops_available
+
+# gguf's GGMLQuantizationType values of the types the compiled kernels run, and their block shapes
+BLOCK_TYPES = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+BLOCK_ELEMENTS = {"Q4_0": 32, "Q5_0": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+BLOCK_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+# Up to this many rows of x the integer-dot kernel runs; past it, dequantized strips and a GEMM each
+# (GGMLBlocksLinear.forward_strips). Qwen2.5-1.5B's layer (qkv, o, gate_up, down), 2 threads, Sapphire
+# Rapids (AMX), ms, dot / strips (scripts/bench_ggml_blocks.py): 1 row 1.24 / 11.2, 16 rows 8.5 / 11.6,
+# 32 rows 17.0 / 12.9, 128 rows 64 / 22, 512 rows 364 / 38. (A dense bfloat16 copy would take 3.1-3.7 ms at
+# 1-32 rows: it wins from a few rows but holds 2 bytes a weight, 3x the file; see docs/models.md.)
+DOT_ROWS = 24
+STRIP_BYTES = 4 * 2**20  # a dequantized strip's most
+# the instruction set the kernels use: 0 the best this CPU has (AVX-512 VNNI, else AVX2); tests force 1 / 2
+KERNEL_PATHS = {"auto": 0, "avx2": 1, "avx512_vnni": 2}
+
+
+def block_supported(type_name: str, in_features: int) -> bool:
+    return type_name in BLOCK_TYPES and in_features % BLOCK_ELEMENTS[type_name] == 0
+
+
+def mapped_bytes_tensor(array: np.ndarray) -> torch.Tensor:
+    """A uint8 tensor over array's memory without a copy. The file is mapped read-only and nothing writes
+    these weights, so torch's warning about a read-only buffer does not apply."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockPart:
+    """Rows of one weight in one GGML type: blocks [rows, in_features / elements * bytes] uint8."""
+    type_name: str
+    blocks: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.blocks.shape[0]
+
+
+@dataclass(frozen=True, slots=True)
+class GGMLBlocksWeight:
+    """A weight of out_features rows held as one or more parts, each in its file's own type (a fused q/k/v
+    of a Q4_K_M file is Q4_K, Q4_K and Q6_K): the parts' rows follow each other."""
+    parts: tuple[BlockPart, ...]
+    in_features: int
+
+    def __post_init__(self) -> None:
+        for part in self.parts:
+            if not block_supported(part.type_name, self.in_features):
+                raise ValueError(f"{part.type_name} blocks of {self.in_features} values a row have no kernel "
+                                 f"(types {sorted(BLOCK_TYPES)}, rows a multiple of the block)")
+            row_bytes = self.in_features // BLOCK_ELEMENTS[part.type_name] * BLOCK_BYTES[part.type_name]
+            if part.blocks.dtype != torch.uint8 or part.blocks.dim() != 2 or part.blocks.shape[1] != row_bytes:
+                raise ValueError(f"{part.type_name} blocks must be uint8 [rows, {row_bytes}] for {self.in_features} "
+                                 f"values a row, got {part.blocks.dtype} {tuple(part.blocks.shape)}")
+
+    @staticmethod
+    def from_blocks(type_name: str, blocks: np.ndarray | torch.Tensor, out_features: int, in_features: int) -> GGMLBlocksWeight:
+        tensor = blocks if isinstance(blocks, torch.Tensor) else mapped_bytes_tensor(blocks)
+        return GGMLBlocksWeight((BlockPart(type_name, tensor.reshape(out_features, -1)),), in_features)
+
+    @property
+    def out_features(self) -> int:
+        return sum(part.rows for part in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.blocks.numel() for part in self.parts)
+
+    @property
+    def formats(self) -> str:
+        return ", ".join(dict.fromkeys(part.type_name for part in self.parts))
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [len(rows) or out_features, in_features], exactly gguf-py's values."""
+        if rows is not None:
+            if len(self.parts) != 1:
+                raise ValueError("row lookups are for one-part weights (an embedding)")
+            part = self.parts[0]
+            return torch.ops.tokenmill.ggml_blocks_dequantize(part.blocks, BLOCK_TYPES[part.type_name],
+                                                              self.in_features, rows)
+        return torch.cat([torch.ops.tokenmill.ggml_blocks_dequantize(
+            part.blocks, BLOCK_TYPES[part.type_name], self.in_features, torch.arange(part.rows)) for part in self.parts])
+
+    def rows(self, index: torch.Tensor) -> GGMLBlocksWeight:
+        """These rows, in this order (a copy: llama's q/k rows un-permuted); one-part weights."""
+        if len(self.parts) != 1:
+            raise ValueError("row selection is for one-part weights")
+        part = self.parts[0]
+        return GGMLBlocksWeight((BlockPart(part.type_name, part.blocks.index_select(0, index)),), self.in_features)
+
+    @staticmethod
+    def concat_rows(weights: list[GGMLBlocksWeight]) -> GGMLBlocksWeight:
+        if len({w.in_features for w in weights}) != 1:
+            raise ValueError(f"fused parts disagree on in_features: {[w.in_features for w in weights]}")
+        return GGMLBlocksWeight(tuple(part for w in weights for part in w.parts), weights[0].in_features)
+
+
+class GGMLBlocksLinear(nn.Module):
+    """y = x W^T + b on W's blocks. x: [T, K] float32 or bfloat16 -> [T, N] in x's dtype."""
+
+    kernel_path = KERNEL_PATHS["auto"]  # tests set a forced instruction set on an instance
+
+    def __init__(self, weight: GGMLBlocksWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if not cpu_ops_available():
+            raise RuntimeError("GGML block linears need the compiled CPU ops (scripts/build_cpu_ops.py)")
+        self.weight_blocks = weight
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self._blocks = [part.blocks for part in weight.parts]
+        self._types = [BLOCK_TYPES[part.type_name] for part in weight.parts]
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
+        if x.shape[0] > DOT_ROWS:
+            return self.forward_strips(x)
+        return self.forward_rows(x)
+
+    def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The integer-dot kernel whatever the row count: a row's output is the same bits alone or among
+        others (the deterministic mode runs only this)."""
+        y = torch.ops.tokenmill.ggml_blocks_linear(x, self._blocks, self._types, self.kernel_path)
+        if self.bias is not None:
+            y += self.bias
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def forward_strips(self, x: torch.Tensor) -> torch.Tensor:
+        """Many rows (a prefill): strips of the weight dequantized in cache, one GEMM each (bfloat16 where the
+        CPU multiplies it natively: oneDNN on AMX tiles; float32 otherwise): past DOT_ROWS rows the integer
+        kernel's arithmetic costs more than dequantizing the whole weight once."""
+        dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        xs = x.to(dtype)
+        out = torch.empty(x.shape[0], self.out_features, dtype=dtype)
+        column = 0
+        for part, block in zip(self.weight_blocks.parts, self._types):
+            step = max(16, STRIP_BYTES // (self.in_features * xs.element_size()) // 16 * 16)
+            for row0 in range(0, part.rows, step):
+                row1 = min(part.rows, row0 + step)
+                if dtype == torch.bfloat16:
+                    strip = torch.ops.tokenmill.ggml_blocks_dequantize_bf16(part.blocks, block, self.in_features, row0, row1)
+                else:
+                    strip = torch.ops.tokenmill.ggml_blocks_dequantize(part.blocks, block, self.in_features,
+                                                                      torch.arange(row0, row1))
+                out[:, column + row0:column + row1] = F.linear(xs, strip)
+            column += part.rows
+        if self.bias is not None:
+            out += self.bias
+        return out.to(x.dtype)
+
+    def _apply(self, fn, recurse: bool = True):
+        probe = fn(torch.empty(0, dtype=torch.uint8))
+        if probe.device.type != "cpu":
+            raise ValueError("GGML block linears run on CPU only; the loader converts a GGUF file's weights for "
+                             f"{probe.device.type} (worker.loader.gguf_quants)")
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, formats={self.weight_blocks.formats}"
+
+
+class GGMLBlocksEmbedding(nn.Module):
+    """The embedding on its blocks: a lookup dequantizes just the rows it reads."""
+
+    def __init__(self, weight: GGMLBlocksWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        if len(weight.parts) != 1:
+            raise ValueError("an embedding is one tensor of one type")
+        self.weight_blocks, self.dtype = weight, dtype
+        self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        return self.weight_blocks.dequantize(input_ids.reshape(-1)).to(self.dtype).reshape(*input_ids.shape, -1)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.weight_blocks.formats}"
