@@ -8,6 +8,7 @@ import torch
 from plumbing.grammar import GrammarCompiler
 from worker.kv_sizing import (KVCacheSizing, default_memory_fraction, measure_activation_peak, profile_batch,
                               read_sizing_record, size_from_budget, size_from_memory_or_record, write_sizing_record)
+from worker.linears.ggml_blocks import mapped_weight_bytes
 from worker.linears.group_quant import quantize_linears
 from worker.linears.int8 import quantize_linears_int8
 from worker.loader import default_model_path, load_model
@@ -94,7 +95,8 @@ def _size_from_memory(network, config, path: Path, dtype: torch.dtype, device: t
     record_path = options.kv_sizing_record
     record = read_sizing_record(record_path) if record_path else None
     sizing, new_record = size_from_memory_or_record(
-        record, settings, free_memory_bytes(device) if free_bytes is None else free_bytes, peak, fraction, per_block,
+        record, settings, (free_memory_bytes(device) if free_bytes is None else free_bytes) - mapped_weight_bytes(network),
+        peak, fraction, per_block,
         device)
     if record_path and new_record:
         write_sizing_record(record_path, new_record)

@@ -28,12 +28,19 @@ class Variant:
     quantization: str  # worker.options.QUANTIZATIONS
     dtype: torch.dtype
     int8_activations: bool = False  # --cpu-int8-activations (run a token at a time, as decode does)
+    blocks: bool = False  # a GGUF file's tensors on its own blocks (the CPU default), a token at a time as decode
+
+    @property
+    def decode_rows(self) -> bool:  # run a token at a time: the rows a decode step's kernels see
+        return self.int8_activations or self.blocks
 
 
 DEFAULT_VARIANTS = (
     Variant("as the file holds it", "auto", torch.float32),
     Variant("as the file holds it", "auto", torch.bfloat16),
     Variant("as the file holds it, int8 activations", "auto", torch.float32, int8_activations=True),
+    Variant("on the file's blocks (decode: q8_K activations)", "auto", torch.float32, blocks=True),
+    Variant("on the file's blocks (decode: q8_K activations)", "auto", torch.bfloat16, blocks=True),
     Variant("int8 at load (group 32)", "int8", torch.float32),
     Variant("int4 at load (group 32)", "int4", torch.float32),
     Variant("dequantized", "none", torch.bfloat16),
@@ -75,13 +82,16 @@ def build_variant(model_path, variant: Variant, device: torch.device):
     from worker.linears.group_quant import quantize_linears, use_int8_activations, weight_formats
     from worker.loader import load_model
 
-    model, config = load_model(model_path, dtype=variant.dtype, progress=False, keep_quantized=variant.quantization == "auto")
+    model, config = load_model(model_path, dtype=variant.dtype, progress=False, keep_quantized=variant.quantization == "auto",
+                               native_blocks=variant.blocks and device.type == "cpu")
     if variant.quantization in ("int8", "int4"):
         quantize_linears(model, bits=int(variant.quantization.removeprefix("int")))
     if variant.int8_activations:
         use_int8_activations(model)
     model = model.to(device).eval()
     weight_bytes = sum(t.numel() * t.element_size() for t in {**dict(model.named_parameters()), **dict(model.named_buffers())}.values())
+    blocks = {id(m.weight_blocks): m.weight_blocks for m in model.modules() if hasattr(m, "weight_blocks")}
+    weight_bytes += sum(weight.nbytes for weight in blocks.values())  # GGML blocks are neither (one per tied pair)
     return model, config, weight_formats(model) or str(variant.dtype).removeprefix("torch."), weight_bytes
 
 
@@ -135,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         model, config, formats, weight_bytes = build_variant(args.model, variant, device)
         score, argmaxes = score_windows(model, config, token_windows, variant.dtype, device, reference_argmax,
-                                        decode_rows=variant.int8_activations)
+                                        decode_rows=variant.decode_rows)
         if reference_argmax is None:
             reference_argmax, reference_ppl = argmaxes, score.perplexity
         del model

@@ -34,7 +34,6 @@
 namespace {
 
 constexpr int64_t QK = 256;  // activation block, and the K-quants' super-block
-constexpr int kTile = 4;     // rows of x per pass over a weight row
 constexpr int64_t kPrefetchBytes = 1024, kPrefetchRowBytes = 2048;  // see part_rows
 
 enum BlockType : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
@@ -456,7 +455,10 @@ AVX512_TARGET void row_avx512(const Part& p, const uint8_t* w, int64_t K, const 
 // rows [n0, n1) of part p (output columns col0 + n) against every row of x
 template <bool WIDE>
 void part_rows(const Part& p, int64_t n0, int64_t n1, int64_t K, const Q8Rows& x, float* out, int64_t ldo, int64_t col0) {
-  float r[kTile];
+  // rows of x per pass over a weight row: its decoded codes and scales stay in registers across them (AVX-512
+  // has 32 vector registers, AVX2 16)
+  constexpr int64_t tile = WIDE ? 8 : 4;
+  float r[8];
   // Short rows (a Q4_K row of 1536 values is 864 bytes) end before the hardware prefetcher has ramped up, so
   // the next ~1 KiB of rows is requested by hand: 28 Q4_K gate_up weights of Qwen2.5-1.5B (434 MB, not in
   // cache), one row of x, 2 threads, Sapphire Rapids: 5.5-9.2 GB/s without, 17-19 with 512-1536 bytes ahead.
@@ -468,14 +470,18 @@ void part_rows(const Part& p, int64_t n0, int64_t n1, int64_t K, const Q8Rows& x
       const char* next = reinterpret_cast<const char*>(p.data + (n + ahead) * p.row_bytes);
       for (int64_t line = 0; line < p.row_bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
     }
-    for (int64_t t0 = 0; t0 < x.T; t0 += kTile) {
-      const int64_t tb = std::min<int64_t>(kTile, x.T - t0);
+    for (int64_t t0 = 0; t0 < x.T; t0 += tile) {
+      const int64_t tb = std::min<int64_t>(tile, x.T - t0);
       if (WIDE) {
         switch (tb) {
           case 1: row_avx512<1>(p, w, K, x, t0, r); break;
           case 2: row_avx512<2>(p, w, K, x, t0, r); break;
           case 3: row_avx512<3>(p, w, K, x, t0, r); break;
-          default: row_avx512<4>(p, w, K, x, t0, r); break;
+          case 4: row_avx512<4>(p, w, K, x, t0, r); break;
+          case 5: row_avx512<5>(p, w, K, x, t0, r); break;
+          case 6: row_avx512<6>(p, w, K, x, t0, r); break;
+          case 7: row_avx512<7>(p, w, K, x, t0, r); break;
+          default: row_avx512<8>(p, w, K, x, t0, r); break;
         }
       } else {
         switch (tb) {

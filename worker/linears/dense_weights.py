@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from worker.linears.ggml_blocks import GGMLBlocksLinear
 from worker.linears.group_quant import GroupQuantLinear
 from worker.memory import free_memory_bytes
 from worker.native_ops import cpu_has_native_bf16
@@ -60,6 +61,9 @@ def decide(mode: str, dtype: torch.dtype, num_bytes: int, available_bytes: int) 
 def keep_dense_weights(model: nn.Module, mode: str, dtype: torch.dtype) -> str:
     """Gives every group-quantized linear under model its dense copy, or none, as mode decides; returns
     the decision in words. Linears that have one already keep it (a runner built twice over one model)."""
+    blocks = [m for m in model.modules() if isinstance(m, GGMLBlocksLinear)]
+    if blocks:
+        return _keep_block_copies(blocks, mode, dtype)
     linears = [m for m in model.modules() if isinstance(m, GroupQuantLinear) and m.codes.device.type == "cpu"]
     if not linears:
         return "off: no group-quantized linears"
@@ -77,6 +81,27 @@ def keep_dense_weights(model: nn.Module, mode: str, dtype: torch.dtype) -> str:
     return f"{len(linears)} linears, {reason}" if keep else reason
 
 
+def _keep_block_copies(linears: list[GGMLBlocksLinear], mode: str, dtype: torch.dtype) -> str:
+    """A GGUF file's block linears (worker.linears.ggml_blocks) keep copies under `on` only: their weights are
+    the file's mapped pages, and a bfloat16 copy of a Q4_K_M file is 3.5x it, past the memory rule (resident
+    set <= 1.15 x the file + the KV cache + 400 MB) whatever memory the machine has. What the copies buy, and
+    cost, is in docs/models.md (Qwen2.5-1.5B's shapes at 16 rows: a layer in 3.6 ms instead of 8.0)."""
+    if mode not in DENSE_WEIGHT_MODES:
+        raise ValueError(f"cpu dense weights mode {mode!r} is not one of {list(DENSE_WEIGHT_MODES)}")
+    if mode != "on":
+        for linear in linears:
+            linear.dense_weight = None
+        return (f"off: {len(linears)} linears run on the file's own blocks, and copies would take "
+                f"{sum(m.in_features * m.out_features for m in linears) * 2 / 2**20:.0f} MiB, past the memory rule "
+                "(--cpu-dense-weights on to keep them anyway)")
+    for linear in linears:
+        if linear.dense_weight is None or linear.dense_weight.dtype != dtype:
+            linear.dense_weight = dense_weight_for(linear, dtype)
+    num_bytes = sum(m.in_features * m.out_features for m in linears) * torch.empty((), dtype=dtype).element_size()
+    return f"{len(linears)} linears on the file's blocks, {num_bytes / 2**20:.0f} MiB (--cpu-dense-weights on)"
+
+
 def dense_weights_kept(model: nn.Module) -> bool:
-    """Whether the model's group-quantized linears run many-row steps on dense copies (for reports)."""
-    return any(isinstance(m, GroupQuantLinear) and m.dense_weight is not None for m in model.modules())
+    """Whether the model's quantized linears run many-row steps on dense copies (for reports)."""
+    return any(isinstance(m, GroupQuantLinear | GGMLBlocksLinear) and m.dense_weight is not None
+               for m in model.modules())

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from worker.linears.dense_linear import dense_linear
+from worker.linears.group_quant import DENSE_ROWS
 from worker.native_ops import cpu_has_native_bf16, cpu_ops_available
 
 # gguf's GGMLQuantizationType values of the types the compiled kernels run, and their block shapes
@@ -134,11 +136,20 @@ class GGMLBlocksLinear(nn.Module):
         self._blocks = [part.blocks for part in weight.parts]
         self._types = [BLOCK_TYPES[part.type_name] for part in weight.parts]
         self.register_buffer("bias", bias, persistent=False)
+        # --cpu-dense-weights on only (worker.linears.dense_weights): 2 bytes a weight beside the file's ~0.6
+        self.register_buffer("dense_weight", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
-        if x.shape[0] > DOT_ROWS:
+        rows, dense = x.shape[0], self.dense_weight
+        if dense is not None and rows >= DENSE_ROWS and x.dtype is dense.dtype:
+            out = dense_linear(x, dense)  # --cpu-dense-weights on: a copy kept for many-row steps
+            return out if self.bias is None else out.add_(self.bias)
+        if rows > DOT_ROWS:
             return self.forward_strips(x)
         return self.forward_rows(x)
+
+    def weight_view(self) -> GGMLBlocksWeight:  # what worker.linears.dense_weights dequantizes
+        return self.weight_blocks
 
     def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The integer-dot kernel whatever the row count: a row's output is the same bits alone or among
@@ -197,3 +208,25 @@ class GGMLBlocksEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, format={self.weight_blocks.formats}"
+
+
+def describe_block_kernels(model: nn.Module) -> str | None:
+    """The kernel the model's block linears run, chosen once from the CPU's flags, for the worker's log;
+    None without block linears."""
+    linears = [m for m in model.modules() if isinstance(m, GGMLBlocksLinear)]
+    if not linears:
+        return None
+    path = {value: name for name, value in KERNEL_PATHS.items()}[torch.ops.tokenmill.ggml_blocks_path(0)]
+    types = sorted({part.type_name for m in linears for part in m.weight_blocks.parts})
+    mapped = sum(m.weight_blocks.nbytes for m in linears) / 2**20
+    return (f"{len(linears)} linears on the file's own blocks ({', '.join(types)}, {mapped:.0f} MiB): {path} integer "
+            f"dot products on activations rounded to int8 per 256 values up to {DOT_ROWS} rows, dequantized "
+            f"{'bfloat16' if cpu_has_native_bf16() else 'float32'} strips past that")
+
+
+def mapped_weight_bytes(model: nn.Module) -> int:
+    """The bytes of the model's block weights (each tied set once). Mapped from the file, they sit in the page
+    cache, which MemAvailable counts as free: the KV cache's sizing takes them off, or it would claim the
+    memory the weights need and every step would read them from disk again."""
+    weights = {id(m.weight_blocks): m.weight_blocks for m in model.modules() if hasattr(m, "weight_blocks")}
+    return sum(weight.nbytes for weight in weights.values())

@@ -317,4 +317,6 @@ def weight_formats(model: nn.Module) -> str:
     every linear holds floats."""
     formats = {m.source for m in model.modules() if isinstance(m, GroupQuantLinear | GroupQuantEmbedding)}
     formats |= {"int8 (per channel)" for m in model.modules() if isinstance(m, Int8Linear)}
+    # GGML block linears and embeddings (worker.linears.ggml_blocks): the file's own types
+    formats |= {part.type_name for m in model.modules() if hasattr(m, "weight_blocks") for part in m.weight_blocks.parts}
     return ", ".join(sorted(formats))

@@ -16,6 +16,7 @@ import torch
 
 from core.step import TokenLogprobs
 from worker.linears.dense_weights import keep_dense_weights
+from worker.linears.ggml_blocks import describe_block_kernels
 from worker.linears.group_quant import use_int8_activations
 from worker.linears.packed import pack_linears
 from worker.model.attention import GatherWorkspace, HostAttentionPlan, attention_metadata, plan_attention
@@ -45,6 +46,9 @@ class TorchPath:
         # the KV cache is made in the activations' dtype, which the dense copies take
         log.info("dense weights for many-row steps: %s",
                  keep_dense_weights(model, execution.cpu_dense_weights, kv_cache.storage.dtype))
+        blocks = describe_block_kernels(model)
+        if blocks:
+            log.info("GGML block kernels: %s", blocks)
         # decode attention then reads the pages in place: the plan skips the gather groups
         self.fused_ops = execution.cpu_fused_ops and torch.device(device).type == "cpu" and fused_ops_usable(model)
         # the forward, chosen once: the compiled ops over the model's weights, or the model itself (the reference)

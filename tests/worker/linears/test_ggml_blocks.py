@@ -160,3 +160,26 @@ def test_bad_inputs_name_what_is_wrong():
     linear = GGMLBlocksLinear(GGMLBlocksWeight.from_blocks("Q4_K", blocks, 4, 256))
     with pytest.raises(ValueError, match="CPU only"):
         linear.to("meta")
+
+
+def test_dense_copies_only_when_asked():
+    """auto keeps none (the blocks are the file's pages; a copy is 3.5x a Q4_K_M file); on keeps one, which
+    serves steps of DENSE_ROWS rows or more and holds exactly the blocks' values."""
+    from worker.linears.dense_weights import dense_weights_kept, keep_dense_weights
+    from worker.linears.group_quant import DENSE_ROWS
+
+    cols = 256
+    raw = random_blocks("Q4_K", 32, cols)
+    model = torch.nn.Sequential(GGMLBlocksLinear(GGMLBlocksWeight.from_blocks("Q4_K", raw, 32, cols)))
+    assert keep_dense_weights(model, "auto", torch.bfloat16).startswith("off: 1 linears run on the file's own blocks")
+    assert not dense_weights_kept(model)
+    assert "(--cpu-dense-weights on)" in keep_dense_weights(model, "on", torch.bfloat16)
+    linear = model[0]
+    expected = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_K).reshape(32, cols)).to(torch.bfloat16)
+    assert dense_weights_kept(model) and linear.dense_weight is not None
+    x = torch.randn(DENSE_ROWS, cols, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    # the copy's GEMM on bfloat16 x: no int8 rounding of x, so far closer than the integer kernel gets
+    reference = x.float() @ expected.float().T
+    assert (linear(x).float() - reference).abs().max() <= 0.005 * reference.abs().max()
+    assert (linear.forward_rows(x).float() - reference).abs().max() > 0.005 * reference.abs().max()
+    assert keep_dense_weights(model, "off", torch.bfloat16).startswith("off") and linear.dense_weight is None

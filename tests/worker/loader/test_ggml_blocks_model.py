@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from worker.linears.ggml_blocks import GGMLBlocksEmbedding, GGMLBlocksLinear
-from worker.linears.group_quant import GroupQuantLinear
+from worker.linears.group_quant import GroupQuantLinear, weight_formats
 from worker.loader import load_model
 from worker.model.attention import build_attention_metadata
 from worker.model.kv_cache import allocate_kv_cache
@@ -65,6 +65,7 @@ def test_blocks_run_the_file_as_stored_and_match_the_conversion(shape_file):
     assert isinstance(blocks_model.embed_tokens, GGMLBlocksEmbedding) and isinstance(blocks_model.lm_head, GGMLBlocksLinear)
     assert blocks_model.lm_head.weight_blocks is blocks_model.embed_tokens.weight_blocks  # tied: one set of blocks
     assert isinstance(converted.layers[0].attn.wqkv, GroupQuantLinear)
+    assert weight_formats(blocks_model) == "Q4_K, Q6_K"  # what /v1/models and KServe metadata name
     # the gate/up blocks are the file's pages (q/k are re-ordered copies for llama, so not those)
     address = layer.mlp.w_gate_up.weight_blocks.parts[0].blocks.data_ptr()
     assert mapped_file(address) == str(shape_file.resolve())
@@ -77,3 +78,25 @@ def test_blocks_run_the_file_as_stored_and_match_the_conversion(shape_file):
     assert error < 0.05, error  # activations rounded to int8 per 256 values; the weights are the same
     # and the same weights: rows summed in another order are off by float rounding only, far below that
     assert np.corrcoef(got.flatten().numpy(), want.flatten().numpy())[0, 1] > 0.999
+
+
+def test_the_kv_sizing_sees_the_mapped_weights(shape_file):
+    """Mapped weights sit in the page cache, which MemAvailable counts as free: the KV cache's sizing takes
+    their bytes (every quantized tensor of the file, the tied embedding once) off what it may claim."""
+    from gguf import GGUFReader
+
+    from worker.linears.ggml_blocks import mapped_weight_bytes
+
+    model, _ = load_model(shape_file, dtype=torch.float32, progress=False, keep_quantized=True, native_blocks=True)
+    quantized = [t for t in GGUFReader(str(shape_file)).tensors if t.tensor_type.name in ("Q4_K", "Q6_K")]
+    assert mapped_weight_bytes(model) == sum(int(t.n_bytes) for t in quantized)
+    converted, _ = load_model(shape_file, dtype=torch.float32, progress=False, keep_quantized=True)
+    assert mapped_weight_bytes(converted) == 0
+    from worker.build import build_sized_runner
+    from worker.options import WorkerOptions
+
+    free = 2**30
+    runner, sizing = build_sized_runner(WorkerOptions(model=str(shape_file), kv_cache_memory_fraction=0.5),
+                                        progress=False, free_bytes=free)
+    assert isinstance(runner.model.layers[0].mlp.w_down, GGMLBlocksLinear)  # the worker's default on CPU
+    assert f"({(free - mapped_weight_bytes(runner.model)) / 2**20:.0f} MiB free on cpu" in sizing.reason, sizing.reason
