@@ -15,11 +15,10 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from tokenmill.bench.int8_agreement import corpus, window_logits, windows
+from tokenmill.bench.int8_agreement import CHECKOUT, corpus, window_logits, windows
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device(args.device)
     tokenizer = load_tokenizer(args.model)
-    texts = corpus(Path(__file__).resolve().parent.parent)
+    texts = corpus(CHECKOUT)
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     # windows() counts tokens; each window of n tokens gives n - 1 next-token positions
     max_tokens, available = args.positions, sum(len(encode(text)) for text in texts)

@@ -47,10 +47,12 @@ Question: A train leaves the station at 9:40 and arrives at 13:15. How long is t
 Answer: From 9:40 to 12:40 is three hours, and from 12:40 to 13:15 is another thirty-five minutes,
 so the journey takes three hours and thirty-five minutes.
 """
+CHECKOUT = Path(__file__).resolve().parents[2]  # the repository root, where REPO_FILES are
 REPO_FILES = ("README.md", "docs/benchmarks.md", "worker/model/llama.py", "worker/model/attention.py", "scheduler/scheduler.py")
 
 
 def corpus(root: Path) -> list[str]:
+    """The prose, then the repository files under root (the checkout; absent from an installed package)."""
     texts = [PROSE]
     texts += [(root / name).read_text() for name in REPO_FILES if (root / name).is_file()]
     return texts
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     model, config = load_model(args.model, dtype=torch.float32, progress=False)
     model = model.to(device).eval()
     tokenizer = load_tokenizer(args.model)
-    token_windows = windows(corpus(Path(__file__).resolve().parent.parent), lambda t: tokenizer.encode(t, add_special_tokens=False),
+    token_windows = windows(corpus(CHECKOUT), lambda t: tokenizer.encode(t, add_special_tokens=False),
                             args.window, args.positions)
     quantized = copy.deepcopy(model)
     replaced = quantize_linears_int8(quantized, use_kernel=device.type == "cuda")

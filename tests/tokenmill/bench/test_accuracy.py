@@ -23,3 +23,12 @@ def test_accuracy_table_compares_every_variant_with_the_float32_reference(tmp_pa
     # int8 stays closer to the reference than int4 (random tiny weights: int4's error is large)
     assert abs(float(int8[4])) <= abs(float(int4[4])) and int4[4] != "+0.000"
     assert float(int8[2].rstrip("%")) >= float(int4[2].rstrip("%"))
+
+
+def test_the_corpus_is_the_prose_and_the_checkouts_files():
+    """The files are found from the checkout's root (they were looked for under tokenmill/ once the bench
+    moved into tokenmill/bench, and the corpus shrank to the prose alone)."""
+    from tokenmill.bench.int8_agreement import CHECKOUT, REPO_FILES, corpus
+
+    texts = corpus(CHECKOUT)
+    assert len(texts) == 1 + len(REPO_FILES) and (CHECKOUT / "README.md").read_text() in texts
