@@ -5,7 +5,9 @@ one-row kernel reads the weight at. Random blocks with sane scales (speed does n
 The Qwen2.5-1.5B Q4_K_M layer by default: qkv Q4_K+Q4_K+Q6_K, o Q4_K, gate_up Q4_K, down Q6_K.
 
 Usage: .venv/bin/python scripts/bench_ggml_blocks.py [--rows 1,4,16,32,64,128] [--threads 2] [--repeat 20]
-       [--hidden 1536 --intermediate 8960 --kv 256]
+       [--hidden 1536 --intermediate 8960 --kv 256] [--cold 24]
+--cold N: instead, the one-row kernel's read rate on weights not in cache: N copies of each linear's weight
+(hundreds of MB) called in turn, as a decode step reads a model's layers.
 """
 from __future__ import annotations
 
@@ -44,6 +46,20 @@ def best_us(fn, repeat: int) -> float:
     return min(times) * 1e6
 
 
+def cold(layer: dict, copies: int, rng: np.random.Generator) -> int:
+    print(f"one row of x against {copies} copies of each weight in turn (not in cache), best of 4")
+    for name, parts in layer.items():
+        for type_name, rows, cols in parts:
+            linears = [GGMLBlocksLinear(GGMLBlocksWeight.from_blocks(type_name, random_blocks(type_name, rows, cols, rng),
+                                                                     rows, cols)) for _ in range(copies)]
+            x = torch.randn(1, cols).to(torch.bfloat16)
+            seconds = best_us(lambda: [linear.forward_rows(x) for linear in linears], 4) / 1e6
+            total = sum(linear.weight_blocks.nbytes for linear in linears)
+            print(f"{name:8s} {type_name} [{rows}, {cols}] rows of {linears[0].weight_blocks.nbytes // rows} bytes: "
+                  f"{total / seconds / 1e9:5.1f} GB/s ({total / 1e6:.0f} MB)", flush=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,4,16,32,64,128")
@@ -52,6 +68,7 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=1536)
     parser.add_argument("--intermediate", type=int, default=8960)
     parser.add_argument("--kv", type=int, default=256, help="k and v rows each (kv heads x head_dim)")
+    parser.add_argument("--cold", type=int, default=0, help="copies per weight cycled: the read rate out of cache")
     args = parser.parse_args()
     if not cpu_ops_available():
         print("the compiled CPU ops are not built: .venv/bin/python scripts/build_cpu_ops.py")
@@ -61,6 +78,8 @@ def main() -> int:
     h, i, kv = args.hidden, args.intermediate, args.kv
     layer = {"qkv": [("Q4_K", h, h), ("Q4_K", kv, h), ("Q6_K", kv, h)], "o": [("Q4_K", h, h)],
              "gate_up": [("Q4_K", 2 * i, h)], "down": [("Q6_K", h, i)]}
+    if args.cold:
+        return cold(layer, args.cold, rng)
     print(f"threads {args.threads}; us per call (min of {args.repeat}); dot = integer kernel, strips = dequantized "
           f"strips + GEMM, dense = bf16 GEMM on a kept copy")
     print(f"{'linear':8s} {'rows':>5s} {'dot':>9s} {'strips':>9s} {'dense':>9s}  one-row GB/s")

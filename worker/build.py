@@ -8,7 +8,7 @@ import torch
 from plumbing.grammar import GrammarCompiler
 from worker.kv_sizing import (KVCacheSizing, default_memory_fraction, measure_activation_peak, profile_batch,
                               read_sizing_record, size_from_budget, size_from_memory_or_record, write_sizing_record)
-from worker.linears.ggml_blocks import mapped_weight_bytes
+from worker.linears.ggml_blocks import fault_in, mapped_weight_bytes
 from worker.linears.group_quant import quantize_linears
 from worker.linears.int8 import quantize_linears_int8
 from worker.loader import default_model_path, load_model
@@ -63,6 +63,7 @@ def build_sized_runner(options: WorkerOptions = WorkerOptions(), *, progress: bo
     network, config = load_model(path, dtype=dtype, progress=progress, keep_quantized=options.quantization == "auto",
                                  native_blocks=options.cpu_block_kernels and device.type == "cpu" and cpu_ops_available())
     network = network.to(device)
+    fault_in(network)  # a GGUF file's mapped blocks resident before the profile pass measures activations
     if options.quantization == "int8" and device.type == "cuda":
         quantize_linears_int8(network, use_kernel=True)  # the Triton kernel's per-channel format
     elif options.quantization in ("int8", "int4"):

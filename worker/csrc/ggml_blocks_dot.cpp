@@ -34,7 +34,7 @@
 namespace {
 
 constexpr int64_t QK = 256;  // activation block, and the K-quants' super-block
-constexpr int64_t kPrefetchBytes = 1024, kPrefetchRowBytes = 2048;  // see part_rows
+constexpr int64_t kPrefetchBytes = 1024;  // see part_rows
 
 enum BlockType : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
@@ -459,14 +459,15 @@ void part_rows(const Part& p, int64_t n0, int64_t n1, int64_t K, const Q8Rows& x
   // has 32 vector registers, AVX2 16)
   constexpr int64_t tile = WIDE ? 8 : 4;
   float r[8];
-  // Short rows (a Q4_K row of 1536 values is 864 bytes) end before the hardware prefetcher has ramped up, so
-  // the next ~1 KiB of rows is requested by hand: 28 Q4_K gate_up weights of Qwen2.5-1.5B (434 MB, not in
-  // cache), one row of x, 2 threads, Sapphire Rapids: 5.5-9.2 GB/s without, 17-19 with 512-1536 bytes ahead.
-  // Long rows stream well on their own (Q6_K down, 7350-byte rows: 16.2 GB/s without, 14.4-15.3 with).
-  const int64_t ahead = p.row_bytes < kPrefetchRowBytes ? (kPrefetchBytes + p.row_bytes - 1) / p.row_bytes : 0;
+  // The next ~1 KiB of rows is requested by hand: the hardware prefetcher alone keeps the integer kernel
+  // waiting. One row of x, 2 threads, Sapphire Rapids, weights not in cache (24-28 of them), GB/s without ->
+  // with: Q4_K rows of 864 bytes 5.5-9.2 -> 15-19, of 2304 bytes 10.3-10.6 -> 15.6-17.4, of 8064 bytes
+  // 9.9-10.1 -> 12.5-13.1; Q6_K rows of 1260 bytes 16.5 -> 22.0, of 7350 bytes 12.9-16.2 -> 14.4-15.3; the
+  // one loss, Q6_K rows of 3360 bytes, 19.7-22.5 -> 13.4-13.7 (scripts/bench_ggml_blocks.py --cold).
+  const int64_t ahead = (kPrefetchBytes + p.row_bytes - 1) / p.row_bytes;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = p.data + n * p.row_bytes;
-    if (ahead && n + ahead < n1) {
+    if (n + ahead < n1) {
       const char* next = reinterpret_cast<const char*>(p.data + (n + ahead) * p.row_bytes);
       for (int64_t line = 0; line < p.row_bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
     }

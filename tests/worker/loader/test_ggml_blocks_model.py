@@ -100,3 +100,27 @@ def test_the_kv_sizing_sees_the_mapped_weights(shape_file):
                                         progress=False, free_bytes=free)
     assert isinstance(runner.model.layers[0].mlp.w_down, GGMLBlocksLinear)  # the worker's default on CPU
     assert f"({(free - mapped_weight_bytes(runner.model)) / 2**20:.0f} MiB free on cpu" in sizing.reason, sizing.reason
+
+
+def resident_bytes(path: str) -> int:
+    """Bytes of path's mappings resident in this process (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split(maxsplit=1)[0]
+        if "-" in first and not first.endswith(":"):  # a mapping's header line
+            inside = line.rstrip().endswith(path)
+        elif inside and first == "Rss:":
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_fault_in_makes_the_file_resident_before_anything_is_measured(shape_file):
+    """build_sized_runner calls fault_in before its profile pass, whose peak (VmHWM) would otherwise count the
+    pages the pass faults in as activations (4.1 GiB of them on the Llama-3.1-8B shape)."""
+    from worker.linears.ggml_blocks import fault_in, mapped_weight_bytes
+
+    model, _ = load_model(shape_file, dtype=torch.float32, progress=False, keep_quantized=True, native_blocks=True)
+    mapped, path = mapped_weight_bytes(model), str(shape_file.resolve())
+    assert resident_bytes(path) < 0.5 * mapped  # a fresh mapping: nothing read through it yet
+    assert fault_in(model) == mapped
+    assert resident_bytes(path) >= 0.95 * mapped
