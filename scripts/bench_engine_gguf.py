@@ -4,7 +4,7 @@ prompt, so its prefill is left out), tok/s of N sequences at once (their prefill
 resident set after them.
 
 Usage: OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_engine_gguf.py FILE.gguf N [VARIANT ...]
-  a VARIANT is comma-separated WorkerOptions fields: "" (the defaults), cpu_block_kernels=0 (0 / 1 are
+  a VARIANT is comma-separated WorkerOptions fields: "" (the defaults), cpu_block_kernels=off (0 / 1 are
   booleans), cpu_dense_weights=on
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ import torch
 from plumbing.grammar import GrammarCompiler
 from worker.kv_sizing import (KVCacheSizing, default_memory_fraction, measure_activation_peak, profile_batch,
                               read_sizing_record, size_from_budget, size_from_memory_or_record, write_sizing_record)
-from worker.linears.ggml_blocks import fault_in, mapped_weight_bytes
+from worker.linears.ggml_blocks import block_types, fault_in, mapped_weight_bytes
 from worker.linears.group_quant import quantize_linears
 from worker.linears.int8 import quantize_linears_int8
 from worker.loader import default_model_path, load_model
@@ -61,7 +61,8 @@ def build_sized_runner(options: WorkerOptions = WorkerOptions(), *, progress: bo
     dtype = resolve_dtype(options.dtype, device)
     path = Path(options.model) if options.model else default_model_path()
     network, config = load_model(path, dtype=dtype, progress=progress, keep_quantized=options.quantization == "auto",
-                                 native_blocks=options.cpu_block_kernels and device.type == "cpu" and cpu_ops_available())
+                                 block_types=block_types(options.cpu_block_kernels)
+                                 if device.type == "cpu" and cpu_ops_available() else ())
     network = network.to(device)
     fault_in(network)  # a GGUF file's mapped blocks resident before the profile pass measures activations
     if options.quantization == "int8" and device.type == "cuda":

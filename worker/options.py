@@ -35,6 +35,7 @@ KERNEL_BACKENDS = ("auto", "torch", "triton")
 # int8 / int4: a folder's (or a file's float) linears quantized at load, group-wise (CUDA int8: per channel)
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 DENSE_WEIGHT_MODES = ("auto", "on", "off")  # worker.linears.dense_weights
+CPU_BLOCK_KERNEL_MODES = ("auto", "all", "off")  # worker.linears.ggml_blocks.block_types
 # decode batch sizes with a captured graph; a decode step of B rows replays the smallest bucket >= B
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # the fields that say how a step runs (what worker.paths.ResolvedExecution resolves)
@@ -118,12 +119,13 @@ class WorkerOptions(Options):
     cpu_int8_activations: bool = option(
         False, "up to 16 rows against group-quantized weights (4-bit, Q8_0, K-quants) round their activations to "
         "int8 per block of 32 (llama.cpp's way; faster, slightly less exact: see tokenmill accuracy)")
-    # a GGUF file's Q4_0/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K tensors on its own mapped blocks with int8 activations
-    # (worker.linears.ggml_blocks); off: the group_quant conversion (float activations, ~1.5x the memory)
-    cpu_block_kernels: bool = option(
-        True, "CPU: convert a GGUF file's Q4_0/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K tensors to the group-quantized layout "
-        "(float activations, about 1.5x the file's memory) instead of running them on the file's own mapped blocks "
-        "with activations rounded to int8 per 256 values (llama.cpp's q8_K)")
+    # a GGUF file's tensors on its own mapped blocks with int8 activations (worker.linears.ggml_blocks); the
+    # others through the group_quant conversion (float activations, ~1.5x the memory for K-quants)
+    cpu_block_kernels: str = option(
+        "auto", "CPU: which GGUF tensors run on the file's own mapped blocks with activations rounded to int8 per "
+        "256 values (llama.cpp's q8_K) instead of the group-quantized conversion (float activations, about 1.5x the "
+        "file's memory): auto: the K-quants (Q4_K, Q5_K, Q6_K); all: also Q4_0, Q5_0, Q8_0; off: none "
+        "(default: %(default)s)", choices=CPU_BLOCK_KERNEL_MODES)
     # float32 linears on oneDNN-reordered weights (CPU, torch backend: worker.linears.packed)
     packed_linears: bool = option(True, "plain nn.Linear instead of weights reordered once for oneDNN (CPU, float32 "
                                   "only)")
@@ -159,7 +161,8 @@ class WorkerOptions(Options):
         for name, value, allowed in (("dtype", self.dtype, DTYPE_CHOICES), ("device", self.device, DEVICES),
                                      ("kernel_backend", self.kernel_backend, KERNEL_BACKENDS),
                                      ("quantization", self.quantization, QUANTIZATIONS),
-                                     ("cpu_dense_weights", self.cpu_dense_weights, DENSE_WEIGHT_MODES)):
+                                     ("cpu_dense_weights", self.cpu_dense_weights, DENSE_WEIGHT_MODES),
+                                     ("cpu_block_kernels", self.cpu_block_kernels, CPU_BLOCK_KERNEL_MODES)):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {list(allowed)}")
         check_batch_sizes(self.graph_batch_sizes)

@@ -79,10 +79,11 @@ class Score:
 
 def build_variant(model_path, variant: Variant, device: torch.device):
     from worker.linears.group_quant import quantize_linears, use_int8_activations, weight_formats
+    from worker.linears.ggml_blocks import block_types
     from worker.loader import load_model
 
     model, config = load_model(model_path, dtype=variant.dtype, progress=False, keep_quantized=variant.quantization == "auto",
-                               native_blocks=variant.blocks and device.type == "cpu")
+                               block_types=block_types("all") if variant.blocks and device.type == "cpu" else ())
     if variant.quantization in ("int8", "int4"):
         quantize_linears(model, bits=int(variant.quantization.removeprefix("int")))
     if variant.int8_activations:

@@ -112,9 +112,8 @@ inline void k_scales(const uint8_t* p, uint8_t* sc, uint8_t* mn) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// The block kernels. Each is written once over a small vector abstraction so AVX2 and AVX-512 share it:
-// V::load32 / V::nibbles etc. below. `acc[t]` gathers row t's float result.
-
+// The block kernels, one function per type family and instruction set: TB rows of x (t0..t0+TB) against one
+// weight row, the block's codes and scales decoded once for all of them. out[t]: row t's dot product.
 
 AVX2_TARGET inline int32_t hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -123,48 +122,79 @@ AVX2_TARGET inline int32_t hsum_i32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+AVX2_TARGET inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(s);
+}
+
 // sum over 32 elements of (unsigned w) * (signed x) weighted by int16 scale s (one per 32): AVX2
 AVX2_TARGET inline __m256i dot32_scaled(__m256i w, __m256i x, __m256i s16) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), s16);
 }
 
-// ---- Q4_K ----
-template <int TB>
-AVX2_TARGET void q4k_avx2(const uint8_t* w, int64_t nb, const Q8Rows& x, int64_t t0, float* out) {
-  __m256 acc[TB];
-  float accm[TB];
-  for (int t = 0; t < TB; ++t) acc[t] = _mm256_setzero_ps(), accm[t] = 0.f;
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
-  for (int64_t b = 0; b < nb; ++b, w += 144) {
-    const float d = f16(w), dmin = f16(w + 2);
-    uint8_t sc[8], mn[8];
-    k_scales(w + 4, sc, mn);
-    __m256i qv[8];
-    for (int i = 0; i < 4; ++i) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 + 32 * i));
-      qv[2 * i] = _mm256_and_si256(q, m4);
-      qv[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+// The minimums' term of Q4_K / Q5_K: sum_j m_j * (bsums[2j] + bsums[2j+1]) as 8 int32, from the mins
+// duplicated per 16 values (mins_dup) and x's 16 sums of 16
+AVX2_TARGET inline __m256i k4_min_products(__m256i mins_dup, const int16_t* bsums) {
+  return _mm256_madd_epi16(mins_dup, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)));
+}
+
+// A Q4_K / Q5_K block's scales (sc), and its mins as int16, each twice in a row (mins_dup)
+AVX2_TARGET inline __m256i k4_scales(const uint8_t* w, uint8_t (&sc)[8]) {
+  uint8_t mn[8];
+  k_scales(w + 4, sc, mn);
+  uint64_t mn8;
+  std::memcpy(&mn8, mn, 8);
+  const __m128i m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(mn8)));
+  return _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
+}
+
+// Q4_K (FIFTH = false) and Q5_K's codes, one 32-element group a register: Q5_K's fifth bit of element
+// 64i + l is bit 2i of qh byte l, of element 64i + 32 + l bit 2i + 1
+template <bool FIFTH>
+AVX2_TARGET inline void k4_groups(const uint8_t* w, __m256i (&lo)[4], __m256i (&hi)[4]) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  const uint8_t* qs = w + (FIFTH ? 48 : 16);
+  const __m256i qh = FIFTH ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16)) : _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * i));
+    lo[i] = _mm256_and_si256(q, m4);
+    hi[i] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    if (FIFTH) {
+      lo[i] = _mm256_or_si256(lo[i], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), one), 4));
+      hi[i] = _mm256_or_si256(hi[i], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i + 1), one), 4));
     }
+  }
+}
+
+// ---- Q4_K / Q5_K, AVX2 ----
+template <bool FIFTH, int TB>
+AVX2_TARGET void k4_avx2(const uint8_t* w, int64_t nb, const Q8Rows& x, int64_t t0, float* out) {
+  __m256 acc[TB], accm[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm256_setzero_ps(), accm[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += FIFTH ? 176 : 144) {
+    const float d = f16(w), dmin = f16(w + 2);
+    uint8_t sc[8];
+    const __m256i mins_dup = k4_scales(w, sc);
+    __m256i lo[4], hi[4];
+    k4_groups<FIFTH>(w, lo, hi);
     for (int t = 0; t < TB; ++t) {
       const int8_t* xq = x.qs(t0 + t, b);
       __m256i sum = _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j)
-        sum = _mm256_add_epi32(sum, dot32_scaled(qv[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j)),
-                                                 _mm256_set1_epi16(sc[j])));
-      const int16_t* bs = x.sums(t0 + t, b);
-      int32_t summ = 0;
-      for (int j = 0; j < 8; ++j) summ += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+      for (int i = 0; i < 4; ++i) {
+        sum = _mm256_add_epi32(sum, dot32_scaled(lo[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 * i)),
+                                                 _mm256_set1_epi16(sc[2 * i])));
+        sum = _mm256_add_epi32(sum, dot32_scaled(hi[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 * i + 32)),
+                                                 _mm256_set1_epi16(sc[2 * i + 1])));
+      }
       const float dx = x.scale(t0 + t, b);
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * dx), acc[t]);
-      accm[t] += dmin * dx * static_cast<float>(summ);
+      accm[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k4_min_products(mins_dup, x.sums(t0 + t, b))),
+                                _mm256_set1_ps(dmin * dx), accm[t]);
     }
   }
-  for (int t = 0; t < TB; ++t) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    out[t] = _mm_cvtss_f32(s) - accm[t];
-  }
+  for (int t = 0; t < TB; ++t) out[t] = hsum256(acc[t]) - hsum256(accm[t]);
 }
 
 AVX512_TARGET inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
@@ -184,69 +214,12 @@ AVX512_TARGET inline __m512i pair_scales(__m512i s16, int pair) {
   return _mm512_permutexvar_epi16(idx, s16);
 }
 
-// ---- Q5_K: Q4_K's nibbles plus a fifth bit per element (qh byte l, bit 2i for element 64i + l, bit 2i+1
-// for 64i + 32 + l) ----
-template <int TB>
-AVX2_TARGET void q5k_avx2(const uint8_t* w, int64_t nb, const Q8Rows& x, int64_t t0, float* out) {
-  __m256 acc[TB];
-  float accm[TB];
-  for (int t = 0; t < TB; ++t) acc[t] = _mm256_setzero_ps(), accm[t] = 0.f;
-  const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-  for (int64_t b = 0; b < nb; ++b, w += 176) {
-    const float d = f16(w), dmin = f16(w + 2);
-    uint8_t sc[8], mn[8];
-    k_scales(w + 4, sc, mn);
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16));
-    __m256i qv[8];
-    for (int i = 0; i < 4; ++i) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 48 + 32 * i));
-      const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), one), 4);
-      const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i + 1), one), 4);
-      qv[2 * i] = _mm256_or_si256(_mm256_and_si256(q, m4), h0);
-      qv[2 * i + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), h1);
-    }
-    for (int t = 0; t < TB; ++t) {
-      const int8_t* xq = x.qs(t0 + t, b);
-      __m256i sum = _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j)
-        sum = _mm256_add_epi32(sum, dot32_scaled(qv[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j)),
-                                                 _mm256_set1_epi16(sc[j])));
-      const int16_t* bs = x.sums(t0 + t, b);
-      int32_t summ = 0;
-      for (int j = 0; j < 8; ++j) summ += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
-      const float dx = x.scale(t0 + t, b);
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * dx), acc[t]);
-      accm[t] += dmin * dx * static_cast<float>(summ);
-    }
-  }
-  for (int t = 0; t < TB; ++t) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    out[t] = _mm_cvtss_f32(s) - accm[t];
-  }
-}
-
-// Q4_K (FIFTH = false) and Q5_K: codes of the block's 4 pairs of 32-element groups, and the pair scales
+// Q4_K / Q5_K's codes as 4 registers, each a pair of 32-element groups (2i, 2i + 1)
 template <bool FIFTH>
 AVX512_TARGET inline void k4_codes(const uint8_t* w, __m512i (&qv)[4]) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-  const uint8_t* qs = w + (FIFTH ? 48 : 16);
-  const __m256i qh = FIFTH ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16)) : _mm256_setzero_si256();
-  for (int i = 0; i < 4; ++i) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * i));
-    __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-    if (FIFTH) {
-      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), one), 4));
-      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i + 1), one), 4));
-    }
-    qv[i] = join(lo, hi);
-  }
-}
-
-// The minimums' term: sum_j m_j * (bsums[2j] + bsums[2j+1]) as 8 int32, from the mins duplicated per 16
-AVX512_TARGET inline __m256i k4_min_products(__m256i mins_dup, const int16_t* bsums) {
-  return _mm256_madd_epi16(mins_dup, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)));
+  __m256i lo[4], hi[4];
+  k4_groups<FIFTH>(w, lo, hi);
+  for (int i = 0; i < 4; ++i) qv[i] = join(lo[i], hi[i]);
 }
 
 template <bool FIFTH, int TB>
@@ -257,14 +230,11 @@ AVX512_TARGET void k4_avx512(const uint8_t* w, int64_t nb, const Q8Rows& x, int6
   const int64_t stride = FIFTH ? 176 : 144;
   for (int64_t b = 0; b < nb; ++b, w += stride) {
     const float d = f16(w), dmin = f16(w + 2);
-    uint8_t sc[8], mn[8];
-    k_scales(w + 4, sc, mn);
-    uint64_t sc8, mn8;
+    uint8_t sc[8];
+    const __m256i mins_dup = k4_scales(w, sc);
+    uint64_t sc8;
     std::memcpy(&sc8, sc, 8);
-    std::memcpy(&mn8, mn, 8);
     const __m512i s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc8))));
-    const __m128i m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(mn8)));
-    const __m256i mins_dup = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
     __m512i qv[4], sv[4];
     k4_codes<FIFTH>(w, qv);
     for (int i = 0; i < 4; ++i) sv[i] = pair_scales(s16, i);
@@ -434,8 +404,8 @@ template <int TB>
 AVX2_TARGET void row_avx2(const Part& p, const uint8_t* w, int64_t K, const Q8Rows& x, int64_t t0, float* r) {
   const int64_t nb = K / QK;
   switch (p.type) {
-    case Q4_K: q4k_avx2<TB>(w, nb, x, t0, r); break;
-    case Q5_K: q5k_avx2<TB>(w, nb, x, t0, r); break;
+    case Q4_K: k4_avx2<false, TB>(w, nb, x, t0, r); break;
+    case Q5_K: k4_avx2<true, TB>(w, nb, x, t0, r); break;
     case Q6_K: q6k_avx2<TB>(w, nb, x, t0, r); break;
     default: small_avx2<TB>(p.type, w, K, x, t0, r); break;
   }

@@ -40,6 +40,17 @@ STRIP_BYTES = 4 * 2**20  # a dequantized strip's most
 KERNEL_PATHS = {"auto": 0, "avx2": 1, "avx512_vnni": 2}
 
 
+# --cpu-block-kernels auto: the K-quants, whose conversion grows most (Q6_K more than doubles) and whose
+# int8 activations are what llama.cpp itself runs them with. The 32-value types join under `all`: a file
+# like the default model's (Q4_1 with Q8_0) keeps its float activations, and its outputs, unless asked.
+K_QUANT_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
+
+
+def block_types(mode: str) -> frozenset[str]:
+    """The GGML types --cpu-block-kernels runs on blocks (worker.options.CPU_BLOCK_KERNEL_MODES)."""
+    return {"auto": K_QUANT_TYPES, "all": frozenset(BLOCK_TYPES), "off": frozenset()}[mode]
+
+
 def block_supported(type_name: str, in_features: int) -> bool:
     return type_name in BLOCK_TYPES and in_features % BLOCK_ELEMENTS[type_name] == 0
 

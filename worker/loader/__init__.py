@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -33,12 +34,12 @@ def default_model_path() -> Path:
 
 def load_model(
     path: str | Path | None = None, dtype: torch.dtype = torch.float32, progress: bool = True,
-    keep_quantized: bool = False, native_blocks: bool = False,
+    keep_quantized: bool = False, block_types: Collection[str] = (),
 ) -> tuple[LlamaModel, ModelConfig]:
     """path None: the default GGUF. '*.gguf': a llama.cpp file. A directory: a Hugging Face folder.
     keep_quantized: a GGUF file's quantized linear weights run as they are (worker.linears.group_quant), not
-    dequantized to dtype; native_blocks (CPU): those whose type has a block kernel run on the file's own mapped
-    blocks (worker.linears.ggml_blocks), the rest as group_quant converts them. Raises ModelLoadError (naming the file, and the tensor / shapes where
+    dequantized to dtype; block_types (CPU): those in these GGML types (with a block kernel) run on the file's
+    own mapped blocks (worker.linears.ggml_blocks), the rest as group_quant converts them. Raises ModelLoadError (naming the file, and the tensor / shapes where
     relevant) for bad inputs."""
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
@@ -47,7 +48,7 @@ def load_model(
         config, tensors = read_hf_folder(path, dtype, progress)
     elif path.suffix == ".gguf":
         config, tensors = read_gguf(path, dtype, progress, keep_quantized=keep_quantized,
-                                     native_blocks=native_blocks)
+                                     block_types=block_types)
     else:
         raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model folder")
     # llama.cpp's converter stores gemma's norm weights as 1 + w; HF folders hold w

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -192,12 +193,13 @@ def _split_readers(path: Path, first) -> list:
 
 
 def read_gguf(path: Path, dtype: torch.dtype, progress: bool, keep_quantized: bool = False,
-              native_blocks: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupQuantWeight | GGMLBlocksWeight]]:
+              block_types: Collection[str] = ()) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupQuantWeight | GGMLBlocksWeight]]:
     """Returns the config and the checked, dequantized, un-permuted HF-named tensors in dtype (gemma
     norms still holding their 1, as the converter stored them). keep_quantized: the linear weights the
     file holds in a format worker.loader.gguf_quants maps are returned as GroupQuantWeight instead (a tied
-    embedding also gives lm_head its quantized copy). native_blocks (with keep_quantized, CPU): a tensor
-    whose type has a block kernel (worker.linears.ggml_blocks) is returned as the file's mapped blocks."""
+    embedding also gives lm_head its quantized copy). block_types (with keep_quantized, CPU): a tensor
+    in one of these GGML types with a block kernel (worker.linears.ggml_blocks) is returned as the file's
+    mapped blocks."""
     first = _open(path)
     readers = _split_readers(path, first)
     by_gguf_name = {tensor.name: tensor for reader in readers for tensor in reader.tensors}
@@ -218,7 +220,7 @@ def read_gguf(path: Path, dtype: torch.dtype, progress: bool, keep_quantized: bo
         if tensor is None:
             raise ModelLoadError(f"{path}: tensor {gguf_name!r} is missing from the GGUF file")
         keep = keep_quantized and (hf_name.endswith(LINEAR_WEIGHTS) or hf_name == EMBEDDING)
-        quantized = (ggml_blocks_from_gguf(tensor) if keep and native_blocks else None) or (
+        quantized = (ggml_blocks_from_gguf(tensor, block_types) if keep else None) or (
             group_quant_from_gguf(tensor) if keep else None)
         if quantized is not None:
             check_shape(str(path), tensor.name, (quantized.out_features, quantized.in_features), shape)

@@ -15,6 +15,8 @@ dequantize bit for bit (tests/worker/test_gguf_quants.py). Block layouts, from g
 """
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import numpy as np
 import torch
 
@@ -98,11 +100,12 @@ def group_quant_from_gguf(tensor) -> GroupQuantWeight | None:
     return group_quant_from_blocks(type_name, np.asarray(tensor.data), out_features, in_features)
 
 
-def ggml_blocks_from_gguf(tensor) -> GGMLBlocksWeight | None:
-    """A gguf ReaderTensor of a 2-D weight -> its blocks as the file maps them (no copy), where a compiled
-    kernel runs that type at that row length; None otherwise (the caller converts or dequantizes)."""
+def ggml_blocks_from_gguf(tensor, types: Collection[str]) -> GGMLBlocksWeight | None:
+    """A gguf ReaderTensor of a 2-D weight -> its blocks as the file maps them (no copy), where its type is one
+    of types and a compiled kernel runs it at that row length; None otherwise (the caller converts or
+    dequantizes)."""
     type_name = tensor.tensor_type.name
-    if len(tensor.shape) != 2:
+    if len(tensor.shape) != 2 or type_name not in types:
         return None
     in_features, out_features = (int(d) for d in tensor.shape.tolist())
     if not block_supported(type_name, in_features):

@@ -183,3 +183,15 @@ def test_dense_copies_only_when_asked():
     assert (linear(x).float() - reference).abs().max() <= 0.005 * reference.abs().max()
     assert (linear.forward_rows(x).float() - reference).abs().max() > 0.005 * reference.abs().max()
     assert keep_dense_weights(model, "off", torch.bfloat16).startswith("off") and linear.dense_weight is None
+
+
+def test_the_modes_name_their_types():
+    """auto: the K-quants only, so a Q4_1 + Q8_0 file (the default model) keeps its float activations."""
+    from worker.linears.ggml_blocks import block_types
+    from worker.options import CPU_BLOCK_KERNEL_MODES, WorkerOptions
+
+    assert block_types("auto") == {"Q4_K", "Q5_K", "Q6_K"} and block_types("all") == set(BLOCK_TYPES)
+    assert block_types("off") == set() and {block_types(mode) is not None for mode in CPU_BLOCK_KERNEL_MODES} == {True}
+    assert WorkerOptions().cpu_block_kernels == "auto"
+    with pytest.raises(ValueError, match="cpu_block_kernels='some' is not one of"):
+        WorkerOptions(cpu_block_kernels="some")

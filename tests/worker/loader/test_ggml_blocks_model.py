@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker.linears.ggml_blocks import GGMLBlocksEmbedding, GGMLBlocksLinear
+from worker.linears.ggml_blocks import BLOCK_TYPES, GGMLBlocksEmbedding, GGMLBlocksLinear
 from worker.linears.group_quant import GroupQuantLinear, weight_formats
 from worker.loader import load_model
 from worker.model.attention import build_attention_metadata
@@ -57,7 +57,7 @@ def prefill_logits(model, config, tokens: list[int]) -> torch.Tensor:
 
 def test_blocks_run_the_file_as_stored_and_match_the_conversion(shape_file):
     blocks_model, config = load_model(shape_file, dtype=torch.float32, progress=False, keep_quantized=True,
-                                      native_blocks=True)
+                                      block_types=BLOCK_TYPES)
     converted, _ = load_model(shape_file, dtype=torch.float32, progress=False, keep_quantized=True)
     layer = blocks_model.layers[0]
     assert isinstance(layer.attn.wqkv, GGMLBlocksLinear) and isinstance(layer.mlp.w_down, GGMLBlocksLinear)
@@ -87,7 +87,7 @@ def test_the_kv_sizing_sees_the_mapped_weights(shape_file):
 
     from worker.linears.ggml_blocks import mapped_weight_bytes
 
-    model, _ = load_model(shape_file, dtype=torch.float32, progress=False, keep_quantized=True, native_blocks=True)
+    model, _ = load_model(shape_file, dtype=torch.float32, progress=False, keep_quantized=True, block_types=BLOCK_TYPES)
     quantized = [t for t in GGUFReader(str(shape_file)).tensors if t.tensor_type.name in ("Q4_K", "Q6_K")]
     assert mapped_weight_bytes(model) == sum(int(t.n_bytes) for t in quantized)
     converted, _ = load_model(shape_file, dtype=torch.float32, progress=False, keep_quantized=True)
@@ -119,8 +119,18 @@ def test_fault_in_makes_the_file_resident_before_anything_is_measured(shape_file
     pages the pass faults in as activations (4.1 GiB of them on the Llama-3.1-8B shape)."""
     from worker.linears.ggml_blocks import fault_in, mapped_weight_bytes
 
-    model, _ = load_model(shape_file, dtype=torch.float32, progress=False, keep_quantized=True, native_blocks=True)
+    model, _ = load_model(shape_file, dtype=torch.float32, progress=False, keep_quantized=True, block_types=BLOCK_TYPES)
     mapped, path = mapped_weight_bytes(model), str(shape_file.resolve())
     assert resident_bytes(path) < 0.5 * mapped  # a fresh mapping: nothing read through it yet
     assert fault_in(model) == mapped
     assert resident_bytes(path) >= 0.95 * mapped
+
+
+def test_a_truncated_file_is_a_load_error_not_a_kernel_crash(shape_file, tmp_path):
+    from worker.loader.errors import ModelLoadError
+
+    cut = tmp_path / "cut.gguf"
+    data = shape_file.read_bytes()
+    cut.write_bytes(data[:len(data) // 2])
+    with pytest.raises(ModelLoadError, match=r"cut\.gguf: not a readable GGUF file"):
+        load_model(cut, dtype=torch.float32, progress=False, keep_quantized=True, block_types=BLOCK_TYPES)
