@@ -21,9 +21,11 @@
 //   Q4_0 [d f16][16 B nibbles]                                               y = d*(q - 8)
 //   Q5_0 [d f16][4 B fifth bits][16 B nibbles]                               y = d*(q - 16)
 //
-// Two instruction sets, chosen once per call (`path`: 0 the best this CPU has, 1 AVX2, 2 AVX-512 BW with
-// VNNI's vpdpwssd), so a test can force each. Work: output rows split across threads (at::parallel_for),
-// each weight row read once per tile of up to 4 rows of x.
+// Two instruction sets (`path`: 0 the best this CPU has, 1 AVX2, 2 AVX-512 BW with VNNI's vpdpwssd), so a
+// test can force each; the Python side asks for 0, which this CPU's flags answer once. Work: output rows split
+// across threads (at::parallel_for), each weight row decoded once per tile of up to 8 (AVX-512) or 4 (AVX2)
+// rows of x, the next ~1 KiB of rows prefetched. Also here: exact dequantization, to float32 rows (the
+// embedding's lookups, tests) and to bfloat16 strips with SIMD (a prefill's GEMMs).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
