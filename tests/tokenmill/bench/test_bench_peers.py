@@ -232,7 +232,11 @@ def test_peer_scripts_parse_and_their_dry_runs_print_the_steps():
     assert not any("vllm" in " ".join(command) for command in commands)
     assert _dry_run("compare.sh", "--sides", "tgi").returncode == 2
 
-    # --near-free: tokenmill and vLLM on bench-stack's near-free HF folder, the stack's workload, its own section
+
+def test_compare_near_free_serves_the_stacks_model_and_workload():
+    """--near-free: tokenmill and vLLM on bench-stack's near-free HF folder, the stack's workload, its own section."""
+    from tokenmill.bench.cli import build_parser
+
     near_free = _dry_run("compare.sh", "--near-free", "--dry-run", "--dtypes", "float32")
     assert near_free.returncode == 0, near_free.stderr
     write, serve, bench, vllm, _, table = [shlex.split(line[2:]) for line in near_free.stdout.splitlines()
@@ -245,7 +249,11 @@ def test_peer_scripts_parse_and_their_dry_runs_print_the_steps():
     assert table[table.index("--section") + 1] == "near-free"
     assert _dry_run("compare.sh", "--near-free", "--sides", "llama-server").returncode == 2  # GGUF files only
 
-    # --model: a real model's shapes (make_shapes.py): the GGUF for tokenmill and llama-server, the HF folder for vLLM
+
+def test_compare_model_runs_a_real_models_shapes():
+    """--model: a real model's shapes (make_shapes.py): the GGUF for tokenmill and llama-server, the HF folder for vLLM."""
+    from tokenmill.bench.cli import build_parser
+
     shape = _dry_run("compare.sh", "--model", "qwen2.5-1.5b", "--dry-run")
     assert shape.returncode == 0, shape.stderr
     make, serve, bench, vllm, _, llama, _, table = [shlex.split(line[2:]) for line in shape.stdout.splitlines()
@@ -264,6 +272,8 @@ def test_peer_scripts_parse_and_their_dry_runs_print_the_steps():
     assert "make_shapes.py --model llama3.2-1b --out .peers/shapes\n" in without_vllm  # no HF folder wanted
     assert _dry_run("compare.sh", "--model", "gpt-9", "--dry-run").returncode == 2
 
+
+def test_setup_scripts_print_their_steps_and_build_outside_git():
     llama_steps = _dry_run("setup_llama_server.sh", "--dry-run").stdout
     assert "pip download -q --no-deps --no-binary :all: -d .peers/sdist llama-cpp-python==" in llama_steps
     assert "/vendor/llama.cpp -B .peers/build/" in llama_steps and "--target llama-server" in llama_steps
