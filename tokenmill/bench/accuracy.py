@@ -79,7 +79,7 @@ class Score:
 
 def build_variant(model_path, variant: Variant, device: torch.device):
     from worker.linears.group_quant import quantize_linears, use_int8_activations, weight_formats
-    from worker.linears.ggml_blocks import block_types
+    from worker.linears.ggml_blocks import block_types, mapped_weight_bytes
     from worker.loader import load_model
 
     model, config = load_model(model_path, dtype=variant.dtype, progress=False, keep_quantized=variant.quantization == "auto",
@@ -90,8 +90,7 @@ def build_variant(model_path, variant: Variant, device: torch.device):
         use_int8_activations(model)
     model = model.to(device).eval()
     weight_bytes = sum(t.numel() * t.element_size() for t in {**dict(model.named_parameters()), **dict(model.named_buffers())}.values())
-    blocks = {id(m.weight_blocks): m.weight_blocks for m in model.modules() if hasattr(m, "weight_blocks")}
-    weight_bytes += sum(weight.nbytes for weight in blocks.values())  # GGML blocks are neither (one per tied pair)
+    weight_bytes += mapped_weight_bytes(model)  # GGML blocks are neither parameters nor buffers
     return model, config, weight_formats(model) or str(variant.dtype).removeprefix("torch."), weight_bytes
 
 

@@ -33,6 +33,8 @@
 #include <cstring>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
 constexpr int64_t QK = 256;  // activation block, and the K-quants' super-block
@@ -124,13 +126,6 @@ AVX2_TARGET inline int32_t hsum_i32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-AVX2_TARGET inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(s);
-}
-
 // sum over 32 elements of (unsigned w) * (signed x) weighted by int16 scale s (one per 32): AVX2
 AVX2_TARGET inline __m256i dot32_scaled(__m256i w, __m256i x, __m256i s16) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), s16);
@@ -196,7 +191,7 @@ AVX2_TARGET void k4_avx2(const uint8_t* w, int64_t nb, const Q8Rows& x, int64_t 
                                 _mm256_set1_ps(dmin * dx), accm[t]);
     }
   }
-  for (int t = 0; t < TB; ++t) out[t] = hsum256(acc[t]) - hsum256(accm[t]);
+  for (int t = 0; t < TB; ++t) out[t] = tokenmill::hsum(acc[t]) - tokenmill::hsum(accm[t]);
 }
 
 AVX512_TARGET inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
@@ -388,12 +383,7 @@ AVX2_TARGET void small_avx2(int64_t type, const uint8_t* w, int64_t K, const Q8R
       }
     }
   }
-  for (int t = 0; t < TB; ++t) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    out[t] = _mm_cvtss_f32(s) - acco[t];
-  }
+  for (int t = 0; t < TB; ++t) out[t] = tokenmill::hsum(acc[t]) - acco[t];
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -425,8 +415,9 @@ AVX512_TARGET void row_avx512(const Part& p, const uint8_t* w, int64_t K, const 
 }
 
 // rows [n0, n1) of part p (output columns col0 + n) against every row of x
-template <bool WIDE>
-void part_rows(const Part& p, int64_t n0, int64_t n1, int64_t K, const Q8Rows& x, float* out, int64_t ldo, int64_t col0) {
+template <bool WIDE, typename Out>
+void part_rows(const Part& p, int64_t n0, int64_t n1, int64_t K, const Q8Rows& x, const float* bias, Out* out,
+               int64_t ldo, int64_t col0) {
   // rows of x per pass over a weight row: its decoded codes and scales stay in registers across them (AVX-512
   // has 32 vector registers, AVX2 16)
   constexpr int64_t tile = WIDE ? 8 : 4;
@@ -439,10 +430,7 @@ void part_rows(const Part& p, int64_t n0, int64_t n1, int64_t K, const Q8Rows& x
   const int64_t ahead = (kPrefetchBytes + p.row_bytes - 1) / p.row_bytes;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = p.data + n * p.row_bytes;
-    if (n + ahead < n1) {
-      const char* next = reinterpret_cast<const char*>(p.data + (n + ahead) * p.row_bytes);
-      for (int64_t line = 0; line < p.row_bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
-    }
+    if (n + ahead < n1) tokenmill::prefetch_lines(p.data + (n + ahead) * p.row_bytes, p.row_bytes);
     for (int64_t t0 = 0; t0 < x.T; t0 += tile) {
       const int64_t tb = std::min<int64_t>(tile, x.T - t0);
       if (WIDE) {
@@ -464,18 +452,15 @@ void part_rows(const Part& p, int64_t n0, int64_t n1, int64_t K, const Q8Rows& x
           default: row_avx2<4>(p, w, K, x, t0, r); break;
         }
       }
-      for (int64_t t = 0; t < tb; ++t) out[(t0 + t) * ldo + col0 + n] = r[t];
+      // the bias added in float32, then one rounding to the output's dtype (torch's: nearest even)
+      const float b = bias ? bias[col0 + n] : 0.f;
+      for (int64_t t = 0; t < tb; ++t) out[(t0 + t) * ldo + col0 + n] = static_cast<Out>(r[t] + b);
     }
   }
 }
 
 bool cpu_has_avx512_vnni() {
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512vnni");
-  }();
+  static const bool yes = tokenmill::cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
   return yes;
 }
 
@@ -538,10 +523,7 @@ AVX512BF16_TARGET void dequantize_rows_bf16(int64_t type, const uint8_t* w, int6
 }
 
 bool cpu_has_avx512_bf16_vnni() {
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return cpu_has_avx512_vnni() && __builtin_cpu_supports("avx512bf16");
-  }();
+  static const bool yes = tokenmill::cpu_has_avx512_bf16() && cpu_has_avx512_vnni();
   return yes;
 }
 
@@ -656,9 +638,26 @@ int64_t ggml_blocks_path(int64_t path) {
   return path;
 }
 
-// x: [T, K] float32 or bfloat16; parts: uint8 [N_i, K / block_elems * block_bytes] in types[i] -> [T, sum N_i]
-// float32, the parts' outputs side by side.
-at::Tensor ggml_blocks_linear(const at::Tensor& x_in, at::TensorList parts, at::IntArrayRef types, int64_t path) {
+// one parallel region over every part's rows: a fused projection keeps both threads busy to its end
+template <typename Out>
+void linear_parts(const std::vector<Part>& ps, const std::vector<int64_t>& first_col, int64_t N, int64_t K,
+                  const Q8Rows& q, const float* bias, Out* out, bool wide) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const int64_t lo = std::max(begin, first_col[i]), hi = std::min(end, first_col[i] + ps[i].rows);
+      if (lo >= hi) continue;
+      if (wide)
+        part_rows<true>(ps[i], lo - first_col[i], hi - first_col[i], K, q, bias, out, N, first_col[i]);
+      else
+        part_rows<false>(ps[i], lo - first_col[i], hi - first_col[i], K, q, bias, out, N, first_col[i]);
+    }
+  });
+}
+
+// x: [T, K] float32 or bfloat16; parts: uint8 [N_i, K / block_elems * block_bytes] in types[i]; bias: [sum N_i]
+// or none -> [T, sum N_i] in x's dtype, the parts' outputs side by side.
+at::Tensor ggml_blocks_linear(const at::Tensor& x_in, at::TensorList parts, at::IntArrayRef types, int64_t path,
+                              const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
               "ggml_blocks_linear: x must be 2-D float32 or bfloat16, got ", x_in.sizes(), " ", x_in.scalar_type());
   TORCH_CHECK(parts.size() == types.size() && !parts.empty(), "ggml_blocks_linear: ", parts.size(), " parts but ",
@@ -684,24 +683,23 @@ at::Tensor ggml_blocks_linear(const at::Tensor& x_in, at::TensorList parts, at::
     quantize_rows(x.data_ptr<float>(), T, K, q);
   else
     quantize_rows(x.data_ptr<at::BFloat16>(), T, K, q);
-  at::Tensor out = at::empty({T, N}, x.options().dtype(at::kFloat));
-  float* op = out.data_ptr<float>();
-  // one parallel region over every part's rows: a fused projection keeps both threads busy to its end
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (size_t i = 0; i < ps.size(); ++i) {
-      const int64_t lo = std::max(begin, first_col[i]), hi = std::min(end, first_col[i] + ps[i].rows);
-      if (lo >= hi) continue;
-      if (wide)
-        part_rows<true>(ps[i], lo - first_col[i], hi - first_col[i], K, q, op, N, first_col[i]);
-      else
-        part_rows<false>(ps[i], lo - first_col[i], hi - first_col[i], K, q, op, N, first_col[i]);
-    }
-  });
+  const float* bp = nullptr;
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == N, "ggml_blocks_linear: bias must have ", N, " values, got ", b.sizes());
+    bp = b.data_ptr<float>();
+  }
+  // the output in x's dtype, written once: no float32 result to convert and add the bias to afterwards
+  at::Tensor out = at::empty({T, N}, x.options());
+  AT_DISPATCH_SWITCH(out.scalar_type(), "ggml_blocks_linear",
+    AT_DISPATCH_CASE(at::kFloat, [&] { linear_parts(ps, first_col, N, K, q, bp, out.data_ptr<float>(), wide); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { linear_parts(ps, first_col, N, K, q, bp, out.data_ptr<at::BFloat16>(), wide); }));
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("ggml_blocks_linear(Tensor x, Tensor[] parts, int[] types, int path) -> Tensor");
+  m.def("ggml_blocks_linear(Tensor x, Tensor[] parts, int[] types, int path, Tensor? bias=None) -> Tensor");
   m.def("ggml_blocks_path(int path) -> int");
   m.def("ggml_blocks_dequantize(Tensor blocks, int type, int K, Tensor rows) -> Tensor");
   m.def("ggml_blocks_dequantize_bf16(Tensor blocks, int type, int K, int row0, int row1) -> Tensor");
