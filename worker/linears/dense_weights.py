@@ -62,11 +62,15 @@ def keep_dense_weights(model: nn.Module, mode: str, dtype: torch.dtype) -> str:
     """Gives every group-quantized linear under model its dense copy, or none, as mode decides; returns
     the decision in words. Linears that have one already keep it (a runner built twice over one model)."""
     blocks = [m for m in model.modules() if isinstance(m, GGMLBlocksLinear)]
-    if blocks:
-        return _keep_block_copies(blocks, mode, dtype)
+    block_reason = _keep_block_copies(blocks, mode, dtype) if blocks else None
     linears = [m for m in model.modules() if isinstance(m, GroupQuantLinear) and m.codes.device.type == "cpu"]
-    if not linears:
-        return "off: no group-quantized linears"
+    if not linears:  # a file with both (converted 640-wide rows beside blocks, Gemma 3's) reports both below
+        return block_reason or "off: no group-quantized linears"
+    reason = _keep_group_quant_copies(linears, mode, dtype)
+    return reason if block_reason is None else f"{reason}; {block_reason}"
+
+
+def _keep_group_quant_copies(linears: list[GroupQuantLinear], mode: str, dtype: torch.dtype) -> str:
     num_bytes = sum(m.in_features * m.out_features for m in linears) * torch.empty((), dtype=dtype).element_size()
     missing = [m for m in linears if m.dense_weight is None or m.dense_weight.dtype != dtype]
     # copies an earlier runner over this model made cost nothing more: only the missing ones are weighed
