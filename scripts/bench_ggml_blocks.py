@@ -20,7 +20,8 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 
-from worker.linears.ggml_blocks import BLOCK_BYTES, BLOCK_ELEMENTS, GGMLBlocksLinear, GGMLBlocksWeight  # noqa: E402
+from worker.linears.ggml_blocks import (BLOCK_BYTES, BLOCK_ELEMENTS, KERNEL_PATHS, GGMLBlocksLinear,  # noqa: E402
+                                        GGMLBlocksWeight)
 from worker.native_ops import cpu_ops_available  # noqa: E402
 
 SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,)}
@@ -80,27 +81,31 @@ def main() -> int:
              "gate_up": [("Q4_K", 2 * i, h)], "down": [("Q6_K", h, i)]}
     if args.cold:
         return cold(layer, args.cold, rng)
-    print(f"threads {args.threads}; us per call (min of {args.repeat}); dot = integer kernel, strips = dequantized "
-          f"strips + GEMM, dense = bf16 GEMM on a kept copy")
-    print(f"{'linear':8s} {'rows':>5s} {'dot':>9s} {'strips':>9s} {'dense':>9s}  one-row GB/s")
+    tiles = torch.ops.tokenmill.ggml_blocks_path(0) == KERNEL_PATHS["amx_int8"]
+    print(f"threads {args.threads}; us per call (min of {args.repeat}); dot = integer vector kernel, tiles = AMX-INT8 "
+          f"tiles (K-quants; '-' without AMX), strips = dequantized strips + GEMM, dense = bf16 GEMM on a kept copy")
+    print(f"{'linear':8s} {'rows':>5s} {'dot':>9s} {'tiles':>9s} {'strips':>9s} {'dense':>9s}  one-row GB/s")
     totals: dict[int, list[float]] = {}
     for name, parts in layer.items():
         weight = GGMLBlocksWeight.concat_rows([GGMLBlocksWeight.from_blocks(t, random_blocks(t, n, k, rng), n, k)
                                                for t, n, k in parts])
-        linear = GGMLBlocksLinear(weight)
+        linear, tiled = GGMLBlocksLinear(weight), GGMLBlocksLinear(weight)
+        linear.kernel_path = min(torch.ops.tokenmill.ggml_blocks_path(0), KERNEL_PATHS["avx512_vnni"])
+        tiled.kernel_path = KERNEL_PATHS["amx_int8"]
         dense = weight.dequantize().to(torch.bfloat16)
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, weight.in_features).to(torch.bfloat16)
             dot = best_us(lambda: linear.forward_rows(x), args.repeat)
+            amx = best_us(lambda: tiled.forward_rows(x), args.repeat) if tiles else float("nan")
             strips = best_us(lambda: linear.forward_strips(x), max(3, args.repeat // 4))
             gemm = best_us(lambda: torch.nn.functional.linear(x, dense), args.repeat)
             rate = f"{weight.nbytes / dot / 1e3:6.1f}" if rows == 1 else ""
-            print(f"{name:8s} {rows:5d} {dot:9.0f} {strips:9.0f} {gemm:9.0f}  {rate}", flush=True)
-            totals.setdefault(rows, [0.0, 0.0, 0.0])
-            for k, v in enumerate((dot, strips, gemm)):
+            print(f"{name:8s} {rows:5d} {dot:9.0f} {amx:9.0f} {strips:9.0f} {gemm:9.0f}  {rate}", flush=True)
+            totals.setdefault(rows, [0.0, 0.0, 0.0, 0.0])
+            for k, v in enumerate((dot, amx, strips, gemm)):
                 totals[rows][k] += v
-    print("one layer, ms: " + "; ".join(f"{r} rows dot {t[0] / 1e3:.2f} strips {t[1] / 1e3:.2f} dense {t[2] / 1e3:.2f}"
-                                        for r, t in totals.items()))
+    print("one layer, ms: " + "; ".join(f"{r} rows dot {t[0] / 1e3:.2f} tiles {t[1] / 1e3:.2f} strips {t[2] / 1e3:.2f} "
+                                        f"dense {t[3] / 1e3:.2f}" for r, t in totals.items()))
     return 0
 
 

@@ -13,6 +13,7 @@ accuracy` measures (docs/models.md); the weights are exact.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -35,9 +36,25 @@ BLOCK_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6
 # 32 rows 17.0 / 12.9, 128 rows 64 / 22, 512 rows 364 / 38. (A dense bfloat16 copy would take 3.1-3.7 ms at
 # 1-32 rows: it wins from a few rows but holds 2 bytes a weight, 3x the file; see docs/models.md.)
 DOT_ROWS = 24
+# With AMX-INT8 the K-quants run on tiles from 6 rows (worker/csrc/ggml_blocks_amx.cpp), and the strips only
+# win past ~128 rows. The same layer, ms, tiles / strips: 16 rows 3.28 / 14.3, 32 rows 5.8 / 15.7, 64 rows
+# 11.3 / 20.1, 128 rows 24.3 / 23.9.
+AMX_DOT_ROWS = 128
 STRIP_BYTES = 4 * 2**20  # a dequantized strip's most
-# the instruction set the kernels use: 0 the best this CPU has (AVX-512 VNNI, else AVX2); tests force 1 / 2
-KERNEL_PATHS = {"auto": 0, "avx2": 1, "avx512_vnni": 2}
+# the instruction set the kernels use: 0 the best this CPU has (AMX-INT8 tiles for the K-quants from a few
+# rows, else AVX-512 VNNI, else AVX2); tests force 1 / 2 / 3
+KERNEL_PATHS = {"auto": 0, "avx2": 1, "avx512_vnni": 2, "amx_int8": 3}
+
+
+@functools.cache
+def auto_path() -> int:
+    """The path auto resolves to on this CPU (asked once; the compiled ops must be loaded)."""
+    return torch.ops.tokenmill.ggml_blocks_path(KERNEL_PATHS["auto"])
+
+
+def dot_rows() -> int:
+    """Up to this many rows of x the integer kernels run, past it the dequantized strips."""
+    return AMX_DOT_ROWS if auto_path() == KERNEL_PATHS["amx_int8"] else DOT_ROWS
 
 
 # --cpu-block-kernels auto: the K-quants, whose conversion grows most (Q6_K more than doubles) and whose
@@ -155,18 +172,22 @@ class GGMLBlocksLinear(nn.Module):
         if dense is not None and rows >= DENSE_ROWS and x.dtype is dense.dtype:
             out = dense_linear(x, dense)  # --cpu-dense-weights on: a copy kept for many-row steps
             return out if self.bias is None else out.add_(self.bias)
-        if rows > DOT_ROWS:
+        if rows > dot_rows():
             return self.forward_strips(x)
-        return self.forward_rows(x)
+        # auto: the vector kernel, or AMX tiles for the K-quants from a few rows where the CPU has them
+        return torch.ops.tokenmill.ggml_blocks_linear(x, self._blocks, self._types, self.kernel_path, self.bias)
 
     def weight_view(self) -> GGMLBlocksWeight:  # what worker.linears.dense_weights dequantizes
         return self.weight_blocks
 
     def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """The integer-dot kernel whatever the row count: a row's output is the same bits alone or among
-        others (the deterministic mode runs only this)."""
+        """The integer-dot kernel whatever the row count, on one instruction set for every count: a row's
+        output is the same bits alone or among others (the deterministic mode runs only this). Under auto
+        that is the vector kernel (AMX tiles would take over from a few rows, summing in another order); a
+        forced path is kept."""
+        path = self.kernel_path or min(auto_path(), KERNEL_PATHS["avx512_vnni"])
         # the op adds the bias and writes x's dtype itself: ~113 calls a decode step, two ops fewer each
-        return torch.ops.tokenmill.ggml_blocks_linear(x, self._blocks, self._types, self.kernel_path, self.bias)
+        return torch.ops.tokenmill.ggml_blocks_linear(x, self._blocks, self._types, path, self.bias)
 
     def forward_strips(self, x: torch.Tensor) -> torch.Tensor:
         """Many rows (a prefill): strips of the weight dequantized in cache, one GEMM each (bfloat16 where the
@@ -225,11 +246,14 @@ def describe_block_kernels(model: nn.Module) -> str | None:
     linears = [m for m in model.modules() if isinstance(m, GGMLBlocksLinear)]
     if not linears:
         return None
-    path = {value: name for name, value in KERNEL_PATHS.items()}[torch.ops.tokenmill.ggml_blocks_path(0)]
+    names = {value: name for name, value in KERNEL_PATHS.items()}
+    path = auto_path()
     types = sorted({part.type_name for m in linears for part in m.weight_blocks.parts})
     mapped = sum(m.weight_blocks.nbytes for m in linears) / 2**20
-    return (f"{len(linears)} linears on the file's own blocks ({', '.join(types)}, {mapped:.0f} MiB): {path} integer "
-            f"dot products on activations rounded to int8 per 256 values up to {DOT_ROWS} rows, dequantized "
+    vector = names[min(path, KERNEL_PATHS["avx512_vnni"])]
+    tiles = " (AMX-INT8 tiles for the K-quants from 6 rows)" if path == KERNEL_PATHS["amx_int8"] else ""
+    return (f"{len(linears)} linears on the file's own blocks ({', '.join(types)}, {mapped:.0f} MiB): {vector} integer "
+            f"dot products{tiles} on activations rounded to int8 per 256 values up to {dot_rows()} rows, dequantized "
             f"{'bfloat16' if cpu_has_native_bf16() else 'float32'} strips past that")
 
 

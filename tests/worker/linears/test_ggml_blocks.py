@@ -14,8 +14,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from worker.linears.ggml_blocks import (BLOCK_TYPES, DOT_ROWS, KERNEL_PATHS, GGMLBlocksEmbedding, GGMLBlocksLinear,
-                                        GGMLBlocksWeight, block_supported)
+from worker.linears.ggml_blocks import (BLOCK_TYPES, KERNEL_PATHS, GGMLBlocksEmbedding, GGMLBlocksLinear,
+                                        GGMLBlocksWeight, block_supported, dot_rows)
 from worker.native_ops import cpu_flags, cpu_ops_available
 
 pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="the compiled CPU ops are not built")
@@ -49,12 +49,17 @@ def q8k_rounded(x: np.ndarray) -> np.ndarray:
     return (q.astype(np.float64) * scale[..., None]).reshape(rows, -1)[:, :cols]
 
 
+WIDE_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+AMX_FLAGS = WIDE_FLAGS | {"amx_tile", "amx_int8"}
+
+
 def available_paths() -> list:
     flags = cpu_flags()
-    wide = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags
     return [pytest.param("avx2", id="avx2"),
-            pytest.param("avx512_vnni", id="avx512_vnni",
-                         marks=pytest.mark.skipif(not wide, reason="this CPU lacks avx512f/bw/vl/dq + avx512_vnni"))]
+            pytest.param("avx512_vnni", id="avx512_vnni", marks=pytest.mark.skipif(
+                not WIDE_FLAGS <= flags, reason="this CPU lacks avx512f/bw/vl/dq + avx512_vnni")),
+            pytest.param("amx_int8", id="amx_int8", marks=pytest.mark.skipif(
+                not AMX_FLAGS <= flags, reason="this CPU lacks amx_tile + amx_int8 (with avx512_vnni)"))]
 
 
 def shapes():
@@ -97,8 +102,34 @@ def test_a_fused_projection_of_three_types_shares_one_rounding(path):
 
 
 def test_auto_takes_the_widest_path_this_cpu_has():
-    wide = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= cpu_flags()
-    assert torch.ops.tokenmill.ggml_blocks_path(0) == (2 if wide else 1)
+    flags = cpu_flags()
+    expected = 3 if AMX_FLAGS <= flags else 2 if WIDE_FLAGS <= flags else 1
+    assert torch.ops.tokenmill.ggml_blocks_path(0) == expected
+
+
+@pytest.mark.skipif(not AMX_FLAGS <= cpu_flags(), reason="this CPU lacks amx_tile + amx_int8 (with avx512_vnni)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_auto_runs_the_k_quants_on_tiles_from_six_rows_and_forward_rows_never(dtype):
+    """Under auto, a Q4_K_M-like fused projection (Q4_K + Q6_K beside Q8_0) gives the tiles' bits from 6 rows
+    and the vector kernel's below; forward_rows (the deterministic mode's) keeps the vector kernel at every
+    count, so a row's bits do not depend on the others."""
+    cols = 1536
+    parts = [("Q4_K", 32), ("Q6_K", 16), ("Q8_0", 16)]
+    blocks = [torch.from_numpy(random_blocks(t, n, cols, seed=i)) for i, (t, n) in enumerate(parts)]
+    types = [BLOCK_TYPES[t] for t, _ in parts]
+    bias = torch.randn(64)
+    linear = GGMLBlocksLinear(GGMLBlocksWeight.concat_rows(
+        [GGMLBlocksWeight.from_blocks(t, b.numpy(), n, cols) for b, (t, n) in zip(blocks, parts)]), bias)
+    for rows in (5, 6, 40):
+        x = torch.randn(rows, cols).to(dtype)
+        tiles = torch.ops.tokenmill.ggml_blocks_linear(x, blocks, types, KERNEL_PATHS["amx_int8"], bias)
+        vector = torch.ops.tokenmill.ggml_blocks_linear(x, blocks, types, KERNEL_PATHS["avx512_vnni"], bias)
+        if dtype == torch.float32:  # the two sum in different orders (bfloat16's rounding may hide it)
+            assert not torch.equal(tiles[:, :48], vector[:, :48])
+        assert torch.equal(tiles[:, 48:], vector[:, 48:])  # Q8_0 has no tile kernel
+        assert torch.equal(linear(x), tiles if rows >= 6 else vector), rows
+        assert torch.equal(linear.forward_rows(x), vector), rows
+        assert torch.equal(linear.forward_rows(x)[:3], linear.forward_rows(x[:3]))
 
 
 @pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
@@ -121,14 +152,16 @@ def test_the_linear_switches_to_strips_past_dot_rows_with_the_same_result(dtype)
                                            GGMLBlocksWeight.from_blocks("Q6_K", random_blocks("Q6_K", 16, cols, 1), 16, cols)])
     bias = torch.randn(64)
     linear = GGMLBlocksLinear(weight, bias)
-    x = torch.randn(DOT_ROWS + 40, cols).to(dtype)
+    limit = dot_rows()  # 128 with AMX tiles, else 24
+    x = torch.randn(limit + 40, cols).to(dtype)
     reference = x.double() @ weight.dequantize().double().T + bias.double()
     many = linear(x)  # strips
-    assert many.dtype == dtype and many.shape == (DOT_ROWS + 40, 64)
-    few = linear(x[:DOT_ROWS])  # the integer kernel
+    assert many.dtype == dtype and many.shape == (limit + 40, 64)
+    assert torch.equal(many, linear.forward_strips(x))
+    few = linear(x[:limit])  # the integer kernel
     scale = reference.abs().max()
     assert (many.double() - reference).abs().max() <= 0.02 * scale
-    assert (few.double() - reference[:DOT_ROWS]).abs().max() <= 0.05 * scale
+    assert (few.double() - reference[:limit]).abs().max() <= 0.05 * scale
     assert torch.equal(linear.forward_rows(x)[:3], linear.forward_rows(x[:3]))  # a row's bits alone or among others
 
 
@@ -155,8 +188,8 @@ def test_bad_inputs_name_what_is_wrong():
         torch.ops.tokenmill.ggml_blocks_linear(torch.randn(1, 256), [blocks], [10], 0)
     with pytest.raises(RuntimeError, match=r"row 4 is outside \[0, 4\)"):
         torch.ops.tokenmill.ggml_blocks_dequantize(blocks, BLOCK_TYPES["Q4_K"], 256, torch.tensor([4]))
-    with pytest.raises(RuntimeError, match="path 3 is not 0"):
-        torch.ops.tokenmill.ggml_blocks_linear(torch.randn(1, 256), [blocks], [BLOCK_TYPES["Q4_K"]], 3)
+    with pytest.raises(RuntimeError, match="path 4 is not 0"):
+        torch.ops.tokenmill.ggml_blocks_linear(torch.randn(1, 256), [blocks], [BLOCK_TYPES["Q4_K"]], 4)
     linear = GGMLBlocksLinear(GGMLBlocksWeight.from_blocks("Q4_K", blocks, 4, 256))
     with pytest.raises(ValueError, match="CPU only"):
         linear.to("meta")
