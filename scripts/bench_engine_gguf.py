@@ -1,7 +1,7 @@
 """The in-process engine (tokenmill.llm.LLM) on one GGUF file, per variant of worker options: load time, the
 inter-token latency of one sequence (33 tokens after a 128-token prompt, minus a 1-token run of the same
-prompt, so its prefill is left out), tok/s of N sequences at once (their prefill included), and the
-resident set after them.
+prompt, so its prefill is left out), tok/s of N sequences at once (their prefill included), their decode step
+alone (the same minus a 1-token run, prompts cached), and the resident set after them.
 
 Usage: OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_engine_gguf.py FILE.gguf N [VARIANT ...]
   a VARIANT is comma-separated WorkerOptions fields: "" (the defaults), cpu_block_kernels=off (0 / 1 are
@@ -47,8 +47,13 @@ def measure(path: str, sequences: int, variant: str) -> str:
     whole = best_of(2, lambda: llm.generate_token_ids([PROMPT], many))
     prompts = [[(token * 7 + i) % 20000 + 100 for token in PROMPT] for i in range(sequences)]
     elapsed = best_of(1, lambda: llm.generate_token_ids(prompts, many))
+    # again, their prompts now in the prefix cache: the N-row decode step alone, as the single ITL above
+    prefilled = best_of(2, lambda: llm.generate_token_ids(prompts, one))
+    decoded = best_of(2, lambda: llm.generate_token_ids(prompts, many))
+    step = (decoded - prefilled) / 32
     return (f"{variant or 'defaults'}: load {load:.0f} s, ITL {(whole - first) / 32 * 1e3:.1f} ms, {sequences} sequences "
-            f"{sequences * 33 / elapsed:.1f} tok/s (prefill included), RSS {status_bytes('VmRSS') / 2**20:.0f} MiB")
+            f"{sequences * 33 / elapsed:.1f} tok/s (prefill included), their decode step {step * 1e3:.1f} ms "
+            f"({sequences / step:.1f} tok/s), RSS {status_bytes('VmRSS') / 2**20:.0f} MiB")
 
 
 def main(argv: list[str]) -> int:

@@ -6,8 +6,8 @@ The Qwen2.5-1.5B Q4_K_M layer by default: qkv Q4_K+Q4_K+Q6_K, o Q4_K, gate_up Q4
 
 Usage: .venv/bin/python scripts/bench_ggml_blocks.py [--rows 1,4,16,32,64,128] [--threads 2] [--repeat 20]
        [--hidden 1536 --intermediate 8960 --kv 256] [--cold 24]
---cold N: instead, the one-row kernel's read rate on weights not in cache: N copies of each linear's weight
-(hundreds of MB) called in turn, as a decode step reads a model's layers.
+--cold N: instead, the read rate on weights not in cache: N copies of each linear's weight (hundreds of MB)
+called in turn, as a decode step reads a model's layers; one row of x, or the first of --rows.
 """
 from __future__ import annotations
 
@@ -47,14 +47,15 @@ def best_us(fn, repeat: int) -> float:
     return min(times) * 1e6
 
 
-def cold(layer: dict, copies: int, rng: np.random.Generator) -> int:
-    print(f"one row of x against {copies} copies of each weight in turn (not in cache), best of 4")
+def cold(layer: dict, copies: int, rng: np.random.Generator, rows_of_x: int = 1) -> int:
+    print(f"{rows_of_x} row(s) of x against {copies} copies of each weight in turn (not in cache), best of 4; "
+          f"auto's kernel (AMX tiles for the K-quants from 6 rows where the CPU has them)")
     for name, parts in layer.items():
         for type_name, rows, cols in parts:
             linears = [GGMLBlocksLinear(GGMLBlocksWeight.from_blocks(type_name, random_blocks(type_name, rows, cols, rng),
                                                                      rows, cols)) for _ in range(copies)]
-            x = torch.randn(1, cols).to(torch.bfloat16)
-            seconds = best_us(lambda: [linear.forward_rows(x) for linear in linears], 4) / 1e6
+            x = torch.randn(rows_of_x, cols).to(torch.bfloat16)
+            seconds = best_us(lambda: [linear(x) for linear in linears], 4) / 1e6
             total = sum(linear.weight_blocks.nbytes for linear in linears)
             print(f"{name:8s} {type_name} [{rows}, {cols}] rows of {linears[0].weight_blocks.nbytes // rows} bytes: "
                   f"{total / seconds / 1e9:5.1f} GB/s ({total / 1e6:.0f} MB)", flush=True)
@@ -71,6 +72,7 @@ def main() -> int:
     parser.add_argument("--kv", type=int, default=256, help="k and v rows each (kv heads x head_dim)")
     parser.add_argument("--cold", type=int, default=0, help="copies per weight cycled: the read rate out of cache")
     args = parser.parse_args()
+    args.rows_given = any(arg.startswith("--rows") for arg in sys.argv[1:])
     if not cpu_ops_available():
         print("the compiled CPU ops are not built: .venv/bin/python scripts/build_cpu_ops.py")
         return 1
@@ -80,7 +82,7 @@ def main() -> int:
     layer = {"qkv": [("Q4_K", h, h), ("Q4_K", kv, h), ("Q6_K", kv, h)], "o": [("Q4_K", h, h)],
              "gate_up": [("Q4_K", 2 * i, h)], "down": [("Q6_K", h, i)]}
     if args.cold:
-        return cold(layer, args.cold, rng)
+        return cold(layer, args.cold, rng, int(args.rows.split(",")[0]) if args.rows_given else 1)
     tiles = torch.ops.tokenmill.ggml_blocks_path(0) == KERNEL_PATHS["amx_int8"]
     print(f"threads {args.threads}; us per call (min of {args.repeat}); dot = integer vector kernel, tiles = AMX-INT8 "
           f"tiles (K-quants; '-' without AMX), strips = dequantized strips + GEMM, dense = bf16 GEMM on a kept copy")

@@ -50,10 +50,11 @@ bool amx_has_kernel(int64_t type);
 // x's q8_K rounding laid out as the tiles' B operand, with its per-block sums; built once per call
 struct AmxRows;
 std::shared_ptr<const AmxRows> amx_rows_of(const Q8Rows& x);
-// rows [n0, n1) of part p (output columns col0 + n) against every row of x, plus bias, into out [T, ldo]
-void amx_part_rows(const Part& p, int64_t n0, int64_t n1, const AmxRows& x, const float* bias, float* out,
-                   int64_t ldo, int64_t col0);
-void amx_part_rows(const Part& p, int64_t n0, int64_t n1, const AmxRows& x, const float* bias, at::BFloat16* out,
-                   int64_t ldo, int64_t col0);
+// Every K-quant part of a linear (output columns first_col[i] + n of out [T, ldo]) against every row of x, plus
+// bias, in one parallel region; the other parts are left to the caller
+void amx_linear(const std::vector<Part>& ps, const std::vector<int64_t>& first_col, int64_t ldo, const AmxRows& x,
+                const float* bias, float* out);
+void amx_linear(const std::vector<Part>& ps, const std::vector<int64_t>& first_col, int64_t ldo, const AmxRows& x,
+                const float* bias, at::BFloat16* out);
 
 }  // namespace tokenmill::ggml

@@ -627,17 +627,18 @@ int64_t ggml_blocks_path(int64_t path) {
 constexpr int64_t kAmxMinRows = 6;
 
 // one parallel region over every part's rows: a fused projection keeps both threads busy to its end. amx: x
-// as tiles where the K-quant parts run on AMX, else null.
+// as tiles where the K-quant parts run on AMX (their own region, ggml_blocks_amx.cpp), else null.
 template <typename Out>
 void linear_parts(const std::vector<Part>& ps, const std::vector<int64_t>& first_col, int64_t N, int64_t K,
                   const Q8Rows& q, const AmxRows* amx, const float* bias, Out* out, bool wide) {
+  if (amx) amx_linear(ps, first_col, N, *amx, bias, out);
+  const auto vector_part = [&](const Part& p) { return !amx || !amx_has_kernel(p.type); };
+  if (std::none_of(ps.begin(), ps.end(), vector_part)) return;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (size_t i = 0; i < ps.size(); ++i) {
       const int64_t lo = std::max(begin, first_col[i]), hi = std::min(end, first_col[i] + ps[i].rows);
-      if (lo >= hi) continue;
-      if (amx && amx_has_kernel(ps[i].type))
-        amx_part_rows(ps[i], lo - first_col[i], hi - first_col[i], *amx, bias, out, N, first_col[i]);
-      else if (wide)
+      if (lo >= hi || !vector_part(ps[i])) continue;
+      if (wide)
         part_rows<true>(ps[i], lo - first_col[i], hi - first_col[i], K, q, bias, out, N, first_col[i]);
       else
         part_rows<false>(ps[i], lo - first_col[i], hi - first_col[i], K, q, bias, out, N, first_col[i]);
