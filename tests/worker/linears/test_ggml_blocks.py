@@ -228,3 +228,18 @@ def test_the_modes_name_their_types():
     assert WorkerOptions().cpu_block_kernels == "auto"
     with pytest.raises(ValueError, match="cpu_block_kernels='some' is not one of"):
         WorkerOptions(cpu_block_kernels="some")
+
+
+def test_the_worker_log_names_the_kernel_this_cpu_runs():
+    from worker.linears.ggml_blocks import describe_block_kernels
+
+    model = torch.nn.Sequential(GGMLBlocksLinear(GGMLBlocksWeight.from_blocks("Q4_K", random_blocks("Q4_K", 16, 256), 16, 256)))
+    text = describe_block_kernels(model)
+    flags = cpu_flags()
+    if AMX_FLAGS <= flags:
+        assert "avx512_vnni integer dot products (AMX-INT8 tiles for the K-quants from 6 rows)" in text
+        assert "up to 128 rows" in text
+    else:
+        assert f"{'avx512_vnni' if WIDE_FLAGS <= flags else 'avx2'} integer dot products on" in text
+        assert "up to 24 rows" in text
+    assert describe_block_kernels(torch.nn.Sequential(torch.nn.Linear(2, 2))) is None
