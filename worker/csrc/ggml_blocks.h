@@ -13,7 +13,11 @@ namespace tokenmill::ggml {
 
 constexpr int64_t QK = 256;  // activation block, and the K-quants' super-block
 
-enum BlockType : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+// gguf's GGMLQuantizationType values
+enum BlockType : int64_t {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+  IQ4_NL = 20, IQ4_XS = 23
+};
 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 #define AVX512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))

@@ -20,6 +20,8 @@
 //   Q8_0 [d f16][32 x int8]                                                  y = d*q
 //   Q4_0 [d f16][16 B nibbles]                                               y = d*(q - 8)
 //   Q5_0 [d f16][4 B fifth bits][16 B nibbles]                               y = d*(q - 16)
+//   Q4_1 [d f16][m f16][16 B nibbles]                                        y = d*q + m
+//   Q5_1 [d f16][m f16][4 B fifth bits][16 B nibbles]                        y = d*q + m
 //
 // Two instruction sets (`path`: 0 the best this CPU has, 1 AVX2, 2 AVX-512 BW with VNNI's vpdpwssd), so a
 // test can force each; the Python side asks for 0, which this CPU's flags answer once. Work: output rows split
@@ -45,11 +47,13 @@ namespace {
 
 constexpr int64_t kPrefetchBytes = 1024;  // see part_rows
 
-int64_t block_elems(int64_t type) { return type >= Q4_K ? 256 : 32; }
+int64_t block_elems(int64_t type) { return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 ? 32 : 256; }
 int64_t block_bytes(int64_t type) {
   switch (type) {
     case Q4_0: return 18;
+    case Q4_1: return 20;
     case Q5_0: return 22;
+    case Q5_1: return 24;
     case Q8_0: return 34;
     case Q4_K: return 144;
     case Q5_K: return 176;
@@ -362,16 +366,22 @@ AVX512_TARGET void q6k_avx512(const uint8_t* w, int64_t nb, const Q8Rows& x, int
 }
 
 // ---- the 32-element types: a float scale per block, so a float multiply per 32 ----
-// codes of block b (32 of them, unsigned where `offset` > 0, Q8_0's signed) and its offset: w = d*(q - offset)
+// Q4_1 / Q5_1's f16 minimum m follows d; their fifth bits and nibbles follow it
+inline bool has_min(int64_t type) { return type == Q4_1 || type == Q5_1; }
+inline int small_offset(int64_t type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0; }
+
+// codes of block b (32 of them, unsigned but Q8_0's) and its offset: w = d*(q - offset), or d*q + m
 AVX2_TARGET inline __m256i small_codes(int64_t type, const uint8_t* blk) {
   const __m128i m4 = _mm_set1_epi8(0x0F);
   if (type == Q8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-  const uint8_t* qs = blk + (type == Q5_0 ? 6 : 2);
+  const uint8_t* qh_at = blk + (has_min(type) ? 4 : 2);
+  const bool fifth = type == Q5_0 || type == Q5_1;
+  const uint8_t* qs = qh_at + (fifth ? 4 : 0);
   const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), m4), _mm_and_si128(p, m4));
-  if (type == Q5_0) {  // bit j of the 32-bit qh is element j's fifth bit
+  if (fifth) {  // bit j of the 32-bit qh is element j's fifth bit
     uint32_t qh;
-    std::memcpy(&qh, blk + 2, 4);
+    std::memcpy(&qh, qh_at, 4);
     const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
     const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), shuf);
     const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
@@ -384,13 +394,14 @@ AVX2_TARGET inline __m256i small_codes(int64_t type, const uint8_t* blk) {
 template <int TB>
 AVX2_TARGET void small_avx2(int64_t type, const uint8_t* w, int64_t K, const Q8Rows& x, int64_t t0, float* out) {
   const int64_t bytes = block_bytes(type), blocks = K / 32;
-  const int offset = type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
+  const int offset = small_offset(type);
+  const bool minimum = has_min(type);
   __m256 acc[TB];
-  float acco[TB];
+  float acco[TB];  // the offset's term, less the minimum's: the block's codes alone are in acc
   for (int t = 0; t < TB; ++t) acc[t] = _mm256_setzero_ps(), acco[t] = 0.f;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < blocks; ++b, w += bytes) {
-    const float d = f16(w);
+    const float d = f16(w), m = minimum ? f16(w + 2) : 0.f;
     const __m256i q = small_codes(type, w);
     const __m256i qa = type == Q8_0 ? _mm256_sign_epi8(q, q) : q;
     for (int t = 0; t < TB; ++t) {
@@ -402,6 +413,10 @@ AVX2_TARGET void small_avx2(int64_t type, const uint8_t* w, int64_t K, const Q8R
       if (offset) {
         const int16_t* bs = x.sums(t0 + t, xb) + (b % 8) * 2;
         acco[t] += d * dx * static_cast<float>(offset * (bs[0] + bs[1]));
+      }
+      if (minimum) {  // m times x's sum over the 32, as Q4_K's minimums
+        const int16_t* bs = x.sums(t0 + t, xb) + (b % 8) * 2;
+        acco[t] -= m * dx * static_cast<float>(bs[0] + bs[1]);
       }
     }
   }
@@ -510,7 +525,8 @@ AVX512BF16_TARGET inline int block_groups(int64_t type, const uint8_t* w, uint8_
     default: {
       const float d = f16(w);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), small_codes(type, w));
-      const float m = type == Q4_0 ? -8.f * d : type == Q5_0 ? -16.f * d : 0.f;
+      const int offset = small_offset(type);
+      const float m = has_min(type) ? f16(w + 2) : offset ? -static_cast<float>(offset) * d : 0.f;
       scale[0] = scale[1] = d, minv[0] = minv[1] = m;
       return 2;
     }
@@ -545,21 +561,29 @@ bool cpu_has_avx512_bf16_vnni() {
 // values exactly as gguf-py's dequantize gives them (float32 products of f16 scales and small integers).
 void dequantize_block(int64_t type, const uint8_t* w, float* y) {
   switch (type) {
-    case Q4_0: case Q5_0: case Q8_0: {
+    case Q4_0: case Q5_0: case Q8_0: case Q4_1: case Q5_1: {
       const float d = f16(w);
       if (type == Q8_0) {
         for (int j = 0; j < 32; ++j) y[j] = d * static_cast<float>(static_cast<int8_t>(w[2 + j]));
         return;
       }
+      const bool fifth = type == Q5_0 || type == Q5_1, minimum = has_min(type);
+      const uint8_t* qh_at = w + (minimum ? 4 : 2);
       uint32_t qh = 0;
-      if (type == Q5_0) std::memcpy(&qh, w + 2, 4);
-      const uint8_t* qs = w + (type == Q5_0 ? 6 : 2);
-      const int offset = type == Q5_0 ? 16 : 8;
+      if (fifth) std::memcpy(&qh, qh_at, 4);
+      const uint8_t* qs = qh_at + (fifth ? 4 : 0);
+      const int offset = small_offset(type);
+      const float m = minimum ? f16(w + 2) : 0.f;
       for (int j = 0; j < 16; ++j) {
-        const int lo = (qs[j] & 0xF) | (type == Q5_0 ? ((qh >> j) & 1) << 4 : 0);
-        const int hi = (qs[j] >> 4) | (type == Q5_0 ? ((qh >> (j + 16)) & 1) << 4 : 0);
-        y[j] = d * static_cast<float>(lo - offset);
-        y[j + 16] = d * static_cast<float>(hi - offset);
+        const int lo = (qs[j] & 0xF) | (fifth ? ((qh >> j) & 1) << 4 : 0);
+        const int hi = (qs[j] >> 4) | (fifth ? ((qh >> (j + 16)) & 1) << 4 : 0);
+        if (minimum) {  // gguf-py's (d * q) + m: the product is exact, the sum rounds once
+          y[j] = d * static_cast<float>(lo) + m;
+          y[j + 16] = d * static_cast<float>(hi) + m;
+        } else {
+          y[j] = d * static_cast<float>(lo - offset);
+          y[j + 16] = d * static_cast<float>(hi - offset);
+        }
       }
       return;
     }

@@ -27,9 +27,9 @@ from worker.linears.group_quant import DENSE_ROWS
 from worker.native_ops import cpu_has_native_bf16, cpu_ops_available
 
 # gguf's GGMLQuantizationType values of the types the compiled kernels run, and their block shapes
-BLOCK_TYPES = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-BLOCK_ELEMENTS = {"Q4_0": 32, "Q5_0": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
-BLOCK_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+BLOCK_ELEMENTS = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 # Up to this many rows of x the integer-dot kernel runs; past it, dequantized strips and a GEMM each
 # (GGMLBlocksLinear.forward_strips). Qwen2.5-1.5B's layer (qkv, o, gate_up, down), 2 threads, Sapphire
 # Rapids (AMX), ms, dot / strips (scripts/bench_ggml_blocks.py): 1 row 1.24 / 11.2, 16 rows 8.5 / 11.6,

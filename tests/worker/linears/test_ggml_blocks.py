@@ -14,13 +14,15 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from worker.linears.ggml_blocks import (BLOCK_TYPES, KERNEL_PATHS, GGMLBlocksEmbedding, GGMLBlocksLinear,
+from worker.linears.ggml_blocks import (BLOCK_ELEMENTS, BLOCK_TYPES, KERNEL_PATHS, GGMLBlocksEmbedding, GGMLBlocksLinear,
                                         GGMLBlocksWeight, block_supported, dot_rows)
 from worker.native_ops import cpu_flags, cpu_ops_available
 
 pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="the compiled CPU ops are not built")
 
-SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,)}
+# where each type's f16 scales (d, and dmin / m where it has one) sit in its block
+SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,),
+                 "Q4_1": (0, 2), "Q5_1": (0, 2)}
 ROWS = (1, 3, 5, 16, 64, 512)
 
 
@@ -64,7 +66,7 @@ def available_paths() -> list:
 
 def shapes():
     for type_name in BLOCK_TYPES:
-        columns = (512, 1536) if type_name.endswith("_K") else (96, 640)  # 96, 640: not multiples of 256
+        columns = (512, 1536) if BLOCK_ELEMENTS[type_name] == 256 else (96, 640)  # 96, 640: not multiples of 256
         for cols in columns:
             yield pytest.param(type_name, cols, id=f"{type_name}-K{cols}")
 
@@ -176,7 +178,7 @@ def test_the_embedding_looks_up_rows_of_its_blocks():
 
 
 def test_bad_inputs_name_what_is_wrong():
-    assert not block_supported("Q4_K", 640) and not block_supported("Q2_K", 512) and block_supported("Q8_0", 96)
+    assert not block_supported("Q4_K", 640) and not block_supported("IQ2_XXS", 512) and block_supported("Q8_0", 96)
     with pytest.raises(ValueError, match="Q4_K blocks of 640 values a row have no kernel"):
         GGMLBlocksWeight.from_blocks("Q4_K", np.zeros((2, 360), np.uint8), 2, 640)
     with pytest.raises(ValueError, match=r"uint8 \[rows, 144\]"):
@@ -184,8 +186,8 @@ def test_bad_inputs_name_what_is_wrong():
     blocks = torch.from_numpy(random_blocks("Q4_K", 4, 256))
     with pytest.raises(RuntimeError, match="in_features 100 is not a multiple of 256"):
         torch.ops.tokenmill.ggml_blocks_linear(torch.randn(1, 100), [blocks], [BLOCK_TYPES["Q4_K"]], 0)
-    with pytest.raises(RuntimeError, match="no kernel for GGML type 10"):
-        torch.ops.tokenmill.ggml_blocks_linear(torch.randn(1, 256), [blocks], [10], 0)
+    with pytest.raises(RuntimeError, match="no kernel for GGML type 16"):  # IQ2_XXS
+        torch.ops.tokenmill.ggml_blocks_linear(torch.randn(1, 256), [blocks], [16], 0)
     with pytest.raises(RuntimeError, match=r"row 4 is outside \[0, 4\)"):
         torch.ops.tokenmill.ggml_blocks_dequantize(blocks, BLOCK_TYPES["Q4_K"], 256, torch.tensor([4]))
     with pytest.raises(RuntimeError, match="path 4 is not 0"):
@@ -223,7 +225,8 @@ def test_the_modes_name_their_types():
     from worker.linears.ggml_blocks import block_types
     from worker.options import CPU_BLOCK_KERNEL_MODES, WorkerOptions
 
-    assert block_types("auto") == {"Q4_K", "Q5_K", "Q6_K"} and block_types("all") == set(BLOCK_TYPES)
+    assert block_types("auto") == {"Q4_K", "Q5_K", "Q6_K"}
+    assert block_types("all") == set(BLOCK_TYPES) == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
     assert block_types("off") == set() and {block_types(mode) is not None for mode in CPU_BLOCK_KERNEL_MODES} == {True}
     assert WorkerOptions().cpu_block_kernels == "auto"
     with pytest.raises(ValueError, match="cpu_block_kernels='some' is not one of"):
