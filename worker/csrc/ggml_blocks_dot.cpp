@@ -12,7 +12,8 @@
 // Products: the weight codes are unsigned bytes and the activations signed, so _mm*_maddubs_epi16 takes
 // them as they are (a code of at most 63 times 127, twice, fits int16), then _mm*_madd_epi16 against the
 // block's integer scales sums them into int32 exactly; one float multiply per 256 values (per 32 for the
-// 32-element types). Q8_0's signed codes go through the sign trick (|w| times x with w's sign).
+// 32-element types). Q8_0's and the IQ4 types' signed codes go through the sign trick (|w| times x with
+// w's sign).
 // Formats (y = the weight):
 //   Q4_K [d f16][dmin f16][12 B: 8 six-bit scales, 8 mins][128 B nibbles]  y = d*sc_j*q - dmin*m_j (32 per j)
 //   Q5_K as Q4_K plus [32 B: the fifth bits] before the nibbles
@@ -22,6 +23,8 @@
 //   Q5_0 [d f16][4 B fifth bits][16 B nibbles]                               y = d*(q - 16)
 //   Q4_1 [d f16][m f16][16 B nibbles]                                        y = d*q + m
 //   Q5_1 [d f16][m f16][4 B fifth bits][16 B nibbles]                        y = d*q + m
+//   IQ4_NL [d f16][16 B nibbles]                                             y = d*kv[q] (16 signed values)
+//   IQ4_XS: see ggml_blocks_lowbit.h
 //
 // Two instruction sets (`path`: 0 the best this CPU has, 1 AVX2, 2 AVX-512 BW with VNNI's vpdpwssd), so a
 // test can force each; the Python side asks for 0, which this CPU's flags answer once. Work: output rows split
@@ -47,7 +50,9 @@ namespace {
 
 constexpr int64_t kPrefetchBytes = 1024;  // see part_rows
 
-int64_t block_elems(int64_t type) { return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 ? 32 : 256; }
+int64_t block_elems(int64_t type) {
+  return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == IQ4_NL ? 32 : 256;
+}
 int64_t block_bytes(int64_t type) {
   switch (type) {
     case Q4_0: return 18;
@@ -55,6 +60,8 @@ int64_t block_bytes(int64_t type) {
     case Q5_0: return 22;
     case Q5_1: return 24;
     case Q8_0: return 34;
+    case IQ4_NL: return 18;
+    case IQ4_XS: return 136;
     case Q4_K: return 144;
     case Q5_K: return 176;
     case Q6_K: return 210;
@@ -365,12 +372,17 @@ AVX512_TARGET void q6k_avx512(const uint8_t* w, int64_t nb, const Q8Rows& x, int
   for (int t = 0; t < TB; ++t) out[t] = hsum512(acc[t]) - hsum512(_mm512_zextps256_ps512(acco[t]));
 }
 
+#include "ggml_blocks_lowbit.h"
+
 // ---- the 32-element types: a float scale per block, so a float multiply per 32 ----
 // Q4_1 / Q5_1's f16 minimum m follows d; their fifth bits and nibbles follow it
 inline bool has_min(int64_t type) { return type == Q4_1 || type == Q5_1; }
 inline int small_offset(int64_t type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0; }
+// codes that are signed bytes: Q8_0's, and the IQ4 types' table values
+inline bool signed_codes(int64_t type) { return type == Q8_0 || type == IQ4_NL || type == IQ4_XS; }
 
-// codes of block b (32 of them, unsigned but Q8_0's) and its offset: w = d*(q - offset), or d*q + m
+// codes of block b (32 of them, unsigned but Q8_0's and IQ4_NL's) and its offset: w = d*(q - offset), or
+// d*q + m
 AVX2_TARGET inline __m256i small_codes(int64_t type, const uint8_t* blk) {
   const __m128i m4 = _mm_set1_epi8(0x0F);
   if (type == Q8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
@@ -388,7 +400,7 @@ AVX2_TARGET inline __m256i small_codes(int64_t type, const uint8_t* blk) {
     const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
     q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
   }
-  return q;
+  return type == IQ4_NL ? iq4_values(q) : q;
 }
 
 template <int TB>
@@ -403,11 +415,12 @@ AVX2_TARGET void small_avx2(int64_t type, const uint8_t* w, int64_t K, const Q8R
   for (int64_t b = 0; b < blocks; ++b, w += bytes) {
     const float d = f16(w), m = minimum ? f16(w + 2) : 0.f;
     const __m256i q = small_codes(type, w);
-    const __m256i qa = type == Q8_0 ? _mm256_sign_epi8(q, q) : q;
+    const bool sign = signed_codes(type);
+    const __m256i qa = sign ? _mm256_sign_epi8(q, q) : q;
     for (int t = 0; t < TB; ++t) {
       const int64_t xb = b / 8, xo = (b % 8) * 32;
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qs(t0 + t, xb) + xo));
-      const __m256i p = type == Q8_0 ? _mm256_maddubs_epi16(qa, _mm256_sign_epi8(xv, q)) : _mm256_maddubs_epi16(qa, xv);
+      const __m256i p = sign ? _mm256_maddubs_epi16(qa, _mm256_sign_epi8(xv, q)) : _mm256_maddubs_epi16(qa, xv);
       const float dx = x.scale(t0 + t, xb);
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(d * dx), acc[t]);
       if (offset) {
@@ -431,6 +444,7 @@ AVX2_TARGET void row_avx2(const Part& p, const uint8_t* w, int64_t K, const Q8Ro
     case Q4_K: k4_avx2<false, TB>(w, nb, x, t0, r); break;
     case Q5_K: k4_avx2<true, TB>(w, nb, x, t0, r); break;
     case Q6_K: q6k_avx2<TB>(w, nb, x, t0, r); break;
+    case IQ4_XS: iq4xs_avx2<TB>(w, nb, x, t0, r); break;
     default: small_avx2<TB>(p.type, w, K, x, t0, r); break;
   }
 }
@@ -442,6 +456,7 @@ AVX512_TARGET void row_avx512(const Part& p, const uint8_t* w, int64_t K, const 
     case Q4_K: k4_avx512<false, TB>(w, nb, x, t0, r); break;
     case Q5_K: k4_avx512<true, TB>(w, nb, x, t0, r); break;
     case Q6_K: q6k_avx512<TB>(w, nb, x, t0, r); break;
+    case IQ4_XS: iq4xs_avx512<TB>(w, nb, x, t0, r); break;
     default: small_avx2<TB>(p.type, w, K, x, t0, r); break;
   }
 }
@@ -498,7 +513,7 @@ void part_rows(const Part& p, int64_t n0, int64_t n1, int64_t K, const Q8Rows& x
 // scale * code + min in float32, rounded to bfloat16 by vcvtneps2bf16 (nearest even, as torch rounds).
 #define AVX512BF16_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16")))
 
-// codes [256 or 32] as bytes (signed for Q8_0) and scale / min per 16 elements
+// codes [256 or 32] as bytes (signed_codes: as int8) and scale / min per 16 elements
 AVX512BF16_TARGET inline int block_groups(int64_t type, const uint8_t* w, uint8_t* codes, float* scale, float* minv) {
   switch (type) {
     case Q4_K: case Q5_K: {
@@ -522,6 +537,9 @@ AVX512BF16_TARGET inline int block_groups(int64_t type, const uint8_t* w, uint8_
       for (int j = 0; j < 16; ++j) scale[j] = d * static_cast<float>(sc[j]), minv[j] = -32.f * scale[j];
       return 16;
     }
+    case IQ4_XS:
+      lowbit_groups(type, w, codes, scale, minv);
+      return 16;
     default: {
       const float d = f16(w);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), small_codes(type, w));
@@ -544,7 +562,7 @@ AVX512BF16_TARGET void dequantize_rows_bf16(int64_t type, const uint8_t* w, int6
       at::BFloat16* y = out + r * K + b * per;
       for (int g = 0; g < groups; ++g) {
         const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * g));
-        const __m512i wide = type == Q8_0 ? _mm512_cvtepi8_epi32(c) : _mm512_cvtepu8_epi32(c);
+        const __m512i wide = signed_codes(type) ? _mm512_cvtepi8_epi32(c) : _mm512_cvtepu8_epi32(c);
         const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(wide), _mm512_set1_ps(scale[g]), _mm512_set1_ps(minv[g]));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + 16 * g), (__m256i)_mm512_cvtneps_pbh(v));
       }
@@ -561,6 +579,17 @@ bool cpu_has_avx512_bf16_vnni() {
 // values exactly as gguf-py's dequantize gives them (float32 products of f16 scales and small integers).
 void dequantize_block(int64_t type, const uint8_t* w, float* y) {
   switch (type) {
+    case IQ4_NL: {
+      const float d = f16(w);
+      for (int j = 0; j < 16; ++j) {
+        y[j] = d * static_cast<float>(kIQ4Values[w[2 + j] & 0xF]);
+        y[j + 16] = d * static_cast<float>(kIQ4Values[w[2 + j] >> 4]);
+      }
+      return;
+    }
+    case IQ4_XS:
+      dequantize_lowbit(type, w, y);
+      return;
     case Q4_0: case Q5_0: case Q8_0: case Q4_1: case Q5_1: {
       const float d = f16(w);
       if (type == Q8_0) {

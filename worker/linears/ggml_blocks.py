@@ -27,9 +27,12 @@ from worker.linears.group_quant import DENSE_ROWS
 from worker.native_ops import cpu_has_native_bf16, cpu_ops_available
 
 # gguf's GGMLQuantizationType values of the types the compiled kernels run, and their block shapes
-BLOCK_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-BLOCK_ELEMENTS = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
+               "IQ4_NL": 20, "IQ4_XS": 23}
+BLOCK_ELEMENTS = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256,
+                  "IQ4_NL": 32, "IQ4_XS": 256}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210,
+               "IQ4_NL": 18, "IQ4_XS": 136}
 # Up to this many rows of x the integer-dot kernel runs; past it, dequantized strips and a GEMM each
 # (GGMLBlocksLinear.forward_strips). Qwen2.5-1.5B's layer (qkv, o, gate_up, down), 2 threads, Sapphire
 # Rapids (AMX), ms, dot / strips (scripts/bench_ggml_blocks.py): 1 row 1.24 / 11.2, 16 rows 8.5 / 11.6,
@@ -58,14 +61,16 @@ def dot_rows() -> int:
 
 
 # --cpu-block-kernels auto: the K-quants, whose conversion grows most (Q6_K more than doubles) and whose
-# int8 activations are what llama.cpp itself runs them with. The 32-value types join under `all`: a file
-# like the default model's (Q4_1 with Q8_0) keeps its float activations, and its outputs, unless asked.
-K_QUANT_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
+# int8 activations are what llama.cpp itself runs them with, and the types group_quant has no layout for
+# (IQ4_NL, IQ4_XS), which without a kernel are dequantized to --dtype at load (3.6x the file's bytes in
+# bfloat16). Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 join under `all`: a file like the default model's (Q4_1 with
+# Q8_0) keeps its float activations, and its outputs, unless asked.
+AUTO_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"})
 
 
 def block_types(mode: str) -> frozenset[str]:
     """The GGML types --cpu-block-kernels runs on blocks (worker.options.CPU_BLOCK_KERNEL_MODES)."""
-    return {"auto": K_QUANT_TYPES, "all": frozenset(BLOCK_TYPES), "off": frozenset()}[mode]
+    return {"auto": AUTO_TYPES, "all": frozenset(BLOCK_TYPES), "off": frozenset()}[mode]
 
 
 def block_supported(type_name: str, in_features: int) -> bool:

@@ -9,7 +9,7 @@ import torch
 
 from worker.linears.ggml_blocks import GGMLBlocksEmbedding, GGMLBlocksLinear, GGMLBlocksWeight
 from worker.linears.group_quant import GroupQuantEmbedding, GroupQuantLinear, GroupQuantWeight
-from worker.loader.gguf_quants import group_quant_from_blocks
+from worker.loader.gguf_quants import SUPPORTED_TYPES, group_quant_from_blocks
 from worker.loader.errors import ModelLoadError
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaModel
@@ -72,14 +72,20 @@ def check_shape(source: str, tensor_name: str, actual: tuple[int, ...], expected
 
 def cat_rows(parts: list) -> torch.Tensor | GroupQuantWeight | GGMLBlocksWeight:
     """Fused projections: quantized parts stay quantized (block parts each in its own type; else one
-    group_quant layout for all, a block part converted to it exactly); a part the file held as floats makes
-    the whole fusion float (the quantized parts dequantized, exactly)."""
+    group_quant layout for all, a block part converted to it exactly); a part the file held as floats, or
+    a block part beside converted ones in a type group_quant has no layout for (IQ4_NL q/k beside a Q5_1 v,
+    as llama.cpp writes rows that are not a multiple of 256), makes the whole fusion float (the quantized
+    parts dequantized, exactly; float32 where no part gives a dtype: the model's build casts it)."""
     if all(isinstance(p, GGMLBlocksWeight) for p in parts):
         return GGMLBlocksWeight.concat_rows(parts)
-    if all(isinstance(p, (GroupQuantWeight, GGMLBlocksWeight)) for p in parts):
+    if all(isinstance(p, GroupQuantWeight) or (isinstance(p, GGMLBlocksWeight) and _convertible(p)) for p in parts):
         return GroupQuantWeight.concat_rows([_group_quant(p) for p in parts])
-    dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
+    dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), torch.float32)
     return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize().to(dtype) for p in parts])
+
+
+def _convertible(weight: GGMLBlocksWeight) -> bool:
+    return all(part.type_name in SUPPORTED_TYPES for part in weight.parts)
 
 
 def _group_quant(weight: GroupQuantWeight | GGMLBlocksWeight) -> GroupQuantWeight:

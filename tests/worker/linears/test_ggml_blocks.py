@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="the compiled CP
 
 # where each type's f16 scales (d, and dmin / m where it has one) sit in its block
 SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,),
-                 "Q4_1": (0, 2), "Q5_1": (0, 2)}
+                 "Q4_1": (0, 2), "Q5_1": (0, 2), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 ROWS = (1, 3, 5, 16, 64, 512)
 
 
@@ -221,12 +221,14 @@ def test_dense_copies_only_when_asked():
 
 
 def test_the_modes_name_their_types():
-    """auto: the K-quants only, so a Q4_1 + Q8_0 file (the default model) keeps its float activations."""
+    """auto: the K-quants and the IQ4 types (which group_quant cannot hold), not the other 32-value types, so a
+    Q4_1 + Q8_0 file (the default model) keeps its float activations."""
     from worker.linears.ggml_blocks import block_types
     from worker.options import CPU_BLOCK_KERNEL_MODES, WorkerOptions
 
-    assert block_types("auto") == {"Q4_K", "Q5_K", "Q6_K"}
-    assert block_types("all") == set(BLOCK_TYPES) == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+    assert block_types("auto") == {"Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
+    assert block_types("all") == set(BLOCK_TYPES) == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
+                                                      "IQ4_NL", "IQ4_XS"}
     assert block_types("off") == set() and {block_types(mode) is not None for mode in CPU_BLOCK_KERNEL_MODES} == {True}
     assert WorkerOptions().cpu_block_kernels == "auto"
     with pytest.raises(ValueError, match="cpu_block_kernels='some' is not one of"):

@@ -134,3 +134,39 @@ def test_a_truncated_file_is_a_load_error_not_a_kernel_crash(shape_file, tmp_pat
     cut.write_bytes(data[:len(data) // 2])
     with pytest.raises(ModelLoadError, match=r"cut\.gguf: not a readable GGUF file"):
         load_model(cut, dtype=torch.float32, progress=False, keep_quantized=True, block_types=BLOCK_TYPES)
+
+
+def small_random_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random blocks of a 32-value type whose f16 d (and Q4_1 / Q5_1's m) is 0.01: every other byte any code."""
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+
+    per, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    raw = np.random.default_rng(seed).integers(0, 256, size=(rows, cols // per, nbytes), dtype=np.uint8)
+    scales = 4 if type_name in ("Q4_1", "Q5_1") else 2
+    raw[..., :scales] = np.full((rows, cols // per, scales // 2), 0.01, np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def test_a_block_part_group_quant_cannot_hold_beside_a_converted_one_makes_the_fusion_float():
+    """auto keeps IQ4_NL on blocks but converts Q5_1, and group_quant has no layout for IQ4_NL: q/k in
+    IQ4_NL beside a Q5_1 v (llama.cpp's choice for rows that are not a multiple of 256) fuse as the exact
+    floats, as they did before IQ4_NL had a kernel (the build casts them to --dtype)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from worker.linears.ggml_blocks import GGMLBlocksWeight
+    from worker.loader.gguf_quants import group_quant_from_blocks
+    from worker.loader.weights import cat_rows
+
+    cols = 96
+    qk, v = small_random_blocks("IQ4_NL", 8, cols, 0), small_random_blocks("Q5_1", 4, cols, 1)
+    fused = cat_rows([GGMLBlocksWeight.from_blocks("IQ4_NL", qk, 8, cols), group_quant_from_blocks("Q5_1", v, 4, cols)])
+    expected = np.concatenate([dequantize(qk, GGMLQuantizationType.IQ4_NL).reshape(8, cols),
+                               dequantize(v, GGMLQuantizationType.Q5_1).reshape(4, cols)])
+    assert isinstance(fused, torch.Tensor) and fused.dtype == torch.float32
+    assert np.array_equal(fused.numpy(), expected)
+    # a Q4_0 block part still converts beside it: one group_quant weight, as before
+    q40 = small_random_blocks("Q4_0", 8, cols, 2)
+    mixed = cat_rows([GGMLBlocksWeight.from_blocks("Q4_0", q40, 8, cols), group_quant_from_blocks("Q5_1", v, 4, cols)])
+    assert not isinstance(mixed, torch.Tensor) and mixed.out_features == 12
