@@ -24,7 +24,7 @@
 //   Q4_1 [d f16][m f16][16 B nibbles]                                        y = d*q + m
 //   Q5_1 [d f16][m f16][4 B fifth bits][16 B nibbles]                        y = d*q + m
 //   IQ4_NL [d f16][16 B nibbles]                                             y = d*kv[q] (16 signed values)
-//   IQ4_XS: see ggml_blocks_lowbit.h
+//   IQ4_XS, Q2_K, Q3_K: see ggml_blocks_lowbit.h
 //
 // Two instruction sets (`path`: 0 the best this CPU has, 1 AVX2, 2 AVX-512 BW with VNNI's vpdpwssd), so a
 // test can force each; the Python side asks for 0, which this CPU's flags answer once. Work: output rows split
@@ -62,6 +62,8 @@ int64_t block_bytes(int64_t type) {
     case Q8_0: return 34;
     case IQ4_NL: return 18;
     case IQ4_XS: return 136;
+    case Q2_K: return 84;
+    case Q3_K: return 110;
     case Q4_K: return 144;
     case Q5_K: return 176;
     case Q6_K: return 210;
@@ -445,6 +447,8 @@ AVX2_TARGET void row_avx2(const Part& p, const uint8_t* w, int64_t K, const Q8Ro
     case Q5_K: k4_avx2<true, TB>(w, nb, x, t0, r); break;
     case Q6_K: q6k_avx2<TB>(w, nb, x, t0, r); break;
     case IQ4_XS: iq4xs_avx2<TB>(w, nb, x, t0, r); break;
+    case Q2_K: sub16_avx2<Q2_K, TB>(w, nb, x, t0, r); break;
+    case Q3_K: sub16_avx2<Q3_K, TB>(w, nb, x, t0, r); break;
     default: small_avx2<TB>(p.type, w, K, x, t0, r); break;
   }
 }
@@ -457,6 +461,8 @@ AVX512_TARGET void row_avx512(const Part& p, const uint8_t* w, int64_t K, const 
     case Q5_K: k4_avx512<true, TB>(w, nb, x, t0, r); break;
     case Q6_K: q6k_avx512<TB>(w, nb, x, t0, r); break;
     case IQ4_XS: iq4xs_avx512<TB>(w, nb, x, t0, r); break;
+    case Q2_K: sub16_avx512<Q2_K, TB>(w, nb, x, t0, r); break;
+    case Q3_K: sub16_avx512<Q3_K, TB>(w, nb, x, t0, r); break;
     default: small_avx2<TB>(p.type, w, K, x, t0, r); break;
   }
 }
@@ -537,7 +543,7 @@ AVX512BF16_TARGET inline int block_groups(int64_t type, const uint8_t* w, uint8_
       for (int j = 0; j < 16; ++j) scale[j] = d * static_cast<float>(sc[j]), minv[j] = -32.f * scale[j];
       return 16;
     }
-    case IQ4_XS:
+    case IQ4_XS: case Q2_K: case Q3_K:
       lowbit_groups(type, w, codes, scale, minv);
       return 16;
     default: {
@@ -587,7 +593,7 @@ void dequantize_block(int64_t type, const uint8_t* w, float* y) {
       }
       return;
     }
-    case IQ4_XS:
+    case IQ4_XS: case Q2_K: case Q3_K:
       dequantize_lowbit(type, w, y);
       return;
     case Q4_0: case Q5_0: case Q8_0: case Q4_1: case Q5_1: {

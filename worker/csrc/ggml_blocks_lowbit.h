@@ -1,15 +1,20 @@
-// The block kernels of IQ4_XS (256 values a block), and IQ4_NL's value table. A part of
+// The block kernels of IQ4_XS, Q2_K and Q3_K (256 values a block), and IQ4_NL's value table. A part of
 // ggml_blocks_dot.cpp kept in its own file for size: that file includes it once, inside its anonymous
 // namespace, after the helpers used here (hsum_i32, dot32_scaled, join, pair_scales, hsum512); nothing else
 // includes it.
 //
-// Format (ggml-common.h's block_iq4_xs; y = the weight, j the value's group):
+// Formats (ggml-common.h's block_iq4_xs, block_q2_K, block_q3_K; y = the weight, j the value's group):
 //   IQ4_XS [d f16][scales_h u16][scales_l 4 B][128 B nibbles]      y = d*(ls_j - 32)*kv[q], 32 per j
 //          ls_j: nibble j of scales_l (low first) | bits 2j, 2j+1 of scales_h << 4; group j's codes are the
 //          low nibbles of bytes 16j..16j+15, then their high nibbles; kv: IQ4_NL's 16 signed values
+//   Q2_K   [16 B: sc_j | m_j << 4][64 B 2-bit codes][d f16][dmin f16]  y = d*sc_j*q - dmin*m_j, 16 per j
+//          element 128h + 32s + l: bits 2s, 2s+1 of code byte 32h + l
+//   Q3_K   [32 B hmask][64 B 2-bit codes][12 B: 16 six-bit scales][d f16]  y = d*(sc_j - 32)*(q - 4), 16 per j
+//          q's low 2 bits as Q2_K's, its third bit of element 32k + l is bit k of hmask byte l
 //
-// Products: IQ4_XS's codes are signed table values up to 127, so |w| times x with w's sign (as Q8_0) by
-// maddubs, then the int16 scales by madd / vpdpwssd, exact in int32.
+// Products, as for the other types: unsigned codes (Q2_K's 0..3, Q3_K's 0..7, the -4 taken off afterwards
+// from x's sums of 16) times x's int8 by maddubs, then the int16 scales by madd / vpdpwssd, exact in int32;
+// IQ4_XS's codes are signed table values up to 127, so |w| times x with w's sign, as Q8_0.
 
 // IQ4_NL's (and IQ4_XS's) 16 values: kvalues_iq4nl in ggml-common.h
 alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -91,32 +96,166 @@ AVX512_TARGET void iq4xs_avx512(const uint8_t* w, int64_t nb, const Q8Rows& x, i
   for (int t = 0; t < TB; ++t) out[t] = hsum512(acc[t]);
 }
 
+// ---- Q2_K and Q3_K: a scale per 16 values and a term on x's sums of 16 (Q2_K's minimums, Q3_K's -4) ----
+// A block decoded: the 256 codes (unsigned, 32 a register, in element order), the 16 scales, and the block's
+// value = d * sum_j scale_j * (codes . x)_j - f * sum_j term_j * (x's sum over j)
+struct Sub16Block {
+  __m256i codes[8];
+  alignas(32) int16_t scale[16];
+  alignas(32) int16_t term[16];
+  float d, f;
+};
+
+// 64 bytes of 2-bit codes -> 8 registers of 32 (element 128h + 32s + l: bits 2s of byte 32h + l)
+AVX2_TARGET inline void two_bit_codes(const uint8_t* qs, __m256i (&e)[8]) {
+  const __m256i m3 = _mm256_set1_epi8(3);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * h));
+    for (int s = 0; s < 4; ++s) e[4 * h + s] = _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), m3);
+  }
+}
+
+// Q3_K's 12 bytes -> 16 scales, sc_j - 32: the low 4 bits from byte j (j < 8) or byte j - 8's high nibble,
+// the high 2 from bits 2(j / 4) of byte 8 + j % 4
+inline void q3k_scales(const uint8_t* s, int16_t* sc) {
+  for (int j = 0; j < 16; ++j) {
+    const int low = j < 8 ? s[j] & 0xF : s[j - 8] >> 4;
+    const int high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+    sc[j] = static_cast<int16_t>((low | (high << 4)) - 32);
+  }
+}
+
+template <int64_t TYPE>
+AVX2_TARGET inline void sub16_block(const uint8_t* w, Sub16Block& k) {
+  if (TYPE == Q2_K) {
+    two_bit_codes(w + 16, k.codes);
+    for (int j = 0; j < 16; ++j) k.scale[j] = w[j] & 0xF, k.term[j] = w[j] >> 4;
+    k.d = f16(w + 80), k.f = f16(w + 82);
+  } else {  // Q3_K
+    two_bit_codes(w + 32, k.codes);
+    const __m256i hmask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), one = _mm256_set1_epi8(1);
+    for (int i = 0; i < 8; ++i)
+      k.codes[i] = _mm256_or_si256(k.codes[i], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hmask, i), one), 2));
+    q3k_scales(w + 96, k.scale);
+    for (int j = 0; j < 16; ++j) k.term[j] = static_cast<int16_t>(4 * k.scale[j]);
+    k.d = k.f = f16(w + 108);
+  }
+}
+
+template <int64_t TYPE, int TB>
+AVX2_TARGET void sub16_avx2(const uint8_t* w, int64_t nb, const Q8Rows& x, int64_t t0, float* out) {
+  constexpr int64_t bytes = TYPE == Q2_K ? 84 : 110;
+  __m256 acc[TB], acct[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm256_setzero_ps(), acct[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += bytes) {
+    Sub16Block k;
+    sub16_block<TYPE>(w, k);
+    __m256i s16[8];  // 32 elements each: lanes 0-3 (elements 0-15) scale 2j, lanes 4-7 scale 2j+1 after madd
+    for (int j = 0; j < 8; ++j) s16[j] = _mm256_set_m128i(_mm_set1_epi16(k.scale[2 * j + 1]), _mm_set1_epi16(k.scale[2 * j]));
+    const __m256i term = _mm256_load_si256(reinterpret_cast<const __m256i*>(k.term));
+    for (int t = 0; t < TB; ++t) {
+      const int8_t* xq = x.qs(t0 + t, b);
+      __m256i sum = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j)
+        sum = _mm256_add_epi32(sum, dot32_scaled(k.codes[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j)), s16[j]));
+      const __m256i terms = _mm256_madd_epi16(term, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums(t0 + t, b))));
+      const float dx = x.scale(t0 + t, b);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(k.d * dx), acc[t]);
+      acct[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(terms), _mm256_set1_ps(k.f * dx), acct[t]);
+    }
+  }
+  for (int t = 0; t < TB; ++t) out[t] = tokenmill::hsum(acc[t]) - tokenmill::hsum(acct[t]);
+}
+
+template <int64_t TYPE, int TB>
+AVX512_TARGET void sub16_avx512(const uint8_t* w, int64_t nb, const Q8Rows& x, int64_t t0, float* out) {
+  constexpr int64_t bytes = TYPE == Q2_K ? 84 : 110;
+  __m512 acc[TB];
+  __m256 acct[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps(), acct[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += bytes) {
+    Sub16Block k;
+    sub16_block<TYPE>(w, k);
+    const __m512i sc512 = _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(k.scale)));
+    const __m256i term = _mm256_load_si256(reinterpret_cast<const __m256i*>(k.term));
+    __m512i e[4], sv[4];
+    for (int p = 0; p < 4; ++p) {
+      e[p] = join(k.codes[2 * p], k.codes[2 * p + 1]);
+      const short s = static_cast<short>(4 * p);  // 128-bit lane L of pair p takes scale 4p + L
+      sv[p] = _mm512_permutexvar_epi16(
+          _mm512_set_epi16(s + 3, s + 3, s + 3, s + 3, s + 3, s + 3, s + 3, s + 3, s + 2, s + 2, s + 2, s + 2, s + 2, s + 2,
+                           s + 2, s + 2, s + 1, s + 1, s + 1, s + 1, s + 1, s + 1, s + 1, s + 1, s, s, s, s, s, s, s, s),
+          sc512);
+    }
+    for (int t = 0; t < TB; ++t) {
+      const int8_t* xq = x.qs(t0 + t, b);
+      __m512i sum = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p)
+        sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(e[p], _mm512_loadu_si512(xq + 64 * p)), sv[p]);
+      const __m256i terms = _mm256_madd_epi16(term, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums(t0 + t, b))));
+      const float dx = x.scale(t0 + t, b);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(k.d * dx), acc[t]);
+      acct[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(terms), _mm256_set1_ps(k.f * dx), acct[t]);
+    }
+  }
+  for (int t = 0; t < TB; ++t) out[t] = hsum512(acc[t]) - hsum512(_mm512_zextps256_ps512(acct[t]));
+}
+
 // ---- dequantization ----
 // A block's codes as bytes (IQ4_XS's signed) and each 16's scale and min, for the bfloat16 strips:
 // y = scale * code + min, one rounding of an exact value as gguf-py's (see dequantize_lowbit)
 AVX2_TARGET inline void lowbit_groups(int64_t type, const uint8_t* w, uint8_t* codes, float* scale, float* minv) {
-  const float d = f16(w);
-  int16_t ls[8];
-  iq4xs_scales(w, ls);
-  for (int j = 0; j < 8; ++j) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 32 * j), iq4_values(nibbles32(w + 8 + 16 * j)));
-    scale[2 * j] = scale[2 * j + 1] = d * static_cast<float>(ls[j]);
-    minv[2 * j] = minv[2 * j + 1] = 0.f;
+  if (type == IQ4_XS) {
+    const float d = f16(w);
+    int16_t ls[8];
+    iq4xs_scales(w, ls);
+    for (int j = 0; j < 8; ++j) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 32 * j), iq4_values(nibbles32(w + 8 + 16 * j)));
+      scale[2 * j] = scale[2 * j + 1] = d * static_cast<float>(ls[j]);
+      minv[2 * j] = minv[2 * j + 1] = 0.f;
+    }
+    return;
+  }
+  Sub16Block k;
+  if (type == Q2_K) sub16_block<Q2_K>(w, k); else sub16_block<Q3_K>(w, k);
+  for (int i = 0; i < 8; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 32 * i), k.codes[i]);
+  for (int j = 0; j < 16; ++j) {
+    scale[j] = k.d * static_cast<float>(k.scale[j]);
+    // Q2_K: -(dmin * m_j); Q3_K: -4 * scale (the code's -4, exact)
+    minv[j] = type == Q2_K ? -(k.f * static_cast<float>(k.term[j])) : -4.f * scale[j];
   }
 }
 
 // float32, gguf-py's arithmetic: its products of f16 scales and small integers are exact, so the values are
-// the same bits
+// the same bits (Q2_K's dl * q - ml rounds once, as it does there)
 inline void dequantize_lowbit(int64_t type, const uint8_t* w, float* y) {
-  const float d = f16(w);
-  int16_t ls[8];
-  iq4xs_scales(w, ls);
-  for (int j = 0; j < 8; ++j) {
-    const float dl = d * static_cast<float>(ls[j]);
-    const uint8_t* qs = w + 8 + 16 * j;
-    for (int l = 0; l < 16; ++l) {
-      y[32 * j + l] = dl * static_cast<float>(kIQ4Values[qs[l] & 0xF]);
-      y[32 * j + 16 + l] = dl * static_cast<float>(kIQ4Values[qs[l] >> 4]);
+  if (type == IQ4_XS) {
+    const float d = f16(w);
+    int16_t ls[8];
+    iq4xs_scales(w, ls);
+    for (int j = 0; j < 8; ++j) {
+      const float dl = d * static_cast<float>(ls[j]);
+      const uint8_t* qs = w + 8 + 16 * j;
+      for (int l = 0; l < 16; ++l) {
+        y[32 * j + l] = dl * static_cast<float>(kIQ4Values[qs[l] & 0xF]);
+        y[32 * j + 16 + l] = dl * static_cast<float>(kIQ4Values[qs[l] >> 4]);
+      }
+    }
+    return;
+  }
+  const bool q2 = type == Q2_K;
+  const uint8_t* qs = w + (q2 ? 16 : 32);
+  int16_t sc[16];
+  if (!q2) q3k_scales(w + 96, sc);
+  const float d = f16(w + (q2 ? 80 : 108)), dmin = q2 ? f16(w + 82) : 0.f;
+  for (int e = 0; e < 256; ++e) {
+    const int j = e / 16, l = e % 32, low = (qs[32 * (e / 128) + l] >> (2 * ((e % 128) / 32))) & 3;
+    if (q2) {
+      const float dl = d * static_cast<float>(w[j] & 0xF), ml = dmin * static_cast<float>(w[j] >> 4);
+      y[e] = dl * static_cast<float>(low) - ml;
+    } else {
+      const int q = low | (((w[l] >> (e / 32)) & 1) << 2);
+      y[e] = d * static_cast<float>(sc[j]) * static_cast<float>(q - 4);
     }
   }
 }

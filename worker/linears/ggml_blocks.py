@@ -27,12 +27,12 @@ from worker.linears.group_quant import DENSE_ROWS
 from worker.native_ops import cpu_has_native_bf16, cpu_ops_available
 
 # gguf's GGMLQuantizationType values of the types the compiled kernels run, and their block shapes
-BLOCK_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
-               "IQ4_NL": 20, "IQ4_XS": 23}
-BLOCK_ELEMENTS = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256,
-                  "IQ4_NL": 32, "IQ4_XS": 256}
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210,
-               "IQ4_NL": 18, "IQ4_XS": 136}
+BLOCK_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
+               "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
+BLOCK_ELEMENTS = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q2_K": 256, "Q3_K": 256, "Q4_K": 256,
+                  "Q5_K": 256, "Q6_K": 256, "IQ4_NL": 32, "IQ4_XS": 256}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q2_K": 84, "Q3_K": 110, "Q4_K": 144,
+               "Q5_K": 176, "Q6_K": 210, "IQ4_NL": 18, "IQ4_XS": 136}
 # Up to this many rows of x the integer-dot kernel runs; past it, dequantized strips and a GEMM each
 # (GGMLBlocksLinear.forward_strips). Qwen2.5-1.5B's layer (qkv, o, gate_up, down), 2 threads, Sapphire
 # Rapids (AMX), ms, dot / strips (scripts/bench_ggml_blocks.py): 1 row 1.24 / 11.2, 16 rows 8.5 / 11.6,
@@ -44,7 +44,7 @@ DOT_ROWS = 24
 # 11.3 / 20.1, 128 rows 24.3 / 23.9.
 AMX_DOT_ROWS = 128
 STRIP_BYTES = 4 * 2**20  # a dequantized strip's most
-# the instruction set the kernels use: 0 the best this CPU has (AMX-INT8 tiles for the K-quants from a few
+# the instruction set the kernels use: 0 the best this CPU has (AMX-INT8 tiles for Q4_K, Q5_K, Q6_K from a few
 # rows, else AVX-512 VNNI, else AVX2); tests force 1 / 2 / 3
 KERNEL_PATHS = {"auto": 0, "avx2": 1, "avx512_vnni": 2, "amx_int8": 3}
 
@@ -62,10 +62,10 @@ def dot_rows() -> int:
 
 # --cpu-block-kernels auto: the K-quants, whose conversion grows most (Q6_K more than doubles) and whose
 # int8 activations are what llama.cpp itself runs them with, and the types group_quant has no layout for
-# (IQ4_NL, IQ4_XS), which without a kernel are dequantized to --dtype at load (3.6x the file's bytes in
-# bfloat16). Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 join under `all`: a file like the default model's (Q4_1 with
+# (Q2_K, Q3_K, IQ4_NL, IQ4_XS), which without a kernel are dequantized to --dtype at load (3.6-6x the file's
+# bytes in bfloat16). Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 join under `all`: a file like the default model's (Q4_1 with
 # Q8_0) keeps its float activations, and its outputs, unless asked.
-AUTO_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"})
+AUTO_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"})
 
 
 def block_types(mode: str) -> frozenset[str]:
@@ -179,7 +179,7 @@ class GGMLBlocksLinear(nn.Module):
             return out if self.bias is None else out.add_(self.bias)
         if rows > dot_rows():
             return self.forward_strips(x)
-        # auto: the vector kernel, or AMX tiles for the K-quants from a few rows where the CPU has them
+        # auto: the vector kernel, or AMX tiles for Q4_K, Q5_K, Q6_K from a few rows where the CPU has them
         return torch.ops.tokenmill.ggml_blocks_linear(x, self._blocks, self._types, self.kernel_path, self.bias)
 
     def weight_view(self) -> GGMLBlocksWeight:  # what worker.linears.dense_weights dequantizes
@@ -256,7 +256,7 @@ def describe_block_kernels(model: nn.Module) -> str | None:
     types = sorted({part.type_name for m in linears for part in m.weight_blocks.parts})
     mapped = sum(m.weight_blocks.nbytes for m in linears) / 2**20
     vector = names[min(path, KERNEL_PATHS["avx512_vnni"])]
-    tiles = " (AMX-INT8 tiles for the K-quants from 6 rows)" if path == KERNEL_PATHS["amx_int8"] else ""
+    tiles = " (AMX-INT8 tiles for Q4_K, Q5_K, Q6_K from 6 rows)" if path == KERNEL_PATHS["amx_int8"] else ""
     return (f"{len(linears)} linears on the file's own blocks ({', '.join(types)}, {mapped:.0f} MiB): {vector} integer "
             f"dot products{tiles} on activations rounded to int8 per 256 values up to {dot_rows()} rows, dequantized "
             f"{'bfloat16' if cpu_has_native_bf16() else 'float32'} strips past that")

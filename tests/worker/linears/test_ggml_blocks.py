@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="the compiled CP
 
 # where each type's f16 scales (d, and dmin / m where it has one) sit in its block
 SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,),
-                 "Q4_1": (0, 2), "Q5_1": (0, 2), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+                 "Q4_1": (0, 2), "Q5_1": (0, 2), "IQ4_NL": (0,), "IQ4_XS": (0,),
+                 "Q2_K": (80, 82), "Q3_K": (108,)}
 ROWS = (1, 3, 5, 16, 64, 512)
 
 
@@ -221,14 +222,14 @@ def test_dense_copies_only_when_asked():
 
 
 def test_the_modes_name_their_types():
-    """auto: the K-quants and the IQ4 types (which group_quant cannot hold), not the other 32-value types, so a
-    Q4_1 + Q8_0 file (the default model) keeps its float activations."""
+    """auto: every K-quant and IQ4 type (group_quant has no layout for Q2_K, Q3_K and the IQ4s), not the
+    other 32-value types, so a Q4_1 + Q8_0 file (the default model) keeps its float activations."""
     from worker.linears.ggml_blocks import block_types
     from worker.options import CPU_BLOCK_KERNEL_MODES, WorkerOptions
 
-    assert block_types("auto") == {"Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
-    assert block_types("all") == set(BLOCK_TYPES) == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
-                                                      "IQ4_NL", "IQ4_XS"}
+    assert block_types("auto") == {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
+    assert block_types("all") == set(BLOCK_TYPES) == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
+                                                      "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
     assert block_types("off") == set() and {block_types(mode) is not None for mode in CPU_BLOCK_KERNEL_MODES} == {True}
     assert WorkerOptions().cpu_block_kernels == "auto"
     with pytest.raises(ValueError, match="cpu_block_kernels='some' is not one of"):
@@ -242,7 +243,7 @@ def test_the_worker_log_names_the_kernel_this_cpu_runs():
     text = describe_block_kernels(model)
     flags = cpu_flags()
     if AMX_FLAGS <= flags:
-        assert "avx512_vnni integer dot products (AMX-INT8 tiles for the K-quants from 6 rows)" in text
+        assert "avx512_vnni integer dot products (AMX-INT8 tiles for Q4_K, Q5_K, Q6_K from 6 rows)" in text
         assert "up to 128 rows" in text
     else:
         assert f"{'avx512_vnni' if WIDE_FLAGS <= flags else 'avx2'} integer dot products on" in text

@@ -170,3 +170,31 @@ def test_a_block_part_group_quant_cannot_hold_beside_a_converted_one_makes_the_f
     q40 = small_random_blocks("Q4_0", 8, cols, 2)
     mixed = cat_rows([GGMLBlocksWeight.from_blocks("Q4_0", q40, 8, cols), group_quant_from_blocks("Q5_1", v, 4, cols)])
     assert not isinstance(mixed, torch.Tensor) and mixed.out_features == 12
+
+
+def test_the_loader_routes_each_type_by_the_mode():
+    """ggml_blocks_from_gguf: a tensor in a type the mode names, with a kernel at its row length, is the file's
+    blocks; the rest get None, for the caller to convert (group_quant) or dequantize at load."""
+    from types import SimpleNamespace
+
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from worker.linears.ggml_blocks import block_types
+    from worker.loader.gguf_quants import ggml_blocks_from_gguf, group_quant_from_gguf
+
+    def tensor(type_name: str, cols: int, rows: int = 2):
+        per, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+        return SimpleNamespace(tensor_type=GGMLQuantizationType[type_name], shape=np.array([cols, rows]),
+                               data=np.zeros((rows, cols // per * nbytes), np.uint8))
+
+    auto, every = block_types("auto"), block_types("all")
+    for type_name in ("Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL"):
+        assert ggml_blocks_from_gguf(tensor(type_name, 512), auto).parts[0].type_name == type_name
+        assert group_quant_from_gguf(tensor(type_name, 512)) is None  # no conversion: blocks, or floats
+    assert ggml_blocks_from_gguf(tensor("Q3_K", 256 + 256, 3), auto).rows(torch.tensor([2, 0])).out_features == 2
+    for type_name in ("Q4_1", "Q5_1"):
+        assert ggml_blocks_from_gguf(tensor(type_name, 96), auto) is None
+        assert group_quant_from_gguf(tensor(type_name, 96)) is not None  # converted under auto, as before
+        assert ggml_blocks_from_gguf(tensor(type_name, 96), every).parts[0].type_name == type_name
+    assert ggml_blocks_from_gguf(tensor("IQ2_XXS", 512), every) is None  # no kernel: dequantized at load
