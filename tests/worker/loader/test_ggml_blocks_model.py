@@ -198,3 +198,57 @@ def test_the_loader_routes_each_type_by_the_mode():
         assert group_quant_from_gguf(tensor(type_name, 96)) is not None  # converted under auto, as before
         assert ggml_blocks_from_gguf(tensor(type_name, 96), every).parts[0].type_name == type_name
     assert ggml_blocks_from_gguf(tensor("IQ2_XXS", 512), every) is None  # no kernel: dequantized at load
+
+
+# A file of the types auto now runs on blocks beside the K-quants, in a mix no llama.cpp preset writes but
+# that every fusion path meets: q/k/v in three types, gate/up in two, a tied Q3_K embedding.
+LOW_BIT_TYPES = {"attn_q": "Q3_K", "attn_k": "IQ4_XS", "attn_v": "Q2_K", "attn_output": "IQ4_XS", "ffn_gate": "Q2_K",
+                 "ffn_up": "Q3_K", "ffn_down": "IQ4_XS", "token_embd": "Q3_K", "output": "Q2_K"}
+# where each type's f16 scales sit, and their size relative to make_shapes' Q4_K d (weights of a similar spread)
+LOW_BIT_SCALES = {"IQ4_XS": ((0, 0.1),), "Q2_K": ((80, 2.0), (82, 3.0)), "Q3_K": ((108, 0.5),)}
+
+
+def test_a_q2_k_q3_k_iq4_xs_file_runs_on_its_blocks_and_matches_its_dequantized_floats(tmp_path, monkeypatch):
+    """Before their kernels these types were dequantized to --dtype at load; now auto maps them: the fused
+    q/k/v of three types, llama's un-permuted q/k rows, the tied embedding's lookups and lm_head, all on the
+    file's blocks, against the same file dequantized (block_types empty), up to the int8 rounding of x."""
+    from gguf import GGMLQuantizationType
+
+    from worker.linears.ggml_blocks import block_types
+
+    spec = importlib.util.spec_from_file_location("make_shapes", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    make_blocks = module.random_blocks
+
+    def random_blocks(rng, qtype, rows, cols):
+        if qtype.name not in LOW_BIT_SCALES:
+            return make_blocks(rng, qtype, rows, cols)
+        per, nbytes = module.GGML_QUANT_SIZES[qtype]
+        blocks = rng.integers(0, 256, (rows * cols // per, nbytes), dtype=np.uint8)
+        for offset, multiple in LOW_BIT_SCALES[qtype.name]:
+            blocks[:, offset:offset + 2] = module._f16_scales(rng, len(blocks), multiple)
+        return blocks.reshape(rows, -1)
+
+    def tensor_type(name, shape, layer, num_layers, tied):
+        return GGMLQuantizationType[LOW_BIT_TYPES[name.split(".")[-2]]] if len(shape) == 2 else GGMLQuantizationType.F32
+
+    monkeypatch.setattr(module, "random_blocks", random_blocks)
+    monkeypatch.setattr(module, "q4_k_m_type", tensor_type)
+    path, _ = module.make(module.shaped("llama3.2-1b", 1, 2048), tmp_path, hf=False, log=lambda line: None)
+    blocks_model, config = load_model(path, dtype=torch.float32, progress=False, keep_quantized=True,
+                                      block_types=block_types("auto"))
+    floats, _ = load_model(path, dtype=torch.float32, progress=False, keep_quantized=True)
+    layer = blocks_model.layers[0]
+    assert [part.type_name for part in layer.attn.wqkv.weight_blocks.parts] == ["Q3_K", "IQ4_XS", "Q2_K"]
+    assert [part.type_name for part in layer.mlp.w_gate_up.weight_blocks.parts] == ["Q2_K", "Q3_K"]
+    assert isinstance(blocks_model.embed_tokens, GGMLBlocksEmbedding) and isinstance(blocks_model.lm_head, GGMLBlocksLinear)
+    assert isinstance(floats.layers[0].attn.wqkv, torch.nn.Linear)  # no kernel there: the dequantized floats
+
+    tokens = [5, 77, 1000, 3, 42, 2047, 9, 300]
+    got = prefill_logits(blocks_model, config, tokens)
+    want = prefill_logits(floats, config, tokens)
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max() / want.abs().max() < 0.05  # x's int8 rounding; the weights are the same
+    assert np.corrcoef(got.flatten().numpy(), want.flatten().numpy())[0, 1] > 0.999
