@@ -28,10 +28,13 @@ class Variant:
     dtype: torch.dtype
     int8_activations: bool = False  # --cpu-int8-activations (run a token at a time, as decode does)
     blocks: bool = False  # a GGUF file's tensors on its own blocks (the CPU default), a token at a time as decode
+    # rows of x per forward pass where the kernels differ with the count: 1 (decode), 16 (a batched decode or
+    # prefill chunk: the blocks' AMX-INT8 tiles where the CPU has them); 0 a whole window at once
+    pass_rows: int = 0
 
     @property
-    def decode_rows(self) -> bool:  # run a token at a time: the rows a decode step's kernels see
-        return self.int8_activations or self.blocks
+    def rows_per_pass(self) -> int:
+        return self.pass_rows or (1 if self.int8_activations or self.blocks else 0)
 
 
 DEFAULT_VARIANTS = (
@@ -40,6 +43,8 @@ DEFAULT_VARIANTS = (
     Variant("as the file holds it, int8 activations", "auto", torch.float32, int8_activations=True),
     Variant("on the file's blocks (decode: q8_K activations)", "auto", torch.float32, blocks=True),
     Variant("on the file's blocks (decode: q8_K activations)", "auto", torch.bfloat16, blocks=True),
+    Variant("on the file's blocks, 16 rows a pass (AMX-INT8 tiles where the CPU has them)", "auto", torch.bfloat16,
+            blocks=True, pass_rows=16),
     Variant("int8 at load (group 32)", "int8", torch.float32),
     Variant("int4 at load (group 32)", "int4", torch.float32),
     Variant("dequantized", "none", torch.bfloat16),
@@ -48,8 +53,10 @@ REFERENCE = Variant("reference: dequantized", "none", torch.float32)
 
 
 @torch.inference_mode()
-def decode_logits(model, config, token_ids: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Logits [T, vocab] for every position, one token per forward pass as decode runs them."""
+def decode_logits(model, config, token_ids: list[int], dtype: torch.dtype, device: torch.device,
+                  rows: int = 1) -> torch.Tensor:
+    """Logits [T, vocab] for every position, `rows` tokens per forward pass (1: as decode runs them; more: as
+    a chunked prefill does, after the earlier chunks' KV)."""
     from worker.step_batch import RequestSpan
     from worker.model.attention import build_attention_metadata
     from worker.model.kv_cache import allocate_kv_cache
@@ -58,12 +65,14 @@ def decode_logits(model, config, token_ids: list[int], dtype: torch.dtype, devic
     num_blocks = -(-len(token_ids) // block_size)
     kv_cache = allocate_kv_cache(config, num_blocks, block_size, dtype, device)
     table = list(range(num_blocks))
-    rows = []
-    for position, token in enumerate(token_ids):
-        metadata = build_attention_metadata([RequestSpan(0, 1, position + 1, table)], block_size, device)
-        hidden = model(torch.tensor([token], device=device), torch.tensor([position], device=device), kv_cache, metadata)
-        rows.append(model.compute_logits(hidden))
-    return torch.cat(rows)
+    logits = []
+    for start in range(0, len(token_ids), rows):
+        chunk = token_ids[start:start + rows]
+        metadata = build_attention_metadata([RequestSpan(0, len(chunk), start + len(chunk), table)], block_size, device)
+        hidden = model(torch.tensor(chunk, device=device), torch.arange(start, start + len(chunk), device=device),
+                       kv_cache, metadata)
+        logits.append(model.compute_logits(hidden))
+    return torch.cat(logits)
 
 
 @dataclass(slots=True)
@@ -95,11 +104,13 @@ def build_variant(model_path, variant: Variant, device: torch.device):
 
 
 def score_windows(model, config, token_windows, dtype, device, reference_argmax: list | None,
-                  decode_rows: bool = False) -> tuple[Score, list]:
-    """decode_rows: run each window as decode does, a token at a time (paths that differ with the row count)."""
+                  rows_per_pass: int = 0) -> tuple[Score, list]:
+    """rows_per_pass: run each window that many tokens a forward pass (1 as decode does; paths that differ with
+    the row count); 0: each window in one pass."""
     score, argmaxes = Score(), []
     for index, ids in enumerate(token_windows):
-        logits = (decode_logits if decode_rows else window_logits)(model, config, ids, dtype, device).float()[:-1]
+        logits = (decode_logits(model, config, ids, dtype, device, rows_per_pass) if rows_per_pass
+                  else window_logits(model, config, ids, dtype, device)).float()[:-1]
         targets = torch.tensor(ids[1:], device=logits.device)
         score.nll += float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
         argmax = logits.argmax(dim=-1)
@@ -144,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         model, config, formats, weight_bytes = build_variant(args.model, variant, device)
         score, argmaxes = score_windows(model, config, token_windows, variant.dtype, device, reference_argmax,
-                                        decode_rows=variant.decode_rows)
+                                        rows_per_pass=variant.rows_per_pass)
         if reference_argmax is None:
             reference_argmax, reference_ppl = argmaxes, score.perplexity
         del model

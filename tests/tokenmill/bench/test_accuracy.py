@@ -12,7 +12,7 @@ def test_accuracy_table_compares_every_variant_with_the_float32_reference(tmp_pa
     assert int(err.split(" positions in")[0].split()[-1]) >= 120  # at least what --positions asked for
     rows = [line.strip("|").split("|") for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
     table = {(r[0].strip(), r[1].strip()): [c.strip() for c in r[2:]] for r in rows}
-    assert len(table) == 9  # with the two "on the file's blocks" rows (floats here: a folder has no blocks)
+    assert len(table) == 10  # with the three "on the file's blocks" rows (floats here: a folder has no blocks)
     reference = table[("reference: dequantized", "float32")]
     # a folder's weights are floats: "as the file holds it" in float32 is the reference itself
     assert reference[2:] == table[("as the file holds it", "float32")][2:]
@@ -32,3 +32,21 @@ def test_the_corpus_is_the_prose_and_the_checkouts_files():
 
     texts = corpus(CHECKOUT)
     assert len(texts) == 1 + len(REPO_FILES) and (CHECKOUT / "README.md").read_text() in texts
+
+
+def test_passes_of_any_row_count_give_the_window_s_logits(tmp_path):
+    """The float32 reference run a token at a time, 16 rows a pass (a chunked prefill after the earlier chunks'
+    KV) and a whole window at once: the same logits up to float32 summation order."""
+    import torch
+
+    from tokenmill.bench.int8_agreement import window_logits
+    from tokenmill.bench.accuracy import decode_logits
+    from worker.loader import load_model
+
+    folder, _ = make_tiny_hf_model(tmp_path, "llama")
+    model, config = load_model(folder, dtype=torch.float32, progress=False)
+    ids = list(range(5, 45))  # 40 tokens: 2 full passes of 16 and one of 8
+    whole = window_logits(model, config, ids, torch.float32, torch.device("cpu"))
+    for rows in (1, 16):
+        torch.testing.assert_close(decode_logits(model, config, ids, torch.float32, torch.device("cpu"), rows), whole,
+                                   rtol=1e-4, atol=1e-4)
