@@ -336,6 +336,15 @@ AVX2_TARGET void q6k_avx2(const uint8_t* w, int64_t nb, const Q8Rows& x, int64_t
   for (int t = 0; t < TB; ++t) out[t] = acc[t];
 }
 
+// The per-16 scales (16 int16 in sc512) for pair p of 64 codes: 128-bit lane L takes scale 4p + L in every int16
+AVX512_TARGET inline __m512i lane_scales(__m512i sc512, int p) {
+  const short s = static_cast<short>(4 * p);
+  return _mm512_permutexvar_epi16(
+      _mm512_set_epi16(s + 3, s + 3, s + 3, s + 3, s + 3, s + 3, s + 3, s + 3, s + 2, s + 2, s + 2, s + 2, s + 2, s + 2,
+                       s + 2, s + 2, s + 1, s + 1, s + 1, s + 1, s + 1, s + 1, s + 1, s + 1, s, s, s, s, s, s, s, s),
+      sc512);
+}
+
 template <int TB>
 AVX512_TARGET void q6k_avx512(const uint8_t* w, int64_t nb, const Q8Rows& x, int64_t t0, float* out) {
   __m512 acc[TB];
@@ -353,13 +362,7 @@ AVX512_TARGET void q6k_avx512(const uint8_t* w, int64_t nb, const Q8Rows& x, int
       e[2 * h] = join(part[0], part[1]);
       e[2 * h + 1] = join(part[2], part[3]);
     }
-    for (int p = 0; p < 4; ++p)  // 128-bit lane L of pair p takes scale 4p + L (every int16 of it)
-      sv[p] = _mm512_permutexvar_epi16(
-          _mm512_set_epi16(4 * p + 3, 4 * p + 3, 4 * p + 3, 4 * p + 3, 4 * p + 3, 4 * p + 3, 4 * p + 3, 4 * p + 3,
-                           4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2,
-                           4 * p + 1, 4 * p + 1, 4 * p + 1, 4 * p + 1, 4 * p + 1, 4 * p + 1, 4 * p + 1, 4 * p + 1,
-                           4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p),
-          sc512);
+    for (int p = 0; p < 4; ++p) sv[p] = lane_scales(sc512, p);
     for (int t = 0; t < TB; ++t) {
       const int8_t* xq = x.qs(t0 + t, b);
       __m512i sum = _mm512_setzero_si512();

@@ -225,11 +225,7 @@ AVX512_TARGET void sub16_avx512(const uint8_t* w, int64_t nb, const Q8Rows& x, i
     __m512i e[4], sv[4];
     for (int p = 0; p < 4; ++p) {
       e[p] = join(k.codes[2 * p], k.codes[2 * p + 1]);
-      const short s = static_cast<short>(4 * p);  // 128-bit lane L of pair p takes scale 4p + L
-      sv[p] = _mm512_permutexvar_epi16(
-          _mm512_set_epi16(s + 3, s + 3, s + 3, s + 3, s + 3, s + 3, s + 3, s + 3, s + 2, s + 2, s + 2, s + 2, s + 2, s + 2,
-                           s + 2, s + 2, s + 1, s + 1, s + 1, s + 1, s + 1, s + 1, s + 1, s + 1, s, s, s, s, s, s, s, s),
-          sc512);
+      sv[p] = lane_scales(sc512, p);
     }
     for (int t = 0; t < TB; ++t) {
       const int8_t* xq = x.qs(t0 + t, b);
