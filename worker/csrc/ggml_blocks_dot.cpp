@@ -27,9 +27,10 @@
 //   IQ4_XS, Q2_K, Q3_K: see ggml_blocks_lowbit.h
 //
 // Two instruction sets (`path`: 0 the best this CPU has, 1 AVX2, 2 AVX-512 BW with VNNI's vpdpwssd), so a
-// test can force each; the Python side asks for 0, which this CPU's flags answer once. Work: output rows split
-// across threads (at::parallel_for), each weight row decoded once per tile of up to 8 (AVX-512) or 4 (AVX2)
-// rows of x, the next ~1 KiB of rows prefetched. Also here: exact dequantization, to float32 rows (the
+// test can force each; the Python side asks for 0, which this CPU's flags answer once. Path 3 adds AMX-INT8
+// tiles for Q4_K / Q5_K / Q6_K (ggml_blocks_amx.cpp), which auto takes from kAmxMinRows rows of x. Work:
+// output rows split across threads (at::parallel_for), each weight row decoded once per tile of up to 8
+// (AVX-512) or 4 (AVX2) rows of x, the next ~1 KiB of rows prefetched. Also here: exact dequantization, to float32 rows (the
 // embedding's lookups, tests) and to bfloat16 strips with SIMD (a prefill's GEMMs).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
