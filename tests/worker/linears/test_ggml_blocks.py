@@ -53,7 +53,19 @@ def q8k_rounded(x: np.ndarray) -> np.ndarray:
 
 
 WIDE_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
-AMX_FLAGS = WIDE_FLAGS | {"amx_tile", "amx_int8"}
+AMX_FLAGS = WIDE_FLAGS | {"avx512_bf16", "amx_tile", "amx_int8"}
+NO_AMX = "this CPU lacks amx_tile + amx_int8 (with avx512_vnni, avx512_bf16), or Linux refused the tile state"
+
+
+def amx_usable() -> bool:
+    """The CPU's flags say AMX-INT8, and the op got the tile state from Linux (arch_prctl can refuse it, e.g.
+    to a process whose signal stacks are too small for it)."""
+    if not (cpu_ops_available() and AMX_FLAGS <= cpu_flags()):
+        return False
+    try:
+        return torch.ops.tokenmill.ggml_blocks_path(KERNEL_PATHS["amx_int8"]) == KERNEL_PATHS["amx_int8"]
+    except RuntimeError:
+        return False
 
 
 def available_paths() -> list:
@@ -61,8 +73,7 @@ def available_paths() -> list:
     return [pytest.param("avx2", id="avx2"),
             pytest.param("avx512_vnni", id="avx512_vnni", marks=pytest.mark.skipif(
                 not WIDE_FLAGS <= flags, reason="this CPU lacks avx512f/bw/vl/dq + avx512_vnni")),
-            pytest.param("amx_int8", id="amx_int8", marks=pytest.mark.skipif(
-                not AMX_FLAGS <= flags, reason="this CPU lacks amx_tile + amx_int8 (with avx512_vnni)"))]
+            pytest.param("amx_int8", id="amx_int8", marks=pytest.mark.skipif(not amx_usable(), reason=NO_AMX))]
 
 
 def shapes():
@@ -106,11 +117,11 @@ def test_a_fused_projection_of_three_types_shares_one_rounding(path):
 
 def test_auto_takes_the_widest_path_this_cpu_has():
     flags = cpu_flags()
-    expected = 3 if AMX_FLAGS <= flags else 2 if WIDE_FLAGS <= flags else 1
+    expected = 3 if amx_usable() else 2 if WIDE_FLAGS <= flags else 1
     assert torch.ops.tokenmill.ggml_blocks_path(0) == expected
 
 
-@pytest.mark.skipif(not AMX_FLAGS <= cpu_flags(), reason="this CPU lacks amx_tile + amx_int8 (with avx512_vnni)")
+@pytest.mark.skipif(not amx_usable(), reason=NO_AMX)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_auto_runs_the_k_quants_on_tiles_from_six_rows_and_forward_rows_never(dtype):
     """Under auto, a Q4_K_M-like fused projection (Q4_K + Q6_K beside Q8_0) gives the tiles' bits from 6 rows
@@ -242,7 +253,7 @@ def test_the_worker_log_names_the_kernel_this_cpu_runs():
     model = torch.nn.Sequential(GGMLBlocksLinear(GGMLBlocksWeight.from_blocks("Q4_K", random_blocks("Q4_K", 16, 256), 16, 256)))
     text = describe_block_kernels(model)
     flags = cpu_flags()
-    if AMX_FLAGS <= flags:
+    if amx_usable():
         assert "avx512_vnni integer dot products (AMX-INT8 tiles for Q4_K, Q5_K, Q6_K from 6 rows)" in text
         assert "up to 128 rows" in text
     else:
