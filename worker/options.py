@@ -124,7 +124,8 @@ class WorkerOptions(Options):
     cpu_block_kernels: str = option(
         "auto", "CPU: which GGUF tensors run on the file's own mapped blocks with activations rounded to int8 per "
         "256 values (llama.cpp's q8_K) instead of the group-quantized conversion (float activations, about 1.5x the "
-        "file's memory): auto: the K-quants (Q4_K, Q5_K, Q6_K); all: also Q4_0, Q5_0, Q8_0; off: none "
+        "file's memory): auto: the K-quants and IQ4s (Q2_K-Q6_K, IQ4_NL, IQ4_XS); all: also Q4_0, Q4_1, Q5_0, Q5_1, "
+        "Q8_0; off: none "
         "(default: %(default)s)", choices=CPU_BLOCK_KERNEL_MODES)
     # float32 linears on oneDNN-reordered weights (CPU, torch backend: worker.linears.packed)
     packed_linears: bool = option(True, "plain nn.Linear instead of weights reordered once for oneDNN (CPU, float32 "

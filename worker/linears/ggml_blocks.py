@@ -43,6 +43,7 @@ DOT_ROWS = 24
 # win past ~128 rows. The same layer, ms, tiles / strips: 16 rows 3.28 / 14.3, 32 rows 5.8 / 15.7, 64 rows
 # 11.3 / 20.1, 128 rows 24.3 / 23.9.
 AMX_DOT_ROWS = 128
+AMX_MIN_ROWS = 6  # worker/csrc/ggml_blocks_dot.cpp's kAmxMinRows: the row count auto takes the tiles from
 STRIP_BYTES = 4 * 2**20  # a dequantized strip's most
 # the instruction set the kernels use: 0 the best this CPU has (AMX-INT8 tiles for Q4_K, Q5_K, Q6_K from a few
 # rows, else AVX-512 VNNI, else AVX2); tests force 1 / 2 / 3
@@ -53,6 +54,11 @@ KERNEL_PATHS = {"auto": 0, "avx2": 1, "avx512_vnni": 2, "amx_int8": 3}
 def auto_path() -> int:
     """The path auto resolves to on this CPU (asked once; the compiled ops must be loaded)."""
     return torch.ops.tokenmill.ggml_blocks_path(KERNEL_PATHS["auto"])
+
+
+def vector_path() -> int:
+    """The vector kernels' path on this CPU (auto without the tiles): what the deterministic mode runs."""
+    return min(auto_path(), KERNEL_PATHS["avx512_vnni"])
 
 
 def dot_rows() -> int:
@@ -190,7 +196,7 @@ class GGMLBlocksLinear(nn.Module):
         output is the same bits alone or among others (the deterministic mode runs only this). Under auto
         that is the vector kernel (AMX tiles would take over from a few rows, summing in another order); a
         forced path is kept."""
-        path = self.kernel_path or min(auto_path(), KERNEL_PATHS["avx512_vnni"])
+        path = self.kernel_path or vector_path()
         # the op adds the bias and writes x's dtype itself: ~113 calls a decode step, two ops fewer each
         return torch.ops.tokenmill.ggml_blocks_linear(x, self._blocks, self._types, path, self.bias)
 
@@ -252,11 +258,11 @@ def describe_block_kernels(model: nn.Module) -> str | None:
     if not linears:
         return None
     names = {value: name for name, value in KERNEL_PATHS.items()}
-    path = auto_path()
     types = sorted({part.type_name for m in linears for part in m.weight_blocks.parts})
     mapped = sum(m.weight_blocks.nbytes for m in linears) / 2**20
-    vector = names[min(path, KERNEL_PATHS["avx512_vnni"])]
-    tiles = " (AMX-INT8 tiles for Q4_K, Q5_K, Q6_K from 6 rows)" if path == KERNEL_PATHS["amx_int8"] else ""
+    vector = names[vector_path()]
+    tiles = (f" (AMX-INT8 tiles for Q4_K, Q5_K, Q6_K from {AMX_MIN_ROWS} rows)"
+             if auto_path() == KERNEL_PATHS["amx_int8"] else "")
     return (f"{len(linears)} linears on the file's own blocks ({', '.join(types)}, {mapped:.0f} MiB): {vector} integer "
             f"dot products{tiles} on activations rounded to int8 per 256 values up to {dot_rows()} rows, dequantized "
             f"{'bfloat16' if cpu_has_native_bf16() else 'float32'} strips past that")
