@@ -34,10 +34,13 @@ import math
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 from gguf import GGML_QUANT_SIZES, GGUFWriter, LlamaFileType, TokenType
+
+from tokenmill.bench.gguf_hparams import write_hparams
 
 REPO = Path(__file__).resolve().parents[2]
 SEED = 34  # the number; every file is the same bytes on every run
@@ -297,25 +300,12 @@ def add_metadata(writer: GGUFWriter, model: ModelShape, vocab: Vocabulary) -> No
     writer.add_name(f"{model.title} (random weights, tokenmill scripts/peers/make_shapes.py)")
     writer.add_file_type(LlamaFileType.MOSTLY_Q4_K_M)
     writer.add_quantization_version(2)
-    writer.add_vocab_size(model.vocab)
-    writer.add_context_length(model.context_length)
-    writer.add_embedding_length(model.hidden)
-    writer.add_block_count(model.layers)
-    writer.add_feed_forward_length(model.intermediate)
-    writer.add_head_count(model.heads)
-    writer.add_head_count_kv(model.kv_heads)
-    writer.add_key_length(model.head_dim)
-    writer.add_value_length(model.head_dim)
-    writer.add_rope_dimension_count(model.head_dim)
-    writer.add_rope_freq_base(model.rope_theta)
-    writer.add_layer_norm_rms_eps(model.norm_eps)
+    write_hparams(writer, SimpleNamespace(**hf_config(model, vocab)))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(model.pre_tokenizer)
     writer.add_token_list(vocab.tokens)
     writer.add_token_types(vocab.types)
     writer.add_token_merges(vocab.merges)
-    writer.add_bos_token_id(vocab.id(model.bos))
-    writer.add_eos_token_id(vocab.id(model.eos))
     if model.arch == "qwen2":
         writer.add_pad_token_id(vocab.id(model.bos))
     writer.add_add_bos_token(model.add_bos)

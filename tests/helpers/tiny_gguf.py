@@ -9,6 +9,8 @@ import math
 
 import numpy as np
 
+from tokenmill.bench.gguf_hparams import rope_parameters, write_hparams
+
 # transformers model_type -> GGUF general.architecture, as the converter registers them
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
                       "gemma3_text": "gemma3", "phi3": "phi3"}
@@ -17,11 +19,6 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "q
 def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     """As in llama.cpp's convert_hf_to_gguf.py (LlamaModel.permute)."""
     return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
-
-
-def _rope(config) -> dict:
-    params = dict(config.rope_parameters)
-    return params.get("full_attention", params)
 
 
 def _llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
@@ -44,22 +41,8 @@ def _llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
 
 
 def _write_metadata(writer, config, arch: str) -> None:
-    rope = _rope(config)
-    head_dim = config.head_dim
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_bos_token_id(config.bos_token_id)
-    writer.add_eos_token_id(config.eos_token_id)
+    rope = rope_parameters(config)
+    write_hparams(writer, config)
     rope_type = rope.get("rope_type", "default")
     if rope_type in ("linear", "yarn"):
         import gguf
@@ -113,7 +96,7 @@ def write_converter_gguf(path, hf_model, skip: tuple[str, ...] = (), architectur
     state = hf_model.state_dict()
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # llama.cpp writes no output.weight for tied models
-    rope = _rope(config)
+    rope = rope_parameters(config)
     tensors = {}
     if rope.get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = _llama3_rope_factors(rope, config.head_dim)
