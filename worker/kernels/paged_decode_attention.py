@@ -48,8 +48,7 @@ def _paged_decode_kernel(
     softcap,  # attention logit soft-cap; 0.0: none
     # strides (the last dim of query, caches and out is dense)
     stride_qb, stride_qh,
-    stride_kn, stride_kt, stride_kh,
-    stride_vn, stride_vt, stride_vh,
+    stride_cn, stride_ct, stride_ch,  # both caches'
     stride_tb, stride_tm,
     stride_cb,
     stride_ob, stride_oh, stride_os,
@@ -93,8 +92,8 @@ def _paged_decode_kernel(
         key_valid = positions < end  # every step holds at least one valid key, so the max stays finite
         m_i, l_i, acc = attend_keys(
             q, m_i, l_i, acc, positions, key_valid, key_valid[None, :], table_row, stride_tm, kv_head, dims,
-            scale_log2, softcap, key_cache_ptr, stride_kn, stride_kt, stride_kh, value_cache_ptr, stride_vn, stride_vt,
-            stride_vh, BLOCK_SIZE, PRECISION, UPCAST, SOFTCAP)
+            scale_log2, softcap, key_cache_ptr, value_cache_ptr, stride_cn, stride_ct, stride_ch, BLOCK_SIZE,
+            PRECISION, UPCAST, SOFTCAP)
 
     # a split past the end of a short context saw no key: l_i == 0, its output is 0, its lse -inf
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -198,7 +197,7 @@ def paged_decode_attention(
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, context_lens, partial, lse,
         scale * LOG2_E, queries_per_kv, window, softcap,
-        *paged_strides(query, key_cache, value_cache, block_tables, context_lens),
+        *paged_strides(query, key_cache, block_tables, context_lens),
         *partial_strides,
         lse.stride(0), lse.stride(1),
         BLOCK_SIZE=block_size,

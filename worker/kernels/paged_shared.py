@@ -53,6 +53,10 @@ def check_query_and_caches(
     cache_shape = (None, None, None, head_dim)
     check_tensor("key_cache", key_cache, cache_shape, (query.dtype,), device, True, dtype_from="query")
     check_tensor("value_cache", value_cache, tuple(key_cache.shape), (query.dtype,), device, True, dtype_from="query")
+    # the kernels read both caches through one set of strides (one layout, as the KV cache allocates them)
+    if value_cache.stride() != key_cache.stride():
+        raise ValueError(f"value_cache has strides {list(value_cache.stride())}, expected key_cache's "
+                         f"{list(key_cache.stride())}")
     _, block_size, num_kv_heads, _ = key_cache.shape
     check_head_dim("query", head_dim)
     check_block_size("key_cache", block_size)
@@ -71,12 +75,12 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def paged_strides(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                  block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[int, ...]:
+def paged_strides(query: torch.Tensor, key_cache: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor) -> tuple[int, ...]:
     """The strides both attention kernels take first, in their signatures' order: query (token, head),
-    each cache (page, slot, KV head), block_tables (row, column), context_lens."""
-    return (*query.stride()[:2], *key_cache.stride()[:3], *value_cache.stride()[:3], *block_tables.stride(),
-            context_lens.stride(0))
+    the caches (page, slot, KV head; check_query_and_caches holds the value cache's equal to these),
+    block_tables (row, column), context_lens."""
+    return (*query.stride()[:2], *key_cache.stride()[:3], *block_tables.stride(), context_lens.stride(0))
 
 
 def attend_keys_meta(dtype: torch.dtype, device: torch.device, softcap: float) -> dict[str, object]:
@@ -119,8 +123,7 @@ def attend_keys(
     positions, key_valid, visible,  # [N] key positions, [N] in range, [M, N] which scores count
     table_row, stride_tm, kv_head, dims, scale_log2,
     softcap,  # attention logit soft-cap (gemma2): scores = softcap * tanh(scores / softcap); used if SOFTCAP
-    key_cache_ptr, stride_kn, stride_kt, stride_kh,
-    value_cache_ptr, stride_vn, stride_vt, stride_vh,
+    key_cache_ptr, value_cache_ptr, stride_cn, stride_ct, stride_ch,  # the caches share one layout
     BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One online-softmax step (base 2) over N keys read through a request's block table: both
@@ -129,8 +132,9 @@ def attend_keys(
     their state."""
     page = tl.load(table_row + (positions // BLOCK_SIZE) * stride_tm, mask=key_valid, other=0).to(tl.int64)
     offset = positions % BLOCK_SIZE
+    slots = page[:, None] * stride_cn + offset[:, None] * stride_ct + kv_head * stride_ch + dims[None, :]  # [N, D]
     k = tl.load(
-        key_cache_ptr + page[:, None] * stride_kn + offset[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
+        key_cache_ptr + slots,
         mask=key_valid[:, None],
         other=0.0,
     )  # [N, D]
@@ -146,7 +150,7 @@ def attend_keys(
     p = tl.exp2(scores - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(
-        value_cache_ptr + page[:, None] * stride_vn + offset[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
+        value_cache_ptr + slots,
         mask=key_valid[:, None],
         other=0.0,
     )  # [N, D]

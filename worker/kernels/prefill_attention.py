@@ -68,8 +68,7 @@ def _prefill_kernel(
     softcap,  # attention logit soft-cap; 0.0: none
     # strides (the last dim of query, caches and out is dense)
     stride_qt, stride_qh,
-    stride_kn, stride_kt, stride_kh,
-    stride_vn, stride_vt, stride_vh,
+    stride_cn, stride_ct, stride_ch,  # both caches'
     stride_tb, stride_tm,
     stride_cr,
     stride_ot, stride_oh,
@@ -123,8 +122,8 @@ def _prefill_kernel(
         visible = visible & ((window == 0) | (positions[None, :] > query_positions[:, None] - window))
         m_i, l_i, acc = attend_keys(
             q, m_i, l_i, acc, positions, key_valid, visible, table_row, stride_tm, kv_head, dims,
-            scale_log2, softcap, key_cache_ptr, stride_kn, stride_kt, stride_kh, value_cache_ptr, stride_vn, stride_vt,
-            stride_vh, BLOCK_SIZE, PRECISION, UPCAST, SOFTCAP)
+            scale_log2, softcap, key_cache_ptr, value_cache_ptr, stride_cn, stride_ct, stride_ch, BLOCK_SIZE,
+            PRECISION, UPCAST, SOFTCAP)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i is 0 only on rows that are not stored
     tl.store(
@@ -172,7 +171,7 @@ def paged_prefill_attention(
     _prefill_kernel[(num_tokens // block_q + num_requests, num_kv_heads)](
         query, key_cache, value_cache, block_tables, query_start_loc, context_lens, out,
         scale * LOG2_E, num_requests, window, softcap,
-        *paged_strides(query, key_cache, value_cache, block_tables, context_lens),
+        *paged_strides(query, key_cache, block_tables, context_lens),
         out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,

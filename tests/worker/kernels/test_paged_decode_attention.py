@@ -112,6 +112,11 @@ def _valid_args():
         ("context_lens", lambda args: args["context_lens"][:1], r"context_lens has shape \[1\], expected \[2\]"),
         ("query", lambda args: args["query"][:, :3], r"query has 3 heads, expected a multiple of the caches' 2"),
         ("query", lambda args: args["query"].transpose(1, 2).contiguous().transpose(1, 2), r"query has strides"),
+        (  # same shape, other page layout: the kernels read both caches through the key cache's strides
+            "value_cache",
+            lambda args: args["value_cache"].transpose(1, 2).contiguous().transpose(1, 2),
+            r"value_cache has strides \[\d+, 16, \d+, 1\], expected key_cache's",
+        ),
     ],
 )
 def test_rejects_bad_arguments(name, make_bad, message):
