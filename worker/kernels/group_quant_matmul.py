@@ -116,11 +116,9 @@ def _group_quant_matmul_kernel(
 
 @triton.jit
 def _group_quant_gemv_kernel(
-    x_ptr, codes_ptr, scales_ptr, mins_ptr, bias_ptr, out_ptr,  # as _group_quant_matmul_kernel
-    M, N, num_groups,
+    x_ptr, codes_ptr, scales_ptr, mins_ptr, bias_ptr, out_ptr, M, N, num_groups,  # as _group_quant_matmul_kernel
     stride_x_row, stride_codes_row, stride_scales_row, stride_mins_row, stride_out_row,
-    BITS: tl.constexpr,
-    GROUP_SIZE: tl.constexpr,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,  # the weights' format
     GROUP_BYTES: tl.constexpr,  # a group's bytes in its container: GROUP_SIZE * BITS / 8
     HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr,  # M padded to a power of two, at most GEMV_MAX_ROWS
@@ -169,11 +167,9 @@ def _group_quant_gemv_kernel(
 
 @triton.jit
 def _group_quant_dequant_kernel(
-    x_ptr, codes_ptr, scales_ptr, mins_ptr, bias_ptr, out_ptr,  # as _group_quant_matmul_kernel
-    M, N, num_groups,
+    x_ptr, codes_ptr, scales_ptr, mins_ptr, bias_ptr, out_ptr, M, N, num_groups,  # as _group_quant_matmul_kernel
     stride_x_row, stride_codes_row, stride_scales_row, stride_mins_row, stride_out_row,
-    BITS: tl.constexpr,
-    GROUP_SIZE: tl.constexpr,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,  # the weights' format
     HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,

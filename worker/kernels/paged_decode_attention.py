@@ -17,15 +17,8 @@ import triton
 import triton.language as tl
 
 from worker.kernels.checks import output_tensor
-from worker.kernels.paged_shared import (
-    LOG2_E,
-    attend_keys,
-    attend_keys_meta,
-    check_query_and_caches,
-    check_window_and_softcap,
-    check_tensor,
-    paged_strides,
-)
+from worker.kernels.paged_shared import (LOG2_E, attend_keys, attend_keys_meta, check_query_and_caches,
+                                         check_tensor, check_window_and_softcap, paged_strides)
 
 BLOCK_N = 64  # keys per inner step
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
@@ -47,10 +40,8 @@ def _paged_decode_kernel(
     window,  # sliding window: only the last `window` keys count; 0: full context
     softcap,  # attention logit soft-cap; 0.0: none
     # strides (the last dim of query, caches and out is dense)
-    stride_qb, stride_qh,
-    stride_cn, stride_ct, stride_ch,  # both caches'
-    stride_tb, stride_tm,
-    stride_cb,
+    # paged_strides(): query (token, head), both caches (page, slot, KV head), block tables, context lengths
+    stride_qb, stride_qh, stride_cn, stride_ct, stride_ch, stride_tb, stride_tm, stride_cb,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
     # meta-parameters
@@ -59,9 +50,7 @@ def _paged_decode_kernel(
     BLOCK_G: tl.constexpr,  # G padded to a power of two >= 16 (tl.dot's smallest tile)
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    SOFTCAP: tl.constexpr,  # softcap > 0
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,  # attend_keys_meta(), for attend_keys
 ):
     request = tl.program_id(0)
     kv_head = tl.program_id(1)

@@ -17,15 +17,8 @@ import triton
 import triton.language as tl
 
 from worker.kernels.checks import output_tensor
-from worker.kernels.paged_shared import (
-    LOG2_E,
-    attend_keys,
-    attend_keys_meta,
-    check_query_and_caches,
-    check_window_and_softcap,
-    check_tensor,
-    paged_strides,
-)
+from worker.kernels.paged_shared import (LOG2_E, attend_keys, attend_keys_meta, check_query_and_caches,
+                                         check_tensor, check_window_and_softcap, paged_strides)
 
 
 def _tiles(dtype: torch.dtype, head_dim: int, queries_per_kv: int) -> tuple[int, int, int]:
@@ -67,10 +60,8 @@ def _prefill_kernel(
     window,  # sliding window: a token sees keys at positions > its own - window; 0: full context
     softcap,  # attention logit soft-cap; 0.0: none
     # strides (the last dim of query, caches and out is dense)
-    stride_qt, stride_qh,
-    stride_cn, stride_ct, stride_ch,  # both caches'
-    stride_tb, stride_tm,
-    stride_cr,
+    # paged_strides(): query (token, head), both caches (page, slot, KV head), block tables, context lengths
+    stride_qt, stride_qh, stride_cn, stride_ct, stride_ch, stride_tb, stride_tm, stride_cr,
     stride_ot, stride_oh,
     # meta-parameters
     BLOCK_SIZE: tl.constexpr,  # tokens per page
@@ -79,9 +70,7 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr,  # tokens per tile: BLOCK_M // G
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    SOFTCAP: tl.constexpr,  # softcap > 0
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,  # attend_keys_meta(), for attend_keys
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)

@@ -6,6 +6,7 @@ from tests.worker.kernels.paged_reference import (DEVICE, HEAD_SHAPE_NAMES, HEAD
                                                    random_cache_and_query, random_query, reference_attention)
 from tests.worker.kernels.tolerances import assert_close
 from worker.kernels.paged_decode_attention import paged_decode_attention
+from worker.kernels.prefill_attention import paged_prefill_attention
 
 CONTEXTS = [1, 17, 33, 100]
 
@@ -112,11 +113,6 @@ def _valid_args():
         ("context_lens", lambda args: args["context_lens"][:1], r"context_lens has shape \[1\], expected \[2\]"),
         ("query", lambda args: args["query"][:, :3], r"query has 3 heads, expected a multiple of the caches' 2"),
         ("query", lambda args: args["query"].transpose(1, 2).contiguous().transpose(1, 2), r"query has strides"),
-        (  # same shape, other page layout: the kernels read both caches through the key cache's strides
-            "value_cache",
-            lambda args: args["value_cache"].transpose(1, 2).contiguous().transpose(1, 2),
-            r"value_cache has strides \[\d+, 16, \d+, 1\], expected key_cache's",
-        ),
     ],
 )
 def test_rejects_bad_arguments(name, make_bad, message):
@@ -149,3 +145,19 @@ def test_sliding_window_and_softcap_match_reference(num_splits, window, softcap)
     expected = reference_attention(query, cache, [1] * (len(CONTEXTS) + 1), 0.2, window=window, softcap=softcap)
     assert_close(out, expected, torch.float32)
     assert not torch.allclose(expected, reference_attention(query, cache, [1] * (len(CONTEXTS) + 1), 0.2), atol=1e-3)
+
+
+def test_both_attention_kernels_refuse_a_value_cache_laid_out_otherwise_than_the_key_cache():
+    """Same shape, another page layout: the kernels read both caches through the key cache's strides, so
+    the shared check (check_query_and_caches) refuses it, for decode and prefill alike."""
+    generator = torch.Generator().manual_seed(6)
+    cache = make_paged_cache([4], 16, 2, 16, torch.float32, generator)
+    other_layout = cache.value_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    message = r"value_cache has strides \[\d+, 16, \d+, 1\], expected key_cache's \[\d+, 32, 16, 1\]"
+    with pytest.raises(ValueError, match=message):
+        paged_decode_attention(random_query(1, 4, 16, torch.float32, generator), cache.key_cache, other_layout,
+                               cache.block_tables, cache.context_lens, 0.25)
+    query_start_loc = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=message):
+        paged_prefill_attention(random_query(4, 4, 16, torch.float32, generator), cache.key_cache, other_layout,
+                                cache.block_tables, query_start_loc, cache.context_lens, 0.25)
