@@ -24,7 +24,8 @@ from core.sampling import SamplingParams
 from scheduler.options import SchedulerOptions
 from scheduler.request import Request
 from tokenmill.bench.runner import interleaved_order
-from tokenmill.bench.workload import add_workload_arguments, make_workload, text_prompts
+from tokenmill.bench.workload import (add_json_argument, add_workload_arguments, make_workload, progress_log,
+                                      text_prompts)
 from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig
 
 
@@ -168,13 +169,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-delta-stream", action="store_true",
                         help="the gateway gets each request's tokens on its own Submit call, not batched per step "
                              "on one StreamDeltas call (serve's --no-delta-stream)")
-    parser.add_argument("--json", action="store_true")
+    add_json_argument(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    log = progress_log(args.json)
 
     tokenizer = load_tokenizer(None)
     workloads = [text_prompts(tokenizer, args.num_requests, args.prompt_len, args.seed + 1000 * index)

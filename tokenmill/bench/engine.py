@@ -17,7 +17,7 @@ import torch
 
 from core.sampling import SamplingParams
 from scheduler.options import SchedulerOptions
-from tokenmill.bench.workload import Workload, add_workload_arguments, make_workload
+from tokenmill.bench.workload import Workload, add_json_argument, add_workload_arguments, make_workload, progress_log
 from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig
 from worker.options import DENSE_WEIGHT_MODES, QUANTIZATIONS
 
@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="tokenmill's quantized linears keep dense copies for steps of 5 rows or more "
                              "(worker.linears.dense_weights; default: %(default)s)")
     parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_json_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                        dtype=args.dtype, cpu_fused_ops=not args.no_cpu_fused_ops,
                        cpu_dense_weights=args.cpu_dense_weights),
         scheduler=SchedulerOptions(max_num_seqs=max(64, args.num_requests)))
-    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    log = progress_log(args.json)
     llm = LLM(config)
     workload = make_workload(llm.model_config.vocab_size, args.num_requests, args.prompt_len,
                              args.min_output, args.max_output, args.seed)

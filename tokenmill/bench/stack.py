@@ -40,7 +40,7 @@ from dataclasses import replace
 from datetime import date
 from pathlib import Path
 
-from tokenmill.bench.workload import parse_levels, text_prompts
+from tokenmill.bench.workload import parse_levels, progress_log, text_prompts
 
 PROCESSES = ("gateway", "scheduler", "worker", "redis", "client")
 STEP_SECONDS = "tokenmill:worker_step_seconds"
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     to_stdout = args.json == "-"
-    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if to_stdout else (lambda *a: print(*a, flush=True))
+    log = progress_log(to_stdout)
     facts = machine_facts()  # before the runs: the commit measured, should another land meanwhile
     with tempfile.TemporaryDirectory(prefix="tokenmill-near-free-") as folder:
         from tokenmill.bench.near_free_model import write_near_free_model

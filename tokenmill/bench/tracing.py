@@ -27,7 +27,7 @@ import grpc
 
 from gateway.text.tokenizer import load_tokenizer
 from tokenmill.bench.cluster import stream_one
-from tokenmill.bench.workload import text_prompts
+from tokenmill.bench.workload import add_json_argument, progress_log, text_prompts
 
 
 PROCESSES = ("gateway", "scheduler", "worker")
@@ -97,13 +97,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrent", action="store_true",
                         help="each round runs both clusters' workloads at the same time (same machine "
                              "conditions for both; each gets about half the CPU) instead of one after the other")
-    parser.add_argument("--json", action="store_true")
+    add_json_argument(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
+    log = progress_log(args.json)
 
     from scheduler.options import SchedulerOptions
     from tokenmill.cluster.config import LOCAL_WORKER, ClusterConfig, resolve_ports

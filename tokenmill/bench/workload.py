@@ -7,7 +7,9 @@ request ignores EOS, so each request generates exactly its output length whateve
 from __future__ import annotations
 
 import argparse
+import functools
 import random
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,6 +24,17 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, num_requests: int
     parser.add_argument("--prompt-len", type=int, default=prompt_len)
     parser.add_argument("--min-output", type=int, default=min_output)
     parser.add_argument("--max-output", type=int, default=max_output)
+
+
+def add_json_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object on stdout; the progress lines go to stderr")
+
+
+def progress_log(json_on_stdout: bool):
+    """print() for a run's progress lines: on stderr while stdout carries the JSON result, flushed so a
+    long run shows where it is when piped."""
+    return functools.partial(print, file=sys.stderr if json_on_stdout else sys.stdout, flush=True)
 
 
 WORDS = ("time river light stone garden window music letter market winter island forest number paper "

@@ -290,3 +290,12 @@ def test_repeats_need_interleave():
     with pytest.raises(SystemExit) as exited:
         main(["--repeats", "3", "--no-baseline"])
     assert exited.value.code == 2
+
+
+def test_progress_lines_go_to_stderr_while_stdout_carries_the_json(capsys):
+    from tokenmill.bench.workload import progress_log
+
+    progress_log(True)("round", 1)
+    progress_log(False)("round", 2)
+    captured = capsys.readouterr()
+    assert captured.err == "round 1\n" and captured.out == "round 2\n"
