@@ -121,37 +121,27 @@ def interceptors(secret: str | None, server_name: str) -> list[grpc.aio.ServerIn
 
 class _SecretMetadata:
     """Adds the secret to a call's metadata. grpc.aio files each interceptor under the first call kind
-    it implements, so each kind has its own class (_senders)."""
+    it implements, so each kind has its own class (_SENDERS); all four run the same method."""
 
     def __init__(self, secret: str) -> None:
         self._metadatum = (METADATA_KEY, secret)
 
-    def _with_secret(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        return details._replace(metadata=grpc.aio.Metadata(*(details.metadata or ()), self._metadatum))
+    async def _intercept(self, continuation, client_call_details, request_or_iterator):
+        details = client_call_details._replace(
+            metadata=grpc.aio.Metadata(*(client_call_details.metadata or ()), self._metadatum))
+        return await continuation(details, request_or_iterator)
 
 
-class _UnaryUnary(_SecretMetadata, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(self._with_secret(client_call_details), request)
-
-
-class _UnaryStream(_SecretMetadata, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(self._with_secret(client_call_details), request)
-
-
-class _StreamUnary(_SecretMetadata, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return await continuation(self._with_secret(client_call_details), request_iterator)
-
-
-class _StreamStream(_SecretMetadata, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return await continuation(self._with_secret(client_call_details), request_iterator)
+_SENDERS = tuple(
+    type(f"_SecretSender_{method}", (_SecretMetadata, kind), {f"intercept_{method}": _SecretMetadata._intercept})
+    for kind, method in ((grpc.aio.UnaryUnaryClientInterceptor, "unary_unary"),
+                         (grpc.aio.UnaryStreamClientInterceptor, "unary_stream"),
+                         (grpc.aio.StreamUnaryClientInterceptor, "stream_unary"),
+                         (grpc.aio.StreamStreamClientInterceptor, "stream_stream")))
 
 
 def _senders(secret: str) -> list[grpc.aio.ClientInterceptor]:
-    return [kind(secret) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+    return [kind(secret) for kind in _SENDERS]
 
 
 def aio_channel_with_secret(address: str, tls: tls_config.ClientTLS | None, options: Sequence[tuple[str, Any]] = (),

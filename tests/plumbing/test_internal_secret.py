@@ -100,3 +100,23 @@ def test_the_secret_comes_from_the_file_flag_else_the_environment(tmp_path, caps
         with pytest.raises(SystemExit):
             internal_secret.secret_from_args(parser, parser.parse_args(["--internal-secret-file", str(path)]), {})
         assert f"--internal-secret-file {path}: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind, method", [
+    (grpc.aio.UnaryUnaryClientInterceptor, "unary_unary"), (grpc.aio.UnaryStreamClientInterceptor, "unary_stream"),
+    (grpc.aio.StreamUnaryClientInterceptor, "stream_unary"), (grpc.aio.StreamStreamClientInterceptor, "stream_stream"),
+])
+async def test_every_call_kind_has_one_sender_that_adds_the_secret_to_the_callers_metadata(kind, method):
+    """grpc.aio files an interceptor under the first kind it implements: one sender per kind, each adding
+    the secret beside what the caller sent and passing the request (or the request stream) on."""
+    senders = [sender for sender in internal_secret._senders(SECRET) if isinstance(sender, kind)]
+    assert len(senders) == 1
+
+    async def continuation(details, request):
+        return details, request
+
+    sent = grpc.aio.ClientCallDetails("/tokenmill.v1.Scheduler/Submit", 5.0, grpc.aio.Metadata(("x-caller", "a")),
+                                      None, None)
+    details, request = await getattr(senders[0], f"intercept_{method}")(continuation, sent, "the-request")
+    assert list(details.metadata) == [("x-caller", "a"), (METADATA_KEY, SECRET)]
+    assert (details.method, details.timeout, request) == ("/tokenmill.v1.Scheduler/Submit", 5.0, "the-request")
