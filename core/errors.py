@@ -59,26 +59,38 @@ class InvalidArgument(ServingError):
         super().__init__(f"invalid {field}={_short_repr(value)}: {limit_or_reason}")
 
 
-class NotFound(ServingError):
+class _AboutOneThing(ServingError):
+    """An error about one thing the client named: its kind ("request", "model") and its key; detail, when
+    given, says after a semicolon what the client can use instead."""
+
+    _says = ""  # what is wrong with it, after "<kind> <key> "
+
+    def __init__(self, kind: str, key: object, detail: str = "") -> None:
+        self.kind = kind
+        self.key = key
+        super().__init__(f"{kind} {_short_repr(key)} {self._says}" + (f"; {detail}" if detail else ""))
+
+
+class NotFound(_AboutOneThing):
     """Something named by the client does not exist, e.g. an unknown request id (NOT_FOUND)."""
 
     code = ErrorCode.NOT_FOUND
-
-    def __init__(self, kind: str, key: object) -> None:
-        self.kind = kind
-        self.key = key
-        super().__init__(f"{kind} {_short_repr(key)} not found")
+    _says = "not found"
 
 
-class AlreadyExists(ServingError):
+class AlreadyExists(_AboutOneThing):
     """A client-chosen id is already taken by a live request (ALREADY_EXISTS)."""
 
     code = ErrorCode.ALREADY_EXISTS
+    _says = "is already queued or running"
 
-    def __init__(self, kind: str, key: object) -> None:
-        self.kind = kind
-        self.key = key
-        super().__init__(f"{kind} {_short_repr(key)} is already queued or running")
+
+class UnknownModel(NotFound):
+    """A model this server does not serve (NOT_FOUND, as vLLM and OpenAI answer): the message names the
+    model it serves, and hint how the client's API lists it or its other names."""
+
+    def __init__(self, model: object, served: str, hint: str = "") -> None:
+        super().__init__("model", model, f"this server serves {served!r}{hint}")
 
 
 class ResourceExhausted(ServingError):

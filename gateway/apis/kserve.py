@@ -34,7 +34,7 @@ from gateway.telemetry import request_scope
 from kvstore.request_claims import ClaimVerdict
 from protos.kserve import codec, grpc_service_pb2 as pb, grpc_service_pb2_grpc, model_config_pb2
 from protos.tokenmill.v1 import common_pb2
-from core.errors import InvalidArgument, NotFound, ServingError
+from core.errors import InvalidArgument, NotFound, UnknownModel
 from plumbing.grammar_sandbox import GrammarSandbox
 from plumbing.rpc import status_for
 
@@ -59,13 +59,6 @@ def model_aliases(model_name: str) -> set[str]:
     return {name.lower() for name in (model_name, model_name.split(".")[0], family) if name}
 
 
-class UnknownModel(NotFound):
-    """NOT_FOUND, with a message that names what is served instead."""
-
-    def __init__(self, message: str) -> None:
-        ServingError.__init__(self, message)
-
-
 class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     # --stream-idle-timeout-s (gateway.main sets it): ModelStreamInfer's client must take each
     # response within it, or the stream ends CANCELLED and its requests are aborted; 0: no limit
@@ -88,11 +81,10 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def _check_model(self, name: str, version: str = "") -> None:
         if name.lower() not in self.aliases:
-            raise UnknownModel(f"model {name!r} not found; this server serves {self.model_name!r} "
-                               f"(also as {', '.join(sorted(self.aliases - {self.model_name.lower()}))})")
+            other_names = ", ".join(sorted(self.aliases - {self.model_name.lower()}))
+            raise UnknownModel(name, self.model_name, f" (also as {other_names})")
         if version not in ("", MODEL_VERSION):
-            raise UnknownModel(f"version {version!r} of model {self.model_name!r} not found; "
-                               f"it has version {MODEL_VERSION!r}")
+            raise NotFound("version", version, f"model {self.model_name!r} has version {MODEL_VERSION!r} only")
 
     # The servicer is registered only after the scheduler reported ready (gateway.main), so whoever
     # reaches it finds the server and the model ready; draining is told through grpc.health.v1.

@@ -22,22 +22,13 @@ from gateway.prepare.validation import (ClientSampling, Limits, validate_chat_si
 from protos.codec import constraint_from_proto
 from protos.tokenmill.v1 import generation_pb2
 from core.requests import GenerationRequest
-from core.errors import InvalidArgument, NotFound
+from core.errors import InvalidArgument, UnknownModel
 from core.sampling import OutputConstraint
 from plumbing.grammar_sandbox import GrammarSandbox
 
 _OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed", "logprobs", "prompt_logprobs")
 MAX_REQUEST_ID_LEN = 256
-
-
-class UnknownModel(NotFound):
-    """NOT_FOUND, as vLLM and OpenAI answer for a model the server does not serve."""
-
-    def __init__(self, model: str, served: str) -> None:
-        super().__init__("model", model)
-        self.message = f"{self.message}; this server serves only {served!r}"
-        self.args = (self.message,)
 
 
 @dataclass(slots=True)

@@ -202,6 +202,19 @@ def test_error_messages_name_field_value_and_limit():
     assert rpc.status_for(error) == (grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
 
+def test_errors_about_one_named_thing_say_which_thing_and_what_the_client_can_use_instead():
+    assert str(errors.NotFound("request", "r-1")) == "request 'r-1' not found"
+    assert str(errors.AlreadyExists("request", "r-1")) == "request 'r-1' is already queued or running"
+    assert str(errors.NotFound("version", "2", "model 'm' has version '1' only")) == \
+        "version '2' not found; model 'm' has version '1' only"
+    unknown = errors.UnknownModel("gpt-4", "SmolLM2", " (GET /v1/models)")
+    assert str(unknown) == "model 'gpt-4' not found; this server serves 'SmolLM2' (GET /v1/models)"
+    assert (unknown.kind, unknown.key, rpc.status_for(unknown)) == ("model", "gpt-4", (grpc.StatusCode.NOT_FOUND,
+                                                                                       str(unknown)))
+    # read back from storage: the class of its kind, the message as it was
+    assert str(errors.error_from_code(errors.ErrorCode.NOT_FOUND, str(unknown))) == str(unknown)
+
+
 @pytest.mark.parametrize("method, raw, reason", [
     ("/tokenmill.v1.Worker/GetCapacity", b"\xff\xff\xff", "Wire format was corrupt"),
     # field 1 (request_id, a string) holding the two bytes C3 28: not UTF-8

@@ -40,7 +40,7 @@ from gateway.apis.served_model import ServedModel
 from gateway.apis.openai.http_connections import ConnectionLimits, GuardedSite, track_requests
 from gateway.generation.stream import GenerationDelta
 from gateway.apis.openai.errors import OpenAIError, openai_error
-from gateway.apis.openai.requests import ModelNotFound, parse_chat, parse_completion
+from gateway.apis.openai.requests import MODELS_HINT, parse_chat, parse_completion
 from gateway.apis.openai.responses import ResponseBuilder
 from gateway.generation.context import CallContext
 from gateway.generation.samples import sample_ids
@@ -49,7 +49,7 @@ from gateway.apis.stream_idle import IdleWatchdog, StreamIdle, record_idle, writ
 from gateway.text.tool_syntax import choose_tool_syntax
 from plumbing.drain import InFlight
 from plumbing.grammar_sandbox import GrammarSandbox
-from core.errors import InvalidArgument, Unauthenticated, Unavailable
+from core.errors import InvalidArgument, Unauthenticated, Unavailable, UnknownModel
 from core.json_limits import check_document
 from gateway.telemetry import CHAT, TEXT_COMPLETION, http_server_span, request_scope
 
@@ -150,7 +150,7 @@ class OpenAIHTTP:
 
     async def get_model(self, request: web.Request) -> web.Response:
         if request.match_info["model"] != self.model_name:
-            raise ModelNotFound(request.match_info["model"], self.model_name)
+            raise UnknownModel(request.match_info["model"], self.model_name, MODELS_HINT)
         return web.json_response(self._model_card())
 
     async def health(self, request: web.Request) -> web.Response:

@@ -5,7 +5,7 @@
 
 Every bad value raises InvalidArgument naming the OpenAI field (e.g. "messages[1].content",
 "max_completion_tokens"), which becomes a 400 with that field as `param`; an unknown model raises
-ModelNotFound (404 model_not_found). Fields that would change the result in a way we cannot honour
+UnknownModel (404 model_not_found). Fields that would change the result in a way we cannot honour
 (the legacy `functions`) are refused with a 400 rather than ignored. Tools (tools, tool_choice,
 parallel_tool_calls) are gateway.apis.openai.tools'. n and best_of (both APIs, as vLLM) ask for several
 samples (gateway.generation.samples; best_of > n cannot stream). Completions echo with logprobs
@@ -27,19 +27,13 @@ from gateway.text.tokenizer import TextTokenizer
 from gateway.text.tool_syntax import ToolFormat, ToolSyntax, choose_tool_syntax
 from gateway.telemetry import note_tools
 from gateway.prepare.validation import ClientSampling, Limits, validate_prompt_ids
-from core.errors import InvalidArgument, NotFound
+from core.errors import InvalidArgument, UnknownModel
 
 # Passed to validate_sampling as they are: OpenAI's own names match ours.
 _SAMPLING_FIELDS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
                     "top_k", "min_p", "repetition_penalty")
 _UINT64 = 2**64
-
-
-class ModelNotFound(NotFound):
-    def __init__(self, model: object, served: str) -> None:
-        super().__init__("model", model)
-        self.message = f"{self.message}; this server serves {served!r} (GET /v1/models)"
-        self.args = (self.message,)
+MODELS_HINT = " (GET /v1/models)"  # how an OpenAI client lists what is served
 
 
 @dataclass(slots=True)
@@ -139,7 +133,7 @@ def _check_common(body: dict, model_name: str) -> None:
     if model not in (None, "", model_name):
         if not isinstance(model, str):
             raise InvalidArgument("model", model, "must be a string")
-        raise ModelNotFound(model, model_name)
+        raise UnknownModel(model, model_name, MODELS_HINT)
 
 
 def _refuse(body: dict, field: str, acceptable, reason: str) -> None:

@@ -8,7 +8,7 @@ import pytest
 from core.outputs import FinishReason
 from gateway.generation.stream import Finish, GenerationDelta, TokenLogprob, TopLogprob
 from gateway.apis.openai.errors import openai_error
-from gateway.apis.openai.requests import ModelNotFound, parse_chat, parse_completion
+from gateway.apis.openai.requests import parse_chat, parse_completion
 from gateway.apis.openai.responses import GenerationFailed, ResponseBuilder
 from core.sampling import ConstraintKind, OutputConstraint
 from gateway.text.tokenizer import load_tokenizer
@@ -122,7 +122,7 @@ def test_bad_fields_name_the_openai_param(tokenizer, make, body, param, words):
 
 
 def test_unknown_model_is_404_model_not_found(tokenizer):
-    with pytest.raises(ModelNotFound) as caught:
+    with pytest.raises(errors.UnknownModel) as caught:
         completion(tokenizer, model="gpt-4")
     error = openai_error(caught.value)
     assert (error.status, error.code) == (404, "model_not_found") and MODEL in error.message
