@@ -50,10 +50,7 @@ GENERATING_METHODS = ["/tokenmill.v1.Generation/Generate", "/inference.GRPCInfer
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m gateway.main", description=__doc__)
-    GatewayOptions.add_arguments(parser)
-    add_process_arguments(parser)
-    return parser
+    return GatewayOptions.service_parser("gateway.main", __doc__, add_process_arguments)
 
 
 def parse_args(argv: list[str] | None = None) -> GatewayOptions:

@@ -129,6 +129,17 @@ class Options:
                                 choices=flag.choices, metavar=flag.metavar, help=help_text, **extra)
 
     @classmethod
+    def service_parser(cls, module: str, description: str | None,
+                       *more: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
+        """The `python -m <module>` command line of the service these options belong to: its flags, then
+        what only its process takes (TLS files, the secret, the metrics port), each added by one of more."""
+        parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
+        cls.add_arguments(parser)
+        for add in more:
+            add(parser)
+        return parser
+
+    @classmethod
     def from_args(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
         """The flagged fields from args (a missing name keeps its default), then overrides (composite fields)."""
         values: dict[str, Any] = {}

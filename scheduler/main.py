@@ -30,10 +30,7 @@ logger = logging.getLogger("tokenmill.scheduler")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m scheduler.main", description=__doc__)
-    SchedulerOptions.add_arguments(parser)
-    add_shared_arguments(parser)
-    return parser
+    return SchedulerOptions.service_parser("scheduler.main", __doc__, add_shared_arguments)
 
 
 def parse_args(argv: list[str] | None = None) -> SchedulerOptions:

@@ -5,6 +5,7 @@ import argparse
 import logging
 import os
 import time
+from functools import partial
 
 import torch
 
@@ -23,14 +24,11 @@ logger = logging.getLogger("tokenmill.worker")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m worker.main", description=__doc__)
-    WorkerOptions.add_arguments(parser)
-    add_message_size_argument(parser, INTERNAL_MAX_MESSAGE_BYTES)
-    tls.add_server_arguments(parser)
-    peer_roles.add_arguments(parser, ["scheduler"])
-    internal_secret.add_arguments(parser, "callers other than health checks must send it")
-    telemetry.add_metrics_argument(parser)
-    return parser
+    return WorkerOptions.service_parser(
+        "worker.main", __doc__, partial(add_message_size_argument, default=INTERNAL_MAX_MESSAGE_BYTES),
+        tls.add_server_arguments, partial(peer_roles.add_arguments, default_roles=["scheduler"]),
+        partial(internal_secret.add_arguments, use="callers other than health checks must send it"),
+        telemetry.add_metrics_argument)
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerOptions:

@@ -80,3 +80,11 @@ def test_a_switch_on_by_default_also_takes_its_plain_form():
     """--async-scheduling was a flag while the loop was off by default; commands that pass it still work."""
     assert parse(["--fast-path"]).fast_path is True
     assert parse(["--no-fast-path"]).fast_path is False
+
+
+def test_a_services_parser_takes_its_options_then_what_only_its_process_adds():
+    parser = Example.service_parser("example.main", "An example service.",
+                                    lambda parser: parser.add_argument("--metrics-port", type=int, default=0))
+    assert parser.prog == "python -m example.main" and parser.description == "An example service."
+    args = parser.parse_args(["--max-num-seqs", "8", "--metrics-port", "9"])
+    assert Example.from_args(args) == Example(max_num_seqs=8) and args.metrics_port == 9
