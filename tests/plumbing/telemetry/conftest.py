@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 
+from protos.tokenmill.v1 import generation_pb2
 from tests.helpers.otlp_receiver import OtlpReceiver
 from tests.helpers.tiny_models import make_tiny_hf_model
 from tokenmill.cluster.config import ClusterConfig, resolve_ports, with_settings
@@ -24,6 +25,12 @@ CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ me
 # mid-generation: the tiny model decodes ~500 tokens a second alone on an AVX-512 CPU, so 480 tokens
 # could finish inside the 1 s drain timeout there; 3000 take seconds on any CPU this suite runs on.
 LONG_TOKENS = 3000
+
+
+def greedy_request(request_id: str, prompt: str, max_tokens: int) -> generation_pb2.GenerateRequest:
+    """Exactly max_tokens tokens (EOS ignored), greedy: the same request every run ("" id: the gateway's)."""
+    parameters = generation_pb2.GenerateParameters(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return generation_pb2.GenerateRequest(request_id=request_id, prompt=prompt, parameters=parameters)
 
 
 @pytest.fixture(scope="package")

@@ -15,6 +15,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc
+from tests.plumbing.telemetry.conftest import greedy_request
 from tests.helpers.promql import Query
 from tests.plumbing.telemetry.test_metrics_e2e import MODEL
 
@@ -53,9 +54,7 @@ def traffic(config) -> None:
     with grpc.insecure_channel(config.gateway_address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         for _ in range(3):
-            list(stub.GenerateStream(generation_pb2.GenerateRequest(
-                prompt="dashboards " * 6,
-                parameters=generation_pb2.GenerateParameters(max_tokens=6, temperature=0.0, ignore_eos=True)),
+            list(stub.GenerateStream(greedy_request("", "dashboards " * 6, 6),
                 timeout=120))
         with pytest.raises(grpc.RpcError):
             stub.Generate(generation_pb2.GenerateRequest(

@@ -16,7 +16,7 @@ import pytest
 
 from plumbing.telemetry.logs import JsonFormatter, log_fields
 from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc
-from tests.plumbing.telemetry.conftest import LONG_TOKENS
+from tests.plumbing.telemetry.conftest import LONG_TOKENS, greedy_request
 from tokenmill.cluster.child_process import ChildProcess, ChildSpec
 from tokenmill.cluster.supervisor import Supervisor
 
@@ -75,9 +75,7 @@ def test_the_request_end_line_has_structured_fields(traced_cluster):
     config, supervisor = traced_cluster
     with grpc.insecure_channel(config.gateway_address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        list(stub.GenerateStream(generation_pb2.GenerateRequest(
-            request_id="fields-1", prompt="structured",
-            parameters=generation_pb2.GenerateParameters(max_tokens=6, temperature=0.0, ignore_eos=True)), timeout=60))
+        list(stub.GenerateStream(greedy_request("fields-1", "structured", 6), timeout=60))
         with pytest.raises(grpc.RpcError):
             list(stub.GenerateStream(generation_pb2.GenerateRequest(
                 request_id="fields-2", prompt="structured",

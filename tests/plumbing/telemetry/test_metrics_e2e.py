@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from plumbing.telemetry.metrics import SCHEDULER_METRICS
-from tests.plumbing.telemetry.conftest import LONG_TOKENS
+from tests.plumbing.telemetry.conftest import LONG_TOKENS, greedy_request
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-llama"  # the tiny model's name: every request metric carries it as model_name
@@ -38,9 +38,7 @@ def families(samples) -> set[str]:
 
 def generate(stub, request_id: str, max_tokens: int) -> None:
     # the same long prompt each time: the second request finds its full blocks in the prefix cache
-    request = generation_pb2.GenerateRequest(
-        request_id=request_id, prompt="metrics " * 8,
-        parameters=generation_pb2.GenerateParameters(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    request = greedy_request(request_id, "metrics " * 8, max_tokens)
     list(stub.GenerateStream(request, timeout=120))
 
 
@@ -166,10 +164,7 @@ def test_running_and_waiting_gauges_follow_the_load(traced_cluster):
     config, _ = traced_cluster
     with grpc.insecure_channel(config.gateway_address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        call = stub.GenerateStream(generation_pb2.GenerateRequest(
-            request_id="long-one", prompt="gauges",
-            # long enough to be still running when scraped
-            parameters=generation_pb2.GenerateParameters(max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True)),
+        call = stub.GenerateStream(greedy_request("long-one", "gauges", LONG_TOKENS),
             timeout=120)
         next(call)  # running now
         seen = scrape("127.0.0.1", config.scheduler_metrics_port)

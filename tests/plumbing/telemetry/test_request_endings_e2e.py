@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tests.plumbing.telemetry.conftest import LONG_TOKENS, traceparent
+from tests.plumbing.telemetry.conftest import LONG_TOKENS, greedy_request, traceparent
 from tests.plumbing.telemetry.test_metrics_e2e import MODEL, scrape, value
 
 pytestmark = pytest.mark.slow
@@ -52,9 +52,7 @@ def test_client_disconnect_is_recorded_in_spans_metrics_and_log(traced_cluster, 
     trace_id, parent = traceparent()
     prompt = "a client that leaves"
     with grpc.insecure_channel(config.gateway_address) as channel:
-        call = generation_pb2_grpc.GenerationStub(channel).GenerateStream(generation_pb2.GenerateRequest(
-            request_id="gone-1", prompt=prompt,
-            parameters=generation_pb2.GenerateParameters(max_tokens=400, temperature=0.0, ignore_eos=True)),
+        call = generation_pb2_grpc.GenerationStub(channel).GenerateStream(greedy_request("gone-1", prompt, 400),
             timeout=120, metadata=[("traceparent", parent)])
         received = sum(len(next(call).token_ids) for _ in range(3))
         call.cancel()
@@ -136,9 +134,7 @@ def test_cancel_request_is_recorded_as_an_abort_in_spans_metrics_and_log(traced_
     trace_id, parent = traceparent()
     with grpc.insecure_channel(config.gateway_address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        call = stub.GenerateStream(generation_pb2.GenerateRequest(
-            request_id="cancelled-1", prompt="cancel me by id",
-            parameters=generation_pb2.GenerateParameters(max_tokens=400, temperature=0.0, ignore_eos=True)),
+        call = stub.GenerateStream(greedy_request("cancelled-1", "cancel me by id", 400),
             timeout=120, metadata=[("traceparent", parent)])
         received = sum(len(next(call).token_ids) for _ in range(3))
         reply = stub.CancelRequest(generation_pb2.CancelRequestRequest(request_id="cancelled-1"), timeout=30)
@@ -173,9 +169,8 @@ def test_deadline_mid_generation_is_recorded_in_spans_metrics_and_log(traced_clu
     trace_id, parent = traceparent()
     received = 0
     with grpc.insecure_channel(config.gateway_address) as channel, pytest.raises(grpc.RpcError) as expired:
-        for message in generation_pb2_grpc.GenerationStub(channel).GenerateStream(generation_pb2.GenerateRequest(
-                request_id="deadline-1", prompt="too slow for its deadline",
-                parameters=generation_pb2.GenerateParameters(max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True)),
+        request = greedy_request("deadline-1", "too slow for its deadline", LONG_TOKENS)
+        for message in generation_pb2_grpc.GenerationStub(channel).GenerateStream(request,
                 timeout=1.5, metadata=[("traceparent", parent)]):
             received += len(message.token_ids)
     assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and 0 < received < LONG_TOKENS

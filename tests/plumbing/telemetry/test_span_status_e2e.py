@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from protos.tokenmill.v1 import generation_pb2, generation_pb2_grpc
-from tests.plumbing.telemetry.conftest import LONG_TOKENS, traceparent
+from tests.plumbing.telemetry.conftest import LONG_TOKENS, greedy_request, traceparent
 
 pytestmark = pytest.mark.slow
 
@@ -177,9 +177,7 @@ def test_a_cancel_links_to_the_request_it_cancelled(traced_cluster, otlp_receive
     cancel_trace, cancel_parent = traceparent()
     with grpc.insecure_channel(config.gateway_address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        call = stub.GenerateStream(generation_pb2.GenerateRequest(
-            request_id="cancel-linked", prompt="cancel me",
-            parameters=generation_pb2.GenerateParameters(max_tokens=400, temperature=0.0, ignore_eos=True)),
+        call = stub.GenerateStream(greedy_request("cancel-linked", "cancel me", 400),
             timeout=120, metadata=[("traceparent", parent)])
         next(call)
         assert stub.CancelRequest(generation_pb2.CancelRequestRequest(request_id="cancel-linked"), timeout=30,
