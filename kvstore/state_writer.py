@@ -133,25 +133,11 @@ class RequestStateWriter:
         if len(self._pending) >= self._batch_max:
             self._batch_full_event.set()
 
-    def queued(
-        self,
-        request_id: str,
-        *,
-        num_prompt_tokens: int | None = None,
-        model: str | None = None,
-        priority: int | None = None,
-        created_at: float | None = None,
-        owner: str | None = None,
-    ) -> None:
-        self.update(
-            request_id,
-            status=RecordStatus.QUEUED,
-            num_prompt_tokens=num_prompt_tokens,
-            model=model,
-            priority=priority,
-            owner=owner,
-            created_at=time.time() if created_at is None else created_at,
-        )
+    def queued(self, request_id: str, *, num_prompt_tokens: int | None = None, model: str | None = None,
+               priority: int | None = None, created_at: float | None = None, owner: str | None = None) -> None:
+        created_at = time.time() if created_at is None else created_at
+        self.update(request_id, status=RecordStatus.QUEUED, num_prompt_tokens=num_prompt_tokens, model=model,
+                    priority=priority, owner=owner, created_at=created_at)
 
     def running(self, request_id: str, *, at: float | None = None) -> None:
         self.update(request_id, status=RecordStatus.RUNNING, first_scheduled_at=_now(at))
@@ -164,21 +150,10 @@ class RequestStateWriter:
         """Back to the queue for recompute; the server counts it in num_preemptions."""
         self.update(request_id, status=RecordStatus.QUEUED)
 
-    def finished(
-        self,
-        request_id: str,
-        *,
-        finish_reason: FinishReason = FinishReason.STOP,
-        num_output_tokens: int | None = None,
-        at: float | None = None,
-    ) -> None:
-        self.update(
-            request_id,
-            status=RecordStatus.FINISHED,
-            finish_reason=finish_reason,
-            num_output_tokens=num_output_tokens,
-            finished_at=_now(at),
-        )
+    def finished(self, request_id: str, *, finish_reason: FinishReason = FinishReason.STOP,
+                 num_output_tokens: int | None = None, at: float | None = None) -> None:
+        self.update(request_id, status=RecordStatus.FINISHED, finish_reason=finish_reason,
+                    num_output_tokens=num_output_tokens, finished_at=_now(at))
 
     def failed(self, request_id: str, *, error: ServingError, num_output_tokens: int | None = None,
                at: float | None = None) -> None:
