@@ -302,16 +302,10 @@ def request_output_to_proto(output: RequestOutput) -> scheduler_pb2.SubmitRespon
     """output.error is not sent: a failed request ends its Submit call with the error's status instead."""
     timings = timings_to_proto(output.timings) if output.timings is not None else None
     msg = scheduler_pb2.SubmitResponse(
-        request_id=output.request_id,
-        new_token_ids=output.new_token_ids,
-        finished=output.finished,
-        finish_reason=finish_reason_to_proto(output.finish_reason),
-        num_prompt_tokens=output.num_prompt_tokens,
-        num_output_tokens=output.num_output_tokens,
-        num_cached_tokens=output.num_cached_tokens,
-        num_preemptions=output.num_preemptions,
-        timings=timings,
-    )
+        request_id=output.request_id, new_token_ids=output.new_token_ids, finished=output.finished,
+        finish_reason=finish_reason_to_proto(output.finish_reason), num_prompt_tokens=output.num_prompt_tokens,
+        num_output_tokens=output.num_output_tokens, num_cached_tokens=output.num_cached_tokens,
+        num_preemptions=output.num_preemptions, timings=timings)
     for token_logprobs in output.logprobs:
         msg.logprobs.append(token_logprobs_to_proto(token_logprobs))
     for token_logprobs in output.prompt_logprobs or ():
