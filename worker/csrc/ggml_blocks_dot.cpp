@@ -346,6 +346,27 @@ AVX512_TARGET inline __m512i lane_scales(__m512i sc512, int p) {
       sc512);
 }
 
+// One block of 256 codes e (bytes, 4 x 64) with 16 int16 scales against rows t0.. of x: acc[t] += d * dx *
+// sum(code * scale * xq), and corr[t] += f * dx * (term . the row's 16 sums); the caller's result is
+// acc - corr. Q6_K (term = its scales, f = 32 d: the codes' -32) and Q2_K / Q3_K (their min or -4 terms).
+template <int TB>
+AVX512_TARGET inline void block256_avx512(const __m512i (&e)[4], __m256i scale16, __m256i term16, float d, float f,
+                                          const Q8Rows& x, int64_t t0, int64_t b, __m512* acc, __m256* corr) {
+  const __m512i sc512 = _mm512_castsi256_si512(scale16);
+  __m512i sv[4];
+  for (int p = 0; p < 4; ++p) sv[p] = lane_scales(sc512, p);
+  for (int t = 0; t < TB; ++t) {
+    const int8_t* xq = x.qs(t0 + t, b);
+    __m512i sum = _mm512_setzero_si512();
+    for (int p = 0; p < 4; ++p)
+      sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(e[p], _mm512_loadu_si512(xq + 64 * p)), sv[p]);
+    const __m256i terms = _mm256_madd_epi16(term16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums(t0 + t, b))));
+    const float dx = x.scale(t0 + t, b);
+    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[t]);
+    corr[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(terms), _mm256_set1_ps(f * dx), corr[t]);
+  }
+}
+
 template <int TB>
 AVX512_TARGET void q6k_avx512(const uint8_t* w, int64_t nb, const Q8Rows& x, int64_t t0, float* out) {
   __m512 acc[TB];
@@ -355,25 +376,14 @@ AVX512_TARGET void q6k_avx512(const uint8_t* w, int64_t nb, const Q8Rows& x, int
     const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
     const float d = f16(w + 208);
     const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-    const __m512i sc512 = _mm512_castsi256_si512(sc16);
-    __m512i e[4], sv[4];
+    __m512i e[4];
     for (int h = 0; h < 2; ++h) {
       __m256i part[4];
       q6k_codes(w + 64 * h, w + 128 + 32 * h, part);
       e[2 * h] = join(part[0], part[1]);
       e[2 * h + 1] = join(part[2], part[3]);
     }
-    for (int p = 0; p < 4; ++p) sv[p] = lane_scales(sc512, p);
-    for (int t = 0; t < TB; ++t) {
-      const int8_t* xq = x.qs(t0 + t, b);
-      __m512i sum = _mm512_setzero_si512();
-      for (int p = 0; p < 4; ++p)
-        sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(e[p], _mm512_loadu_si512(xq + 64 * p)), sv[p]);
-      const __m256i offset = _mm256_madd_epi16(sc16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums(t0 + t, b))));
-      const float ddx = d * x.scale(t0 + t, b);
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(ddx), acc[t]);
-      acco[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(offset), _mm256_set1_ps(32.f * ddx), acco[t]);
-    }
+    block256_avx512<TB>(e, sc16, sc16, d, 32.f * d, x, t0, b, acc, acco);
   }
   for (int t = 0; t < TB; ++t) out[t] = hsum512(acc[t]) - hsum512(_mm512_zextps256_ps512(acco[t]));
 }

@@ -220,23 +220,9 @@ AVX512_TARGET void sub16_avx512(const uint8_t* w, int64_t nb, const Q8Rows& x, i
   for (int64_t b = 0; b < nb; ++b, w += bytes) {
     Sub16Block k;
     sub16_block<TYPE>(w, k);
-    const __m512i sc512 = _mm512_castsi256_si512(k.scale);
-    const __m256i term = k.term;
-    __m512i e[4], sv[4];
-    for (int p = 0; p < 4; ++p) {
-      e[p] = join(k.codes[2 * p], k.codes[2 * p + 1]);
-      sv[p] = lane_scales(sc512, p);
-    }
-    for (int t = 0; t < TB; ++t) {
-      const int8_t* xq = x.qs(t0 + t, b);
-      __m512i sum = _mm512_setzero_si512();
-      for (int p = 0; p < 4; ++p)
-        sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(e[p], _mm512_loadu_si512(xq + 64 * p)), sv[p]);
-      const __m256i terms = _mm256_madd_epi16(term, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums(t0 + t, b))));
-      const float dx = x.scale(t0 + t, b);
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(k.d * dx), acc[t]);
-      acct[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(terms), _mm256_set1_ps(k.f * dx), acct[t]);
-    }
+    __m512i e[4];
+    for (int p = 0; p < 4; ++p) e[p] = join(k.codes[2 * p], k.codes[2 * p + 1]);
+    block256_avx512<TB>(e, k.scale, k.term, k.d, k.f, x, t0, b, acc, acct);
   }
   for (int t = 0; t < TB; ++t) out[t] = hsum512(acc[t]) - hsum512(_mm512_zextps256_ps512(acct[t]));
 }
