@@ -255,6 +255,15 @@ AVX512_TARGET inline void k4_codes(const uint8_t* w, __m512i (&qv)[4]) {
   for (int i = 0; i < 4; ++i) qv[i] = join(lo[i], hi[i]);
 }
 
+// 256 codes (bytes, 4 x 64) times one row's 256 q8 values, each 64's int16 products weighted by its scales:
+// 16 int32 partial sums (the AVX-512 kernels' inner product)
+AVX512_TARGET inline __m512i dot256(const __m512i (&codes)[4], const __m512i (&scales)[4], const int8_t* xq) {
+  __m512i sum = _mm512_setzero_si512();
+  for (int i = 0; i < 4; ++i)
+    sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(codes[i], _mm512_loadu_si512(xq + 64 * i)), scales[i]);
+  return sum;
+}
+
 template <bool FIFTH, int TB>
 AVX512_TARGET void k4_avx512(const uint8_t* w, int64_t nb, const Q8Rows& x, int64_t t0, float* out) {
   __m512 acc[TB];
@@ -272,10 +281,7 @@ AVX512_TARGET void k4_avx512(const uint8_t* w, int64_t nb, const Q8Rows& x, int6
     k4_codes<FIFTH>(w, qv);
     for (int i = 0; i < 4; ++i) sv[i] = pair_scales(s16, i);
     for (int t = 0; t < TB; ++t) {
-      const int8_t* xq = x.qs(t0 + t, b);
-      __m512i sum = _mm512_setzero_si512();
-      for (int i = 0; i < 4; ++i)
-        sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(qv[i], _mm512_loadu_si512(xq + 64 * i)), sv[i]);
+      const __m512i sum = dot256(qv, sv, x.qs(t0 + t, b));
       const float dx = x.scale(t0 + t, b);
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[t]);
       accm[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k4_min_products(mins_dup, x.sums(t0 + t, b))),
@@ -356,10 +362,7 @@ AVX512_TARGET inline void block256_avx512(const __m512i (&e)[4], __m256i scale16
   __m512i sv[4];
   for (int p = 0; p < 4; ++p) sv[p] = lane_scales(sc512, p);
   for (int t = 0; t < TB; ++t) {
-    const int8_t* xq = x.qs(t0 + t, b);
-    __m512i sum = _mm512_setzero_si512();
-    for (int p = 0; p < 4; ++p)
-      sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(e[p], _mm512_loadu_si512(xq + 64 * p)), sv[p]);
+    const __m512i sum = dot256(e, sv, x.qs(t0 + t, b));
     const __m256i terms = _mm256_madd_epi16(term16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums(t0 + t, b))));
     const float dx = x.scale(t0 + t, b);
     acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[t]);
