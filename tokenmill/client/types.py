@@ -40,21 +40,24 @@ class ClientError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class TopLogprob:
+    """One of the most likely tokens at a position: its id, its text and its log-probability."""
+
     token_id: int
     token: str
     logprob: float
 
 
 @dataclass(frozen=True, slots=True)
-class Logprob:
-    token_id: int
-    token: str
-    logprob: float
+class Logprob(TopLogprob):
+    """The token generated at a position, with the alternatives the request asked for."""
+
     top: tuple[TopLogprob, ...] = ()  # best first
 
 
 @dataclass(frozen=True, slots=True)
 class Usage:
+    """Token counts of one generation; cached_prompt_tokens of the prompt came from the prefix cache."""
+
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
