@@ -16,6 +16,9 @@ FLAVOURS = (
     "llama", "llama_gqa", "llama3_rope", "llama_linear_rope", "llama_dynamic_rope", "llama_yarn_rope",
     "mistral", "mistral_window", "qwen2", "qwen2_tied", "qwen3", "gemma2", "gemma3", "phi3",
 )
+# mixtures of experts (tests/worker/model/test_moe_parity.py): 8 experts, top 2
+MOE_FLAVOURS = ("qwen3_moe", "mixtral", "olmoe")
+NUM_EXPERTS, TOP_K = 8, 2
 # the windows are far shorter than the test prompts (25-50 tokens), so attending outside them shows
 SLIDING_WINDOW = 7
 BOS_TOKEN, EOS_TOKEN = "<s>", "</s>"
@@ -79,7 +82,25 @@ def tiny_hf_config(flavour: str):
         return MistralConfig(**_COMMON, num_attention_heads=4, num_key_value_heads=2, rope_theta=3000.0, sliding_window=None, tie_word_embeddings=False)
     if flavour == "qwen2":  # q/k/v bias, untied
         return Qwen2Config(**_COMMON, num_attention_heads=4, num_key_value_heads=2, rope_theta=7000.0, tie_word_embeddings=False)
-    raise ValueError(f"flavour {flavour!r} is not one of {FLAVOURS}")
+    if flavour in MOE_FLAVOURS:
+        return _tiny_moe_config(flavour)
+    raise ValueError(f"flavour {flavour!r} is not one of {FLAVOURS + MOE_FLAVOURS}")
+
+
+def _tiny_moe_config(flavour: str):
+    from transformers import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+
+    heads = dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    if flavour == "qwen3_moe":  # renormalised top-k; layer 1 a dense MLP (mlp_only_layers); head_dim * heads != hidden
+        return Qwen3MoeConfig(**dict(_COMMON, head_dim=32, num_hidden_layers=3), **heads, rope_theta=5000.0,
+                              num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=32,
+                              norm_topk_prob=True, mlp_only_layers=[1])
+    if flavour == "mixtral":  # softmax over the top-k logits (= the renormalised top-k), weights kept in float32
+        return MixtralConfig(**dict(_COMMON, intermediate_size=48), **heads, rope_theta=3000.0,
+                             num_local_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, sliding_window=None)
+    # olmoe: q/k norms over the whole projections, top-k weights not renormalised
+    return OlmoeConfig(**dict(_COMMON, intermediate_size=40), **heads, rope_theta=7000.0, num_experts=NUM_EXPERTS,
+                       num_experts_per_tok=TOP_K, norm_topk_prob=False)
 
 
 def write_tiny_tokenizer(folder: Path) -> None:

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from worker.loader.errors import ModelLoadError
+from worker.loader.moe import hf_moe_fields, refuse_unsupported_variant, stored_expert_parts
 from worker.loader.weights import LM_HEAD, check_shape, expected_hf_shapes
 from worker.model.config import ModelConfig, RopeScaling
 
@@ -22,9 +23,13 @@ ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",  # the text-only model; Gemma3ForConditionalGeneration (vision) is refused
     "Phi3ForCausalLM": "phi3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # mixtures of experts (worker.model.moe)
+    "MixtralForCausalLM": "mixtral",
+    "OlmoeForCausalLM": "olmoe",
 }
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-               "gemma3_text": "gemma3", "phi3": "phi3"}
+               "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe"}
+QK_NORM_ARCHITECTURES = ("qwen3", "gemma3", "qwen3_moe", "olmoe")  # olmoe's span the whole projection
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 GEMMA = ("gemma2", "gemma3")
 INDEX_FILE = "model.safetensors.index.json"
@@ -43,6 +48,7 @@ def _read_config_json(config_path: Path) -> dict:
 
 
 def _architecture(raw: dict, config_path: Path) -> str:
+    refuse_unsupported_variant(raw, config_path)
     names = raw.get("architectures") or []
     for name in names:
         if name in ARCHITECTURES:
@@ -113,8 +119,10 @@ def _layer_windows(raw: dict, architecture: str, num_layers: int) -> tuple[int |
         return ()
     if layer_types:  # transformers 5 names each layer's kind
         return tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)
-    if architecture in ("mistral", "phi3"):  # every layer, whenever sliding_window is set
+    if architecture in ("mistral", "phi3", "mixtral"):  # every layer, whenever sliding_window is set
         return (int(window),) * num_layers
+    if architecture == "qwen3_moe":  # Qwen3MoeConfig keeps the window only under use_sliding_window, on every layer
+        return (int(window),) * num_layers if raw.get("use_sliding_window") else ()
     if architecture == "gemma2":  # 4.x: even layers slide
         return tuple(int(window) if i % 2 == 0 else None for i in range(num_layers))
     if architecture == "gemma3":  # 4.x: every sliding_window_pattern-th layer is global
@@ -175,13 +183,14 @@ def parse_hf_config(raw: dict, config_path: Path, tie_word_embeddings: bool) -> 
             rope_scaling=_rope_scaling(global_rope, raw, config_path),
             local_rope_theta=None if local_rope is None else float(local_rope.get("rope_theta", 10000.0)),
             layer_windows=_layer_windows(raw, architecture, num_layers),
-            qk_norm=architecture in ("qwen3", "gemma3"),
+            qk_norm=architecture in QK_NORM_ARCHITECTURES,
             sandwich_norms=gemma,
             hidden_act=ACTIVATIONS[activation],
             embedding_multiplier=hidden_size**0.5 if gemma else None,
             attn_logit_softcap=_optional_float(raw.get("attn_logit_softcapping")),
             final_logit_softcap=_optional_float(raw.get("final_logit_softcapping")),
             query_scale=float(query_scalar) ** -0.5 if gemma and query_scalar else None,
+            **hf_moe_fields(raw, architecture, num_layers, config_path),
         )
     except KeyError as exc:
         raise ModelLoadError(f"{config_path}: missing key {exc.args[0]!r}") from None
@@ -216,27 +225,56 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     return tensor_files
 
 
+class _FolderTensors:
+    """Reads HF-named tensors from a folder's safetensors files, each file opened once."""
+
+    def __init__(self, folder: Path, tensor_files: dict[str, Path]) -> None:
+        self.folder, self.tensor_files = folder, tensor_files
+        self.handles: dict[Path, object] = {}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def read(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if name not in self.tensor_files:
+            return self._stacked(name, shape, dtype)
+        check_shape(str(self.tensor_files[name]), name, self.shape(name), shape)
+        return self._handle(name).get_tensor(name).to(dtype)
+
+    def _handle(self, name: str):
+        path = self.tensor_files.get(name)
+        if path is None:
+            raise ModelLoadError(f"{self.folder}: tensor {name!r} is missing from the safetensors files")
+        if path not in self.handles:
+            if not path.is_file():
+                raise ModelLoadError(f"{path}: listed in {INDEX_FILE} for tensor {name!r} but does not exist")
+            self.handles[path] = _open(path)
+        return self.handles[path]
+
+    def _stacked(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A MoE tensor the folder stores per expert (worker.loader.moe.stored_expert_parts): stacked over experts."""
+        layouts = stored_expert_parts(name, shape[0])
+        layout = next((parts for parts in layouts if parts[0][0] in self.tensor_files), None)
+        if layout is None:
+            raise ModelLoadError(f"{self.folder}: tensor {name!r} is missing from the safetensors files"
+                                 + (f" (nor is it stored per expert as {layouts[0][0][0]!r}, ...)" if layouts else ""))
+        experts = [torch.cat([self._handle(part).get_tensor(part).to(dtype) for part in parts]) for parts in layout]
+        tensor = experts[0] if len(experts) == 1 else torch.stack(experts)
+        check_shape(str(self.folder), f"{name} (from {layout[0][0]!r}, ...)", tuple(tensor.shape), shape)
+        return tensor
+
+
 def read_hf_folder(folder: Path, dtype: torch.dtype, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Returns the config and the checked HF-named tensors in dtype."""
+    """Returns the config and the checked HF-named tensors in dtype (a MoE layer's experts stacked)."""
     config_path = folder / "config.json"
     raw = _read_config_json(config_path)
     tensor_files = _tensor_files(folder)
     config = parse_hf_config(raw, config_path, tie_word_embeddings=LM_HEAD not in tensor_files)
     expected = expected_hf_shapes(config)
-    tensors: dict[str, torch.Tensor] = {}
-    handles: dict[Path, object] = {}
+    reader = _FolderTensors(folder, tensor_files)
     try:
-        for name, shape in tqdm(expected.items(), desc=f"loading {folder.name}", unit="tensor", file=sys.stderr, disable=not progress):
-            path = tensor_files.get(name)
-            if path is None:
-                raise ModelLoadError(f"{folder}: tensor {name!r} is missing from the safetensors files")
-            if path not in handles:
-                if not path.is_file():
-                    raise ModelLoadError(f"{path}: listed in {INDEX_FILE} for tensor {name!r} but does not exist")
-                handles[path] = _open(path)
-            handle = handles[path]
-            check_shape(str(path), name, tuple(handle.get_slice(name).get_shape()), shape)
-            tensors[name] = handle.get_tensor(name).to(dtype)
+        return config, {name: reader.read(name, shape, dtype) for name, shape in
+                        tqdm(expected.items(), desc=f"loading {folder.name}", unit="tensor", file=sys.stderr,
+                             disable=not progress)}
     finally:
-        handles.clear()
-    return config, tensors
+        reader.handles.clear()

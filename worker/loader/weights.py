@@ -19,6 +19,9 @@ EMBEDDING = "model.embed_tokens.weight"
 # HF names of the weights that feed a matmul: the ones a file may hand over still quantized
 LINEAR_WEIGHTS = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "qkv", "gate", "up", "down", "gate_up")) + (LM_HEAD,)
 GEMMA_NORM_ARCHITECTURES = ("gemma2", "gemma3")  # RMSNorm scales by (1 + w): folded into w at load
+# a mixture-of-experts layer's tensors, as transformers 5 holds them in memory (the loaders stack older per-expert
+# names and GGUF's ffn_*_exps into these): router [E, H], experts' gate rows then up rows [E, 2I, H], down [E, H, I]
+ROUTER, EXPERTS_GATE_UP, EXPERTS_DOWN = "mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
 
 
 def fused_projections(config: ModelConfig) -> bool:
@@ -43,24 +46,32 @@ def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{prefix}.self_attn.q_proj.bias"] = (config.q_size,)
             shapes[f"{prefix}.self_attn.k_proj.bias"] = (config.kv_size,)
             shapes[f"{prefix}.self_attn.v_proj.bias"] = (config.kv_size,)
-        if config.qk_norm:
-            shapes[f"{prefix}.self_attn.q_norm.weight"] = (config.head_dim,)
-            shapes[f"{prefix}.self_attn.k_norm.weight"] = (config.head_dim,)
+        if config.qk_norm:  # olmoe: over the whole projection
+            shapes[f"{prefix}.self_attn.q_norm.weight"] = (config.q_size if config.qk_norm_whole else config.head_dim,)
+            shapes[f"{prefix}.self_attn.k_norm.weight"] = (config.kv_size if config.qk_norm_whole else config.head_dim,)
         shapes[f"{prefix}.self_attn.o_proj.weight"] = (hidden, config.q_size)
         shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
         if config.sandwich_norms:
             shapes[f"{prefix}.pre_feedforward_layernorm.weight"] = (hidden,)
             shapes[f"{prefix}.post_feedforward_layernorm.weight"] = (hidden,)
-        if fused_projections(config):
-            shapes[f"{prefix}.mlp.gate_up_proj.weight"] = (2 * inter, hidden)
-        else:
-            shapes[f"{prefix}.mlp.gate_proj.weight"] = (inter, hidden)
-            shapes[f"{prefix}.mlp.up_proj.weight"] = (inter, hidden)
-        shapes[f"{prefix}.mlp.down_proj.weight"] = (hidden, inter)
+        shapes.update(_mlp_shapes(config, i, prefix))
     shapes["model.norm.weight"] = (hidden,)
     if not config.tie_word_embeddings:
         shapes[LM_HEAD] = (config.vocab_size, hidden)
     return shapes
+
+
+def _mlp_shapes(config: ModelConfig, layer: int, prefix: str) -> dict[str, tuple[int, ...]]:
+    hidden, inter = config.hidden_size, config.intermediate_size
+    if config.is_moe_layer(layer):
+        experts, expert_inter = config.num_experts, config.moe_intermediate_size
+        return {f"{prefix}.{ROUTER}": (experts, hidden), f"{prefix}.{EXPERTS_GATE_UP}": (experts, 2 * expert_inter, hidden),
+                f"{prefix}.{EXPERTS_DOWN}": (experts, hidden, expert_inter)}
+    if fused_projections(config):
+        shapes = {f"{prefix}.mlp.gate_up_proj.weight": (2 * inter, hidden)}
+    else:
+        shapes = {f"{prefix}.mlp.gate_proj.weight": (inter, hidden), f"{prefix}.mlp.up_proj.weight": (inter, hidden)}
+    return {**shapes, f"{prefix}.mlp.down_proj.weight": (hidden, inter)}
 
 
 def check_shape(source: str, tensor_name: str, actual: tuple[int, ...], expected: tuple[int, ...]) -> None:
@@ -110,10 +121,9 @@ def fuse_hf_state_dict(config: ModelConfig, hf: dict, norm_offset: float = 0.0) 
         fused[f"{dst}.attn_norm.weight"] = norm(f"{src}.input_layernorm.weight")
         if fused_projections(config):
             fused[f"{dst}.attn.wqkv.weight"] = hf[f"{attn}.qkv_proj.weight"]
-            fused[f"{dst}.mlp.w_gate_up.weight"] = hf[f"{src}.mlp.gate_up_proj.weight"]  # gate rows, then up
         else:
             fused[f"{dst}.attn.wqkv.weight"] = cat_rows([hf[f"{attn}.{p}_proj.weight"] for p in "qkv"])
-            fused[f"{dst}.mlp.w_gate_up.weight"] = cat_rows([hf[f"{src}.mlp.gate_proj.weight"], hf[f"{src}.mlp.up_proj.weight"]])
+        fused.update(_fused_mlp(config, hf, i, src, dst))
         if config.attention_bias:
             fused[f"{dst}.attn.wqkv.bias"] = torch.cat([hf[f"{attn}.{p}_proj.bias"] for p in "qkv"])
         if config.qk_norm:
@@ -126,10 +136,20 @@ def fuse_hf_state_dict(config: ModelConfig, hf: dict, norm_offset: float = 0.0) 
             fused[f"{dst}.post_mlp_norm.weight"] = norm(f"{src}.post_feedforward_layernorm.weight")
         else:
             fused[f"{dst}.mlp_norm.weight"] = norm(f"{src}.post_attention_layernorm.weight")
-        fused[f"{dst}.mlp.w_down.weight"] = hf[f"{src}.mlp.down_proj.weight"]
     # a tied model's file may still give lm_head its own quantized copy of the embedding (read_gguf)
     fused["lm_head.weight"] = hf[LM_HEAD] if LM_HEAD in hf else fused["embed_tokens.weight"]
     return fused
+
+
+def _fused_mlp(config: ModelConfig, hf: dict, layer: int, src: str, dst: str) -> dict:
+    if config.is_moe_layer(layer):  # worker.model.moe.SparseMoE's stacked parameters
+        return {f"{dst}.mlp.router_weight": hf[f"{src}.{ROUTER}"], f"{dst}.mlp.expert_gate_up": hf[f"{src}.{EXPERTS_GATE_UP}"],
+                f"{dst}.mlp.expert_down": hf[f"{src}.{EXPERTS_DOWN}"]}
+    if fused_projections(config):
+        gate_up = hf[f"{src}.mlp.gate_up_proj.weight"]  # gate rows, then up
+    else:
+        gate_up = cat_rows([hf[f"{src}.mlp.gate_proj.weight"], hf[f"{src}.mlp.up_proj.weight"]])
+    return {f"{dst}.mlp.w_gate_up.weight": gate_up, f"{dst}.mlp.w_down.weight": hf[f"{src}.mlp.down_proj.weight"]}
 
 
 def build_model(config: ModelConfig, hf: dict[str, torch.Tensor], dtype: torch.dtype, norms_hold_offset: bool = False) -> LlamaModel:

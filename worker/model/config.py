@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3",
+                           "qwen3_moe", "mixtral", "olmoe")  # the last three: mixtures of experts (worker.model.moe)
 # freq_factors: llama.cpp's rope_freqs tensor (how its converter stores llama3 scaling), each frequency divided by its factor
 ROPE_SCALING_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "freq_factors")
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -74,6 +75,14 @@ class ModelConfig:
     attn_logit_softcap: float | None = None  # gemma2: scores = cap * tanh(scores / cap)
     final_logit_softcap: float | None = None  # gemma2: logits = cap * tanh(logits / cap)
     query_scale: float | None = None  # attention score scale; None: head_dim ** -0.5
+    qk_norm_whole: bool = False  # olmoe: the q/k RMSNorms span the whole projection (q_size / kv_size), not a head
+    # mixture of experts (worker.model.moe); num_experts 0: every layer is a dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k experts per token
+    moe_intermediate_size: int = 0  # each expert's gate/up width
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1 (mixtral always)
+    router_weights_float: bool = False  # mixtral: routing weights stay float32 (qwen3_moe/olmoe: the model dtype)
+    dense_mlp_layers: tuple[int, ...] = ()  # qwen3_moe's mlp_only_layers / decoder_sparse_step: dense MLP there
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -86,6 +95,10 @@ class ModelConfig:
             )
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts={self.num_experts}")
+        if self.num_experts and self.moe_intermediate_size <= 0:
+            raise ValueError(f"moe_intermediate_size={self.moe_intermediate_size} must be positive for a mixture of experts")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
 
@@ -100,6 +113,10 @@ class ModelConfig:
     @property
     def scale(self) -> float:
         return self.head_dim**-0.5 if self.query_scale is None else self.query_scale
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s feed-forward is the sparse mixture of experts (else a dense MLP)."""
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window, or None for full attention."""

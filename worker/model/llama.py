@@ -1,4 +1,5 @@
-"""The decoder every supported family shares (llama, mistral, qwen2/3, gemma2/3, phi3) in plain torch,
+"""The decoder every supported family shares (llama, mistral, qwen2/3, gemma2/3, phi3, and the mixtures of
+experts qwen3_moe, mixtral, olmoe, whose feed-forward is worker.model.moe.SparseMoE) in plain torch,
 over one packed token batch. Family details are ModelConfig switches: q/k bias and q/k norms, sliding
 windows per layer, attention and final soft-caps, gemma's sandwich norms, embedding multiplier and
 GeLU-tanh, the rope variant (worker.model.rope). Gemma's (1 + w) norms are folded into the weights at load.
@@ -21,6 +22,7 @@ from torch import nn
 from worker.model.attention import AttentionMetadata, paged_attention, write_kv
 from worker.model.config import ModelConfig
 from worker.model.kv_cache import KVCache
+from worker.model.moe import SparseMoE
 from worker.model.rope import rotary_tables
 
 
@@ -70,9 +72,12 @@ class Attention(nn.Module):
         self.softcap = config.attn_logit_softcap
         self.wqkv = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.wo = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        # qwen3 / gemma3: one RMSNorm over head_dim, shared by every head, before RoPE
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # qwen3 / gemma3: one RMSNorm over head_dim, shared by every head, before RoPE;
+        # olmoe (qk_norm_whole): one over the whole q projection and one over the whole k projection
+        self.qk_norm_whole = config.qk_norm_whole
+        q_dim, k_dim = (self.q_size, self.kv_size) if config.qk_norm_whole else (config.head_dim, config.head_dim)
+        self.q_norm = RMSNorm(q_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -85,8 +90,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.wqkv(x)  # [T, (H + 2 * KVH) * D]
+        if self.qk_norm_whole:  # olmoe: normed over each whole projection, before the split into heads
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)  # [T, H + KVH, D]
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_whole:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # q and k sit side by side, so one rotation pass covers both
@@ -118,7 +126,8 @@ class DecoderLayer(nn.Module):
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config, layer_index)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        # mixtures of experts: the sparse feed-forward on their MoE layers (qwen3_moe may keep dense ones)
+        self.mlp = SparseMoE(config) if config.is_moe_layer(layer_index) else MLP(config)
         # gemma2/3: each branch's output is normed again before it joins the residual
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.sandwich_norms else None
         self.post_mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.sandwich_norms else None

@@ -7,6 +7,8 @@ contiguous copy per layer before attending. This forward makes ~11 calls per lay
 residual add, SwiGLU, q/k norm + RoPE + the cache write each one call) and reads the pages in place.
 The plain-torch model stays the reference: tests/worker/paths/test_decoder_ops.py holds each op and the
 whole model to it. TorchPath chooses this forward or the model's own once, when it is built.
+A mixture-of-experts layer runs the reference's grouped expert matmuls (worker.model.moe) in torch, and
+olmoe's whole-projection q/k norms run in torch before the rope op (the op's norms are per head).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from torch import nn
 from worker.model.attention import AttentionMetadata, paged_attention
 from worker.model.kv_cache import KVCache
 from worker.model.llama import Attention, DecoderLayer, LlamaModel, MLP, RMSNorm
+from worker.model.moe import SparseMoE
 from worker.native_ops import cpu_ops_available
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,9 @@ def _attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     # layer, and nothing hooks these modules
     qkv = attn.wqkv.forward(x)
     norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm is not None else (None, None, 0.0)
+    if attn.qk_norm_whole:  # olmoe: norms over the whole projections, which the op's per-head norms are not
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        qkv, norms = torch.cat((attn.q_norm(q), attn.k_norm(k), v), dim=-1), (None, None, 0.0)
     q, k = torch.ops.tokenmill.rope_write_kv(qkv, cos, sin, key_cache, value_cache, attn_metadata.slot_mapping,
                                              attn.num_heads, attn.num_kv_heads, *norms)
     v = qkv[:, attn.q_size + attn.kv_size :].view(num_tokens, attn.num_kv_heads, attn.head_dim)
@@ -53,7 +59,9 @@ def _attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return attn.wo.forward(out.view(num_tokens, attn.q_size))
 
 
-def _mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+def _mlp(mlp: MLP | SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    if isinstance(mlp, SparseMoE):  # a MoE layer: the reference's grouped expert matmuls (worker.model.moe)
+        return mlp(x)
     return mlp.w_down.forward(torch.ops.tokenmill.act_mul(mlp.w_gate_up.forward(x), mlp.hidden_act == "gelu_tanh"))
 
 

@@ -1,0 +1,84 @@
+"""Mixture-of-experts facts from a Hugging Face config.json or GGUF metadata, and where a folder stores experts.
+
+A folder may hold a layer's experts as transformers 5 holds them in memory (`mlp.experts.gate_up_proj`
+[E, 2I, H], `mlp.experts.down_proj` [E, H, I]) or, as transformers 4 wrote them and 5 still writes them, one
+tensor per expert and projection (`mlp.experts.N.gate_proj.weight`; Mixtral's `block_sparse_moe.experts.N.w1`
+(gate), `w3` (up), `w2` (down) and `block_sparse_moe.gate`): stored_expert_parts names the parts to stack.
+
+Variants that route or attend in ways the model does not have are refused by name (UNSUPPORTED_VARIANTS).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from worker.loader.errors import ModelLoadError
+from worker.loader.weights import EXPERTS_DOWN, EXPERTS_GATE_UP, ROUTER
+
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "olmoe")
+# HF architectures / model types of mixtures of experts that are not supported, and what they would need
+UNSUPPORTED_VARIANTS = {
+    "deepseek_v2": "DeepSeek's multi-head latent attention (MLA: compressed, low-rank K/V with a decoupled rotary "
+                   "part), its shared experts and grouped top-k routing",
+    "deepseek_v3": "DeepSeek's multi-head latent attention (MLA: compressed, low-rank K/V with a decoupled rotary "
+                   "part), its shared experts and its sigmoid router with a score-correction bias and group-limited top-k",
+    "gpt_oss": "gpt-oss's attention sinks (a learned per-head logit in every softmax), its alternating 128-token "
+               "sliding window, a router and experts with biases, and its clamped SwiGLU",
+    "qwen2_moe": "Qwen2-MoE's shared expert with its sigmoid gate",
+    "qwen3_next": "Qwen3-Next's gated delta-net (linear attention) layers and shared expert",
+    "llama4": "Llama 4's shared expert, sigmoid router and chunked attention",
+    "dbrx": "DBRX's fused expert layout and clipped q/k/v",
+}
+UNSUPPORTED_CLASSES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
+                       "GptOssForCausalLM": "gpt_oss", "Qwen2MoeForCausalLM": "qwen2_moe",
+                       "Qwen3NextForCausalLM": "qwen3_next", "Llama4ForCausalLM": "llama4",
+                       "Llama4ForConditionalGeneration": "llama4", "DbrxForCausalLM": "dbrx"}
+
+
+def refuse_unsupported_variant(raw: dict, config_path: Path) -> None:
+    """Raises ModelLoadError naming what a known-unsupported MoE variant needs; returns for anything else."""
+    names = [UNSUPPORTED_CLASSES.get(name) for name in raw.get("architectures") or []] + [raw.get("model_type")]
+    variant = next((name for name in names if name in UNSUPPORTED_VARIANTS), None)
+    if variant is not None:
+        raise ModelLoadError(f"{config_path}: mixture-of-experts variant {variant!r} is not supported: tokenmill has no "
+                             f"{UNSUPPORTED_VARIANTS[variant]}; supported MoE architectures: {', '.join(MOE_ARCHITECTURES)}")
+
+
+def hf_moe_fields(raw: dict, architecture: str, num_layers: int, config_path: Path) -> dict:
+    """The ModelConfig fields of a mixture of experts ({} for a dense architecture), as transformers reads them."""
+    if architecture not in MOE_ARCHITECTURES:
+        return {}
+    if architecture == "olmoe" and raw.get("clip_qkv") is not None:
+        raise ModelLoadError(f"{config_path}: olmoe clip_qkv={raw['clip_qkv']} is not supported (only null)")
+    num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    fields = dict(num_experts=num_experts, num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+                  qk_norm_whole=architecture == "olmoe")
+    if architecture == "mixtral":  # MixtralTopKRouter: always renormalised, the weights kept in float32
+        return dict(fields, moe_intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True,
+                    router_weights_float=True)
+    fields["norm_topk_prob"] = bool(raw.get("norm_topk_prob", False))
+    if architecture == "olmoe":
+        return dict(fields, moe_intermediate_size=int(raw["intermediate_size"]))
+    step = int(raw.get("decoder_sparse_step") or 1)  # Qwen3MoeDecoderLayer's rule for which layers are sparse
+    only_mlp = set(raw.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(num_layers) if i in only_mlp or num_experts == 0 or (i + 1) % step != 0)
+    return dict(fields, moe_intermediate_size=int(raw.get("moe_intermediate_size") or 768), dense_mlp_layers=dense)
+
+
+def stored_expert_parts(name: str, num_experts: int) -> list[list[list[str]]]:
+    """For an expected stacked MoE tensor (weights.ROUTER / EXPERTS_GATE_UP / EXPERTS_DOWN under a layer prefix),
+    the per-expert layouts a folder may store it in instead, each as [per expert: the names concatenated along
+    rows]; [] for any other name. The router is one tensor: a layout of one "expert"."""
+    prefix, _, suffix = name.partition(".mlp.")
+    suffix = f"mlp.{suffix}"
+
+    def per_expert(*parts: str) -> list[list[str]]:
+        return [[f"{prefix}.{part.format(e=e)}" for part in parts] for e in range(num_experts)]
+
+    if suffix == ROUTER:
+        return [[[f"{prefix}.block_sparse_moe.gate.weight"]]]
+    if suffix == EXPERTS_GATE_UP:
+        return [per_expert("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+                per_expert("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight")]
+    if suffix == EXPERTS_DOWN:
+        return [per_expert("mlp.experts.{e}.down_proj.weight"), per_expert("block_sparse_moe.experts.{e}.w2.weight")]
+    return []

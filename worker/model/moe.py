@@ -1,0 +1,86 @@
+"""The sparse mixture-of-experts feed-forward (qwen3_moe, mixtral, olmoe) in plain torch: the reference.
+
+Routing is transformers' (Qwen3MoeTopKRouter, MixtralTopKRouter, OlmoeTopKRouter): router logits, a softmax
+in float32 over every expert, torch.topk, then (norm_topk_prob; Mixtral always) the k weights renormalised to
+sum to 1. Mixtral's "top-k logits, then softmax over them" is the same numbers: the renormalised softmax.
+
+Execution groups the step's tokens by expert, never loops over tokens:
+
+    top_k_index [T, K] -> T*K (token, expert) pairs, sorted by expert (stable: token order kept)
+    pairs:   | e0 e0 e0 | e2 | e3 e3 |        counts per expert (e1: 0 tokens, never touched)
+    rows:    x[token of each pair]  -> [T*K, H]
+    each expert with tokens: gate/up once over its rows, act * up, down   -> [n_e, H]
+    out.index_add_(token of each pair, expert rows * routing weight)      -> [T, H]
+
+The experts' weights are stacked parameters ([E, 2I, H] gate rows then up rows, [E, H, I]), not nn.Linear, so
+no path's linear swap (packing, int8/int4, batch-invariant tiles) touches them; they run in the model dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.model.config import ModelConfig
+
+
+def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool,
+          weights_float: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, H], router_weight: [E, H] -> (routing weights [T, K], expert ids [T, K] int64), as transformers routes."""
+    router_logits = F.linear(x, router_weight)  # [T, E]
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    top_weights, top_experts = torch.topk(probs, top_k, dim=-1)  # ties: topk's own order, as transformers
+    if norm_topk_prob:
+        top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+    return (top_weights if weights_float else top_weights.to(router_logits.dtype)), top_experts
+
+
+def _activation(gate: torch.Tensor, hidden_act: str) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") if hidden_act == "gelu_tanh" else F.silu(gate)
+
+
+def run_experts(x: torch.Tensor, top_weights: torch.Tensor, top_experts: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor, hidden_act: str = "silu") -> torch.Tensor:
+    """x: [T, H]; top_weights / top_experts: [T, K]; gate_up: [E, 2I, H]; down: [E, H, I] -> [T, H].
+
+    Each expert that has tokens runs gate/up and down once over all of them; one without costs nothing."""
+    num_tokens, top_k = top_experts.shape
+    out = torch.zeros_like(x)
+    if num_tokens == 0:
+        return out
+    flat_experts = top_experts.reshape(-1)  # [T*K], pair p = token p // K, its (p % K)-th choice
+    order = torch.argsort(flat_experts, stable=True)  # pairs grouped by expert, in token order within one
+    pair_tokens = order // top_k  # [T*K]
+    counts = torch.bincount(flat_experts, minlength=gate_up.shape[0]).tolist()
+    rows = x.index_select(0, pair_tokens)  # [T*K, H]
+    expert_out = torch.empty_like(rows)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        span = slice(start, start + count)
+        gate, up = F.linear(rows[span], gate_up[expert]).chunk(2, dim=-1)  # each [n_e, I]
+        expert_out[span] = F.linear(_activation(gate, hidden_act) * up, down[expert])
+        start += count
+    weights = top_weights.reshape(-1).index_select(0, order)[:, None]  # [T*K, 1]
+    out.index_add_(0, pair_tokens, (expert_out * weights).to(x.dtype))
+    return out
+
+
+class SparseMoE(nn.Module):
+    """A decoder layer's feed-forward as top-k of config.num_experts SwiGLU experts."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.weights_float = config.router_weights_float
+        self.hidden_act = config.hidden_act
+        self.router_weight = nn.Parameter(torch.empty(experts, hidden))  # [E, H]
+        self.expert_gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden))  # [E, 2I, H]: gate rows, then up
+        self.expert_down = nn.Parameter(torch.empty(experts, hidden, inter))  # [E, H, I]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, H] -> [T, H]
+        top_weights, top_experts = route(x, self.router_weight, self.top_k, self.norm_topk_prob, self.weights_float)
+        return run_experts(x, top_weights, top_experts, self.expert_gate_up, self.expert_down, self.hidden_act)
