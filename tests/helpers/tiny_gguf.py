@@ -13,7 +13,8 @@ from tokenmill.bench.gguf_hparams import rope_parameters, write_hparams
 
 # transformers model_type -> GGUF general.architecture, as the converter registers them
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-                      "gemma3_text": "gemma3", "phi3": "phi3"}
+                      "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe", "mixtral": "llama",
+                      "olmoe": "olmoe"}
 
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
@@ -58,6 +59,12 @@ def _write_metadata(writer, config, arch: str) -> None:
         writer.add_rope_scaling_orig_ctx_len(original)
     if getattr(config, "sliding_window", None) and arch in ("gemma2", "gemma3", "phi3"):
         writer.add_sliding_window(config.sliding_window)
+    num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if num_experts:  # the converter's MoE keys (Qwen3-MoE also its experts' own width)
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if hasattr(config, "moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
@@ -106,6 +113,14 @@ def write_converter_gguf(path, hf_model, skip: tuple[str, ...] = (), architectur
     for hf_name, tensor in state.items():
         gguf_name = tensor_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         values = tensor.detach().float().numpy()
+        if hf_name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):  # stacked [E, rows, cols]
+            block = "blk." + hf_name.split(".")[2]
+            if hf_name.endswith("down_proj"):
+                tensors[f"{block}.ffn_down_exps.weight"] = values
+            else:
+                gate, up = np.split(values, 2, axis=1)
+                tensors[f"{block}.ffn_gate_exps.weight"], tensors[f"{block}.ffn_up_exps.weight"] = gate, up
+            continue
         if arch == "llama" and gguf_name.endswith("attn_q.weight"):
             values = llama_cpp_permute(values, config.num_attention_heads)
         elif arch == "llama" and gguf_name.endswith("attn_k.weight"):
@@ -122,7 +137,8 @@ def write_converter_gguf(path, hf_model, skip: tuple[str, ...] = (), architectur
         else:
             import gguf
 
-            raw = quantized_blocks(values, type_name, seed=len(name))
+            rows = values.reshape(-1, values.shape[-1])  # a stacked expert tensor [E, rows, cols] row by row
+            raw = quantized_blocks(rows, type_name, seed=len(name)).reshape(*values.shape[:-1], -1)
             writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType[type_name])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

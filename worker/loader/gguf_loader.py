@@ -25,6 +25,7 @@ from worker.linears.ggml_blocks import GGMLBlocksWeight
 from worker.linears.group_quant import GroupQuantWeight
 from worker.loader.errors import ModelLoadError
 from worker.loader.gguf_quants import ggml_blocks_from_gguf, group_quant_from_gguf
+from worker.loader.moe import gguf_expert_names, gguf_moe_fields, refuse_unsupported_gguf_variant
 from worker.loader.weights import EMBEDDING, LINEAR_WEIGHTS, LM_HEAD, check_shape, expected_hf_shapes
 from worker.model.config import ModelConfig, RopeScaling
 
@@ -32,7 +33,7 @@ QuantizedWeight = GroupQuantWeight | GGMLBlocksWeight
 
 # GGUF general.architecture -> ours (llama.cpp's converter writes Mistral 7B as "llama")
 SUPPORTED_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-                                "gemma3": "gemma3", "phi3": "phi3"}
+                                "gemma3": "gemma3", "phi3": "phi3", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
 PERMUTED_ROTARY = ("llama",)  # the only converter classes that permute q/k rows
 SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 # llama.cpp's 27B rule: gemma 27B scales queries by (hidden / heads) ** -0.5, others by head_dim ** -0.5
@@ -109,11 +110,14 @@ def _layer_windows(meta: _Metadata, arch: str, model_arch: str, num_layers: int)
 def parse_gguf_config(reader, path: Path, tensors: dict) -> ModelConfig:
     meta = _Metadata(reader, path)
     arch = meta.get("general.architecture", required=True)
+    refuse_unsupported_gguf_variant(arch, path)
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: GGUF general.architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
     model_arch = SUPPORTED_GGUF_ARCHITECTURES[arch]
+    if arch == "llama" and meta.get("llama.expert_count"):  # the converter writes Mixtral as llama with experts
+        model_arch = "mixtral"
     hidden_size = int(meta.get(f"{arch}.embedding_length", required=True))
     num_heads = int(meta.get(f"{arch}.attention.head_count", required=True))
     num_layers = int(meta.get(f"{arch}.block_count", required=True))
@@ -152,6 +156,7 @@ def parse_gguf_config(reader, path: Path, tensors: dict) -> ModelConfig:
         attn_logit_softcap=None if attn_softcap is None else float(attn_softcap),
         final_logit_softcap=None if final_softcap is None else float(final_softcap),
         query_scale=None if query_scale is None else float(query_scale),
+        **gguf_moe_fields(meta.get, arch, model_arch, path),
     )
 
 
@@ -215,6 +220,9 @@ def read_gguf(path: Path, dtype: torch.dtype, progress: bool, keep_quantized: bo
     tensors: dict[str, torch.Tensor] = {}
     expected = expected_hf_shapes(config)
     for hf_name, shape in tqdm(expected.items(), desc=f"loading {path.name}", unit="tensor", file=sys.stderr, disable=not progress):
+        if gguf_expert_names(hf_name):  # a MoE layer's stacked experts: dequantized to dtype (no expert kernels yet)
+            tensors[hf_name] = _experts(by_gguf_name, gguf_expert_names(hf_name), shape, path, dtype)
+            continue
         gguf_name = hf_to_gguf_name(gguf_arch, config.num_layers, hf_name)
         tensor = by_gguf_name.get(gguf_name)
         if tensor is None:
@@ -236,6 +244,19 @@ def read_gguf(path: Path, dtype: torch.dtype, progress: bool, keep_quantized: bo
     if config.tie_word_embeddings and isinstance(tensors[EMBEDDING], (GroupQuantWeight, GGMLBlocksWeight)):
         tensors[LM_HEAD] = tensors[EMBEDDING]  # one set of codes behind the lookup and the matmul
     return config, tensors
+
+
+def _experts(by_gguf_name: dict, names: tuple[str, ...], shape: tuple[int, ...], path: Path,
+             dtype: torch.dtype) -> torch.Tensor:
+    """ffn_{gate,up}_exps (concatenated along each expert's rows) or ffn_down_exps: [E, rows, cols] in dtype."""
+    parts = []
+    for name in names:
+        if name not in by_gguf_name:
+            raise ModelLoadError(f"{path}: tensor {name!r} is missing from the GGUF file")
+        parts.append(torch.from_numpy(np.array(_dequantize(by_gguf_name[name], path), dtype=np.float32)))
+    stacked = torch.cat(parts, dim=1)
+    check_shape(str(path), " + ".join(names), tuple(stacked.shape), shape)
+    return stacked.to(dtype)
 
 
 def _unpermuted(weight: QuantizedWeight, gguf_arch: str, hf_name: str, config: ModelConfig) -> QuantizedWeight:

@@ -82,3 +82,50 @@ def stored_expert_parts(name: str, num_experts: int) -> list[list[list[str]]]:
     if suffix == EXPERTS_DOWN:
         return [per_expert("mlp.experts.{e}.down_proj.weight"), per_expert("block_sparse_moe.experts.{e}.w2.weight")]
     return []
+
+
+# GGUF general.architecture of MoE variants that are refused, and what they would need (as UNSUPPORTED_VARIANTS)
+UNSUPPORTED_GGUF_VARIANTS = {"deepseek2": "deepseek_v2", "deepseek3": "deepseek_v3", "gpt-oss": "gpt_oss",
+                             "qwen2moe": "qwen2_moe", "qwen3next": "qwen3_next", "llama4": "llama4", "dbrx": "dbrx"}
+# llama.cpp's build_moe_ffn norm_w per architecture (what it does when the file has no expert_weights_norm key)
+GGUF_RENORMALISES = {"qwen3_moe": True, "mixtral": True, "olmoe": False}
+GGUF_SOFTMAX_GATING = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+
+
+def refuse_unsupported_gguf_variant(arch: str, path: Path) -> None:
+    variant = UNSUPPORTED_GGUF_VARIANTS.get(arch)
+    if variant is not None:
+        raise ModelLoadError(f"{path}: GGUF general.architecture {arch!r} is a mixture-of-experts variant that is not "
+                             f"supported: tokenmill has no {UNSUPPORTED_VARIANTS[variant]}; supported MoE "
+                             f"architectures: qwen3moe, llama with llama.expert_count (Mixtral), olmoe")
+
+
+def gguf_moe_fields(get, arch: str, model_arch: str, path: Path) -> dict:
+    """The ModelConfig fields of a GGUF mixture of experts ({} for a dense one). get(key, default): its metadata."""
+    num_experts = int(get(f"{arch}.expert_count", 0) or 0)
+    if model_arch not in GGUF_RENORMALISES or num_experts == 0:
+        return {}
+    if int(get(f"{arch}.expert_shared_count", 0) or 0):
+        raise ModelLoadError(f"{path}: {arch}.expert_shared_count={get(f'{arch}.expert_shared_count')}: shared experts "
+                             f"are not supported")
+    gating = int(get(f"{arch}.expert_gating_func", GGUF_SOFTMAX_GATING))
+    scale = float(get(f"{arch}.expert_weights_scale", 1.0) or 1.0)
+    if gating != GGUF_SOFTMAX_GATING or scale != 1.0:
+        raise ModelLoadError(f"{path}: {arch}.expert_gating_func={gating} / expert_weights_scale={scale}: only softmax "
+                             f"gating (1) with scale 1 is supported")
+    inter = get(f"{arch}.expert_feed_forward_length") or get(f"{arch}.feed_forward_length")
+    return dict(num_experts=num_experts, num_experts_per_tok=int(get(f"{arch}.expert_used_count", 0) or 0),
+                moe_intermediate_size=int(inter),
+                norm_topk_prob=bool(get(f"{arch}.expert_weights_norm", GGUF_RENORMALISES[model_arch])),
+                router_weights_float=model_arch == "mixtral", qk_norm_whole=model_arch == "olmoe")
+
+
+def gguf_expert_names(hf_name: str) -> tuple[str, ...]:
+    """The GGUF tensors [E, rows, cols] behind a stacked expert tensor (concatenated along rows), or () for others."""
+    prefix, _, suffix = hf_name.partition(".mlp.")
+    block = f"blk.{prefix.rpartition('.')[2]}"
+    if f"mlp.{suffix}" == EXPERTS_GATE_UP:
+        return f"{block}.ffn_gate_exps.weight", f"{block}.ffn_up_exps.weight"
+    if f"mlp.{suffix}" == EXPERTS_DOWN:
+        return (f"{block}.ffn_down_exps.weight",)
+    return ()
