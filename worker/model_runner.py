@@ -105,7 +105,7 @@ class ModelRunner:
         self.structured_output: StructuredOutput | None = None
         # prepare() (RPC thread) and run()'s bookkeeping (compute thread) may overlap across steps
         self._state_lock = threading.Lock()
-        self.execution = resolve_execution(options, self.device)
+        self.execution = resolve_execution(options, self.device, model_config)
         self.execution_path = build_execution_path(model, self.kv_cache, block_size, self.execution, self.device,
                                                    decode_group_bytes)
 

@@ -21,12 +21,14 @@ device-side sampling and decode graphs). build_execution_path() is the one place
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
 from core.step import TokenLogprobs
+from worker.model.config import ModelConfig
 from worker.options import WorkerOptions
 from worker.sampling.sampler import SamplingRow
 from worker.sampling.structured_output import TokenBitmask
@@ -64,6 +66,20 @@ DETERMINISTIC_REFUSAL = (
     "sums change with the batch; see docs/reliability.md, 'Deterministic mode'")
 
 
+log = logging.getLogger(__name__)
+
+
+NO_EXPERT_LAYERS = ("it has no expert layers (its forward runs dense MLPs only); the torch path runs it "
+                    "(--kernel-backend torch, or auto)")
+VARIABLE_EXPERT_ROWS = ("each expert's matmuls run over however many of the step's tokens chose it, a row count that "
+                        "changes with the batch; run without --deterministic")
+
+
+def moe_refusal(architecture: str, what: str, why: str = NO_EXPERT_LAYERS) -> str:
+    """The start-time error of a path that cannot run a mixture of experts, naming the path and the architecture."""
+    return f"{what} cannot run the mixture-of-experts architecture {architecture!r}: {why}"
+
+
 @dataclass(slots=True, frozen=True)
 class ResolvedExecution:
     """WorkerOptions' execution fields after looking at the device: every field is what will actually run."""
@@ -80,11 +96,28 @@ class ResolvedExecution:
     deterministic: bool  # batch-invariant kernels (worker.paths.batch_invariant, worker.paths.triton.batch_invariant)
 
 
-def resolve_execution(options: WorkerOptions, device: torch.device | str) -> ResolvedExecution:
-    on_cuda = torch.device(device).type == "cuda"
+def _kernel_backend(options: WorkerOptions, on_cuda: bool, model_config: ModelConfig | None) -> str:
+    """auto: Triton on CUDA, torch on CPU; a mixture of experts runs on torch wherever it is (logged on CUDA)."""
+    moe = model_config is not None and model_config.num_experts > 0
     backend = options.kernel_backend
     if backend == "auto":
-        backend = "triton" if on_cuda else "torch"
+        backend = "triton" if on_cuda and not moe else "torch"
+        if on_cuda and moe:
+            log.warning("kernel backend: torch, not triton: the Triton path has no mixture-of-experts layers (%s); "
+                        "CUDA graphs are off with it", model_config.architecture)
+    if moe and backend == "triton":
+        raise ValueError(moe_refusal(model_config.architecture, "--kernel-backend triton (the Triton path)"))
+    if moe and options.deterministic:
+        raise ValueError(moe_refusal(model_config.architecture, "--deterministic (the batch-invariant kernels)",
+                                     VARIABLE_EXPERT_ROWS))
+    return backend
+
+
+def resolve_execution(options: WorkerOptions, device: torch.device | str,
+                      model_config: ModelConfig | None = None) -> ResolvedExecution:
+    """model_config (when known): a mixture of experts takes the torch backend, or is refused by what cannot run it."""
+    on_cuda = torch.device(device).type == "cuda"
+    backend = _kernel_backend(options, on_cuda, model_config)
     if options.deterministic and on_cuda and backend == "torch":
         raise ValueError(DETERMINISTIC_REFUSAL)
     return ResolvedExecution(

@@ -46,6 +46,11 @@ class TorchPath:
         # the KV cache is made in the activations' dtype, which the dense copies take
         log.info("dense weights for many-row steps: %s",
                  keep_dense_weights(model, execution.cpu_dense_weights, kv_cache.storage.dtype))
+        if model.config.num_experts:  # no faster expert kernels yet: the reference's grouped matmuls, in the model dtype
+            log.info("mixture of experts (%s): %d experts, top %d, each expert's matmuls in torch over the tokens routed "
+                     "to it, in %s (expert weights are not packed, quantized or run on GGUF blocks)",
+                     model.config.architecture, model.config.num_experts, model.config.num_experts_per_tok,
+                     str(model.norm.weight.dtype).removeprefix("torch."))
         blocks = describe_block_kernels(model)
         if blocks:
             log.info("GGML block kernels: %s", blocks)

@@ -26,7 +26,7 @@ import torch
 from core.step import TokenLogprobs
 from worker.model.kv_cache import KVCache
 from worker.model.llama import LlamaModel
-from worker.paths.base import ResolvedExecution
+from worker.paths.base import ResolvedExecution, moe_refusal
 from worker.paths.triton.batch_invariant import batch_invariant_kernels, set_fixed_tile_linears, token_host_metadata
 from worker.paths.triton.cuda_graphs import DecodeGraphs
 from worker.paths.triton.forward import HostMetadata, host_metadata, load_kernels, to_device, triton_forward
@@ -47,6 +47,8 @@ class TritonPath:
     def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int, execution: ResolvedExecution,
                  device: torch.device) -> None:
         self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device
+        if model.config.num_experts:  # resolve_execution refuses it first; this guards a path built by hand
+            raise ValueError(moe_refusal(model.config.architecture, "the Triton path"))
         # --deterministic (chosen here, once): fixed-tile linears, every query token a decode row in one split
         set_fixed_tile_linears(model, execution.deterministic)  # also undoes another runner's mode on this model
         self.kernels = batch_invariant_kernels(load_kernels()) if execution.deterministic else load_kernels()
