@@ -1,6 +1,6 @@
-"""The in-process engine (scheduler + worker, torch path) on every family's tiny Hugging Face folder:
-greedy tokens equal to transformers `generate` on the same weights, 30 tokens past a 10-token prompt
-(well past the 7-token sliding windows of the mistral / gemma flavours)."""
+"""The in-process engine (scheduler + worker, torch path) on every family's tiny Hugging Face folder, the
+mixtures of experts too: greedy tokens equal to transformers `generate` on the same weights, 30 tokens past a
+10-token prompt (well past the 7-token sliding windows of the mistral / gemma flavours)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from core.sampling import SamplingParams
-from tests.helpers.tiny_models import EOS_ID, FLAVOURS, make_tiny_hf_model
+from tests.helpers.tiny_models import EOS_ID, FLAVOURS, MOE_FLAVOURS, make_tiny_hf_model
 from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
 NEW_TOKENS = 30
 
 
-@pytest.mark.parametrize("flavour", FLAVOURS)
+@pytest.mark.parametrize("flavour", FLAVOURS + MOE_FLAVOURS)
 def test_engine_greedy_equals_transformers_generate(tmp_path, flavour):
     folder, hf_model = make_tiny_hf_model(tmp_path, flavour)
     llm = LLM(EngineConfig(worker=replace(ENGINE_WORKER, model=str(folder), num_blocks=64)))
