@@ -27,7 +27,7 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
     from worker.model.kv_cache import allocate_kv_cache
     from worker.step_batch import RequestSpan
 
-    cache = allocate_kv_cache(model.config, 4, 64, torch.float32, "cpu")
+    cache = allocate_kv_cache(model.config, 4, 64, model.norm.weight.dtype, "cpu")
     metadata = build_attention_metadata([RequestSpan(0, len(ids), len(ids), [1])], 64)
     with torch.no_grad():
         hidden = model(torch.tensor(ids), torch.arange(len(ids)), cache, metadata)
