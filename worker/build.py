@@ -1,9 +1,11 @@
 """Model + KV cache + runner from the worker's options: shared by the worker process and the in-process engine."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from plumbing.grammar import GrammarCompiler
 from worker.kv_sizing import (KVCacheSizing, default_memory_fraction, measure_activation_peak, profile_batch,
@@ -19,6 +21,7 @@ from worker.native_ops import cpu_has_native_bf16, cpu_ops_available
 from worker.options import DEVICES, DTYPE_CHOICES, WorkerOptions
 from worker.sampling.structured_output import StructuredOutput
 
+log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # DTYPE_CHOICES past auto
 
 
@@ -64,6 +67,7 @@ def build_sized_runner(options: WorkerOptions = WorkerOptions(), *, progress: bo
                                  block_types=block_types(options.cpu_block_kernels)
                                  if device.type == "cpu" and cpu_ops_available() else ())
     network = network.to(device)
+    log.info("weights: %s", describe_weight_bytes(network))
     fault_in(network)  # a GGUF file's mapped blocks resident before the profile pass measures activations
     if options.quantization == "int8" and device.type == "cuda":
         quantize_linears_int8(network, use_kernel=True)  # the Triton kernel's per-channel format
@@ -82,6 +86,27 @@ def build_sized_runner(options: WorkerOptions = WorkerOptions(), *, progress: bo
                          options=options, num_host_blocks=int(options.swap_space_gb * 2**30) // per_block)
     runner.structured_output = StructuredOutput(GrammarCompiler(path))
     return runner, sizing
+
+
+def weight_bytes(network: nn.Module) -> tuple[int, int]:
+    """(every weight's bytes: parameters, buffers and a GGUF file's mapped blocks, a tied tensor once; the share of
+    them that is mixture-of-experts experts and routers). Every expert counts: all of them stay resident, whichever
+    few a token reads, so the memory the KV cache is sized from is what is left after all of them."""
+    tensors = {**dict(network.named_parameters()), **dict(network.named_buffers())}
+    total = sum(t.numel() * t.element_size() for t in tensors.values()) + mapped_weight_bytes(network)
+    experts = sum(t.numel() * t.element_size() for name, t in tensors.items()
+                  if name.endswith((".mlp.expert_gate_up", ".mlp.expert_down", ".mlp.router_weight")))
+    return total, experts
+
+
+def describe_weight_bytes(network: nn.Module) -> str:
+    total, experts = weight_bytes(network)
+    config = getattr(network, "config", None)
+    if not experts or config is None:
+        return f"{total / 2**20:.1f} MiB"
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
+    return (f"{total / 2**20:.1f} MiB, of which {experts / 2**20:.1f} MiB are the {config.num_experts} experts (and "
+            f"router) of each of {moe_layers} MoE layers, all resident ({config.num_experts_per_tok} read per token)")
 
 
 def _size_from_memory(network, config, path: Path, dtype: torch.dtype, device: torch.device, options: WorkerOptions,

@@ -88,7 +88,8 @@ class Score:
 
 def build_variant(model_path, variant: Variant, device: torch.device):
     from worker.linears.group_quant import quantize_linears, use_int8_activations, weight_formats
-    from worker.linears.ggml_blocks import block_types, mapped_weight_bytes
+    from worker.build import weight_bytes
+    from worker.linears.ggml_blocks import block_types
     from worker.loader import load_model
 
     model, config = load_model(model_path, dtype=variant.dtype, progress=False, keep_quantized=variant.quantization == "auto",
@@ -98,9 +99,8 @@ def build_variant(model_path, variant: Variant, device: torch.device):
     if variant.int8_activations:
         use_int8_activations(model)
     model = model.to(device).eval()
-    weight_bytes = sum(t.numel() * t.element_size() for t in {**dict(model.named_parameters()), **dict(model.named_buffers())}.values())
-    weight_bytes += mapped_weight_bytes(model)  # GGML blocks are neither parameters nor buffers
-    return model, config, weight_formats(model) or str(variant.dtype).removeprefix("torch."), weight_bytes
+    # parameters, buffers and GGML blocks (neither parameters nor buffers), every expert of a MoE included
+    return model, config, weight_formats(model) or str(variant.dtype).removeprefix("torch."), weight_bytes(model)[0]
 
 
 def score_windows(model, config, token_windows, dtype, device, reference_argmax: list | None,
