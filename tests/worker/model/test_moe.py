@@ -141,3 +141,14 @@ def test_an_empty_step_and_one_token():
         assert layer(torch.zeros(0, HIDDEN)).shape == (0, HIDDEN)
         x = torch.randn(1, 1, HIDDEN)
         assert (layer(x[0]) - block(x)[0]).abs().max().item() <= 1e-6
+
+
+def test_mixtral_top_k_then_softmax_is_the_renormalised_softmax():
+    """Mixtral as first released (softmax over the k chosen logits) and as transformers 5 writes it (softmax,
+    top-k, renormalise): the same experts and weights."""
+    torch.manual_seed(4)
+    x, router = torch.randn(31, HIDDEN), torch.randn(EXPERTS, HIDDEN)
+    weights, experts = route(x, router, 2, norm_topk_prob=True, weights_float=True)
+    top_logits, top_experts = torch.topk(torch.nn.functional.linear(x, router), 2, dim=-1)
+    assert torch.equal(experts, top_experts)
+    torch.testing.assert_close(weights, torch.softmax(top_logits, dim=-1), rtol=1e-6, atol=1e-7)
