@@ -1,5 +1,5 @@
 """The reference model: the llama-family decoder in plain torch (llama), its config, RoPE variants, attention
-over the paged KV cache and the cache itself. It is the oracle every faster path is tested against, with no
+over the paged KV cache and the cache itself, and the mixture-of-experts feed-forward (moe). It is the oracle every faster path is tested against, with no
 switches: a path that runs it faster has its own forward over these weights (worker.paths).
 
 Rule: model/ imports only the leaf module step_batch (and torch); never paths/, linears/, sampling/ or the

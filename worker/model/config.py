@@ -1,8 +1,8 @@
 """The model facts the worker needs, read from GGUF metadata or a Hugging Face config.json.
 
 One ModelConfig describes every supported family; the per-family details are switches on it (rope
-scaling, sliding windows, q/k norms, soft-caps, sandwich norms, the activation), so model.py has one
-forward pass and no architecture names in it.
+scaling, sliding windows, q/k norms, soft-caps, sandwich norms, the activation, the experts of a mixture of
+experts and their routing), so model.py has one forward pass and no architecture names in it.
 """
 from __future__ import annotations
 
