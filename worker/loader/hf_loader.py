@@ -259,7 +259,7 @@ class _FolderTensors:
             raise ModelLoadError(f"{self.folder}: tensor {name!r} is missing from the safetensors files"
                                  + (f" (nor is it stored per expert as {layouts[0][0][0]!r}, ...)" if layouts else ""))
         experts = [torch.cat([self._handle(part).get_tensor(part).to(dtype) for part in parts]) for parts in layout]
-        tensor = experts[0] if len(experts) == 1 else torch.stack(experts)
+        tensor = torch.stack(experts) if len(shape) == 3 else experts[0]  # [E, rows, cols]; the router is one tensor
         check_shape(str(self.folder), f"{name} (from {layout[0][0]!r}, ...)", tuple(tensor.shape), shape)
         return tensor
 
