@@ -89,16 +89,32 @@ def quantized_blocks(values: np.ndarray, type_name: str, seed: int = 0) -> np.nd
     return blocks.reshape(values.shape[0], -1)
 
 
+def _write_byte_tokenizer(writer) -> None:
+    """tiny_models' tokenizer as a gpt2 GGUF vocabulary (the 256 byte symbols, <s>, </s>), enough for llama.cpp to
+    load the file; one merge, since llama.cpp refuses a gpt2 vocabulary without merges."""
+    from tokenizers import pre_tokenizers
+
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(sorted(pre_tokenizers.ByteLevel.alphabet()) + ["<s>", "</s>"])
+    writer.add_token_types([1] * 256 + [3, 3])  # normal, then control
+    writer.add_token_merges(["a b"])
+
+
 def write_converter_gguf(path, hf_model, skip: tuple[str, ...] = (), architecture: str | None = None,
-                         split_max_tensors: int = 0, quantize: dict[str, str] | None = None) -> None:
+                         split_max_tensors: int = 0, quantize: dict[str, str] | None = None,
+                         tokenizer: bool = False) -> None:
     """split_max_tensors > 0: gguf-split's layout, path's stem + -0000i-of-0000n.gguf, metadata in the first.
-    quantize: GGUF tensor-name suffix (e.g. "attn_q.weight") -> the GGML type it is stored in."""
+    quantize: GGUF tensor-name suffix (e.g. "attn_q.weight") -> the GGML type it is stored in. tokenizer: also
+    write tiny_models' byte vocabulary (what llama-server needs to load the file)."""
     import gguf
 
     config = hf_model.config
     arch = architecture or GGUF_ARCHITECTURES[config.model_type]
     writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     _write_metadata(writer, config, arch)
+    if tokenizer:
+        _write_byte_tokenizer(writer)
     tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[GGUF_ARCHITECTURES[config.model_type].upper()], config.num_hidden_layers)
     state = hf_model.state_dict()
     if config.tie_word_embeddings:
