@@ -74,6 +74,9 @@ def test_moe_configs_parse():
     assert qwen.dense_mlp_layers == (0, 2, 3, 4) and qwen.qk_norm and not qwen.qk_norm_whole
     assert qwen.layer_windows == ()  # transformers drops the window without use_sliding_window
     assert [qwen.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
+    windowed = _parse({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
+                       "sliding_window": 4096, "use_sliding_window": True})
+    assert windowed.layer_windows == (4096,) * 6  # Qwen3MoeAttention: every layer, no max_window_layers
     mixtral = _parse({"architectures": ["MixtralForCausalLM"], "num_local_experts": 8, "num_experts_per_tok": 2,
                       "intermediate_size": 14336, "sliding_window": 4096})
     assert (mixtral.moe_intermediate_size, mixtral.norm_topk_prob, mixtral.router_weights_float) == (14336, True, True)
