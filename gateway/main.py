@@ -187,7 +187,7 @@ async def serve(options: GatewayOptions, group: GatewayGroup | None = None,
     await constraints.start()  # the helpers load the vocabulary now, not on the first constrained request
     scheduler = scheduler_client(options)
     # the one route choice, for every API; with Redis it records the requests a scheduler loses
-    generations = Generations(tokenizer, scheduler, redis.state_reader, redis.resume)
+    generations = Generations(tokenizer, scheduler, redis.state_reader, redis.resume, options.stream_interval)
     access = build_access(options)
     doors = grpc_server(options, access)
     model = await wait_for_model(options, generations)

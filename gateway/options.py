@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from gateway.text.tool_syntax_names import TOOL_CALL_PARSERS
 from plumbing.message_size import PUBLIC_MAX_MESSAGE_BYTES
-from plumbing.options import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, PORT, Options, option
+from plumbing.options import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, PORT, POSITIVE, Options, option
 
 if TYPE_CHECKING:
     from gateway.apis.openai.http_connections import ConnectionLimits
@@ -92,6 +92,10 @@ class GatewayOptions(Options):
         30.0, "with Redis, a stream (every API) whose scheduler goes away mid-request waits this long for the "
               "restarted scheduler to go on with it (it re-admits the request) and continues from Redis without a "
               "lost or repeated token; 0: it ends UNAVAILABLE at once", type=float)
+    stream_interval: int = option(
+        1, "a stream's messages after its first carry this many tokens (its last may carry fewer): fewer, larger "
+           "messages cost the gateway less CPU per token, at chunkier streams (vLLM's and SGLang's "
+           "--stream-interval)", type=POSITIVE)
     max_connection_age_s: float = option(
         1800.0, "gRPC connections older than this get GOAWAY (calls in flight finish first), so clients behind a "
                 "load balancer spread over new replicas; 0 disables", type=float)

@@ -48,9 +48,11 @@ class SchedulerSide:
     in the background, and its Redis record, marked failed (gateway.generation.lost_requests)."""
 
     def __init__(self, tokenizer: TextTokenizer, scheduler: SchedulerTarget,
-                 on_request_lost: Callable[[str, ServingError, bool], None] | None = None) -> None:
+                 on_request_lost: Callable[[str, ServingError, bool], None] | None = None,
+                 stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
+        self.stream_interval = stream_interval  # tokens per message after the first (--stream-interval)
         # (request_id, error, accepted): a request whose scheduler stream broke; the gateway ends its record
         self.on_request_lost = on_request_lost
         # set by the gateway before it stops its servers: calls cancelled by that are not client cancels,

@@ -44,10 +44,13 @@ class Generations(SchedulerSide):
     followers), held once for the three APIs; plus the owners and sample groups of what streams here."""
 
     def __init__(self, tokenizer: TextTokenizer, scheduler: SchedulerTarget,
-                 records: RequestStateReader | None = None, resume: ResumeStore | None = None) -> None:
+                 records: RequestStateReader | None = None, resume: ResumeStore | None = None,
+                 stream_interval: int = 1) -> None:
         """records: the requests' Redis records (None without Redis): a request its scheduler loses, and that
-        resume does not carry on (n > 1, or no token streams), is marked failed there."""
-        super().__init__(tokenizer, scheduler, LostRequestRecorder(records) if records is not None else None)
+        resume does not carry on (n > 1, or no token streams), is marked failed there. stream_interval: tokens
+        per message after a stream's first (gateway.generation.stream.every_interval)."""
+        super().__init__(tokenizer, scheduler, LostRequestRecorder(records) if records is not None else None,
+                         stream_interval)
         self.records = records
         self.resume = resume  # None without Redis: the plain route, no resume
         self.owners = resume.owners if resume is not None and resume.owners is not None else RequestOwners(records)

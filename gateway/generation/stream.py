@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 from core.errors import Cancelled, DeadlineExceeded, ServingError, Unavailable
-from core.outputs import FinishReason, RequestOutput, RequestTimings
+from core.outputs import FinishReason, RequestOutput, RequestTimings, coalesce
 from core.step import TokenLogprobs
 from gateway.prepare.request_builder import PreparedRequest
 from gateway.generation.context import CallContext, SchedulerSide
@@ -81,6 +81,21 @@ class GenerationDelta:
     index: int = 0  # which of a request's samples (n > 1: gateway.generation.samples) this delta belongs to
 
 
+async def every_interval(outputs: AsyncIterator[RequestOutput], interval: int) -> AsyncIterator[RequestOutput]:
+    """outputs as a stream sends them with --stream-interval (vLLM's and SGLang's): the first at once (the
+    time to first token is not delayed), then one output each time interval tokens have come, and the
+    finished one. Fewer messages mean less of the gRPC and HTTP cost per token, which is per message.
+    What is held back when outputs fail was never sent, so a resumed stream gets it again (its index)."""
+    held: RequestOutput | None = None
+    first = True
+    async with contextlib.aclosing(outputs):
+        async for output in outputs:
+            held = output if held is None else coalesce(held, output)
+            if first or held.finished or len(held.new_token_ids) >= interval:
+                first, output, held = False, held, None
+                yield output
+
+
 async def stream_generation(prepared: PreparedRequest, call: CallContext, side: SchedulerSide, *,
                             target: Route | None = None, observer: RequestObserver | None = None,
                             resumable: bool = False) -> AsyncIterator[GenerationDelta]:
@@ -104,7 +119,8 @@ async def stream_generation(prepared: PreparedRequest, call: CallContext, side: 
     deltas = _Deltas(prepared, side.tokenizer, call.arrival)
     finished = answered = False
     try:
-        async with contextlib.aclosing(outputs):  # leaving early cancels the call: the scheduler frees the pages
+        # leaving early cancels the call: the scheduler frees the pages
+        async with contextlib.aclosing(every_interval(outputs, side.stream_interval)) as outputs:
             async for output in outputs:
                 if not answered:
                     answered = True

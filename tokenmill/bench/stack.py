@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "so every running stream decodes each step)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         help="both paths' scheduler plans step N+1 while N runs (default: the scheduler's default)")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the cluster's gateway: tokens per message after a stream's first (serve's "
+                             "--stream-interval; default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", nargs="?", const="-", metavar="FILE",
                         help="write the figures as JSON to FILE and print the table; bare: JSON on stdout, no table")
@@ -165,7 +168,7 @@ def run_level(llm, tokenizer, address: str, probe: ClusterProbe, concurrency: in
 def run_levels(args: argparse.Namespace, model_dir: Path, log) -> list[dict]:
     from gateway.text.tokenizer import load_tokenizer
     from scheduler.options import SchedulerOptions
-    from tokenmill.cluster.config import LOCAL_WORKER, ClusterConfig, resolve_ports
+    from tokenmill.cluster.config import LOCAL_GATEWAY, LOCAL_WORKER, ClusterConfig, resolve_ports
     from tokenmill.cluster.specs import cluster_specs
     from tokenmill.cluster.supervisor import Supervisor
     from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig
@@ -180,7 +183,8 @@ def run_levels(args: argparse.Namespace, model_dir: Path, log) -> list[dict]:
     cluster = resolve_ports(ClusterConfig(
         model=str(model_dir), gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
         max_num_batched_tokens=budget, worker=replace(LOCAL_WORKER, kv_cache_mb=args.kv_cache_mb),
-        scheduler=scheduler, worker_metrics_port=0, scheduler_metrics_port=0, gateway_metrics_port=0))
+        scheduler=scheduler, gateway=replace(LOCAL_GATEWAY, stream_interval=args.stream_interval),
+        worker_metrics_port=0, scheduler_metrics_port=0, gateway_metrics_port=0))
     with Supervisor(cluster_specs(cluster), echo=False) as supervisor:
         pids = {name: pid for name in supervisor.children if (pid := supervisor.pid(name)) is not None}
         probe = ClusterProbe(pids, f"http://{cluster.host}:{cluster.worker_metrics_port}/metrics",

@@ -120,3 +120,16 @@ async def test_without_redis_the_plain_stream_runs_and_resume_is_unavailable(tok
     assert not await redis_client.exists(token_stream_key(request_id)), "not resumable: no token stream"
     with pytest.raises(Unavailable, match="resume_from_index needs Redis"):
         await collect(generations.stream(prepared(tokenizer, request_id), CallContext(time.monotonic(), resume_from=2)))
+
+
+async def test_a_stream_interval_sends_the_same_tokens_in_fewer_messages(tokenizer, scheduler):
+    """--stream-interval 4 on the plain route: the first token at once, then messages of 4 or more tokens
+    (fewer when the stream ends), the same greedy tokens and text as one message per token."""
+    every_token = await collect(Generations(tokenizer, scheduler).stream(
+        prepared(tokenizer, f"interval-1-{uuid.uuid4().hex}"), CallContext(time.monotonic())))
+    chunked = await collect(Generations(tokenizer, scheduler, stream_interval=4).stream(
+        prepared(tokenizer, f"interval-4-{uuid.uuid4().hex}"), CallContext(time.monotonic())))
+    assert token_ids(chunked) == token_ids(every_token) and len(token_ids(chunked)) == MAX_TOKENS
+    assert "".join(delta.text for delta in chunked) == "".join(delta.text for delta in every_token)
+    assert len(chunked) <= 3 and all(len(delta.token_ids) >= 4 for delta in chunked[1:-1])
+    assert chunked[-1].finish is not None
