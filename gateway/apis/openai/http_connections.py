@@ -1,7 +1,7 @@
 """Connection limits of the HTTP API: a header-read timeout, an idle keep-alive timeout and a cap on
 concurrent connections per client address (issue 31: slowloris and idle connections held forever).
 
-    limits = ConnectionLimits(header_timeout_s=10, keepalive_timeout_s=30, max_connections_per_client=256)
+    limits = ConnectionLimits(header_timeout_s=10, keepalive_timeout_s=30, max_connections_per_client=1024)
     app.middlewares.insert(0, track_requests)      # outermost: where a request begins, its header wait ends
     runner = web.AppRunner(app, keepalive_timeout=limits.keepalive_timeout_s)
     await runner.setup()
@@ -42,8 +42,11 @@ REFUSED_LINGER_S = 1.0  # how long a refused connection may take to read its 429
 class ConnectionLimits:
     header_timeout_s: float = 10.0  # first byte of a request to its complete headers; 0: no limit
     keepalive_timeout_s: float = 30.0  # idle between requests (and before the first); longer than clients' pools keep
-    # open connections per client address (clients behind one proxy or NAT share one); 0: no cap
-    max_connections_per_client: int = 256
+    # open connections per client address (clients behind one proxy or NAT share one); 0: no cap. Well above
+    # a load generator's concurrency: one that opens a connection per request (vLLM's benchmark_serving,
+    # tokenmill bench) briefly holds more than c of them, and at 256 a c=256 run got 6 of 512 requests
+    # refused (scripts/peers/compare.sh --near-free, 2026-12-06)
+    max_connections_per_client: int = 1024
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
