@@ -111,7 +111,7 @@ def test_serve_makes_a_secret_per_cluster_that_travels_in_the_environment_not_ar
 
 def test_the_http_api_has_header_and_keepalive_timeouts_and_a_per_client_cap_by_default():
     limits = gateway_args([]).http_connections
-    assert (limits.header_timeout_s, limits.keepalive_timeout_s, limits.max_connections_per_client) == (10.0, 30.0, 256)
+    assert (limits.header_timeout_s, limits.keepalive_timeout_s, limits.max_connections_per_client) == (10.0, 30.0, 1024)
     serve = cli.build_parser().parse_args(["serve", "--http-header-timeout-s", "5", "--http-keepalive-timeout-s", "20",
                                            "--http-max-connections-per-client", "32"])
     config = resolve_ports(ClusterConfig(gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
