@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayOptions:
     schedulers = tuple(args.scheduler or (() if args.scheduler_dns else (DEFAULT_SCHEDULER,)))
     server_tls = tls.server_tls_from_args(parser, args)
     scheduler_tls = tls.client_tls_from_args(parser, args, "scheduler")
-    connections = http_connections.limits_from_args(parser, args)
+    connections = http_connections.limits_from_args(args)
     secret = internal_secret.secret_from_args(parser, args)
     if secret and (len(schedulers) != 1 or args.scheduler_dns):
         parser.error("the internal secret ($TOKENMILL_INTERNAL_SECRET or --internal-secret-file) is sent to one "

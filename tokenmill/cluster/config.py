@@ -19,9 +19,10 @@ import sys
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from gateway.apis.openai import http_connections
 from gateway.options import GatewayOptions
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, PUBLIC_MAX_MESSAGE_BYTES
-from plumbing.options import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, PORT, POSITIVE, POSITIVE_FLOAT, POWER_OF_TWO
+from plumbing.options import NON_NEGATIVE_FLOAT, PORT, POSITIVE, POWER_OF_TWO
 from plumbing.tls import ClusterTLS
 from scheduler.options import SchedulerOptions
 from tokenmill.cluster.readiness import connect_address, free_port
@@ -36,6 +37,9 @@ from worker.options import WorkerOptions
 LOCAL_WORKER = WorkerOptions(dtype="float32")
 LOCAL_GATEWAY = GatewayOptions(metrics_linger_s=0.0, processes=1)
 SERVICES = (("worker", WorkerOptions), ("scheduler", SchedulerOptions), ("gateway", GatewayOptions))
+
+
+_HTTP_LIMITS = http_connections.ConnectionLimits()  # the gateway's defaults are serve's
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +77,9 @@ class ClusterConfig:
     max_message_bytes: int = PUBLIC_MAX_MESSAGE_BYTES  # the gateway's (gRPC messages and HTTP bodies)
     internal_max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES  # scheduler and worker
     # the HTTP API's connection limits (gateway.apis.openai.http_connections: the gateway's flags of the same names)
-    http_header_timeout_s: float = 10.0
-    http_keepalive_timeout_s: float = 30.0
-    http_max_connections_per_client: int = 256  # 0: no cap
+    http_header_timeout_s: float = _HTTP_LIMITS.header_timeout_s
+    http_keepalive_timeout_s: float = _HTTP_LIMITS.keepalive_timeout_s
+    http_max_connections_per_client: int = _HTTP_LIMITS.max_connections_per_client  # 0: no cap
     # scheduler and worker refuse calls without it, the gateway and scheduler send it (plumbing.internal_secret);
     # it travels in the environment, never argv. `tokenmill serve` makes one per cluster; None: none
     internal_secret: str | None = field(default=None, repr=False)
@@ -197,14 +201,7 @@ def _add_shared_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout-s", "--drain-timeout", type=NON_NEGATIVE_FLOAT, default=30.0,
                         help="at shutdown, how long gateway and scheduler let in-flight requests finish; "
                              "the grace period is stretched to cover it (default: %(default)s)")
-    parser.add_argument("--http-header-timeout-s", type=NON_NEGATIVE_FLOAT, default=10.0,
-                        help="an HTTP client that has not sent a request's complete headers this long after their "
-                             "first byte is disconnected; 0: no limit (default: %(default)s)")
-    parser.add_argument("--http-keepalive-timeout-s", type=POSITIVE_FLOAT,
-                        default=30.0, help="an idle HTTP connection is closed after this long (default: %(default)s)")
-    parser.add_argument("--http-max-connections-per-client", type=NON_NEGATIVE_INT, default=256,
-                        help="open HTTP connections per client address; more are answered 429 and closed; "
-                             "0: no cap (default: %(default)s)")
+    http_connections.add_arguments(parser)  # the gateway's own flags, passed on to it
 
 
 def resolve_ports(config: ClusterConfig) -> ClusterConfig:

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from plumbing.options import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT
+
 logger = logging.getLogger(__name__)
 
 REFUSED_LINGER_S = 1.0  # how long a refused connection may take to read its 429 and close
@@ -50,26 +52,22 @@ class ConnectionLimits:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The gateway's flags, and `tokenmill serve`'s (tokenmill.cluster.config), which passes them on."""
     defaults = ConnectionLimits()
-    parser.add_argument("--http-header-timeout-s", type=float, default=defaults.header_timeout_s,
+    parser.add_argument("--http-header-timeout-s", type=NON_NEGATIVE_FLOAT, default=defaults.header_timeout_s,
                         help="an HTTP client that has not sent a request's complete headers this long after their "
                              "first byte is disconnected (slowloris); 0: no limit (default: %(default)s)")
-    parser.add_argument("--http-keepalive-timeout-s", type=float, default=defaults.keepalive_timeout_s,
+    parser.add_argument("--http-keepalive-timeout-s", type=POSITIVE_FLOAT, default=defaults.keepalive_timeout_s,
                         help="an HTTP connection idle this long between requests, or before its first, is closed "
                              "(default: %(default)s)")
-    parser.add_argument("--http-max-connections-per-client", type=int, default=defaults.max_connections_per_client,
+    parser.add_argument("--http-max-connections-per-client", type=NON_NEGATIVE_INT,
+                        default=defaults.max_connections_per_client,
                         help="open HTTP connections one client address may hold; more are answered 429 and closed "
                              "at once; clients behind one proxy share an address; 0: no cap (default: %(default)s)")
 
 
-def limits_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ConnectionLimits:
-    if args.http_header_timeout_s < 0:
-        parser.error(f"--http-header-timeout-s={args.http_header_timeout_s} must be >= 0 (0: no limit)")
-    if args.http_keepalive_timeout_s <= 0:
-        parser.error(f"--http-keepalive-timeout-s={args.http_keepalive_timeout_s} must be > 0")
-    if args.http_max_connections_per_client < 0:
-        parser.error(f"--http-max-connections-per-client={args.http_max_connections_per_client} must be >= 0 "
-                     "(0: no cap)")
+def limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
+    """The flags' values (their types refuse what is out of range)."""
     return ConnectionLimits(args.http_header_timeout_s, args.http_keepalive_timeout_s,
                             args.http_max_connections_per_client)
 
