@@ -39,6 +39,9 @@ class CachedRequestData:
     request_id: str
     new_block_ids: list[int]  # appended to the worker's block table
     num_computed_tokens: int  # before this step; lets the worker check it agrees
+    # pages dropped from the end of the worker's block table before new_block_ids are appended: the tail
+    # that only rejected draft tokens had written (speculative decoding gave them back)
+    num_dropped_block_ids: int = 0
 
 
 @dataclass(slots=True)
@@ -56,6 +59,9 @@ class StepPlan:
     # that could write those device pages)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # speculative decoding: request id -> the draft tokens it verifies this step. They follow its known
+    # tokens, and num_scheduled_tokens counts them (a decode with k drafts computes 1 + k rows)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -88,6 +94,9 @@ class StepResult:
     # one entry per request whose computed count reached its token count this step (the others
     # were mid-prefill chunks and sample nothing)
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # speculative decoding: per request that verified drafts, those accepted (a prefix of its drafts, maybe
+    # empty); its step's tokens are these, then sampled_token_ids' (the correction or the bonus token)
+    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     forward_ns: int = 0
     # the prompt tokens this step's rows predict, for requests that ask for prompt logprobs (any chunk)

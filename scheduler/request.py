@@ -23,11 +23,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from core.outputs import FinishReason
 from core.requests import GenerationRequest
 from core.sampling import SamplingParams
 from core.step import PromptLogprobs, TokenLogprobs
+
+if TYPE_CHECKING:
+    from scheduler.speculation import SpeculationState
 
 
 class RequestStatus(enum.Enum):
@@ -86,6 +90,9 @@ class Request:
     # SamplingParams.prompt_logprobs: those gathered so far, in position order (entry i: prompt token i + 1)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs_sent: bool = False  # on the output of the first token
+    # speculative decoding (scheduler.speculation): its draft count and its proposer's memory; None until
+    # it first speculates, and always without --speculative
+    speculation: SpeculationState | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -95,7 +95,7 @@ _GATEWAY_ROOMS = ("gateway.apis", "gateway.generation", "gateway.prepare", "gate
 # the scheduling rule and what composes it, at scheduler/'s top; the process room drives it
 _SCHEDULER_RULE = tuple(f"scheduler.{name}" for name in (
     "scheduler", "request", "config", "queue_policy", "latency_targets", "step_time", "admission", "stats",
-    "step_pipeline", "engine", "executor", "options"))
+    "step_pipeline", "engine", "executor", "options", "speculation"))
 _WORKER_PROCESS = ("worker.main", "worker.service", "worker.build")
 _WORKER_ABOVE_KERNELS = ("main", "service", "build", "model_runner", "kv_sizing", "step_batch", "options", "memory",
                          "paths", "model", "linears", "sampling", "loader", "step_order", "step_telemetry")

@@ -1,0 +1,172 @@
+"""Speculative decoding, the scheduler's side: who proposes draft tokens, and how many each request gets.
+
+A step with speculation (issue 35) computes, for a decoding request, its one new token plus k draft tokens
+a proposer guessed; the worker verifies the drafts against the target model in that same step (one
+multi-token row per request: a chunk of 1 + k query tokens over its pages, causal among themselves) and
+returns the accepted drafts plus one token of its own (the correction at the first rejection, or the bonus
+after the last draft): 1 .. k + 1 tokens a step, the target model's output exactly (greedy: token for
+token; sampled: the same distribution, worker.sampling.speculative's rejection sampler).
+
+The seam is Proposer.propose(request, k) -> up to k token ids, called while a step is planned:
+
+    NgramProposer   prompt lookup: the last n tokens (n from max_n down to min_n) matched against the
+                    prompt and the output so far; the k tokens that followed their most recent earlier
+                    occurrence are the proposal (past the last token it repeats the period the match
+                    implies). Pure Python, no model; an index per request, extended as tokens arrive.
+
+A proposer that needs the target's hidden states (EAGLE, MTP) or runs a draft model fits the same seam
+from the worker's side: the worker runs the drafter right after the verification of step N (it holds the
+hidden states and the draft model's own KV pages, whose page ids the scheduler would hand out next to the
+target's) and returns its next proposals in StepResult; that proposer's propose() reads what the last
+result left for the request (request.speculation.worker_drafts, say) and cuts it to k. Nothing else in
+the loop changes: the k slots, the budget, acceptance and adaptation below are the same for every kind.
+
+How many drafts (SpeculationState, one per request that speculates): k starts at the server's
+--num-speculative-tokens; a step whose drafts were all accepted doubles it (up to that maximum); a
+rejection sets it to the number accepted, so a request whose drafts keep failing reaches 0 and stops
+paying for verification rows. At 0 it probes again with one draft after a pause that doubles on each
+failed probe (PROBE_PAUSE_STEPS .. MAX_PROBE_PAUSE_STEPS steps), and a success resets the pause.
+
+Who speculates (speculates()): a request decoding one token (not mid-prompt) with nothing in flight, and
+whose sampling the verification reproduces exactly. Not yet (it decodes as before): requests asking for
+logprobs (one TokenLogprobs per verified token is not carried yet), penalties (they change with every
+accepted token), a constraint (drafts would have to pass the grammar, token by token), and a seed (its
+draws are keyed by output position; the rejection sampler's are not yet).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from scheduler.request import Request
+
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16  # --num-speculative-tokens' range is 1 .. this
+NGRAM_MAX_N = 4  # prompt lookup tries the last 4 tokens first, ...
+NGRAM_MIN_N = 2  # ... then 3, then 2 (a 1-token match proposes too often to pay)
+PROBE_PAUSE_STEPS = 8  # a request at k = 0 tries one draft again after this many steps ...
+MAX_PROBE_PAUSE_STEPS = 128  # ... doubling after each failed probe, up to this
+
+
+class Proposer(Protocol):
+    def propose(self, request: Request, k: int) -> list[int]:
+        """Up to k draft tokens to follow request.all_token_ids (all known: no placeholders); [] for none."""
+
+
+@dataclass(slots=True)
+class NgramIndex:
+    """One request's n-gram -> most recent start position, over all_token_ids[:num_indexed + n - 1]'s
+    n-grams that end before its last token (so a match always has a token after it). Extended as tokens
+    arrive; rebuilt if the tokens ever got shorter."""
+
+    num_indexed: dict[int, int] = field(default_factory=dict)  # n -> n-grams indexed (start positions)
+    starts: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> its latest start
+
+
+class NgramProposer:
+    def __init__(self, max_n: int = NGRAM_MAX_N, min_n: int = NGRAM_MIN_N) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.max_n, self.min_n = max_n, min_n
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        tokens = request.all_token_ids
+        state = request.speculation
+        index = state.ngrams if state is not None else NgramIndex()
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if len(tokens) <= n:
+                continue
+            start = self._latest_start(index, tokens, n)
+            if start is not None:
+                return self._continuation(tokens, start + n, k)
+        return []
+
+    @staticmethod
+    def _continuation(tokens: list[int], first: int, k: int) -> list[int]:
+        """k tokens from position first on; past the end the proposal reads itself, so a match one period back
+        in a repeating text continues the period instead of stopping at the last token."""
+        proposal = tokens[first:first + k]
+        while len(proposal) < k:
+            proposal.append(proposal[first + len(proposal) - len(tokens)])
+        return proposal
+
+    @staticmethod
+    def _latest_start(index: NgramIndex, tokens: list[int], n: int) -> int | None:
+        """The latest start of the last n tokens earlier in tokens (its match must end before the last token)."""
+        last_start = len(tokens) - n  # the suffix itself starts here: earlier starts only
+        done = index.num_indexed.get(n, 0)
+        if done > last_start:  # the tokens got shorter (never in the loop today): start over
+            index.starts = {key: start for key, start in index.starts.items() if len(key) != n}
+            done = 0
+        for start in range(done, last_start):
+            index.starts[tuple(tokens[start:start + n])] = start
+        index.num_indexed[n] = last_start
+        return index.starts.get(tuple(tokens[last_start:]))
+
+
+@dataclass(slots=True)
+class SpeculationState:
+    """One request's adaptive draft count and its proposer's memory (Request.speculation)."""
+
+    k: int  # drafts to ask for next step (0: paused)
+    ngrams: NgramIndex = field(default_factory=NgramIndex)
+    pause: int = PROBE_PAUSE_STEPS  # steps to wait at k = 0 before probing
+    waited: int = 0  # steps waited at k = 0 so far
+    probing: bool = False  # this step's single draft is a probe
+
+
+class Speculation:
+    """The scheduler's speculation: a proposer, each request's k, and the counters the metrics read."""
+
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int) -> None:
+        if not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be in 1..{MAX_SPECULATIVE_TOKENS}")
+        self.proposer = proposer
+        self.max_k = num_speculative_tokens
+        self.num_drafts = 0  # steps of a request that verified drafts (vLLM's num_drafts)
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * num_speculative_tokens  # drafts accepted at position i
+
+    @staticmethod
+    def speculates(request: Request) -> bool:
+        params = request.sampling_params
+        return (params.logprobs is None and params.constraint is None and params.seed is None
+                and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+                and params.frequency_penalty == 0.0 and not request.num_pending_tokens)
+
+    def drafts(self, request: Request, limit: int) -> list[int]:
+        """Draft tokens for a request about to decode one token; at most limit (what its budget, max_tokens
+        and the model length leave after that token)."""
+        if limit < 1 or not self.speculates(request):
+            return []
+        state = request.speculation
+        if state is None:
+            state = request.speculation = SpeculationState(self.max_k)
+        k = state.k
+        if k == 0:
+            state.waited += 1
+            if state.waited < state.pause:
+                return []
+            state.waited, state.probing, k = 0, True, 1
+        return self.proposer.propose(request, min(k, limit))
+
+    def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """A verified step's outcome for the request: adapts its k and counts it."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+        state = request.speculation
+        if state is None:
+            return
+        if num_accepted == num_drafts:
+            state.k = min(self.max_k, max(1, 2 * state.k))
+            if state.probing:
+                state.pause = PROBE_PAUSE_STEPS
+        else:
+            state.k = num_accepted
+            if state.probing and num_accepted == 0:
+                state.pause = min(MAX_PROBE_PAUSE_STEPS, 2 * state.pause)
+        state.probing = False

@@ -1,0 +1,86 @@
+"""The proposer seam and each request's adaptive draft count (scheduler.speculation)."""
+import pytest
+
+from core.sampling import SamplingParams
+from scheduler.request import Request
+from scheduler.speculation import (MAX_PROBE_PAUSE_STEPS, PROBE_PAUSE_STEPS, NgramProposer, Speculation,
+                                   SpeculationState)
+
+
+def request(tokens, **params) -> Request:
+    return Request("r", list(tokens), SamplingParams(**{"max_tokens": 64, "temperature": 0.0, **params}))
+
+
+def test_ngram_proposes_what_followed_the_latest_match_of_the_longest_suffix():
+    proposer = NgramProposer(max_n=3, min_n=1)
+    # "7 8 9" occurs twice before the end; the latest one is followed by 4 5 6
+    tokens = [7, 8, 9, 1, 2, 3, 0, 7, 8, 9, 4, 5, 6, 0, 7, 8, 9]
+    assert proposer.propose(request(tokens), 3) == [4, 5, 6]
+    assert proposer.propose(request(tokens), 2) == [4, 5]
+    # past the end, the period the match implies (7 tokens) goes on
+    assert proposer.propose(request(tokens), 9) == [4, 5, 6, 0, 7, 8, 9, 4, 5]
+    assert proposer.propose(request([1, 2, 1, 2]), 5) == [1, 2, 1, 2, 1]
+
+
+def test_ngram_prefers_longer_matches_and_falls_back_to_shorter_ones():
+    proposer = NgramProposer(max_n=3, min_n=2)
+    # the last 3 tokens (1 2 3) occur at 0 (followed by 10); the last 2 (2 3) also at 5 (followed by 20)
+    tokens = [1, 2, 3, 10, 9, 2, 3, 20, 1, 2, 3]
+    assert proposer.propose(request(tokens), 1) == [10]
+    # no 3-gram match: the latest 2-gram match wins
+    assert proposer.propose(request([5, 6, 1, 6, 1, 9, 5, 6, 1]), 2) == [6, 1]
+    assert NgramProposer(max_n=3, min_n=2).propose(request([4, 5, 6, 1]), 2) == []  # no match at all
+    assert NgramProposer(max_n=2, min_n=2).propose(request([1, 2]), 2) == []  # too short
+
+
+def test_ngram_index_grows_with_the_output_and_matches_the_plain_scan():
+    proposer = NgramProposer(max_n=4, min_n=2)
+    live = request([3, 1, 4, 1, 5, 9, 2, 6])
+    live.speculation = SpeculationState(k=4)
+    sequence = [1, 4, 1, 5, 3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 1, 4, 1]
+    for token in sequence:
+        live.all_token_ids.append(token)
+        fresh = request(live.all_token_ids)  # a new index each time: the plain scan
+        assert proposer.propose(live, 4) == proposer.propose(fresh, 4)
+
+
+def test_requests_that_need_more_than_the_verification_gives_do_not_speculate():
+    speculation = Speculation(NgramProposer(), 4)
+    repeating = [1, 2, 3, 4] * 4
+    assert speculation.drafts(request(repeating), 4) == [1, 2, 3, 4]
+    assert speculation.drafts(request(repeating, temperature=0.8, top_p=0.9), 4) == [1, 2, 3, 4]
+    for params in ({"logprobs": 0}, {"seed": 7}, {"presence_penalty": 0.5}, {"repetition_penalty": 1.2}):
+        assert speculation.drafts(request(repeating, **params), 4) == [], params
+    assert speculation.drafts(request(repeating), 0) == []  # no room left (max_tokens, budget)
+    assert speculation.drafts(request(repeating), 2) == [1, 2]
+
+
+def test_k_grows_on_acceptance_shrinks_on_rejection_and_reprobes_at_zero():
+    speculation = Speculation(NgramProposer(), 8)
+    live = request([1, 2, 3, 4] * 8)
+    assert len(speculation.drafts(live, 16)) == 8
+    speculation.observe(live, 8, 3)
+    assert live.speculation.k == 3 and len(speculation.drafts(live, 16)) == 3
+    speculation.observe(live, 3, 3)
+    assert live.speculation.k == 6
+    speculation.observe(live, 6, 0)
+    assert live.speculation.k == 0
+    # paused: no drafts for PROBE_PAUSE_STEPS - 1 steps, then one probe
+    assert [len(speculation.drafts(live, 16)) for _ in range(PROBE_PAUSE_STEPS)] == [0] * (PROBE_PAUSE_STEPS - 1) + [1]
+    speculation.observe(live, 1, 0)  # a failed probe doubles the pause
+    assert live.speculation.pause == 2 * PROBE_PAUSE_STEPS
+    for _ in range(10):
+        live.speculation.pause = min(MAX_PROBE_PAUSE_STEPS, 2 * live.speculation.pause)
+    assert live.speculation.pause == MAX_PROBE_PAUSE_STEPS
+    drafts = [len(speculation.drafts(live, 16)) for _ in range(MAX_PROBE_PAUSE_STEPS)]
+    assert drafts[-1] == 1 and sum(drafts) == 1
+    speculation.observe(live, 1, 1)  # a successful probe: drafting again, pause reset
+    assert live.speculation.k == 1 and live.speculation.pause == PROBE_PAUSE_STEPS
+    assert speculation.num_draft_tokens == 8 + 3 + 6 + 1 + 1 and speculation.num_accepted_tokens == 3 + 3 + 0 + 0 + 1
+    assert speculation.accepted_per_position[:3] == [3, 2, 2] and speculation.num_drafts == 5
+
+
+def test_num_speculative_tokens_range():
+    for bad in (0, 17, -1):
+        with pytest.raises(ValueError, match="1..16"):
+            Speculation(NgramProposer(), bad)
