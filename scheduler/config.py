@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KV_POLICIES = ("paged", "static")
+SPECULATIVE_METHODS = ("ngram",)  # scheduler.speculation's proposers
+MAX_SPECULATIVE_TOKENS = 16  # --num-speculative-tokens' range is 1 .. this
 QUEUE_POLICIES = ("fcfs", "priority")
 
 
@@ -33,6 +35,10 @@ class SchedulerConfig:
     # largest when layers differ), None when some layer attends the whole context. Set, a running
     # request's pages that hold only positions before its window go back to the pool (paged policy)
     sliding_window: int | None = None
+    # speculative decoding (scheduler.speculation): "ngram" (prompt lookup) or None; up to
+    # num_speculative_tokens drafts per request and step, verified by the worker in the same step
+    speculative: str | None = None
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_policy not in KV_POLICIES:
@@ -50,6 +56,12 @@ class SchedulerConfig:
         for name in ("target_itl_ms", "target_ttft_ms", "sliding_window"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.speculative is not None:
+            if self.speculative not in SPECULATIVE_METHODS:
+                raise ValueError(f"speculative={self.speculative!r} is not one of {SPECULATIVE_METHODS}")
+            if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+                raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be in "
+                                 f"1..{MAX_SPECULATIVE_TOKENS}")
         if self.swap_bytes_per_s <= 0:
             raise ValueError(f"swap_bytes_per_s={self.swap_bytes_per_s} must be positive")
 

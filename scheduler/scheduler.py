@@ -26,6 +26,7 @@ from scheduler.latency_targets import LatencyTargets
 from scheduler.pages.preemption import RecomputeRate, swap_is_cheaper
 from scheduler.queue_policy import make_waiting_queue
 from scheduler.request import FINISH_REASONS, Request, RequestStatus
+from scheduler.speculation import build_speculation
 from scheduler.stats import SchedulerStats
 from scheduler.step_time import ItlTarget, StepTuning
 
@@ -62,6 +63,8 @@ class Scheduler:
         self.num_swapped_preemptions = 0  # of which swapped rather than recomputed
         self.recompute_rate = RecomputeRate()
         self.latency = LatencyTargets(config)  # each step's budget under --target-itl-ms / --target-ttft-ms
+        self.speculation = build_speculation(config)  # draft tokens per decode (--speculative), or None
+        self._dropped_tail: dict[str, int] = {}  # pages freed after rejected drafts, not yet told to the worker
 
     # --- intake -----------------------------------------------------------------------------------
 
@@ -120,6 +123,7 @@ class Scheduler:
                 request.num_computed_tokens = 0
         self.running = []
         self._on_worker.clear()  # the new worker holds nothing to drop
+        self._dropped_tail.clear()
         self._dropped_since_last_plan = []
         self.latency.forget_steps_in_flight()
         self.kv.forget_cached_content()
@@ -167,9 +171,15 @@ class Scheduler:
             if num_new == 0 or self._ends_on_pending_token(request):
                 index += 1  # async scheduling: its step in flight is its last, whatever it samples
                 continue
-            added, index = self._allocate_preempting(step, request, num_new, index)
-            if added is None:
-                continue  # the current request was the victim; self.running shifted under index
+            drafts = self._drafts(step, request, num_new)
+            added = self.kv.allocate_slots(request, num_new + len(drafts)) if drafts else None
+            if added is not None:  # speculation takes free pages only: it never preempts
+                step.plan.spec_token_ids[request.request_id] = drafts
+                num_new += len(drafts)
+            else:
+                added, index = self._allocate_preempting(step, request, num_new, index)
+                if added is None:
+                    continue  # the current request was the victim; self.running shifted under index
             step.plan.num_scheduled_tokens[request.request_id] = num_new
             step.new_block_ids[request.request_id] = added
             step.budget -= num_new
@@ -177,7 +187,8 @@ class Scheduler:
         for request in self.running:
             if request.request_id in step.plan.num_scheduled_tokens:
                 step.plan.cached_requests.append(CachedRequestData(
-                    request.request_id, step.new_block_ids[request.request_id], request.num_computed_tokens))
+                    request.request_id, step.new_block_ids[request.request_id], request.num_computed_tokens,
+                    self._dropped_tail.pop(request.request_id, 0)))
 
     def _allocate_preempting(self, step: _Step, request: Request, num_new: int,
                              index: int) -> tuple[list[int] | None, int]:
@@ -189,6 +200,7 @@ class Scheduler:
             step.preempted = True
             if victim.request_id in step.plan.num_scheduled_tokens:
                 step.budget += step.plan.num_scheduled_tokens.pop(victim.request_id)
+                step.plan.spec_token_ids.pop(victim.request_id, None)
                 step.new_block_ids.pop(victim.request_id, None)
                 index -= 1  # it sat before the current request
             self._preempt(victim)
@@ -196,6 +208,16 @@ class Scheduler:
                 return None, index
             added = self.kv.allocate_slots(request, num_new)
         return added, index
+
+    def _drafts(self, step: _Step, request: Request, num_new: int) -> list[int]:
+        """Draft tokens for a running request that decodes one token this step (speculative decoding): as
+        many as its proposer offers, within the step's budget and what max_tokens and the model length leave
+        after that token, so no accepted token can run past either."""
+        if self.speculation is None or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        limit = min(step.budget - 1, request.sampling_params.max_tokens - request.num_output_tokens - 1,
+                    self.config.max_model_len - request.num_tokens - 1)
+        return self.speculation.drafts(request, limit)
 
     def _schedule_waiting(self, step: _Step) -> None:
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -232,6 +254,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self._on_worker.add(request.request_id)
+        self._dropped_tail.pop(request.request_id, None)  # the worker gets its whole table
         step.plan.new_requests.append(NewRequestData(
             request_id=request.request_id,
             token_ids=list(request.all_token_ids),
@@ -264,6 +287,10 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            drafts = plan.spec_token_ids.get(request_id)
+            if drafts is not None:
+                outputs.extend(self._apply_verified(request, num_scheduled, drafts, result))
+                continue
             request.num_computed_tokens += num_scheduled
             self._gather_prompt_logprobs(request, result)
             token_id = result.sampled_token_ids.get(request_id)
@@ -277,6 +304,32 @@ class Scheduler:
                 self._finish(request, status)
             outputs.append(self._output(request, [token_id], [logprobs] if logprobs else []))
         return outputs
+
+    def _apply_verified(self, request: Request, num_scheduled: int, drafts: list[int],
+                        result: StepResult) -> list[RequestOutput]:
+        """A decode that verified drafts: its accepted drafts and the worker's own token join its tokens one by
+        one, stop conditions checked after each (nothing past a stop is kept); the rejected drafts' slots
+        no longer count as computed, and pages only they had written go back to the pool."""
+        accepted = result.accepted_token_ids.get(request.request_id, [])
+        token_id = result.sampled_token_ids.get(request.request_id)
+        if token_id is None or len(accepted) > len(drafts) or accepted != drafts[:len(accepted)]:
+            raise ValueError(f"step {result.step_id}: request {request.request_id!r} verified {drafts} but the "
+                             f"worker returned accepted={accepted}, token={token_id}")
+        request.num_computed_tokens += num_scheduled - (len(drafts) - len(accepted))
+        self.speculation.observe(request, len(drafts), len(accepted))
+        emitted = []
+        for token in [*accepted, token_id]:
+            request.append_output_token(token)
+            emitted.append(token)
+            status = self._stop_status(request, token)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+                break
+        else:
+            self._dropped_tail[request.request_id] = (self._dropped_tail.get(request.request_id, 0)
+                                                      + self.kv.free_tail(request))
+        return [self._output(request, emitted, [])]
 
     # --- async scheduling: plan step N+1 while step N is in flight ------------------------------
 
@@ -405,6 +458,7 @@ class Scheduler:
         del self.requests[request.request_id]
 
     def _drop_from_worker(self, request_id: str) -> None:
+        self._dropped_tail.pop(request_id, None)  # its pages went with it
         if request_id in self._on_worker:
             self._on_worker.discard(request_id)
             self._dropped_since_last_plan.append(request_id)

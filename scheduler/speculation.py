@@ -38,10 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from scheduler.config import MAX_SPECULATIVE_TOKENS, SchedulerConfig
 from scheduler.request import Request
-
-SPECULATIVE_METHODS = ("ngram",)
-MAX_SPECULATIVE_TOKENS = 16  # --num-speculative-tokens' range is 1 .. this
 NGRAM_MAX_N = 4  # prompt lookup tries the last 4 tokens first, ...
 NGRAM_MIN_N = 2  # ... then 3, then 2 (a 1-token match proposes too often to pay)
 PROBE_PAUSE_STEPS = 8  # a request at k = 0 tries one draft again after this many steps ...
@@ -113,6 +111,13 @@ class SpeculationState:
     pause: int = PROBE_PAUSE_STEPS  # steps to wait at k = 0 before probing
     waited: int = 0  # steps waited at k = 0 so far
     probing: bool = False  # this step's single draft is a probe
+
+
+def build_speculation(config: SchedulerConfig) -> Speculation | None:
+    """The config's speculation (None without one): the one place a method name becomes a proposer."""
+    if config.speculative is None:
+        return None
+    return Speculation(NgramProposer(), config.num_speculative_tokens)
 
 
 class Speculation:

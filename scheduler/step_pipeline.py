@@ -43,7 +43,9 @@ class StepPipeline(Generic[Pending]):
         if depth not in (SYNC, ASYNC_SCHEDULING):
             raise ValueError(f"pipeline depth={depth}: must be {SYNC} (sync) or {ASYNC_SCHEDULING} (async scheduling)")
         self.scheduler = scheduler
-        self.depth = depth
+        # speculative decoding plans each step from the last one's accepted tokens, which async scheduling
+        # does not have yet: with --speculative the loop is synchronous
+        self.depth = SYNC if scheduler.speculation is not None else depth
         self._in_flight: deque[InFlightStep[Pending]] = deque()  # sent and not applied, in step order
 
     @property

@@ -228,6 +228,20 @@ class KVCacheManager:
             self.pool.register(table[index], request.block_hashes[index])
         self._num_registered[request.request_id] = max(start, end)
 
+    def free_tail(self, request: PagedRequest) -> int:
+        """Gives back the pages past the ones its tokens need (speculative decoding: draft tokens the worker
+        rejected wrote the rest, and no later step reads them); returns how many, for the worker's copy of
+        the table. Such pages never entered the prefix index: only full pages of known tokens do. The
+        static policy keeps its reservation."""
+        table = self.block_tables.get(request.request_id)
+        keep = cdiv(request.num_tokens, self.block_size)
+        if self.policy == "static" or table is None or len(table) <= keep:
+            return 0
+        tail = table[keep:]
+        del table[keep:]
+        self.pool.release(reversed(tail))
+        return len(tail)
+
     def is_swapped(self, request_id: str) -> bool:
         return request_id in self.host_tables
 

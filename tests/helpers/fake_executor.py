@@ -55,24 +55,57 @@ class FakeExecutor:
             self.wants_logprobs[new.request_id] = new.sampling_params.logprobs is not None
         for cached in plan.cached_requests:
             assert self.computed[cached.request_id] == cached.num_computed_tokens
-            self.tables[cached.request_id].extend(cached.new_block_ids)
+            table = self.tables[cached.request_id]
+            assert cached.num_dropped_block_ids <= len(table)
+            del table[len(table) - cached.num_dropped_block_ids:]
+            table.extend(cached.new_block_ids)
         result = StepResult(step_id=plan.step_id)
         # all writes of the step land before any read, as in the real worker
         for request_id, count in plan.num_scheduled_tokens.items():
             start = self.computed[request_id]
+            inputs = self.tokens[request_id] + plan.spec_token_ids.get(request_id, [])  # drafts after its tokens
             for position in range(start, start + count):
-                self.slots[self._slot(request_id, position)] = (position, self.tokens[request_id][position])
+                self.slots[self._slot(request_id, position)] = (position, inputs[position])
         for request_id, count in plan.num_scheduled_tokens.items():
+            drafts = plan.spec_token_ids.get(request_id)
+            if drafts is not None:
+                self._verify(request_id, drafts, result)
+                continue
             self.computed[request_id] += count
             if self.computed[request_id] < len(self.tokens[request_id]):
                 continue
-            end = self.computed[request_id]
-            start = 0 if self.sliding_window is None else max(0, end - self.sliding_window)
-            seen = {p: self.slots.get(self._slot(request_id, p)) for p in range(start, end)}
-            assert all(s is not None and s[0] == p for p, s in seen.items()), f"{request_id}: stale page"
-            token = sum((p + 1) * s[1] for p, s in seen.items()) % VOCAB
+            token = self._read_token(request_id, self.computed[request_id])
             self.tokens[request_id].append(token)
             result.sampled_token_ids[request_id] = token
             if self.wants_logprobs[request_id]:
                 result.logprobs[request_id] = TokenLogprobs(logprob=-0.5)
         return result
+
+    def _read_token(self, request_id: str, end: int) -> int:
+        """The token after positions 0..end-1, from what the request's pages hold (next_token over them)."""
+        start = 0 if self.sliding_window is None else max(0, end - self.sliding_window)
+        seen = {p: self.slots.get(self._slot(request_id, p)) for p in range(start, end)}
+        assert all(s is not None and s[0] == p for p, s in seen.items()), f"{request_id}: stale page"
+        return sum((p + 1) * s[1] for p, s in seen.items()) % VOCAB
+
+    def _verify(self, request_id: str, drafts: list[int], result: StepResult) -> None:
+        """Speculative decoding, greedily: the drafts are accepted while each is the token the pages (which
+        hold the drafts before it) give, then that position's own token follows."""
+        tokens, start = self.tokens[request_id], self.computed[request_id]
+        assert len(tokens) == start + 1, f"{request_id}: drafts must follow exactly one uncomputed token"
+        accepted = []
+        for draft in [*drafts, None]:
+            token = self._read_token(request_id, start + 1 + len(accepted))
+            if token != draft:
+                break
+            accepted.append(token)
+        tokens.extend([*accepted, token])
+        self.computed[request_id] = start + 1 + len(accepted)
+        result.sampled_token_ids[request_id] = token
+        result.accepted_token_ids[request_id] = accepted
+
+
+def next_token(tokens: list[int], sliding_window: int | None = None) -> int:
+    """What FakeExecutor samples after tokens (all of them in the cache, each at its own position)."""
+    start = 0 if sliding_window is None else max(0, len(tokens) - sliding_window)
+    return sum((p + 1) * tokens[p] for p in range(start, len(tokens))) % VOCAB

@@ -1,0 +1,185 @@
+"""Speculative decoding in the scheduling rule, fed by the fake worker (tests/helpers/fake_executor.py), which
+verifies drafts greedily against the tokens its pages give: k lookahead slots in the page budget, 1 + k
+tokens in the token budget, accepted tokens appended one by one with every stop condition checked, rejected
+slots (and whole pages) given back, and any sequence of steps, aborts and preemptions keeping the pools
+consistent."""
+import random
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler.config import SchedulerConfig
+from scheduler.engine import EngineCore
+from scheduler.pages.kv_manager import cdiv
+from scheduler.request import RequestStatus
+from scheduler.scheduler import Scheduler
+from scheduler.speculation import Speculation
+from tests.helpers.fake_executor import FakeExecutor, next_token
+from tests.scheduler.conftest import make_request
+from tests.scheduler.pages.test_page_pool_property import check_pool
+
+
+class OracleProposer:
+    """Proposes the fake model's own continuation, each draft wrong with probability error_rate (and the
+    ones after a wrong draft follow the wrong text: the worker rejects them all)."""
+
+    def __init__(self, error_rate: float, seed: int = 0, sliding_window: int | None = None) -> None:
+        self.error_rate, self.rng, self.sliding_window = error_rate, random.Random(seed), sliding_window
+        self.proposed = 0
+
+    def propose(self, request, k):
+        tokens, drafts = list(request.all_token_ids), []
+        for _ in range(k):
+            token = next_token(tokens, self.sliding_window)
+            if self.rng.random() < self.error_rate:
+                token = (token + 1) % 1000
+            drafts.append(token)
+            tokens.append(token)
+        self.proposed += len(drafts)
+        return drafts
+
+
+def make_engine(num_blocks=64, block_size=4, error_rate=0.3, seed=0, k=4, **config):
+    scheduler = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=block_size, speculative="ngram",
+                                          num_speculative_tokens=k, **config))
+    scheduler.speculation = Speculation(OracleProposer(error_rate, seed, config.get("sliding_window")), k)
+    executor = FakeExecutor(num_blocks, block_size, config.get("sliding_window"))
+    return EngineCore(scheduler, executor, async_scheduling=True)  # speculation makes the loop synchronous
+
+
+def plain_engine(num_blocks=64, block_size=4, **config):
+    return EngineCore(Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=block_size, **config)),
+                      FakeExecutor(num_blocks, block_size, config.get("sliding_window")), async_scheduling=False)
+
+
+def outputs_of(engine, prompts, **params):
+    requests = [make_request(prompt, request_id=f"q{i}", **params) for i, prompt in enumerate(prompts)]
+    results = engine.run_to_completion(requests)
+    return {request_id: [t for output in outputs for t in output.new_token_ids] for request_id, outputs in results.items()}
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [4] * 11, [5, 6]]
+
+
+def test_output_is_the_same_with_drafts_and_takes_fewer_steps():
+    plain = plain_engine()
+    expected = outputs_of(plain, PROMPTS, max_tokens=24)
+    engine = make_engine(error_rate=0.2)
+    assert outputs_of(engine, PROMPTS, max_tokens=24) == expected
+    speculation = engine.scheduler.speculation
+    assert speculation.num_accepted_tokens > 0 and speculation.num_draft_tokens > speculation.num_accepted_tokens
+    assert len(engine.executor.plans) < len(plain.executor.plans)
+    assert engine.pipeline.depth == 1  # speculation plans from the last step's accepted tokens
+    for plan in engine.executor.plans:  # the budget counts the drafts: 1 + k rows per verifying request
+        for request_id, drafts in plan.spec_token_ids.items():
+            assert plan.num_scheduled_tokens[request_id] == 1 + len(drafts) <= 1 + 4
+    assert engine.scheduler.kv.pool.num_free == 64
+
+
+def test_a_perfect_proposer_never_runs_past_max_tokens_or_the_model_length():
+    for max_tokens in (1, 2, 5, 13):
+        engine = make_engine(error_rate=0.0, k=8)
+        outputs = outputs_of(engine, PROMPTS, max_tokens=max_tokens)
+        assert all(len(tokens) == max_tokens for tokens in outputs.values()), (max_tokens, outputs)
+        assert outputs == outputs_of(plain_engine(), PROMPTS, max_tokens=max_tokens)
+    engine = make_engine(error_rate=0.0, k=8, max_model_len=12)
+    outputs = outputs_of(engine, [[1, 2, 3, 4, 5]], max_tokens=100)
+    assert len(outputs["q0"]) == 7
+
+
+def test_nothing_past_a_stop_token_among_the_accepted_drafts():
+    expected = outputs_of(plain_engine(), [[3, 1, 4]], max_tokens=30)["q0"]
+    stop = expected[9]
+    cut = expected[:expected.index(stop) + 1]  # the first occurrence ends it
+    assert outputs_of(plain_engine(), [[3, 1, 4]], max_tokens=30, params={"stop_token_ids": (stop,)})["q0"] == cut
+    engine = make_engine(error_rate=0.0, k=8)
+    outputs = engine.run_to_completion([make_request([3, 1, 4], request_id="s", max_tokens=30,
+                                                     params={"stop_token_ids": (stop,)})])["s"]
+    assert [t for output in outputs for t in output.new_token_ids] == cut
+    assert outputs[-1].finished and outputs[-1].finish_reason.value == "stop"
+    assert max(len(output.new_token_ids) for output in outputs) > 1  # several tokens in one step
+    assert engine.scheduler.kv.pool.num_free == 64
+
+
+def test_rejected_drafts_give_their_whole_pages_back():
+    # block size 4: a decode at position 9 with 8 drafts takes 3 more pages; all rejected -> given back
+    engine = make_engine(error_rate=1.0, k=8, block_size=4)
+    request = make_request([1, 2, 3, 4, 5, 6, 7, 8, 9], request_id="p", max_tokens=20)
+    engine.add_request(request)
+    engine.step()  # prefill: samples token 10
+    assert len(engine.scheduler.kv.block_table("p")) == 3
+    engine.step()  # 8 drafts (every one wrong): 9 slots, positions 9..17, two more pages
+    assert engine.executor.plans[-1].cached_requests[0].new_block_ids.__len__() == 2
+    assert request.num_computed_tokens == 10 and request.num_tokens == 11
+    assert len(engine.scheduler.kv.block_table("p")) == cdiv(11, 4)  # the page of 12..15 and 16..17 went back
+    assert engine.scheduler.kv.pool.num_free == 64 - 3
+    state = request.speculation
+    assert state.k == 0  # a request that never accepts stops paying
+    scheduled = [engine.executor.plans[-1].num_scheduled_tokens["p"]]
+    for _ in range(5):
+        engine.step()
+        scheduled.append(engine.executor.plans[-1].num_scheduled_tokens["p"])
+    assert scheduled == [9, 1, 1, 1, 1, 1]
+    assert engine.executor.plans[2].cached_requests[0].num_dropped_block_ids == 2
+
+
+def test_the_worker_hears_of_dropped_pages_in_the_next_plan():
+    engine = make_engine(error_rate=0.5, k=8, block_size=2, seed=3)
+    outputs_of(engine, [[1, 2, 3]] * 3, max_tokens=40)
+    dropped = [cached.num_dropped_block_ids for plan in engine.executor.plans for cached in plan.cached_requests]
+    assert sum(dropped) > 0  # and the fake worker's reads through its trimmed tables found every page
+
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.lists(st.integers(1, 6), min_size=1, max_size=14), st.integers(1, 12)),
+        st.tuples(st.just("step"), st.integers(1, 4)),
+        st.tuples(st.just("abort"), st.integers(0, 50)),
+        st.tuples(st.just("preempt"), st.integers(0, 50)),
+    ),
+    max_size=40,
+)
+
+
+def check_tails(scheduler) -> None:
+    """After each applied step no running request holds a page past those its tokens need (paged)."""
+    for request in scheduler.running:
+        if scheduler.config.kv_policy == "paged":
+            assert len(scheduler.kv.block_table(request.request_id)) <= cdiv(request.num_tokens, 4)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(operations, st.sampled_from(["paged", "static"]), st.sampled_from([0.0, 0.3, 1.0]), st.integers(1, 8),
+       st.sampled_from([0, 3]), st.sampled_from([None, 5]), st.integers(0, 1000))
+def test_page_pool_stays_consistent_with_rejections(ops, kv_policy, error_rate, k, num_host_blocks, sliding_window,
+                                                    seed):
+    engine = make_engine(num_blocks=12, block_size=4, error_rate=error_rate, seed=seed, k=k,
+                         max_num_batched_tokens=9, kv_policy=kv_policy, num_host_blocks=num_host_blocks,
+                         sliding_window=sliding_window)
+    added = []
+    for op in ops:
+        if op[0] == "add":
+            request = make_request(op[1], max_tokens=op[2])
+            if engine.scheduler.kv.blocks_needed_at_most(request) <= 12:
+                engine.add_request(request)
+                added.append(request)
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                engine.step()
+                check_tails(engine.scheduler)
+        elif op[0] == "abort" and added:
+            engine.abort_request(added[op[1] % len(added)].request_id)
+        elif op[0] == "preempt" and engine.scheduler.running:
+            engine.scheduler._preempt(engine.scheduler.running[op[1] % len(engine.scheduler.running)])
+        check_pool(engine)
+    while engine.has_unfinished():  # finish everything, still checking each step
+        engine.step()
+        check_tails(engine.scheduler)
+        check_pool(engine)
+    assert engine.scheduler.kv.pool.num_free == 12
+    for request in added:
+        assert request.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        if request.status == RequestStatus.FINISHED_LENGTH:
+            assert request.num_output_tokens == request.sampling_params.max_tokens
+            tokens = request.all_token_ids
+            for end in range(request.num_prompt_tokens, len(tokens)):  # the fake model's own output, exactly
+                assert tokens[end] == next_token(tokens[:end], sliding_window)
