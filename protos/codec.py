@@ -199,11 +199,13 @@ def step_plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
             request_id=cached.request_id,
             new_block_ids=cached.new_block_ids,
             num_computed_tokens=cached.num_computed_tokens,
+            num_dropped_block_ids=cached.num_dropped_block_ids,
         )
     # dict insertion order is the packed batch order; a repeated field keeps it (a proto map would not)
     scheduled = msg.num_scheduled_tokens
+    drafts = plan.spec_token_ids
     for request_id, num_tokens in plan.num_scheduled_tokens.items():
-        scheduled.add(request_id=request_id, num_tokens=num_tokens)
+        scheduled.add(request_id=request_id, num_tokens=num_tokens, spec_token_ids=drafts.get(request_id, ()))
     for device_block_id, host_block_id in plan.swap_out:
         msg.swap_out.add(device_block_id=device_block_id, host_block_id=host_block_id)
     for device_block_id, host_block_id in plan.swap_in:
@@ -231,10 +233,13 @@ def step_plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlan:
                 request_id=cached.request_id,
                 new_block_ids=list(cached.new_block_ids),
                 num_computed_tokens=cached.num_computed_tokens,
+                num_dropped_block_ids=cached.num_dropped_block_ids,
             )
             for cached in msg.cached_requests
         ],
         num_scheduled_tokens={entry.request_id: entry.num_tokens for entry in msg.num_scheduled_tokens},
+        spec_token_ids={entry.request_id: list(entry.spec_token_ids) for entry in msg.num_scheduled_tokens
+                        if entry.spec_token_ids},
         finished_request_ids=list(msg.finished_request_ids),
         swap_out=[(copy.device_block_id, copy.host_block_id) for copy in msg.swap_out],
         swap_in=[(copy.device_block_id, copy.host_block_id) for copy in msg.swap_in],
@@ -250,8 +255,10 @@ def step_result_to_proto(result: StepResult) -> worker_pb2.StepResult:
         )
     msg = worker_pb2.StepResult(step_id=result.step_id, forward_ns=result.forward_ns)
     sampled_tokens = msg.sampled_tokens
+    accepted = result.accepted_token_ids
     for request_id, token_id in result.sampled_token_ids.items():
-        entry = sampled_tokens.add(request_id=request_id, token_id=token_id)
+        entry = sampled_tokens.add(request_id=request_id, token_id=token_id,
+                                   accepted_token_ids=accepted.get(request_id, ()))
         token_logprobs = logprobs.get(request_id)
         if token_logprobs is not None:
             # SetInParent: a logprob of exactly 0.0 with no top list must still read as "present"
@@ -267,14 +274,18 @@ def step_result_to_proto(result: StepResult) -> worker_pb2.StepResult:
 
 def step_result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
     sampled_token_ids: dict[str, int] = {}
+    accepted_token_ids: dict[str, list[int]] = {}
     logprobs: dict[str, TokenLogprobs] = {}
     for entry in msg.sampled_tokens:
         sampled_token_ids[entry.request_id] = entry.token_id
+        if entry.accepted_token_ids:
+            accepted_token_ids[entry.request_id] = list(entry.accepted_token_ids)
         if entry.HasField("logprobs"):
             logprobs[entry.request_id] = token_logprobs_from_proto(entry.logprobs)
     return StepResult(
         step_id=msg.step_id,
         sampled_token_ids=sampled_token_ids,
+        accepted_token_ids=accepted_token_ids,
         logprobs=logprobs,
         forward_ns=msg.forward_ns,
         prompt_logprobs={chunk.request_id: PromptLogprobs(chunk.first_position,

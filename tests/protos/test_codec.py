@@ -92,6 +92,17 @@ def test_step_plan_round_trip_keeps_everything_and_batch_order():
     assert list(decoded.num_scheduled_tokens) == ["old-c", "new-a", "old-b"]
 
 
+def test_speculative_step_round_trip():
+    """Drafts ride with their request's scheduled count, accepted tokens with its sampled one, and dropped tail
+    pages with its diff; requests without any keep none."""
+    plan = StepPlan(step_id=9, cached_requests=[CachedRequestData("a", [4], 30, num_dropped_block_ids=2),
+                                                CachedRequestData("b", [], 12)],
+                    num_scheduled_tokens={"a": 4, "b": 1}, spec_token_ids={"a": [7, 0, 49151]})
+    assert codec.step_plan_from_proto(over_the_wire(codec.step_plan_to_proto(plan))) == plan
+    result = StepResult(step_id=9, sampled_token_ids={"a": 5, "b": 6}, accepted_token_ids={"a": [7, 0]})
+    assert codec.step_result_from_proto(over_the_wire(codec.step_result_to_proto(result))) == result
+
+
 def test_empty_plan_round_trip():
     plan = StepPlan(step_id=0)
     msg = over_the_wire(codec.step_plan_to_proto(plan))

@@ -26,7 +26,7 @@ from protos.tokenmill.v1 import common_pb2 as protos_dot_tokenmill_dot_v1_dot_co
 from protos.tokenmill.v1 import sampling_pb2 as protos_dot_tokenmill_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/tokenmill/v1/worker.proto\x12\x0ctokenmill.v1\x1a protos/tokenmill/v1/common.proto\x1a\"protos/tokenmill/v1/sampling.proto\"\x14\n\x12GetCapacityRequest\"\xc8\x01\n\x13GetCapacityResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12/\n\x0cmodel_config\x18\x03 \x01(\x0b\x32\x19.tokenmill.v1.ModelConfig\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x16\n\x0ekv_cache_bytes\x18\x05 \x01(\x04\x12\x17\n\x0fkv_cache_sizing\x18\x06 \x01(\t\x12\x17\n\x0fnum_host_blocks\x18\x07 \x01(\r\"\xd0\x01\n\x0eNewRequestData\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.tokenmill.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x15\n\rtrace_context\x18\x07 \x01(\t\"[\n\x11\x43\x61\x63hedRequestData\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\"9\n\x0fScheduledTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\";\n\tBlockCopy\x12\x17\n\x0f\x64\x65vice_block_id\x18\x01 \x01(\r\x12\x15\n\rhost_block_id\x18\x02 \x01(\r\"\xb9\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x32\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1c.tokenmill.v1.NewRequestData\x12\x38\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32\x1f.tokenmill.v1.CachedRequestData\x12;\n\x14num_scheduled_tokens\x18\x04 \x03(\x0b\x32\x1d.tokenmill.v1.ScheduledTokens\x12\x1c\n\x14\x66inished_request_ids\x18\x05 \x03(\t\x12)\n\x08swap_out\x18\x06 \x03(\x0b\x32\x17.tokenmill.v1.BlockCopy\x12(\n\x07swap_in\x18\x07 \x03(\x0b\x32\x17.tokenmill.v1.BlockCopy\"c\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12-\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1b.tokenmill.v1.TokenLogprobs\"\x9c\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x32\n\x0esampled_tokens\x18\x02 \x03(\x0b\x32\x1a.tokenmill.v1.SampledToken\x12\x12\n\nforward_ns\x18\x03 \x01(\x03\x12\x35\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1c.tokenmill.v1.PromptLogprobs\"j\n\x0ePromptLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12,\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x1b.tokenmill.v1.TokenLogprobs\"\x0f\n\rHealthRequest\"k\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x1a\n\x12num_steps_executed\x18\x02 \x01(\x04\x12\x14\n\x0cnum_requests\x18\x03 \x01(\r\x12\x18\n\x10num_steps_queued\x18\x04 \x01(\x04\x32\xe2\x01\n\x06Worker\x12R\n\x0bGetCapacity\x12 .tokenmill.v1.GetCapacityRequest\x1a!.tokenmill.v1.GetCapacityResponse\x12?\n\x0b\x45xecuteStep\x12\x16.tokenmill.v1.StepPlan\x1a\x18.tokenmill.v1.StepResult\x12\x43\n\x06Health\x12\x1b.tokenmill.v1.HealthRequest\x1a\x1c.tokenmill.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/tokenmill/v1/worker.proto\x12\x0ctokenmill.v1\x1a protos/tokenmill/v1/common.proto\x1a\"protos/tokenmill/v1/sampling.proto\"\x14\n\x12GetCapacityRequest\"\xc8\x01\n\x13GetCapacityResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12/\n\x0cmodel_config\x18\x03 \x01(\x0b\x32\x19.tokenmill.v1.ModelConfig\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x16\n\x0ekv_cache_bytes\x18\x05 \x01(\x04\x12\x17\n\x0fkv_cache_sizing\x18\x06 \x01(\t\x12\x17\n\x0fnum_host_blocks\x18\x07 \x01(\r\"\xd0\x01\n\x0eNewRequestData\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.tokenmill.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x15\n\rtrace_context\x18\x07 \x01(\t\"z\n\x11\x43\x61\x63hedRequestData\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x1d\n\x15num_dropped_block_ids\x18\x04 \x01(\r\"Q\n\x0fScheduledTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x16\n\x0espec_token_ids\x18\x03 \x03(\r\";\n\tBlockCopy\x12\x17\n\x0f\x64\x65vice_block_id\x18\x01 \x01(\r\x12\x15\n\rhost_block_id\x18\x02 \x01(\r\"\xb9\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x32\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1c.tokenmill.v1.NewRequestData\x12\x38\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32\x1f.tokenmill.v1.CachedRequestData\x12;\n\x14num_scheduled_tokens\x18\x04 \x03(\x0b\x32\x1d.tokenmill.v1.ScheduledTokens\x12\x1c\n\x14\x66inished_request_ids\x18\x05 \x03(\t\x12)\n\x08swap_out\x18\x06 \x03(\x0b\x32\x17.tokenmill.v1.BlockCopy\x12(\n\x07swap_in\x18\x07 \x03(\x0b\x32\x17.tokenmill.v1.BlockCopy\"\x7f\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12-\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1b.tokenmill.v1.TokenLogprobs\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x04 \x03(\r\"\x9c\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x32\n\x0esampled_tokens\x18\x02 \x03(\x0b\x32\x1a.tokenmill.v1.SampledToken\x12\x12\n\nforward_ns\x18\x03 \x01(\x03\x12\x35\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1c.tokenmill.v1.PromptLogprobs\"j\n\x0ePromptLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12,\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x1b.tokenmill.v1.TokenLogprobs\"\x0f\n\rHealthRequest\"k\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x1a\n\x12num_steps_executed\x18\x02 \x01(\x04\x12\x14\n\x0cnum_requests\x18\x03 \x01(\r\x12\x18\n\x10num_steps_queued\x18\x04 \x01(\x04\x32\xe2\x01\n\x06Worker\x12R\n\x0bGetCapacity\x12 .tokenmill.v1.GetCapacityRequest\x1a!.tokenmill.v1.GetCapacityResponse\x12?\n\x0b\x45xecuteStep\x12\x16.tokenmill.v1.StepPlan\x1a\x18.tokenmill.v1.StepResult\x12\x43\n\x06Health\x12\x1b.tokenmill.v1.HealthRequest\x1a\x1c.tokenmill.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,23 +40,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NEWREQUESTDATA']._serialized_start=346
   _globals['_NEWREQUESTDATA']._serialized_end=554
   _globals['_CACHEDREQUESTDATA']._serialized_start=556
-  _globals['_CACHEDREQUESTDATA']._serialized_end=647
-  _globals['_SCHEDULEDTOKENS']._serialized_start=649
-  _globals['_SCHEDULEDTOKENS']._serialized_end=706
-  _globals['_BLOCKCOPY']._serialized_start=708
-  _globals['_BLOCKCOPY']._serialized_end=767
-  _globals['_STEPPLAN']._serialized_start=770
-  _globals['_STEPPLAN']._serialized_end=1083
-  _globals['_SAMPLEDTOKEN']._serialized_start=1085
-  _globals['_SAMPLEDTOKEN']._serialized_end=1184
-  _globals['_STEPRESULT']._serialized_start=1187
-  _globals['_STEPRESULT']._serialized_end=1343
-  _globals['_PROMPTLOGPROBS']._serialized_start=1345
-  _globals['_PROMPTLOGPROBS']._serialized_end=1451
-  _globals['_HEALTHREQUEST']._serialized_start=1453
-  _globals['_HEALTHREQUEST']._serialized_end=1468
-  _globals['_HEALTHRESPONSE']._serialized_start=1470
-  _globals['_HEALTHRESPONSE']._serialized_end=1577
-  _globals['_WORKER']._serialized_start=1580
-  _globals['_WORKER']._serialized_end=1806
+  _globals['_CACHEDREQUESTDATA']._serialized_end=678
+  _globals['_SCHEDULEDTOKENS']._serialized_start=680
+  _globals['_SCHEDULEDTOKENS']._serialized_end=761
+  _globals['_BLOCKCOPY']._serialized_start=763
+  _globals['_BLOCKCOPY']._serialized_end=822
+  _globals['_STEPPLAN']._serialized_start=825
+  _globals['_STEPPLAN']._serialized_end=1138
+  _globals['_SAMPLEDTOKEN']._serialized_start=1140
+  _globals['_SAMPLEDTOKEN']._serialized_end=1267
+  _globals['_STEPRESULT']._serialized_start=1270
+  _globals['_STEPRESULT']._serialized_end=1426
+  _globals['_PROMPTLOGPROBS']._serialized_start=1428
+  _globals['_PROMPTLOGPROBS']._serialized_end=1534
+  _globals['_HEALTHREQUEST']._serialized_start=1536
+  _globals['_HEALTHREQUEST']._serialized_end=1551
+  _globals['_HEALTHRESPONSE']._serialized_start=1553
+  _globals['_HEALTHRESPONSE']._serialized_end=1660
+  _globals['_WORKER']._serialized_start=1663
+  _globals['_WORKER']._serialized_end=1889
 # @@protoc_insertion_point(module_scope)

@@ -49,22 +49,26 @@ class NewRequestData(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling_params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., trace_context: _Optional[str] = ...) -> None: ...
 
 class CachedRequestData(_message.Message):
-    __slots__ = ("request_id", "new_block_ids", "num_computed_tokens")
+    __slots__ = ("request_id", "new_block_ids", "num_computed_tokens", "num_dropped_block_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DROPPED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+    num_dropped_block_ids: int
+    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_dropped_block_ids: _Optional[int] = ...) -> None: ...
 
 class ScheduledTokens(_message.Message):
-    __slots__ = ("request_id", "num_tokens")
+    __slots__ = ("request_id", "num_tokens", "spec_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    spec_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., spec_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("device_block_id", "host_block_id")
@@ -93,14 +97,16 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequestData, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("request_id", "token_id", "logprobs")
+    __slots__ = ("request_id", "token_id", "logprobs", "accepted_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_id: int
     logprobs: _common_pb2.TokenLogprobs
-    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+    accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "sampled_tokens", "forward_ns", "prompt_logprobs")
