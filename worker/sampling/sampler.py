@@ -61,7 +61,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow],
         raise ValueError(f"sample: logits must be [len(rows)={len(rows)}, V], got {list(logits.shape)}")
     if not rows:
         return [], []
-    choice_logits = _biased(logits, rows)
+    choice_logits = biased_logits(logits, rows)
     if token_bitmask is not None:
         choice_logits = masked_logits(choice_logits, token_bitmask)
     if all(_is_plain_greedy(row.params) for row in rows):
@@ -74,7 +74,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow],
     return _with_logprobs(logits, rows, token_ids, logprob_rows)
 
 
-def _biased(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def biased_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """logits, or a copy with each row's logit_bias added (OpenAI: to the raw logits, before anything)."""
     biased_rows = [(i, row.params.logit_bias) for i, row in enumerate(rows) if row.params.logit_bias]
     if not biased_rows:
@@ -160,6 +160,20 @@ def _update_rows(logits: torch.Tensor, row_indices: list[int], update: Callable[
 
 def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """logits: [R, V] penalized, one row per sampling (non-greedy) request; modified. Returns [R] int64."""
+    probs = filtered_probs(logits, rows)  # [R, V]
+    noise = _exponential_noise(probs, rows)  # [R, V]
+    return argmax_rows(probs.div_(noise))
+
+
+def sampling_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """[R, V] float32: the distribution sample() draws each (non-greedy, penalty-free) row from: logit_bias,
+    temperature, min-p, top-k, top-p, softmax (speculative decoding's target distribution). logits is kept."""
+    return filtered_probs(biased_logits(logits, rows).float().clone(), rows)
+
+
+def filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """logits: [R, V], one row per non-greedy request; modified. Temperature, then min-p, top-k and top-p
+    remove tokens; -> the softmax of what is left, [R, V]."""
     device = logits.device
     temperature = torch.tensor([row.params.temperature for row in rows], dtype=logits.dtype, device=device)
     logits.div_(temperature.unsqueeze(1))
@@ -182,9 +196,7 @@ def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         top_p = torch.tensor(top_ps, dtype=logits.dtype, device=device) if any(p < 1.0 for p in top_ps) else None
         _update_rows(logits, members, lambda sub: _apply_top_k_top_p(sub, top_k, top_p))
 
-    probs = logits.softmax(dim=-1)  # [R, V]
-    noise = _exponential_noise(probs, rows)  # [R, V]
-    return argmax_rows(probs.div_(noise))
+    return logits.softmax(dim=-1)  # [R, V]
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:

@@ -1,0 +1,94 @@
+"""Verifying draft tokens (speculative decoding, issue 35): which of a request's drafts the target model accepts,
+and the one token of its own that follows them.
+
+A request that verifies k drafts d_1..d_k computes 1 + k rows in one step (its last known token, then the
+drafts); row j's logits are the target's prediction after d_1..d_j (row 0: after its known tokens). So
+
+    greedy          accept while argmax(row j) == d_{j+1}; the token after the accepted ones is the argmax of
+                    the first row that disagreed (the correction) or of row k (the bonus): exactly the tokens
+                    decoding one at a time gives, as many as the drafts got right plus one.
+    temperature > 0 the standard rejection sampler (Leviathan et al. 2023; Chen et al. 2023): d_{j+1} drawn from
+                    the draft distribution q_j is accepted with probability min(1, p_j(d) / q_j(d)), p_j the
+                    target's sampling distribution at row j (worker.sampling.sampler.sampling_probs: bias,
+                    temperature, min-p, top-k, top-p); at the first rejection the token is drawn from
+                    max(0, p_j - q_j), renormalised; after k acceptances from p_k. Every emitted token then
+                    follows the target's distribution exactly. A proposer with no distribution of its own (n-gram
+                    prompt lookup) is a point mass q(d) = 1: d is accepted with probability p(d), and the
+                    correction is drawn from p with d removed, renormalised. draft_probs carries q for a
+                    proposer that has one (a draft model).
+
+Requests with penalties, logprobs, a constraint or a seed are not sent drafts (scheduler.speculation).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from worker.sampling.sampler import SamplingRow, argmax_rows, biased_logits, sampling_probs
+
+
+def verify(logits: torch.Tensor, rows: Sequence[SamplingRow], drafts: Sequence[Sequence[int]],
+           generator: torch.Generator | None = None) -> list[tuple[list[int], int]]:
+    """logits: [sum(1 + k_i), V] float32, request i's 1 + k_i rows in a block, in order; rows[i] and drafts[i]
+    its sampling and its k_i drafts. -> per request (the accepted drafts, the token after them)."""
+    sizes = [1 + len(request_drafts) for request_drafts in drafts]
+    if logits.dim() != 2 or logits.shape[0] != sum(sizes) or len(rows) != len(drafts):
+        raise ValueError(f"verify: logits must be [{sum(sizes)}, V] for {len(rows)} requests, got {list(logits.shape)}")
+    blocks = torch.split(logits, sizes)
+    greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+    verdicts: list[tuple[list[int], int] | None] = [None] * len(rows)
+    if greedy:  # one argmax and one host copy for every greedy request's rows
+        expanded = [rows[i] for i in greedy for _ in range(sizes[i])]
+        choices = argmax_rows(biased_logits(torch.cat([blocks[i] for i in greedy]), expanded)).tolist()
+        offset = 0
+        for i in greedy:
+            verdicts[i] = accept_greedy(choices[offset:offset + sizes[i]], drafts[i])
+            offset += sizes[i]
+    for i, row in enumerate(rows):
+        if verdicts[i] is None:
+            probs = sampling_probs(blocks[i], [row] * sizes[i])  # [1 + k, V]
+            verdicts[i] = rejection_sample(probs, drafts[i], None, generator)
+    return verdicts
+
+
+def accept_greedy(choices: Sequence[int], drafts: Sequence[int]) -> tuple[list[int], int]:
+    """choices: the target's argmax at each of the 1 + k rows. The longest prefix of drafts it agrees with,
+    and its own choice after that prefix."""
+    num_accepted = 0
+    while num_accepted < len(drafts) and choices[num_accepted] == drafts[num_accepted]:
+        num_accepted += 1
+    return list(drafts[:num_accepted]), int(choices[num_accepted])
+
+
+def rejection_sample(target_probs: torch.Tensor, draft_ids: Sequence[int], draft_probs: torch.Tensor | None = None,
+                     generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """target_probs: [k + 1, V] the target's distribution at each row; draft_ids: the k drafts; draft_probs:
+    [k, V] the distribution each was drawn from (None: a point mass on each draft). -> (the accepted
+    drafts, the token after them), every emitted token distributed as the target's."""
+    k = len(draft_ids)
+    device = target_probs.device
+    num_accepted = k
+    if k:
+        ids = torch.tensor(list(draft_ids), dtype=torch.long, device=device)  # [k]
+        positions = torch.arange(k, device=device)
+        p = target_probs[positions, ids]  # [k] the target's probability of each draft
+        q = draft_probs[positions, ids] if draft_probs is not None else torch.ones_like(p)
+        uniform = torch.rand(k, generator=generator, device=device, dtype=p.dtype)
+        rejected = (uniform * q >= p).tolist()  # accept with probability min(1, p / q)
+        num_accepted = rejected.index(True) if True in rejected else k
+    if num_accepted == k:
+        return list(draft_ids), _draw_one(target_probs[k], generator)
+    residual = target_probs[num_accepted].clone()
+    if draft_probs is not None:
+        residual.sub_(draft_probs[num_accepted]).clamp_(min=0.0)
+    else:
+        residual[draft_ids[num_accepted]] = 0.0
+    if not float(residual.sum()) > 0.0:  # p == q to the last bit: any draw from p is as good
+        residual = target_probs[num_accepted]
+    return list(draft_ids[:num_accepted]), _draw_one(residual, generator)
+
+
+def _draw_one(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from probs [V] (unnormalised weights)."""
+    return int(torch.multinomial(probs, 1, generator=generator))
