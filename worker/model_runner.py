@@ -33,7 +33,9 @@ from worker.model.llama import LlamaModel
 from worker.options import WorkerOptions
 from worker.paths import build_execution_path
 from worker.paths.base import StepInputs, resolve_execution
+from worker.sampling.penalties import has_penalties
 from worker.sampling.sampler import SamplingRow, prompt_logprobs
+from worker.sampling.speculative import verify
 from worker.sampling.structured_output import StructuredOutput
 from worker.step_batch import RequestSpan, StepBatch
 
@@ -78,6 +80,10 @@ class PreparedStep:
     prompt_logprob_targets: list[int] = field(default_factory=list)
     prompt_logprob_top: list[int] = field(default_factory=list)
     prompt_logprob_spans: list[tuple[str, int, int]] = field(default_factory=list)
+    # speculative decoding: the requests that verify drafts this step, batch order (batch.verify_rows' owners)
+    verify_ids: list[str] = field(default_factory=list)
+    verify_states: list[RunnerRequestState] = field(default_factory=list)
+    verify_drafts: list[list[int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -145,6 +151,11 @@ class ModelRunner:
                     f"{cached.num_computed_tokens} in the plan but {state.num_computed_tokens} in the worker"
                 )
             self._check_block_ids(cached.request_id, cached.new_block_ids, plan.step_id)
+            if cached.num_dropped_block_ids:  # pages only rejected drafts had written, given back
+                if cached.num_dropped_block_ids > len(state.block_table):
+                    raise PlanMismatchError(f"step {plan.step_id}: request {cached.request_id!r} drops "
+                                            f"{cached.num_dropped_block_ids} pages of {len(state.block_table)}")
+                del state.block_table[len(state.block_table) - cached.num_dropped_block_ids:]
             state.block_table.extend(cached.new_block_ids)
 
     def _new_matcher(self, new: NewRequestData) -> llguidance.LLMatcher | None:
@@ -169,6 +180,9 @@ class ModelRunner:
         step = PreparedStep(plan.step_id, batch)
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
             state = self._state(request_id, plan.step_id)
+            if request_id in plan.spec_token_ids:
+                self._pack_verify(plan, request_id, state, step)
+                continue
             start, end = state.num_computed_tokens, state.num_computed_tokens + num_tokens
             if num_tokens < 1 or end > state.num_planned_tokens:
                 raise PlanMismatchError(
@@ -193,6 +207,31 @@ class ModelRunner:
                 state.pending_sources[end] = (plan.step_id, len(step.sampling_ids) - 1)
                 state.num_pending_tokens += 1
         return step
+
+    @staticmethod
+    def _pack_verify(plan: StepPlan, request_id: str, state: RunnerRequestState, step: PreparedStep) -> None:
+        """A decode with k drafts: one span of 1 + k rows (its last token, then the drafts), all reaching lm_head.
+        Its computed count covers them all until run() knows how many were accepted."""
+        drafts, num_tokens = plan.spec_token_ids[request_id], plan.num_scheduled_tokens[request_id]
+        start, params = state.num_computed_tokens, state.sampling_params
+        if (not drafts or num_tokens != 1 + len(drafts) or state.num_pending_tokens
+                or len(state.token_ids) != start + 1):
+            raise PlanMismatchError(f"step {plan.step_id}: request {request_id!r} verifies {len(drafts)} drafts in "
+                                    f"{num_tokens} tokens from {start}, but it has {len(state.token_ids)} tokens")
+        if (params.logprobs is not None or params.seed is not None or state.matcher is not None
+                or has_penalties(params)):
+            raise PlanMismatchError(f"step {plan.step_id}: request {request_id!r} got drafts, but its logprobs, "
+                                    f"seed, penalties or constraint are not verified yet (scheduler.speculation)")
+        batch = step.batch
+        first_row = len(batch.input_ids)
+        batch.spans.append(RequestSpan(first_row, num_tokens, start + num_tokens, state.block_table))
+        batch.input_ids.extend([state.token_ids[start], *drafts])
+        batch.positions.extend(range(start, start + num_tokens))
+        batch.verify_rows.extend(range(first_row, first_row + num_tokens))
+        state.num_computed_tokens = start + num_tokens
+        step.verify_ids.append(request_id)
+        step.verify_states.append(state)
+        step.verify_drafts.append(list(drafts))
 
     @staticmethod
     def _pack_prompt_logprob_rows(request_id: str, state: RunnerRequestState, start: int, end: int,
@@ -243,11 +282,13 @@ class ModelRunner:
                 batch.input_ids[row] = state.token_ids[position]
         with torch.inference_mode():
             started = time.perf_counter_ns()
-            logits = self.execution_path.forward(batch, prepared.inputs)  # [R + Q, vocab] float32
+            logits = self.execution_path.forward(batch, prepared.inputs)  # [R + Q + S, vocab] float32
             forward_ns = time.perf_counter_ns() - started
             num_sample_rows = len(batch.sample_rows)
-            prompt_entries = prompt_logprobs(logits[num_sample_rows:], prepared.prompt_logprob_targets,
-                                             prepared.prompt_logprob_top)
+            num_verify_start = num_sample_rows + len(batch.prompt_logprob_rows)  # verify rows come last
+            prompt_entries = prompt_logprobs(logits[num_sample_rows:num_verify_start],
+                                             prepared.prompt_logprob_targets, prepared.prompt_logprob_top)
+            verdicts = self._verify(prepared, logits[num_verify_start:])
             logits = logits[:num_sample_rows]
             # token_ids hold exactly the tokens sampled before this step: what penalties and seeds read
             rows = [SamplingRow(state.sampling_params, state.token_ids, state.num_prompt_tokens)
@@ -269,11 +310,34 @@ class ModelRunner:
             result.sampled_token_ids[request_id] = token_id
             if state.sampling_params.logprobs is not None and token_logprobs is not None:
                 result.logprobs[request_id] = token_logprobs
+        self._apply_verdicts(prepared, verdicts, result)
         offset = 0
         for request_id, first_position, count in prepared.prompt_logprob_spans:
             result.prompt_logprobs[request_id] = PromptLogprobs(first_position, prompt_entries[offset:offset + count])
             offset += count
         return result
+
+    @staticmethod
+    def _verify(prepared: PreparedStep, logits: torch.Tensor) -> list[tuple[list[int], int]]:
+        """The verdict on each verifying request's drafts (logits: [S, vocab], its 1 + k rows in a block each)."""
+        if not prepared.verify_ids:
+            return []
+        rows = [SamplingRow(state.sampling_params, state.token_ids, state.num_prompt_tokens)
+                for state in prepared.verify_states]
+        return verify(logits, rows, prepared.verify_drafts)
+
+    def _apply_verdicts(self, prepared: PreparedStep, verdicts: list[tuple[list[int], int]],
+                        result: StepResult) -> None:
+        """Accepted drafts and the token after them join each request's tokens; rejected drafts' slots are no
+        longer computed (their K/V stays in the pages, unread, until a later step overwrites it)."""
+        with self._state_lock:
+            for request_id, state, drafts, (accepted, token_id) in zip(
+                    prepared.verify_ids, prepared.verify_states, prepared.verify_drafts, verdicts):
+                state.num_computed_tokens -= len(drafts) - len(accepted)
+                state.token_ids.extend([*accepted, token_id])
+                result.sampled_token_ids[request_id] = token_id
+                if accepted:
+                    result.accepted_token_ids[request_id] = accepted
 
     def warm_up(self) -> None:
         """One tiny forward pass through both attention paths (a 2-token prefill and a decode row), then

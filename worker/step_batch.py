@@ -22,6 +22,10 @@ token the step before samples (async scheduling), C the last 3 prompt tokens of 
     logit_rows = sample_rows + prompt_logprob_rows = [4, 7, 0, 1, 2, 3]
     forward() -> logits [R + Q, vocab]: rows 0..R-1 sample, rows R.. give prompt logprobs
 
+Speculative decoding adds a fourth kind: a request verifying k draft tokens is one span of 1 + k rows (its
+last known token, then the drafts), causal among themselves over its pages like a prefill chunk, and every
+one of those rows reaches lm_head (verify_rows, after the others: logits [R + Q + sum(1 + k), vocab]).
+
 Only logit_rows reach lm_head: the other prompt rows write their K/V into the pages and stop there.
 A leaf module: it imports nothing from the worker, so any room may use it.
 """
@@ -53,11 +57,15 @@ class StepBatch:
     # [Q]: rows whose next token is a prompt token of a request asking for prompt logprobs (only those:
     # other requests' prompt rows never reach lm_head)
     prompt_logprob_rows: list[int] = field(default_factory=list)
+    # [S]: every row of the requests that verify draft tokens, in batch order (1 + k per request)
+    verify_rows: list[int] = field(default_factory=list)
     placeholder_rows: list[int] = field(default_factory=list)  # [P]: rows whose token an earlier step samples
     # per placeholder row: (step id, index among that step's sampled tokens) it reads; (-1, -1): unknown
     placeholder_sources: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def logit_rows(self) -> list[int]:
-        """[R + Q]: the rows forward() computes logits for, sample rows first."""
-        return self.sample_rows + self.prompt_logprob_rows if self.prompt_logprob_rows else self.sample_rows
+        """[R + Q + S]: the rows forward() computes logits for: sample rows, prompt-logprob rows, verify rows."""
+        if not self.prompt_logprob_rows and not self.verify_rows:
+            return self.sample_rows
+        return self.sample_rows + self.prompt_logprob_rows + self.verify_rows
