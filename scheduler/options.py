@@ -21,9 +21,10 @@ from typing import Any
 
 from plumbing import internal_secret, peer_roles, telemetry, tls
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument
-from plumbing.options import NON_NEGATIVE_INT, POSITIVE, Options, option
+from plumbing.options import NON_NEGATIVE_INT, POSITIVE, Options, option, ranged
 from plumbing.tls import ClientTLS, ServerTLS
-from scheduler.config import KV_POLICIES, QUEUE_POLICIES, SchedulerConfig
+from scheduler.config import (KV_POLICIES, MAX_SPECULATIVE_TOKENS, QUEUE_POLICIES, SPECULATIVE_METHODS,
+                              SchedulerConfig)
 
 # The default --orphan-timeout-s (scheduler.process.orphans): long enough for a client whose gateway died to
 # reconnect through another (and for a gateway to follow a request again after its scheduler restarted)
@@ -66,6 +67,17 @@ class SchedulerOptions(Options):
     async_scheduling: bool = option(True, "plan each step only after the previous step's result (the synchronous "
                                           "loop; by default step N+1 is planned and sent while the worker runs "
                                           "step N, and N's results are applied while N+1 runs)")
+    # speculative decoding (scheduler.speculation; issue 35)
+    speculative: str | None = option(
+        None, "speculative decoding: ngram proposes each request's next tokens by prompt lookup (its last 4..2 "
+              "tokens matched earlier in its prompt and output) and the worker verifies them in the same step, "
+              "so greedy output stays token for token the same and sampled output keeps its distribution; "
+              "requests asking for logprobs, penalties, a seed or a constraint decode as before; implies the "
+              "synchronous loop (--no-async-scheduling)", choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int = option(
+        4, f"with --speculative: the most draft tokens a request verifies a step (1..{MAX_SPECULATIVE_TOKENS}); "
+           "each request's own count follows its acceptance below it",
+        type=ranged(int, 1, MAX_SPECULATIVE_TOKENS, what=f"in 1..{MAX_SPECULATIVE_TOKENS}"))
     # a model whose every layer slides: give back each request's pages before its window
     # (scheduler.pages.kv_manager). No flag: the process always does; tokenmill.llm's engine may not
     free_window_pages: bool = True
@@ -109,7 +121,8 @@ class SchedulerOptions(Options):
             max_model_len=min(self.max_model_len or model_max_len, model_max_len), kv_policy=self.kv_policy,
             queue_policy=self.queue_policy, enable_prefix_caching=self.enable_prefix_caching,
             num_host_blocks=num_host_blocks, bytes_per_block=bytes_per_block, target_itl_ms=self.target_itl_ms,
-            target_ttft_ms=self.target_ttft_ms, sliding_window=sliding_window if self.free_window_pages else None)
+            target_ttft_ms=self.target_ttft_ms, sliding_window=sliding_window if self.free_window_pages else None,
+            speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens)
 
 
 def add_shared_arguments(parser: argparse.ArgumentParser) -> None:
