@@ -500,4 +500,13 @@ class Scheduler:
             num_swapped=len(self.kv.host_tables),
             num_host_blocks=self.config.num_host_blocks,
             num_used_host_blocks=self.kv.host_pool.num_used,
+            **self._speculation_stats(),
         )
+
+    def _speculation_stats(self) -> dict[str, object]:
+        speculation = self.speculation
+        if speculation is None:
+            return {}
+        return {"spec_num_drafts": speculation.num_drafts, "spec_num_draft_tokens": speculation.num_draft_tokens,
+                "spec_num_accepted_tokens": speculation.num_accepted_tokens,
+                "spec_accepted_per_position": tuple(speculation.accepted_per_position)}

@@ -24,3 +24,9 @@ class SchedulerStats:
     num_swapped: int = 0  # requests whose pages are in the host tier now (swapped out, waiting)
     num_host_blocks: int = 0  # pages of the host swap tier (0: no swap tier)
     num_used_host_blocks: int = 0
+    # speculative decoding since start (scheduler.speculation; zeros without --speculative): verifying
+    # steps of a request, draft tokens verified, of which accepted, and accepted at each draft position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()

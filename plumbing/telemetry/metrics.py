@@ -161,7 +161,16 @@ SCHEDULER_METRICS = {
                                      "target or more)",
     "tokenmill:itl_target_misses_total": "Steps whose time (planning to result) exceeded --target-itl-ms",
     "tokenmill:cache_config_info": "The KV cache's configuration, as labels (value 1)",
+    "tokenmill:spec_decode_num_drafts_total": "Speculative decoding: verifications of a request's draft tokens "
+                                              "(one per request and step)",
+    "tokenmill:spec_decode_num_draft_tokens_total": "Speculative decoding: draft tokens verified",
+    "tokenmill:spec_decode_num_accepted_tokens_total": "Speculative decoding: draft tokens accepted",
+    "tokenmill:spec_decode_num_accepted_tokens_per_pos_total": "Speculative decoding: draft tokens accepted at each "
+                                                               "draft position (0: the first draft)",
 }
+# the speculative-decoding counters (SchedulerStatsCollector), all vLLM's names too
+SPEC_DECODE_COUNTERS = ("tokenmill:spec_decode_num_drafts", "tokenmill:spec_decode_num_draft_tokens",
+                        "tokenmill:spec_decode_num_accepted_tokens", "tokenmill:spec_decode_num_accepted_tokens_per_pos")
 
 REDIS_WRITES_DROPPED = "tokenmill:redis_writes_dropped_total"
 REDIS_WRITES_DROPPED_HELP = ("Request-record changes and token-stream entries the scheduler dropped, oldest first, "
@@ -209,6 +218,7 @@ VLLM_ALIASES: dict[str, tuple[str, ...]] = {
     "tokenmill:prefix_cache_hits": ("vllm:prefix_cache_hits",),
     "tokenmill:num_preemptions": ("vllm:num_preemptions",),
     "tokenmill:cache_config_info": ("vllm:cache_config_info",),
+    **{family: (family.replace("tokenmill:", "vllm:"),) for family in SPEC_DECODE_COUNTERS},
 }
 
 
@@ -264,7 +274,7 @@ def exported_metric_names() -> set[str]:
     for name in (REDIS_ROUND_TRIPS.removesuffix("_total"), SCHEDULER_STEPS.removesuffix("_total"),
                  "tokenmill:prefix_cache_queries", "tokenmill:prefix_cache_hits", "tokenmill:num_preemptions",
                  "tokenmill:num_swapped_preemptions", "tokenmill:itl_target_misses",
-                 REDIS_WRITES_DROPPED.removesuffix("_total")):
+                 REDIS_WRITES_DROPPED.removesuffix("_total"), *SPEC_DECODE_COUNTERS):
         kinds[name] = "counter"
     names = set()
     for family in families:
@@ -339,10 +349,25 @@ class SchedulerStatsCollector(Collector):
             counter = CounterMetricFamily(name.removesuffix("_total"), SCHEDULER_METRICS[name], labels=MODEL)
             counter.add_metric(model, value)
             yield counter
+        yield from _spec_decode_counters(stats, model)
         info = GaugeMetricFamily("tokenmill:cache_config_info", SCHEDULER_METRICS["tokenmill:cache_config_info"],
                                  labels=[*MODEL, *self.cache_config])
         info.add_metric([*model, *self.cache_config.values()], 1.0)
         yield info
+
+
+def _spec_decode_counters(stats, model: list[str]) -> Iterable[Metric]:
+    """Speculative decoding's counters (vLLM's spec_decode_* families), from SchedulerStats' spec_* fields."""
+    for family, value in zip(SPEC_DECODE_COUNTERS[:3], (stats.spec_num_drafts, stats.spec_num_draft_tokens,
+                                                        stats.spec_num_accepted_tokens)):
+        counter = CounterMetricFamily(family, SCHEDULER_METRICS[family + "_total"], labels=MODEL)
+        counter.add_metric(model, value)
+        yield counter
+    family = SPEC_DECODE_COUNTERS[3]
+    per_position = CounterMetricFamily(family, SCHEDULER_METRICS[family + "_total"], labels=[*MODEL, "position"])
+    for position, value in enumerate(stats.spec_accepted_per_position or (0,)):  # position 0 at least: a series
+        per_position.add_metric([*model, str(position)], value)
+    yield per_position
 
 
 class DroppedWritesCollector(Collector):
