@@ -75,7 +75,7 @@ class SchedulerOptions(Options):
               "requests asking for logprobs, penalties, a seed or a constraint decode as before; implies the "
               "synchronous loop (--no-async-scheduling)", choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int = option(
-        4, f"with --speculative: the most draft tokens a request verifies a step (1..{MAX_SPECULATIVE_TOKENS}); "
+        8, f"with --speculative: the most draft tokens a request verifies a step (1..{MAX_SPECULATIVE_TOKENS}); "
            "each request's own count follows its acceptance below it",
         type=ranged(int, 1, MAX_SPECULATIVE_TOKENS, what=f"in 1..{MAX_SPECULATIVE_TOKENS}"))
     # a model whose every layer slides: give back each request's pages before its window
