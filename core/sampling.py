@@ -65,6 +65,8 @@ class SamplingParams:
     constraint: OutputConstraint | None = None  # the output must match it (constrained decoding)
     # (token id, bias) pairs added to the raw logits before sampling (OpenAI logit_bias), by token id
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # False: the request opts out of speculative decoding (the scheduler's --speculative; scheduler.speculation)
+    speculative: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -106,7 +108,7 @@ def check_sampling_field(field: str, value: object, limits: SamplingLimits, pref
         check_int_range(name, value, *SEED_RANGE)
     elif field in ("logprobs", "prompt_logprobs"):
         check_int_range(name, value, 0, limits.max_logprobs)
-    elif field == "ignore_eos":
+    elif field in ("ignore_eos", "speculative"):
         if not isinstance(value, bool):
             raise InvalidArgument(name, value, "must be true or false")
     else:
@@ -114,7 +116,8 @@ def check_sampling_field(field: str, value: object, limits: SamplingLimits, pref
 
 
 RANGE_CHECKED_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                        "presence_penalty", "frequency_penalty", "seed", "logprobs", "prompt_logprobs", "ignore_eos")
+                        "presence_penalty", "frequency_penalty", "seed", "logprobs", "prompt_logprobs", "ignore_eos",
+                        "speculative")
 
 
 def check_sampling_params(params: SamplingParams, limits: SamplingLimits = SamplingLimits(),

@@ -41,6 +41,7 @@ def sampling_params_to_proto(params: SamplingParams) -> sampling_pb2.SamplingPar
         constraint=None if params.constraint is None else constraint_to_proto(params.constraint),
         logit_bias=[sampling_pb2.TokenBias(token_id=token_id, bias=bias) for token_id, bias in params.logit_bias],
         prompt_logprobs=params.prompt_logprobs,
+        no_speculation=not params.speculative,
     )
 
 
@@ -88,6 +89,7 @@ def sampling_params_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingPara
         constraint=constraint_from_proto(msg.constraint) if has("constraint") else None,
         logit_bias=tuple((entry.token_id, entry.bias) for entry in msg.logit_bias),
         prompt_logprobs=msg.prompt_logprobs if has("prompt_logprobs") else None,
+        speculative=not msg.no_speculation,
     )
 
 

@@ -27,8 +27,9 @@ rejection sets it to the number accepted, so a request whose drafts keep failing
 paying for verification rows. At 0 it probes again with one draft after a pause that doubles on each
 failed probe (PROBE_PAUSE_STEPS .. MAX_PROBE_PAUSE_STEPS steps), and a success resets the pause.
 
-Who speculates (speculates()): a request decoding one token (not mid-prompt) with nothing in flight, and
-whose sampling the verification reproduces exactly. Not yet (it decodes as before): requests asking for
+Who speculates (speculates()): a request decoding one token (not mid-prompt) with nothing in flight, that
+did not opt out (SamplingParams.speculative: gRPC GenerateParameters.speculative, OpenAI `"speculative":
+false`), and whose sampling the verification reproduces exactly. Not yet (it decodes as before): requests asking for
 logprobs (one TokenLogprobs per verified token is not carried yet), penalties (they change with every
 accepted token), a constraint (drafts would have to pass the grammar, token by token), and a seed (its
 draws are keyed by output position; the rejection sampler's are not yet).
@@ -136,7 +137,7 @@ class Speculation:
     @staticmethod
     def speculates(request: Request) -> bool:
         params = request.sampling_params
-        return (params.logprobs is None and params.constraint is None and params.seed is None
+        return (params.speculative and params.logprobs is None and params.constraint is None and params.seed is None
                 and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
                 and params.frequency_penalty == 0.0 and not request.num_pending_tokens)
 

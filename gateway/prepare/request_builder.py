@@ -27,7 +27,7 @@ from core.sampling import OutputConstraint
 from plumbing.grammar_sandbox import GrammarSandbox
 
 _OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "seed", "logprobs", "prompt_logprobs")
+                    "presence_penalty", "frequency_penalty", "seed", "logprobs", "prompt_logprobs", "speculative")
 MAX_REQUEST_ID_LEN = 256
 
 

@@ -107,6 +107,7 @@ class ClientSampling:
     prompt_logprobs: Unchecked = None
     constraint: OutputConstraint | None = None  # parsed from the client's own fields (gateway.prepare.constraints)
     logit_bias: Unchecked = None
+    speculative: Unchecked = None  # False: opt out of the server's speculative decoding
 
 
 def validate_sampling(limits: Limits, sampling: ClientSampling = ClientSampling(), *,
@@ -128,7 +129,7 @@ def validate_sampling(limits: Limits, sampling: ClientSampling = ClientSampling(
             )
     sampling_limits = limits.sampling_limits
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "seed", "logprobs", "prompt_logprobs", "ignore_eos"):
+                 "frequency_penalty", "seed", "logprobs", "prompt_logprobs", "ignore_eos", "speculative"):
         check_sampling_field(name, getattr(sampling, name), sampling_limits)
     if constraint is not None:
         check_size(constraint)  # the rest is checked in the grammar sandbox (check_constraints)
@@ -148,6 +149,7 @@ def validate_sampling(limits: Limits, sampling: ClientSampling = ClientSampling(
         prompt_logprobs=sampling.prompt_logprobs,  # type: ignore[arg-type]
         constraint=constraint,
         logit_bias=_validate_logit_bias(sampling.logit_bias, limits),
+        speculative=sampling.speculative is not False,
     )
 
 

@@ -12,7 +12,8 @@ samples (gateway.generation.samples; best_of > n cannot stream). Completions ech
 asks for prompt logprobs (SamplingParams.prompt_logprobs, as vLLM). Constrained
 output (response_format json_object / json_schema, vLLM's guided_json / guided_regex / guided_choice /
 guided_grammar) is gateway.prepare.constraints'. vLLM's extra sampling fields (top_k, min_p, repetition_penalty, stop_token_ids,
-ignore_eos, priority) are accepted too.
+ignore_eos, priority) are accepted too, and `speculative: false` opts a request out of the server's
+speculative decoding (--speculative; the output is the same either way).
 """
 from __future__ import annotations
 
@@ -109,7 +110,7 @@ def _finish(body: dict, prompt_ids: list[int], tokenizer: TextTokenizer, limits:
             request_id: str, max_field: str) -> OpenAIRequest:
     with _renamed("max_tokens", max_field):
         client = ClientSampling(**sampling, stop_token_ids=body.get("stop_token_ids"),
-                                ignore_eos=body.get("ignore_eos"))
+                                ignore_eos=body.get("ignore_eos"), speculative=body.get("speculative"))
         prepared = prepare_request(prompt_ids, tokenizer, limits, sampling=client, stop=body.get("stop"),
                                    request_id=request_id, priority=body.get("priority"), n=body.get("n"),
                                    best_of=body.get("best_of"))
