@@ -171,7 +171,7 @@ class EngineLoop:
         outputs = self.pipeline.apply(result)
         self.pipeline.send_next(self._send)
         await asyncio.sleep(0)  # the plan's call goes out (and handlers may enqueue) before delivering
-        with self.step_spans.delivering(step_id, lambda: self.scheduler.pop_step_tuning(step_id)):
+        with self.step_spans.delivering(step_id, lambda: self.scheduler.pop_step_tuning(step_id), result):
             self.streams.deliver(outputs, result.forward_ns)
 
     def apply_inbox(self) -> None:

@@ -29,7 +29,7 @@ from opentelemetry import trace
 
 from core.errors import DeadlineExceeded, DrainTimeout, ServingError, WorkerUnavailable
 from core.outputs import FinishReason
-from core.step import StepPlan
+from core.step import StepPlan, StepResult
 from plumbing.telemetry import metrics
 from plumbing.telemetry.logs import bind_request
 from plumbing.telemetry.span_policies import record_error
@@ -155,6 +155,7 @@ class StepSpans:
 
     def __init__(self) -> None:
         self._open: dict[int, trace.Span] = {}  # step id -> its span, from sending to delivery
+        self._verifying: set[int] = set()  # open steps that verify draft tokens (speculative decoding)
 
     @contextlib.contextmanager
     def sending(self, plan: StepPlan):
@@ -167,18 +168,28 @@ class StepSpans:
                                    attributes={"tokenmill.step_id": plan.step_id,
                                                "tokenmill.step.num_requests": len(plan.num_scheduled_tokens),
                                                "tokenmill.step.num_tokens": plan.total_num_scheduled_tokens})
+        if plan.spec_token_ids:  # speculative decoding: how many requests verify how many drafts
+            self._verifying.add(plan.step_id)
+            span.set_attributes({"tokenmill.step.num_speculating_requests": len(plan.spec_token_ids),
+                                 "tokenmill.step.num_draft_tokens": sum(map(len, plan.spec_token_ids.values()))})
         self._open[plan.step_id] = span
         with trace.use_span(span, end_on_exit=False):
             yield
 
     @contextlib.contextmanager
-    def delivering(self, step_id: int, tuning: Callable[[], StepTuning | None] = lambda: None):
+    def delivering(self, step_id: int, tuning: Callable[[], StepTuning | None] = lambda: None,
+                   result: StepResult | None = None):
         """Around handing the step's outputs to the request streams; ends the step's span with what the
-        latency targets decided for it (tuning() is read after the outputs are applied)."""
+        latency targets decided for it (tuning() is read after the outputs are applied) and, where it verified
+        drafts, how many the worker accepted (result)."""
         span = self._open.pop(step_id, None)
+        verified = step_id in self._verifying
+        self._verifying.discard(step_id)
         if span is None:
             yield
             return
+        if result is not None and verified:
+            span.set_attribute("tokenmill.step.num_accepted_tokens", sum(map(len, result.accepted_token_ids.values())))
         with trace.use_span(span, end_on_exit=True):
             yield
             record = tuning()
@@ -191,3 +202,4 @@ class StepSpans:
             span.set_status(trace.Status(trace.StatusCode.ERROR, "step abandoned: the worker failed"))
             span.end()
         self._open.clear()
+        self._verifying.clear()

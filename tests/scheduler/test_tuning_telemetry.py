@@ -66,3 +66,34 @@ def test_step_span_carries_the_tuning_decision(monkeypatch):
     assert span.attributes["tokenmill.step.predicted_ms"] == 30.0 and span.attributes["tokenmill.step.observed_ms"] == 36.0
     assert abs(span.attributes["tokenmill.step.prediction_error_ms"] - 6.0) < 1e-9
     assert span.attributes["tokenmill.step.itl_target_missed"] is True
+
+
+def test_step_span_counts_drafts_and_acceptances(monkeypatch):
+    """Speculative decoding: a step that verifies drafts says how many requests drafted, how many draft
+    tokens, and how many the worker accepted (issue 35)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    import scheduler.process.telemetry as scheduler_telemetry
+    from core.step import StepPlan, StepResult
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(scheduler_telemetry, "tracing_enabled", lambda: True)
+    monkeypatch.setattr(scheduler_telemetry, "tracer", lambda: provider.get_tracer("test"))
+    spans = scheduler_telemetry.StepSpans()
+    for step_id, drafts in ((3, {"a": [1, 2, 3], "b": [4]}), (4, {})):
+        plan = StepPlan(step_id, num_scheduled_tokens={"a": 4, "b": 2, "c": 1}, spec_token_ids=drafts)
+        with spans.sending(plan):
+            pass
+        result = StepResult(step_id, sampled_token_ids={"a": 9, "b": 8, "c": 7}, accepted_token_ids={"a": [1, 2]})
+        with spans.delivering(step_id, result=result):
+            pass
+    verifying, plain = exporter.get_finished_spans()
+    assert verifying.attributes["tokenmill.step.num_speculating_requests"] == 2
+    assert verifying.attributes["tokenmill.step.num_draft_tokens"] == 4
+    assert verifying.attributes["tokenmill.step.num_accepted_tokens"] == 2
+    assert "tokenmill.step.num_draft_tokens" not in plain.attributes
+    assert "tokenmill.step.num_accepted_tokens" not in plain.attributes
