@@ -55,6 +55,7 @@ def generate(tiny, options, prompts, speculation=None, max_tokens=24, params=Non
     model, config = tiny
     runner = ModelRunner(model, config, num_blocks=96, block_size=BLOCK_SIZE, dtype=torch.float32, options=options)
     scheduler = Scheduler(SchedulerConfig(num_blocks=96, block_size=BLOCK_SIZE, max_model_len=256,
+                                          sliding_window=config.every_layer_window,  # pages behind it go back
                                           **({"speculative": "ngram", "num_speculative_tokens": 6} if speculation else {})))
     if speculation is not None:
         scheduler.speculation = speculation
@@ -117,3 +118,18 @@ def test_the_runner_refuses_drafts_it_cannot_verify(tiny):
                     spec_token_ids={"a": [4, 5]})
     with pytest.raises(PlanMismatchError, match="not verified yet"):
         runner.execute(plan)
+
+
+@pytest.mark.parametrize("flavour", ["qwen3", "gemma2", "mistral_window"])
+def test_greedy_identity_on_other_architectures(tmp_path, flavour):
+    """q/k norms (qwen3), soft-caps and alternating local/global layers (gemma2), a sliding window on every
+    layer, whose pages the scheduler gives back as the window moves (mistral_window): verified drafts change
+    nothing, on the path `tokenmill serve` runs by default on CPU."""
+    folder, _ = make_tiny_hf_model(tmp_path, flavour)
+    model = load_model(folder, progress=False)
+    options = PATHS["cpu-default"]
+    prompts = [[(7 * i + 3) % 200 + 1 for i in range(n)] for n in (5, 13, 30)] + PROMPTS
+    expected, _, _ = generate(model, options, prompts, max_tokens=32)
+    speculation = Speculation(OracleProposer(expected, 0.3, seed=2), 6)
+    got, _, _ = generate(model, options, prompts, speculation, max_tokens=32)
+    assert got == expected and speculation.num_accepted_tokens > 0
