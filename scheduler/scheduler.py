@@ -171,7 +171,7 @@ class Scheduler:
             if num_new == 0 or self._ends_on_pending_token(request):
                 index += 1  # async scheduling: its step in flight is its last, whatever it samples
                 continue
-            drafts = self._drafts(step, request, num_new)
+            drafts = self._drafts(step, request, num_new, index)
             added = self.kv.allocate_slots(request, num_new + len(drafts)) if drafts else None
             if added is not None:  # speculation takes free pages only: it never preempts
                 step.plan.spec_token_ids[request.request_id] = drafts
@@ -209,14 +209,17 @@ class Scheduler:
             added = self.kv.allocate_slots(request, num_new)
         return added, index
 
-    def _drafts(self, step: _Step, request: Request, num_new: int) -> list[int]:
-        """Draft tokens for a running request that decodes one token this step (speculative decoding): as
-        many as its proposer offers, within the step's budget and what max_tokens and the model length leave
-        after that token, so no accepted token can run past either."""
+    def _drafts(self, step: _Step, request: Request, num_new: int, index: int) -> list[int]:
+        """Draft tokens for the running request at index, which decodes one token this step (speculative
+        decoding): as many as its proposer offers, within what the step's budget leaves once every running
+        request after it has its own token (drafts never crowd out another request's decode), and what
+        max_tokens and the model length leave after its token, so no accepted token can run past either."""
         if self.speculation is None or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
             return []
-        limit = min(step.budget - 1, request.sampling_params.max_tokens - request.num_output_tokens - 1,
+        limit = min(request.sampling_params.max_tokens - request.num_output_tokens - 1,
                     self.config.max_model_len - request.num_tokens - 1)
+        if limit >= 1:
+            limit = min(limit, step.budget - 1 - self._num_after_needing_tokens(index))
         return self.speculation.drafts(request, limit)
 
     def _schedule_waiting(self, step: _Step) -> None:

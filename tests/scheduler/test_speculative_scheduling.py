@@ -100,6 +100,22 @@ def test_nothing_past_a_stop_token_among_the_accepted_drafts():
     assert engine.scheduler.kv.pool.num_free == 64
 
 
+def test_drafts_never_crowd_out_another_requests_decode():
+    """Budget 12, eight decoding requests that could each verify 8 drafts: every request that decodes gets its
+    token every step, and the drafts share what is left."""
+    engine = make_engine(error_rate=0.0, k=8, max_num_batched_tokens=12)
+    for i in range(8):
+        engine.add_request(make_request([i + 1, 2, 3], request_id=f"d{i}", max_tokens=30))
+    num_drafts = 0
+    while engine.has_unfinished():
+        decoding = {r.request_id for r in engine.scheduler.running if r.num_tokens - r.num_computed_tokens == 1}
+        engine.step()
+        plan = engine.executor.plans[-1]
+        assert decoding <= set(plan.num_scheduled_tokens) and plan.total_num_scheduled_tokens <= 12
+        num_drafts += sum(map(len, plan.spec_token_ids.values()))
+    assert num_drafts > 0
+
+
 def test_rejected_drafts_give_their_whole_pages_back():
     # block size 4: a decode at position 9 with 8 drafts takes 3 more pages; all rejected -> given back
     engine = make_engine(error_rate=1.0, k=8, block_size=4)
