@@ -33,7 +33,6 @@ from worker.model.llama import LlamaModel
 from worker.options import WorkerOptions
 from worker.paths import build_execution_path
 from worker.paths.base import StepInputs, resolve_execution
-from worker.sampling.penalties import has_penalties
 from worker.sampling.sampler import SamplingRow, prompt_logprobs
 from worker.sampling.speculative import verify
 from worker.sampling.structured_output import StructuredOutput
@@ -218,10 +217,9 @@ class ModelRunner:
                 or len(state.token_ids) != start + 1):
             raise PlanMismatchError(f"step {plan.step_id}: request {request_id!r} verifies {len(drafts)} drafts in "
                                     f"{num_tokens} tokens from {start}, but it has {len(state.token_ids)} tokens")
-        if (params.logprobs is not None or params.seed is not None or state.matcher is not None
-                or has_penalties(params)):
+        if params.logprobs is not None or params.seed is not None or state.matcher is not None:
             raise PlanMismatchError(f"step {plan.step_id}: request {request_id!r} got drafts, but its logprobs, "
-                                    f"seed, penalties or constraint are not verified yet (scheduler.speculation)")
+                                    f"seed or constraint are not verified yet (scheduler.speculation)")
         batch = step.batch
         first_row = len(batch.input_ids)
         batch.spans.append(RequestSpan(first_row, num_tokens, start + num_tokens, state.block_table))

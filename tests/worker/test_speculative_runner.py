@@ -108,6 +108,16 @@ def test_sampled_requests_verify_through_the_rejection_sampler(tiny):
     assert 0 < speculation.num_accepted_tokens <= speculation.num_draft_tokens
 
 
+def test_penalized_greedy_requests_verify_exactly(tiny):
+    """Repetition, presence and frequency penalties count the drafts before each verified row."""
+    options = PATHS["cpu-default"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3, frequency_penalty=0.4)
+    expected, _, _ = generate(tiny, options, PROMPTS, params=params)
+    speculation = Speculation(OracleProposer(expected, 0.2, seed=5), 6)
+    got, _, _ = generate(tiny, options, PROMPTS, speculation, params=params)
+    assert got == expected and speculation.num_accepted_tokens > 0
+
+
 def test_the_runner_refuses_drafts_it_cannot_verify(tiny):
     model, config = tiny
     runner = ModelRunner(model, config, num_blocks=16, block_size=BLOCK_SIZE, dtype=torch.float32,

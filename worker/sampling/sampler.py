@@ -165,12 +165,6 @@ def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     return argmax_rows(probs.div_(noise))
 
 
-def sampling_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """[R, V] float32: the distribution sample() draws each (non-greedy, penalty-free) row from: logit_bias,
-    temperature, min-p, top-k, top-p, softmax (speculative decoding's target distribution). logits is kept."""
-    return filtered_probs(biased_logits(logits, rows).float().clone(), rows)
-
-
 def filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """logits: [R, V], one row per non-greedy request; modified. Temperature, then min-p, top-k and top-p
     remove tokens; -> the softmax of what is left, [R, V]."""

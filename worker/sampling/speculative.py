@@ -9,15 +9,17 @@ drafts); row j's logits are the target's prediction after d_1..d_j (row 0: after
                     decoding one at a time gives, as many as the drafts got right plus one.
     temperature > 0 the standard rejection sampler (Leviathan et al. 2023; Chen et al. 2023): d_{j+1} drawn from
                     the draft distribution q_j is accepted with probability min(1, p_j(d) / q_j(d)), p_j the
-                    target's sampling distribution at row j (worker.sampling.sampler.sampling_probs: bias,
-                    temperature, min-p, top-k, top-p); at the first rejection the token is drawn from
+                    target's sampling distribution at row j (target_logits, then worker.sampling.sampler.filtered_probs:
+                    bias, penalties, temperature, min-p, top-k, top-p); at the first rejection the token is drawn from
                     max(0, p_j - q_j), renormalised; after k acceptances from p_k. Every emitted token then
                     follows the target's distribution exactly. A proposer with no distribution of its own (n-gram
                     prompt lookup) is a point mass q(d) = 1: d is accepted with probability p(d), and the
                     correction is drawn from p with d removed, renormalised. draft_probs carries q for a
                     proposer that has one (a draft model).
 
-Requests with penalties, logprobs, a constraint or a seed are not sent drafts (scheduler.speculation).
+Row j's target is what sample() would draw from with the drafts before it as output so far: logit_bias, then
+penalties over prompt + output + d_1..d_j (so a draft the target saw already counts as repeated), then the
+filters. Requests with logprobs, a constraint or a seed are not sent drafts (scheduler.speculation).
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from typing import Sequence
 
 import torch
 
-from worker.sampling.sampler import SamplingRow, argmax_rows, biased_logits, sampling_probs
+from worker.sampling.penalties import apply_penalties, has_penalties
+from worker.sampling.sampler import SamplingRow, argmax_rows, biased_logits, filtered_probs
 
 
 def verify(logits: torch.Tensor, rows: Sequence[SamplingRow], drafts: Sequence[Sequence[int]],
@@ -36,20 +39,36 @@ def verify(logits: torch.Tensor, rows: Sequence[SamplingRow], drafts: Sequence[S
     if logits.dim() != 2 or logits.shape[0] != sum(sizes) or len(rows) != len(drafts):
         raise ValueError(f"verify: logits must be [{sum(sizes)}, V] for {len(rows)} requests, got {list(logits.shape)}")
     blocks = torch.split(logits, sizes)
-    greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+    plain = [i for i, row in enumerate(rows) if row.params.greedy and not has_penalties(row.params)]
     verdicts: list[tuple[list[int], int] | None] = [None] * len(rows)
-    if greedy:  # one argmax and one host copy for every greedy request's rows
-        expanded = [rows[i] for i in greedy for _ in range(sizes[i])]
-        choices = argmax_rows(biased_logits(torch.cat([blocks[i] for i in greedy]), expanded)).tolist()
+    if plain:  # one argmax and one host copy for every plain greedy request's rows
+        expanded = [rows[i] for i in plain for _ in range(sizes[i])]
+        choices = argmax_rows(biased_logits(torch.cat([blocks[i] for i in plain]), expanded)).tolist()
         offset = 0
-        for i in greedy:
+        for i in plain:
             verdicts[i] = accept_greedy(choices[offset:offset + sizes[i]], drafts[i])
             offset += sizes[i]
     for i, row in enumerate(rows):
         if verdicts[i] is None:
-            probs = sampling_probs(blocks[i], [row] * sizes[i])  # [1 + k, V]
-            verdicts[i] = rejection_sample(probs, drafts[i], None, generator)
+            target = target_logits(blocks[i], row, drafts[i])  # [1 + k, V], a copy
+            if row.params.greedy:
+                verdicts[i] = accept_greedy(argmax_rows(target).tolist(), drafts[i])
+            else:
+                probs = filtered_probs(target, [row] * sizes[i])  # [1 + k, V]
+                verdicts[i] = rejection_sample(probs, drafts[i], None, generator)
     return verdicts
+
+
+def target_logits(block: torch.Tensor, row: SamplingRow, drafts: Sequence[int]) -> torch.Tensor:
+    """A copy of one request's 1 + k rows of logits as sample() would choose from them: its logit_bias, then its
+    penalties with the drafts before each row counted as output."""
+    rows = [SamplingRow(row.params, [*row.token_ids, *drafts[:j]], row.num_prompt_tokens)
+            for j in range(len(drafts) + 1)]
+    target = biased_logits(block, rows).float()
+    target = target.clone() if target.data_ptr() == block.data_ptr() else target
+    if has_penalties(row.params):
+        apply_penalties(target, rows)
+    return target
 
 
 def accept_greedy(choices: Sequence[int], drafts: Sequence[int]) -> tuple[list[int], int]:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from core.sampling import SamplingParams
-from worker.sampling.sampler import SamplingRow, sampling_probs
-from worker.sampling.speculative import accept_greedy, rejection_sample, verify
+from worker.sampling.sampler import SamplingRow, filtered_probs, sample
+from worker.sampling.speculative import accept_greedy, rejection_sample, target_logits, verify
 
 GREEDY = SamplingRow(SamplingParams(temperature=0.0), [1, 2, 3], 3)
 
@@ -90,10 +90,30 @@ def test_the_point_mass_acceptance_rate_is_the_targets_probability_of_the_draft(
         assert accepted == [] and token != 1
 
 
-def test_sampling_probs_is_what_sample_draws_from():
+def test_the_target_is_what_sample_draws_from():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])
     row = SamplingRow(SamplingParams(temperature=0.7, top_k=3), [0], 1)
-    probs = sampling_probs(logits, [row])[0]
+    probs = filtered_probs(target_logits(logits, row, []), [row])[0]
     expected = torch.softmax(torch.tensor([2.0, 1.0, 0.5]) / 0.7, dim=-1)
     assert torch.allclose(probs[:3], expected) and probs[3:].sum() == 0
     assert logits[0, 0] == 2.0  # the caller's logits are kept
+
+
+def test_penalties_count_the_drafts_before_each_row():
+    """Row j is penalized as sample() would after the request's tokens and the first j drafts: greedy
+    verification with a repetition penalty accepts exactly what decoding one token at a time picks."""
+    torch.manual_seed(0)
+    vocab, prompt = 12, [3, 5]
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.8, frequency_penalty=0.7, presence_penalty=0.3)
+    logits = torch.randn(4, vocab)
+    logits[:, 7] += 3.0  # 7 is the raw favourite of every row: the penalties must turn it down once seen
+    one_at_a_time, tokens = [], list(prompt)
+    for row_logits in logits:
+        token = sample(row_logits.unsqueeze(0), [SamplingRow(params, list(tokens), 2)])[0][0]
+        one_at_a_time.append(token)
+        tokens.append(token)
+    drafts = one_at_a_time[:3]
+    assert verify(logits, [SamplingRow(params, prompt, 2)], [drafts]) == [(drafts, one_at_a_time[3])]
+    assert len(set(one_at_a_time)) > 1  # the penalties changed the choice along the way
+    wrong = [drafts[0], (drafts[1] + 1) % vocab, drafts[2]]
+    assert verify(logits, [SamplingRow(params, prompt, 2)], [wrong]) == [([drafts[0]], drafts[1])]
