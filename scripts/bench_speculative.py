@@ -1,6 +1,7 @@
 """Speculative decoding in the in-process engine: `python scripts/bench_speculative.py [--max-tokens 96]`.
 
-One request at a time (sync tokens/s, greedy), the default model, two workloads: an input-grounded prompt
+One request at a time (sync tokens/s, greedy; --concurrency N runs N copies of each prompt at once and
+reports output tokens/s over them all), the default model, two workloads: an input-grounded prompt
 (repeat a given paragraph word for word: prompt lookup finds the answer in the prompt) and an open-ended one
 (a short story: little to look up). For each: without speculation (async scheduling, the default, and the
 synchronous loop --speculative implies) and with --speculative ngram at two --num-speculative-tokens; the
@@ -36,6 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=1)
     args = parser.parse_args()
     tokenizer = load_tokenizer(None)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, stop_token_ids=tuple(tokenizer.stop_token_ids))
@@ -49,13 +51,15 @@ def main() -> None:
             best = float("inf")
             for _ in range(args.repeats):
                 started = time.perf_counter()
-                outputs[name] = llm.generate_token_ids([prompt], params)[0]
+                batch = llm.generate_token_ids([prompt] * args.concurrency, params)
                 best = min(best, time.perf_counter() - started)
+                outputs[name] = batch[0]
+            num_out = sum(map(len, batch))
             speculation = llm.engine.scheduler.speculation
             accepted = (f"  drafts accepted {speculation.num_accepted_tokens}/{speculation.num_draft_tokens}"
                         if speculation else "")
-            print(f"{workload:15s} {name:17s} {len(prompt)} prompt tokens, {len(outputs[name])} out, "
-                  f"{len(outputs[name]) / best:6.1f} tok/s{accepted}", flush=True)
+            print(f"{workload:15s} {name:17s} {len(prompt)} prompt tokens, {args.concurrency} x "
+                  f"{len(outputs[name])} out, {num_out / best:6.1f} tok/s{accepted}", flush=True)
         same = all(tokens == outputs["plain"] for tokens in outputs.values())
         print(f"{workload}: greedy outputs identical with and without speculation: {same}", flush=True)
 
