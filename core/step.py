@@ -97,6 +97,8 @@ class StepResult:
     # speculative decoding: per request that verified drafts, those accepted (a prefix of its drafts, maybe
     # empty); its step's tokens are these, then sampled_token_ids' (the correction or the bonus token)
     accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # ... and, for those asking for logprobs, one TokenLogprobs per accepted token (logprobs holds the last one's)
+    accepted_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     forward_ns: int = 0
     # the prompt tokens this step's rows predict, for requests that ask for prompt logprobs (any chunk)

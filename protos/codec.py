@@ -260,7 +260,9 @@ def step_result_to_proto(result: StepResult) -> worker_pb2.StepResult:
     accepted = result.accepted_token_ids
     for request_id, token_id in result.sampled_token_ids.items():
         entry = sampled_tokens.add(request_id=request_id, token_id=token_id,
-                                   accepted_token_ids=accepted.get(request_id, ()))
+                                   accepted_token_ids=accepted.get(request_id, ()),
+                                   accepted_logprobs=[token_logprobs_to_proto(entry) for entry in
+                                                      result.accepted_logprobs.get(request_id, ())])
         token_logprobs = logprobs.get(request_id)
         if token_logprobs is not None:
             # SetInParent: a logprob of exactly 0.0 with no top list must still read as "present"
@@ -277,17 +279,21 @@ def step_result_to_proto(result: StepResult) -> worker_pb2.StepResult:
 def step_result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
     sampled_token_ids: dict[str, int] = {}
     accepted_token_ids: dict[str, list[int]] = {}
+    accepted_logprobs: dict[str, list[TokenLogprobs]] = {}
     logprobs: dict[str, TokenLogprobs] = {}
     for entry in msg.sampled_tokens:
         sampled_token_ids[entry.request_id] = entry.token_id
         if entry.accepted_token_ids:
             accepted_token_ids[entry.request_id] = list(entry.accepted_token_ids)
+        if entry.accepted_logprobs:
+            accepted_logprobs[entry.request_id] = [token_logprobs_from_proto(item) for item in entry.accepted_logprobs]
         if entry.HasField("logprobs"):
             logprobs[entry.request_id] = token_logprobs_from_proto(entry.logprobs)
     return StepResult(
         step_id=msg.step_id,
         sampled_token_ids=sampled_token_ids,
         accepted_token_ids=accepted_token_ids,
+        accepted_logprobs=accepted_logprobs,
         logprobs=logprobs,
         forward_ns=msg.forward_ns,
         prompt_logprobs={chunk.request_id: PromptLogprobs(chunk.first_position,

@@ -321,6 +321,8 @@ class Scheduler:
         request.num_computed_tokens += num_scheduled - (len(drafts) - len(accepted))
         self.speculation.observe(request, len(drafts), len(accepted))
         emitted = []
+        logprobs = result.logprobs.get(request.request_id)
+        logprobs = [*result.accepted_logprobs.get(request.request_id, []), logprobs] if logprobs else []
         for token in [*accepted, token_id]:
             request.append_output_token(token)
             emitted.append(token)
@@ -332,7 +334,7 @@ class Scheduler:
         else:
             self._dropped_tail[request.request_id] = (self._dropped_tail.get(request.request_id, 0)
                                                       + self.kv.free_tail(request))
-        return [self._output(request, emitted, [])]
+        return [self._output(request, emitted, logprobs[:len(emitted)])]
 
     # --- async scheduling: plan step N+1 while step N is in flight ------------------------------
 

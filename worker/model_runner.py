@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from core.sampling import SamplingParams
-from core.step import PLACEHOLDER_TOKEN_ID, NewRequestData, PromptLogprobs, StepPlan, StepResult
+from core.step import PLACEHOLDER_TOKEN_ID, NewRequestData, PromptLogprobs, StepPlan, StepResult, TokenLogprobs
 from worker.model.attention import DECODE_GROUP_BYTES
 from worker.model.config import ModelConfig
 from worker.model.kv_cache import HostSwapSpace, allocate_kv_cache
@@ -40,6 +40,10 @@ from worker.step_batch import RequestSpan, StepBatch
 
 if TYPE_CHECKING:
     import llguidance
+
+
+# a verifying request's outcome: (accepted drafts, the token after them, logprobs of those tokens if it asks)
+Verdict = tuple[list[int], int, "list[TokenLogprobs] | None"]
 
 
 class PlanMismatchError(RuntimeError):
@@ -217,9 +221,9 @@ class ModelRunner:
                 or len(state.token_ids) != start + 1):
             raise PlanMismatchError(f"step {plan.step_id}: request {request_id!r} verifies {len(drafts)} drafts in "
                                     f"{num_tokens} tokens from {start}, but it has {len(state.token_ids)} tokens")
-        if params.logprobs is not None or params.seed is not None or state.matcher is not None:
-            raise PlanMismatchError(f"step {plan.step_id}: request {request_id!r} got drafts, but its logprobs, "
-                                    f"seed or constraint are not verified yet (scheduler.speculation)")
+        if params.seed is not None or state.matcher is not None:
+            raise PlanMismatchError(f"step {plan.step_id}: request {request_id!r} got drafts, but its seed or "
+                                    f"constraint are not verified yet (scheduler.speculation)")
         batch = step.batch
         first_row = len(batch.input_ids)
         batch.spans.append(RequestSpan(first_row, num_tokens, start + num_tokens, state.block_table))
@@ -316,26 +320,36 @@ class ModelRunner:
         return result
 
     @staticmethod
-    def _verify(prepared: PreparedStep, logits: torch.Tensor) -> list[tuple[list[int], int]]:
-        """The verdict on each verifying request's drafts (logits: [S, vocab], its 1 + k rows in a block each)."""
+    def _verify(prepared: PreparedStep, logits: torch.Tensor) -> list[Verdict]:
+        """The verdict on each verifying request's drafts (logits: [S, vocab], its 1 + k rows in a block each):
+        (accepted drafts, the token after them, raw logprobs of each of those tokens where it asks for them)."""
         if not prepared.verify_ids:
             return []
         rows = [SamplingRow(state.sampling_params, state.token_ids, state.num_prompt_tokens)
                 for state in prepared.verify_states]
-        return verify(logits, rows, prepared.verify_drafts)
+        verdicts = verify(logits, rows, prepared.verify_drafts)
+        blocks = torch.split(logits, [1 + len(drafts) for drafts in prepared.verify_drafts])
+        # the raw distribution of the row before each emitted token, as sample() reports them
+        return [(accepted, token_id, None if row.params.logprobs is None else prompt_logprobs(
+                    block[:len(accepted) + 1], [*accepted, token_id], [row.params.logprobs] * (len(accepted) + 1)))
+                for row, block, (accepted, token_id) in zip(rows, blocks, verdicts)]
 
-    def _apply_verdicts(self, prepared: PreparedStep, verdicts: list[tuple[list[int], int]],
+    def _apply_verdicts(self, prepared: PreparedStep, verdicts: list[Verdict],
                         result: StepResult) -> None:
         """Accepted drafts and the token after them join each request's tokens; rejected drafts' slots are no
         longer computed (their K/V stays in the pages, unread, until a later step overwrites it)."""
         with self._state_lock:
-            for request_id, state, drafts, (accepted, token_id) in zip(
+            for request_id, state, drafts, (accepted, token_id, logprobs) in zip(
                     prepared.verify_ids, prepared.verify_states, prepared.verify_drafts, verdicts):
                 state.num_computed_tokens -= len(drafts) - len(accepted)
                 state.token_ids.extend([*accepted, token_id])
                 result.sampled_token_ids[request_id] = token_id
                 if accepted:
                     result.accepted_token_ids[request_id] = accepted
+                if logprobs is not None:
+                    result.logprobs[request_id] = logprobs[-1]
+                    if accepted:
+                        result.accepted_logprobs[request_id] = logprobs[:-1]
 
     def warm_up(self) -> None:
         """One tiny forward pass through both attention paths (a 2-token prefill and a decode row), then

@@ -99,7 +99,9 @@ def test_speculative_step_round_trip():
                                                 CachedRequestData("b", [], 12)],
                     num_scheduled_tokens={"a": 4, "b": 1}, spec_token_ids={"a": [7, 0, 49151]})
     assert codec.step_plan_from_proto(over_the_wire(codec.step_plan_to_proto(plan))) == plan
-    result = StepResult(step_id=9, sampled_token_ids={"a": 5, "b": 6}, accepted_token_ids={"a": [7, 0]})
+    result = StepResult(step_id=9, sampled_token_ids={"a": 5, "b": 6}, accepted_token_ids={"a": [7, 0]},
+                        logprobs={"a": TokenLogprobs(-0.5, [(5, -0.5)])},
+                        accepted_logprobs={"a": [TokenLogprobs(-0.25, [(7, -0.25)]), TokenLogprobs(0.0)]})
     assert codec.step_result_from_proto(over_the_wire(codec.step_result_to_proto(result))) == result
 
 

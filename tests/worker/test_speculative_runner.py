@@ -118,11 +118,29 @@ def test_penalized_greedy_requests_verify_exactly(tiny):
     assert got == expected and speculation.num_accepted_tokens > 0
 
 
+def test_logprobs_of_every_verified_token(tiny):
+    """A request asking for logprobs gets one per token, accepted drafts included, equal to decoding one token at
+    a time (the same raw distribution, read from the verified rows)."""
+    options = PATHS["reference"]
+    params = SamplingParams(temperature=0.0, max_tokens=20, logprobs=3)
+    expected, plain_outputs, _ = generate(tiny, options, PROMPTS, params=params)
+    speculation = Speculation(OracleProposer(expected, 0.2, seed=9), 6)
+    got, outputs, _ = generate(tiny, options, PROMPTS, speculation, params=params)
+    assert got == expected and speculation.num_accepted_tokens > 0
+    for request_id, request_outputs in outputs.items():
+        logprobs = [entry for output in request_outputs for entry in output.logprobs]
+        plain = [entry for output in plain_outputs[request_id] for entry in output.logprobs]
+        assert len(logprobs) == len(plain) == 20
+        for entry, want in zip(logprobs, plain):
+            assert abs(entry.logprob - want.logprob) < 1e-4
+            assert [token for token, _ in entry.top] == [token for token, _ in want.top] and len(entry.top) == 3
+
+
 def test_the_runner_refuses_drafts_it_cannot_verify(tiny):
     model, config = tiny
     runner = ModelRunner(model, config, num_blocks=16, block_size=BLOCK_SIZE, dtype=torch.float32,
                          options=PATHS["reference"])
-    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=8, seed=1)
     runner.execute(StepPlan(0, [NewRequestData("a", [1, 2, 3], 3, params, [0], 0)], num_scheduled_tokens={"a": 3}))
     plan = StepPlan(1, cached_requests=[CachedRequestData("a", [1], 3)], num_scheduled_tokens={"a": 3},
                     spec_token_ids={"a": [4, 5]})
