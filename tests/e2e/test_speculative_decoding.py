@@ -1,6 +1,7 @@
 """Speculative decoding through real processes (issue 35): gateway -> scheduler -> worker on a tiny random
 model, once without and once with `--speculative ngram`. Greedy outputs (plain, streamed, with a stop string,
-n > 1, sharing a prefix) are identical, and the scheduler's /metrics counts accepted draft tokens."""
+n > 1, with logprobs, opted out, sharing a prefix) are identical, and the scheduler's /metrics counts accepted
+draft tokens."""
 from __future__ import annotations
 
 import asyncio
@@ -39,9 +40,14 @@ async def outputs(address: str) -> dict[str, object]:
         # a stop string the greedy text reaches: nothing past it, with or without drafts
         stop_text = plain[0].text[len(plain[0].text) // 2:][:6]
         stopped = await stub.Generate(request(PROMPTS[0], 40, stop=[stop_text]))
+        with_logprobs = await stub.Generate(request(PROMPTS[2], 24, logprobs=2))
+        opted_out = await stub.Generate(request(PROMPTS[1], 24, speculative=False))
     return {"plain": [list(reply.token_ids) for reply in plain], "texts": [reply.text for reply in plain],
             "streamed": streamed, "samples": [choice.text for choice in samples.choices],
-            "stopped": (stopped.text, stopped.finish_reason, stop_text)}
+            "stopped": (stopped.text, stopped.finish_reason, stop_text),
+            "logprobs": [(entry.token_id, entry.logprob, [top.token_id for top in entry.top_logprobs])
+                         for entry in with_logprobs.logprobs],
+            "opted_out": list(opted_out.token_ids)}
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -68,8 +74,12 @@ def tiny_model(tmp_path_factory):
 def test_greedy_output_is_identical_and_drafts_are_accepted(tiny_model):
     plain, plain_metrics = run_cluster(tiny_model)
     speculative, metrics = run_cluster(tiny_model, speculative="ngram", num_speculative_tokens=4)
+    logprobs, plain_logprobs = speculative.pop("logprobs"), plain.pop("logprobs")
     assert speculative == plain
+    assert [(token, top) for token, _, top in logprobs] == [(token, top) for token, _, top in plain_logprobs]
+    assert all(abs(got - want) < 1e-4 for (_, got, _), (_, want, _) in zip(logprobs, plain_logprobs))
     assert all(len(tokens) == 40 for tokens in plain["plain"]) and len(plain["streamed"]) == 48
+    assert len(plain_logprobs) == 24 and plain["opted_out"] == plain["plain"][1][:24]
     text, _, stop_text = plain["stopped"]
     assert stop_text and stop_text not in text  # the stop string ended it (and is not part of the text)
     assert plain_metrics["vllm:spec_decode_num_draft_tokens_total"] == 0
