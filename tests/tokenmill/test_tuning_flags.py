@@ -43,3 +43,5 @@ def test_bench_starts_one_extra_cluster_per_tuning_setting():
         "tokenmill paged swap 0.5GB": {"swap_space_gb": 0.5},
     }
     assert tuning_clusters(bench_parser().parse_args([])) == {}
+    assert tuning_clusters(bench_parser().parse_args(["--speculative-tokens", "6"])) == {
+        "tokenmill paged ngram k=6": {"speculative": "ngram", "num_speculative_tokens": 6}}

@@ -24,6 +24,10 @@ Self-tuning (issue 19), each an extra paged cluster beside the --kv-policies one
                                10 % of the best fixed budget): tokenmill.bench.itl_verdict
     --swap-space-gb 0.25       one cluster whose preemptions may swap to host memory (a memory-pressure run:
                                set --num-blocks small; the paged run beside it recomputes, the static one reserves)
+
+Speculative decoding (issue 35), an extra paged cluster too:
+    --speculative-tokens 8     one cluster with --speculative ngram --num-speculative-tokens 8 (the standard
+                               workload's random prompts give prompt lookup little to find: its open-ended case)
 """
 from __future__ import annotations
 
@@ -110,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also a paged cluster per fixed token budget (--max-num-batched-tokens)")
     parser.add_argument("--target-itl-ms", type=float, help="also a paged cluster with this ITL target")
     parser.add_argument("--swap-space-gb", type=float, help="also a paged cluster with this much swap space")
+    parser.add_argument("--speculative-tokens", type=int, choices=range(1, 17), metavar="1..16",
+                        help="also a paged cluster with --speculative ngram and this --num-speculative-tokens")
     parser.add_argument("--interleave", action="store_true",
                         help="start every cluster first, then run each level on all of them back to back (the "
                              "order rotated at every level), so that the machine's drift over a long "
@@ -178,7 +184,9 @@ def cluster_target(args, config):
 
 def cluster_settings(config, kv_policy: str) -> dict:
     return {"kv_policy": kv_policy, "max_num_batched_tokens": config.max_num_batched_tokens,
-            "target_itl_ms": config.scheduler.target_itl_ms, "swap_space_gb": config.worker.swap_space_gb}
+            "target_itl_ms": config.scheduler.target_itl_ms, "swap_space_gb": config.worker.swap_space_gb,
+            "speculative": config.scheduler.speculative,
+            "num_speculative_tokens": config.scheduler.num_speculative_tokens if config.scheduler.speculative else None}
 
 
 def run_clusters_interleaved(args, workload, clusters: list[tuple[str, str, dict]]) -> dict[str, dict]:
@@ -221,6 +229,9 @@ def tuning_clusters(args) -> dict[str, dict]:
         clusters[f"tokenmill paged itl<={args.target_itl_ms:g}ms"] = {"target_itl_ms": args.target_itl_ms}
     if args.swap_space_gb is not None:
         clusters[f"tokenmill paged swap {args.swap_space_gb:g}GB"] = {"swap_space_gb": args.swap_space_gb}
+    if args.speculative_tokens is not None:
+        clusters[f"tokenmill paged ngram k={args.speculative_tokens}"] = {
+            "speculative": "ngram", "num_speculative_tokens": args.speculative_tokens}
     return clusters
 
 
