@@ -4,7 +4,7 @@ Rooms, from the scheduling rule outwards (the shared types it works on live in c
 
     (top level)  the rule: scheduler.py's schedule() / update() over request.py's one state object per
                  request, with its policies (queues, latency targets and the step-time model they learn,
-                 admission), its config and load figures; the step pipeline written once (schedule ->
+                 admission, speculation.py's draft proposers), its config and load figures; the step pipeline written once (schedule ->
                  send the plan -> apply its result) and EngineCore, the pipeline over an in-process
                  executor. Imports pages/, never process/.
     pages/       page accounting: which pages each request owns in both tiers, the pool with its
