@@ -49,13 +49,14 @@ def verify(logits: torch.Tensor, rows: Sequence[SamplingRow], drafts: Sequence[S
             verdicts[i] = accept_greedy(choices[offset:offset + sizes[i]], drafts[i])
             offset += sizes[i]
     for i, row in enumerate(rows):
-        if verdicts[i] is None:
-            target = target_logits(blocks[i], row, drafts[i])  # [1 + k, V], a copy
-            if row.params.greedy:
-                verdicts[i] = accept_greedy(argmax_rows(target).tolist(), drafts[i])
-            else:
-                probs = filtered_probs(target, [row] * sizes[i])  # [1 + k, V]
-                verdicts[i] = rejection_sample(probs, drafts[i], None, generator)
+        if verdicts[i] is None and row.params.greedy:  # with penalties: each row its own
+            verdicts[i] = accept_greedy(argmax_rows(target_logits(blocks[i], row, drafts[i])).tolist(), drafts[i])
+    sampled = [i for i, verdict in enumerate(verdicts) if verdict is None]
+    if sampled:  # the rejection sampler over all of them at once: one filter pass, two host copies
+        target = torch.cat([target_logits(blocks[i], rows[i], drafts[i]) for i in sampled])
+        probs = filtered_probs(target, [rows[i] for i in sampled for _ in range(sizes[i])])
+        for i, verdict in zip(sampled, rejection_sample_point_mass(probs, [drafts[i] for i in sampled], generator)):
+            verdicts[i] = verdict
     return verdicts
 
 
@@ -106,6 +107,38 @@ def rejection_sample(target_probs: torch.Tensor, draft_ids: Sequence[int], draft
     if not float(residual.sum()) > 0.0:  # p == q to the last bit: any draw from p is as good
         residual = target_probs[num_accepted]
     return list(draft_ids[:num_accepted]), _draw_one(residual, generator)
+
+
+def rejection_sample_point_mass(probs: torch.Tensor, drafts: Sequence[Sequence[int]],
+                                generator: torch.Generator | None = None) -> list[tuple[list[int], int]]:
+    """rejection_sample for many requests whose drafts are point masses (n-gram), vectorized: probs [sum(1 + k_i), V],
+    request i's 1 + k_i rows of target distribution in a block. Draft d at row j is accepted with probability
+    p_j(d); the token after the accepted ones is drawn from p_j with the rejected draft removed (renormalised),
+    or from p_k after all k. -> per request (the accepted drafts, the token after them)."""
+    device = probs.device
+    starts = [0]
+    for request_drafts in drafts:
+        starts.append(starts[-1] + 1 + len(request_drafts))
+    draft_rows = [starts[i] + j for i, request_drafts in enumerate(drafts) for j in range(len(request_drafts))]
+    rejected: list[bool] = []
+    if draft_rows:
+        draft_ids = [token for request_drafts in drafts for token in request_drafts]
+        p = probs[torch.tensor(draft_rows, device=device), torch.tensor(draft_ids, device=device)]  # [D]
+        rejected = (torch.rand(len(draft_rows), generator=generator, device=device, dtype=p.dtype) >= p).tolist()
+    accepted_counts, offset = [], 0
+    for request_drafts in drafts:
+        flags = rejected[offset:offset + len(request_drafts)]
+        accepted_counts.append(flags.index(True) if True in flags else len(request_drafts))
+        offset += len(request_drafts)
+    final_rows = [starts[i] + n for i, n in enumerate(accepted_counts)]
+    final = probs[torch.tensor(final_rows, device=device)]  # [B, V], a copy
+    removed = [(b, drafts[b][n]) for b, n in enumerate(accepted_counts) if n < len(drafts[b])]
+    if removed:  # the rejected draft leaves the distribution its correction is drawn from
+        final[torch.tensor([b for b, _ in removed], device=device), torch.tensor([t for _, t in removed], device=device)] = 0.0
+        empty = final.sum(dim=-1) <= 0.0  # p == the draft's point mass: any draw from p is as good
+        final = torch.where(empty.unsqueeze(1), probs[torch.tensor(final_rows, device=device)], final)
+    tokens = torch.multinomial(final, 1, generator=generator).squeeze(1).tolist()
+    return [(list(request_drafts[:n]), int(token)) for request_drafts, n, token in zip(drafts, accepted_counts, tokens)]
 
 
 def _draw_one(probs: torch.Tensor, generator: torch.Generator | None) -> int:

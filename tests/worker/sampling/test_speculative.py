@@ -9,7 +9,8 @@ import torch
 
 from core.sampling import SamplingParams
 from worker.sampling.sampler import SamplingRow, filtered_probs, sample
-from worker.sampling.speculative import accept_greedy, rejection_sample, target_logits, verify
+from worker.sampling.speculative import (accept_greedy, rejection_sample, rejection_sample_point_mass, target_logits,
+                                        verify)
 
 GREEDY = SamplingRow(SamplingParams(temperature=0.0), [1, 2, 3], 3)
 
@@ -76,6 +77,26 @@ def test_rejection_sampler_keeps_the_target_distribution(draft_q):
     num_pairs = sum(pairs.values())
     assert total_variation(pairs, P1, num_pairs) < 0.03 and chi_square(pairs, P1, num_pairs) < CHI_SQUARE_4_DOF_999
     assert num_accepted > 0
+
+
+def test_the_batched_point_mass_sampler_keeps_the_target_distribution():
+    """What verify() runs for sampled requests: N requests at once, each with the drafts 3 then 0 (and every
+    tenth with none), in one call."""
+    generator = torch.Generator().manual_seed(99)
+    drafts = [[] if i % 10 == 0 else [3, 0] for i in range(N)]
+    block = {0: [P0], 2: [P0, P1, [0.2] * 5]}
+    probs = torch.tensor([row for request_drafts in drafts for row in block[len(request_drafts)]], dtype=torch.float64)
+    first, pairs = Counter(), Counter()
+    for request_drafts, (accepted, token) in zip(drafts, rejection_sample_point_mass(probs, drafts, generator)):
+        assert accepted == request_drafts[:len(accepted)]
+        emitted = [*accepted, token]
+        first[emitted[0]] += 1
+        if len(emitted) > 1:
+            pairs[emitted[1]] += 1
+    assert total_variation(first, P0, N) < 0.015 and chi_square(first, P0, N) < CHI_SQUARE_4_DOF_999
+    num_pairs = sum(pairs.values())
+    assert num_pairs > 0.25 * N  # P0[3] = 0.3 of the 90 % that draft
+    assert total_variation(pairs, P1, num_pairs) < 0.03 and chi_square(pairs, P1, num_pairs) < CHI_SQUARE_4_DOF_999
 
 
 def test_the_point_mass_acceptance_rate_is_the_targets_probability_of_the_draft():
