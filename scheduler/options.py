@@ -72,7 +72,7 @@ class SchedulerOptions(Options):
         None, "speculative decoding: ngram proposes each request's next tokens by prompt lookup (its last 4..2 "
               "tokens matched earlier in its prompt and output) and the worker verifies them in the same step, "
               "so greedy output stays token for token the same and sampled output keeps its distribution; "
-              "requests with a seed or a constraint decode as before; implies the "
+              "seeded requests decode as before; implies the "
               "synchronous loop (--no-async-scheduling)", choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int = option(
         8, f"with --speculative: the most draft tokens a request verifies a step (1..{MAX_SPECULATIVE_TOKENS}); "

@@ -30,8 +30,8 @@ failed probe (PROBE_PAUSE_STEPS .. MAX_PROBE_PAUSE_STEPS steps), and a success r
 Who speculates (speculates()): a request decoding one token (not mid-prompt) with nothing in flight, that
 did not opt out (SamplingParams.speculative: gRPC GenerateParameters.speculative, OpenAI `"speculative":
 false`), and whose sampling the verification reproduces exactly (penalties included: each row counts the drafts before
-it; logprobs, one per emitted token, from the verified rows). Not yet (it decodes as before): requests with
-a constraint (drafts would have to pass the grammar, token by token), and a seed (its
+it; logprobs, one per emitted token, from the verified rows; a constraint's mask at each draft's state). Not
+yet (it decodes as before): requests with a seed (its
 draws are keyed by output position; the rejection sampler's are not, and a seeded output must not depend
 on how many drafts each step happened to verify).
 """
@@ -138,8 +138,7 @@ class Speculation:
     @staticmethod
     def speculates(request: Request) -> bool:
         params = request.sampling_params
-        return (params.speculative and params.constraint is None and params.seed is None
-                and not request.num_pending_tokens)
+        return params.speculative and params.seed is None and not request.num_pending_tokens
 
     def drafts(self, request: Request, limit: int) -> list[int]:
         """Draft tokens for a request about to decode one token; at most limit (what its budget, max_tokens

@@ -221,9 +221,9 @@ class ModelRunner:
                 or len(state.token_ids) != start + 1):
             raise PlanMismatchError(f"step {plan.step_id}: request {request_id!r} verifies {len(drafts)} drafts in "
                                     f"{num_tokens} tokens from {start}, but it has {len(state.token_ids)} tokens")
-        if params.seed is not None or state.matcher is not None:
-            raise PlanMismatchError(f"step {plan.step_id}: request {request_id!r} got drafts, but its seed or "
-                                    f"constraint are not verified yet (scheduler.speculation)")
+        if params.seed is not None:
+            raise PlanMismatchError(f"step {plan.step_id}: request {request_id!r} got drafts, but seeded requests "
+                                    f"are not verified yet (scheduler.speculation)")
         batch = step.batch
         first_row = len(batch.input_ids)
         batch.spans.append(RequestSpan(first_row, num_tokens, start + num_tokens, state.block_table))
@@ -319,15 +319,16 @@ class ModelRunner:
             offset += count
         return result
 
-    @staticmethod
-    def _verify(prepared: PreparedStep, logits: torch.Tensor) -> list[Verdict]:
+    def _verify(self, prepared: PreparedStep, logits: torch.Tensor) -> list[Verdict]:
         """The verdict on each verifying request's drafts (logits: [S, vocab], its 1 + k rows in a block each):
         (accepted drafts, the token after them, raw logprobs of each of those tokens where it asks for them)."""
         if not prepared.verify_ids:
             return []
         rows = [SamplingRow(state.sampling_params, state.token_ids, state.num_prompt_tokens)
                 for state in prepared.verify_states]
-        verdicts = verify(logits, rows, prepared.verify_drafts)
+        masks = [None if state.matcher is None else self.structured_output.draft_bitmask(state.matcher, drafts, logits.device)
+                 for state, drafts in zip(prepared.verify_states, prepared.verify_drafts)]
+        verdicts = verify(logits, rows, prepared.verify_drafts, masks=masks)
         blocks = torch.split(logits, [1 + len(drafts) for drafts in prepared.verify_drafts])
         # the raw distribution of the row before each emitted token, as sample() reports them
         return [(accepted, token_id, None if row.params.logprobs is None else prompt_logprobs(
@@ -343,6 +344,8 @@ class ModelRunner:
                     prepared.verify_ids, prepared.verify_states, prepared.verify_drafts, verdicts):
                 state.num_computed_tokens -= len(drafts) - len(accepted)
                 state.token_ids.extend([*accepted, token_id])
+                if state.matcher is not None:
+                    state.matcher.consume_tokens([*accepted, token_id])
                 result.sampled_token_ids[request_id] = token_id
                 if accepted:
                     result.accepted_token_ids[request_id] = accepted

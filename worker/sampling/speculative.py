@@ -17,9 +17,10 @@ drafts); row j's logits are the target's prediction after d_1..d_j (row 0: after
                     correction is drawn from p with d removed, renormalised. draft_probs carries q for a
                     proposer that has one (a draft model).
 
-Row j's target is what sample() would draw from with the drafts before it as output so far: logit_bias, then
-penalties over prompt + output + d_1..d_j (so a draft the target saw already counts as repeated), then the
-filters. Requests with logprobs, a constraint or a seed are not sent drafts (scheduler.speculation).
+Row j's target is what sample() would draw from with the drafts before it as output so far: logit_bias, the
+grammar's mask at the state after d_1..d_j (a constrained request), penalties over prompt + output + d_1..d_j
+(so a draft the target saw already counts as repeated), then the filters. Requests with a seed are not sent
+drafts (scheduler.speculation).
 """
 from __future__ import annotations
 
@@ -28,18 +29,23 @@ from typing import Sequence
 import torch
 
 from worker.sampling.penalties import apply_penalties, has_penalties
-from worker.sampling.sampler import SamplingRow, argmax_rows, biased_logits, filtered_probs
+from worker.sampling.sampler import SamplingRow, argmax_rows, biased_logits, filtered_probs, masked_logits
+from worker.sampling.structured_output import TokenBitmask
 
 
 def verify(logits: torch.Tensor, rows: Sequence[SamplingRow], drafts: Sequence[Sequence[int]],
-           generator: torch.Generator | None = None) -> list[tuple[list[int], int]]:
+           generator: torch.Generator | None = None,
+           masks: Sequence[torch.Tensor | None] | None = None) -> list[tuple[list[int], int]]:
     """logits: [sum(1 + k_i), V] float32, request i's 1 + k_i rows in a block, in order; rows[i] and drafts[i]
-    its sampling and its k_i drafts. -> per request (the accepted drafts, the token after them)."""
+    its sampling and its k_i drafts; masks[i]: a constrained request's [1 + k_i, W] token bitmask
+    (StructuredOutput.draft_bitmask), None for the others. -> per request (the accepted drafts, the token after them)."""
+    masks = masks if masks is not None else [None] * len(rows)
     sizes = [1 + len(request_drafts) for request_drafts in drafts]
     if logits.dim() != 2 or logits.shape[0] != sum(sizes) or len(rows) != len(drafts):
         raise ValueError(f"verify: logits must be [{sum(sizes)}, V] for {len(rows)} requests, got {list(logits.shape)}")
     blocks = torch.split(logits, sizes)
-    plain = [i for i, row in enumerate(rows) if row.params.greedy and not has_penalties(row.params)]
+    plain = [i for i, row in enumerate(rows)
+             if row.params.greedy and not has_penalties(row.params) and masks[i] is None]
     verdicts: list[tuple[list[int], int] | None] = [None] * len(rows)
     if plain:  # one argmax and one host copy for every plain greedy request's rows
         expanded = [rows[i] for i in plain for _ in range(sizes[i])]
@@ -48,24 +54,29 @@ def verify(logits: torch.Tensor, rows: Sequence[SamplingRow], drafts: Sequence[S
         for i in plain:
             verdicts[i] = accept_greedy(choices[offset:offset + sizes[i]], drafts[i])
             offset += sizes[i]
+    targets = {i: target_logits(blocks[i], row, drafts[i], masks[i]) for i, row in enumerate(rows) if verdicts[i] is None}
     for i, row in enumerate(rows):
-        if verdicts[i] is None and row.params.greedy:  # with penalties: each row its own
-            verdicts[i] = accept_greedy(argmax_rows(target_logits(blocks[i], row, drafts[i])).tolist(), drafts[i])
+        if verdicts[i] is None and row.params.greedy:  # with penalties or a mask: each its own argmax
+            verdicts[i] = accept_greedy(argmax_rows(targets[i]).tolist(), drafts[i])
     sampled = [i for i, verdict in enumerate(verdicts) if verdict is None]
     if sampled:  # the rejection sampler over all of them at once: one filter pass, two host copies
-        target = torch.cat([target_logits(blocks[i], rows[i], drafts[i]) for i in sampled])
+        target = torch.cat([targets[i] for i in sampled])
         probs = filtered_probs(target, [rows[i] for i in sampled for _ in range(sizes[i])])
         for i, verdict in zip(sampled, rejection_sample_point_mass(probs, [drafts[i] for i in sampled], generator)):
             verdicts[i] = verdict
     return verdicts
 
 
-def target_logits(block: torch.Tensor, row: SamplingRow, drafts: Sequence[int]) -> torch.Tensor:
-    """A copy of one request's 1 + k rows of logits as sample() would choose from them: its logit_bias, then its
-    penalties with the drafts before each row counted as output."""
+def target_logits(block: torch.Tensor, row: SamplingRow, drafts: Sequence[int],
+                  mask: torch.Tensor | None = None) -> torch.Tensor:
+    """A copy of one request's 1 + k rows of logits as sample() would choose from them: its logit_bias, its
+    grammar's mask (mask: [1 + k, W], a row per state), then its penalties with the drafts before each row
+    counted as output."""
     rows = [SamplingRow(row.params, [*row.token_ids, *drafts[:j]], row.num_prompt_tokens)
             for j in range(len(drafts) + 1)]
     target = biased_logits(block, rows).float()
+    if mask is not None:
+        target = masked_logits(target, TokenBitmask(list(range(len(rows))), mask))
     target = target.clone() if target.data_ptr() == block.data_ptr() else target
     if has_penalties(row.params):
         apply_penalties(target, rows)

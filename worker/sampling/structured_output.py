@@ -81,6 +81,21 @@ class StructuredOutput:
             self.executor, [(matchers[row], index) for index, row in enumerate(rows)], bits)
         return TokenBitmask(rows, bits.to(device, non_blocking=True))
 
+    def draft_bitmask(self, matcher: llguidance.LLMatcher, drafts: Sequence[int], device: torch.device) -> torch.Tensor:
+        """Speculative decoding: [1 + k, W] masks of a constrained request's verified rows, row j at the state after
+        its tokens and drafts[:j]. Rows past the first draft the grammar refuses allow everything: verification
+        never reaches them (that draft cannot be accepted under its row's mask). The matcher ends where it began."""
+        bits = llguidance.torch.allocate_token_bitmask(1 + len(drafts), self.compiler.vocabulary.vocab_size)
+        consumed = 0
+        for row in range(len(drafts) + 1):
+            llguidance.torch.fill_next_token_bitmask(matcher, bits, row)
+            if row == len(drafts) or matcher.try_consume_tokens([drafts[row]]) != 1:
+                break
+            consumed += 1
+        if consumed:
+            matcher.rollback(consumed)
+        return bits.to(device, non_blocking=True)
+
     @staticmethod
     def advance(matchers: Sequence[llguidance.LLMatcher | None], token_ids: Sequence[int]) -> None:
         for matcher, token_id in zip(matchers, token_ids):

@@ -182,3 +182,34 @@ def test_random_schemas_always_give_valid_output(llm, tokenizer, schemas):
     for schema, (text, finish) in zip(schemas, outputs):
         assert finish is FinishReason.STOP, (schema, text)
         jsonschema.validate(json.loads(text), schema)
+
+
+def test_speculative_drafts_pass_the_grammar_and_change_no_greedy_output(llm, tokenizer):
+    """--speculative ngram on constrained requests (issue 35): each verified row is masked at the grammar's
+    state after the drafts before it, so greedy output is the same token for token, sampled output stays valid,
+    and the drafts the grammar allows are accepted."""
+    from scheduler.options import SchedulerOptions
+
+    people = {"type": "array", "minItems": 4, "maxItems": 4, "items": {
+        "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"], "additionalProperties": False}}
+    cases = [*SCHEMAS.items(), ("people", people)]
+    prompts = [PROMPTS.get(name, f"Answer in JSON: an example of {name}.") for name, _ in cases]
+    plain_engine = llm.engine
+    try:
+        expected = run(llm, tokenizer, prompts, [schema_params(schema, MODES["greedy"], 120) for _, schema in cases])
+        llm.engine = llm.new_engine(EngineConfig(worker=llm.config.worker, scheduler=SchedulerOptions(
+            speculative="ngram", num_speculative_tokens=8)))
+        got = run(llm, tokenizer, prompts, [schema_params(schema, MODES["greedy"], 120) for _, schema in cases])
+        assert got == expected
+        assert llm.engine.scheduler.speculation.num_accepted_tokens > 0
+        unseeded = dataclasses.replace(MODES["sampled"], seed=None)  # seeded requests are not sent drafts
+        sampled = run(llm, tokenizer, prompts, [schema_params(schema, unseeded, 120) for _, schema in cases])
+        for (name, schema), (text, finish) in zip(cases, sampled):
+            if finish is FinishReason.STOP:
+                jsonschema.validate(json.loads(text), schema)
+            else:
+                assert_valid_prefix(llm, OutputConstraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema)),
+                                    tokenizer.encode(text, add_special_tokens=False))
+    finally:
+        llm.engine = plain_engine
