@@ -29,11 +29,15 @@ failed probe (PROBE_PAUSE_STEPS .. MAX_PROBE_PAUSE_STEPS steps), and a success r
 
 Who speculates (speculates()): a request decoding one token (not mid-prompt) with nothing in flight, that
 did not opt out (SamplingParams.speculative: gRPC GenerateParameters.speculative, OpenAI `"speculative":
-false`), and whose sampling the verification reproduces exactly (penalties included: each row counts the drafts before
-it; logprobs, one per emitted token, from the verified rows; a constraint's mask at each draft's state). Not
-yet (it decodes as before): requests with a seed (its
-draws are keyed by output position; the rejection sampler's are not, and a seeded output must not depend
-on how many drafts each step happened to verify).
+false`), and whose sampling the verification reproduces exactly: penalties (each row counts the drafts
+before it), logprobs (one per emitted token, from the verified rows) and constraints (each row masked at the
+grammar's state after the drafts before it) are. Not yet: a seeded request decodes as before (its draws are
+keyed by output position, the rejection sampler's are not, and a seeded output must not depend on how many
+drafts a step's budget left room for, which depends on the rest of the batch).
+
+A draft model (EAGLE, MTP) would be a worker-side proposer as above; with one, the asynchronous loop could
+come back too (the worker would propose right after sampling, with the real last token in hand). With
+--speculative the loop is synchronous today: planning step N + 1 needs step N's accepted tokens.
 """
 from __future__ import annotations
 
