@@ -39,22 +39,28 @@ def test_tuning_metrics_and_step_attributes():
     assert len(engine.scheduler.latency.step_tunings) <= 8  # unread records do not pile up
 
 
-def test_step_span_carries_the_tuning_decision(monkeypatch):
-    """StepSpans end each scheduler.step span with its tuning record (an SDK tracer of this test's own)."""
+def _step_spans(monkeypatch):
+    """StepSpans recording into an SDK tracer of the test's own, and that tracer's exporter."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     import scheduler.process.telemetry as scheduler_telemetry
-    from core.step import StepPlan
-    from scheduler.step_time import StepTuning
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     monkeypatch.setattr(scheduler_telemetry, "tracing_enabled", lambda: True)
     monkeypatch.setattr(scheduler_telemetry, "tracer", lambda: provider.get_tracer("test"))
-    spans = scheduler_telemetry.StepSpans()
+    return scheduler_telemetry.StepSpans(), exporter
+
+
+def test_step_span_carries_the_tuning_decision(monkeypatch):
+    """StepSpans end each scheduler.step span with its tuning record (an SDK tracer of this test's own)."""
+    from core.step import StepPlan
+    from scheduler.step_time import StepTuning
+
+    spans, exporter = _step_spans(monkeypatch)
     plan = StepPlan(7, num_scheduled_tokens={"a": 40, "b": 1})
     with spans.sending(plan):
         pass
@@ -71,19 +77,9 @@ def test_step_span_carries_the_tuning_decision(monkeypatch):
 def test_step_span_counts_drafts_and_acceptances(monkeypatch):
     """Speculative decoding: a step that verifies drafts says how many requests drafted, how many draft
     tokens, and how many the worker accepted (issue 35)."""
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    import scheduler.process.telemetry as scheduler_telemetry
     from core.step import StepPlan, StepResult
 
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(scheduler_telemetry, "tracing_enabled", lambda: True)
-    monkeypatch.setattr(scheduler_telemetry, "tracer", lambda: provider.get_tracer("test"))
-    spans = scheduler_telemetry.StepSpans()
+    spans, exporter = _step_spans(monkeypatch)
     for step_id, drafts in ((3, {"a": [1, 2, 3], "b": [4]}), (4, {})):
         plan = StepPlan(step_id, num_scheduled_tokens={"a": 4, "b": 2, "c": 1}, spec_token_ids=drafts)
         with spans.sending(plan):
