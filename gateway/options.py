@@ -92,10 +92,9 @@ class GatewayOptions(Options):
         30.0, "with Redis, a stream (every API) whose scheduler goes away mid-request waits this long for the "
               "restarted scheduler to go on with it (it re-admits the request) and continues from Redis without a "
               "lost or repeated token; 0: it ends UNAVAILABLE at once", type=float)
-    stream_interval: int = option(
-        1, "a stream's messages after its first carry this many tokens (its last may carry fewer): fewer, larger "
-           "messages cost the gateway less CPU per token, at chunkier streams (vLLM's and SGLang's "
-           "--stream-interval)", type=POSITIVE)
+    stream_interval: int = option(1, "tokens per message after a stream's first (its last may carry fewer): fewer, "
+                                     "larger messages cost less gateway CPU per token (vLLM's and SGLang's "
+                                     "--stream-interval)", type=POSITIVE)
     max_connection_age_s: float = option(
         1800.0, "gRPC connections older than this get GOAWAY (calls in flight finish first), so clients behind a "
                 "load balancer spread over new replicas; 0 disables", type=float)
