@@ -57,7 +57,7 @@ from tokenmill.bench.targets import (
     TokenmillTarget,
     TransformersTarget,
 )
-from tokenmill.bench.workload import build_workload, parse_levels
+from tokenmill.bench.workload import Levels, build_workload, parse_levels
 
 
 def parse_rates(text: str) -> list[float]:
@@ -280,9 +280,11 @@ def run(args, argv: list[str] | None) -> int:
     if p99_warning(args.num_requests):
         print(f"warning: {p99_warning(args.num_requests)}", file=sys.stderr)
     tokenizer = load_tokenizer(args.model)
-    # enough distinct requests for the largest level; warm-up reuses the first ones
+    # output lengths for the largest level, and a prompt for every request of the sweep (workload.Levels)
+    prompts = Levels.prompts_needed(args.concurrency, args.num_requests, args.warmup, args.request_rate or (),
+                                    args.repeats)
     workload = build_workload(tokenizer, max([args.num_requests, *args.concurrency]), args.prompt_len,
-                              args.min_output, args.max_output, args.seed)
+                              args.min_output, args.max_output, args.seed, num_prompts=prompts)
     runs: dict[str, dict] = {}
     if args.address:
         runs["tokenmill"] = asyncio.run(_sweep_address(lambda: TokenmillTarget(args.address), args, workload,

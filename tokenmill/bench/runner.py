@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from tokenmill.bench.report import summarize
 from tokenmill.bench.targets import LoadPoller, RequestRecord, TransformersTarget
-from tokenmill.bench.workload import BenchWorkload
+from tokenmill.bench.workload import BenchWorkload, Levels
 
 
 async def run_level(target, workload: BenchWorkload, concurrency: int, poller: LoadPoller | None = None,
@@ -105,11 +105,12 @@ async def sweep(target, workload: BenchWorkload, levels: list[int], requests_per
                 rates: list[float] = (), seed: int = 0) -> dict:
     """The closed-loop levels (concurrency), then the open-loop ones (request rates)."""
     result = {"target": target.name, "warmup": await warm_up(target, workload, warmup), "levels": []}
+    fresh = Levels(warmup)  # each level its own prompts, after the warm-up's
     for concurrency in levels:
         count = max(requests_per_level, concurrency)  # every client gets at least one request
-        result["levels"].append(await run_level(target, workload.head(count), concurrency, poller, label))
+        result["levels"].append(await run_level(target, fresh.take(workload, count), concurrency, poller, label))
     for rate in rates:
-        result["levels"].append(await run_open_level(target, workload.head(requests_per_level), rate, seed,
+        result["levels"].append(await run_open_level(target, fresh.take(workload, requests_per_level), rate, seed,
                                                      poller, label))
     return result
 
@@ -132,9 +133,10 @@ async def interleaved_sweeps(targets: dict[str, tuple], workload: BenchWorkload,
     interleaved_order; returns run name -> what sweep() returns for that target.
     repeats: each level this many times in a row (each time on every target, the order rotating on), its
     levels then listed once per repeat with "repeat": 0, 1, ... (itl_verdict takes medians over them)."""
-    results = {}
+    results, fresh = {}, {}
     for name, (target, _) in targets.items():
         results[name] = {"target": target.name, "warmup": await warm_up(target, workload, warmup), "levels": []}
+        fresh[name] = Levels(warmup)  # each target its own count: the same prompts at the same step
     steps = [(kind, value, repeat) for kind, values in (("closed", levels), ("open", rates))
              for value in values for repeat in range(repeats)]
     for step, name in interleaved_order(list(targets), len(steps)):
@@ -142,9 +144,10 @@ async def interleaved_sweeps(targets: dict[str, tuple], workload: BenchWorkload,
         kind, value, repeat = steps[step]
         if kind == "closed":
             count = max(requests_per_level, value)  # every client gets at least one request
-            level = await run_level(target, workload.head(count), value, poller, name)
+            level = await run_level(target, fresh[name].take(workload, count), value, poller, name)
         else:
-            level = await run_open_level(target, workload.head(requests_per_level), value, seed, poller, name)
+            level = await run_open_level(target, fresh[name].take(workload, requests_per_level), value, seed,
+                                         poller, name)
         if repeats > 1:
             level["repeat"] = repeat
         results[name]["levels"].append(level)

@@ -299,3 +299,20 @@ def test_progress_lines_go_to_stderr_while_stdout_carries_the_json(capsys):
     progress_log(False)("round", 2)
     captured = capsys.readouterr()
     assert captured.err == "round 1\n" and captured.out == "round 2\n"
+
+
+def test_every_level_of_a_sweep_gets_prompts_no_earlier_level_or_warm_up_sent():
+    """A prefix cache must not see a level's prompts before it (they used to be the first ones, every level):
+    prompts run on after the warm-up's, output lengths stay the first ones, the pool is sized for the sweep."""
+    from tokenmill.bench.workload import BenchWorkload, Levels
+
+    needed = Levels.prompts_needed([1, 4, 8], requests_per_level=4, warmup=2, rates=[2.0], repeats=2)
+    assert needed == 2 + 2 * ((4 + 4 + 8) + 4)
+    workload = BenchWorkload([f"p{i}" for i in range(needed)], [[i] for i in range(needed)], [10, 20, 30, 40, 50, 60,
+                             70, 80], prompt_len=1, seed=0)
+    fresh = Levels(warmup=2)
+    levels = [fresh.take(workload, count) for count in (4, 4, 8)]
+    seen = [prompt for level in levels for prompt in level.prompts]
+    assert seen == [f"p{i}" for i in range(2, 2 + 16)]  # after the warm-up's two, each once
+    assert [level.output_lens for level in levels] == [[10, 20, 30, 40], [10, 20, 30, 40], [10, 20, 30, 40, 50, 60,
+                                                                                              70, 80]]
