@@ -2,6 +2,7 @@
 // AMX-INT8 tile kernels' entry points (ggml_blocks_amx.cpp), which ggml_blocks_dot.cpp calls for many rows.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
 #include <cstdint>
@@ -28,15 +29,29 @@ AVX2_TARGET inline float f16(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// x rounded to q8_K: q [T, nb*256] (a short last block padded with zeros), d [T, nb], bsums [T, nb*16]
+// x rounded to q8_K: q [T, nb*256] (a short last block padded with zeros), d [T, nb], bsums [T, nb*16]. A view
+// of a Q8Buffer's rows (or of some of them: rows(), a mixture of experts' one expert's rows of a sorted step).
 struct Q8Rows {
   int64_t T = 0, K = 0, nb = 0;
+  const int8_t* q = nullptr;
+  const float* d = nullptr;
+  const int16_t* bsums = nullptr;
+  const int8_t* qs(int64_t t, int64_t b) const { return q + (t * nb + b) * QK; }
+  const int16_t* sums(int64_t t, int64_t b) const { return bsums + (t * nb + b) * 16; }
+  float scale(int64_t t, int64_t b) const { return d[t * nb + b]; }
+  Q8Rows rows(int64_t t0, int64_t count) const {
+    Q8Rows view = *this;
+    view.T = count;
+    view.q += t0 * nb * QK, view.d += t0 * nb, view.bsums += t0 * nb * 16;
+    return view;
+  }
+};
+
+// What a Q8Rows points into
+struct Q8Buffer {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int16_t> bsums;
-  const int8_t* qs(int64_t t, int64_t b) const { return q.data() + t * nb * QK + b * QK; }
-  const int16_t* sums(int64_t t, int64_t b) const { return bsums.data() + (t * nb + b) * 16; }
-  float scale(int64_t t, int64_t b) const { return d[t * nb + b]; }
 };
 
 // One tensor of a (possibly fused) linear: rows of blocks of one type
@@ -44,6 +59,23 @@ struct Part {
   const uint8_t* data;
   int64_t type, rows, row_bytes;
 };
+
+// ---- ggml_blocks_dot.cpp ----
+int64_t block_elems(int64_t type);
+int64_t block_bytes(int64_t type);
+// 0: the best this CPU has, 1 AVX2, 2 AVX-512 VNNI, 3 AMX-INT8 tiles: the path a call with `path` runs
+int64_t ggml_blocks_path(int64_t path);
+// Under auto, the tiles take the K-quants from this many rows of x (see ggml_blocks_dot.cpp)
+constexpr int64_t kAmxMinRows = 6;
+// x [rows, K] rounded to q8_K into buf, in parallel
+Q8Rows quantize_rows(const float* x, int64_t rows, int64_t K, Q8Buffer& buf);
+Q8Rows quantize_rows(const at::BFloat16* x, int64_t rows, int64_t K, Q8Buffer& buf);
+// Rows [n0, n1) of p against every row of x on the vector kernels (wide: AVX-512 VNNI, else AVX2), written to
+// out[t * ldo + col0 + n] without a bias; serial (the caller runs it inside its own parallel region)
+void vector_rows(const Part& p, int64_t n0, int64_t n1, int64_t K, const Q8Rows& x, float* out, int64_t ldo,
+                 int64_t col0, bool wide);
+void vector_rows(const Part& p, int64_t n0, int64_t n1, int64_t K, const Q8Rows& x, at::BFloat16* out, int64_t ldo,
+                 int64_t col0, bool wide);
 
 // ---- ggml_blocks_amx.cpp ----
 // Whether this CPU has AMX-INT8 (and AVX-512 VNNI) and Linux lets this process use the tile registers,
@@ -60,5 +92,8 @@ void amx_linear(const std::vector<Part>& ps, const std::vector<int64_t>& first_c
                 const float* bias, float* out);
 void amx_linear(const std::vector<Part>& ps, const std::vector<int64_t>& first_col, int64_t ldo, const AmxRows& x,
                 const float* bias, at::BFloat16* out);
+// Rows [n0, n1) of a K-quant part against every row of x on the tiles, as vector_rows (serial, no bias)
+void amx_rows(const Part& p, int64_t n0, int64_t n1, const AmxRows& x, float* out, int64_t ldo, int64_t col0);
+void amx_rows(const Part& p, int64_t n0, int64_t n1, const AmxRows& x, at::BFloat16* out, int64_t ldo, int64_t col0);
 
 }  // namespace tokenmill::ggml

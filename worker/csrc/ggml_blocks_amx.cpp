@@ -350,4 +350,12 @@ void amx_linear(const std::vector<Part>& ps, const std::vector<int64_t>& first_c
   linear_tiles(ps, first_col, ldo, x, bias, out);
 }
 
+void amx_rows(const Part& p, int64_t n0, int64_t n1, const AmxRows& x, float* out, int64_t ldo, int64_t col0) {
+  part_rows_any(p, n0, n1, x, nullptr, out, ldo, col0);
+}
+
+void amx_rows(const Part& p, int64_t n0, int64_t n1, const AmxRows& x, at::BFloat16* out, int64_t ldo, int64_t col0) {
+  part_rows_any(p, n0, n1, x, nullptr, out, ldo, col0);
+}
+
 }  // namespace tokenmill::ggml

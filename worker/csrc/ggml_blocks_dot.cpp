@@ -47,14 +47,10 @@
 
 using namespace tokenmill::ggml;
 
-namespace {
-
-constexpr int64_t kPrefetchBytes = 1024;  // see part_rows
-
-int64_t block_elems(int64_t type) {
+int64_t tokenmill::ggml::block_elems(int64_t type) {
   return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == IQ4_NL ? 32 : 256;
 }
-int64_t block_bytes(int64_t type) {
+int64_t tokenmill::ggml::block_bytes(int64_t type) {
   switch (type) {
     case Q4_0: return 18;
     case Q4_1: return 20;
@@ -71,6 +67,10 @@ int64_t block_bytes(int64_t type) {
   }
   TORCH_CHECK(false, "ggml_blocks: no kernel for GGML type ", type);
 }
+
+namespace {
+
+constexpr int64_t kPrefetchBytes = 1024;  // see part_rows
 
 bool cpu_has_avx512_vnni() {
   static const bool yes = tokenmill::cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
@@ -107,13 +107,15 @@ AVX512_TARGET void quantize_block512(const T* v, int8_t* q, int16_t* sums, float
 }
 
 template <typename T>
-void quantize_rows(const T* x, int64_t rows, int64_t K, Q8Rows& r) {
+Q8Rows quantize_rows_impl(const T* x, int64_t rows, int64_t K, Q8Buffer& store) {
+  Q8Rows r;
   r.T = rows;
   r.K = K;
   r.nb = (K + QK - 1) / QK;
-  r.q.assign(rows * r.nb * QK, 0);
-  r.d.resize(rows * r.nb);
-  r.bsums.assign(rows * r.nb * 16, 0);
+  store.q.assign(rows * r.nb * QK, 0);
+  store.d.resize(rows * r.nb);
+  store.bsums.assign(rows * r.nb * 16, 0);
+  r.q = store.q.data(), r.d = store.d.data(), r.bsums = store.bsums.data();
   const bool wide = cpu_has_avx512_vnni();
   at::parallel_for(0, rows * r.nb, 64, [&](int64_t begin, int64_t end) {
     float buf[QK];
@@ -121,7 +123,7 @@ void quantize_rows(const T* x, int64_t rows, int64_t K, Q8Rows& r) {
       const int64_t t = i / r.nb, b = i % r.nb, n = std::min(QK, K - b * QK);
       const T* v = x + t * K + b * QK;
       if (n == QK && wide) {
-        quantize_block512(v, r.q.data() + i * QK, r.bsums.data() + i * 16, &r.d[i]);
+        quantize_block512(v, store.q.data() + i * QK, store.bsums.data() + i * 16, &store.d[i]);
         continue;
       }
       float amax = 0.f;
@@ -130,15 +132,16 @@ void quantize_rows(const T* x, int64_t rows, int64_t K, Q8Rows& r) {
         amax = std::max(amax, std::abs(buf[j]));
       }
       const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      int8_t* q = r.q.data() + i * QK;
-      int16_t* s = r.bsums.data() + i * 16;
+      int8_t* q = store.q.data() + i * QK;
+      int16_t* s = store.bsums.data() + i * 16;
       for (int64_t j = 0; j < n; ++j) {
         q[j] = static_cast<int8_t>(std::nearbyint(buf[j] * inv));  // half to even, as torch.round
         s[j / 16] += q[j];
       }
-      r.d[i] = d;
+      store.d[i] = d;
     }
   });
+  return r;
 }
 
 // Q4_K / Q5_K's 12 bytes -> scales[0..7], mins[0..7] (six bits each)
@@ -678,6 +681,30 @@ void dequantize_block(int64_t type, const uint8_t* w, float* y) {
 
 }  // namespace
 
+Q8Rows tokenmill::ggml::quantize_rows(const float* x, int64_t rows, int64_t K, Q8Buffer& buf) {
+  return quantize_rows_impl(x, rows, K, buf);
+}
+Q8Rows tokenmill::ggml::quantize_rows(const at::BFloat16* x, int64_t rows, int64_t K, Q8Buffer& buf) {
+  return quantize_rows_impl(x, rows, K, buf);
+}
+
+template <typename Out>
+static void vector_rows_any(const Part& p, int64_t n0, int64_t n1, int64_t K, const Q8Rows& x, Out* out, int64_t ldo,
+                            int64_t col0, bool wide) {
+  if (wide)
+    part_rows<true>(p, n0, n1, K, x, nullptr, out, ldo, col0);
+  else
+    part_rows<false>(p, n0, n1, K, x, nullptr, out, ldo, col0);
+}
+void tokenmill::ggml::vector_rows(const Part& p, int64_t n0, int64_t n1, int64_t K, const Q8Rows& x, float* out,
+                                  int64_t ldo, int64_t col0, bool wide) {
+  vector_rows_any(p, n0, n1, K, x, out, ldo, col0, wide);
+}
+void tokenmill::ggml::vector_rows(const Part& p, int64_t n0, int64_t n1, int64_t K, const Q8Rows& x, at::BFloat16* out,
+                                  int64_t ldo, int64_t col0, bool wide) {
+  vector_rows_any(p, n0, n1, K, x, out, ldo, col0, wide);
+}
+
 // blocks: uint8 [N, K / block_elems * block_bytes]; rows: int64 indices into N -> float32 [len(rows), K]
 at::Tensor ggml_blocks_dequantize(const at::Tensor& blocks, int64_t type, int64_t K, const at::Tensor& rows_in) {
   const int64_t per = block_elems(type), bytes = block_bytes(type);
@@ -721,7 +748,7 @@ at::Tensor ggml_blocks_dequantize_bf16(const at::Tensor& blocks, int64_t type, i
 
 // 0: the best this CPU has; 1: AVX2; 2: AVX-512 (BW + VNNI); 3: AMX-INT8 tiles for the K-quants (the rest on
 // AVX-512 VNNI). Returns the path a call with `path` runs.
-int64_t ggml_blocks_path(int64_t path) {
+int64_t tokenmill::ggml::ggml_blocks_path(int64_t path) {
   TORCH_CHECK(path >= 0 && path <= 3, "ggml_blocks: path ", path,
               " is not 0 (auto), 1 (avx2), 2 (avx512_vnni) or 3 (amx_int8)");
   if (path == 0) return amx_int8_usable() ? 3 : cpu_has_avx512_vnni() ? 2 : 1;
@@ -735,8 +762,8 @@ int64_t ggml_blocks_path(int64_t path) {
 // tile computes 16 rows of x whatever the count, with a scaling pass per sub-block). Forced path 3 uses them
 // at any count. Qwen2.5-1.5B's layer, 2 threads, Sapphire Rapids, ms, vector / tiles (scripts/
 // bench_ggml_blocks.py): 1 row 1.45 / 2.56, 2 rows 1.74 / 2.59, 4 rows 2.34 / 2.66, 8 rows 3.93 / 2.84,
-// 16 rows 8.11 / 3.28 (a bfloat16 copy: 3.40), 32 rows 17.4 / 5.8, 64 rows 37.0 / 11.3.
-constexpr int64_t kAmxMinRows = 6;
+// 16 rows 8.11 / 3.28 (a bfloat16 copy: 3.40), 32 rows 17.4 / 5.8, 64 rows 37.0 / 11.3. (kAmxMinRows = 6, in
+// ggml_blocks.h: the experts' op takes the tiles from the same count.)
 
 // one parallel region over every part's rows: a fused projection keeps both threads busy to its end. amx: x
 // as tiles where the K-quant parts run on AMX (their own region, ggml_blocks_amx.cpp), else null.
@@ -783,11 +810,9 @@ at::Tensor ggml_blocks_linear(const at::Tensor& x_in, at::TensorList parts, at::
   }
   const int64_t runs = ggml_blocks_path(path);
   const bool wide = runs >= 2;
-  Q8Rows q;
-  if (x.scalar_type() == at::kFloat)
-    quantize_rows(x.data_ptr<float>(), T, K, q);
-  else
-    quantize_rows(x.data_ptr<at::BFloat16>(), T, K, q);
+  Q8Buffer buf;
+  const Q8Rows q = x.scalar_type() == at::kFloat ? quantize_rows(x.data_ptr<float>(), T, K, buf)
+                                                 : quantize_rows(x.data_ptr<at::BFloat16>(), T, K, buf);
   std::shared_ptr<const AmxRows> amx;
   const bool tiles = runs == 3 && (path == 3 || T >= kAmxMinRows) &&
                      std::any_of(ps.begin(), ps.end(), [](const Part& p) { return amx_has_kernel(p.type); });

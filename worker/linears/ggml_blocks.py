@@ -288,5 +288,8 @@ def fault_in(model: nn.Module) -> int:
 
 
 def block_weights(model: nn.Module) -> list[GGMLBlocksWeight]:
-    """The model's block weights, each once (a tied embedding and lm_head share one)."""
-    return list({id(m.weight_blocks): m.weight_blocks for m in model.modules() if hasattr(m, "weight_blocks")}.values())
+    """The model's block weights, each once (a tied embedding and lm_head share one), and a mixture of experts'
+    stacked expert blocks (worker.linears.ggml_experts: `expert_blocks`)."""
+    found = {id(m.weight_blocks): m.weight_blocks for m in model.modules() if hasattr(m, "weight_blocks")}
+    found.update((id(weight), weight) for m in model.modules() for weight in getattr(m, "expert_blocks", ()))
+    return list(found.values())

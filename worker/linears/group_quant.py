@@ -319,8 +319,12 @@ def weight_formats(model: nn.Module) -> str:
     formats |= {"int8 (per channel)" for m in model.modules() if isinstance(m, Int8Linear)}
     # GGML block linears and embeddings (worker.linears.ggml_blocks): the file's own types
     formats |= {part.type_name for m in model.modules() if hasattr(m, "weight_blocks") for part in m.weight_blocks.parts}
-    # a mixture of experts' stacked experts (worker.model.moe) stay in the model dtype whatever the linears run in
-    experts = {str(m.expert_gate_up.dtype).removeprefix("torch.") for m in model.modules() if hasattr(m, "expert_gate_up")}
-    if formats and experts:
-        return f"{', '.join(sorted(formats))}; experts {', '.join(sorted(experts))}"
+    # a mixture of experts' stacked experts (worker.model.moe) stay in the model dtype whatever the linears run in,
+    # or in a GGUF file's own blocks (worker.linears.ggml_experts)
+    experts = {str(m.gate_up.dtype).removeprefix("torch.") for m in model.modules() if isinstance(
+        getattr(m, "gate_up", None), nn.Parameter)}
+    on_blocks = {part.type_name for m in model.modules() for weight in getattr(m, "expert_blocks", ()) for part in weight.parts}
+    experts |= on_blocks
+    if (formats or on_blocks) and experts:  # e.g. "Q4_K, Q6_K; experts Q4_K, Q6_K", "experts Q8_0" (float linears)
+        return "; ".join(filter(None, (", ".join(sorted(formats)), f"experts {', '.join(sorted(experts))}")))
     return ", ".join(sorted(formats))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from worker.linears.ggml_blocks import GGMLBlocksEmbedding, GGMLBlocksLinear, GGMLBlocksWeight
+from worker.linears.ggml_experts import ExpertBlocksWeight, GGMLBlocksExperts
 from worker.linears.group_quant import GroupQuantEmbedding, GroupQuantLinear, GroupQuantWeight
 from worker.loader.gguf_quants import SUPPORTED_TYPES, group_quant_from_blocks
 from worker.loader.errors import ModelLoadError
@@ -143,8 +144,8 @@ def fuse_hf_state_dict(config: ModelConfig, hf: dict, norm_offset: float = 0.0) 
 
 def _fused_mlp(config: ModelConfig, hf: dict, layer: int, src: str, dst: str) -> dict:
     if config.is_moe_layer(layer):  # worker.model.moe.SparseMoE's stacked parameters
-        return {f"{dst}.mlp.router_weight": hf[f"{src}.{ROUTER}"], f"{dst}.mlp.expert_gate_up": hf[f"{src}.{EXPERTS_GATE_UP}"],
-                f"{dst}.mlp.expert_down": hf[f"{src}.{EXPERTS_DOWN}"]}
+        return {f"{dst}.mlp.router_weight": hf[f"{src}.{ROUTER}"], f"{dst}.mlp.experts.gate_up": hf[f"{src}.{EXPERTS_GATE_UP}"],
+                f"{dst}.mlp.experts.down": hf[f"{src}.{EXPERTS_DOWN}"]}
     if fused_projections(config):
         gate_up = hf[f"{src}.mlp.gate_up_proj.weight"]  # gate rows, then up
     else:
@@ -158,13 +159,20 @@ def build_model(config: ModelConfig, hf: dict[str, torch.Tensor], dtype: torch.d
     gemma_norms = config.architecture in GEMMA_NORM_ARCHITECTURES and not norms_hold_offset
     fused = fuse_hf_state_dict(config, hf, norm_offset=1.0 if gemma_norms else 0.0)
     quantized = {name: t for name, t in fused.items() if isinstance(t, (GroupQuantWeight, GGMLBlocksWeight))}
+    expert_blocks = {name: t for name, t in fused.items() if isinstance(t, ExpertBlocksWeight)}
     with torch.device("meta"):
         model = LlamaModel(config)
-    result = model.load_state_dict({name: t.to(dtype).contiguous() for name, t in fused.items() if name not in quantized},
-                                   strict=False, assign=True)
-    if result.unexpected_keys or set(result.missing_keys) != set(quantized):
-        raise ModelLoadError(f"state dict does not match the model: missing {sorted(set(result.missing_keys) - set(quantized))}, "
+    result = model.load_state_dict({name: t.to(dtype).contiguous() for name, t in fused.items()
+                                    if name not in quantized and name not in expert_blocks}, strict=False, assign=True)
+    if result.unexpected_keys or set(result.missing_keys) != set(quantized) | set(expert_blocks):
+        missing = set(result.missing_keys) - set(quantized) - set(expert_blocks)
+        raise ModelLoadError(f"state dict does not match the model: missing {sorted(missing)}, "
                              f"unexpected {sorted(result.unexpected_keys)}")
+    for name, gate_up in expert_blocks.items():  # a GGUF MoE layer's experts kept in the file's blocks
+        if name.endswith(".experts.gate_up"):
+            moe = model.get_submodule(name.removesuffix(".experts.gate_up"))
+            down = expert_blocks[name.removesuffix("gate_up") + "down"]
+            moe.experts = GGMLBlocksExperts(gate_up, down, config.hidden_act)
     if config.tie_word_embeddings and LM_HEAD not in quantized:
         model.lm_head.weight = model.embed_tokens.weight  # assign=True gave each name its own Parameter
     for name, weight in quantized.items():

@@ -12,10 +12,13 @@ Execution groups the step's tokens by expert, never loops over tokens:
     each expert with tokens: gate/up once over its rows, act * up, down   -> [n_e, H]
     out.index_add_(token of each pair, expert rows * routing weight)      -> [T, H]
 
-The experts' weights are stacked parameters ([E, 2I, H] gate rows then up rows, [E, H, I]), not nn.Linear, so
-no path's linear swap (packing, int8/int4, batch-invariant tiles) touches them; they run in the model dtype.
+The experts' weights are stacked parameters (StackedExperts: [E, 2I, H] gate rows then up rows, [E, H, I]), not
+nn.Linear, so no path's linear swap (packing, int8/int4, batch-invariant tiles) touches them; they run in the model
+dtype. A GGUF file's experts may instead stay in its blocks (worker.linears.ggml_experts), behind the same seam.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,11 +42,11 @@ def _activation(gate: torch.Tensor, hidden_act: str) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") if hidden_act == "gelu_tanh" else F.silu(gate)
 
 
-def run_experts(x: torch.Tensor, top_weights: torch.Tensor, top_experts: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, hidden_act: str = "silu") -> torch.Tensor:
-    """x: [T, H]; top_weights / top_experts: [T, K]; gate_up: [E, 2I, H]; down: [E, H, I] -> [T, H].
-
-    Each expert that has tokens runs gate/up and down once over all of them; one without costs nothing."""
+def run_grouped(x: torch.Tensor, top_weights: torch.Tensor, top_experts: torch.Tensor, num_experts: int,
+                experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """x: [T, H]; top_weights / top_experts: [T, K] -> [T, H]. experts(rows [T*K, H] sorted by expert, counts [E]
+    int64) -> [T*K, H], each pair's expert output: the seam between the routing, here, and the experts' weights
+    (StackedExperts' floats, worker.linears.ggml_experts' GGUF blocks)."""
     num_tokens, top_k = top_experts.shape
     out = torch.zeros_like(x)
     if num_tokens == 0:
@@ -51,36 +54,64 @@ def run_experts(x: torch.Tensor, top_weights: torch.Tensor, top_experts: torch.T
     flat_experts = top_experts.reshape(-1)  # [T*K], pair p = token p // K, its (p % K)-th choice
     order = torch.argsort(flat_experts, stable=True)  # pairs grouped by expert, in token order within one
     pair_tokens = order // top_k  # [T*K]
-    counts = torch.bincount(flat_experts, minlength=gate_up.shape[0]).tolist()
-    rows = x.index_select(0, pair_tokens)  # [T*K, H]
+    counts = torch.bincount(flat_experts, minlength=num_experts)  # [E]
+    expert_out = experts(x.index_select(0, pair_tokens), counts)  # [T*K, H]
+    weights = top_weights.reshape(-1).index_select(0, order)[:, None]  # [T*K, 1]
+    out.index_add_(0, pair_tokens, (expert_out * weights).to(x.dtype))
+    return out
+
+
+def expert_matmuls(rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                   hidden_act: str) -> torch.Tensor:
+    """rows: [P, H] sorted by expert; counts: [E]; gate_up: [E, 2I, H]; down: [E, H, I] -> [P, H]. Each expert
+    that has rows runs gate/up and down once over all of them; one without costs nothing."""
     expert_out = torch.empty_like(rows)
     start = 0
-    for expert, count in enumerate(counts):
+    for expert, count in enumerate(counts.tolist()):
         if count == 0:
             continue
         span = slice(start, start + count)
         gate, up = F.linear(rows[span], gate_up[expert]).chunk(2, dim=-1)  # each [n_e, I]
         expert_out[span] = F.linear(_activation(gate, hidden_act) * up, down[expert])
         start += count
-    weights = top_weights.reshape(-1).index_select(0, order)[:, None]  # [T*K, 1]
-    out.index_add_(0, pair_tokens, (expert_out * weights).to(x.dtype))
-    return out
+    return expert_out
 
 
-class SparseMoE(nn.Module):
-    """A decoder layer's feed-forward as top-k of config.num_experts SwiGLU experts."""
+def run_experts(x: torch.Tensor, top_weights: torch.Tensor, top_experts: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor, hidden_act: str = "silu") -> torch.Tensor:
+    """x: [T, H]; top_weights / top_experts: [T, K]; gate_up: [E, 2I, H]; down: [E, H, I] -> [T, H]."""
+    return run_grouped(x, top_weights, top_experts, gate_up.shape[0],
+                       lambda rows, counts: expert_matmuls(rows, counts, gate_up, down, hidden_act))
+
+
+class StackedExperts(nn.Module):
+    """Every expert's weights as stacked float parameters: (rows [P, H] sorted by expert, counts [E]) -> [P, H]."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.hidden_act = config.hidden_act
+        self.gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden))  # [E, 2I, H]: gate rows, then up
+        self.down = nn.Parameter(torch.empty(experts, hidden, inter))  # [E, H, I]
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return expert_matmuls(rows, counts, self.gate_up, self.down, self.hidden_act)
+
+
+class SparseMoE(nn.Module):
+    """A decoder layer's feed-forward as top-k of config.num_experts SwiGLU experts. self.experts: StackedExperts,
+    or (a GGUF file's experts under --cpu-block-kernels) worker.linears.ggml_experts.GGMLBlocksExperts, swapped in
+    at load."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.weights_float = config.router_weights_float
-        self.hidden_act = config.hidden_act
-        self.router_weight = nn.Parameter(torch.empty(experts, hidden))  # [E, H]
-        self.expert_gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden))  # [E, 2I, H]: gate rows, then up
-        self.expert_down = nn.Parameter(torch.empty(experts, hidden, inter))  # [E, H, I]
+        self.router_weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))  # [E, H]
+        self.experts = StackedExperts(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, H] -> [T, H]
         top_weights, top_experts = route(x, self.router_weight, self.top_k, self.norm_topk_prob, self.weights_float)
-        return run_experts(x, top_weights, top_experts, self.expert_gate_up, self.expert_down, self.hidden_act)
+        return run_grouped(x, top_weights, top_experts, self.num_experts, self.experts)

@@ -60,7 +60,7 @@ def _attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 
 def _mlp(mlp: MLP | SparseMoE, x: torch.Tensor) -> torch.Tensor:
-    if isinstance(mlp, SparseMoE):  # a MoE layer: the reference's grouped expert matmuls (worker.model.moe)
+    if isinstance(mlp, SparseMoE):  # a MoE layer: its routing, then its experts (floats, or a GGUF file's blocks)
         return mlp(x)
     return mlp.w_down.forward(torch.ops.tokenmill.act_mul(mlp.w_gate_up.forward(x), mlp.hidden_act == "gelu_tanh"))
 

@@ -46,7 +46,7 @@ def test_quantized_experts_are_dequantized(tmp_path):
     types = {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}
     assert types["blk.0.ffn_gate_exps.weight"] == "Q8_0"
     model, _ = load_model(path, progress=False, keep_quantized=True)
-    assert model.layers[0].mlp.expert_gate_up.dtype == torch.float32
+    assert model.layers[0].mlp.experts.gate_up.dtype == torch.float32
     builder, rows = run_scenario(model, model.config, block_size=16)
     with torch.no_grad():
         reference = {rid: hf_model(torch.tensor([tokens])).logits[0] for rid, tokens in builder.tokens.items()}

@@ -50,8 +50,8 @@ def ours(block, kind: str, top_k: int, norm_topk_prob: bool) -> SparseMoE:
                          moe_intermediate_size=INTER, norm_topk_prob=norm_topk_prob or kind == "mixtral",
                          router_weights_float=kind == "mixtral")
     layer = SparseMoE(config)
-    layer.load_state_dict({"router_weight": block.gate.weight, "expert_gate_up": block.experts.gate_up_proj,
-                           "expert_down": block.experts.down_proj})
+    layer.load_state_dict({"router_weight": block.gate.weight, "experts.gate_up": block.experts.gate_up_proj,
+                           "experts.down": block.experts.down_proj})
     return layer.eval()
 
 
@@ -62,8 +62,8 @@ def per_token_reference(layer: SparseMoE, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(token[None], layer.router_weight, layer.top_k, layer.norm_topk_prob, layer.weights_float)
         total = torch.zeros_like(token)
         for weight, expert in zip(weights[0], experts[0].tolist()):
-            gate, up = (layer.expert_gate_up[expert] @ token).chunk(2)
-            total += weight * (layer.expert_down[expert] @ (torch.nn.functional.silu(gate) * up))
+            gate, up = (layer.experts.gate_up[expert] @ token).chunk(2)
+            total += weight * (layer.experts.down[expert] @ (torch.nn.functional.silu(gate) * up))
         rows.append(total)
     return torch.stack(rows)
 
@@ -103,7 +103,7 @@ def test_tied_router_logits_pick_the_expert_transformers_picks(kind):
         # the other choice would show: expert 2 and expert 5 compute different things
         swapped = torch.where(chosen == 2, 5, torch.where(chosen == 5, 2, chosen))
         weights = torch.ones_like(chosen, dtype=x.dtype)
-        other = run_experts(x[0], weights, swapped, layer.expert_gate_up, layer.expert_down)
+        other = run_experts(x[0], weights, swapped, layer.experts.gate_up, layer.experts.down)
         assert (other[tied] - expected[tied]).abs().max().item() > 1e-3
 
 

@@ -72,7 +72,7 @@ def test_the_cpu_defaults_run_moe_as_the_reference(moe_model):
     assert default.execution.kernel_backend == "torch"
     assert_same_steps(reference, run_mixed_steps(default), logprob_atol=1e-4)
     layer = moe_model.layers[0].mlp
-    assert isinstance(layer, SparseMoE) and type(layer.expert_gate_up) is torch.nn.Parameter
+    assert isinstance(layer, SparseMoE) and type(layer.experts.gate_up) is torch.nn.Parameter
 
 
 def test_int8_linears_leave_the_experts_and_router_in_float(moe_model):
@@ -81,6 +81,6 @@ def test_int8_linears_leave_the_experts_and_router_in_float(moe_model):
     model = random_llama(MOE, torch.float32, "cpu", seed=5, std=0.2)
     quantize_linears(model, bits=8)
     layer = model.layers[1].mlp
-    assert layer.expert_down.dtype == layer.router_weight.dtype == torch.float32
+    assert layer.experts.down.dtype == layer.router_weight.dtype == torch.float32
     steps = run_mixed_steps(_runner(model))
     assert [sorted(step) for step in steps][-1] == ["a", "b", "c"]

@@ -1,0 +1,150 @@
+// A mixture of experts' projection on the GGUF file's own stacked expert blocks (ffn_{gate,up,down}_exps): every
+// expert that has rows in the step, in one call and one parallel region, on the dense block linears' kernels
+// (ggml_blocks_dot.cpp's vector rows, ggml_blocks_amx.cpp's tiles), which this file only schedules.
+//
+// The step's token-expert pairs come sorted by expert (worker.model.moe draws the layout), x holding each pair's
+// row, so expert e's rows are one slice:
+//
+//   x       [R, K]   | e0 e0 e0 | e2 | e3 e3 e3 e3 e3 e3 |      offsets = [0, 3, 3, 4, 10]  (e1: no rows)
+//   part i  [E, N_i, row bytes]: expert e's N_i weight rows (gate and up are two parts: one call runs both)
+//   out     [R, sum N_i]: the parts' outputs side by side, each pair's row where its x row was
+//
+// x is rounded to q8_K once for all rows; an expert's rows are a view of it. Work items are (expert, part,
+// up to kChunkRows weight rows), expert-major so that threads walk the weights in file order, taken from a
+// shared counter: a step's experts differ in rows (1 to hundreds), a static split would leave threads waiting.
+// An expert with kAmxMinRows or more rows runs its K-quant parts on the AMX tiles where auto has them (its x
+// laid out for the tiles once, experts in parallel), one with fewer on the vector kernels, each exactly as a
+// dense block linear of that many rows would: a row's output does not depend on the other experts.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <vector>
+
+#include "ggml_blocks.h"
+
+using namespace tokenmill::ggml;
+
+namespace {
+
+constexpr int64_t kChunkRows = 64;  // weight rows a work item: 4 AMX tiles, ~72 KiB of a Q4_K row of 2048
+
+struct Item {
+  int64_t expert, part, n0, n1;
+};
+
+struct Experts {
+  std::vector<Part> parts;  // part i of expert 0; expert e's rows start e * rows * row_bytes on
+  std::vector<int64_t> first_col;
+  int64_t num_experts = 0, N = 0, K = 0;
+};
+
+// x's rows of each expert, and (where the tiles run them) their tile layout
+struct ExpertRows {
+  std::vector<Q8Rows> rows;
+  std::vector<std::shared_ptr<const AmxRows>> tiles;
+};
+
+ExpertRows expert_rows(const Q8Rows& q, const int64_t* offsets, const Experts& w, int64_t runs, int64_t path) {
+  ExpertRows r;
+  r.tiles.resize(w.num_experts);
+  for (int64_t e = 0; e < w.num_experts; ++e) r.rows.push_back(q.rows(offsets[e], offsets[e + 1] - offsets[e]));
+  const bool any_tiled = std::any_of(w.parts.begin(), w.parts.end(), [](const Part& p) { return amx_has_kernel(p.type); });
+  if (runs != 3 || !any_tiled) return r;
+  at::parallel_for(0, w.num_experts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e)
+      if (r.rows[e].T > 0 && (path == 3 || r.rows[e].T >= kAmxMinRows)) r.tiles[e] = amx_rows_of(r.rows[e]);
+  });
+  return r;
+}
+
+template <typename Out>
+void run_items(const Experts& w, const ExpertRows& x, const int64_t* offsets, bool wide, Out* out) {
+  std::vector<Item> items;
+  for (int64_t e = 0; e < w.num_experts; ++e) {
+    if (x.rows[e].T == 0) continue;
+    for (size_t i = 0; i < w.parts.size(); ++i)
+      for (int64_t n = 0; n < w.parts[i].rows; n += kChunkRows)
+        items.push_back({e, static_cast<int64_t>(i), n, std::min(w.parts[i].rows, n + kChunkRows)});
+  }
+  std::atomic<size_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (size_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < items.size();) {
+      const Item& it = items[k];
+      Part p = w.parts[it.part];
+      p.data += it.expert * p.rows * p.row_bytes;
+      Out* rows_out = out + offsets[it.expert] * w.N;
+      const AmxRows* tiles = x.tiles[it.expert].get();
+      if (tiles && amx_has_kernel(p.type))
+        amx_rows(p, it.n0, it.n1, *tiles, rows_out, w.N, w.first_col[it.part]);
+      else
+        vector_rows(p, it.n0, it.n1, w.K, x.rows[it.expert], rows_out, w.N, w.first_col[it.part], wide);
+    }
+  });
+}
+
+Experts check_experts(at::TensorList parts, at::IntArrayRef types, int64_t K) {
+  TORCH_CHECK(parts.size() == types.size() && !parts.empty(), "ggml_blocks_experts: ", parts.size(), " parts but ",
+              types.size(), " types");
+  Experts w;
+  w.K = K;
+  w.num_experts = parts[0].dim() == 3 ? parts[0].size(0) : 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const at::Tensor& blocks = parts[i];
+    const int64_t type = types[i], per = block_elems(type), bytes = block_bytes(type);
+    TORCH_CHECK(K % per == 0, "ggml_blocks_experts: in_features ", K, " is not a multiple of ", per, " (GGML type ",
+                type, ")");
+    TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.is_contiguous() &&
+                    blocks.size(0) == w.num_experts && blocks.size(2) == K / per * bytes,
+                "ggml_blocks_experts: part ", i, " must be contiguous uint8 [", w.num_experts, " experts, rows, ",
+                K / per * bytes, "], got ", blocks.sizes());
+    w.parts.push_back({blocks.data_ptr<uint8_t>(), type, blocks.size(1), blocks.size(2)});
+    w.first_col.push_back(w.N);
+    w.N += blocks.size(1);
+  }
+  return w;
+}
+
+}  // namespace
+
+// x: [R, K] float32 or bfloat16, the pairs' rows sorted by expert; offsets: int64 [E + 1], expert e's rows
+// offsets[e]..offsets[e + 1]; parts: uint8 [E, N_i, K / block_elems * block_bytes] in types[i] -> [R, sum N_i]
+// in x's dtype. path: as ggml_blocks_linear's (0 auto).
+at::Tensor ggml_blocks_experts(const at::Tensor& x_in, const at::Tensor& offsets_in, at::TensorList parts,
+                               at::IntArrayRef types, int64_t path) {
+  TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
+              "ggml_blocks_experts: x must be 2-D float32 or bfloat16, got ", x_in.sizes(), " ", x_in.scalar_type());
+  const at::Tensor x = x_in.contiguous();
+  const int64_t R = x.size(0), K = x.size(1);
+  const Experts w = check_experts(parts, types, K);
+  const at::Tensor offsets = offsets_in.to(at::kLong).contiguous();
+  TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) == w.num_experts + 1, "ggml_blocks_experts: offsets must have ",
+              w.num_experts + 1, " values (experts + 1), got ", offsets.sizes());
+  const int64_t* op = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(op[0] == 0 && op[w.num_experts] == R, "ggml_blocks_experts: offsets must run from 0 to ", R,
+              " (x's rows), got ", op[0], "..", op[w.num_experts]);
+  for (int64_t e = 0; e < w.num_experts; ++e)
+    TORCH_CHECK(op[e] <= op[e + 1], "ggml_blocks_experts: offsets decrease at expert ", e);
+  at::Tensor out = at::empty({R, w.N}, x.options());
+  if (R == 0) return out;
+  const int64_t runs = ggml_blocks_path(path);
+  Q8Buffer buf;
+  const Q8Rows q = x.scalar_type() == at::kFloat ? quantize_rows(x.data_ptr<float>(), R, K, buf)
+                                                 : quantize_rows(x.data_ptr<at::BFloat16>(), R, K, buf);
+  const ExpertRows rows = expert_rows(q, op, w, runs, path);
+  AT_DISPATCH_SWITCH(out.scalar_type(), "ggml_blocks_experts",
+    AT_DISPATCH_CASE(at::kFloat, [&] { run_items(w, rows, op, runs >= 2, out.data_ptr<float>()); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { run_items(w, rows, op, runs >= 2, out.data_ptr<at::BFloat16>()); }));
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("ggml_blocks_experts(Tensor x, Tensor offsets, Tensor[] parts, int[] types, int path) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("ggml_blocks_experts", &ggml_blocks_experts);
+}

@@ -1,0 +1,148 @@
+"""A mixture of experts' experts on a GGUF file's own stacked blocks (`ffn_{gate,up,down}_exps`, issue 36): the
+file's mapped pages, no conversion and no copy, run by the dense block linears' int8-activation kernels
+(worker/csrc/ggml_blocks_experts.cpp schedules ggml_blocks_dot.cpp's and ggml_blocks_amx.cpp's row kernels).
+
+The float experts (worker.model.moe.StackedExperts) are the reference: the same seam, rows sorted by expert and
+their counts in, each pair's output out. Here a MoE layer is two native calls, gate/up (both stacked halves at
+once) and down, each running every expert that has rows with threads spread over (expert, 64 weight rows) items;
+the activation between them is torch's. Accuracy is the dense block linears': x rounded to int8 per 256 values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from worker.linears.ggml_blocks import (BLOCK_BYTES, BLOCK_ELEMENTS, BLOCK_TYPES, KERNEL_PATHS, BlockPart,
+                                        block_supported, mapped_bytes_tensor)
+from worker.native_ops import cpu_ops_available
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertBlocksWeight:
+    """One projection of every expert as the file stacks it: parts of blocks uint8 [E, rows_i, row bytes], each
+    in its own GGML type. Expert e's output rows are its rows of each part in turn (gate's, then up's)."""
+    parts: tuple[BlockPart, ...]
+    in_features: int
+
+    def __post_init__(self) -> None:
+        experts = {part.blocks.shape[0] for part in self.parts}
+        for part in self.parts:
+            if not block_supported(part.type_name, self.in_features):
+                raise ValueError(f"{part.type_name} expert blocks of {self.in_features} values a row have no kernel "
+                                 f"(types {sorted(BLOCK_TYPES)}, rows a multiple of the block)")
+            row_bytes = self.in_features // BLOCK_ELEMENTS[part.type_name] * BLOCK_BYTES[part.type_name]
+            if part.blocks.dtype != torch.uint8 or part.blocks.dim() != 3 or part.blocks.shape[2] != row_bytes:
+                raise ValueError(f"{part.type_name} expert blocks must be uint8 [experts, rows, {row_bytes}] for "
+                                 f"{self.in_features} values a row, got {part.blocks.dtype} {tuple(part.blocks.shape)}")
+        if len(experts) != 1:
+            raise ValueError(f"stacked expert parts disagree on the number of experts: {sorted(experts)}")
+
+    @staticmethod
+    def from_blocks(parts: list[tuple[str, np.ndarray | torch.Tensor]], num_experts: int, in_features: int
+                    ) -> ExpertBlocksWeight:
+        """parts: (GGML type, the file's blocks of [E, rows, in_features] values, any shape) -> the stacked weight."""
+        def blocks_of(type_name: str, blocks: np.ndarray | torch.Tensor) -> torch.Tensor:
+            tensor = blocks if isinstance(blocks, torch.Tensor) else mapped_bytes_tensor(blocks)
+            row_bytes = in_features // BLOCK_ELEMENTS[type_name] * BLOCK_BYTES[type_name]
+            return tensor.reshape(num_experts, -1, row_bytes)
+
+        return ExpertBlocksWeight(tuple(BlockPart(type_name, blocks_of(type_name, blocks)) for type_name, blocks in parts),
+                                  in_features)
+
+    @property
+    def num_experts(self) -> int:
+        return self.parts[0].blocks.shape[0]
+
+    @property
+    def out_features(self) -> int:
+        """Each expert's output rows."""
+        return sum(part.blocks.shape[1] for part in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.blocks.numel() for part in self.parts)
+
+    @property
+    def formats(self) -> str:
+        return ", ".join(dict.fromkeys(part.type_name for part in self.parts))
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [E, out_features, in_features], exactly gguf-py's values (the float reference's weights)."""
+        return torch.cat([torch.ops.tokenmill.ggml_blocks_dequantize(
+            part.blocks.reshape(-1, part.blocks.shape[2]), BLOCK_TYPES[part.type_name], self.in_features,
+            torch.arange(part.blocks.shape[0] * part.blocks.shape[1])).reshape(part.blocks.shape[0], -1, self.in_features)
+            for part in self.parts], dim=1)
+
+
+class GGMLBlocksExperts(nn.Module):
+    """Experts on blocks: (rows [P, H] sorted by expert, counts [E] int64) -> [P, H] in rows' dtype, as
+    worker.model.moe.StackedExperts computes it from float weights."""
+
+    kernel_path = KERNEL_PATHS["auto"]  # tests force an instruction set on an instance
+
+    def __init__(self, gate_up: ExpertBlocksWeight, down: ExpertBlocksWeight, hidden_act: str) -> None:
+        super().__init__()
+        if not cpu_ops_available():
+            raise RuntimeError("GGML block experts need the compiled CPU ops (scripts/build_cpu_ops.py)")
+        if gate_up.num_experts != down.num_experts or gate_up.out_features != 2 * down.in_features:
+            raise ValueError(f"gate/up [{gate_up.num_experts}, {gate_up.out_features}, {gate_up.in_features}] does not "
+                             f"match down [{down.num_experts}, {down.out_features}, {down.in_features}]")
+        self.expert_blocks = (gate_up, down)  # what worker.linears.ggml_blocks.block_weights maps and faults in
+        self.gelu = hidden_act == "gelu_tanh"
+        self._gate_up = [part.blocks for part in gate_up.parts]
+        self._gate_up_types = [BLOCK_TYPES[part.type_name] for part in gate_up.parts]
+        self._down = [part.blocks for part in down.parts]
+        self._down_types = [BLOCK_TYPES[part.type_name] for part in down.parts]
+
+    @property
+    def num_experts(self) -> int:
+        return self.expert_blocks[0].num_experts
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:  # [P, H], [E] -> [P, H]
+        offsets = F.pad(counts.cumsum(0), (1, 0))  # [E + 1]: expert e's rows offsets[e]..offsets[e + 1]
+        gate, up = torch.ops.tokenmill.ggml_blocks_experts(rows, offsets, self._gate_up, self._gate_up_types,
+                                                           self.kernel_path).chunk(2, dim=-1)  # each [P, I]
+        hidden = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
+        return torch.ops.tokenmill.ggml_blocks_experts(hidden, offsets, self._down, self._down_types, self.kernel_path)
+
+    def _apply(self, fn, recurse: bool = True):
+        probe = fn(torch.empty(0, dtype=torch.uint8))
+        if probe.device.type != "cpu":
+            raise ValueError("GGML block experts run on CPU only; the loader dequantizes a GGUF file's experts for "
+                             f"{probe.device.type}")
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        gate_up, down = self.expert_blocks
+        return (f"experts={self.num_experts}, hidden={gate_up.in_features}, intermediate={down.in_features}, "
+                f"formats=gate/up {gate_up.formats}, down {down.formats}")
+
+
+def describe_experts(model: nn.Module) -> str:
+    """What a mixture of experts' experts run on, for the worker's log: the file's blocks (which types, how many MiB,
+    which instruction set), or the float experts' dtype (a Hugging Face folder, a GGUF file's experts dequantized:
+    --cpu-block-kernels off, or types it does not take)."""
+    from worker.linears.ggml_blocks import AMX_MIN_ROWS, auto_path, vector_path
+
+    on_blocks = [m for m in model.modules() if isinstance(m, GGMLBlocksExperts)]
+    stacked = [m for m in model.modules() if isinstance(getattr(m, "gate_up", None), nn.Parameter)]  # StackedExperts
+    described = []
+    if on_blocks:
+        names = {value: name for name, value in KERNEL_PATHS.items()}
+        weights = [weight for m in on_blocks for weight in m.expert_blocks]
+        types = sorted({part.type_name for weight in weights for part in weight.parts})
+        tiles = (f", AMX-INT8 tiles for an expert's K-quants from {AMX_MIN_ROWS} rows"
+                 if auto_path() == KERNEL_PATHS["amx_int8"] else "")
+        described.append(f"{len(on_blocks)} layers' experts on the file's own blocks ({', '.join(types)}, "
+                         f"{sum(w.nbytes for w in weights) / 2**20:.0f} MiB): one native call for every expert's gate/up "
+                         f"and one for down a layer, {names[vector_path()]} integer dot products{tiles} on activations "
+                         f"rounded to int8 per 256 values")
+    if stacked:
+        dtypes = sorted({str(m.gate_up.dtype).removeprefix("torch.") for m in stacked})
+        described.append(f"{len(stacked)} layers' experts in {', '.join(dtypes)}, each expert's matmuls in torch over "
+                         f"the tokens routed to it (not packed, quantized or on GGUF blocks)")
+    return "; ".join(described)
