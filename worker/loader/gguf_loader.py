@@ -21,12 +21,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from worker.linears.ggml_blocks import GGMLBlocksWeight
+from worker.linears.ggml_blocks import GGMLBlocksWeight, block_supported
+from worker.linears.ggml_experts import ExpertBlocksWeight
 from worker.linears.group_quant import GroupQuantWeight
 from worker.loader.errors import ModelLoadError
 from worker.loader.gguf_quants import ggml_blocks_from_gguf, group_quant_from_gguf
 from worker.loader.moe import gguf_expert_names, gguf_moe_fields, refuse_unsupported_gguf_variant
-from worker.loader.weights import EMBEDDING, LINEAR_WEIGHTS, LM_HEAD, check_shape, expected_hf_shapes
+from worker.loader.weights import (EMBEDDING, EXPERTS_DOWN, EXPERTS_GATE_UP, LINEAR_WEIGHTS, LM_HEAD, check_shape,
+                                   expected_hf_shapes)
 from worker.model.config import ModelConfig, RopeScaling
 
 QuantizedWeight = GroupQuantWeight | GGMLBlocksWeight
@@ -220,8 +222,10 @@ def read_gguf(path: Path, dtype: torch.dtype, progress: bool, keep_quantized: bo
     tensors: dict[str, torch.Tensor] = {}
     expected = expected_hf_shapes(config)
     for hf_name, shape in tqdm(expected.items(), desc=f"loading {path.name}", unit="tensor", file=sys.stderr, disable=not progress):
-        if gguf_expert_names(hf_name):  # a MoE layer's stacked experts: dequantized to dtype (no expert kernels yet)
-            tensors[hf_name] = _experts(by_gguf_name, gguf_expert_names(hf_name), shape, path, dtype)
+        if gguf_expert_names(hf_name):  # a MoE layer's stacked experts: the file's blocks, or dequantized to dtype
+            names = gguf_expert_names(hf_name)
+            on_blocks = keep_quantized and _experts_on_blocks(by_gguf_name, hf_name, block_types)
+            tensors[hf_name] = (_expert_blocks if on_blocks else _experts)(by_gguf_name, names, shape, path, dtype)
             continue
         gguf_name = hf_to_gguf_name(gguf_arch, config.num_layers, hf_name)
         tensor = by_gguf_name.get(gguf_name)
@@ -257,6 +261,26 @@ def _experts(by_gguf_name: dict, names: tuple[str, ...], shape: tuple[int, ...],
     stacked = torch.cat(parts, dim=1)
     check_shape(str(path), " + ".join(names), tuple(stacked.shape), shape)
     return stacked.to(dtype)
+
+
+def _experts_on_blocks(by_gguf_name: dict, hf_name: str, block_types: Collection[str]) -> bool:
+    """Whether a MoE layer's experts stay in the file's blocks: all three of its ffn_{gate,up,down}_exps in types
+    block_types runs (--cpu-block-kernels) at their row lengths; a layer never mixes blocks and floats."""
+    layer = hf_name.partition(".mlp.")[0]
+    names = [name for suffix in (EXPERTS_GATE_UP, EXPERTS_DOWN) for name in gguf_expert_names(f"{layer}.{suffix}")]
+    tensors = [by_gguf_name.get(name) for name in names]
+    return all(tensor is not None and tensor.tensor_type.name in block_types and
+               block_supported(tensor.tensor_type.name, int(tensor.shape[0])) for tensor in tensors)
+
+
+def _expert_blocks(by_gguf_name: dict, names: tuple[str, ...], shape: tuple[int, ...], path: Path,
+                   dtype: torch.dtype) -> ExpertBlocksWeight:
+    """ffn_{gate,up}_exps (two parts of one weight) or ffn_down_exps as the file maps them: no copy."""
+    num_experts, _, in_features = shape
+    parts = [(by_gguf_name[name].tensor_type.name, np.asarray(by_gguf_name[name].data).view(np.uint8)) for name in names]
+    weight = ExpertBlocksWeight.from_blocks(parts, num_experts, in_features)
+    check_shape(str(path), " + ".join(names), (weight.num_experts, weight.out_features, weight.in_features), shape)
+    return weight
 
 
 def _unpermuted(weight: QuantizedWeight, gguf_arch: str, hf_name: str, config: ModelConfig) -> QuantizedWeight:

@@ -17,6 +17,7 @@ import torch
 from core.step import TokenLogprobs
 from worker.linears.dense_weights import keep_dense_weights
 from worker.linears.ggml_blocks import describe_block_kernels
+from worker.linears.ggml_experts import describe_experts
 from worker.linears.group_quant import use_int8_activations
 from worker.linears.packed import pack_linears
 from worker.model.attention import GatherWorkspace, HostAttentionPlan, attention_metadata, plan_attention
@@ -46,11 +47,9 @@ class TorchPath:
         # the KV cache is made in the activations' dtype, which the dense copies take
         log.info("dense weights for many-row steps: %s",
                  keep_dense_weights(model, execution.cpu_dense_weights, kv_cache.storage.dtype))
-        if model.config.num_experts:  # no faster expert kernels yet: the reference's grouped matmuls, in the model dtype
-            log.info("mixture of experts (%s): %d experts, top %d, each expert's matmuls in torch over the tokens routed "
-                     "to it, in %s (expert weights are not packed, quantized or run on GGUF blocks)",
-                     model.config.architecture, model.config.num_experts, model.config.num_experts_per_tok,
-                     str(model.norm.weight.dtype).removeprefix("torch."))
+        if model.config.num_experts:  # a GGUF file's experts on its blocks (--cpu-block-kernels), else floats
+            log.info("mixture of experts (%s): %d experts, top %d: %s", model.config.architecture,
+                     model.config.num_experts, model.config.num_experts_per_tok, describe_experts(model))
         blocks = describe_block_kernels(model)
         if blocks:
             log.info("GGML block kernels: %s", blocks)

@@ -54,6 +54,44 @@ def test_quantized_experts_are_dequantized(tmp_path):
     assert worst < 0.05  # Q8_0's rounding only
 
 
+def test_quantized_experts_run_on_their_blocks_as_cpu_block_kernels_says(tmp_path):
+    """A layer's experts stay in the file's blocks (worker.linears.ggml_experts) when --cpu-block-kernels takes all
+    three of its expert tensors' types (Q8_0: `all`, not `auto`): logits within the activations' int8 rounding of the
+    dequantized experts'. Under auto / off, or with the down experts in a type without a kernel (F32), the experts
+    are dequantized floats as before."""
+    from worker.linears.ggml_blocks import block_types
+    from worker.linears.ggml_experts import GGMLBlocksExperts, describe_experts
+    from worker.linears.group_quant import weight_formats
+    from worker.native_ops import cpu_ops_available
+
+    if not cpu_ops_available():
+        pytest.skip("the compiled CPU ops are not built")
+    _, hf_model = make_tiny_hf_model(tmp_path, "qwen3_moe", mlp_only_layers=[])
+    path = tmp_path / "q8.gguf"
+    write_converter_gguf(path, hf_model, quantize={f"ffn_{p}_exps.weight": "Q8_0" for p in ("gate", "up", "down")})
+    loaded = {mode: load_model(path, progress=False, keep_quantized=True, block_types=block_types(mode))[0]
+              for mode in ("all", "auto", "off")}
+    on_blocks = {mode: [isinstance(layer.mlp.experts, GGMLBlocksExperts) for layer in model.layers]
+                 for mode, model in loaded.items()}
+    assert on_blocks == {"all": [True] * 3, "auto": [False] * 3, "off": [False] * 3}
+    assert weight_formats(loaded["all"]).endswith("experts Q8_0")
+    assert "3 layers' experts on the file's own blocks (Q8_0" in describe_experts(loaded["all"])
+    assert "3 layers' experts in float32" in describe_experts(loaded["off"])
+    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(0))
+    for ours, theirs in zip(loaded["all"].layers, loaded["off"].layers):  # one routing: the int8 rounding only
+        assert (ours.mlp(x) - theirs.mlp(x)).norm() <= 3e-2 * theirs.mlp(x).norm()
+    _, blocks = run_scenario(loaded["all"], loaded["all"].config, block_size=16)
+    _, floats = run_scenario(loaded["off"], loaded["off"].config, block_size=16)
+    diffs = sorted((ours - theirs).abs().max().item() for (_, _, ours), (_, _, theirs) in zip(blocks, floats))
+    print(f"Q8_0 experts on blocks vs dequantized: |logit diff| median {diffs[len(diffs) // 2]:.3e}, max {diffs[-1]:.3e}")
+    # through the whole model a near-tie router may pick another expert for a row (measured: 1 of 125 rows, 0.27)
+    assert 0 < diffs[len(diffs) // 2] < 0.02 and diffs[int(0.95 * len(diffs))] < 0.05
+    mixed = tmp_path / "q8-down-f32.gguf"
+    write_converter_gguf(mixed, hf_model, quantize={f"ffn_{p}_exps.weight": "Q8_0" for p in ("gate", "up")})
+    model, _ = load_model(mixed, progress=False, keep_quantized=True, block_types=block_types("all"))
+    assert not any(isinstance(layer.mlp.experts, GGMLBlocksExperts) for layer in model.layers)
+
+
 def _write_raw(path, arch: str, keys: dict) -> None:
     import gguf
 
