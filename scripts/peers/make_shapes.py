@@ -1,6 +1,7 @@
 """Random-weight benchmark models with the exact shapes of real ones (issue 34 item 4): a GGUF file with the
 tensor shapes, quant mix and metadata of llama.cpp's Q4_K_M of Llama-3.2-1B, Qwen2.5-1.5B-Instruct,
-Llama-3.2-3B or Llama-3.1-8B, and with --hf the same shapes as a bfloat16 Hugging Face folder (vLLM CPU).
+Llama-3.2-3B, Llama-3.1-8B or the mixture of experts Qwen3-30B-A3B (issue 36), and with --hf the dense ones' same
+shapes as a bfloat16 Hugging Face folder (vLLM CPU).
 Serving speed does not depend on weight values, so these stand in for the real checkpoints, which are
 not available offline. Outside CI; scripts/peers/compare.sh --model NAME serves them.
 
@@ -15,6 +16,11 @@ src/llama-quant.cpp), for one-expert models whose rows are whole 256-blocks (all
     an untied token_embd.weight stays Q4_K;
   - attn_v.weight and ffn_down.weight Q6_K on the layers use_more_bits picks (the first and last eighth,
     and every third layer between), Q4_K elsewhere; every other matrix Q4_K;
+  - a mixture of experts (qwen3-30b-a3b, 128 experts): ffn_gate_exps / ffn_up_exps Q4_K, ffn_down_exps Q6_K on
+    use_more_bits' layers and Q4_K elsewhere (llama-quant.cpp's FFN_DOWN rule matches any name holding
+    "ffn_down" and reads the layer from the name when the model has experts); the router ffn_gate_inp F32 (never
+    quantized; random values here), attn_q_norm / attn_k_norm F32; its 8-expert special cases (attn_v / attn_k
+    Q8_0) apply to Mixtral-like models only;
   - 1-D tensors (norms, biases, rope_freqs) F32.
 Blocks: random code bytes; the f16 scale fields (d, dmin) are small positive values and Q6_K's int8
 sub-block scales small, so dequantized weights are finite with a spread like a trained model's (~0.02-0.06).
@@ -45,6 +51,7 @@ from tokenmill.bench.gguf_hparams import write_hparams
 REPO = Path(__file__).resolve().parents[2]
 SEED = 34  # the issue's number; every file is the same bytes on every run
 F16_SCALE_RANGE = (1e-4, 2e-4)  # d (and dmin / its multiple) of every block
+ROUTER_STD = 0.02
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,10 @@ class ModelShape:
     chat_template: str
     hf_architecture: str = "LlamaForCausalLM"
     hf_extra: dict = field(default_factory=dict)
+    qk_norm: bool = False  # Qwen3: RMS norms over each head's q and k (attn_q_norm / attn_k_norm)
+    experts: int = 0  # a mixture of experts: experts a layer, chosen per token, each expert's width
+    experts_used: int = 0
+    expert_intermediate: int = 0
 
 
 LLAMA3_SPECIALS = (("<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
@@ -86,6 +97,7 @@ QWEN2_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_s
                   "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
                   "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>",
                   "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
+QWEN3_ADDED = ("<tool_response>", "</tool_response>", "<think>", "</think>")  # Qwen3's added tokens after Qwen2's
 QWEN2_NOT_SPECIAL = 14  # from <tool_call> on, Qwen2.5's added tokens are special=False: USER_DEFINED in GGUF
 LLAMA3_TEMPLATE = ("{{- bos_token }}{%- for message in messages %}{{- '<|start_header_id|>' + message['role'] + "
                    "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
@@ -113,6 +125,18 @@ MODELS = {
               for i, text in enumerate(QWEN2_SPECIALS)), 151936 - 151665,
         "<|endoftext|>", "<|im_end|>", False, CHATML_TEMPLATE, "Qwen2ForCausalLM",
         {"use_sliding_window": False, "sliding_window": None, "max_window_layers": 28}),
+    # Qwen3-30B-A3B: every layer a mixture of 128 experts, 8 a token, renormalised (norm_topk_prob); its
+    # intermediate_size (6144) is in the config but no layer is dense
+    "qwen3-30b-a3b": ModelShape(
+        "qwen3-30b-a3b", "Qwen3-30B-A3B", "qwen3moe", 48, 2048, 6144, 32, 4, 128, 151936, 40960, 1000000.0, 1e-6,
+        False, False, None, "qwen2",
+        tuple((text, TokenType.CONTROL if i < QWEN2_NOT_SPECIAL else TokenType.USER_DEFINED)
+              for i, text in enumerate(QWEN2_SPECIALS + QWEN3_ADDED)), 151936 - 151669,
+        "<|endoftext|>", "<|im_end|>", False, CHATML_TEMPLATE, "Qwen3MoeForCausalLM",
+        {"model_type": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+         "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+         "sliding_window": None, "max_window_layers": 48},
+        qk_norm=True, experts=128, experts_used=8, expert_intermediate=768),
     "llama3.2-3b": _llama3("llama3.2-3b", "Llama-3.2-3B-Instruct", 28, 3072, 8192, 24, 128, 32.0, tied=True),
     "llama3.1-8b": _llama3("llama3.1-8b", "Llama-3.1-8B-Instruct", 32, 4096, 14336, 32, 128, 8.0, tied=False),
 }
@@ -135,14 +159,16 @@ def use_more_bits(layer: int, num_layers: int) -> bool:
 
 def q4_k_m_type(name: str, shape: tuple[int, ...], layer: int | None, num_layers: int, tied: bool) -> QType:
     """The type llama.cpp's Q4_K_M quantization gives a tensor (see the module docstring)."""
-    if len(shape) < 2:
+    if len(shape) < 2 or name.endswith("ffn_gate_inp.weight"):  # llama-quant.cpp never quantizes the router
         return QType.F32
     if shape[-1] % 256:
         raise ValueError(f"{name}: {shape[-1]} columns is not a whole number of 256-blocks; llama.cpp would fall "
                          "back to a 32-block type there, which this script does not write")
     if name == "output.weight" or (tied and name == "token_embd.weight"):
         return QType.Q6_K
-    if name.endswith(("attn_v.weight", "ffn_down.weight")) and use_more_bits(layer, num_layers):
+    # ffn_down_exps too: llama-quant.cpp's FFN_DOWN category is any name holding "ffn_down", its layer read from the
+    # name when the model has experts (one stacked tensor a layer, so the same layers as a dense model's)
+    if name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")) and use_more_bits(layer, num_layers):
         return QType.Q6_K
     return QType.Q4_K
 
@@ -164,17 +190,31 @@ def tensor_plan(model: ModelShape) -> list[TensorPlan]:
             layer += [("attn_q.bias", (q_rows,), "self_attn.q_proj.bias"),
                       ("attn_k.bias", (kv_rows,), "self_attn.k_proj.bias"),
                       ("attn_v.bias", (kv_rows,), "self_attn.v_proj.bias")]
-        layer += [("attn_output.weight", (model.hidden, q_rows), "self_attn.o_proj.weight"),
-                  ("ffn_norm.weight", (model.hidden,), "post_attention_layernorm.weight"),
-                  ("ffn_gate.weight", (model.intermediate, model.hidden), "mlp.gate_proj.weight"),
-                  ("ffn_up.weight", (model.intermediate, model.hidden), "mlp.up_proj.weight"),
-                  ("ffn_down.weight", (model.hidden, model.intermediate), "mlp.down_proj.weight")]
-        entries += [(f"blk.{i}.{name}", shape, i, hf + hf_name) for name, shape, hf_name in layer]
+        layer += [("attn_output.weight", (model.hidden, q_rows), "self_attn.o_proj.weight")]
+        if model.qk_norm:
+            layer += [("attn_q_norm.weight", (model.head_dim,), "self_attn.q_norm.weight"),
+                      ("attn_k_norm.weight", (model.head_dim,), "self_attn.k_norm.weight")]
+        layer += [("ffn_norm.weight", (model.hidden,), "post_attention_layernorm.weight"), *_ffn(model)]
+        entries += [(f"blk.{i}.{name}", shape, i, hf_name and hf + hf_name) for name, shape, hf_name in layer]
     entries.append(("output_norm.weight", (model.hidden,), None, "model.norm.weight"))
     if not model.tied:
         entries.append(("output.weight", (model.vocab, model.hidden), None, "lm_head.weight"))
     return [TensorPlan(name, shape, q4_k_m_type(name, shape, layer, model.layers, model.tied), hf_name)
             for name, shape, layer, hf_name in entries]
+
+
+def _ffn(model: ModelShape) -> list[tuple[str, tuple[int, ...], str | None]]:
+    """A layer's feed-forward tensors: a dense SwiGLU, or the router and the stacked experts [E, rows, cols] (no
+    single Hugging Face tensor: transformers stores them per expert)."""
+    if model.experts:
+        experts, inter = model.experts, model.expert_intermediate
+        return [("ffn_gate_inp.weight", (experts, model.hidden), None),
+                ("ffn_gate_exps.weight", (experts, inter, model.hidden), None),
+                ("ffn_up_exps.weight", (experts, inter, model.hidden), None),
+                ("ffn_down_exps.weight", (experts, model.hidden, inter), None)]
+    return [("ffn_gate.weight", (model.intermediate, model.hidden), "mlp.gate_proj.weight"),
+            ("ffn_up.weight", (model.intermediate, model.hidden), "mlp.up_proj.weight"),
+            ("ffn_down.weight", (model.hidden, model.intermediate), "mlp.down_proj.weight")]
 
 
 def rope_freqs(model: ModelShape) -> np.ndarray:
@@ -224,9 +264,12 @@ def random_blocks(rng: np.random.Generator, qtype: QType, rows: int, cols: int) 
 
 
 def float_tensor(rng: np.random.Generator, plan: TensorPlan, model: ModelShape) -> np.ndarray:
-    """A 1-D F32 tensor: norms 1, biases small random, rope_freqs the llama3 divisors."""
+    """An F32 tensor: norms 1, biases small random, rope_freqs the llama3 divisors, a MoE router random (N(0, 0.02):
+    router logits of about unit spread, so tokens spread over the experts as a trained router's do)."""
     if plan.name == "rope_freqs.weight":
         return rope_freqs(model)
+    if plan.name.endswith("ffn_gate_inp.weight"):
+        return rng.normal(0.0, ROUTER_STD, plan.shape).astype(np.float32)
     if plan.name.endswith(".bias"):
         return rng.normal(0.0, 0.02, plan.shape).astype(np.float32)
     return np.ones(plan.shape, dtype=np.float32)
@@ -235,7 +278,7 @@ def float_tensor(rng: np.random.Generator, plan: TensorPlan, model: ModelShape) 
 def tensor_data(rng: np.random.Generator, plan: TensorPlan, model: ModelShape) -> np.ndarray:
     if plan.qtype == QType.F32:
         return float_tensor(rng, plan, model)
-    return random_blocks(rng, plan.qtype, *plan.shape)
+    return random_blocks(rng, plan.qtype, math.prod(plan.shape[:-1]), plan.shape[-1])  # stacked experts: E * rows
 
 
 def tensor_nbytes(plan: TensorPlan) -> int:
@@ -325,7 +368,7 @@ def write_gguf(model: ModelShape, path: Path, log=print) -> Path:
         if plan.qtype == QType.F32:
             writer.add_tensor_info(plan.name, plan.shape, np.dtype(np.float32), tensor_nbytes(plan))
         else:
-            byte_shape = (plan.shape[0], tensor_nbytes(plan) // plan.shape[0])
+            byte_shape = (*plan.shape[:-1], tensor_nbytes(plan) // math.prod(plan.shape[:-1]))
             writer.add_tensor_info(plan.name, byte_shape, np.dtype(np.uint8), tensor_nbytes(plan), raw_dtype=plan.qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -454,7 +497,9 @@ def make(model: ModelShape, out: Path, hf: bool, log=print) -> tuple[Path, Path 
         log(f"{path}: writing {model.title}'s Q4_K_M shapes")
         write_gguf(model, path, log)
         log(f"{path}: {path.stat().st_size / 2**30:.2f} GiB")
-    folder = hf_path(out, model) if hf else None
+    if hf and model.experts:
+        log(f"--hf: no bfloat16 Hugging Face folder for {model.name} (a mixture of experts: not written yet)")
+    folder = hf_path(out, model) if hf and not model.experts else None
     if folder is not None and (folder / "model.safetensors").is_file():
         log(f"{folder}: there already")
     elif folder is not None:
@@ -466,13 +511,14 @@ def make(model: ModelShape, out: Path, hf: bool, log=print) -> tuple[Path, Path 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, choices=[*MODELS, "all"])
+    parser.add_argument("--model", required=True, choices=[*MODELS, "all"],
+                        help="all: the dense shapes (qwen3-30b-a3b, ~18 GB, only by name)")
     parser.add_argument("--out", type=Path, default=REPO / ".peers" / "shapes")
     parser.add_argument("--hf", action="store_true", help="also the bfloat16 Hugging Face folder (vLLM CPU)")
     parser.add_argument("--layers", type=int, help="fewer layers (tests); the Q4_K_M rule counts these")
     parser.add_argument("--vocab", type=int, help="a smaller vocabulary (tests): fewer filler tokens")
     args = parser.parse_args(argv)
-    for name in MODELS if args.model == "all" else [args.model]:
+    for name in [name for name in MODELS if not MODELS[name].experts] if args.model == "all" else [args.model]:
         make(shaped(name, args.layers, args.vocab), args.out, args.hf, lambda line: print(line, flush=True))
     return 0
 

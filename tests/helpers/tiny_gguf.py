@@ -59,12 +59,6 @@ def _write_metadata(writer, config, arch: str) -> None:
         writer.add_rope_scaling_orig_ctx_len(original)
     if getattr(config, "sliding_window", None) and arch in ("gemma2", "gemma3", "phi3"):
         writer.add_sliding_window(config.sliding_window)
-    num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-    if num_experts:  # the converter's MoE keys (Qwen3-MoE also its experts' own width)
-        writer.add_expert_count(num_experts)
-        writer.add_expert_used_count(config.num_experts_per_tok)
-        if hasattr(config, "moe_intermediate_size"):
-            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)

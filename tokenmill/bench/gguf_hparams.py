@@ -29,3 +29,9 @@ def write_hparams(writer, config) -> None:
     writer.add_vocab_size(config.vocab_size)
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
+    num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if num_experts:  # the converter's MoE keys (Qwen3-MoE also its experts' own width)
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if getattr(config, "moe_intermediate_size", None):
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)

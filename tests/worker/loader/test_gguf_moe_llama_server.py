@@ -35,11 +35,11 @@ NEW_TOKENS = 20
 NEAR_TIE, MIN_AGREED = 0.25, 10  # logits; tokens
 
 
-def llama_server_greedy(path: Path, prompts, log: Path) -> list[list[int]]:
+def llama_server_greedy(path: Path, prompts, log: Path, extra_args: tuple[str, ...] = ()) -> list[list[int]]:
     port = free_port()
     with open(log, "w") as out:
         server = subprocess.Popen([str(LLAMA_SERVER), "-m", str(path), "--port", str(port), "-t", "1", "-c", "256", "-ctk", "f32", "-ctv", "f32",
-                                   "--no-warmup"], stdout=out, stderr=subprocess.STDOUT)
+                                   "--no-warmup", *extra_args], stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
         while True:
