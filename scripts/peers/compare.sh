@@ -27,7 +27,8 @@
 # with AMX, llama-server 0.3.36's AMX weight repacking segfaults at warm-up; --no-repack runs it).
 #
 # --model NAME: instead of the default model, a random-weight model of a real one's shapes (issue 34:
-# llama3.2-1b, qwen2.5-1.5b, llama3.2-3b, llama3.1-8b), written once by scripts/peers/make_shapes.py into
+# llama3.2-1b, qwen2.5-1.5b, llama3.2-3b, llama3.1-8b; issue 36's mixture of experts qwen3-30b-a3b, ~18 GB,
+# with no bfloat16 HF folder, so no vLLM side), written once by scripts/peers/make_shapes.py into
 # .peers/shapes: tokenmill and llama-server serve its Q4_K_M GGUF file, vLLM its bfloat16 HF folder (written
 # only when vllm is a side); the client tokenizes with the file's tokenizer (bench --model). The workload is
 # issue 34's: concurrency 1, 4, 16 and 64, 64 requests per level, 512-token prompts, 64-128 output tokens,
@@ -79,7 +80,7 @@ if [ "$NEAR_FREE" = 1 ] && [[ ",$SIDES_WANTED," == *",llama-server,"* ]]; then
     [[ ",$SIDES_WANTED," != *",llama-server,"* ]] || {
         echo "compare.sh: --near-free: llama-server serves GGUF files only; leave it out of --sides" >&2; exit 2; }
 fi
-SHAPES="llama3.2-1b qwen2.5-1.5b llama3.2-3b llama3.1-8b"  # make_shapes.py's MODELS
+SHAPES="llama3.2-1b qwen2.5-1.5b llama3.2-3b llama3.1-8b qwen3-30b-a3b"  # make_shapes.py's MODELS
 if [ -n "$SHAPE" ]; then
     [[ " $SHAPES " == *" $SHAPE "* ]] || { echo "compare.sh: --model: unknown model $SHAPE (one of: $SHAPES)" >&2; exit 2; }
     [ "$NEAR_FREE" = 0 ] || { echo "compare.sh: --model and --near-free exclude each other" >&2; exit 2; }
