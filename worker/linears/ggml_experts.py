@@ -135,7 +135,7 @@ def describe_experts(model: nn.Module) -> str:
         names = {value: name for name, value in KERNEL_PATHS.items()}
         weights = [weight for m in on_blocks for weight in m.expert_blocks]
         types = sorted({part.type_name for weight in weights for part in weight.parts})
-        tiles = (f", AMX-INT8 tiles for an expert's K-quants from {AMX_MIN_ROWS} rows"
+        tiles = (f" (AMX-INT8 tiles for an expert's K-quants from {AMX_MIN_ROWS} rows)"
                  if auto_path() == KERNEL_PATHS["amx_int8"] else "")
         described.append(f"{len(on_blocks)} layers' experts on the file's own blocks ({', '.join(types)}, "
                          f"{sum(w.nbytes for w in weights) / 2**20:.0f} MiB): one native call for every expert's gate/up "
