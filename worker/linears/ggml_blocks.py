@@ -102,22 +102,44 @@ class BlockPart:
         return self.blocks.shape[0]
 
 
+class PartsOfBlocks:
+    """What a weight held as parts of GGML blocks (parts, in_features) offers whatever its leading dims: the
+    check of each part against the kernels and its row bytes, its bytes and its formats."""
+
+    __slots__ = ()
+    parts: tuple[BlockPart, ...]
+    in_features: int
+
+    def _check_parts(self, what: str, leading: tuple[str, ...]) -> None:
+        """what: "" or "expert "; leading: the names of the dims before a row's bytes ("rows",)."""
+        for part in self.parts:
+            if not block_supported(part.type_name, self.in_features):
+                raise ValueError(f"{part.type_name} {what}blocks of {self.in_features} values a row have no kernel "
+                                 f"(types {sorted(BLOCK_TYPES)}, rows a multiple of the block)")
+            row_bytes = self.in_features // BLOCK_ELEMENTS[part.type_name] * BLOCK_BYTES[part.type_name]
+            blocks = part.blocks
+            if blocks.dtype != torch.uint8 or blocks.dim() != len(leading) + 1 or blocks.shape[-1] != row_bytes:
+                raise ValueError(f"{part.type_name} {what}blocks must be uint8 [{', '.join(leading)}, {row_bytes}] "
+                                 f"for {self.in_features} values a row, got {blocks.dtype} {tuple(blocks.shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.blocks.numel() for part in self.parts)
+
+    @property
+    def formats(self) -> str:
+        return ", ".join(dict.fromkeys(part.type_name for part in self.parts))
+
+
 @dataclass(frozen=True, slots=True)
-class GGMLBlocksWeight:
+class GGMLBlocksWeight(PartsOfBlocks):
     """A weight of out_features rows held as one or more parts, each in its file's own type (a fused q/k/v
     of a Q4_K_M file is Q4_K, Q4_K and Q6_K): the parts' rows follow each other."""
     parts: tuple[BlockPart, ...]
     in_features: int
 
     def __post_init__(self) -> None:
-        for part in self.parts:
-            if not block_supported(part.type_name, self.in_features):
-                raise ValueError(f"{part.type_name} blocks of {self.in_features} values a row have no kernel "
-                                 f"(types {sorted(BLOCK_TYPES)}, rows a multiple of the block)")
-            row_bytes = self.in_features // BLOCK_ELEMENTS[part.type_name] * BLOCK_BYTES[part.type_name]
-            if part.blocks.dtype != torch.uint8 or part.blocks.dim() != 2 or part.blocks.shape[1] != row_bytes:
-                raise ValueError(f"{part.type_name} blocks must be uint8 [rows, {row_bytes}] for {self.in_features} "
-                                 f"values a row, got {part.blocks.dtype} {tuple(part.blocks.shape)}")
+        self._check_parts("", ("rows",))
 
     @staticmethod
     def from_blocks(type_name: str, blocks: np.ndarray | torch.Tensor, out_features: int, in_features: int) -> GGMLBlocksWeight:
@@ -127,14 +149,6 @@ class GGMLBlocksWeight:
     @property
     def out_features(self) -> int:
         return sum(part.rows for part in self.parts)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(part.blocks.numel() for part in self.parts)
-
-    @property
-    def formats(self) -> str:
-        return ", ".join(dict.fromkeys(part.type_name for part in self.parts))
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [len(rows) or out_features, in_features], exactly gguf-py's values."""
@@ -161,9 +175,24 @@ class GGMLBlocksWeight:
         return GGMLBlocksWeight(tuple(part for w in weights for part in w.parts), weights[0].in_features)
 
 
-class GGMLBlocksLinear(nn.Module):
+class CpuOnlyBlocks(nn.Module):
+    """A module on a file's GGML blocks: their kernels run on CPU only, so a move to another device is refused,
+    naming what the loader does for one instead (refusal ends with "for", the device follows)."""
+
+    refusal = ""
+
+    def _apply(self, fn, recurse: bool = True):
+        probe = fn(torch.empty(0, dtype=torch.uint8))
+        if probe.device.type != "cpu":
+            raise ValueError(f"{self.refusal} {probe.device.type}")
+        return super()._apply(fn, recurse)
+
+
+class GGMLBlocksLinear(CpuOnlyBlocks):
     """y = x W^T + b on W's blocks. x: [T, K] float32 or bfloat16 -> [T, N] in x's dtype."""
 
+    refusal = ("GGML block linears run on CPU only; the loader converts a GGUF file's weights "
+               "(worker.loader.gguf_quants) for")
     kernel_path = KERNEL_PATHS["auto"]  # tests set a forced instruction set on an instance
 
     def __init__(self, weight: GGMLBlocksWeight, bias: torch.Tensor | None = None) -> None:
@@ -222,13 +251,6 @@ class GGMLBlocksLinear(nn.Module):
         if self.bias is not None:
             out += self.bias
         return out.to(x.dtype)
-
-    def _apply(self, fn, recurse: bool = True):
-        probe = fn(torch.empty(0, dtype=torch.uint8))
-        if probe.device.type != "cpu":
-            raise ValueError("GGML block linears run on CPU only; the loader converts a GGUF file's weights for "
-                             f"{probe.device.type} (worker.loader.gguf_quants)")
-        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, formats={self.weight_blocks.formats}"

@@ -17,27 +17,20 @@ from torch import nn
 from torch.nn import functional as F
 
 from worker.linears.ggml_blocks import (BLOCK_BYTES, BLOCK_ELEMENTS, BLOCK_TYPES, KERNEL_PATHS, BlockPart,
-                                        block_supported, mapped_bytes_tensor)
+                                        CpuOnlyBlocks, PartsOfBlocks, mapped_bytes_tensor)
 from worker.native_ops import cpu_ops_available
 
 
 @dataclass(frozen=True, slots=True)
-class ExpertBlocksWeight:
+class ExpertBlocksWeight(PartsOfBlocks):
     """One projection of every expert as the file stacks it: parts of blocks uint8 [E, rows_i, row bytes], each
     in its own GGML type. Expert e's output rows are its rows of each part in turn (gate's, then up's)."""
     parts: tuple[BlockPart, ...]
     in_features: int
 
     def __post_init__(self) -> None:
+        self._check_parts("expert ", ("experts", "rows"))
         experts = {part.blocks.shape[0] for part in self.parts}
-        for part in self.parts:
-            if not block_supported(part.type_name, self.in_features):
-                raise ValueError(f"{part.type_name} expert blocks of {self.in_features} values a row have no kernel "
-                                 f"(types {sorted(BLOCK_TYPES)}, rows a multiple of the block)")
-            row_bytes = self.in_features // BLOCK_ELEMENTS[part.type_name] * BLOCK_BYTES[part.type_name]
-            if part.blocks.dtype != torch.uint8 or part.blocks.dim() != 3 or part.blocks.shape[2] != row_bytes:
-                raise ValueError(f"{part.type_name} expert blocks must be uint8 [experts, rows, {row_bytes}] for "
-                                 f"{self.in_features} values a row, got {part.blocks.dtype} {tuple(part.blocks.shape)}")
         if len(experts) != 1:
             raise ValueError(f"stacked expert parts disagree on the number of experts: {sorted(experts)}")
 
@@ -62,14 +55,6 @@ class ExpertBlocksWeight:
         """Each expert's output rows."""
         return sum(part.blocks.shape[1] for part in self.parts)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(part.blocks.numel() for part in self.parts)
-
-    @property
-    def formats(self) -> str:
-        return ", ".join(dict.fromkeys(part.type_name for part in self.parts))
-
     def dequantize(self) -> torch.Tensor:
         """float32 [E, out_features, in_features], exactly gguf-py's values (the float reference's weights)."""
         return torch.cat([torch.ops.tokenmill.ggml_blocks_dequantize(
@@ -78,10 +63,11 @@ class ExpertBlocksWeight:
             for part in self.parts], dim=1)
 
 
-class GGMLBlocksExperts(nn.Module):
+class GGMLBlocksExperts(CpuOnlyBlocks):
     """Experts on blocks: (rows [P, H] sorted by expert, counts [E] int64) -> [P, H] in rows' dtype, as
     worker.model.moe.StackedExperts computes it from float weights."""
 
+    refusal = "GGML block experts run on CPU only; the loader dequantizes a GGUF file's experts for"
     kernel_path = KERNEL_PATHS["auto"]  # tests force an instruction set on an instance
 
     def __init__(self, gate_up: ExpertBlocksWeight, down: ExpertBlocksWeight, hidden_act: str) -> None:
@@ -108,13 +94,6 @@ class GGMLBlocksExperts(nn.Module):
                                                            self.kernel_path).chunk(2, dim=-1)  # each [P, I]
         hidden = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
         return torch.ops.tokenmill.ggml_blocks_experts(hidden, offsets, self._down, self._down_types, self.kernel_path)
-
-    def _apply(self, fn, recurse: bool = True):
-        probe = fn(torch.empty(0, dtype=torch.uint8))
-        if probe.device.type != "cpu":
-            raise ValueError("GGML block experts run on CPU only; the loader dequantizes a GGUF file's experts for "
-                             f"{probe.device.type}")
-        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         gate_up, down = self.expert_blocks

@@ -9,7 +9,6 @@ the file and running a prefill and a decode step to finite logits; and the bfloa
 safetensors header and a transformers forward pass."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import struct
 import subprocess
@@ -19,23 +18,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tests.helpers.make_shapes_script import load_make_shapes
 
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "scripts" / "peers" / "make_shapes.py"
 SMALL_VOCAB = 2048
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("make_shapes", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def make_shapes():
-    return _script()
+    return load_make_shapes()
 
 
 @pytest.fixture(scope="module")

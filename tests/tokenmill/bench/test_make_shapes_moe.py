@@ -5,25 +5,20 @@ loads in tokenmill with its experts on the file's blocks, and in llama-server, a
 tokens up to a near-tie (skipped without a llama-server binary: $LLAMA_SERVER or .peers/bin/llama-server)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.make_shapes_script import load_make_shapes
+
 REPO = Path(__file__).resolve().parents[3]
-SCRIPT = REPO / "scripts" / "peers" / "make_shapes.py"
 SMALL_VOCAB = 2048
 
 
 @pytest.fixture(scope="module")
 def make_shapes():
-    spec = importlib.util.spec_from_file_location("make_shapes", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_make_shapes()
 
 
 @pytest.fixture(scope="module")

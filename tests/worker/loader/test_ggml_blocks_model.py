@@ -5,8 +5,6 @@ and lm_head, the blocks mapped from the file rather than copied, and the logits 
 activations' int8 rounding."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,17 +18,14 @@ from worker.model.attention import build_attention_metadata
 from worker.model.kv_cache import allocate_kv_cache
 from worker.native_ops import cpu_ops_available
 from worker.step_batch import RequestSpan
+from tests.helpers.make_shapes_script import load_make_shapes
 
 pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="the compiled CPU ops are not built")
-SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "peers" / "make_shapes.py"
 
 
 @pytest.fixture(scope="module", params=["llama3.2-1b", "qwen2.5-1.5b"])
 def shape_file(request, tmp_path_factory) -> Path:
-    spec = importlib.util.spec_from_file_location("make_shapes", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_make_shapes()
     model = module.shaped(request.param, 1, 2048)
     path, _ = module.make(model, tmp_path_factory.mktemp("shape"), hf=False, log=lambda line: None)
     return path
@@ -216,10 +211,7 @@ def test_a_q2_k_q3_k_iq4_xs_file_runs_on_its_blocks_and_matches_its_dequantized_
 
     from worker.linears.ggml_blocks import block_types
 
-    spec = importlib.util.spec_from_file_location("make_shapes", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
+    module = load_make_shapes()
     make_blocks = module.random_blocks
 
     def random_blocks(rng, qtype, rows, cols):

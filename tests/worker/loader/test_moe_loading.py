@@ -3,7 +3,6 @@ transformers writes them; transformers 5's stacked 3-D gate_up_proj / down_proj)
 config.json, and the clear load-time errors for what is not supported (never a model that runs wrong)."""
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
