@@ -40,6 +40,7 @@ class LiveRequestWriter(BackgroundFlush):
         self._flush_interval_s = flush_interval_s
         self._retry_max_s = retry_max_s
         self._pending: deque[tuple[str, str | None]] = deque()  # (request id, submitted; None: ended), in order
+        self._written: dict[str, asyncio.Future] = {}  # request id -> done once its admission is in Redis
         self._has_work = asyncio.Event()
         self.round_trips = 0  # pipelines sent (one per flush, failed ones included)
 
@@ -48,9 +49,13 @@ class LiveRequestWriter(BackgroundFlush):
         """Changes not yet written."""
         return len(self._pending)
 
-    def admitted(self, request_id: str, submitted: str) -> None:
+    def admitted(self, request_id: str, submitted: str) -> asyncio.Future:
+        """Queues the request's submission; the future is done once a flush has written it (the scheduler
+        holds the request's first output until then: scheduler.process.request_streams)."""
         self._pending.append((request_id, submitted))
         self._has_work.set()
+        written = self._written[request_id] = asyncio.get_running_loop().create_future()
+        return written
 
     def ended(self, request_id: str) -> None:
         self._pending.append((request_id, None))
@@ -80,6 +85,10 @@ class LiveRequestWriter(BackgroundFlush):
             return False
         for _ in batch:
             self._pending.popleft()
+        for request_id in last:
+            written = self._written.pop(request_id, None)
+            if written is not None and not written.done():
+                written.set_result(None)
         return True
 
 

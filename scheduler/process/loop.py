@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 class LiveSubmissions(Protocol):
     """Where resumable requests' submissions are kept while they run (scheduler.process.readmission)."""
 
-    def admitted(self, request: Request, deadline: float | None, owner: str | None) -> None: ...
+    def admitted(self, request: Request, deadline: float | None, owner: str | None) -> asyncio.Future:
+        """Keeps the submission; the future is done once it is kept (in Redis)."""
 
 
 class EngineLoop:
@@ -85,9 +86,11 @@ class EngineLoop:
         arriving = self._inbox.arriving()
         self.admission.check_room(request, len(self.scheduler.waiting) + len(arriving),
                                   lambda: self._waiting_tokens(arriving))
-        stream = self.streams.open(request, deadline, resumable, owner, delta_stream_id)
-        if resumable and self.live is not None and self.tokens is not None:
-            self.live.admitted(request, deadline, owner)
+        # a resumable request's first output waits for its submission to be kept: a client must never see
+        # a token of a request that a restarted scheduler would not re-admit (RequestStreams.deliver)
+        keeps = resumable and self.live is not None and self.tokens is not None
+        kept = self.live.admitted(request, deadline, owner) if keeps else None
+        stream = self.streams.open(request, deadline, resumable, owner, delta_stream_id, kept=kept)
         self.num_requests_total += 1
         self._inbox.put(AddRequest(request))
         self._wakeup.set()

@@ -45,12 +45,13 @@ class ReadmittableTokens:
         self._tokens = tokens
         self._live = live
 
-    def admitted(self, request: Request, deadline: float | None, owner: str | None) -> None:
+    def admitted(self, request: Request, deadline: float | None, owner: str | None) -> asyncio.Future:
+        """Done once the submission is in Redis (LiveRequestWriter.admitted)."""
         spec = GenerationRequest(request.request_id, list(request.prompt_token_ids), request.sampling_params,
                                  eos_token_id=request.eos_token_id, priority=request.priority,
                                  target_itl_ms=request.target_itl_ms, target_ttft_ms=request.target_ttft_ms)
         message = codec.submit_request_to_proto(spec, deadline, resumable=True, owner=owner)
-        self._live.admitted(request.request_id, base64.b64encode(message.SerializeToString()).decode())
+        return self._live.admitted(request.request_id, base64.b64encode(message.SerializeToString()).decode())
 
     def append(self, request_id: str, start_index: int, token_ids: list[int]) -> None:
         self._tokens.append(request_id, start_index, token_ids)

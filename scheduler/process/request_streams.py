@@ -6,16 +6,19 @@ one ends it. Sinks never block: their writers batch to Redis off the loop (invar
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from core.errors import ServingError
-from core.outputs import FinishReason, RequestOutput
+from core.outputs import FinishReason, RequestOutput, coalesce
 from core.step import StepPlan
 from scheduler.process.delta_streams import DeltaStream, DeltaStreams
 from scheduler.request import Request
+
+logger = logging.getLogger(__name__)
 
 # A running request's record gets its output token count at least this often (and its first-token
 # time at once), batched like every other record change (invariant 6).
@@ -24,6 +27,9 @@ PROGRESS_INTERVAL_TOKENS = 16
 # How long a stream's first and last message wait for the record to say what they say (QUEUED or
 # later; the end state). Only while Redis answers: a failing Redis is not waited for at all.
 RECORD_WAIT_S = 0.5
+# how long a resumable request's first output waits for its submission to reach Redis (the live writer
+# flushes every 10 ms; past this Redis is taken to be away and the output goes out unkept, with a warning)
+KEPT_WAIT_S = 0.5
 
 
 class StateSink(Protocol):
@@ -73,6 +79,12 @@ class RequestStream:
     # a resumable request without a Submit call (its gateway went away, or it was re-admitted after a
     # restart): monotonic time since when; scheduler.process.orphans aborts it if nobody follows it from Redis
     detached_since: float | None = None
+    # a resumable request's submission on its way to Redis (scheduler.process.readmission): until it is kept
+    # there its outputs are held (held, coalesced), so no client sees a token of a request a restarted
+    # scheduler would not re-admit; None once kept (or for a request that needs no keeping)
+    kept: asyncio.Future | None = None
+    held: RequestOutput | None = None
+    held_forward_ns: int = 0
 
 
 class RequestStreams:
@@ -92,12 +104,13 @@ class RequestStreams:
         return len(self._streams)
 
     def open(self, request: Request, deadline: float | None, resumable: bool, owner: str | None,
-             delta_stream_id: str = "") -> RequestStream:
+             delta_stream_id: str = "", kept: asyncio.Future | None = None) -> RequestStream:
         """deadline: wall-clock Unix seconds; resumable: its tokens also go to the token sink (if any);
         owner: the API key name that submitted it, recorded for the gateways' by-id checks;
         delta_stream_id: its gateway's open delta stream, if any (an unknown id: none)."""
         request_id = request.request_id
-        stream = self._streams[request_id] = RequestStream(delta_stream=self.delta_streams.get(delta_stream_id))
+        stream = self._streams[request_id] = RequestStream(delta_stream=self.delta_streams.get(delta_stream_id),
+                                                           kept=kept)
         if deadline is not None:
             self._deadlines[request_id] = deadline
         if resumable and self.tokens is not None:
@@ -155,6 +168,8 @@ class RequestStreams:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
+            if stream.kept is not None and self._hold(stream, output, forward_ns):
+                continue
             if stream.times.first_token is None and output.new_token_ids:
                 stream.times.first_token = now
                 stream.times.first_token_forward_ns = forward_ns
@@ -202,6 +217,9 @@ class RequestStreams:
         self._deadlines.pop(output.request_id, None)
         if stream is None:
             return
+        if stream.held is not None:  # ended while its submission was still on its way: what it held goes too
+            output = coalesce(stream.held, output)
+            stream.held = stream.kept = None
         stream.times.finished = time.monotonic()
         stream.queue.put_nowait(output)
         if output.request_id in self._resumable:
@@ -224,6 +242,30 @@ class RequestStreams:
         for request_id, stream in self._streams.items():
             stream.queue.put_nowait(RequestOutput(request_id, finished=True, finish_reason=FinishReason.ERROR,
                                                   error=error_for(request_id)))
+
+    def _hold(self, stream: RequestStream, output: RequestOutput, forward_ns: int) -> bool:
+        """Whether output waits for the stream's submission to be kept; the first one held arranges the
+        release: when it is kept, or after KEPT_WAIT_S at the most (Redis away degrades, never blocks)."""
+        if stream.kept.done():
+            stream.kept = None
+            return False
+        if stream.held is None:
+            stream.held, stream.held_forward_ns = output, forward_ns
+            stream.kept.add_done_callback(lambda _: self._release(stream))
+            asyncio.get_running_loop().call_later(KEPT_WAIT_S, self._release, stream)
+        else:
+            stream.held = coalesce(stream.held, output)
+        return True
+
+    def _release(self, stream: RequestStream) -> None:
+        if stream.kept is None:
+            return  # released already, or ended
+        if not stream.kept.done():
+            logger.warning("request %r: its submission is not in Redis after %gs; its tokens go out without it "
+                           "(a scheduler restart now would not re-admit it)", stream.held.request_id, KEPT_WAIT_S)
+        held, stream.held, stream.kept = stream.held, None, None
+        if held is not None and self._streams.get(held.request_id) is stream:
+            self.deliver([held], stream.held_forward_ns)
 
     def _write_tokens(self, output: RequestOutput) -> None:
         end = output.num_output_tokens

@@ -57,3 +57,19 @@ async def test_a_flush_is_one_round_trip_of_three_commands_however_many_requests
         await live.aclose()
         await reader.aclose()
         await client.aclose()
+
+
+async def test_an_admission_says_when_it_is_in_redis(fresh_redis):
+    """The future admitted() returns is done once a flush has written the submission, not before: the
+    scheduler sends a resumable request's first output only then (scheduler.process.request_streams)."""
+    live = LiveRequestWriter(fresh_redis, "127.0.0.1:9", flush_interval_s=0.05)
+    reader = LiveRequestReader(fresh_redis, "127.0.0.1:9")
+    try:
+        kept = live.admitted("a", "submitted-a")
+        assert not kept.done() and await reader.live() == {}
+        live.start()
+        await kept
+        assert await reader.live() == {"a": "submitted-a"}
+    finally:
+        await live.aclose()
+        await reader.aclose()
