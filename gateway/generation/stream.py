@@ -82,17 +82,18 @@ class GenerationDelta:
 
 
 async def every_interval(outputs: AsyncIterator[RequestOutput], interval: int) -> AsyncIterator[RequestOutput]:
-    """outputs as a stream sends them with --stream-interval (vLLM's and SGLang's): the first at once (the
-    time to first token is not delayed), then one output each time interval tokens have come, and the
-    finished one. Fewer messages mean less of the gRPC and HTTP cost per token, which is per message.
+    """outputs as a stream sends them with --stream-interval (vLLM's and SGLang's): everything up to and with
+    the first token at once (the time to first token is not delayed), then one output each time interval
+    tokens have come, and the finished one. Fewer messages mean less of the gRPC and HTTP cost per token, which is per message.
     What is held back when outputs fail was never sent, so a resumed stream gets it again (its index)."""
     held: RequestOutput | None = None
-    first = True
+    sent = 0  # tokens yielded: until the first one, nothing waits (an output without tokens neither)
     async with contextlib.aclosing(outputs):
         async for output in outputs:
             held = output if held is None else coalesce(held, output)
-            if first or held.finished or len(held.new_token_ids) >= interval:
-                first, output, held = False, held, None
+            if not sent or held.finished or len(held.new_token_ids) >= interval:
+                sent += len(held.new_token_ids)
+                output, held = held, None
                 yield output
 
 

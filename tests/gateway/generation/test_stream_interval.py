@@ -42,6 +42,16 @@ async def test_the_first_output_goes_at_once_then_one_per_interval_tokens_and_th
     assert sent[-1].finished and not any(output.finished for output in sent[:-1])
 
 
+async def test_an_output_without_tokens_first_does_not_make_the_first_token_wait():
+    async def outputs():
+        yield RequestOutput("r", [], num_output_tokens=0)  # e.g. a message that only says where it starts
+        for index in range(4):
+            yield RequestOutput("r", [index], num_output_tokens=index + 1, finished=index == 3)
+
+    async with contextlib.aclosing(every_interval(outputs(), 3)) as sent:
+        assert [len(output.new_token_ids) async for output in sent] == [0, 1, 3]
+
+
 async def test_leaving_early_closes_the_outputs_so_the_scheduler_call_is_cancelled():
     closed = []
 
