@@ -26,8 +26,9 @@ from scheduler.latency_targets import LatencyTargets
 from scheduler.pages.preemption import RecomputeRate, swap_is_cheaper
 from scheduler.queue_policy import make_waiting_queue
 from scheduler.request import FINISH_REASONS, Request, RequestStatus
-from scheduler.speculation import build_speculation
+from scheduler.speculation import build_speculation, verified_tokens
 from scheduler.stats import SchedulerStats
+from scheduler.worker_loss import WorkerLoss
 from scheduler.step_time import ItlTarget, StepTuning
 
 
@@ -47,7 +48,7 @@ class _Step:
     preempted: bool = False  # a running request lost its pages: no new work this step
 
 
-class Scheduler:
+class Scheduler(WorkerLoss):
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.clock = clock  # the clock of Request.arrival_time (TTFT target) and of step times
@@ -104,47 +105,6 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
-
-    def requeue_after_worker_loss(self) -> list[str]:
-        """The worker restarted with an empty KV cache: every running request goes back to the
-        head of the queue (in its running order) to be recomputed from prompt + tokens so far, and
-        the prefix cache forgets every page's content. Returns the re-queued ids."""
-        requeued = [request.request_id for request in self.running]
-        for request in [*self.running, *self.waiting]:
-            request.drop_pending_tokens()  # async scheduling: the steps in flight died with the worker
-        for request in reversed(self.running):  # add_preempted puts each at the head
-            self.kv.free(request)
-            request.num_computed_tokens = 0
-            request.status = RequestStatus.PREEMPTED
-            self.waiting.add_preempted(request)
-        for request in self.waiting:  # swapped ones: the host tier died with the worker too
-            if self.kv.is_swapped(request.request_id):
-                self.kv.free(request)
-                request.num_computed_tokens = 0
-        self.running = []
-        self._on_worker.clear()  # the new worker holds nothing to drop
-        self._dropped_tail.clear()
-        self._dropped_since_last_plan = []
-        self.latency.forget_steps_in_flight()
-        self.kv.forget_cached_content()
-        return requeued
-
-    def adopt_worker_pages(self, num_blocks: int, num_host_blocks: int) -> list[tuple[str, RequestTooLarge]]:
-        """A worker came back with other page counts (its KV cache sized again from the memory it found):
-        the scheduler takes them, so no plan names a page the worker lacks. Running requests are
-        re-queued for recompute first (after a worker loss there are none left), so no request keeps a
-        page id of the old pools. Returns the requests that no longer fit even alone, with why: the
-        caller ends them (they would wait forever)."""
-        self.requeue_after_worker_loss()
-        self.config = dataclasses.replace(self.config, num_blocks=num_blocks, num_host_blocks=num_host_blocks)
-        self.kv.resize(num_blocks, num_host_blocks)
-        too_large = []
-        for request in list(self.waiting):
-            try:
-                self.check_fits(request)
-            except RequestTooLarge as error:
-                too_large.append((request.request_id, error))
-        return too_large
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -313,17 +273,12 @@ class Scheduler:
         """A decode that verified drafts: its accepted drafts and the worker's own token join its tokens one by
         one, stop conditions checked after each (nothing past a stop is kept); the rejected drafts' slots
         no longer count as computed, and pages only they had written go back to the pool."""
-        accepted = result.accepted_token_ids.get(request.request_id, [])
-        token_id = result.sampled_token_ids.get(request.request_id)
-        if token_id is None or len(accepted) > len(drafts) or accepted != drafts[:len(accepted)]:
-            raise ValueError(f"step {result.step_id}: request {request.request_id!r} verified {drafts} but the "
-                             f"worker returned accepted={accepted}, token={token_id}")
-        request.num_computed_tokens += num_scheduled - (len(drafts) - len(accepted))
-        self.speculation.observe(request, len(drafts), len(accepted))
+        tokens, logprobs = verified_tokens(request.request_id, drafts, result)
+        num_accepted = len(tokens) - 1
+        request.num_computed_tokens += num_scheduled - (len(drafts) - num_accepted)
+        self.speculation.observe(request, len(drafts), num_accepted)
         emitted = []
-        logprobs = result.logprobs.get(request.request_id)
-        logprobs = [*result.accepted_logprobs.get(request.request_id, []), logprobs] if logprobs else []
-        for token in [*accepted, token_id]:
+        for token in tokens:
             request.append_output_token(token)
             emitted.append(token)
             status = self._stop_status(request, token)
@@ -505,13 +460,5 @@ class Scheduler:
             num_swapped=len(self.kv.host_tables),
             num_host_blocks=self.config.num_host_blocks,
             num_used_host_blocks=self.kv.host_pool.num_used,
-            **self._speculation_stats(),
+            **(self.speculation.stats() if self.speculation is not None else {}),
         )
-
-    def _speculation_stats(self) -> dict[str, object]:
-        speculation = self.speculation
-        if speculation is None:
-            return {}
-        return {"spec_num_drafts": speculation.num_drafts, "spec_num_draft_tokens": speculation.num_draft_tokens,
-                "spec_num_accepted_tokens": speculation.num_accepted_tokens,
-                "spec_accepted_per_position": tuple(speculation.accepted_per_position)}

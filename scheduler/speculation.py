@@ -44,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from core.step import StepResult
 from scheduler.config import MAX_SPECULATIVE_TOKENS, SchedulerConfig
 from scheduler.request import Request
 NGRAM_MAX_N = 4  # prompt lookup tries the last 4 tokens first, ...
@@ -179,3 +180,22 @@ class Speculation:
             if state.probing and num_accepted == 0:
                 state.pause = min(MAX_PROBE_PAUSE_STEPS, 2 * state.pause)
         state.probing = False
+
+    def stats(self) -> dict[str, object]:
+        """The counters, as SchedulerStats' spec_* fields."""
+        return {"spec_num_drafts": self.num_drafts, "spec_num_draft_tokens": self.num_draft_tokens,
+                "spec_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_accepted_per_position": tuple(self.accepted_per_position)}
+
+
+def verified_tokens(request_id: str, drafts: list[int], result: StepResult) -> tuple[list[int], list]:
+    """A request's tokens after a step that verified drafts: the accepted drafts, then the worker's own
+    token; and their logprobs when it asked (none otherwise). A result that does not fit the drafts sent
+    is an error: the scheduler and the worker disagree on the request."""
+    accepted = result.accepted_token_ids.get(request_id, [])
+    token_id = result.sampled_token_ids.get(request_id)
+    if token_id is None or len(accepted) > len(drafts) or accepted != drafts[:len(accepted)]:
+        raise ValueError(f"step {result.step_id}: request {request_id!r} verified {drafts} but the "
+                         f"worker returned accepted={accepted}, token={token_id}")
+    logprobs = result.logprobs.get(request_id)
+    return [*accepted, token_id], [*result.accepted_logprobs.get(request_id, []), logprobs] if logprobs else []
