@@ -47,6 +47,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGML_QUANT_SIZES, GGUFWriter, LlamaFileType, TokenType
 
 from tokenmill.bench.gguf_hparams import write_hparams
+from tokenmill.bench.shape_vocabulary import Vocabulary, vocabulary
 
 REPO = Path(__file__).resolve().parents[2]
 SEED = 34  # the issue's number; every file is the same bytes on every run
@@ -284,56 +285,6 @@ def tensor_data(rng: np.random.Generator, plan: TensorPlan, model: ModelShape) -
 def tensor_nbytes(plan: TensorPlan) -> int:
     block_size, type_size = GGML_QUANT_SIZES[plan.qtype]
     return math.prod(plan.shape) // block_size * type_size
-
-
-# ---------------------------------------------------------------- tokenizer
-
-@dataclass(frozen=True)
-class Vocabulary:
-    tokens: list[str]
-    types: list[int]
-    merges: list[str]
-
-    def id(self, text: str) -> int:
-        return self.tokens.index(text)
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (the byte-level BPE alphabet)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping = {byte: chr(byte) for byte in printable}
-    for shifted, byte in enumerate(byte for byte in range(256) if byte not in mapping):
-        mapping[byte] = chr(256 + shifted)
-    return mapping
-
-
-def vocabulary(model: ModelShape) -> Vocabulary:
-    """Byte tokens, the prompt words' chain tokens, fillers, the model's specials, [PAD]s: model.vocab tokens."""
-    from tokenmill.bench.workload import WORDS
-
-    alphabet = bytes_to_unicode()
-    tokens = [alphabet[byte] for byte in range(256)]
-    merges: list[str] = []
-    space = alphabet[ord(" ")]
-    for word in WORDS:  # " word" -> Ġw, Ġwo, ... Ġword: each prompt word (after the first) is one token
-        piece = space
-        for letter in word:
-            if piece + letter not in tokens:
-                merges.append(f"{piece} {letter}")
-                tokens.append(piece + letter)
-            piece += letter
-    num_ordinary = model.vocab - len(model.specials) - model.pads
-    if num_ordinary < len(tokens):
-        raise ValueError(f"--vocab {model.vocab} is too small: {model.name} needs at least "
-                         f"{len(tokens) + len(model.specials) + model.pads}")
-    types = [TokenType.NORMAL] * len(tokens)
-    tokens += [f"<filler_{i}>" for i in range(len(tokens), num_ordinary)]
-    types += [TokenType.NORMAL] * (num_ordinary - len(types))
-    tokens += [text for text, _ in model.specials]
-    types += [kind for _, kind in model.specials]
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), model.vocab)]
-    types += [TokenType.UNUSED] * (model.vocab - len(types))
-    return Vocabulary(tokens, [int(kind) for kind in types], merges)
 
 
 # ---------------------------------------------------------------- the GGUF file
