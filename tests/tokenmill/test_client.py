@@ -99,6 +99,7 @@ def test_unavailable_is_retried_until_it_succeeds(scripted):
         assert client.tokenize("abc") == [3, 1, 2]
         result = client.generate("hi")
     assert result.text == "Hello" and result.finish_reason == "length" and result.usage.completion_tokens == 2
+    assert result.usage.total_tokens == 3 + 2
     assert servicer.calls == {"Tokenize": 3, "GenerateStream": 3}
 
 

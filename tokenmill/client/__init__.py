@@ -7,6 +7,7 @@
 
 Errors raise ClientError (.code is the grpc.StatusCode). Which calls are retried, and when, is in
 tokenmill.client.retry: UNAVAILABLE only, and generation only while nothing has been received.
+Client (sync_client.py) is written from AsyncClient by `python -m tokenmill.client.generate_sync`.
 """
 from tokenmill.client.async_client import AsyncClient
 from tokenmill.client.retry import NO_RETRY, RetryPolicy

@@ -1,4 +1,5 @@
-"""The blocking client of tokenmill.v1.Generation.
+# Generated from async_client.py by `python -m tokenmill.client.generate_sync`; edit that file, not this one.
+"""The blocking client of tokenmill.v1.Generation; AsyncClient has the same methods, awaited.
 
     with Client("127.0.0.1:50051", timeout=30) as client:
         result = client.generate("Hello", max_tokens=16, temperature=0)       # GenerationResult
@@ -21,6 +22,7 @@ from plumbing import tls as tls_config
 from tokenmill.client.base import ClientBase, tokenize_request
 from tokenmill.client.types import (Delta, GenerationResult, ModelInfo, RequestStatus, delta_from_proto,
                                     generate_request, model_info_from_proto, request_status_from_proto)
+
 
 class Client(ClientBase):
     open_channel = staticmethod(tls_config.channel)
@@ -81,7 +83,8 @@ class Client(ClientBase):
         return self._unary(self._stub.Detokenize, request, timeout).text
 
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
-        return model_info_from_proto(self._unary(self._stub.GetModelInfo, common_pb2.GetModelInfoRequest(), timeout))
+        reply = self._unary(self._stub.GetModelInfo, common_pb2.GetModelInfoRequest(), timeout)
+        return model_info_from_proto(reply)
 
     def request_status(self, request_id: str, *, timeout: float | None = None) -> RequestStatus:
         request = generation_pb2.GetRequestStatusRequest(request_id=request_id)

@@ -62,6 +62,11 @@ class Usage:
     completion_tokens: int
     cached_prompt_tokens: int
 
+    @property
+    def total_tokens(self) -> int:
+        """prompt + completion, as OpenAI's usage reports it."""
+        return self.prompt_tokens + self.completion_tokens
+
 
 @dataclass(frozen=True, slots=True)
 class Timings:
