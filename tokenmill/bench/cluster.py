@@ -24,7 +24,7 @@ from core.sampling import SamplingParams
 from scheduler.options import SchedulerOptions
 from scheduler.request import Request
 from tokenmill.bench.runner import interleaved_order
-from tokenmill.bench.workload import (add_json_argument, add_workload_arguments, make_workload, progress_log,
+from tokenmill.bench.workload import (add_json_argument, add_side_by_side_arguments, add_workload_arguments, make_workload, progress_log,
                                       text_prompts)
 from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig
 
@@ -158,11 +158,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tokenmill bench-cluster", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_arguments(parser, num_requests=32, prompt_len=128, min_output=32, max_output=256)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kv-cache-mb", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="the full workload on both paths this many times, alternating which goes first; the "
-                             "ratio reported is the median round's (default: %(default)s)")
+    add_side_by_side_arguments(parser, rounds=3, kv_cache_mb=512)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="both sides plan step N+1 while the worker runs step N (default: the engine's and "
                              "serve's default, on; --no-async-scheduling: the synchronous loop on both sides)")

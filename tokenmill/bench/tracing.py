@@ -27,7 +27,7 @@ import grpc
 
 from gateway.text.tokenizer import load_tokenizer
 from tokenmill.bench.cluster import stream_one
-from tokenmill.bench.workload import add_json_argument, progress_log, text_prompts
+from tokenmill.bench.workload import add_json_argument, add_side_by_side_arguments, progress_log, text_prompts
 
 
 PROCESSES = ("gateway", "scheduler", "worker")
@@ -88,12 +88,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tokenmill bench-tracing", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--rounds", type=int, default=5, help="workload runs per cluster, alternating")
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--kv-cache-mb", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
+    add_side_by_side_arguments(parser, rounds=5, kv_cache_mb=256)
     parser.add_argument("--concurrent", action="store_true",
                         help="each round runs both clusters' workloads at the same time (same machine "
                              "conditions for both; each gets about half the CPU) instead of one after the other")

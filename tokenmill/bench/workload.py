@@ -26,6 +26,16 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, num_requests: int
     parser.add_argument("--max-output", type=int, default=max_output)
 
 
+def add_side_by_side_arguments(parser: argparse.ArgumentParser, *, rounds: int, kv_cache_mb: int) -> None:
+    """What a benchmark of two setups in one run takes beside the workload (the machine is shared and noisy,
+    so the sides alternate, and the median round's ratio is the figure)."""
+    parser.add_argument("--rounds", type=int, default=rounds,
+                        help="the full workload on both sides this many times, alternating which goes first; the "
+                             "ratio reported is the median round's (default: %(default)s)")
+    parser.add_argument("--kv-cache-mb", type=int, default=kv_cache_mb, help="each side's KV cache (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="the prompts' and output lengths' seed")
+
+
 def add_json_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object on stdout; the progress lines go to stderr")
