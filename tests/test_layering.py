@@ -98,7 +98,7 @@ _SCHEDULER_RULE = tuple(f"scheduler.{name}" for name in (
     "step_pipeline", "engine", "executor", "options", "speculation"))
 _WORKER_PROCESS = ("worker.main", "worker.service", "worker.build")
 _WORKER_ABOVE_KERNELS = ("main", "service", "build", "model_runner", "kv_sizing", "step_batch", "options", "memory",
-                         "paths", "model", "linears", "sampling", "loader", "step_order", "step_telemetry")
+                         "paths", "model", "linears", "sampling", "loader", "step_order", "step_telemetry", "parallel")
 # room (a dotted module or package prefix) -> what it never imports
 ROOM_RULES: dict[str, tuple[str, ...]] = {
     # the gateway: text at the bottom; access and upstream beside it; prepare over text; generation over
@@ -117,7 +117,8 @@ ROOM_RULES: dict[str, tuple[str, ...]] = {
     # linear, no sampler; linears know kernels but no path or model; a path picks among them; the
     # process files (main, service, build) sit on top of everything
     "worker.kernels": tuple(f"worker.{name}" for name in _WORKER_ABOVE_KERNELS),
-    "worker.model": ("worker.paths", "worker.linears", "worker.sampling", *_WORKER_PROCESS),
+    "worker.model": ("worker.paths", "worker.linears", "worker.sampling", "worker.parallel", *_WORKER_PROCESS),
+    "worker.parallel": ("worker.paths", "worker.linears", "worker.sampling", *_WORKER_PROCESS),
     "worker.linears": ("worker.paths", "worker.model", "worker.sampling", *_WORKER_PROCESS),
     "worker.sampling": ("worker.paths", "worker.model", "worker.linears", *_WORKER_PROCESS),
     "worker.paths": (*_WORKER_PROCESS, "worker.model_runner", "worker.kv_sizing"),

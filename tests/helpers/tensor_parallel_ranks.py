@@ -1,0 +1,62 @@
+"""A tiny model's greedy run over a paged KV cache, whole or split over ranks (tests/worker/parallel)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from worker.loader import load_model
+from worker.model.attention import build_attention_metadata
+from worker.model.kv_cache import allocate_kv_cache
+from worker.parallel.group import SINGLE_RANK, TensorParallelGroup, join_group, leave_group
+from worker.parallel.shard import RankSplit, shard_model
+from worker.step_batch import RequestSpan
+
+BLOCK_SIZE = 4
+PROMPTS = ([5, 17, 99, 3, 250, 8, 41, 77, 12, 200, 64], [9, 130, 31, 2, 180, 44, 7])  # two lengths, one batch
+DECODE_STEPS = 6
+
+
+def greedy_run(folder: Path, group: TensorParallelGroup = SINGLE_RANK) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Prefill both prompts in one packed step, then DECODE_STEPS batched greedy steps: every step's logits
+    [rows, vocab] (all prompt rows, then one row per request) and each request's generated tokens."""
+    whole, config = load_model(folder, dtype=torch.float32, progress=False)
+    model = shard_model(whole, group)
+    rank_config = RankSplit(group.rank, group.world_size, config).rank_config() if group.world_size > 1 else config
+    blocks_per_request = 8
+    kv_cache = allocate_kv_cache(rank_config, 2 * blocks_per_request, BLOCK_SIZE, torch.float32)
+    # non-contiguous, interleaved pages: the block tables matter
+    tables = [list(range(0, 2 * blocks_per_request, 2)), list(range(1, 2 * blocks_per_request, 2))]
+    sequences = [list(prompt) for prompt in PROMPTS]
+    all_logits = []
+    with torch.no_grad():
+        chunks = [list(prompt) for prompt in PROMPTS]
+        for _ in range(DECODE_STEPS + 1):
+            input_ids, positions, spans, last_rows = [], [], [], []
+            for sequence, chunk, table in zip(sequences, chunks, tables):
+                start = len(sequence) - len(chunk)
+                spans.append(RequestSpan(len(input_ids), len(chunk), len(sequence), table))
+                input_ids += chunk
+                positions += range(start, len(sequence))
+                last_rows.append(len(input_ids) - 1)
+            metadata = build_attention_metadata(spans, BLOCK_SIZE)
+            hidden = model(torch.tensor(input_ids), torch.tensor(positions), kv_cache, metadata)
+            logits = model.compute_logits(hidden)
+            all_logits.append(logits)
+            next_tokens = logits[last_rows].argmax(dim=-1).tolist()
+            for sequence, token in zip(sequences, next_tokens):
+                sequence.append(token)
+            chunks = [[token] for token in next_tokens]
+    return all_logits, [sequence[len(prompt):] for sequence, prompt in zip(sequences, PROMPTS)]
+
+
+def rank_main(rank: int, world_size: int, init_method: str, folder: str, out: str) -> None:
+    """One rank of a spawned group: rank 0 saves the logits and tokens it ends up with to `out`."""
+    torch.set_num_threads(1)
+    group = join_group(rank, world_size, init_method, timeout_s=60)
+    try:
+        logits, tokens = greedy_run(Path(folder), group)
+        if rank == 0:
+            torch.save({"logits": logits, "tokens": tokens}, out)
+    finally:
+        leave_group(group)
