@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -15,10 +16,13 @@ from worker.linears.group_quant import quantize_linears
 from worker.linears.int8 import quantize_linears_int8
 from worker.loader import default_model_path, load_model
 from worker.memory import free_memory_bytes
+from worker.model.config import ModelConfig
 from worker.model.kv_cache import bytes_per_block
 from worker.model_runner import ModelRunner
 from worker.native_ops import cpu_has_native_bf16, cpu_ops_available
 from worker.options import DEVICES, DTYPE_CHOICES, WorkerOptions
+from worker.parallel.shard import shard_model
+from worker.parallel.step_mirror import Parallel
 from worker.sampling.structured_output import StructuredOutput
 
 log = logging.getLogger(__name__)
@@ -51,21 +55,14 @@ def build_runner(options: WorkerOptions = WorkerOptions(), *, progress: bool = T
     return build_sized_runner(options, progress=progress, kv_cache_bytes=kv_cache_bytes)[0]
 
 
-def build_sized_runner(options: WorkerOptions = WorkerOptions(), *, progress: bool = True,
-                       kv_cache_bytes: int | None = None, free_bytes: int | None = None
-                       ) -> tuple[ModelRunner, KVCacheSizing]:
-    """Loads options.model (None: the default GGUF) onto the device, quantizes its linears if asked, and
-    sizes the KV cache: num_blocks, else kv_cache_bytes (None: kv_cache_mb), else kv_cache_memory_fraction
-    (None: the device's default) of the memory left after the weights and a profile pass of
-    max_num_batched_tokens tokens (free_bytes: that memory as given, None: measured), reusing the page count
-    in kv_sizing_record when it has one for these settings (worker.kv_sizing). swap_space_gb of host memory
-    become the swap tier's pages."""
-    device = resolve_device(options.device)
-    dtype = resolve_dtype(options.dtype, device)
-    path = Path(options.model) if options.model else default_model_path()
+def load_network(options: WorkerOptions, device: torch.device, dtype: torch.dtype, path: Path, progress: bool,
+                 parallel: Parallel | None = None) -> tuple[nn.Module, ModelConfig]:
+    """options.model on the device, its linears quantized if asked; with parallel, this rank's share of it."""
     network, config = load_model(path, dtype=dtype, progress=progress, keep_quantized=options.quantization == "auto",
                                  block_types=block_types(options.cpu_block_kernels)
                                  if device.type == "cpu" and cpu_ops_available() else ())
+    if parallel is not None:
+        network = shard_model(network, parallel.group)  # float weights only (it names what it refuses)
     network = network.to(device)
     log.info("weights: %s", describe_weight_bytes(network))
     fault_in(network)  # a GGUF file's mapped blocks resident before the profile pass measures activations
@@ -73,7 +70,39 @@ def build_sized_runner(options: WorkerOptions = WorkerOptions(), *, progress: bo
         quantize_linears_int8(network, use_kernel=True)  # the Triton kernel's per-channel format
     elif options.quantization in ("int8", "int4"):
         quantize_linears(network, bits=int(options.quantization.removeprefix("int")))
-    per_block = bytes_per_block(config, dtype, options.block_size)
+    return network, config
+
+
+def build_follower(options: WorkerOptions, parallel: Parallel) -> Callable[[int, int], ModelRunner]:
+    """A follower rank's share of the model, and how it builds the runners rank 0 asks for (step_mirror)."""
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device)
+    network, config = load_network(options, device, dtype, Path(options.model) if options.model else default_model_path(),
+                                   False, parallel)
+    return lambda num_blocks, num_host_blocks: ModelRunner(
+        network, config, num_blocks=num_blocks, block_size=options.block_size, dtype=dtype, options=options,
+        num_host_blocks=num_host_blocks, parallel=parallel)
+
+
+def build_sized_runner(options: WorkerOptions = WorkerOptions(), *, progress: bool = True,
+                       kv_cache_bytes: int | None = None, free_bytes: int | None = None,
+                       parallel: Parallel | None = None) -> tuple[ModelRunner, KVCacheSizing]:
+    """Loads options.model (None: the default GGUF) onto the device, quantizes its linears if asked, and
+    sizes the KV cache: num_blocks, else kv_cache_bytes (None: kv_cache_mb), else kv_cache_memory_fraction
+    (None: the device's default) of the memory left after the weights and a profile pass of
+    max_num_batched_tokens tokens (free_bytes: that memory as given, None: measured), reusing the page count
+    in kv_sizing_record when it has one for these settings (worker.kv_sizing). swap_space_gb of host memory
+    become the swap tier's pages."""
+    if options.tensor_parallel_size > 1 and parallel is None:
+        raise ValueError(f"--tensor-parallel-size {options.tensor_parallel_size} needs the worker process (tokenmill "
+                         f"serve, python -m worker.main), which starts and drives the other ranks; the in-process "
+                         f"engine runs one")
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device)
+    path = Path(options.model) if options.model else default_model_path()
+    network, config = load_network(options, device, dtype, path, progress, parallel)
+    # a rank's pages hold its own KV heads
+    per_block = bytes_per_block(config if parallel is None else parallel.kv_config(config), dtype, options.block_size)
     if kv_cache_bytes is None and options.kv_cache_mb:
         kv_cache_bytes = options.kv_cache_mb * 2**20
     if options.num_blocks:
@@ -81,9 +110,10 @@ def build_sized_runner(options: WorkerOptions = WorkerOptions(), *, progress: bo
     elif kv_cache_bytes:
         sizing = size_from_budget(kv_cache_bytes, per_block)
     else:
-        sizing = _size_from_memory(network, config, path, dtype, device, options, per_block, free_bytes)
+        sizing = _size_from_memory(network, config, path, dtype, device, options, per_block, free_bytes, parallel)
     runner = ModelRunner(network, config, num_blocks=sizing.num_blocks, block_size=options.block_size, dtype=dtype,
-                         options=options, num_host_blocks=int(options.swap_space_gb * 2**30) // per_block)
+                         options=options, num_host_blocks=int(options.swap_space_gb * 2**30) // per_block,
+                         parallel=parallel)
     runner.structured_output = StructuredOutput(GrammarCompiler(path))
     return runner, sizing
 
@@ -111,7 +141,7 @@ def describe_weight_bytes(network: nn.Module) -> str:
 
 
 def _size_from_memory(network, config, path: Path, dtype: torch.dtype, device: torch.device, options: WorkerOptions,
-                      per_block: int, free_bytes: int | None) -> KVCacheSizing:
+                      per_block: int, free_bytes: int | None, parallel: Parallel | None) -> KVCacheSizing:
     """A share of the memory left after the weights and the profile pass's peak, or the sizing record's count."""
     fraction = options.kv_cache_memory_fraction
     if fraction is None:
@@ -119,7 +149,7 @@ def _size_from_memory(network, config, path: Path, dtype: torch.dtype, device: t
     settings = (f"model={path.resolve()} dtype={str(dtype).removeprefix('torch.')} device={device} "
                 f"block_size={options.block_size} fraction={fraction:g} profile_tokens={options.max_num_batched_tokens} "
                 f"{options.execution_settings()}")
-    peak = _activation_peak(network, config, dtype, device, options)
+    peak = _activation_peak(network, config, dtype, device, options, parallel)
     record_path = options.kv_sizing_record
     record = read_sizing_record(record_path) if record_path else None
     sizing, new_record = size_from_memory_or_record(
@@ -131,11 +161,12 @@ def _size_from_memory(network, config, path: Path, dtype: torch.dtype, device: t
     return sizing
 
 
-def _activation_peak(network, config, dtype: torch.dtype, device: torch.device, options: WorkerOptions) -> int:
+def _activation_peak(network, config, dtype: torch.dtype, device: torch.device, options: WorkerOptions,
+                     parallel: Parallel | None) -> int:
     """The profile pass's peak: a throw-away runner over just the pages the profile step needs."""
     profile = profile_batch(options.max_num_batched_tokens, options.block_size)
     probe = ModelRunner(network, config, num_blocks=len(profile.spans[0].block_table), block_size=options.block_size,
-                        dtype=dtype, options=options)
+                        dtype=dtype, options=options, parallel=parallel)
     peak = measure_activation_peak(probe.execution_path, profile, device)
     del probe
     if device.type == "cuda":

@@ -14,10 +14,12 @@ from plumbing import internal_secret, peer_roles, rpc, telemetry, tls
 from plumbing.telemetry import metrics
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
 from plumbing.process import run_process, wait_for_stop_signal
-from worker.build import build_sized_runner, model_name, resolve_device
+from worker.build import build_follower, build_sized_runner, model_name, resolve_device
 from worker.linears.group_quant import weight_formats
 from worker.model_runner import ModelRunner
 from worker.options import WorkerOptions
+from worker.parallel.ranks import join_parallel, rank_threads, start_local_ranks
+from worker.parallel.step_mirror import follow
 from worker.service import WorkerServicer, model_config_to_proto
 
 logger = logging.getLogger("tokenmill.worker")
@@ -41,7 +43,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerOptions:
 
 
 def build_worker(options: WorkerOptions) -> tuple[ModelRunner, worker_pb2.GetCapacityResponse]:
-    runner, sizing = build_sized_runner(options)
+    parallel = join_parallel(options, resolve_device(options.device))  # None: one rank
+    runner, sizing = build_sized_runner(options, parallel=parallel)
     logger.info("KV cache: %d pages of %d tokens (%.1f MiB), from %s; swap tier: %d host pages",
                 sizing.num_blocks, runner.block_size, sizing.kv_cache_bytes / 2**20, sizing.reason,
                 runner.swap_space.num_host_blocks)
@@ -83,16 +86,30 @@ async def serve(options: WorkerOptions) -> None:
     await wait_for_stop_signal()
     await health.enter_graceful_shutdown()
     await server.stop(grace=2.0)
+    if runner.parallel is not None:  # on the compute thread: after the step in flight, never beside it
+        await servicer.run_compute(runner.parallel.channel.send, "stop")
+
+
+def follow_rank_zero(options: WorkerOptions) -> None:
+    """A rank > 0 of a tensor-parallel group: no server; it runs what rank 0 sends (worker.parallel.step_mirror)."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {options.tensor_parallel_rank} %(name)s: %(message)s")
+    parallel = join_parallel(options, resolve_device(options.device))
+    follow(parallel.channel, build_follower(options, parallel))
 
 
 def main(argv: list[str] | None = None) -> None:
     options = parse_args(argv)
-    torch.set_num_threads(options.threads or os.cpu_count() or 1)
+    if options.tensor_parallel_size > 1 and options.tensor_parallel_init is None:
+        options = start_local_ranks(options)  # rank 0 on one machine: ranks 1..N-1 as its children
+    torch.set_num_threads(rank_threads(options))
     if options.kernel_backend == "triton" and resolve_device(options.device).type != "cuda":
         # Triton kernels on a machine without CUDA run in its interpreter (slow; for checking only).
         # Triton reads this when a kernel module is imported, which happens after this point.
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    run_process(serve(options))
+    if options.tensor_parallel_rank > 0:
+        follow_rank_zero(options)
+    else:
+        run_process(serve(options))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from worker.model.config import ModelConfig
 from worker.model.kv_cache import HostSwapSpace, allocate_kv_cache
 from worker.model.llama import LlamaModel
 from worker.options import WorkerOptions
+from worker.parallel.step_mirror import LeaderPath, LeaderSwapSpace, Parallel
 from worker.paths import build_execution_path
 from worker.paths.base import StepInputs, resolve_execution
 from worker.sampling.sampler import SamplingRow, prompt_logprobs
@@ -100,6 +101,7 @@ class ModelRunner:
         decode_group_bytes: int = DECODE_GROUP_BYTES,  # K+V gathered per decode group (torch path, worker.model.attention)
         options: WorkerOptions = WorkerOptions(),  # kernel backend, CUDA graphs, stream overlap
         num_host_blocks: int = 0,  # pages of the host swap tier (worker.model.kv_cache.HostSwapSpace)
+        parallel: Parallel | None = None,  # a rank of a tensor-parallel group (model: its share, worker.parallel)
     ) -> None:
         self.model = model
         self.model_config = model_config
@@ -107,7 +109,9 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = dtype
         self.device = next(model.parameters()).device
-        self.kv_cache = allocate_kv_cache(model_config, num_blocks, block_size, dtype, self.device)
+        self.parallel = parallel
+        kv_config = model_config if parallel is None else parallel.kv_config(model_config)  # the rank's KV heads
+        self.kv_cache = allocate_kv_cache(kv_config, num_blocks, block_size, dtype, self.device)
         self.swap_space = HostSwapSpace(self.kv_cache, num_host_blocks)
         self.requests: dict[str, RunnerRequestState] = {}
         # constrained decoding's matchers; worker.build sets it from the model's vocabulary
@@ -117,6 +121,10 @@ class ModelRunner:
         self.execution = resolve_execution(options, self.device, model_config)
         self.execution_path = build_execution_path(model, self.kv_cache, block_size, self.execution, self.device,
                                                    decode_group_bytes)
+        if parallel is not None and parallel.leads:  # the other ranks build and run what rank 0 does
+            parallel.channel.send("runner", num_blocks, num_host_blocks)
+            self.swap_space = LeaderSwapSpace(self.swap_space, parallel.channel)
+            self.execution_path = LeaderPath(self.execution_path, parallel.channel)
 
     def _check_block_ids(self, request_id: str, block_ids: list[int], step_id: int) -> None:
         for block_id in block_ids:

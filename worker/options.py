@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES
-from plumbing.options import NON_NEGATIVE_FLOAT, PORT, POSITIVE, POWER_OF_TWO, PROBABILITY, Options, option
+from plumbing.options import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, PORT, POSITIVE, POWER_OF_TWO, PROBABILITY, Options, option
 
 if TYPE_CHECKING:
     from plumbing.tls import ServerTLS
@@ -148,6 +148,16 @@ class WorkerOptions(Options):
         "preemption and after a worker restart (CPU torch path, and the Triton backend, where CUDA graphs are then "
         "off; not the torch backend on CUDA; slower: see docs/reliability.md)",
         flag=("--deterministic", "--batch-invariant"))
+    # -- tensor parallelism (worker.parallel): one model split over ranks, rank 0 serving the scheduler --
+    tensor_parallel_size: int = option(
+        1, "ranks one model is split over (heads, MLP columns, vocabulary; torch.distributed: gloo on CPU, NCCL on "
+        "CUDA); rank 0 serves the scheduler and drives the others (default: %(default)s)", type=POSITIVE)
+    tensor_parallel_rank: int = option(
+        0, "this process's rank in its group; 0 serves gRPC, the others follow it (set per process: by rank 0 "
+        "itself on one machine, by the deployment across several)", type=NON_NEGATIVE_INT, cluster=False)
+    tensor_parallel_init: str | None = option(
+        None, "rank 0's rendezvous, tcp://HOST:PORT, the same on every rank; unset on rank 0: it picks a free local "
+        "port and starts ranks 1..N-1 itself as its child processes (one machine)", cluster=False)
     # -- from plumbing's shared flags (worker.main passes them to from_args) --
     tls: ServerTLS | None = field(default=None)  # None: plaintext
     allowed_roles: frozenset[str] = field(default=frozenset({"scheduler"}))  # mTLS: the peer roles admitted
@@ -167,6 +177,12 @@ class WorkerOptions(Options):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {list(allowed)}")
         check_batch_sizes(self.graph_batch_sizes)
+        if self.tensor_parallel_rank >= self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_rank={self.tensor_parallel_rank} is outside a group of "
+                             f"tensor_parallel_size={self.tensor_parallel_size} ranks (0..{self.tensor_parallel_size - 1})")
+        if self.tensor_parallel_rank > 0 and not self.tensor_parallel_init:
+            raise ValueError(f"tensor_parallel_rank={self.tensor_parallel_rank} needs --tensor-parallel-init, rank 0's "
+                             f"tcp://HOST:PORT")
 
     def execution_settings(self) -> str:
         """The execution fields as text (a KV sizing record is reused only under the same ones)."""

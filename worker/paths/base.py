@@ -107,6 +107,14 @@ def _kernel_backend(options: WorkerOptions, on_cuda: bool, model_config: ModelCo
                         "CUDA graphs are off with it", model_config.architecture)
     if moe and backend == "triton":
         raise ValueError(moe_refusal(model_config.architecture, "--kernel-backend triton (the Triton path)"))
+    if options.tensor_parallel_size > 1:  # a rank's share runs its modules, which only the torch path calls
+        if options.kernel_backend == "triton":
+            raise ValueError(f"--tensor-parallel-size {options.tensor_parallel_size} runs on --kernel-backend torch "
+                             f"(or auto): the Triton forward reads whole-model weights, not a rank's share, yet")
+        if options.deterministic:
+            raise ValueError(f"--deterministic with --tensor-parallel-size {options.tensor_parallel_size}: the "
+                             f"all-reduce's order is not made batch-invariant yet")
+        backend = "torch"
     if moe and options.deterministic:
         raise ValueError(moe_refusal(model_config.architecture, "--deterministic (the batch-invariant kernels)",
                                      VARIABLE_EXPERT_ROWS))
@@ -130,7 +138,8 @@ def resolve_execution(options: WorkerOptions, device: torch.device | str,
         graph_batch_sizes=options.graph_batch_sizes,
         packed_linears=options.packed_linears and not on_cuda and backend == "torch",
         cpu_int8_activations=options.cpu_int8_activations and not on_cuda,
-        cpu_fused_ops=options.cpu_fused_ops and not on_cuda and backend == "torch",
+        # the compiled ops read each layer's weights themselves, and a rank's share wraps them (worker.parallel)
+        cpu_fused_ops=options.cpu_fused_ops and not on_cuda and backend == "torch" and options.tensor_parallel_size == 1,
         cpu_dense_weights=options.cpu_dense_weights if not on_cuda and backend == "torch" else "off",
         deterministic=options.deterministic,
     )

@@ -1,0 +1,92 @@
+"""A model split over 2 ranks (gloo, in 2 worker processes) served by a whole cluster as `tokenmill serve
+--tensor-parallel-size 2` starts one: greedy tokens through gateway, scheduler and the rank group equal
+transformers `generate` on two architectures, for concurrent requests that share steps; and when a rank is
+killed mid-stream, the group restarts as a unit and the streams finish with the same tokens."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from tests.helpers.tiny_models import make_tiny_hf_model
+from tokenmill import cli
+from tokenmill.client import Client
+from tokenmill.cluster.config import ClusterConfig, resolve_ports
+from tokenmill.cluster.restart_policy import RestartPolicy
+from tokenmill.cluster.specs import cluster_specs, restart_policies
+from tokenmill.cluster.supervisor import Supervisor
+
+pytestmark = pytest.mark.slow
+PROMPTS = ("Split over ranks", "heads and columns", "zz")
+NEW_TOKENS = 24
+PORTS = ("gateway", "scheduler", "worker", "redis", "http")
+FAST_RESTARTS = RestartPolicy(backoff_initial_s=0.2, backoff_max_s=2.0, max_restarts=5, window_s=120.0)
+
+
+def start_cluster(folder, *extra: str) -> ClusterConfig:
+    args = cli.build_parser().parse_args(["serve", "--model", str(folder), "--dtype", "float32", "--kv-cache-mb", "4",
+                                          "--tensor-parallel-size", "2", "--no-metrics", *extra,
+                                          *(f"--{name}-port=0" for name in PORTS)])
+    return resolve_ports(ClusterConfig.from_args(args, **cli.serve_security_options(args)))
+
+
+def follower_pids() -> list[int]:
+    """The pids of rank-1 processes (worker.main --tensor-parallel-rank 1) on this machine."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                argv = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if b"worker.main" in argv and b"--tensor-parallel-rank" in argv and b"1" in argv:
+                pids.append(int(entry))
+    return pids
+
+
+def expected_tokens(hf_model, ids: list[int]) -> list[int]:
+    with torch.no_grad():
+        return hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("flavour", ["llama", "qwen2"])
+def test_greedy_through_a_split_model_equals_transformers(tmp_path, flavour):
+    folder, hf_model = make_tiny_hf_model(tmp_path, flavour)
+    config = start_cluster(folder)
+    with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300):
+        assert len(follower_pids()) == 1, "rank 0 did not start rank 1"
+        with Client(config.gateway_address, timeout=120) as client:
+            prompt_ids = [client.tokenize(prompt) for prompt in PROMPTS]
+            with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent: their decode steps share batches
+                results = list(pool.map(lambda p: client.generate(p, max_tokens=NEW_TOKENS, temperature=0,
+                                                                  ignore_eos=True), PROMPTS))
+    for prompt, ids, result in zip(PROMPTS, prompt_ids, results):
+        assert list(result.token_ids) == expected_tokens(hf_model, ids), prompt
+
+
+def test_a_killed_rank_restarts_the_group_and_the_streams_finish(tmp_path):
+    folder, hf_model = make_tiny_hf_model(tmp_path, "llama")
+    config = start_cluster(folder)
+    with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300,
+                    restart_policies=restart_policies(FAST_RESTARTS)):  # as `tokenmill serve` restarts children
+        [first_rank] = follower_pids()
+        with Client(config.gateway_address, timeout=180) as client:
+            prompt_ids = [client.tokenize(prompt) for prompt in PROMPTS]
+            streams = [client.stream(prompt, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+                       for prompt in PROMPTS]
+            received = [[*next(stream).token_ids] for stream in streams]  # every stream under way
+            os.kill(first_rank, signal.SIGKILL)
+            for tokens, stream in zip(received, streams):
+                for delta in stream:
+                    tokens += delta.token_ids
+        deadline = time.monotonic() + 30
+        while not [pid for pid in follower_pids() if pid != first_rank] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [pid for pid in follower_pids() if pid != first_rank], "no new rank 1 after the kill"
+    for prompt, ids, tokens in zip(PROMPTS, prompt_ids, received):
+        assert tokens == expected_tokens(hf_model, ids), prompt  # nothing lost, nothing repeated

@@ -1,0 +1,33 @@
+"""The tensor-parallel flags: what a rank's options refuse, what the execution resolves to, and the in-process
+engine's refusal (it has no other ranks to drive)."""
+from __future__ import annotations
+
+import pytest
+
+from worker.build import build_sized_runner
+from worker.options import WorkerOptions
+from worker.paths.base import resolve_execution
+
+
+def test_a_rank_outside_its_group_or_without_a_rendezvous_is_refused():
+    with pytest.raises(ValueError, match=r"tensor_parallel_rank=2 is outside a group of tensor_parallel_size=2"):
+        WorkerOptions(tensor_parallel_size=2, tensor_parallel_rank=2)
+    with pytest.raises(ValueError, match="needs --tensor-parallel-init"):
+        WorkerOptions(tensor_parallel_size=2, tensor_parallel_rank=1)
+    follower = WorkerOptions(tensor_parallel_size=2, tensor_parallel_rank=1, tensor_parallel_init="tcp://127.0.0.1:1")
+    assert WorkerOptions.from_args(WorkerOptions.service_parser("w", "").parse_args(follower.to_argv())) == follower
+
+
+def test_a_split_model_runs_on_the_torch_path_without_the_compiled_ops():
+    resolved = resolve_execution(WorkerOptions(tensor_parallel_size=2), "cpu")
+    assert (resolved.kernel_backend, resolved.cpu_fused_ops) == ("torch", False)
+    assert resolve_execution(WorkerOptions(), "cpu").cpu_fused_ops  # one rank keeps them
+    with pytest.raises(ValueError, match="runs on --kernel-backend torch"):
+        resolve_execution(WorkerOptions(tensor_parallel_size=2, kernel_backend="triton"), "cpu")
+    with pytest.raises(ValueError, match="--deterministic with --tensor-parallel-size 2"):
+        resolve_execution(WorkerOptions(tensor_parallel_size=2, deterministic=True), "cpu")
+
+
+def test_the_in_process_engine_refuses_more_than_one_rank():
+    with pytest.raises(ValueError, match="needs the worker process"):
+        build_sized_runner(WorkerOptions(tensor_parallel_size=2))

@@ -1,0 +1,92 @@
+"""The processes of one tensor-parallel group: joining it, rank 0 starting the others on one machine, and
+tearing the group down as a unit when any rank dies.
+
+One machine (`tokenmill serve --tensor-parallel-size N`): rank 0 is the worker process the cluster starts; it
+picks a free local port for the rendezvous and starts ranks 1..N-1 as its own children, with its flags. If a
+child dies, rank 0 exits at once (its supervisor restarts the worker, which starts a whole new group, and the
+scheduler re-admits the running requests as after any worker loss); if rank 0 dies, Linux kills its children
+(PR_SET_PDEATHSIG). Several machines: each rank is started by the deployment with --tensor-parallel-rank and
+--tensor-parallel-init, and the LeaderWorkerSet recreates the whole group when one pod fails (deploy/).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+
+import torch
+
+from worker.options import WorkerOptions
+from worker.parallel.group import join_group
+from worker.parallel.step_mirror import GROUP_LOST_EXIT, Parallel, StepChannel
+
+log = logging.getLogger(__name__)
+WATCH_INTERVAL_S = 0.5
+PR_SET_PDEATHSIG = 1
+
+
+def join_parallel(options: WorkerOptions, device: torch.device | str) -> Parallel | None:
+    """This process's place in its group (None: one rank); blocks until every rank has joined."""
+    if options.tensor_parallel_size == 1:
+        return None
+    group = join_group(options.tensor_parallel_rank, options.tensor_parallel_size, options.tensor_parallel_init,
+                       device)
+    log.info("tensor parallel: rank %d of %d joined at %s", group.rank, group.world_size,
+             options.tensor_parallel_init)
+    return Parallel(group, StepChannel(group))
+
+
+def rank_threads(options: WorkerOptions) -> int:
+    """torch threads of one rank: --threads, else the cores shared by the group's ranks on this machine (all of
+    them where rank 0 started them here, one rank's worth where each has a machine)."""
+    if options.threads:
+        return options.threads
+    local_ranks = options.tensor_parallel_size if _started_here(options) else 1
+    return max(1, (os.cpu_count() or 1) // local_ranks)
+
+
+def _started_here(options: WorkerOptions) -> bool:
+    return (options.tensor_parallel_init or "").startswith("tcp://127.0.0.1:")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # in the child, before exec: SIGKILL when rank 0 goes, however it goes
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def start_local_ranks(options: WorkerOptions) -> WorkerOptions:
+    """Rank 0 without a rendezvous: starts ranks 1..N-1 here, watched; returns rank 0's options with theirs."""
+    leader = replace(options, tensor_parallel_init=f"tcp://127.0.0.1:{_free_port()}")
+    children = []
+    for rank in range(1, options.tensor_parallel_size):
+        argv = replace(leader, tensor_parallel_rank=rank).to_argv()
+        children.append(subprocess.Popen([sys.executable, "-m", "worker.main", *argv],
+                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None))
+    log.info("tensor parallel: started ranks 1..%d (pids %s), rendezvous %s", options.tensor_parallel_size - 1,
+             [child.pid for child in children], leader.tensor_parallel_init)
+    threading.Thread(target=_watch, args=(children,), name="tensor-parallel-ranks", daemon=True).start()
+    return leader
+
+
+def _watch(children: list[subprocess.Popen]) -> None:
+    """Rank 0 goes down with any rank it started: a group with a dead rank cannot run another step."""
+    while True:
+        for rank, child in enumerate(children, start=1):
+            code = child.poll()
+            if code is not None:
+                log.error("tensor parallel: rank %d (pid %d) exited with %s; stopping rank 0 so the whole group "
+                          "restarts", rank, child.pid, code)
+                os._exit(GROUP_LOST_EXIT)
+        time.sleep(WATCH_INTERVAL_S)

@@ -1,0 +1,154 @@
+"""Rank 0 drives the other ranks of its group: what changes their KV pages, sent before rank 0 does it.
+
+The scheduler talks to rank 0 only (one logical worker, its page accounting unchanged). Rank 0's runner
+keeps every request's state and samples; the other ranks only hold their share of the weights and of each
+KV page, so they need three things, each a command rank 0 broadcasts right before it acts on it:
+
+    ("runner", num_blocks, num_host_blocks)   a runner over that many pages (rank 0 sized them; its
+                                              activation probe's throw-away runner is mirrored too)
+    ("swap", swap_out, swap_in)                a step's page copies to and from the host tier
+    ("forward", batch)                         a step's packed batch (placeholder rows already filled): every
+                                              rank runs the same forward, whose all-reduces and logits
+                                              all-gather meet rank 0's; the followers drop the logits
+    ("stop",)                                  rank 0 is shutting down
+
+Commands travel on a group of their own (gloo, CPU objects even beside NCCL), whose wait has no practical
+limit: an idle server sends nothing. A dead rank is seen by the processes around it, not by this channel:
+rank 0 watches the ranks it started (worker.parallel.ranks), a follower watches its parent, and a
+multi-node group is recreated whole by its LeaderWorkerSet.
+
+Why this and not every rank receiving the plan from the scheduler: it needs no change to the scheduler or to
+its gRPC link, and a follower does no request bookkeeping or sampling. The cost is one broadcast of the
+batch per step (a few KB of Python lists at 256 rows) on the leader's critical path.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from worker.model.config import ModelConfig
+from worker.parallel.group import TensorParallelGroup
+from worker.parallel.shard import RankSplit
+from worker.step_batch import StepBatch
+
+log = logging.getLogger(__name__)
+COMMAND_WAIT = timedelta(days=365)
+GROUP_LOST_EXIT = 70  # EX_SOFTWARE: rank 0 ended itself because its group broke  # a follower waits for the next step as long as the server idles
+
+
+class StepChannel:
+    """Commands from rank 0 to the others. Every rank must create it, in the same order as other groups."""
+
+    def __init__(self, group: TensorParallelGroup) -> None:
+        self.rank = group.rank
+        self._group = dist.new_group(backend="gloo", timeout=COMMAND_WAIT) if group.world_size > 1 else None
+
+    def send(self, *command) -> None:
+        if self._group is not None:
+            dist.broadcast_object_list([command], src=0, group=self._group)
+
+    def receive(self) -> tuple:
+        box: list[tuple | None] = [None]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
+
+class Parallel:
+    """What a runner of a tensor-parallel group needs: its rank's KV share, and (rank 0) the channel it drives."""
+
+    def __init__(self, group: TensorParallelGroup, channel: StepChannel) -> None:
+        self.group = group
+        self.channel = channel
+
+    @property
+    def leads(self) -> bool:
+        return self.group.rank == 0
+
+    def kv_config(self, config: ModelConfig) -> ModelConfig:
+        """The config of this rank's KV pages: its KV heads of every layer."""
+        return RankSplit(self.group.rank, self.group.world_size, config).rank_config()
+
+
+class LeaderPath:
+    """Rank 0's ExecutionPath: each forward first sends its batch to the other ranks."""
+
+    def __init__(self, inner, channel: StepChannel) -> None:
+        self.inner = inner
+        self.channel = channel
+
+    def __getattr__(self, name: str):  # everything else is the wrapped path's (model, kv_cache, ...)
+        return getattr(self.inner, name)
+
+    def prepare(self, batch: StepBatch):
+        return self.inner.prepare(batch)
+
+    def forward(self, batch: StepBatch, inputs) -> torch.Tensor:
+        try:
+            self.channel.send("forward", batch)
+            return self.inner.forward(batch, inputs)
+        except Exception as error:  # noqa: BLE001 - see leave_broken_group
+            leave_broken_group(error)
+
+    def sample(self, batch, logits, rows, token_bitmask=None):
+        return self.inner.sample(batch, logits, rows, token_bitmask)
+
+    def warm_up(self) -> None:
+        self.inner.warm_up()
+
+
+class LeaderSwapSpace:
+    """Rank 0's host tier: each step's page copies go to the other ranks first."""
+
+    def __init__(self, inner, channel: StepChannel) -> None:
+        self.inner = inner
+        self.channel = channel
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def copy(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
+        if swap_out or swap_in:
+            try:
+                self.channel.send("swap", list(swap_out), list(swap_in))
+            except Exception as error:  # noqa: BLE001 - see leave_broken_group
+                leave_broken_group(error)
+        self.inner.copy(swap_out, swap_in)
+
+
+def leave_broken_group(error: Exception) -> None:
+    """A step that failed on rank 0 leaves the group unusable: another rank may still sit in a collective this
+    one will never join, or be gone (gloo: "Connection closed by peer"). Answering the scheduler with a failed
+    step would only fail the next one too; ending rank 0 is a worker loss instead, which the scheduler
+    recovers from (its running requests re-admitted, nothing lost) once the supervisor has restarted the
+    whole group."""
+    log.critical("tensor parallel: a step failed on rank 0 (%r); ending rank 0 so the group restarts as a unit",
+                 error)
+    logging.shutdown()
+    os._exit(GROUP_LOST_EXIT)
+
+
+def follow(channel: StepChannel, build_runner: Callable[[int, int], object]) -> None:
+    """A follower's life: build the runners rank 0 builds, run the forwards it runs, until it stops."""
+    runner = None
+    while True:
+        command = channel.receive()
+        kind = command[0]
+        if kind == "runner":
+            runner = None  # the probe's pages go before the real cache is allocated
+            runner = build_runner(command[1], command[2])
+        elif kind == "swap":
+            runner.swap_space.copy(command[1], command[2])
+        elif kind == "forward":
+            batch = command[1]
+            with torch.inference_mode():
+                runner.execution_path.forward(batch, runner.execution_path.prepare(batch))
+        elif kind == "stop":
+            log.info("rank %d: rank 0 stopped the group", channel.rank)
+            return
+        else:
+            raise ValueError(f"rank {channel.rank}: unknown command {kind!r} from rank 0")
