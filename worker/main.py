@@ -5,9 +5,13 @@ import argparse
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
+import grpc
 import torch
+from grpc_health.v1 import health as health_servicer
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc
 from plumbing import internal_secret, peer_roles, rpc, telemetry, tls
@@ -91,10 +95,29 @@ async def serve(options: WorkerOptions) -> None:
 
 
 def follow_rank_zero(options: WorkerOptions) -> None:
-    """A rank > 0 of a tensor-parallel group: no server; it runs what rank 0 sends (worker.parallel.step_mirror)."""
+    """A rank > 0 of a tensor-parallel group: it runs what rank 0 sends (worker.parallel.step_mirror) and serves
+    only gRPC health on --port for its pod's probes (tokenmill.v1.Worker SERVING once its share is loaded), and
+    only where rank 0 did not start it (a pod of its own; a local child shares rank 0's host and port)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {options.tensor_parallel_rank} %(name)s: %(message)s")
+    own_pod = not options.tensor_parallel_init.startswith("tcp://127.0.0.1:")
+    server, health = _follower_health(options) if own_pod else (None, None)
     parallel = join_parallel(options, resolve_device(options.device))
-    follow(parallel.channel, build_follower(options, parallel))
+    build = build_follower(options, parallel)
+    if health is not None:
+        health.set(rpc.WORKER_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    follow(parallel.channel, build)
+    if server is not None:
+        server.stop(grace=None)
+
+
+def _follower_health(options: WorkerOptions) -> tuple[grpc.Server, health_servicer.HealthServicer]:
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    servicer = health_servicer.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    servicer.set(rpc.WORKER_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)  # until its share is loaded
+    server.add_insecure_port(f"{options.host}:{options.port}")  # health only: nothing to protect
+    server.start()
+    return server, servicer
 
 
 def main(argv: list[str] | None = None) -> None:

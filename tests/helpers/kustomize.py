@@ -5,7 +5,7 @@ wherever kubectl is installed).
 Supported, as kustomize does it: `resources` (files and directories holding a kustomization.yaml,
 rendered recursively), `namespace` (set on every namespaced object), `images` (name -> newName /
 newTag / digest on containers and initContainers), `patches` (strategic-merge patches from `path`
-or inline `patch`, applied to the object of the same apiVersion kind and name). Anything else in a
+or inline `patch`, applied to the object of the same apiVersion kind and name; `$patch: delete` removes it). Anything else in a
 kustomization is refused with an error naming the field, so a manifest change that needs more of
 kustomize fails here instead of rendering something different.
 
@@ -70,7 +70,10 @@ def _apply_patch(objects: list[dict], patch: dict, directory: Path) -> None:
     for index, obj in enumerate(objects):
         if obj["kind"] == patch["kind"] and obj["metadata"]["name"] == name and \
                 obj["apiVersion"].split("/")[0] == patch["apiVersion"].split("/")[0]:
-            objects[index] = strategic_merge(obj, patch)
+            if patch.get("$patch") == "delete":  # the whole object goes, as kustomize's delete directive
+                del objects[index]
+            else:
+                objects[index] = strategic_merge(obj, patch)
             return
     raise UnsupportedKustomization(f"patch in {directory} targets {patch['kind']}/{name}, which no resource defines")
 
