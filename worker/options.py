@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES
-from plumbing.options import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, PORT, POSITIVE, POWER_OF_TWO, PROBABILITY, Options, option
+from plumbing.options import (NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, PORT, POSITIVE, POSITIVE_FLOAT, POWER_OF_TWO,
+                              PROBABILITY, Options, option)
 
 if TYPE_CHECKING:
     from plumbing.tls import ServerTLS
@@ -158,6 +159,9 @@ class WorkerOptions(Options):
     tensor_parallel_init: str | None = option(
         None, "rank 0's rendezvous, tcp://HOST:PORT, the same on every rank; unset on rank 0: it picks a free local "
         "port and starts ranks 1..N-1 itself as its child processes (one machine)", cluster=False)
+    tensor_parallel_timeout_s: float = option(
+        60.0, "how long a rank waits in a step's collective (all-reduce, all-gather) for the others before it gives "
+        "up and the group restarts: a rank that hangs or died (default: %(default)s)", type=POSITIVE_FLOAT)
     # -- from plumbing's shared flags (worker.main passes them to from_args) --
     tls: ServerTLS | None = field(default=None)  # None: plaintext
     allowed_roles: frozenset[str] = field(default=frozenset({"scheduler"}))  # mTLS: the peer roles admitted

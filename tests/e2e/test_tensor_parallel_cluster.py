@@ -1,7 +1,8 @@
 """A model split over 2 ranks (gloo, in 2 worker processes) served by a whole cluster as `tokenmill serve
 --tensor-parallel-size 2` starts one: greedy tokens through gateway, scheduler and the rank group equal
-transformers `generate` on two architectures, for concurrent requests that share steps; and when a rank is
-killed mid-stream, the group restarts as a unit and the streams finish with the same tokens."""
+transformers `generate` on two architectures at 2 and 4 ranks, for concurrent requests that share steps; and
+when a rank is killed or hangs mid-stream, the group restarts as a unit and the streams finish with the same
+tokens."""
 from __future__ import annotations
 
 import os
@@ -27,9 +28,9 @@ PORTS = ("gateway", "scheduler", "worker", "redis", "http")
 FAST_RESTARTS = RestartPolicy(backoff_initial_s=0.2, backoff_max_s=2.0, max_restarts=5, window_s=120.0)
 
 
-def start_cluster(folder, *extra: str) -> ClusterConfig:
+def start_cluster(folder, *extra: str, size: int = 2) -> ClusterConfig:
     args = cli.build_parser().parse_args(["serve", "--model", str(folder), "--dtype", "float32", "--kv-cache-mb", "4",
-                                          "--tensor-parallel-size", "2", "--no-metrics", *extra,
+                                          "--tensor-parallel-size", str(size), "--no-metrics", *extra,
                                           *(f"--{name}-port=0" for name in PORTS)])
     return resolve_ports(ClusterConfig.from_args(args, **cli.serve_security_options(args)))
 
@@ -54,10 +55,11 @@ def expected_tokens(hf_model, ids: list[int]) -> list[int]:
                                  eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("flavour", ["llama", "qwen2"])
-def test_greedy_through_a_split_model_equals_transformers(tmp_path, flavour):
+# TP=4: one query head per rank; qwen2's 2 KV heads each kept by 2 ranks
+@pytest.mark.parametrize("flavour, size", [("llama", 2), ("qwen2", 2), ("llama", 4), ("qwen2", 4)])
+def test_greedy_through_a_split_model_equals_transformers(tmp_path, flavour, size):
     folder, hf_model = make_tiny_hf_model(tmp_path, flavour)
-    config = start_cluster(folder)
+    config = start_cluster(folder, size=size)
     with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300):
         assert len(follower_pids()) == 1, "rank 0 did not start rank 1"
         with Client(config.gateway_address, timeout=120) as client:
@@ -69,9 +71,13 @@ def test_greedy_through_a_split_model_equals_transformers(tmp_path, flavour):
         assert list(result.token_ids) == expected_tokens(hf_model, ids), prompt
 
 
-def test_a_killed_rank_restarts_the_group_and_the_streams_finish(tmp_path):
+@pytest.mark.parametrize("stop, extra", [
+    (signal.SIGKILL, ()),  # a rank gone: the next step's collective finds its connection closed
+    (signal.SIGSTOP, ("--tensor-parallel-timeout-s", "3")),  # a rank hung: the collective gives up after 3 s
+])
+def test_a_lost_rank_restarts_the_group_and_the_streams_finish(tmp_path, stop, extra):
     folder, hf_model = make_tiny_hf_model(tmp_path, "llama")
-    config = start_cluster(folder)
+    config = start_cluster(folder, *extra)
     with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300,
                     restart_policies=restart_policies(FAST_RESTARTS)):  # as `tokenmill serve` restarts children
         [first_rank] = follower_pids()
@@ -80,7 +86,7 @@ def test_a_killed_rank_restarts_the_group_and_the_streams_finish(tmp_path):
             streams = [client.stream(prompt, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
                        for prompt in PROMPTS]
             received = [[*next(stream).token_ids] for stream in streams]  # every stream under way
-            os.kill(first_rank, signal.SIGKILL)
+            os.kill(first_rank, stop)
             for tokens, stream in zip(received, streams):
                 for delta in stream:
                     tokens += delta.token_ids

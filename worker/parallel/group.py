@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 60.0
+JOIN_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,14 +54,18 @@ def backend_for(device: torch.device | str) -> str:
 def join_group(rank: int, world_size: int, init_method: str, device: torch.device | str = "cpu",
                timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallelGroup:
     """This process as rank `rank` of `world_size` (init_method: tcp://host:port or file://path, as
-    torch.distributed takes it); every rank must call it with the same world_size and init_method."""
+    torch.distributed takes it); every rank must call it with the same world_size and init_method. timeout_s:
+    how long a step's collective waits for the other ranks."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the group of {world_size} ranks (0..{world_size - 1})")
     if world_size == 1:
         return SINGLE_RANK
-    dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
-    return TensorParallelGroup(rank, world_size, dist.group.WORLD)
+    backend = backend_for(device)
+    # joining waits for every rank's process to start (minutes on a loaded node); a step's collectives get
+    # timeout_s on a group of their own, so a rank that hangs mid-step is caught quickly
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=JOIN_TIMEOUT_S))
+    return TensorParallelGroup(rank, world_size, dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s)))
 
 
 def leave_group(group: TensorParallelGroup) -> None:

@@ -37,10 +37,18 @@ def join_parallel(options: WorkerOptions, device: torch.device | str) -> Paralle
     if options.tensor_parallel_size == 1:
         return None
     group = join_group(options.tensor_parallel_rank, options.tensor_parallel_size, options.tensor_parallel_init,
-                       device)
+                       device, options.tensor_parallel_timeout_s)
     log.info("tensor parallel: rank %d of %d joined at %s", group.rank, group.world_size,
              options.tensor_parallel_init)
-    return Parallel(group, StepChannel(group))
+    channel = StepChannel(group)
+    channel.agree(group_settings(options))
+    return Parallel(group, channel)
+
+
+def group_settings(options: WorkerOptions) -> dict[str, object]:
+    """What every rank of a group must be started with alike: all flags but the rank and the rank-local ones."""
+    local = ("tensor_parallel_rank", "host", "port", "threads", "kv_sizing_record")
+    return {item.name: getattr(options, item.name) for item, _ in options.flagged_fields() if item.name not in local}
 
 
 def rank_threads(options: WorkerOptions) -> int:

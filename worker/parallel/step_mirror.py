@@ -52,6 +52,19 @@ class StepChannel:
         if self._group is not None:
             dist.broadcast_object_list([command], src=0, group=self._group)
 
+    def agree(self, settings: dict[str, object]) -> None:
+        """Raises ValueError on every rank when a rank's settings (model, dtype, ...) differ from rank 0's: ranks
+        started with other flags would split or page the model differently and compute garbage together."""
+        if self._group is None:
+            return
+        everyone: list[dict | None] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(everyone, settings, group=self._group)
+        for rank, theirs in enumerate(everyone[1:], start=1):
+            for name, value in everyone[0].items():
+                if theirs.get(name) != value:
+                    raise ValueError(f"tensor parallel: rank {rank} was started with {name}={theirs.get(name)!r}, "
+                                     f"rank 0 with {name}={value!r}; every rank needs the same flags but its rank")
+
     def receive(self) -> tuple:
         box: list[tuple | None] = [None]
         dist.broadcast_object_list(box, src=0, group=self._group)

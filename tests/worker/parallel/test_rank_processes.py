@@ -54,3 +54,18 @@ def test_ranks_started_apart_join_and_a_follower_answers_its_probe(tmp_path):
             rank.terminate()
         for rank in ranks:
             rank.wait(30)
+
+
+def test_ranks_started_with_other_flags_are_refused_on_every_rank(tmp_path):
+    folder, _ = make_tiny_hf_model(tmp_path, "llama")
+    init = f"tcp://localhost:{free_port()}"
+    common = ["--model", str(folder), "--num-blocks", "32", "--tensor-parallel-size", "2", "--tensor-parallel-init",
+              init, "--threads", "1", "--insecure-internal"]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    ranks = [subprocess.Popen([sys.executable, "-m", "worker.main", *common, "--tensor-parallel-rank", str(rank),
+                               "--port", str(free_port()), "--dtype", dtype], env=env, stderr=subprocess.PIPE,
+                              text=True) for rank, dtype in enumerate(("float32", "bfloat16"))]
+    outputs = [rank.communicate(timeout=START_TIMEOUT_S)[1] for rank in ranks]
+    assert all(rank.returncode != 0 for rank in ranks)
+    for output in outputs:
+        assert "rank 1 was started with dtype='bfloat16', rank 0 with dtype='float32'" in output, output[-2000:]
