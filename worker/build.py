@@ -21,8 +21,7 @@ from worker.model.kv_cache import bytes_per_block
 from worker.model_runner import ModelRunner
 from worker.native_ops import cpu_has_native_bf16, cpu_ops_available
 from worker.options import DEVICES, DTYPE_CHOICES, WorkerOptions
-from worker.parallel.shard import shard_model
-from worker.parallel.step_mirror import Parallel
+from worker.parallel.ranks import Parallel
 from worker.sampling.structured_output import StructuredOutput
 
 log = logging.getLogger(__name__)
@@ -62,7 +61,7 @@ def load_network(options: WorkerOptions, device: torch.device, dtype: torch.dtyp
                                  block_types=block_types(options.cpu_block_kernels)
                                  if device.type == "cpu" and cpu_ops_available() else ())
     if parallel is not None:
-        network = shard_model(network, parallel.group)  # float weights only (it names what it refuses)
+        network = parallel.split(network)  # a tensor split takes float weights only (it names what it refuses)
     network = network.to(device)
     log.info("weights: %s", describe_weight_bytes(network))
     fault_in(network)  # a GGUF file's mapped blocks resident before the profile pass measures activations
@@ -93,8 +92,8 @@ def build_sized_runner(options: WorkerOptions = WorkerOptions(), *, progress: bo
     max_num_batched_tokens tokens (free_bytes: that memory as given, None: measured), reusing the page count
     in kv_sizing_record when it has one for these settings (worker.kv_sizing). swap_space_gb of host memory
     become the swap tier's pages."""
-    if options.tensor_parallel_size > 1 and parallel is None:
-        raise ValueError(f"--tensor-parallel-size {options.tensor_parallel_size} needs the worker process (tokenmill "
+    if options.group_size > 1 and parallel is None:
+        raise ValueError(f"{options.split_flag()} needs the worker process (tokenmill "
                          f"serve, python -m worker.main), which starts and drives the other ranks; the in-process "
                          f"engine runs one")
     device = resolve_device(options.device)

@@ -98,8 +98,8 @@ def follow_rank_zero(options: WorkerOptions) -> None:
     """A rank > 0 of a tensor-parallel group: it runs what rank 0 sends (worker.parallel.step_mirror) and serves
     only gRPC health on --port for its pod's probes (tokenmill.v1.Worker SERVING once its share is loaded), and
     only where rank 0 did not start it (a pod of its own; a local child shares rank 0's host and port)."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {options.tensor_parallel_rank} %(name)s: %(message)s")
-    own_pod = not options.tensor_parallel_init.startswith("tcp://127.0.0.1:")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {options.rank} %(name)s: %(message)s")
+    own_pod = not options.rendezvous.startswith("tcp://127.0.0.1:")
     server, health = _follower_health(options) if own_pod else (None, None)
     parallel = join_parallel(options, resolve_device(options.device))
     build = build_follower(options, parallel)
@@ -122,14 +122,14 @@ def _follower_health(options: WorkerOptions) -> tuple[grpc.Server, health_servic
 
 def main(argv: list[str] | None = None) -> None:
     options = parse_args(argv)
-    if options.tensor_parallel_size > 1 and options.tensor_parallel_init is None:
+    if options.group_size > 1 and options.rendezvous is None:
         options = start_local_ranks(options)  # rank 0 on one machine: ranks 1..N-1 as its children
     torch.set_num_threads(rank_threads(options))
     if options.kernel_backend == "triton" and resolve_device(options.device).type != "cuda":
         # Triton kernels on a machine without CUDA run in its interpreter (slow; for checking only).
         # Triton reads this when a kernel module is imported, which happens after this point.
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    if options.tensor_parallel_rank > 0:
+    if options.rank > 0:
         follow_rank_zero(options)
     else:
         run_process(serve(options))

@@ -31,7 +31,8 @@ from worker.model.config import ModelConfig
 from worker.model.kv_cache import HostSwapSpace, allocate_kv_cache
 from worker.model.llama import LlamaModel
 from worker.options import WorkerOptions
-from worker.parallel.step_mirror import LeaderPath, LeaderSwapSpace, Parallel
+from worker.parallel.ranks import Parallel
+from worker.parallel.step_mirror import LeaderPath, LeaderSwapSpace
 from worker.paths import build_execution_path
 from worker.paths.base import StepInputs, resolve_execution
 from worker.sampling.sampler import SamplingRow, prompt_logprobs

@@ -149,17 +149,20 @@ class WorkerOptions(Options):
         "preemption and after a worker restart (CPU torch path, and the Triton backend, where CUDA graphs are then "
         "off; not the torch backend on CUDA; slower: see docs/reliability.md)",
         flag=("--deterministic", "--batch-invariant"))
-    # -- tensor parallelism (worker.parallel): one model split over ranks, rank 0 serving the scheduler --
+    # -- one model over several ranks (worker.parallel), rank 0 serving the scheduler and driving the others --
     tensor_parallel_size: int = option(
-        1, "ranks one model is split over (heads, MLP columns, vocabulary; torch.distributed: gloo on CPU, NCCL on "
-        "CUDA); rank 0 serves the scheduler and drives the others (default: %(default)s)", type=POSITIVE)
-    tensor_parallel_rank: int = option(
-        0, "this process's rank in its group; 0 serves gRPC, the others follow it (set per process: by rank 0 "
-        "itself on one machine, by the deployment across several)", type=NON_NEGATIVE_INT, cluster=False)
-    tensor_parallel_init: str | None = option(
+        1, "ranks one model is split over by heads, MLP columns and vocabulary, one all-reduce per attention and MLP "
+        "(torch.distributed: gloo on CPU, NCCL on CUDA) (default: %(default)s)", type=POSITIVE)
+    pipeline_parallel_size: int = option(
+        1, "ranks one model is split over by layers, each stage's hidden states sent to the next: for nodes without "
+        "a fast interconnect; not with --tensor-parallel-size yet (default: %(default)s)", type=POSITIVE)
+    rank: int = option(
+        0, "this process's rank in its worker group; 0 serves gRPC, the others follow it (set per process: by rank "
+        "0 itself on one machine, by the deployment across several)", type=NON_NEGATIVE_INT, cluster=False)
+    rendezvous: str | None = option(
         None, "rank 0's rendezvous, tcp://HOST:PORT, the same on every rank; unset on rank 0: it picks a free local "
         "port and starts ranks 1..N-1 itself as its child processes (one machine)", cluster=False)
-    tensor_parallel_timeout_s: float = option(
+    collective_timeout_s: float = option(
         60.0, "how long a rank waits in a step's collective (all-reduce, all-gather) for the others before it gives "
         "up and the group restarts: a rank that hangs or died (default: %(default)s)", type=POSITIVE_FLOAT)
     # -- from plumbing's shared flags (worker.main passes them to from_args) --
@@ -181,12 +184,25 @@ class WorkerOptions(Options):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {list(allowed)}")
         check_batch_sizes(self.graph_batch_sizes)
-        if self.tensor_parallel_rank >= self.tensor_parallel_size:
-            raise ValueError(f"tensor_parallel_rank={self.tensor_parallel_rank} is outside a group of "
-                             f"tensor_parallel_size={self.tensor_parallel_size} ranks (0..{self.tensor_parallel_size - 1})")
-        if self.tensor_parallel_rank > 0 and not self.tensor_parallel_init:
-            raise ValueError(f"tensor_parallel_rank={self.tensor_parallel_rank} needs --tensor-parallel-init, rank 0's "
-                             f"tcp://HOST:PORT")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} with pipeline_parallel_size="
+                             f"{self.pipeline_parallel_size}: one kind of split at a time for now")
+        if self.rank >= self.group_size:
+            raise ValueError(f"rank={self.rank} is outside a worker group of {self.group_size} ranks "
+                             f"(0..{self.group_size - 1})")
+        if self.rank > 0 and not self.rendezvous:
+            raise ValueError(f"rank={self.rank} needs --rendezvous, rank 0's tcp://HOST:PORT")
+
+    @property
+    def group_size(self) -> int:
+        """The ranks of this worker's group: one model over tensor x pipeline ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def split_flag(self) -> str:
+        """The flag that splits this worker's model, for messages: '--pipeline-parallel-size 2'."""
+        if self.pipeline_parallel_size > 1:
+            return f"--pipeline-parallel-size {self.pipeline_parallel_size}"
+        return f"--tensor-parallel-size {self.tensor_parallel_size}"
 
     def execution_settings(self) -> str:
         """The execution fields as text (a KV sizing record is reused only under the same ones)."""

@@ -69,13 +69,13 @@ def test_pod_template_validation_catches_a_misspelled_field(group):
 def test_every_rank_takes_the_group_size_and_the_leader_rendezvous(group):
     size = group["spec"]["leaderWorkerTemplate"]["size"]
     leader = parse_args([arg.replace("$(LWS_LEADER_ADDRESS)", "leader") for arg in worker_args(templates(group)["leader"])])
-    assert (leader.tensor_parallel_size, leader.tensor_parallel_rank) == (size, 0)
-    assert leader.tensor_parallel_init == "tcp://leader:29500"  # set: rank 0 starts no local ranks
+    assert (leader.tensor_parallel_size, leader.rank) == (size, 0)
+    assert leader.rendezvous == "tcp://leader:29500"  # set: rank 0 starts no local ranks
     follower_args = worker_args(templates(group)["worker"])
-    assert "--tensor-parallel-rank=$(RANK)" in follower_args
+    assert "--rank=$(RANK)" in follower_args
     follower = parse_args([arg.replace("$(LWS_LEADER_ADDRESS)", "leader").replace("$(RANK)", "1")
                            for arg in follower_args])
-    assert (follower.tensor_parallel_size, follower.tensor_parallel_init) == (size, leader.tensor_parallel_init)
+    assert (follower.tensor_parallel_size, follower.rendezvous) == (size, leader.rendezvous)
     env = {e["name"]: e for e in templates(group)["worker"]["spec"]["containers"][0]["env"]}
     assert env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == \
         "metadata.labels['leaderworkerset.sigs.k8s.io/worker-index']"

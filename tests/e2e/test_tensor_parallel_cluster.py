@@ -1,6 +1,6 @@
-"""A model split over 2 ranks (gloo, in 2 worker processes) served by a whole cluster as `tokenmill serve
---tensor-parallel-size 2` starts one: greedy tokens through gateway, scheduler and the rank group equal
-transformers `generate` on two architectures at 2 and 4 ranks, for concurrent requests that share steps; and
+"""A model split over ranks (gloo, one worker process each) served by a whole cluster as `tokenmill serve
+--tensor-parallel-size N` (or --pipeline-parallel-size N) starts one: greedy tokens through gateway, scheduler
+and the rank group equal transformers `generate` on two architectures at 2 and 4 tensor ranks and 2 stages, for concurrent requests that share steps; and
 when a rank is killed or hangs mid-stream, the group restarts as a unit and the streams finish with the same
 tokens."""
 from __future__ import annotations
@@ -28,15 +28,15 @@ PORTS = ("gateway", "scheduler", "worker", "redis", "http")
 FAST_RESTARTS = RestartPolicy(backoff_initial_s=0.2, backoff_max_s=2.0, max_restarts=5, window_s=120.0)
 
 
-def start_cluster(folder, *extra: str, size: int = 2) -> ClusterConfig:
+def start_cluster(folder, *extra: str, split: str = "--tensor-parallel-size", size: int = 2) -> ClusterConfig:
     args = cli.build_parser().parse_args(["serve", "--model", str(folder), "--dtype", "float32", "--kv-cache-mb", "4",
-                                          "--tensor-parallel-size", str(size), "--no-metrics", *extra,
+                                          split, str(size), "--no-metrics", *extra,
                                           *(f"--{name}-port=0" for name in PORTS)])
     return resolve_ports(ClusterConfig.from_args(args, **cli.serve_security_options(args)))
 
 
 def follower_pids() -> list[int]:
-    """The pids of rank-1 processes (worker.main --tensor-parallel-rank 1) on this machine."""
+    """The pids of rank-1 processes (worker.main --rank 1) on this machine."""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -44,7 +44,7 @@ def follower_pids() -> list[int]:
                 argv = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
             except OSError:
                 continue
-            if b"worker.main" in argv and b"--tensor-parallel-rank" in argv and b"1" in argv:
+            if b"worker.main" in argv and b"--rank" in argv and b"1" in argv:
                 pids.append(int(entry))
     return pids
 
@@ -55,11 +55,15 @@ def expected_tokens(hf_model, ids: list[int]) -> list[int]:
                                  eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
 
 
-# TP=4: one query head per rank; qwen2's 2 KV heads each kept by 2 ranks
-@pytest.mark.parametrize("flavour, size", [("llama", 2), ("qwen2", 2), ("llama", 4), ("qwen2", 4)])
-def test_greedy_through_a_split_model_equals_transformers(tmp_path, flavour, size):
+# TP=4: one query head per rank; qwen2's 2 KV heads each kept by 2 ranks; PP=2: one layer a stage
+@pytest.mark.parametrize("flavour, split, size", [
+    ("llama", "--tensor-parallel-size", 2), ("qwen2", "--tensor-parallel-size", 2),
+    ("llama", "--tensor-parallel-size", 4), ("qwen2", "--tensor-parallel-size", 4),
+    ("llama", "--pipeline-parallel-size", 2), ("qwen2", "--pipeline-parallel-size", 2),
+])
+def test_greedy_through_a_split_model_equals_transformers(tmp_path, flavour, split, size):
     folder, hf_model = make_tiny_hf_model(tmp_path, flavour)
-    config = start_cluster(folder, size=size)
+    config = start_cluster(folder, split=split, size=size)
     with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300):
         assert len(follower_pids()) == 1, "rank 0 did not start rank 1"
         with Client(config.gateway_address, timeout=120) as client:
@@ -73,7 +77,7 @@ def test_greedy_through_a_split_model_equals_transformers(tmp_path, flavour, siz
 
 @pytest.mark.parametrize("stop, extra", [
     (signal.SIGKILL, ()),  # a rank gone: the next step's collective finds its connection closed
-    (signal.SIGSTOP, ("--tensor-parallel-timeout-s", "3")),  # a rank hung: the collective gives up after 3 s
+    (signal.SIGSTOP, ("--collective-timeout-s", "3")),  # a rank hung: the collective gives up after 3 s
 ])
 def test_a_lost_rank_restarts_the_group_and_the_streams_finish(tmp_path, stop, extra):
     folder, hf_model = make_tiny_hf_model(tmp_path, "llama")

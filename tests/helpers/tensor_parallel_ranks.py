@@ -9,7 +9,7 @@ from worker.loader import load_model
 from worker.model.attention import build_attention_metadata
 from worker.model.kv_cache import allocate_kv_cache
 from worker.parallel.group import SINGLE_RANK, TensorParallelGroup, join_group, leave_group
-from worker.parallel.shard import RankSplit, shard_model
+from worker.parallel.ranks import Parallel
 from worker.step_batch import RequestSpan
 
 BLOCK_SIZE = 4
@@ -17,12 +17,15 @@ PROMPTS = ([5, 17, 99, 3, 250, 8, 41, 77, 12, 200, 64], [9, 130, 31, 2, 180, 44,
 DECODE_STEPS = 6
 
 
-def greedy_run(folder: Path, group: TensorParallelGroup = SINGLE_RANK) -> tuple[list[torch.Tensor], list[list[int]]]:
+def greedy_run(folder: Path, group: TensorParallelGroup = SINGLE_RANK,
+               pipeline: bool = False) -> tuple[list[torch.Tensor], list[list[int]]]:
     """Prefill both prompts in one packed step, then DECODE_STEPS batched greedy steps: every step's logits
-    [rows, vocab] (all prompt rows, then one row per request) and each request's generated tokens."""
+    [rows, vocab] (all prompt rows, then one row per request) and each request's generated tokens (split by
+    heads over the group, or by layers with pipeline)."""
     whole, config = load_model(folder, dtype=torch.float32, progress=False)
-    model = shard_model(whole, group)
-    rank_config = RankSplit(group.rank, group.world_size, config).rank_config() if group.world_size > 1 else config
+    parallel = Parallel(group, channel=None, pipeline=pipeline)
+    model = parallel.split(whole) if group.world_size > 1 else whole
+    rank_config = parallel.kv_config(config) if group.world_size > 1 else config
     blocks_per_request = 8
     kv_cache = allocate_kv_cache(rank_config, 2 * blocks_per_request, BLOCK_SIZE, torch.float32)
     # non-contiguous, interleaved pages: the block tables matter
@@ -50,12 +53,12 @@ def greedy_run(folder: Path, group: TensorParallelGroup = SINGLE_RANK) -> tuple[
     return all_logits, [sequence[len(prompt):] for sequence, prompt in zip(sequences, PROMPTS)]
 
 
-def rank_main(rank: int, world_size: int, init_method: str, folder: str, out: str) -> None:
+def rank_main(rank: int, world_size: int, init_method: str, folder: str, out: str, pipeline: bool = False) -> None:
     """One rank of a spawned group: rank 0 saves the logits and tokens it ends up with to `out`."""
     torch.set_num_threads(1)
     group = join_group(rank, world_size, init_method, timeout_s=60)
     try:
-        logits, tokens = greedy_run(Path(folder), group)
+        logits, tokens = greedy_run(Path(folder), group, pipeline)
         if rank == 0:
             torch.save({"logits": logits, "tokens": tokens}, out)
     finally:

@@ -5,8 +5,8 @@ One machine (`tokenmill serve --tensor-parallel-size N`): rank 0 is the worker p
 picks a free local port for the rendezvous and starts ranks 1..N-1 as its own children, with its flags. If a
 child dies, rank 0 exits at once (its supervisor restarts the worker, which starts a whole new group, and the
 scheduler re-admits the running requests as after any worker loss); if rank 0 dies, Linux kills its children
-(PR_SET_PDEATHSIG). Several machines: each rank is started by the deployment with --tensor-parallel-rank and
---tensor-parallel-init, and the LeaderWorkerSet recreates the whole group when one pod fails (deploy/).
+(PR_SET_PDEATHSIG). Several machines: each rank is started by the deployment with --rank and
+--rendezvous, and the LeaderWorkerSet recreates the whole group when one pod fails (deploy/).
 """
 from __future__ import annotations
 
@@ -22,32 +22,63 @@ import time
 from dataclasses import replace
 
 import torch
+from torch import nn
 
+from worker.model.config import ModelConfig
+from worker.model.llama import LlamaModel
 from worker.options import WorkerOptions
 from worker.parallel.group import join_group
-from worker.parallel.step_mirror import GROUP_LOST_EXIT, Parallel, StepChannel
+from worker.parallel.group import TensorParallelGroup
+from worker.parallel.pipeline import PipelineStage, stage_layers
+from worker.parallel.shard import RankSplit, shard_model
+from worker.parallel.step_mirror import GROUP_LOST_EXIT, StepChannel
 
 log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.5
 PR_SET_PDEATHSIG = 1
 
 
+class Parallel:
+    """This process's place in a worker group: its share of the model and of each KV page, and (rank 0) the channel
+    it drives the others by. Split by heads (tensor parallel, worker.parallel.shard) or by layers (pipeline)."""
+
+    def __init__(self, group: TensorParallelGroup, channel: StepChannel, pipeline: bool = False) -> None:
+        self.group = group
+        self.channel = channel
+        self.pipeline = pipeline
+
+    @property
+    def leads(self) -> bool:
+        return self.group.rank == 0
+
+    def split(self, model: LlamaModel) -> nn.Module:
+        """This rank's share of the whole model, loaded alike on every rank."""
+        return PipelineStage(model, self.group) if self.pipeline else shard_model(model, self.group)
+
+    def kv_config(self, config: ModelConfig) -> ModelConfig:
+        """The config of this rank's KV pages: its KV heads of every layer, or every KV head of its layers."""
+        if self.pipeline:
+            return replace(config, num_layers=len(stage_layers(self.group.rank, self.group.world_size,
+                                                               config.num_layers)), layer_windows=())
+        return RankSplit(self.group.rank, self.group.world_size, config).rank_config()
+
+
 def join_parallel(options: WorkerOptions, device: torch.device | str) -> Parallel | None:
     """This process's place in its group (None: one rank); blocks until every rank has joined."""
-    if options.tensor_parallel_size == 1:
+    if options.group_size == 1:
         return None
-    group = join_group(options.tensor_parallel_rank, options.tensor_parallel_size, options.tensor_parallel_init,
-                       device, options.tensor_parallel_timeout_s)
+    group = join_group(options.rank, options.group_size, options.rendezvous,
+                       device, options.collective_timeout_s)
     log.info("tensor parallel: rank %d of %d joined at %s", group.rank, group.world_size,
-             options.tensor_parallel_init)
+             options.rendezvous)
     channel = StepChannel(group)
     channel.agree(group_settings(options))
-    return Parallel(group, channel)
+    return Parallel(group, channel, pipeline=options.pipeline_parallel_size > 1)
 
 
 def group_settings(options: WorkerOptions) -> dict[str, object]:
     """What every rank of a group must be started with alike: all flags but the rank and the rank-local ones."""
-    local = ("tensor_parallel_rank", "host", "port", "threads", "kv_sizing_record")
+    local = ("rank", "host", "port", "threads", "kv_sizing_record")
     return {item.name: getattr(options, item.name) for item, _ in options.flagged_fields() if item.name not in local}
 
 
@@ -56,12 +87,12 @@ def rank_threads(options: WorkerOptions) -> int:
     them where rank 0 started them here, one rank's worth where each has a machine)."""
     if options.threads:
         return options.threads
-    local_ranks = options.tensor_parallel_size if _started_here(options) else 1
+    local_ranks = options.group_size if _started_here(options) else 1
     return max(1, (os.cpu_count() or 1) // local_ranks)
 
 
 def _started_here(options: WorkerOptions) -> bool:
-    return (options.tensor_parallel_init or "").startswith("tcp://127.0.0.1:")
+    return (options.rendezvous or "").startswith("tcp://127.0.0.1:")
 
 
 def _free_port() -> int:
@@ -76,14 +107,14 @@ def _die_with_parent() -> None:  # in the child, before exec: SIGKILL when rank 
 
 def start_local_ranks(options: WorkerOptions) -> WorkerOptions:
     """Rank 0 without a rendezvous: starts ranks 1..N-1 here, watched; returns rank 0's options with theirs."""
-    leader = replace(options, tensor_parallel_init=f"tcp://127.0.0.1:{_free_port()}")
+    leader = replace(options, rendezvous=f"tcp://127.0.0.1:{_free_port()}")
     children = []
-    for rank in range(1, options.tensor_parallel_size):
-        argv = replace(leader, tensor_parallel_rank=rank).to_argv()
+    for rank in range(1, options.group_size):
+        argv = replace(leader, rank=rank).to_argv()
         children.append(subprocess.Popen([sys.executable, "-m", "worker.main", *argv],
                                          preexec_fn=_die_with_parent if sys.platform == "linux" else None))
-    log.info("tensor parallel: started ranks 1..%d (pids %s), rendezvous %s", options.tensor_parallel_size - 1,
-             [child.pid for child in children], leader.tensor_parallel_init)
+    log.info("worker group: started ranks 1..%d (pids %s), rendezvous %s", options.group_size - 1,
+             [child.pid for child in children], leader.rendezvous)
     threading.Thread(target=_watch, args=(children,), name="tensor-parallel-ranks", daemon=True).start()
     return leader
 

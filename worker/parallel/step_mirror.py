@@ -31,9 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from worker.model.config import ModelConfig
 from worker.parallel.group import TensorParallelGroup
-from worker.parallel.shard import RankSplit
 from worker.step_batch import StepBatch
 
 log = logging.getLogger(__name__)
@@ -69,22 +67,6 @@ class StepChannel:
         box: list[tuple | None] = [None]
         dist.broadcast_object_list(box, src=0, group=self._group)
         return box[0]
-
-
-class Parallel:
-    """What a runner of a tensor-parallel group needs: its rank's KV share, and (rank 0) the channel it drives."""
-
-    def __init__(self, group: TensorParallelGroup, channel: StepChannel) -> None:
-        self.group = group
-        self.channel = channel
-
-    @property
-    def leads(self) -> bool:
-        return self.group.rank == 0
-
-    def kv_config(self, config: ModelConfig) -> ModelConfig:
-        """The config of this rank's KV pages: its KV heads of every layer."""
-        return RankSplit(self.group.rank, self.group.world_size, config).rank_config()
 
 
 class LeaderPath:

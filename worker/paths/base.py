@@ -107,13 +107,13 @@ def _kernel_backend(options: WorkerOptions, on_cuda: bool, model_config: ModelCo
                         "CUDA graphs are off with it", model_config.architecture)
     if moe and backend == "triton":
         raise ValueError(moe_refusal(model_config.architecture, "--kernel-backend triton (the Triton path)"))
-    if options.tensor_parallel_size > 1:  # a rank's share runs its modules, which only the torch path calls
+    if options.group_size > 1:  # a rank's share runs its modules, which only the torch path calls
         if options.kernel_backend == "triton":
-            raise ValueError(f"--tensor-parallel-size {options.tensor_parallel_size} runs on --kernel-backend torch "
-                             f"(or auto): the Triton forward reads whole-model weights, not a rank's share, yet")
+            raise ValueError(f"{options.split_flag()} runs on --kernel-backend torch (or auto): the Triton forward "
+                             f"reads the whole model's weights, not a rank's share, yet")
         if options.deterministic:
-            raise ValueError(f"--deterministic with --tensor-parallel-size {options.tensor_parallel_size}: the "
-                             f"all-reduce's order is not made batch-invariant yet")
+            raise ValueError(f"--deterministic with {options.split_flag()}: a split model's reductions are not made "
+                             f"batch-invariant yet")
         backend = "torch"
     if moe and options.deterministic:
         raise ValueError(moe_refusal(model_config.architecture, "--deterministic (the batch-invariant kernels)",
@@ -139,7 +139,7 @@ def resolve_execution(options: WorkerOptions, device: torch.device | str,
         packed_linears=options.packed_linears and not on_cuda and backend == "torch",
         cpu_int8_activations=options.cpu_int8_activations and not on_cuda,
         # the compiled ops read each layer's weights themselves, and a rank's share wraps them (worker.parallel)
-        cpu_fused_ops=options.cpu_fused_ops and not on_cuda and backend == "torch" and options.tensor_parallel_size == 1,
+        cpu_fused_ops=options.cpu_fused_ops and not on_cuda and backend == "torch" and options.group_size == 1,
         cpu_dense_weights=options.cpu_dense_weights if not on_cuda and backend == "torch" else "off",
         deterministic=options.deterministic,
     )

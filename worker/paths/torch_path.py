@@ -38,7 +38,7 @@ class TorchPath:
     def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int, execution: ResolvedExecution,
                  device: torch.device, decode_group_bytes: int) -> None:
         self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device
-        block_numel = block_size * model.config.num_kv_heads * model.config.head_dim
+        block_numel = kv_cache.storage[0, 0, 0].numel()  # one page of one layer: this rank's KV heads only
         self.gather_workspace = GatherWorkspace(block_numel, kv_cache.storage.dtype, device, decode_group_bytes)
         if execution.packed_linears:
             pack_linears(model)  # in place: the model's linears now read oneDNN-reordered weights

@@ -1,5 +1,5 @@
-"""Ranks started one by one, as a multi-node deployment starts them (each with --tensor-parallel-rank and the
-leader's --tensor-parallel-init, rank 0 starting nobody): both come up, and a rank > 0 answers its pod's
+"""Ranks started one by one, as a multi-node deployment starts them (each with --rank and the
+leader's --rendezvous, rank 0 starting nobody): both come up, and a rank > 0 answers its pod's
 gRPC health probe, tokenmill.v1.Worker SERVING once its share of the model is loaded."""
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ def test_ranks_started_apart_join_and_a_follower_answers_its_probe(tmp_path):
     init = f"tcp://localhost:{free_port()}"  # not rank 0's own local rendezvous: each rank is "its own pod"
     ports = [free_port(), free_port()]
     common = ["--model", str(folder), "--dtype", "float32", "--num-blocks", "32", "--tensor-parallel-size", "2",
-              "--tensor-parallel-init", init, "--threads", "1", "--insecure-internal"]
+              "--rendezvous", init, "--threads", "1", "--insecure-internal"]
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    ranks = [subprocess.Popen([sys.executable, "-m", "worker.main", *common, "--tensor-parallel-rank", str(rank),
+    ranks = [subprocess.Popen([sys.executable, "-m", "worker.main", *common, "--rank", str(rank),
                                "--port", str(port)], env=env) for rank, port in enumerate(ports)]
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -59,10 +59,10 @@ def test_ranks_started_apart_join_and_a_follower_answers_its_probe(tmp_path):
 def test_ranks_started_with_other_flags_are_refused_on_every_rank(tmp_path):
     folder, _ = make_tiny_hf_model(tmp_path, "llama")
     init = f"tcp://localhost:{free_port()}"
-    common = ["--model", str(folder), "--num-blocks", "32", "--tensor-parallel-size", "2", "--tensor-parallel-init",
+    common = ["--model", str(folder), "--num-blocks", "32", "--tensor-parallel-size", "2", "--rendezvous",
               init, "--threads", "1", "--insecure-internal"]
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    ranks = [subprocess.Popen([sys.executable, "-m", "worker.main", *common, "--tensor-parallel-rank", str(rank),
+    ranks = [subprocess.Popen([sys.executable, "-m", "worker.main", *common, "--rank", str(rank),
                                "--port", str(free_port()), "--dtype", dtype], env=env, stderr=subprocess.PIPE,
                               text=True) for rank, dtype in enumerate(("float32", "bfloat16"))]
     outputs = [rank.communicate(timeout=START_TIMEOUT_S)[1] for rank in ranks]

@@ -10,17 +10,19 @@ import torch
 from tests.helpers.tensor_parallel_ranks import greedy_run, rank_main
 from tests.helpers.tiny_models import make_tiny_hf_model
 from worker.model.config import ModelConfig
+from worker.parallel.pipeline import check_stages, stage_layers
 from worker.parallel.shard import check_split
 
 MAX_ABS_ERR = 1e-4
 RANK_TIMEOUT_S = 240
 
 
-def run_ranks(folder, world_size: int, tmp_path) -> dict:
+def run_ranks(folder, world_size: int, tmp_path, pipeline: bool = False) -> dict:
     context = multiprocessing.get_context("spawn")  # a fresh interpreter per rank, as a worker process is
-    out = tmp_path / f"rank0-of-{world_size}.pt"
-    init_method = f"file://{tmp_path}/store-{world_size}"
-    ranks = [context.Process(target=rank_main, args=(rank, world_size, init_method, str(folder), str(out)))
+    kind = "pp" if pipeline else "tp"
+    out = tmp_path / f"rank0-of-{kind}{world_size}.pt"
+    init_method = f"file://{tmp_path}/store-{kind}{world_size}"
+    ranks = [context.Process(target=rank_main, args=(rank, world_size, init_method, str(folder), str(out), pipeline))
              for rank in range(world_size)]
     for process in ranks:
         process.start()
@@ -48,6 +50,25 @@ def test_split_model_matches_the_whole_one(tmp_path, flavour, world_sizes):
             assert got.shape == expected.shape
             err = (got - expected).abs().max().item()
             assert err <= MAX_ABS_ERR, f"TP={world_size} step {step}: max |logit diff| {err:.2e}"
+
+
+# pipeline stages: llama's 2 layers one a stage; gemma2's sliding-window and global layers on different
+# stages (each stage's rotary tables and windows are its layers' own); qwen3_moe 3 layers over 2 stages
+@pytest.mark.parametrize("flavour", ["llama", "gemma2", "qwen3_moe"])
+def test_pipeline_stages_match_the_whole_model(tmp_path, flavour):
+    folder, _ = make_tiny_hf_model(tmp_path, flavour)
+    whole_logits, whole_tokens = greedy_run(folder)
+    split = run_ranks(folder, 2, tmp_path, pipeline=True)
+    assert split["tokens"] == whole_tokens
+    for step, (expected, got) in enumerate(zip(whole_logits, split["logits"])):
+        err = (got - expected).abs().max().item()
+        assert err <= MAX_ABS_ERR, f"PP=2 step {step}: max |logit diff| {err:.2e}"
+
+
+def test_stages_take_contiguous_layers_and_refuse_more_stages_than_layers():
+    assert [list(stage_layers(rank, 3, 8)) for rank in range(3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 5 is more stages than the model's 4 layers"):
+        check_stages(4, 5)
 
 
 def _config(**sizes) -> ModelConfig:
