@@ -39,6 +39,15 @@ def dense_weight_for(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
+NO_ONEDNN_BF16 = ("off: oneDNN has no bfloat16 matmul on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; "
+                  "an AVX2-only CPU runs bfloat16 on the quantized kernels)")
+
+
+def onednn_bf16() -> bool:
+    """Whether oneDNN reorders and multiplies bfloat16 weights here (torch raises on CPUs without it)."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def decide(mode: str, dtype: torch.dtype, num_bytes: int, available_bytes: int) -> tuple[bool, str]:
     """Whether to keep the copies, and why (for the worker's log)."""
     if mode not in DENSE_WEIGHT_MODES:
@@ -46,6 +55,8 @@ def decide(mode: str, dtype: torch.dtype, num_bytes: int, available_bytes: int) 
     size = f"{num_bytes / 2**20:.0f} MiB"
     if mode == "off":
         return False, "off (--cpu-dense-weights off)"
+    if dtype == torch.bfloat16 and not onednn_bf16():  # even under on: the copies could not be made
+        return False, NO_ONEDNN_BF16
     if mode == "on":
         return True, f"{size} (--cpu-dense-weights on)"
     if dtype != torch.bfloat16:
@@ -92,6 +103,11 @@ def _keep_block_copies(linears: list[GGMLBlocksLinear], mode: str, dtype: torch.
     cost, is in docs/models.md (Qwen2.5-1.5B's shapes at 16 rows: a layer in 3.6 ms instead of 8.0)."""
     if mode not in DENSE_WEIGHT_MODES:
         raise ValueError(f"cpu dense weights mode {mode!r} is not one of {list(DENSE_WEIGHT_MODES)}")
+    if mode == "on" and dtype == torch.bfloat16 and not onednn_bf16():
+        mode = "off"
+        for linear in linears:
+            linear.dense_weight = None
+        return NO_ONEDNN_BF16
     if mode != "on":
         for linear in linears:
             linear.dense_weight = None

@@ -28,7 +28,8 @@ def quantized_linear(bits: int, group_size: int, seed: int, out_features: int = 
                             bias=torch.randn(out_features))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not dense_weights.onednn_bf16(), reason="oneDNN has no bfloat16 matmul on this CPU"))])
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (8, 16)])
 def test_many_rows_multiply_the_strips_rounded_weights_in_one_gemm(dtype, bits, group_size):
     linear = quantized_linear(bits, group_size, seed=bits)
@@ -72,6 +73,7 @@ def test_int8_activation_rows_keep_their_kernel_beside_a_copy():
 
 
 def test_auto_keeps_copies_for_bfloat16_on_native_bfloat16_within_a_memory_share(monkeypatch):
+    monkeypatch.setattr(dense_weights, "onednn_bf16", lambda: True)  # a CPU oneDNN multiplies bfloat16 on
     assert decide("off", torch.bfloat16, 1, 100 * GIB) == (False, "off (--cpu-dense-weights off)")
     assert decide("on", torch.float32, 10 * GIB, GIB)[0]  # on: whatever it costs
     keep, reason = decide("auto", torch.float32, 1, 100 * GIB)
@@ -118,3 +120,14 @@ def test_a_quantized_gguf_with_copies_gives_its_logits_without_them(tmp_path):
     # the same float32 weights summed in oneDNN's order instead of the strips': 2e-5 on an AVX-512 CPU
     # without AMX (AMD EPYC), under 1e-5 on Sapphire Rapids; a misplaced weight would be ~1e-2
     assert max_rel_err(all_row_logits(model, config, tokens), without) <= 1e-4
+
+
+def test_bfloat16_copies_are_off_where_onednn_cannot_make_them(monkeypatch):
+    # an AVX2-only CPU: torch's bfloat16 reorder raises there, so even `on` keeps none and says why
+    monkeypatch.setattr(dense_weights, "onednn_bf16", lambda: False)
+    for mode in ("on", "auto"):
+        assert decide(mode, torch.bfloat16, 1, 100 * GIB) == (False, dense_weights.NO_ONEDNN_BF16)
+    assert decide("on", torch.float32, 1, 100 * GIB)[0]  # float32 copies need no bfloat16
+    linear = quantized_linear(4, 32, seed=4)
+    assert keep_dense_weights(linear, "on", torch.bfloat16) == dense_weights.NO_ONEDNN_BF16
+    assert linear.dense_weight is None

@@ -14,7 +14,7 @@ from core.sampling import SamplingParams
 from tests.helpers.tiny_models import make_tiny_hf_model
 from scheduler.options import SchedulerOptions
 from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig
-from worker.linears.dense_weights import dense_weight_for
+from worker.linears.dense_weights import dense_weight_for, onednn_bf16
 from worker.linears.group_quant import GroupQuantLinear, quantize_weight
 from worker.linears.packed import PackedLinear
 from worker.loader import load_model
@@ -100,6 +100,10 @@ def test_without_the_mode_batch_composition_changes_the_bits(tiny):
     assert any(a[1] != b[1] for a, b in zip(alone, batched)) or any(a[1] != s[1] for a, s in zip(alone, squeezed))
 
 
+# bfloat16 dense copies are oneDNN's: not on a CPU without AVX-512 BW/VL/DQ or AVX-NE-CONVERT (there the worker
+# keeps none and says why: tests/worker/linears/test_dense_weights.py)
+NEEDS_ONEDNN_BF16 = pytest.mark.skipif(not onednn_bf16(), reason="oneDNN has no bfloat16 matmul on this CPU")
+
 DEFAULT_MODEL_PATHS = {  # dtype, GGUF weights kept quantized, compiled ops, --cpu-dense-weights, linear it runs
     "bf16-dense-tiles": (torch.bfloat16, True, True, "on", "DenseTileLinear"),
     "bf16-row-kernels": (torch.bfloat16, True, True, "off", "RowKernelLinear"),
@@ -109,7 +113,8 @@ DEFAULT_MODEL_PATHS = {  # dtype, GGUF weights kept quantized, compiled ops, --c
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", DEFAULT_MODEL_PATHS)
+@pytest.mark.parametrize("path", [pytest.param(path, marks=NEEDS_ONEDNN_BF16) if path == "bf16-dense-tiles" else path
+                                  for path in DEFAULT_MODEL_PATHS])
 def test_default_model_greedy_output_is_identical_alone_batched_and_recomputed(path):
     """The default GGUF file on each deterministic variant: its group-quantized linears on dense copies in
     fixed tiles or on the row kernel for every row, and the plain-torch float32 reference."""
@@ -123,6 +128,7 @@ def test_default_model_greedy_output_is_identical_alone_batched_and_recomputed(p
 
 
 @pytest.mark.slow
+@NEEDS_ONEDNN_BF16
 def test_default_model_without_the_mode_batch_composition_changes_logprobs_and_tokens():
     model, config = load_model(None, dtype=torch.bfloat16, progress=False, keep_quantized=True)
     batch = prompts(config.vocab_size, count=4, seed=1)
@@ -141,7 +147,7 @@ def tiled_linears(dtype: torch.dtype) -> list[torch.nn.Module]:
     return [RowTileLinear(plain), DenseTileLinear(quantized), *packed]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=NEEDS_ONEDNN_BF16)])
 def test_tiled_linears_give_each_row_the_same_bits_whatever_the_rows_and_threads(dtype):
     x = torch.randn(3 * ROW_TILE + 5, 576).to(dtype)
     threads = torch.get_num_threads()
