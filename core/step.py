@@ -62,6 +62,10 @@ class StepPlan:
     # speculative decoding: request id -> the draft tokens it verifies this step. They follow its known
     # tokens, and num_scheduled_tokens counts them (a decode with k drafts computes 1 + k rows)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # draft-model speculation (--speculative draft): request id -> how many draft tokens the worker's draft
+    # model proposes for it right after this step (StepResult.draft_token_ids). The scheduler allocated
+    # that many slots past the step's tokens, where the draft's own K/V for its guesses lands
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -103,3 +107,6 @@ class StepResult:
     forward_ns: int = 0
     # the prompt tokens this step's rows predict, for requests that ask for prompt logprobs (any chunk)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # draft-model speculation: per request the plan's num_draft_tokens named, the draft model's greedy guesses
+    # of the tokens after this step's (after its last sampled token); fewer than asked when its pages ran out
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -205,9 +205,10 @@ def step_plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
         )
     # dict insertion order is the packed batch order; a repeated field keeps it (a proto map would not)
     scheduled = msg.num_scheduled_tokens
-    drafts = plan.spec_token_ids
+    drafts, num_draft_tokens = plan.spec_token_ids, plan.num_draft_tokens
     for request_id, num_tokens in plan.num_scheduled_tokens.items():
-        scheduled.add(request_id=request_id, num_tokens=num_tokens, spec_token_ids=drafts.get(request_id, ()))
+        scheduled.add(request_id=request_id, num_tokens=num_tokens, spec_token_ids=drafts.get(request_id, ()),
+                      num_draft_tokens=num_draft_tokens.get(request_id, 0))
     for device_block_id, host_block_id in plan.swap_out:
         msg.swap_out.add(device_block_id=device_block_id, host_block_id=host_block_id)
     for device_block_id, host_block_id in plan.swap_in:
@@ -242,6 +243,8 @@ def step_plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlan:
         num_scheduled_tokens={entry.request_id: entry.num_tokens for entry in msg.num_scheduled_tokens},
         spec_token_ids={entry.request_id: list(entry.spec_token_ids) for entry in msg.num_scheduled_tokens
                         if entry.spec_token_ids},
+        num_draft_tokens={entry.request_id: entry.num_draft_tokens for entry in msg.num_scheduled_tokens
+                          if entry.num_draft_tokens},
         finished_request_ids=list(msg.finished_request_ids),
         swap_out=[(copy.device_block_id, copy.host_block_id) for copy in msg.swap_out],
         swap_in=[(copy.device_block_id, copy.host_block_id) for copy in msg.swap_in],
@@ -262,7 +265,8 @@ def step_result_to_proto(result: StepResult) -> worker_pb2.StepResult:
         entry = sampled_tokens.add(request_id=request_id, token_id=token_id,
                                    accepted_token_ids=accepted.get(request_id, ()),
                                    accepted_logprobs=[token_logprobs_to_proto(entry) for entry in
-                                                      result.accepted_logprobs.get(request_id, ())])
+                                                      result.accepted_logprobs.get(request_id, ())],
+                                   draft_token_ids=result.draft_token_ids.get(request_id, ()))
         token_logprobs = logprobs.get(request_id)
         if token_logprobs is not None:
             # SetInParent: a logprob of exactly 0.0 with no top list must still read as "present"
@@ -281,8 +285,11 @@ def step_result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
     accepted_token_ids: dict[str, list[int]] = {}
     accepted_logprobs: dict[str, list[TokenLogprobs]] = {}
     logprobs: dict[str, TokenLogprobs] = {}
+    draft_token_ids: dict[str, list[int]] = {}
     for entry in msg.sampled_tokens:
         sampled_token_ids[entry.request_id] = entry.token_id
+        if entry.draft_token_ids:
+            draft_token_ids[entry.request_id] = list(entry.draft_token_ids)
         if entry.accepted_token_ids:
             accepted_token_ids[entry.request_id] = list(entry.accepted_token_ids)
         if entry.accepted_logprobs:
@@ -299,6 +306,7 @@ def step_result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
         prompt_logprobs={chunk.request_id: PromptLogprobs(chunk.first_position,
                                                           [token_logprobs_from_proto(entry) for entry in chunk.entries])
                          for chunk in msg.prompt_logprobs},
+        draft_token_ids=draft_token_ids,
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KV_POLICIES = ("paged", "static")
-SPECULATIVE_METHODS = ("ngram",)  # scheduler.speculation's proposers
+SPECULATIVE_METHODS = ("ngram", "draft")  # scheduler.speculation's proposers
 MAX_SPECULATIVE_TOKENS = 16  # --num-speculative-tokens' range is 1 .. this
 QUEUE_POLICIES = ("fcfs", "priority")
 
@@ -35,7 +35,8 @@ class SchedulerConfig:
     # largest when layers differ), None when some layer attends the whole context. Set, a running
     # request's pages that hold only positions before its window go back to the pool (paged policy)
     sliding_window: int | None = None
-    # speculative decoding (scheduler.speculation): "ngram" (prompt lookup) or None; up to
+    # speculative decoding (scheduler.speculation): "ngram" (prompt lookup), "draft" (the worker's draft
+    # model) or None; up to
     # num_speculative_tokens drafts per request and step, verified by the worker in the same step
     speculative: str | None = None
     num_speculative_tokens: int = 0

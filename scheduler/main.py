@@ -25,6 +25,7 @@ from scheduler.process.submissions import drain
 from scheduler.process.worker_client import WorkerClient
 from scheduler.process.worker_recovery import WorkerRecovery
 from scheduler.scheduler import Scheduler
+from scheduler.speculation import check_draft_model
 
 logger = logging.getLogger("tokenmill.scheduler")
 
@@ -54,6 +55,11 @@ async def serve(options: SchedulerOptions) -> None:
     await server.start()
     logger.info("scheduler listening on %s; waiting for worker %s", address, options.worker)
     capacity = await worker.register(timeout_s=options.worker_timeout_s)
+    try:
+        check_draft_model(options.speculative, capacity.draft_model)
+    except ValueError as error:
+        raise SystemExit(f"scheduler: {error} (the worker at {options.worker} has "
+                         f"{capacity.draft_model or 'no draft model'})") from None
     loop = _engine_loop(options, capacity, worker, redis)
     servicer.attach(loop, _model_info(options, capacity))
     metrics.set_model_name(capacity.model_config.name)

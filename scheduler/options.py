@@ -70,7 +70,8 @@ class SchedulerOptions(Options):
     # speculative decoding (scheduler.speculation; issue 35)
     speculative: str | None = option(
         None, "speculative decoding: ngram proposes each request's next tokens by prompt lookup (its last 4..2 "
-              "tokens matched earlier in its prompt and output) and the worker verifies them in the same step, "
+              "tokens matched earlier in its prompt and output); draft: the worker's draft model (--draft-model) "
+              "guesses them; the worker verifies them in the same step, "
               "so greedy output stays token for token the same and sampled output keeps its distribution; "
               "seeded requests decode as before; implies the "
               "synchronous loop (--no-async-scheduling)", choices=SPECULATIVE_METHODS)

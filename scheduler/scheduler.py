@@ -132,9 +132,13 @@ class Scheduler(WorkerLoss):
                 index += 1  # async scheduling: its step in flight is its last, whatever it samples
                 continue
             drafts = self._drafts(step, request, num_new, index)
-            added = self.kv.allocate_slots(request, num_new + len(drafts)) if drafts else None
+            lookahead = self._lookahead(request, num_new)
+            added = self.kv.allocate_slots(request, num_new + len(drafts) + lookahead) if drafts or lookahead else None
             if added is not None:  # speculation takes free pages only: it never preempts
-                step.plan.spec_token_ids[request.request_id] = drafts
+                if drafts:
+                    step.plan.spec_token_ids[request.request_id] = drafts
+                if lookahead:
+                    step.plan.num_draft_tokens[request.request_id] = lookahead
                 num_new += len(drafts)
             else:
                 added, index = self._allocate_preempting(step, request, num_new, index)
@@ -181,6 +185,13 @@ class Scheduler(WorkerLoss):
         if limit >= 1:
             limit = min(limit, step.budget - 1 - self._num_after_needing_tokens(index))
         return self.speculation.drafts(request, limit)
+
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        """Slots past this step's tokens where the worker's draft model writes its K/V for the guesses it makes
+        after the step (--speculative draft), for a request that samples this step; 0 otherwise."""
+        if self.speculation is None or request.num_tokens - request.num_computed_tokens != num_new:
+            return 0
+        return self.speculation.lookahead(request)
 
     def _schedule_waiting(self, step: _Step) -> None:
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -266,6 +277,10 @@ class Scheduler(WorkerLoss):
                 self.running.remove(request)
                 self._finish(request, status)
             outputs.append(self._output(request, [token_id], [logprobs] if logprobs else []))
+        for request_id, drafts in result.draft_token_ids.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING and self.speculation is not None:
+                self.speculation.keep_worker_drafts(request, drafts)
         return outputs
 
     def _apply_verified(self, request: Request, num_scheduled: int, drafts: list[int],

@@ -14,12 +14,19 @@ The seam is Proposer.propose(request, k) -> up to k token ids, called while a st
                     occurrence are the proposal (past the last token it repeats the period the match
                     implies). Pure Python, no model; an index per request, extended as tokens arrive.
 
-A proposer that needs the target's hidden states (EAGLE, MTP) or runs a draft model fits the same seam
-from the worker's side: the worker runs the drafter right after the verification of step N (it holds the
-hidden states and the draft model's own KV pages, whose page ids the scheduler would hand out next to the
-target's) and returns its next proposals in StepResult; that proposer's propose() reads what the last
-result left for the request (request.speculation.worker_drafts, say) and cuts it to k. Nothing else in
-the loop changes: the k slots, the budget, acceptance and adaptation below are the same for every kind.
+    DraftProposer   a draft model (--speculative draft --draft-model PATH): the worker runs it right after a
+                    step's verification and sampling (worker.draft_model: it catches the draft's KV up on the
+                    tokens just accepted, then takes k greedy steps) and returns its guesses in
+                    StepResult.draft_token_ids; propose() reads what the last result left for the request
+                    (SpeculationState.worker_drafts) and cuts it to k. The scheduler asks for them in the plan
+                    (StepPlan.num_draft_tokens, lookahead()) and allocates that many slots past the step's
+                    tokens: the draft writes its K/V for its own guesses there, in the target's pages (the
+                    draft's cache shares the target's page ids: worker.draft_model says why that is safe).
+
+A proposer that needs the target's hidden states (EAGLE, MTP) fits DraftProposer's side of the seam as it is:
+the worker runs it where it runs the draft model (it holds the hidden states there) and returns proposals the
+same way. Nothing else in the loop changes: the k slots, the budget, acceptance and adaptation below are the
+same for every kind.
 
 How many drafts (SpeculationState, one per request that speculates): k starts at the server's
 --num-speculative-tokens; a step whose drafts were all accepted doubles it (up to that maximum); a
@@ -35,9 +42,9 @@ grammar's state after the drafts before it) are. Not yet: a seeded request decod
 keyed by output position, the rejection sampler's are not, and a seeded output must not depend on how many
 drafts a step's budget left room for, which depends on the rest of the batch).
 
-A draft model (EAGLE, MTP) would be a worker-side proposer as above; with one, the asynchronous loop could
-come back too (the worker would propose right after sampling, with the real last token in hand). With
---speculative the loop is synchronous today: planning step N + 1 needs step N's accepted tokens.
+With a worker-side proposer the asynchronous loop could come back (the worker proposes right after sampling,
+with the real last token in hand); with --speculative the loop is synchronous today: planning step N + 1 needs
+step N's accepted tokens.
 """
 from __future__ import annotations
 
@@ -54,6 +61,9 @@ MAX_PROBE_PAUSE_STEPS = 128  # ... doubling after each failed probe, up to this
 
 
 class Proposer(Protocol):
+    # True: the worker computes the proposals (a draft model) and the plan asks it for them (lookahead)
+    on_worker: bool
+
     def propose(self, request: Request, k: int) -> list[int]:
         """Up to k draft tokens to follow request.all_token_ids (all known: no placeholders); [] for none."""
 
@@ -69,6 +79,8 @@ class NgramIndex:
 
 
 class NgramProposer:
+    on_worker = False
+
     def __init__(self, max_n: int = NGRAM_MAX_N, min_n: int = NGRAM_MIN_N) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
@@ -109,6 +121,22 @@ class NgramProposer:
         return index.starts.get(tuple(tokens[last_start:]))
 
 
+class DraftProposer:
+    """The worker's draft model's guesses (StepResult.draft_token_ids, kept in SpeculationState.worker_drafts),
+    while they still follow the request's tokens."""
+
+    on_worker = True
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        state = request.speculation
+        if state is None or state.worker_drafts_at != request.num_tokens:
+            return []  # none yet, or they followed other tokens (a preemption or a stop came between)
+        return state.worker_drafts[:k]
+
+
+PROPOSERS = {"ngram": NgramProposer, "draft": DraftProposer}  # SchedulerConfig.speculative -> proposer
+
+
 @dataclass(slots=True)
 class SpeculationState:
     """One request's adaptive draft count and its proposer's memory (Request.speculation)."""
@@ -118,13 +146,15 @@ class SpeculationState:
     pause: int = PROBE_PAUSE_STEPS  # steps to wait at k = 0 before probing
     waited: int = 0  # steps waited at k = 0 so far
     probing: bool = False  # this step's single draft is a probe
+    worker_drafts: list[int] = field(default_factory=list)  # DraftProposer: the last result's guesses ...
+    worker_drafts_at: int = -1  # ... and the num_tokens they follow
 
 
 def build_speculation(config: SchedulerConfig) -> Speculation | None:
     """The config's speculation (None without one): the one place a method name becomes a proposer."""
     if config.speculative is None:
         return None
-    return Speculation(NgramProposer(), config.num_speculative_tokens)
+    return Speculation(PROPOSERS[config.speculative](), config.num_speculative_tokens)
 
 
 class Speculation:
@@ -161,6 +191,22 @@ class Speculation:
             state.waited, state.probing, k = 0, True, 1
         return self.proposer.propose(request, min(k, limit))
 
+    def lookahead(self, request: Request) -> int:
+        """How many draft tokens the worker proposes for a request about to sample (StepPlan.num_draft_tokens;
+        0 for a proposer of the scheduler's own): as many as its k can be after this step's verification
+        (a full acceptance doubles it), 1 while it is paused (for the probe)."""
+        if not self.proposer.on_worker or not self.speculates(request):
+            return 0
+        state = request.speculation
+        return self.max_k if state is None else min(self.max_k, max(1, 2 * state.k))
+
+    def keep_worker_drafts(self, request: Request, drafts: list[int]) -> None:
+        """A step's worker-side proposals for the request, which follow its tokens as they are now."""
+        state = request.speculation
+        if state is None:
+            state = request.speculation = SpeculationState(self.max_k)
+        state.worker_drafts, state.worker_drafts_at = drafts, request.num_tokens
+
     def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """A verified step's outcome for the request: adapts its k and counts it."""
         self.num_drafts += 1
@@ -186,6 +232,17 @@ class Speculation:
         return {"spec_num_drafts": self.num_drafts, "spec_num_draft_tokens": self.num_draft_tokens,
                 "spec_num_accepted_tokens": self.num_accepted_tokens,
                 "spec_accepted_per_position": tuple(self.accepted_per_position)}
+
+
+def check_draft_model(speculative: str | None, draft_model: str | None) -> None:
+    """ValueError unless a draft model comes exactly with --speculative draft: that method has no proposals
+    without one, and a draft model nothing asks would cost every step its catch-up for nothing."""
+    if speculative == "draft" and not draft_model:
+        raise ValueError("--speculative draft needs a draft model: start the worker with --draft-model PATH (a GGUF "
+                         "file or HF folder with the target's tokenizer)")
+    if draft_model and speculative != "draft":
+        raise ValueError(f"--draft-model {draft_model} is only used with --speculative draft (got --speculative "
+                         f"{speculative or 'off'})")
 
 
 def verified_tokens(request_id: str, drafts: list[int], result: StepResult) -> tuple[list[int], list]:

@@ -105,6 +105,17 @@ def test_speculative_step_round_trip():
     assert codec.step_result_from_proto(over_the_wire(codec.step_result_to_proto(result))) == result
 
 
+def test_draft_model_step_round_trip():
+    """--speculative draft: how many guesses the worker makes for a request rides with its scheduled count, and the
+    guesses with its sampled token; requests without any keep none."""
+    plan = StepPlan(step_id=3, num_scheduled_tokens={"a": 3, "b": 1, "c": 16}, spec_token_ids={"a": [9, 8]},
+                    num_draft_tokens={"a": 4, "b": 1})
+    assert codec.step_plan_from_proto(over_the_wire(codec.step_plan_to_proto(plan))) == plan
+    result = StepResult(step_id=3, sampled_token_ids={"a": 5, "b": 6}, accepted_token_ids={"a": [9]},
+                        draft_token_ids={"a": [1, 0, 49151, 7], "b": [2]})
+    assert codec.step_result_from_proto(over_the_wire(codec.step_result_to_proto(result))) == result
+
+
 def test_empty_plan_round_trip():
     plan = StepPlan(step_id=0)
     msg = over_the_wire(codec.step_plan_to_proto(plan))

@@ -3,8 +3,8 @@ import pytest
 
 from core.sampling import SamplingParams
 from scheduler.request import Request
-from scheduler.speculation import (MAX_PROBE_PAUSE_STEPS, PROBE_PAUSE_STEPS, NgramProposer, Speculation,
-                                   SpeculationState)
+from scheduler.speculation import (MAX_PROBE_PAUSE_STEPS, PROBE_PAUSE_STEPS, DraftProposer, NgramProposer,
+                                   Speculation, SpeculationState, check_draft_model)
 
 
 def request(tokens, **params) -> Request:
@@ -86,3 +86,33 @@ def test_num_speculative_tokens_range():
     for bad in (0, 17, -1):
         with pytest.raises(ValueError, match="1..16"):
             Speculation(NgramProposer(), bad)
+
+
+def test_draft_proposer_hands_out_the_worker_guesses_while_they_follow_the_tokens():
+    speculation = Speculation(DraftProposer(), 4)
+    asking = request([1, 2, 3])
+    assert speculation.lookahead(asking) == 4  # no state yet: the most it may verify
+    assert speculation.drafts(asking, 8) == []  # nothing from the worker yet
+    speculation.keep_worker_drafts(asking, [7, 8, 9, 10])
+    assert speculation.drafts(asking, 8) == [7, 8, 9, 10] and speculation.drafts(asking, 2) == [7, 8]
+    asking.append_output_token(7)  # the tokens moved on without a new result: the guesses no longer follow them
+    assert speculation.drafts(asking, 8) == []
+    asking.speculation.k = 1
+    assert speculation.lookahead(asking) == 2  # a full acceptance doubles k: guesses for that
+    asking.speculation.k = 0
+    assert speculation.lookahead(asking) == 1  # paused: one, for the probe
+    assert speculation.lookahead(request([1, 2, 3], seed=5)) == 0  # seeded requests do not speculate
+    assert Speculation(NgramProposer(), 4).lookahead(request([1, 2, 3])) == 0  # n-gram proposes on the scheduler
+
+
+@pytest.mark.parametrize("speculative, draft_model, message", [
+    ("draft", None, "--speculative draft needs a draft model: start the worker with --draft-model PATH"),
+    ("draft", "", "--speculative draft needs a draft model"),
+    ("ngram", "small.gguf", "--draft-model small.gguf is only used with --speculative draft (got --speculative ngram)"),
+    (None, "small.gguf", "got --speculative off"),
+])
+def test_a_draft_model_comes_exactly_with_speculative_draft(speculative, draft_model, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_draft_model(speculative, draft_model)
+    check_draft_model("draft", "small.gguf")
+    check_draft_model(None, None)

@@ -22,6 +22,8 @@ class OracleProposer:
     """Proposes the fake model's own continuation, each draft wrong with probability error_rate (and the
     ones after a wrong draft follow the wrong text: the worker rejects them all)."""
 
+    on_worker = False  # proposes on the scheduler's side
+
     def __init__(self, error_rate: float, seed: int = 0, sliding_window: int | None = None) -> None:
         self.error_rate, self.rng, self.sliding_window = error_rate, random.Random(seed), sliding_window
         self.proposed = 0
@@ -199,3 +201,42 @@ def test_page_pool_stays_consistent_with_rejections(ops, kv_policy, error_rate, 
             tokens = request.all_token_ids
             for end in range(request.num_prompt_tokens, len(tokens)):  # the fake model's own output, exactly
                 assert tokens[end] == next_token(tokens[:end], sliding_window)
+
+
+class DraftingExecutor(FakeExecutor):
+    """The fake worker with a draft model (--speculative draft): after each step it guesses the fake model's own
+    continuation for each request the plan names (each guess wrong with probability error_rate), where the
+    request's pages must hold every slot the draft writes (its last token and all but the last guess)."""
+
+    def __init__(self, num_blocks: int, block_size: int, error_rate: float, seed: int = 0) -> None:
+        super().__init__(num_blocks, block_size)
+        self.error_rate, self.rng = error_rate, random.Random(seed)
+
+    def execute(self, plan):
+        result = super().execute(plan)
+        for request_id, num_guesses in plan.num_draft_tokens.items():
+            tokens = list(self.tokens[request_id])
+            self._slot(request_id, len(tokens) - 1 + num_guesses - 1)  # asserts the lookahead page is there
+            guesses = []
+            for _ in range(num_guesses):
+                token = next_token(tokens)
+                guesses.append((token + 1) % 1000 if self.rng.random() < self.error_rate else token)
+                tokens.append(guesses[-1])
+            result.draft_token_ids[request_id] = guesses
+        return result
+
+
+def test_draft_model_guesses_come_from_the_last_result_within_allocated_lookahead_slots():
+    expected = outputs_of(plain_engine(), PROMPTS, max_tokens=24)
+    for error_rate in (0.0, 0.3):
+        scheduler = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, speculative="draft",
+                                              num_speculative_tokens=4))
+        engine = EngineCore(scheduler, DraftingExecutor(64, 4, error_rate), async_scheduling=True)
+        assert outputs_of(engine, PROMPTS, max_tokens=24) == expected
+        speculation = scheduler.speculation
+        assert speculation.num_draft_tokens > 0 and scheduler.kv.pool.num_free == 64
+        if error_rate == 0.0:  # a perfect draft: every guess the scheduler sends is accepted
+            assert speculation.num_accepted_tokens == speculation.num_draft_tokens
+        for plan in engine.executor.plans:
+            assert set(plan.spec_token_ids) <= set(plan.num_draft_tokens)  # a verifying request guesses again
+            assert all(1 <= count <= 4 for count in plan.num_draft_tokens.values())

@@ -42,6 +42,8 @@ def tiny(tmp_path_factory):
 class OracleProposer:
     """Drafts from the known greedy continuation, each wrong with probability error_rate."""
 
+    on_worker = False  # proposes on the scheduler's side
+
     def __init__(self, expected: dict[tuple[int, ...], list[int]], error_rate: float, seed: int = 0) -> None:
         self.expected, self.error_rate, self.rng = expected, error_rate, random.Random(seed)
 
