@@ -16,6 +16,7 @@ from scheduler.engine import EngineCore
 from scheduler.options import SchedulerOptions
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
+from scheduler.speculation import check_draft_model
 from worker.build import build_runner
 from worker.model_runner import ModelRunner
 from worker.options import WorkerOptions
@@ -40,6 +41,7 @@ class LLM:
     def __init__(self, config: EngineConfig = EngineConfig(), runner: ModelRunner | None = None,
                  progress: bool = True) -> None:
         self.config = config
+        check_draft_model(config.scheduler.speculative, config.worker.draft_model)
         worker = replace(config.worker, max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
         self.runner = runner or build_runner(worker, progress=progress)
         self.model_config = self.runner.model_config
@@ -52,7 +54,8 @@ class LLM:
             num_blocks=self.runner.num_blocks, block_size=config.worker.block_size,
             model_max_len=self.model_config.max_position_embeddings,
             num_host_blocks=self.runner.swap_space.num_host_blocks,
-            bytes_per_block=self.runner.kv_cache.storage[:, :, 0].nbytes,
+            bytes_per_block=self.runner.kv_cache.storage[:, :, 0].nbytes + (
+                self.runner.drafter.kv_cache.storage[:, :, 0].nbytes if self.runner.drafter else 0),
             sliding_window=self.model_config.every_layer_window)
         return EngineCore(Scheduler(sched_config), self.runner, async_scheduling=config.scheduler.async_scheduling)
 

@@ -15,6 +15,7 @@ from worker.linears.ggml_blocks import block_types, fault_in, mapped_weight_byte
 from worker.linears.group_quant import quantize_linears
 from worker.linears.int8 import quantize_linears_int8
 from worker.loader import default_model_path, load_model
+from worker.draft_model import DraftModel, check_same_vocabulary
 from worker.memory import free_memory_bytes
 from worker.model.config import ModelConfig
 from worker.model.kv_cache import bytes_per_block
@@ -100,8 +101,11 @@ def build_sized_runner(options: WorkerOptions = WorkerOptions(), *, progress: bo
     dtype = resolve_dtype(options.dtype, device)
     path = Path(options.model) if options.model else default_model_path()
     network, config = load_network(options, device, dtype, path, progress, parallel)
-    # a rank's pages hold its own KV heads
-    per_block = bytes_per_block(config if parallel is None else parallel.kv_config(config), dtype, options.block_size)
+    draft = _load_draft(options, device, dtype, config, progress, parallel)
+    # a rank's pages hold its own KV heads; a page id names a page of the target's cache and one of the draft's
+    # (worker.draft_model): both count
+    per_block = bytes_per_block(config if parallel is None else parallel.kv_config(config), dtype, options.block_size) + (
+        bytes_per_block(draft[1], dtype, options.block_size) if draft else 0)
     if kv_cache_bytes is None and options.kv_cache_mb:
         kv_cache_bytes = options.kv_cache_mb * 2**20
     if options.num_blocks:
@@ -110,11 +114,28 @@ def build_sized_runner(options: WorkerOptions = WorkerOptions(), *, progress: bo
         sizing = size_from_budget(kv_cache_bytes, per_block)
     else:
         sizing = _size_from_memory(network, config, path, dtype, device, options, per_block, free_bytes, parallel)
+    num_host_blocks = int(options.swap_space_gb * 2**30) // per_block
     runner = ModelRunner(network, config, num_blocks=sizing.num_blocks, block_size=options.block_size, dtype=dtype,
-                         options=options, num_host_blocks=int(options.swap_space_gb * 2**30) // per_block,
-                         parallel=parallel)
+                         options=options, num_host_blocks=num_host_blocks, parallel=parallel)
     runner.structured_output = StructuredOutput(GrammarCompiler(path))
+    if draft:
+        runner.drafter = DraftModel(*draft, num_blocks=sizing.num_blocks, block_size=options.block_size, dtype=dtype,
+                                    options=options, num_host_blocks=num_host_blocks)
     return runner, sizing
+
+
+def _load_draft(options: WorkerOptions, device: torch.device, dtype: torch.dtype, target: ModelConfig,
+                progress: bool, parallel: Parallel | None) -> tuple[nn.Module, ModelConfig] | None:
+    """--draft-model through the target's loader, checked against the target before any memory is sized; None
+    without one."""
+    if not options.draft_model:
+        return None
+    if parallel is not None:
+        raise ValueError(f"--draft-model with --tensor-parallel-size {options.tensor_parallel_size}: not supported "
+                         f"yet (the draft would run whole on rank 0, beside its share of the target)")
+    draft = load_network(options, device, dtype, Path(options.draft_model), progress)
+    check_same_vocabulary(target, draft[1], options.draft_model)
+    return draft
 
 
 def weight_bytes(network: nn.Module) -> tuple[int, int]:

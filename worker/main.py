@@ -61,7 +61,8 @@ def build_worker(options: WorkerOptions) -> tuple[ModelRunner, worker_pb2.GetCap
                                            str(runner.dtype).removeprefix("torch."), weight_formats(runner.model)),
         device=str(runner.device),
         kv_cache_bytes=sizing.kv_cache_bytes, kv_cache_sizing=sizing.reason,
-        num_host_blocks=runner.swap_space.num_host_blocks)
+        num_host_blocks=runner.swap_space.num_host_blocks,
+        draft_model=model_name(options.draft_model) if options.draft_model else "")
     return runner, capacity
 
 

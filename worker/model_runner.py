@@ -26,6 +26,7 @@ import torch
 
 from core.sampling import SamplingParams
 from core.step import PLACEHOLDER_TOKEN_ID, NewRequestData, PromptLogprobs, StepPlan, StepResult, TokenLogprobs
+from worker.draft_model import DraftModel, DraftWork
 from worker.model.attention import DECODE_GROUP_BYTES
 from worker.model.config import ModelConfig
 from worker.model.kv_cache import HostSwapSpace, allocate_kv_cache
@@ -64,6 +65,8 @@ class RunnerRequestState:
     pending_sources: dict[int, tuple[int, int]] = field(default_factory=dict)
     # constrained decoding: the grammar matcher at token_ids' end (worker.sampling.structured_output); None: unconstrained
     matcher: llguidance.LLMatcher | None = None
+    # with a draft model (worker.draft_model): positions 0 .. this - 1 hold the draft's K/V of these tokens
+    num_draft_computed: int = 0
 
     @property
     def num_planned_tokens(self) -> int:
@@ -89,6 +92,8 @@ class PreparedStep:
     verify_ids: list[str] = field(default_factory=list)
     verify_states: list[RunnerRequestState] = field(default_factory=list)
     verify_drafts: list[list[int]] = field(default_factory=list)
+    # with a draft model: every scheduled request, batch order, and the draft tokens the plan asks it to guess
+    draft_requests: list[tuple[str, RunnerRequestState, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -117,6 +122,8 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequestState] = {}
         # constrained decoding's matchers; worker.build sets it from the model's vocabulary
         self.structured_output: StructuredOutput | None = None
+        # --speculative draft's draft model (worker.build sets it with --draft-model); None: none
+        self.drafter: DraftModel | None = None
         # prepare() (RPC thread) and run()'s bookkeeping (compute thread) may overlap across steps
         self._state_lock = threading.Lock()
         self.execution = resolve_execution(options, self.device, model_config)
@@ -154,6 +161,7 @@ class ModelRunner:
                 block_table=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 matcher=self._new_matcher(new),
+                num_draft_computed=new.num_computed_tokens,  # cached or swapped-in pages hold the draft's K/V too
             )
         for cached in plan.cached_requests:
             state = self._state(cached.request_id, plan.step_id)  # counts include prepared steps
@@ -192,6 +200,8 @@ class ModelRunner:
         step = PreparedStep(plan.step_id, batch)
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
             state = self._state(request_id, plan.step_id)
+            if self.drafter is not None:
+                step.draft_requests.append((request_id, state, plan.num_draft_tokens.get(request_id, 0)))
             if request_id in plan.spec_token_ids:
                 self._pack_verify(plan, request_id, state, step)
                 continue
@@ -266,6 +276,9 @@ class ModelRunner:
 
         Steps must be prepared and run in step order; a step may be prepared while the one before it runs."""
         self._check_copies(plan)
+        if plan.num_draft_tokens and self.drafter is None:
+            raise PlanMismatchError(f"step {plan.step_id}: the plan asks for draft tokens (--speculative draft), but "
+                                    f"this worker has no draft model (start it with --draft-model)")
         with self._state_lock:
             self._apply_plan_state(plan)
             if plan.is_empty:
@@ -283,6 +296,8 @@ class ModelRunner:
         batch = prepared.batch
         # after the previous step's run(): the pages it wrote are final; before this one writes any
         self.swap_space.copy(prepared.swap_out, prepared.swap_in)
+        if self.drafter is not None:  # the draft's K/V lives in the same page ids
+            self.drafter.swap_space.copy(prepared.swap_out, prepared.swap_in)
         if batch is None:
             return StepResult(step_id=prepared.step_id)
         with self._state_lock:
@@ -326,7 +341,27 @@ class ModelRunner:
         for request_id, first_position, count in prepared.prompt_logprob_spans:
             result.prompt_logprobs[request_id] = PromptLogprobs(first_position, prompt_entries[offset:offset + count])
             offset += count
+        if self.drafter is not None:
+            self._draft(prepared, result)
         return result
+
+    def _draft(self, prepared: PreparedStep, result: StepResult) -> None:
+        """The draft model catches up on the step's tokens and guesses the next ones where the plan asked
+        (worker.draft_model draws the rows); the guesses go into result.draft_token_ids."""
+        works: list[tuple[str, DraftWork]] = []
+        with self._state_lock:
+            for request_id, state, num_wanted in prepared.draft_requests:
+                num_tokens = len(state.token_ids)
+                caught_up = num_tokens == state.num_computed_tokens + 1 and not state.num_pending_tokens
+                num_guesses = min(num_wanted, self.drafter.capacity(state.block_table, num_tokens)) if caught_up else 0
+                end = num_tokens if num_guesses else min(state.num_computed_tokens, num_tokens)
+                works.append((request_id, DraftWork(state.token_ids, state.num_draft_computed, end,
+                                                    list(state.block_table), num_guesses)))
+                state.num_draft_computed = max(state.num_draft_computed, end)
+        self.drafter.run([work for _, work in works])
+        for request_id, work in works:
+            if work.guesses:
+                result.draft_token_ids[request_id] = work.guesses
 
     def _verify(self, prepared: PreparedStep, logits: torch.Tensor) -> list[Verdict]:
         """The verdict on each verifying request's drafts (logits: [S, vocab], its 1 + k rows in a block each):
@@ -374,5 +409,7 @@ class ModelRunner:
         with torch.inference_mode():
             self.execution_path.forward(batch, self.execution_path.prepare(batch))
             self.execution_path.warm_up()
+        if self.drafter is not None:
+            self.drafter.warm_up()
         if self.structured_output is not None:
             self.structured_output.warm_up()

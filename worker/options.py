@@ -81,6 +81,9 @@ class WorkerOptions(Options):
     host: str = option("127.0.0.1", "address the worker listens on", cluster=False)
     port: int = option(50053, "port the worker listens on", type=PORT, cluster=False)
     model: str | None = option(None, "GGUF file or HF folder (default: SmolLM2-135M-Instruct)", cluster=False)
+    # --speculative draft (issue 35; worker.draft_model): loaded beside the target by the same loader
+    draft_model: str | None = option(None, "GGUF file or HF folder of a draft model with the target's tokenizer, for "
+                                     "the scheduler's --speculative draft (its KV cache shares the target's pages)")
     dtype: str = option("auto", "auto: bfloat16 on CUDA and on CPUs with avx512_bf16/AMX, else float32 "
                         "(default: %(default)s)", choices=DTYPE_CHOICES)
     block_size: int = option(16, "tokens per KV page (a power of two)", type=POWER_OF_TWO, cluster=False)

@@ -25,6 +25,7 @@ from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, PUBLIC_MAX_MESSAGE
 from plumbing.options import NON_NEGATIVE_FLOAT, PORT, POSITIVE, POWER_OF_TWO
 from plumbing.tls import ClusterTLS
 from scheduler.options import SchedulerOptions
+from scheduler.speculation import check_draft_model
 from tokenmill.cluster.readiness import connect_address, free_port
 from tokenmill.cluster.redis_process import redis_url
 from worker.options import WorkerOptions
@@ -91,6 +92,9 @@ class ClusterConfig:
     worker_metrics_port: int | None = None
     # extra environment for the three servers, e.g. (("OTEL_EXPORTER_OTLP_ENDPOINT", "http://..."),)
     child_env: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        check_draft_model(self.scheduler.speculative, self.worker.draft_model)  # before any process starts
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
