@@ -1,5 +1,5 @@
 """Speculative decoding through real processes (issue 35): gateway -> scheduler -> worker on a tiny random
-model, once without and once with `--speculative ngram`. Greedy outputs (plain, streamed, with a stop string,
+model, once without, once with `--speculative ngram` and once with `--speculative draft` (the model as its own draft). Greedy outputs (plain, streamed, with a stop string,
 n > 1, with logprobs, opted out, sharing a prefix) are identical, and the scheduler's /metrics counts accepted
 draft tokens."""
 from __future__ import annotations
@@ -87,3 +87,16 @@ def test_greedy_output_is_identical_and_drafts_are_accepted(tiny_model):
     assert metrics["tokenmill:spec_decode_num_accepted_tokens_total"] == metrics["vllm:spec_decode_num_accepted_tokens_total"]
     assert metrics["vllm:spec_decode_num_draft_tokens_total"] >= metrics["vllm:spec_decode_num_accepted_tokens_total"]
     assert metrics["vllm:spec_decode_num_accepted_tokens_per_pos_total"] > 0  # position 0
+
+
+def test_a_draft_model_keeps_greedy_output_and_its_guesses_are_accepted(tiny_model):
+    """--speculative draft --draft-model (the target as its own draft: every guess the target's own argmax), through
+    gateway, scheduler and worker: the same outputs as without speculation, and the metrics count its guesses."""
+    plain, _ = run_cluster(tiny_model)
+    drafted, metrics = run_cluster(tiny_model, speculative="draft", draft_model=str(tiny_model), num_speculative_tokens=4)
+    logprobs, plain_logprobs = drafted.pop("logprobs"), plain.pop("logprobs")
+    assert drafted == plain
+    assert [(token, top) for token, _, top in logprobs] == [(token, top) for token, _, top in plain_logprobs]
+    accepted, drafts = (metrics[f"vllm:spec_decode_num_{name}_tokens_total"] for name in ("accepted", "draft"))
+    assert drafts > 100 and accepted > 0.9 * drafts  # a request with a stop string may end amid accepted guesses
+    assert metrics["vllm:spec_decode_num_accepted_tokens_per_pos_total"] > 0

@@ -32,3 +32,21 @@ def test_a_config_built_in_code_is_checked_too():
     with pytest.raises(ValueError, match="num_speculative_tokens=0 must be in 1..16"):
         SchedulerOptions(speculative="ngram", num_speculative_tokens=0).scheduler_config(
             num_blocks=8, block_size=16, model_max_len=128)
+
+
+def test_draft_flags_reach_the_worker_and_the_scheduler():
+    worker, scheduler = processes(["--speculative", "draft", "--draft-model", "small.gguf", "--num-speculative-tokens",
+                                   "5"])
+    assert worker.draft_model == "small.gguf"
+    config = scheduler.scheduler_config(num_blocks=64, block_size=16, model_max_len=2048)
+    assert (config.speculative, config.num_speculative_tokens) == ("draft", 5)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative", "draft"], "--speculative draft needs a draft model: start the worker with --draft-model PATH"),
+    (["--draft-model", "small.gguf"], "--draft-model small.gguf is only used with --speculative draft"),
+])
+def test_serve_refuses_a_draft_model_without_speculative_draft_and_the_reverse(capsys, argv, message):
+    from tokenmill.cli import main
+    assert main(["serve", "--redis-url", "redis://x:1", *argv]) == 2
+    assert message in capsys.readouterr().err
