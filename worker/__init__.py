@@ -4,7 +4,8 @@ Rooms, arrows pointing down (nothing here imports scheduler/, gateway/ or the ro
 
 - the process (this folder's own modules): main and service (flags into WorkerOptions, the gRPC servicer,
   warm-up before readiness), build (model + KV cache + runner from the options), step_order and
-  step_telemetry, model_runner (the device-independent half of a step), kv_sizing (how many pages).
+  step_telemetry, model_runner (the device-independent half of a step), draft_model (--speculative draft's
+  draft model beside the target, its KV cache over the same page ids), kv_sizing (how many pages).
   Nothing below imports main, service or build.
 - leaf modules any room may import (they import no other worker module): options (WorkerOptions, every
   flag and its choices, torch-free), step_batch (StepBatch and RequestSpan, the rows drawn once),

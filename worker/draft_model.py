@@ -14,15 +14,18 @@ Right after a step's sampling and verification, for every request the step sched
     position:  < c            | c .. L-2        | L-1             | L          ..  L+n-2
 
 c = the request's num_draft_computed, L = its tokens now (the target has computed L-1 of them: t_{L-1} is
-the token this step sampled). A request that makes no guesses this step (mid-prompt, seeded, opted out) still
+the token this step sampled), except that the catch-up skips the positions where the draft's last guesses went
+in and the target accepted them (first_to_compute): the same token in the same slot, its K/V already there. A request that makes no guesses this step (mid-prompt, seeded, opted out) still
 catches up to the target's computed count, so every page holding the target's K/V holds the draft's too: a
 prefix-cache hit, a swap-in and a recompute after preemption find both.
 
 Why sharing the page ids is safe: the draft writes K/V of real tokens only at positions the target has computed
 or computes next (t_{L-1}), in pages the request holds. Its guesses land at L .. L+n-2, in the lookahead slots
 the scheduler allocated for this step (StepPlan.num_draft_tokens), and num_draft_computed stops at L: the next
-step's catch-up rewrites every position from L on with the tokens the target actually accepted, before any
-draft row reads them. So K/V past the accepted tokens is simply overwritten later, in the same slots. A
+step's catch-up keeps the positions whose guess the target accepted (the K/V of the token that is really there)
+and rewrites every position after them with the tokens actually accepted, before any draft row reads them. So
+K/V past the accepted tokens is simply overwritten later, in the same slots. The guesses' K/V is kept only in
+pages the request never gave back since (ModelRunner trims draft_guess_inputs when a plan drops pages). A
 lookahead page the scheduler gives back afterwards (free_tail) holds nothing before L; whoever gets it writes
 each slot before reading it, as with any fresh page, and it never entered the prefix cache (only full pages of
 known tokens do).
@@ -59,6 +62,15 @@ def check_same_vocabulary(target: ModelConfig, draft: ModelConfig, draft_path: s
             raise ValueError(f"--draft-model {draft_path}: its {name} is {getattr(draft, name)}, the target's is "
                              f"{getattr(target, name)}; a draft model must have the target's tokenizer (the same "
                              f"vocabulary size and special token ids)")
+
+
+def first_to_compute(token_ids: Sequence[int], start: int, stop: int, guess_inputs: Sequence[int]) -> int:
+    """The first position from start on whose draft K/V must be computed: past those (before stop) whose token is
+    the guess the draft wrote there (guess_inputs[i] went in at position start + i)."""
+    reused = 0
+    while start + reused < stop and reused < len(guess_inputs) and token_ids[start + reused] == guess_inputs[reused]:
+        reused += 1
+    return start + reused
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ import torch
 
 from core.sampling import SamplingParams
 from core.step import PLACEHOLDER_TOKEN_ID, NewRequestData, PromptLogprobs, StepPlan, StepResult, TokenLogprobs
-from worker.draft_model import DraftModel, DraftWork
+from worker.draft_model import DraftModel, DraftWork, first_to_compute
 from worker.model.attention import DECODE_GROUP_BYTES
 from worker.model.config import ModelConfig
 from worker.model.kv_cache import HostSwapSpace, allocate_kv_cache
@@ -65,8 +65,10 @@ class RunnerRequestState:
     pending_sources: dict[int, tuple[int, int]] = field(default_factory=dict)
     # constrained decoding: the grammar matcher at token_ids' end (worker.sampling.structured_output); None: unconstrained
     matcher: llguidance.LLMatcher | None = None
-    # with a draft model (worker.draft_model): positions 0 .. this - 1 hold the draft's K/V of these tokens
+    # with a draft model (worker.draft_model): positions 0 .. this - 1 hold the draft's K/V of these tokens, and
+    # the next positions its K/V of its last guesses (these inputs), right where the target accepted them
     num_draft_computed: int = 0
+    draft_guess_inputs: list[int] = field(default_factory=list)
 
     @property
     def num_planned_tokens(self) -> int:
@@ -176,6 +178,8 @@ class ModelRunner:
                     raise PlanMismatchError(f"step {plan.step_id}: request {cached.request_id!r} drops "
                                             f"{cached.num_dropped_block_ids} pages of {len(state.block_table)}")
                 del state.block_table[len(state.block_table) - cached.num_dropped_block_ids:]
+                # a dropped page may have been another request's since: its guesses' K/V is gone
+                del state.draft_guess_inputs[max(len(state.block_table) * self.block_size - state.num_draft_computed, 0):]
             state.block_table.extend(cached.new_block_ids)
 
     def _new_matcher(self, new: NewRequestData) -> llguidance.LLMatcher | None:
@@ -348,18 +352,21 @@ class ModelRunner:
     def _draft(self, prepared: PreparedStep, result: StepResult) -> None:
         """The draft model catches up on the step's tokens and guesses the next ones where the plan asked
         (worker.draft_model draws the rows); the guesses go into result.draft_token_ids."""
-        works: list[tuple[str, DraftWork]] = []
+        works: list[tuple[str, RunnerRequestState, DraftWork]] = []
         with self._state_lock:
             for request_id, state, num_wanted in prepared.draft_requests:
                 num_tokens = len(state.token_ids)
                 caught_up = num_tokens == state.num_computed_tokens + 1 and not state.num_pending_tokens
                 num_guesses = min(num_wanted, self.drafter.capacity(state.block_table, num_tokens)) if caught_up else 0
                 end = num_tokens if num_guesses else min(state.num_computed_tokens, num_tokens)
-                works.append((request_id, DraftWork(state.token_ids, state.num_draft_computed, end,
-                                                    list(state.block_table), num_guesses)))
+                start = first_to_compute(state.token_ids, state.num_draft_computed, end - (num_guesses > 0),
+                                         state.draft_guess_inputs)
+                works.append((request_id, state, DraftWork(state.token_ids, start, end, list(state.block_table),
+                                                           num_guesses)))
                 state.num_draft_computed = max(state.num_draft_computed, end)
-        self.drafter.run([work for _, work in works])
-        for request_id, work in works:
+        self.drafter.run([work for _, _, work in works])
+        for request_id, state, work in works:
+            state.draft_guess_inputs = work.guesses[:-1]  # d_1 .. d_{n-1} went in at end .. end + n - 2
             if work.guesses:
                 result.draft_token_ids[request_id] = work.guesses
 

@@ -133,3 +133,17 @@ def test_a_plan_asking_for_guesses_of_a_worker_without_a_draft_is_a_mismatch(mod
     with pytest.raises(PlanMismatchError, match="asks for draft tokens .* no draft model"):
         runner.prepare(StepPlan(step_id=0, num_draft_tokens={"r": 2}))
 
+
+
+@pytest.mark.parametrize("path", ["reference", "deterministic", "triton"])
+def test_every_execution_path_drafts_and_keeps_the_output(models, path):
+    """The draft runs on the target's execution path kind (the Triton one interpreted here; CUDA graphs stay off
+    for its steps): the plain torch reference, the batch-invariant kernels and the Triton kernels."""
+    worker = {"reference": {"cpu_fused_ops": False, "packed_linears": False}, "deterministic": {"deterministic": True},
+              "triton": {"kernel_backend": "triton"}}[path]
+    params = replace(GREEDY, max_tokens=10 if path == "triton" else 24)  # the interpreter is slow
+    want = engine(models[0], **worker).generate_token_ids(PROMPTS[:2], params)
+    llm = engine(models[0], draft=models[0], **worker)
+    assert llm.generate_token_ids(PROMPTS[:2], params) == want
+    stats = llm.engine.scheduler.speculation.stats()
+    assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"] > 0

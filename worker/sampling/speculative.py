@@ -15,7 +15,9 @@ drafts); row j's logits are the target's prediction after d_1..d_j (row 0: after
                     follows the target's distribution exactly. A proposer with no distribution of its own (n-gram
                     prompt lookup) is a point mass q(d) = 1: d is accepted with probability p(d), and the
                     correction is drawn from p with d removed, renormalised. draft_probs carries q for a
-                    proposer that has one (a draft model).
+                    proposer that has one. The draft model of --speculative draft (worker.draft_model) guesses
+                    greedily, its argmax: a point mass too, so verify() stays exact for it as it is; a draft
+                    that sampled its guesses would have to send its q here.
 
 Row j's target is what sample() would draw from with the drafts before it as output so far: logit_bias, the
 grammar's mask at the state after d_1..d_j (a constrained request), penalties over prompt + output + d_1..d_j
