@@ -213,3 +213,20 @@ def test_speculative_drafts_pass_the_grammar_and_change_no_greedy_output(llm, to
                                     tokenizer.encode(text, add_special_tokens=False))
     finally:
         llm.engine = plain_engine
+
+
+def test_a_draft_models_guesses_pass_the_grammar_and_change_no_greedy_output(llm, tokenizer):
+    """--speculative draft on constrained requests (issue 35): the draft guesses from its own logits, unmasked;
+    each verified row is masked at the grammar's state after the guesses before it, so greedy output is the same
+    token for token, and guesses the grammar allows are accepted (the default model drafting for itself)."""
+    from scheduler.options import SchedulerOptions
+    from worker.loader import default_model_path
+
+    drafting = LLM(EngineConfig(worker=dataclasses.replace(llm.config.worker, draft_model=str(default_model_path())),
+                                scheduler=SchedulerOptions(speculative="draft", num_speculative_tokens=4)),
+                   progress=False)
+    cases = list(SCHEMAS.items())[:4]
+    prompts = [PROMPTS.get(name, f"Answer in JSON: an example of {name}.") for name, _ in cases]
+    params = [schema_params(schema, MODES["greedy"], 80) for _, schema in cases]
+    assert run(drafting, tokenizer, prompts, params) == run(llm, tokenizer, prompts, params)
+    assert drafting.engine.scheduler.speculation.num_accepted_tokens > 0
