@@ -188,10 +188,13 @@ class Scheduler(WorkerLoss):
 
     def _lookahead(self, request: Request, num_new: int) -> int:
         """Slots past this step's tokens where the worker's draft model writes its K/V for the guesses it makes
-        after the step (--speculative draft), for a request that samples this step; 0 otherwise."""
+        after the step (--speculative draft), for a request that samples this step; 0 otherwise. No more than the
+        next step could verify: after this step's token, max_tokens and the model length leave 1 less."""
         if self.speculation is None or request.num_tokens - request.num_computed_tokens != num_new:
             return 0
-        return self.speculation.lookahead(request)
+        next_limit = min(request.sampling_params.max_tokens - request.num_output_tokens - 2,
+                         self.config.max_model_len - request.num_tokens - 2)
+        return max(0, min(self.speculation.lookahead(request), next_limit))
 
     def _schedule_waiting(self, step: _Step) -> None:
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
