@@ -132,7 +132,7 @@ class Scheduler(WorkerLoss):
                 index += 1  # async scheduling: its step in flight is its last, whatever it samples
                 continue
             drafts = self._drafts(step, request, num_new, index)
-            lookahead = self._lookahead(request, num_new)
+            lookahead = self._lookahead(request, request.num_computed_tokens, num_new)
             added = self.kv.allocate_slots(request, num_new + len(drafts) + lookahead) if drafts or lookahead else None
             if added is not None:  # speculation takes free pages only: it never preempts
                 if drafts:
@@ -165,6 +165,7 @@ class Scheduler(WorkerLoss):
             if victim.request_id in step.plan.num_scheduled_tokens:
                 step.budget += step.plan.num_scheduled_tokens.pop(victim.request_id)
                 step.plan.spec_token_ids.pop(victim.request_id, None)
+                step.plan.num_draft_tokens.pop(victim.request_id, None)
                 step.new_block_ids.pop(victim.request_id, None)
                 index -= 1  # it sat before the current request
             self._preempt(victim)
@@ -186,11 +187,11 @@ class Scheduler(WorkerLoss):
             limit = min(limit, step.budget - 1 - self._num_after_needing_tokens(index))
         return self.speculation.drafts(request, limit)
 
-    def _lookahead(self, request: Request, num_new: int) -> int:
+    def _lookahead(self, request: Request, num_computed: int, num_new: int) -> int:
         """Slots past this step's tokens where the worker's draft model writes its K/V for the guesses it makes
         after the step (--speculative draft), for a request that samples this step; 0 otherwise. No more than the
         next step could verify: after this step's token, max_tokens and the model length leave 1 less."""
-        if self.speculation is None or request.num_tokens - request.num_computed_tokens != num_new:
+        if self.speculation is None or request.num_tokens - num_computed != num_new:
             return 0
         next_limit = min(request.sampling_params.max_tokens - request.num_output_tokens - 2,
                          self.config.max_model_len - request.num_tokens - 2)
@@ -212,7 +213,12 @@ class Scheduler(WorkerLoss):
                                                          step.itl_target, self.running)
                 if num_new < 1:
                     break  # the running set is as large as the ITL target allows
-            if self.kv.allocate_slots(request, num_new, cached) is None:
+            # a prompt that completes here gets the draft's lookahead when pages are free (never a swapped one:
+            # its pages come back as they were)
+            lookahead = 0 if swapped else self._lookahead(request, num_cached_tokens, num_new)
+            if lookahead and self.kv.allocate_slots(request, num_new + lookahead, cached) is not None:
+                step.plan.num_draft_tokens[request.request_id] = lookahead
+            elif self.kv.allocate_slots(request, num_new, cached) is None:
                 break  # the head waits for pages; FCFS does not let later requests overtake it
             self._start_running(step, request, swapped, num_cached_tokens, num_new)
 

@@ -4,6 +4,8 @@ tokens in the token budget, accepted tokens appended one by one with every stop 
 slots (and whole pages) given back, and any sequence of steps, aborts and preemptions keeping the pools
 consistent."""
 import random
+
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -239,9 +241,33 @@ def test_draft_model_guesses_come_from_the_last_result_within_allocated_lookahea
             assert speculation.num_accepted_tokens == speculation.num_draft_tokens
         for plan in engine.executor.plans:
             assert all(1 <= count <= 4 for count in plan.num_draft_tokens.values())
+        first = engine.executor.plans[0]  # a prompt that completes in a step is asked for guesses right away
+        assert set(first.num_draft_tokens) == {new.request_id for new in first.new_requests}
         # a request's last step that decodes one token (no drafts) makes its last token: no guesses asked after it
         last_plan = {}
         for plan in engine.executor.plans:
             last_plan.update(dict.fromkeys(plan.num_scheduled_tokens, plan))
         assert all(request_id not in plan.num_draft_tokens for request_id, plan in last_plan.items()
                    if request_id not in plan.spec_token_ids)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_page_pool_stays_consistent_with_a_draft_model(seed):
+    """Lookahead pages through random workloads, pools (paged, static, a swap tier) and preemptions: every slot
+    the draft writes is the request's (DraftingExecutor), no page is lost, and everything ends with all pages free."""
+    rng = random.Random(seed)
+    scheduler = Scheduler(SchedulerConfig(
+        num_blocks=12, block_size=4, speculative="draft", max_num_batched_tokens=9, num_speculative_tokens=rng.randint(1, 8),
+        kv_policy=rng.choice(["paged", "static"]), num_host_blocks=rng.choice([0, 3])))
+    engine = EngineCore(scheduler, DraftingExecutor(12, 4, rng.choice([0.0, 0.3, 1.0]), seed), async_scheduling=True)
+    for index in range(rng.randint(1, 5)):
+        request = make_request([rng.randint(1, 50) for _ in range(rng.randint(1, 12))], request_id=f"r{index}",
+                               max_tokens=rng.randint(1, 16))
+        if scheduler.kv.blocks_needed_at_most(request) <= 12:
+            engine.add_request(request)
+    while engine.has_unfinished():
+        engine.step()
+        check_pool(engine)
+        if rng.random() < 0.1 and scheduler.running:
+            scheduler._preempt(scheduler.running[rng.randrange(len(scheduler.running))])
+    assert scheduler.kv.pool.num_free == 12
