@@ -5,14 +5,11 @@ bfloat16, and greedy identity with transformers' float32 needs float32): greedy 
 scheduler and worker equal transformers `generate`, for concurrent requests that share steps."""
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
-import torch
 
+from tests.helpers.cluster_greedy import cluster_greedy, transformers_greedy
 from tests.helpers.tiny_models import make_tiny_hf_model
 from tokenmill import cli
-from tokenmill.client import Client
 from tokenmill.cluster.config import ClusterConfig, resolve_ports
 from tokenmill.cluster.specs import cluster_specs
 from tokenmill.cluster.supervisor import Supervisor
@@ -36,13 +33,6 @@ def moe_cluster(tmp_path_factory):
 
 def test_greedy_through_the_cluster_equals_transformers(moe_cluster):
     config, hf_model = moe_cluster
-    with Client(config.gateway_address, timeout=120) as client:
-        prompt_ids = [client.tokenize(prompt) for prompt in PROMPTS]
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent: their decode steps share batches
-            results = list(pool.map(lambda p: client.generate(p, max_tokens=NEW_TOKENS, temperature=0,
-                                                              ignore_eos=True), PROMPTS))
-    for prompt, ids, result in zip(PROMPTS, prompt_ids, results):
-        with torch.no_grad():
-            expected = hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                         eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-        assert list(result.token_ids) == expected, prompt
+    prompt_ids, outputs = cluster_greedy(config.gateway_address, PROMPTS, NEW_TOKENS)
+    for prompt, ids, tokens in zip(PROMPTS, prompt_ids, outputs):
+        assert tokens == transformers_greedy(hf_model, ids, NEW_TOKENS), prompt

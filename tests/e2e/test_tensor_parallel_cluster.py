@@ -8,11 +8,10 @@ from __future__ import annotations
 import os
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
+from tests.helpers.cluster_greedy import cluster_greedy, transformers_greedy
 from tests.helpers.tiny_models import make_tiny_hf_model
 from tokenmill import cli
 from tokenmill.client import Client
@@ -49,12 +48,6 @@ def follower_pids() -> list[int]:
     return pids
 
 
-def expected_tokens(hf_model, ids: list[int]) -> list[int]:
-    with torch.no_grad():
-        return hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-
-
 # TP=4: one query head per rank; qwen2's 2 KV heads each kept by 2 ranks; PP=2: one layer a stage
 @pytest.mark.parametrize("flavour, split, size", [
     ("llama", "--tensor-parallel-size", 2), ("qwen2", "--tensor-parallel-size", 2),
@@ -66,13 +59,9 @@ def test_greedy_through_a_split_model_equals_transformers(tmp_path, flavour, spl
     config = start_cluster(folder, split=split, size=size)
     with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300):
         assert len(follower_pids()) == 1, "rank 0 did not start rank 1"
-        with Client(config.gateway_address, timeout=120) as client:
-            prompt_ids = [client.tokenize(prompt) for prompt in PROMPTS]
-            with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent: their decode steps share batches
-                results = list(pool.map(lambda p: client.generate(p, max_tokens=NEW_TOKENS, temperature=0,
-                                                                  ignore_eos=True), PROMPTS))
-    for prompt, ids, result in zip(PROMPTS, prompt_ids, results):
-        assert list(result.token_ids) == expected_tokens(hf_model, ids), prompt
+        prompt_ids, outputs = cluster_greedy(config.gateway_address, PROMPTS, NEW_TOKENS)
+    for prompt, ids, tokens in zip(PROMPTS, prompt_ids, outputs):
+        assert tokens == transformers_greedy(hf_model, ids, NEW_TOKENS), prompt
 
 
 @pytest.mark.parametrize("stop, extra", [
@@ -99,4 +88,4 @@ def test_a_lost_rank_restarts_the_group_and_the_streams_finish(tmp_path, stop, e
             time.sleep(0.2)
         assert [pid for pid in follower_pids() if pid != first_rank], "no new rank 1 after the kill"
     for prompt, ids, tokens in zip(PROMPTS, prompt_ids, received):
-        assert tokens == expected_tokens(hf_model, ids), prompt  # nothing lost, nothing repeated
+        assert tokens == transformers_greedy(hf_model, ids, NEW_TOKENS), prompt  # nothing lost, nothing repeated
