@@ -54,8 +54,8 @@ class LLM:
             num_blocks=self.runner.num_blocks, block_size=config.worker.block_size,
             model_max_len=self.model_config.max_position_embeddings,
             num_host_blocks=self.runner.swap_space.num_host_blocks,
-            bytes_per_block=self.runner.kv_cache.storage[:, :, 0].nbytes + (
-                self.runner.drafter.kv_cache.storage[:, :, 0].nbytes if self.runner.drafter else 0),
+            bytes_per_block=self.runner.kv_cache.bytes_per_block + (
+                self.runner.drafter.kv_cache.bytes_per_block if self.runner.drafter else 0),
             sliding_window=self.model_config.every_layer_window)
         return EngineCore(Scheduler(sched_config), self.runner, async_scheduling=config.scheduler.async_scheduling)
 

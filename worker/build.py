@@ -19,6 +19,7 @@ from worker.draft_model import DraftModel, check_same_vocabulary
 from worker.memory import free_memory_bytes
 from worker.model.config import ModelConfig
 from worker.model.kv_cache import bytes_per_block
+from worker.model.kv_quant import kv_cache_dtype
 from worker.model_runner import ModelRunner
 from worker.native_ops import cpu_has_native_bf16, cpu_ops_available
 from worker.options import DEVICES, DTYPE_CHOICES, WorkerOptions
@@ -102,9 +103,10 @@ def build_sized_runner(options: WorkerOptions = WorkerOptions(), *, progress: bo
     path = Path(options.model) if options.model else default_model_path()
     network, config = load_network(options, device, dtype, path, progress, parallel)
     draft = _load_draft(options, device, dtype, config, progress, parallel)
-    # a rank's pages hold its own KV heads; a page id names a page of the target's cache and one of the draft's
-    # (worker.draft_model): both count
-    per_block = bytes_per_block(config if parallel is None else parallel.kv_config(config), dtype, options.block_size) + (
+    # a rank's pages hold its own KV heads (quantized under --kv-cache-dtype); a page id names a page of the
+    # target's cache and one of the draft's (worker.draft_model, in the model dtype): both count
+    per_block = bytes_per_block(config if parallel is None else parallel.kv_config(config),
+                                kv_cache_dtype(options.kv_cache_dtype, dtype), options.block_size) + (
         bytes_per_block(draft[1], dtype, options.block_size) if draft else 0)
     if kv_cache_bytes is None and options.kv_cache_mb:
         kv_cache_bytes = options.kv_cache_mb * 2**20
@@ -166,7 +168,8 @@ def _size_from_memory(network, config, path: Path, dtype: torch.dtype, device: t
     fraction = options.kv_cache_memory_fraction
     if fraction is None:
         fraction = default_memory_fraction(device)
-    settings = (f"model={path.resolve()} dtype={str(dtype).removeprefix('torch.')} device={device} "
+    settings = (f"model={path.resolve()} dtype={str(dtype).removeprefix('torch.')} "
+                f"kv_cache_dtype={options.kv_cache_dtype} device={device} "
                 f"block_size={options.block_size} fraction={fraction:g} profile_tokens={options.max_num_batched_tokens} "
                 f"{options.execution_settings()}")
     peak = _activation_peak(network, config, dtype, device, options, parallel)

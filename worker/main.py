@@ -49,9 +49,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerOptions:
 def build_worker(options: WorkerOptions) -> tuple[ModelRunner, worker_pb2.GetCapacityResponse]:
     parallel = join_parallel(options, resolve_device(options.device))  # None: one rank
     runner, sizing = build_sized_runner(options, parallel=parallel)
-    logger.info("KV cache: %d pages of %d tokens (%.1f MiB), from %s; swap tier: %d host pages",
-                sizing.num_blocks, runner.block_size, sizing.kv_cache_bytes / 2**20, sizing.reason,
-                runner.swap_space.num_host_blocks)
+    logger.info("KV cache: %d pages of %d tokens in %s (%.1f MiB), from %s; swap tier: %d host pages",
+                sizing.num_blocks, runner.block_size, str(runner.kv_cache.storage.dtype).removeprefix("torch."),
+                sizing.kv_cache_bytes / 2**20, sizing.reason, runner.swap_space.num_host_blocks)
     started = time.perf_counter()
     runner.warm_up()  # readiness waits for this: the first real request must not pay for it
     logger.info("warm-up forward pass done in %.0f ms", (time.perf_counter() - started) * 1e3)

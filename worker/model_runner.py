@@ -30,6 +30,7 @@ from worker.draft_model import DraftModel, DraftWork, first_to_compute
 from worker.model.attention import DECODE_GROUP_BYTES
 from worker.model.config import ModelConfig
 from worker.model.kv_cache import HostSwapSpace, allocate_kv_cache
+from worker.model.kv_quant import kv_cache_dtype
 from worker.model.llama import LlamaModel
 from worker.options import WorkerOptions
 from worker.parallel.ranks import Parallel
@@ -119,7 +120,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.parallel = parallel
         kv_config = model_config if parallel is None else parallel.kv_config(model_config)  # the rank's KV heads
-        self.kv_cache = allocate_kv_cache(kv_config, num_blocks, block_size, dtype, self.device)
+        self.kv_cache = allocate_kv_cache(kv_config, num_blocks, block_size,
+                                          kv_cache_dtype(options.kv_cache_dtype, dtype), self.device)
         self.swap_space = HostSwapSpace(self.kv_cache, num_host_blocks)
         self.requests: dict[str, RunnerRequestState] = {}
         # constrained decoding's matchers; worker.build sets it from the model's vocabulary

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # worker.build.DTYPES maps the last three
+# auto: the KV pages in the model dtype; int8 / fp8_e4m3: 1-byte values with a scale per token and KV head
+# (worker.model.kv_quant), about half the bytes of bfloat16 pages
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 # auto: a GGUF file's weights run in the formats it holds them in (worker.linears.group_quant), a Hugging Face
 # folder's in the model dtype; none: everything dequantized to the model dtype (the reference path);
@@ -89,6 +92,10 @@ class WorkerOptions(Options):
     block_size: int = option(16, "tokens per KV page (a power of two)", type=POWER_OF_TWO, cluster=False)
     kv_cache_mb: int | None = option(None, "memory budget for the KV cache; overrides --kv-cache-memory-fraction",
                                      type=POSITIVE)
+    kv_cache_dtype: str = option(
+        "auto", "auto: KV pages in the model dtype; int8 / fp8_e4m3: one byte a value plus a float16 scale per token "
+        "and KV head, about 1.9x the tokens per GB of bfloat16 pages (torch backend, CPU compiled ops; accuracy: "
+        "docs/models.md) (default: %(default)s)", choices=KV_CACHE_DTYPES)
     kv_cache_memory_fraction: float | None = option(
         None, "share of the memory free after the weights and the profile pass's activation peak that the KV "
         "cache takes (default: 0.9 on CUDA, 0.1 of available RAM on CPU)", type=PROBABILITY)
@@ -180,6 +187,7 @@ class WorkerOptions(Options):
     def __post_init__(self) -> None:
         object.__setattr__(self, "graph_batch_sizes", _flat_sizes(self.graph_batch_sizes))
         for name, value, allowed in (("dtype", self.dtype, DTYPE_CHOICES), ("device", self.device, DEVICES),
+                                     ("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES),
                                      ("kernel_backend", self.kernel_backend, KERNEL_BACKENDS),
                                      ("quantization", self.quantization, QUANTIZATIONS),
                                      ("cpu_dense_weights", self.cpu_dense_weights, DENSE_WEIGHT_MODES),

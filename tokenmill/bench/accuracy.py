@@ -5,7 +5,9 @@ fixed order, cut into windows): at every position, the greedy next token of each
 with the float32 reference's (the plain-torch path with every weight dequantized: exact to
 transformers, tests/worker/loader/test_gguf_loader.py), and each variant's perplexity of the text is printed
 beside the reference's. Variants: the file's own formats (GGUF: as stored; a folder: floats) in float32
-and bfloat16, every linear re-quantized at load to int8 and int4 (group 32), and bfloat16 alone.
+and bfloat16, every linear re-quantized at load to int8 and int4 (group 32), bfloat16 alone, and the
+dequantized weights over quantized KV pages (--kv-cache-dtype int8 / fp8_e4m3: run a token a pass, as decode
+runs, so every position reads the earlier ones' K/V back from the quantized pages; --kv-only: just those).
 Prints a markdown table (docs/models.md keeps this machine's).
 """
 from __future__ import annotations
@@ -31,12 +33,19 @@ class Variant:
     # rows of x per forward pass where the kernels differ with the count: 1 (decode), 16 (a batched decode or
     # prefill chunk: the blocks' AMX-INT8 tiles where the CPU has them); 0 a whole window at once
     pass_rows: int = 0
+    kv_cache_dtype: str = "auto"  # worker.options.KV_CACHE_DTYPES: quantized pages run a token a pass
 
     @property
     def rows_per_pass(self) -> int:
-        return self.pass_rows or (1 if self.int8_activations or self.blocks else 0)
+        decode_only = self.int8_activations or self.blocks or self.kv_cache_dtype != "auto"
+        return self.pass_rows or (1 if decode_only else 0)
 
 
+# the weights as the reference holds them, so the rows measure what the KV pages' format alone costs
+KV_VARIANTS = (
+    Variant("dequantized, KV pages in int8 (a token a pass)", "none", torch.float32, kv_cache_dtype="int8"),
+    Variant("dequantized, KV pages in fp8_e4m3 (a token a pass)", "none", torch.float32, kv_cache_dtype="fp8_e4m3"),
+)
 DEFAULT_VARIANTS = (
     Variant("as the file holds it", "auto", torch.float32),
     Variant("as the file holds it", "auto", torch.bfloat16),
@@ -48,22 +57,24 @@ DEFAULT_VARIANTS = (
     Variant("int8 at load (group 32)", "int8", torch.float32),
     Variant("int4 at load (group 32)", "int4", torch.float32),
     Variant("dequantized", "none", torch.bfloat16),
+    *KV_VARIANTS,
 )
 REFERENCE = Variant("reference: dequantized", "none", torch.float32)
 
 
 @torch.inference_mode()
 def decode_logits(model, config, token_ids: list[int], dtype: torch.dtype, device: torch.device,
-                  rows: int = 1) -> torch.Tensor:
+                  rows: int = 1, kv_cache_dtype: str = "auto") -> torch.Tensor:
     """Logits [T, vocab] for every position, `rows` tokens per forward pass (1: as decode runs them; more: as
-    a chunked prefill does, after the earlier chunks' KV)."""
+    a chunked prefill does, after the earlier chunks' KV), over KV pages of kv_cache_dtype."""
     from worker.step_batch import RequestSpan
     from worker.model.attention import build_attention_metadata
     from worker.model.kv_cache import allocate_kv_cache
+    from worker.model.kv_quant import kv_cache_dtype as storage_dtype
 
     block_size = 16
     num_blocks = -(-len(token_ids) // block_size)
-    kv_cache = allocate_kv_cache(config, num_blocks, block_size, dtype, device)
+    kv_cache = allocate_kv_cache(config, num_blocks, block_size, storage_dtype(kv_cache_dtype, dtype), device)
     table = list(range(num_blocks))
     logits = []
     for start in range(0, len(token_ids), rows):
@@ -104,12 +115,12 @@ def build_variant(model_path, variant: Variant, device: torch.device):
 
 
 def score_windows(model, config, token_windows, dtype, device, reference_argmax: list | None,
-                  rows_per_pass: int = 0) -> tuple[Score, list]:
+                  rows_per_pass: int = 0, kv_cache_dtype: str = "auto") -> tuple[Score, list]:
     """rows_per_pass: run each window that many tokens a forward pass (1 as decode does; paths that differ with
     the row count); 0: each window in one pass."""
     score, argmaxes = Score(), []
     for index, ids in enumerate(token_windows):
-        logits = (decode_logits(model, config, ids, dtype, device, rows_per_pass) if rows_per_pass
+        logits = (decode_logits(model, config, ids, dtype, device, rows_per_pass, kv_cache_dtype) if rows_per_pass
                   else window_logits(model, config, ids, dtype, device)).float()[:-1]
         targets = torch.tensor(ids[1:], device=logits.device)
         score.nll += float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
@@ -129,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--no-bfloat16", action="store_true",
                         help="skip the bfloat16 rows (minutes each where the CPU emulates bfloat16)")
+    parser.add_argument("--kv-only", action="store_true",
+                        help="only the quantized KV page rows (--kv-cache-dtype int8, fp8_e4m3) beside the reference")
     args = parser.parse_args(argv)
     from gateway.text.tokenizer import load_tokenizer
 
@@ -151,11 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     reference_argmax = None
     reference_ppl = None
-    for variant in (REFERENCE, *(v for v in DEFAULT_VARIANTS if not (args.no_bfloat16 and v.dtype == torch.bfloat16))):
+    variants = KV_VARIANTS if args.kv_only else DEFAULT_VARIANTS
+    for variant in (REFERENCE, *(v for v in variants if not (args.no_bfloat16 and v.dtype == torch.bfloat16))):
         started = time.perf_counter()
         model, config, formats, weight_bytes = build_variant(args.model, variant, device)
         score, argmaxes = score_windows(model, config, token_windows, variant.dtype, device, reference_argmax,
-                                        rows_per_pass=variant.rows_per_pass)
+                                        rows_per_pass=variant.rows_per_pass, kv_cache_dtype=variant.kv_cache_dtype)
         if reference_argmax is None:
             reference_argmax, reference_ppl = argmaxes, score.perplexity
         del model

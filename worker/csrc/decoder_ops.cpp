@@ -13,6 +13,7 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include "kv_quant.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -199,21 +200,46 @@ at::Tensor act_mul(const at::Tensor& gate_up, bool gelu_tanh) {
   return out;
 }
 
+// k and v rows (D values of T) quantized into row slot_head (slot * KVH + head) of int8 / float8 caches and their scales
+template <typename T>
+void write_quantized_rows(const T* k, const T* v, int64_t D, int64_t slot_head, const at::Tensor& key_cache,
+                          const at::Tensor& value_cache, const at::Tensor& key_scales, const at::Tensor& value_scales,
+                          std::vector<float>& row) {
+  const bool fp8 = key_cache.scalar_type() == at::kFloat8_e4m3fn;
+  for (int64_t i = 0; i < D; ++i) row[i] = to_float(k[i]);
+  tokenmill::quantize_kv_row(row.data(), D, fp8, static_cast<uint8_t*>(key_cache.data_ptr()) + slot_head * D,
+                             key_scales.data_ptr<c10::Half>() + slot_head);
+  for (int64_t i = 0; i < D; ++i) row[i] = to_float(v[i]);
+  tokenmill::quantize_kv_row(row.data(), D, fp8, static_cast<uint8_t*>(value_cache.data_ptr()) + slot_head * D,
+                             value_scales.data_ptr<c10::Half>() + slot_head);
+}
+
 // q/k norm (optional) and RoPE on the q and k parts of a fused qkv projection, then k and v written to
 // their cache slots. Returns (q [T, H, D], k [T, KVH, D]) rotated; the prefill path reads k from here.
 // cos / signed_sin: [T, 1, D] (worker.model.rope_cos_sin's convention: x * cos + rotate_half(x) * sin).
+// With key_scales / value_scales the caches are int8 or float8 pages (kv_quant.h): each row is quantized.
 std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                                                  const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
                                                  const c10::optional<at::Tensor>& q_norm,
-                                                 const c10::optional<at::Tensor>& k_norm, double eps) {
+                                                 const c10::optional<at::Tensor>& k_norm, double eps,
+                                                 const c10::optional<at::Tensor>& key_scales,
+                                                 const c10::optional<at::Tensor>& value_scales) {
   check_rows(qkv, "rope_write_kv");
   const int64_t T = qkv.size(0), D = key_cache.size(3), H = num_heads, KVH = num_kv_heads;
   TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "rope_write_kv: qkv width ", qkv.size(1), " is not (", H, " + 2 * ",
               KVH, ") * ", D);
+  const bool quantized = key_scales.has_value();
+  TORCH_CHECK(key_scales.has_value() == value_scales.has_value(), "rope_write_kv: key_scales and value_scales come together");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.size(2) == KVH &&
-              key_cache.scalar_type() == qkv.scalar_type() && value_cache.sizes() == key_cache.sizes(),
-              "rope_write_kv: caches must be contiguous [blocks, block_size, ", KVH, ", ", D, "] of ", qkv.scalar_type());
+              (quantized || key_cache.scalar_type() == qkv.scalar_type()) && value_cache.sizes() == key_cache.sizes() &&
+              value_cache.scalar_type() == key_cache.scalar_type(),
+              "rope_write_kv: caches must be contiguous [blocks, block_size, ", KVH, ", ", D, "] of ", qkv.scalar_type(),
+              " (or int8 / float8_e4m3fn with scales)");
+  if (quantized) {
+    tokenmill::check_kv_scales(key_cache, *key_scales, "rope_write_kv", "key_scales");
+    tokenmill::check_kv_scales(value_cache, *value_scales, "rope_write_kv", "value_scales");
+  }
   TORCH_CHECK(cos.dim() == 3 && cos.size(0) == T && cos.size(2) == D && cos.stride(2) == 1 && sin.sizes() == cos.sizes() &&
               sin.stride(2) == 1 && cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
               "rope_write_kv: cos/sin must be [", T, ", 1, ", D, "] of ", qkv.scalar_type());
@@ -241,11 +267,12 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
     const scalar_t* kn = k_norm ? k_norm->data_ptr<scalar_t>() : nullptr;
     scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* kp = k.data_ptr<scalar_t>();
-    scalar_t* kc = key_cache.data_ptr<scalar_t>();
-    scalar_t* vc = value_cache.data_ptr<scalar_t>();
+    scalar_t* kc = quantized ? nullptr : key_cache.data_ptr<scalar_t>();
+    scalar_t* vc = quantized ? nullptr : value_cache.data_ptr<scalar_t>();
     const int64_t half = D / 2;
     at::parallel_for(0, T * (H + KVH), 8, [&](int64_t begin, int64_t end) {
       std::vector<scalar_t> normed(D);
+      std::vector<float> row(D);
       for (int64_t job = begin; job < end; ++job) {
         const int64_t t = job / (H + KVH), head = job % (H + KVH);
         const scalar_t* x = src + t * qkv.stride(0) + head * D;
@@ -264,9 +291,13 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
         }
         if (!is_q) {
           const int64_t kvh = head - H;
-          std::copy(dst, dst + D, kc + (slot[t] * KVH + kvh) * D);
           const scalar_t* v = src + t * qkv.stride(0) + (H + KVH + kvh) * D;
-          std::copy(v, v + D, vc + (slot[t] * KVH + kvh) * D);
+          if (quantized) {
+            write_quantized_rows(dst, v, D, slot[t] * KVH + kvh, key_cache, value_cache, *key_scales, *value_scales, row);
+          } else {
+            std::copy(dst, dst + D, kc + (slot[t] * KVH + kvh) * D);
+            std::copy(v, v + D, vc + (slot[t] * KVH + kvh) * D);
+          }
         }
       }
     });
@@ -421,17 +452,27 @@ void weighted_sum_bf16_avx512(const float* scores, int64_t n, int64_t G, const c
 // the cache pages; the query heads sharing a KV head (GQA) go together so each key is read once for all
 // of them. Writes out[rows[b]]. window > 0: only the last `window` positions; softcap > 0: gemma2's
 // tanh cap on the scores. Scores and the weighted sum are float32, as SDPA's CPU kernel keeps them.
+// With key_scales / value_scales the caches are int8 or float8 pages (kv_quant.h), dequantized as read.
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& context_lens,
-                            double scale, int64_t window, double softcap, at::Tensor& out) {
+                            double scale, int64_t window, double softcap, at::Tensor& out,
+                            const c10::optional<at::Tensor>& key_scales, const c10::optional<at::Tensor>& value_scales) {
+  const bool quantized = key_scales.has_value();
+  TORCH_CHECK(key_scales.has_value() == value_scales.has_value(),
+              "paged_decode_attention: key_scales and value_scales come together");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "paged_decode_attention: float32 or "
               "bfloat16 only, got ", q.scalar_type());
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.sizes() == q.sizes() && out.is_contiguous() &&
               out.scalar_type() == q.scalar_type(), "paged_decode_attention: q and out must be contiguous [T, H, D]");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
-              value_cache.sizes() == key_cache.sizes() && key_cache.scalar_type() == q.scalar_type() &&
-              value_cache.scalar_type() == q.scalar_type(),
-              "paged_decode_attention: caches must be contiguous [blocks, block_size, KVH, D] of ", q.scalar_type());
+              value_cache.sizes() == key_cache.sizes() && (quantized || key_cache.scalar_type() == q.scalar_type()) &&
+              value_cache.scalar_type() == key_cache.scalar_type(),
+              "paged_decode_attention: caches must be contiguous [blocks, block_size, KVH, D] of ", q.scalar_type(),
+              " (or int8 / float8_e4m3fn with scales)");
+  if (quantized) {
+    tokenmill::check_kv_scales(key_cache, *key_scales, "paged_decode_attention", "key_scales");
+    tokenmill::check_kv_scales(value_cache, *value_scales, "paged_decode_attention", "value_scales");
+  }
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), BS = key_cache.size(1), KVH = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == D && H % KVH == 0, "paged_decode_attention: ", H, " query heads over ", KVH,
               " KV heads of dim ", key_cache.size(3), " (q's is ", D, ")");
@@ -452,6 +493,11 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
       TORCH_CHECK(table[b * max_blocks + i] >= 0 && table[b * max_blocks + i] < num_blocks, "paged_decode_attention: page ",
                   table[b * max_blocks + i], " outside the cache of ", num_blocks);
     }
+  }
+  if (quantized) {
+    tokenmill::paged_decode_attention_quantized(q, key_cache, value_cache, *key_scales, *value_scales, rows,
+                                                block_tables, context_lens, scale, window, softcap, out);
+    return;
   }
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
   dispatch(q.scalar_type(), [&](auto tag) {
@@ -562,9 +608,11 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("act_mul(Tensor gate_up, bool gelu_tanh) -> Tensor");
   m.def("rope_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-        "Tensor slot_mapping, int num_heads, int num_kv_heads, Tensor? q_norm, Tensor? k_norm, float eps) -> (Tensor, Tensor)");
+        "Tensor slot_mapping, int num_heads, int num_kv_heads, Tensor? q_norm, Tensor? k_norm, float eps, "
+        "Tensor(c!)? key_scales=None, Tensor(d!)? value_scales=None) -> (Tensor, Tensor)");
   m.def("paged_decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor rows, Tensor block_tables, "
-        "Tensor context_lens, float scale, int window, float softcap, Tensor(a!) out) -> ()");
+        "Tensor context_lens, float scale, int window, float softcap, Tensor(a!) out, Tensor? key_scales=None, "
+        "Tensor? value_scales=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {

@@ -21,7 +21,12 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from worker.model.kv_quant import dequantize_rows, write_quantized
 from worker.step_batch import RequestSpan
+
+# a layer's K/V scales when its pages are quantized (worker.model.kv_quant): (key_scales, value_scales), each
+# [num_blocks, block_size, KVH] float16; None: the pages hold floats
+KVScales = tuple[torch.Tensor, torch.Tensor] | None
 
 
 # Gathered K+V per decode group. Measured on CPU (32 requests, 384 tokens of context): one 19 MB
@@ -253,9 +258,25 @@ def write_kv(
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T]
+    kv_scales: KVScales = None,
 ) -> None:
+    if kv_scales is not None:  # quantized pages: each row's values and its scale
+        write_quantized(key_cache, kv_scales[0], k, slot_mapping)
+        write_quantized(value_cache, kv_scales[1], v, slot_mapping)
+        return
     key_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
     value_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+def gather_pages(cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor, dtype: torch.dtype,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """cache [num_blocks, block_size, KVH, D] -> its pages `blocks` [n] as [n, block_size * KVH * D] in dtype
+    (dequantized when scales [num_blocks, block_size, KVH] are given), into out when given."""
+    if scales is None:
+        return torch.index_select(cache.flatten(1), 0, blocks, out=out)
+    values = cache.index_select(0, blocks)  # [n, block_size, KVH, D], still one byte a value
+    dequantized = dequantize_rows(values, scales.index_select(0, blocks), dtype).flatten(1)
+    return dequantized if out is None else out.copy_(dequantized)
 
 
 def _attend(queries, keys, values, mask, scale: float, softcap: float | None) -> torch.Tensor:
@@ -280,7 +301,7 @@ def _attend(queries, keys, values, mask, scale: float, softcap: float | None) ->
 
 
 def _decode_attention(q, key_cache, value_cache, decode: DecodeBatch, scale: float, window: int | None = None,
-                      softcap: float | None = None) -> torch.Tensor:
+                      softcap: float | None = None, kv_scales: KVScales = None) -> torch.Tensor:
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     batch = decode.token_index.shape[0]
     # GQA without repeating K/V: the G query heads sharing a KV head act as G queries against it
@@ -289,8 +310,9 @@ def _decode_attention(q, key_cache, value_cache, decode: DecodeBatch, scale: flo
     key_out = value_out = None
     if decode.workspace is not None:
         key_out, value_out = decode.workspace.buffers(decode.block_tables.shape[0])
-    keys = torch.index_select(key_cache.flatten(1), 0, decode.block_tables, out=key_out)
-    values = torch.index_select(value_cache.flatten(1), 0, decode.block_tables, out=value_out)
+    key_scales, value_scales = kv_scales if kv_scales is not None else (None, None)
+    keys = gather_pages(key_cache, key_scales, decode.block_tables, q.dtype, key_out)
+    values = gather_pages(value_cache, value_scales, decode.block_tables, q.dtype, value_out)
     keys = keys.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, KVH, L, D]
     values = values.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
     mask = decode.mask if window is None else decode.window_mask(window)
@@ -299,14 +321,16 @@ def _decode_attention(q, key_cache, value_cache, decode: DecodeBatch, scale: flo
 
 
 def _prefill_attention(q, k, v, key_cache, value_cache, chunk: PrefillChunk, scale: float, window: int | None = None,
-                       softcap: float | None = None) -> torch.Tensor:
+                       softcap: float | None = None, kv_scales: KVScales = None) -> torch.Tensor:
     queries = q[chunk.query_start : chunk.query_end].transpose(0, 1)  # [H, q_len, D]
     if chunk.context_blocks is None:
         keys, values = k[chunk.query_start : chunk.query_end], v[chunk.query_start : chunk.query_end]
-    else:
+    else:  # the prefix from the pages (quantized ones dequantized), this chunk's own keys as written there too
         kv_shape = key_cache.shape[2:]
-        keys = key_cache.index_select(0, chunk.context_blocks).view(-1, *kv_shape)[: chunk.context_len]
-        values = value_cache.index_select(0, chunk.context_blocks).view(-1, *kv_shape)[: chunk.context_len]
+        key_scales, value_scales = kv_scales if kv_scales is not None else (None, None)
+        keys = gather_pages(key_cache, key_scales, chunk.context_blocks, q.dtype).view(-1, *kv_shape)[: chunk.context_len]
+        values = gather_pages(value_cache, value_scales, chunk.context_blocks, q.dtype).view(-1, *kv_shape)[
+            : chunk.context_len]
     # 4-D inputs: with 3-D ones the CPU dispatcher falls back to the math kernel (4x slower at 1k tokens)
     mask = chunk.mask if window is None else chunk.window_mask(window)
     out = _attend(queries[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], mask, scale, softcap)  # [1, H, q_len, D]
@@ -323,24 +347,27 @@ def paged_attention(
     scale: float,
     window: int | None = None,  # sliding window (attn_metadata must carry its masks); None: full context
     softcap: float | None = None,  # attention logit soft-cap (gemma2)
+    kv_scales: KVScales = None,  # quantized pages' scales (worker.model.kv_quant); None: float pages
 ) -> torch.Tensor:
-    """Returns [T, H, D]: each token attends to its own request's context up to its position."""
+    """Returns [T, H, D]: each token attends to its own request's context up to its position.
+    A prefill chunk with no prefix attends over this step's own K/V (not read back from quantized pages)."""
     paged = attn_metadata.paged_decode
+    args = (scale, window, softcap, kv_scales)
     if paged is not None or not attn_metadata.decodes:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if paged is not None:
             torch.ops.tokenmill.paged_decode_attention(q.contiguous(), key_cache, value_cache, paged.rows,
                                                        paged.block_tables, paged.context_lens, scale, window or 0,
-                                                       softcap or 0.0, out)
+                                                       softcap or 0.0, out, *(kv_scales or (None, None)))
         for chunk in attn_metadata.prefills:
-            out[chunk.query_start : chunk.query_end] = _prefill_attention(q, k, v, key_cache, value_cache, chunk, scale, window, softcap)
+            out[chunk.query_start : chunk.query_end] = _prefill_attention(q, k, v, key_cache, value_cache, chunk, *args)
         return out
     decodes = attn_metadata.decodes
     if len(decodes) == 1 and decodes[0].covers_batch:
-        return _decode_attention(q, key_cache, value_cache, decodes[0], scale, window, softcap)
+        return _decode_attention(q, key_cache, value_cache, decodes[0], *args)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even though q is a strided view
     for decode in decodes:
-        out[decode.token_index] = _decode_attention(q, key_cache, value_cache, decode, scale, window, softcap)
+        out[decode.token_index] = _decode_attention(q, key_cache, value_cache, decode, *args)
     for chunk in attn_metadata.prefills:
-        out[chunk.query_start : chunk.query_end] = _prefill_attention(q, k, v, key_cache, value_cache, chunk, scale, window, softcap)
+        out[chunk.query_start : chunk.query_end] = _prefill_attention(q, k, v, key_cache, value_cache, chunk, *args)
     return out

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.model.config import ModelConfig
+from worker.model.kv_quant import SCALE_DTYPE, is_quantized
 
 
 @dataclass(slots=True)
@@ -16,12 +17,31 @@ class KVCache:
     value_caches: list[torch.Tensor]  # per layer: [num_blocks, block_size, KVH, D]
     num_blocks: int
     block_size: int
+    # quantized pages (worker.model.kv_quant): [2, num_layers, num_blocks, block_size, KVH] float16, allocated
+    # once beside storage (a static buffer for CUDA graphs); None: the pages hold floats
+    scales: torch.Tensor | None = None
+
+    def layer_scales(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per layer: (key_scales, value_scales) [num_blocks, block_size, KVH], or None for float pages."""
+        if self.scales is None:
+            return [None] * len(self.key_caches)
+        return list(zip(self.scales[0].unbind(0), self.scales[1].unbind(0)))
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of one page across all layers, scales included (what a page swap moves)."""
+        scale_bytes = 0 if self.scales is None else self.scales[:, :, 0].nbytes
+        return self.storage[:, :, 0].nbytes + scale_bytes
 
 
 def bytes_per_block(model_config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
-    """K and V for block_size tokens across all layers."""
+    """K and V for block_size tokens across all layers; dtype is the pages' storage dtype (with int8 / float8
+    pages, their float16 scale per token and KV head counts too)."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * element_size
+    row_bytes = model_config.head_dim * element_size
+    if is_quantized(dtype):
+        row_bytes += torch.empty((), dtype=SCALE_DTYPE).element_size()
+    return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * row_bytes
 
 
 def num_blocks_for_budget(model_config: ModelConfig, dtype: torch.dtype, block_size: int, budget_bytes: int) -> int:
@@ -53,12 +73,16 @@ def allocate_kv_cache(
         dtype=dtype,
         device=device,
     )
+    scales = None
+    if is_quantized(dtype):  # zeros too: a masked slot dequantizes to 0 * 0
+        scales = torch.zeros(storage.shape[:-1], dtype=SCALE_DTYPE, device=device)
     return KVCache(
         storage=storage,
         key_caches=list(storage[0].unbind(0)),
         value_caches=list(storage[1].unbind(0)),
         num_blocks=num_blocks,
         block_size=block_size,
+        scales=scales,
     )
 
 
@@ -66,7 +90,8 @@ class HostSwapSpace:
     """The host-memory tier: num_host_blocks pages beside the device cache, and the copies between them.
 
     Host pages are laid out [num_host_blocks, 2, num_layers, block_size, KVH, D], one contiguous run
-    per page, pinned on CUDA so copies are DMA transfers. On CUDA they go on their own stream: it waits
+    per page, pinned on CUDA so copies are DMA transfers; quantized pages' scales travel with them, in
+    [num_host_blocks, 2, num_layers, block_size, KVH] (a page's values are meaningless without them). On CUDA they go on their own stream: it waits
     for the compute work queued so far (earlier steps' K/V writes), and the step's compute waits for it.
     The scheduler decides every copy; this only executes them (swap_out before swap_in).
     """
@@ -77,7 +102,11 @@ class HostSwapSpace:
         self.num_host_blocks = num_host_blocks
         on_cuda = device_storage.device.type == "cuda"
         shape = (num_host_blocks, 2, device_storage.shape[1], *device_storage.shape[3:])
-        self.storage = torch.zeros(shape, dtype=device_storage.dtype, pin_memory=on_cuda and num_host_blocks > 0)
+        pinned = on_cuda and num_host_blocks > 0
+        self.storage = torch.zeros(shape, dtype=device_storage.dtype, pin_memory=pinned)
+        self.scales = None
+        if kv_cache.scales is not None:
+            self.scales = torch.zeros(shape[:-1], dtype=kv_cache.scales.dtype, pin_memory=pinned)
         self.copy_stream = torch.cuda.Stream(device_storage.device) if on_cuda and num_host_blocks else None
 
     def copy(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
@@ -94,12 +123,17 @@ class HostSwapSpace:
         compute_stream.wait_stream(self.copy_stream)
 
     def _copy(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], non_blocking: bool) -> None:
-        device_storage = self.kv_cache.storage  # [2, L, num_blocks, bs, KVH, D]
-        for device_block_id, host_block_id in swap_out:
-            self.storage[host_block_id].copy_(device_storage[:, :, device_block_id], non_blocking=non_blocking)
+        # [2, L, num_blocks, bs, KVH, D] pages, and [2, L, num_blocks, bs, KVH] scales where they are quantized
+        pairs = [(self.kv_cache.storage, self.storage)]
+        if self.scales is not None:
+            pairs.append((self.kv_cache.scales, self.scales))
+        for device_tensor, host_tensor in pairs:
+            for device_block_id, host_block_id in swap_out:
+                host_tensor[host_block_id].copy_(device_tensor[:, :, device_block_id], non_blocking=non_blocking)
         # swap_in after swap_out on one stream: a page swapped out and back in within a plan reads what landed
-        for device_block_id, host_block_id in swap_in:
-            device_storage[:, :, device_block_id].copy_(self.storage[host_block_id], non_blocking=non_blocking)
+        for device_tensor, host_tensor in pairs:
+            for device_block_id, host_block_id in swap_in:
+                device_tensor[:, :, device_block_id].copy_(host_tensor[host_block_id], non_blocking=non_blocking)
 
 
 def num_host_blocks_for(swap_space_bytes: int, model_config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.model.attention import AttentionMetadata, paged_attention, write_kv
+from worker.model.attention import AttentionMetadata, KVScales, paged_attention, write_kv
 from worker.model.config import ModelConfig
 from worker.model.kv_cache import KVCache
 from worker.model.moe import SparseMoE
@@ -87,6 +87,7 @@ class Attention(nn.Module):
         key_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
         value_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
         attn_metadata: AttentionMetadata,
+        kv_scales: KVScales = None,  # quantized pages' scales (worker.model.kv_quant); None: float pages
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.wqkv(x)  # [T, (H + 2 * KVH) * D]
@@ -101,8 +102,9 @@ class Attention(nn.Module):
         qk = apply_rope(qk, cos, sin)  # [T, H + KVH, D]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # q: [T, H, D], k: [T, KVH, D]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)  # v: [T, KVH, D]
-        write_kv(key_cache, value_cache, k, v, attn_metadata.slot_mapping)
-        out = paged_attention(q, k, v, key_cache, value_cache, attn_metadata, self.scale, self.window, self.softcap)  # [T, H, D]
+        write_kv(key_cache, value_cache, k, v, attn_metadata.slot_mapping, kv_scales)
+        out = paged_attention(q, k, v, key_cache, value_cache, attn_metadata, self.scale, self.window, self.softcap,
+                              kv_scales)  # [T, H, D]
         return self.wo(out.view(num_tokens, self.q_size))
 
 
@@ -132,9 +134,9 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.sandwich_norms else None
         self.post_mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.sandwich_norms else None
 
-    def forward(self, x, cos, sin, key_cache, value_cache, attn_metadata) -> torch.Tensor:
+    def forward(self, x, cos, sin, key_cache, value_cache, attn_metadata, kv_scales: KVScales = None) -> torch.Tensor:
         # x: [T, hidden]; pre-norm residual blocks
-        attn = self.attn(self.attn_norm(x), cos, sin, key_cache, value_cache, attn_metadata)
+        attn = self.attn(self.attn_norm(x), cos, sin, key_cache, value_cache, attn_metadata, kv_scales)
         h = x + (attn if self.post_attn_norm is None else self.post_attn_norm(attn))
         mlp = self.mlp(self.mlp_norm(h))
         return h + (mlp if self.post_mlp_norm is None else self.post_mlp_norm(mlp))
@@ -161,8 +163,9 @@ class LlamaModel(nn.Module):
         """Returns the final-normed hidden states [T, hidden]; logits come from compute_logits()."""
         h = self.embed_input(input_ids)  # [T, hidden]
         tables = self.rotary_tables(positions, h.dtype)
-        for layer, key_cache, value_cache, (cos, sin) in zip(self.layers, kv_cache.key_caches, kv_cache.value_caches, tables):
-            h = layer(h, cos, sin, key_cache, value_cache, attn_metadata)
+        for layer, key_cache, value_cache, kv_scales, (cos, sin) in zip(
+                self.layers, kv_cache.key_caches, kv_cache.value_caches, kv_cache.layer_scales(), tables):
+            h = layer(h, cos, sin, key_cache, value_cache, attn_metadata, kv_scales)
         return self.norm(h)
 
     def embed_input(self, input_ids: torch.Tensor) -> torch.Tensor:

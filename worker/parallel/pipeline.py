@@ -58,8 +58,9 @@ class PipelineStage(nn.Module):
             h = torch.empty(input_ids.shape[0], self.config.hidden_size, dtype=dtype, device=input_ids.device)
             dist.recv(h, src=self.group.rank - 1, group=self.group.process_group)
         tables = self.whole.rotary_tables(positions, h.dtype)[self.layer_range.start : self.layer_range.stop]
-        for layer, key_cache, value_cache, (cos, sin) in zip(self.layers, kv_cache.key_caches, kv_cache.value_caches, tables):
-            h = layer(h, cos, sin, key_cache, value_cache, attn_metadata)
+        for layer, key_cache, value_cache, kv_scales, (cos, sin) in zip(
+                self.layers, kv_cache.key_caches, kv_cache.value_caches, kv_cache.layer_scales(), tables):
+            h = layer(h, cos, sin, key_cache, value_cache, attn_metadata, kv_scales)  # kv_scales: quantized pages
         if not self.last:
             dist.send(h.contiguous(), dst=self.group.rank + 1, group=self.group.process_group)
             return h

@@ -75,6 +75,14 @@ VARIABLE_EXPERT_ROWS = ("each expert's matmuls run over however many of the step
                         "changes with the batch; run without --deterministic")
 
 
+def kv_dtype_refusal(kv_cache_dtype: str, on_cuda: bool) -> str:
+    """The start-time error of --kv-cache-dtype int8 / fp8_e4m3 on the Triton kernel backend."""
+    how = "--kernel-backend torch (auto picks triton on CUDA)" if on_cuda else "--kernel-backend torch or auto"
+    return (f"--kv-cache-dtype {kv_cache_dtype} cannot run on --kernel-backend triton (the Triton path): its kernels "
+            f"(worker/kernels/kv_write.py, paged_decode_attention.py, prefill_attention.py) read and write float "
+            f"pages only; run it with {how}, or --kv-cache-dtype auto")
+
+
 def moe_refusal(architecture: str, what: str, why: str = NO_EXPERT_LAYERS) -> str:
     """The start-time error of a path that cannot run a mixture of experts, naming the path and the architecture."""
     return f"{what} cannot run the mixture-of-experts architecture {architecture!r}: {why}"
@@ -128,6 +136,8 @@ def resolve_execution(options: WorkerOptions, device: torch.device | str,
     backend = _kernel_backend(options, on_cuda, model_config)
     if options.deterministic and on_cuda and backend == "torch":
         raise ValueError(DETERMINISTIC_REFUSAL)
+    if options.kv_cache_dtype != "auto" and backend == "triton":
+        raise ValueError(kv_dtype_refusal(options.kv_cache_dtype, on_cuda))
     return ResolvedExecution(
         kernel_backend=backend,
         quantization=options.quantization,

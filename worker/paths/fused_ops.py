@@ -17,7 +17,7 @@ import logging
 import torch
 from torch import nn
 
-from worker.model.attention import AttentionMetadata, paged_attention
+from worker.model.attention import AttentionMetadata, KVScales, paged_attention
 from worker.model.kv_cache import KVCache
 from worker.model.llama import Attention, DecoderLayer, LlamaModel, MLP, RMSNorm
 from worker.model.moe import SparseMoE
@@ -42,8 +42,9 @@ def _rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 
 
 def _attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
-               value_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
-    """Attention.forward's arithmetic: q/k norms, RoPE and the cache write in one call."""
+               value_cache: torch.Tensor, attn_metadata: AttentionMetadata, kv_scales: KVScales) -> torch.Tensor:
+    """Attention.forward's arithmetic: q/k norms, RoPE and the cache write (quantizing into int8 / float8 pages
+    where kv_scales are given) in one call."""
     num_tokens = x.shape[0]
     # the linears' forward, not __call__: nn.Module.__call__ (hook checks) costs microseconds each, eight a
     # layer, and nothing hooks these modules
@@ -53,9 +54,10 @@ def _attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         qkv, norms = torch.cat((attn.q_norm(q), attn.k_norm(k), v), dim=-1), (None, None, 0.0)
     q, k = torch.ops.tokenmill.rope_write_kv(qkv, cos, sin, key_cache, value_cache, attn_metadata.slot_mapping,
-                                             attn.num_heads, attn.num_kv_heads, *norms)
+                                             attn.num_heads, attn.num_kv_heads, *norms, *(kv_scales or (None, None)))
     v = qkv[:, attn.q_size + attn.kv_size :].view(num_tokens, attn.num_kv_heads, attn.head_dim)
-    out = paged_attention(q, k, v, key_cache, value_cache, attn_metadata, attn.scale, attn.window, attn.softcap)
+    out = paged_attention(q, k, v, key_cache, value_cache, attn_metadata, attn.scale, attn.window, attn.softcap,
+                          kv_scales)
     return attn.wo.forward(out.view(num_tokens, attn.q_size))
 
 
@@ -66,9 +68,10 @@ def _mlp(mlp: MLP | SparseMoE, x: torch.Tensor) -> torch.Tensor:
 
 
 def _layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
-           value_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+           value_cache: torch.Tensor, attn_metadata: AttentionMetadata, kv_scales: KVScales) -> torch.Tensor:
     """DecoderLayer.forward's arithmetic: the residual join and the MLP's norm in one pass."""
-    attn = _attention(layer.attn, _rms_norm(layer.attn_norm, x), cos, sin, key_cache, value_cache, attn_metadata)
+    attn = _attention(layer.attn, _rms_norm(layer.attn_norm, x), cos, sin, key_cache, value_cache, attn_metadata,
+                      kv_scales)
     branch = attn if layer.post_attn_norm is None else _rms_norm(layer.post_attn_norm, attn)
     h, normed = torch.ops.tokenmill.add_rms_norm(x, branch, layer.mlp_norm.weight, layer.mlp_norm.eps)
     mlp = _mlp(layer.mlp, normed)
@@ -93,7 +96,7 @@ def fused_forward(model: LlamaModel, input_ids: torch.Tensor, positions: torch.T
     """LlamaModel.forward on the compiled ops: the final-normed hidden states [T, hidden]."""
     h = model.embed_input(input_ids)  # [T, hidden]
     tables = model.rotary_tables(positions, h.dtype)
-    for layer, key_cache, value_cache, (cos, sin) in zip(model.layers, kv_cache.key_caches, kv_cache.value_caches,
-                                                          tables):
-        h = _layer(layer, h, cos, sin, key_cache, value_cache, attn_metadata)
+    for layer, key_cache, value_cache, kv_scales, (cos, sin) in zip(
+            model.layers, kv_cache.key_caches, kv_cache.value_caches, kv_cache.layer_scales(), tables):
+        h = _layer(layer, h, cos, sin, key_cache, value_cache, attn_metadata, kv_scales)
     return _rms_norm(model.norm, h)

@@ -39,14 +39,16 @@ class TorchPath:
                  device: torch.device, decode_group_bytes: int) -> None:
         self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device
         block_numel = kv_cache.storage[0, 0, 0].numel()  # one page of one layer: this rank's KV heads only
-        self.gather_workspace = GatherWorkspace(block_numel, kv_cache.storage.dtype, device, decode_group_bytes)
+        # the activations' dtype: the pages' own, or what quantized pages dequantize to (a pipeline stage has no
+        # final norm, so the first layer's parameters say it)
+        model_dtype = kv_cache.storage.dtype if kv_cache.scales is None else next(model.layers.parameters()).dtype
+        self.gather_workspace = GatherWorkspace(block_numel, model_dtype, device, decode_group_bytes)
         if execution.packed_linears:
             pack_linears(model)  # in place: the model's linears now read oneDNN-reordered weights
         if execution.cpu_int8_activations:
             use_int8_activations(model)
-        # the KV cache is made in the activations' dtype, which the dense copies take
         log.info("dense weights for many-row steps: %s",
-                 keep_dense_weights(model, execution.cpu_dense_weights, kv_cache.storage.dtype))
+                 keep_dense_weights(model, execution.cpu_dense_weights, model_dtype))
         if model.config.num_experts:  # a GGUF file's experts on its blocks (--cpu-block-kernels), else floats
             log.info("mixture of experts (%s): %d experts, top %d: %s", model.config.architecture,
                      model.config.num_experts, model.config.num_experts_per_tok, describe_experts(model))

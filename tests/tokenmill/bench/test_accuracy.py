@@ -12,7 +12,7 @@ def test_accuracy_table_compares_every_variant_with_the_float32_reference(tmp_pa
     assert int(err.split(" positions in")[0].split()[-1]) >= 120  # at least what --positions asked for
     rows = [line.strip("|").split("|") for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
     table = {(r[0].strip(), r[1].strip()): [c.strip() for c in r[2:]] for r in rows}
-    assert len(table) == 10  # with the three "on the file's blocks" rows (floats here: a folder has no blocks)
+    assert len(table) == 12  # with the three "on the file's blocks" rows (floats here: a folder has no blocks)
     reference = table[("reference: dequantized", "float32")]
     # a folder's weights are floats: "as the file holds it" in float32 is the reference itself
     assert reference[2:] == table[("as the file holds it", "float32")][2:]
@@ -23,6 +23,12 @@ def test_accuracy_table_compares_every_variant_with_the_float32_reference(tmp_pa
     # int8 stays closer to the reference than int4 (random tiny weights: int4's error is large)
     assert abs(float(int8[4])) <= abs(float(int4[4])) and int4[4] != "+0.000"
     assert float(int8[2].rstrip("%")) >= float(int4[2].rstrip("%"))
+    # quantized KV pages (a token a pass, reading K/V back from the pages): close to the reference, not equal to it
+    kv_int8 = table[("dequantized, KV pages in int8 (a token a pass)", "float32")]
+    kv_fp8 = table[("dequantized, KV pages in fp8_e4m3 (a token a pass)", "float32")]
+    assert kv_int8[1] == reference[1]  # the same weights
+    assert float(kv_int8[2].rstrip("%")) >= 90 and float(kv_fp8[2].rstrip("%")) >= 80
+    assert kv_int8[4] != "+0.000" and abs(float(kv_int8[4])) <= abs(float(kv_fp8[4])) + 0.05
 
 
 def test_the_corpus_is_the_prose_and_the_checkouts_files():
