@@ -94,7 +94,7 @@ class WorkerOptions(Options):
                                      type=POSITIVE)
     kv_cache_dtype: str = option(
         "auto", "auto: KV pages in the model dtype; int8 / fp8_e4m3: one byte a value plus a float16 scale per token "
-        "and KV head, about 1.9x the tokens per GB of bfloat16 pages (torch backend, CPU compiled ops; accuracy: "
+        "and KV head, about 1.9x the tokens per GB of bfloat16 pages (accuracy: "
         "docs/models.md) (default: %(default)s)", choices=KV_CACHE_DTYPES)
     kv_cache_memory_fraction: float | None = option(
         None, "share of the memory free after the weights and the profile pass's activation peak that the KV "

@@ -43,6 +43,8 @@ class Variant:
 
 # the weights as the reference holds them, so the rows measure what the KV pages' format alone costs
 KV_VARIANTS = (
+    # the same passes on float pages: how far running a token a pass alone moves from the one-prefill reference
+    Variant("dequantized, KV pages in float32 (a token a pass)", "none", torch.float32, pass_rows=1),
     Variant("dequantized, KV pages in int8 (a token a pass)", "none", torch.float32, kv_cache_dtype="int8"),
     Variant("dequantized, KV pages in fp8_e4m3 (a token a pass)", "none", torch.float32, kv_cache_dtype="fp8_e4m3"),
 )

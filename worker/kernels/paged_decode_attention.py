@@ -18,7 +18,8 @@ import triton.language as tl
 
 from worker.kernels.checks import output_tensor
 from worker.kernels.paged_shared import (LOG2_E, attend_keys, attend_keys_meta, check_query_and_caches,
-                                         check_tensor, check_window_and_softcap, paged_strides)
+                                         check_tensor, check_window_and_softcap, kv_scale_args,
+                                         paged_strides)
 
 BLOCK_N = 64  # keys per inner step
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
@@ -29,7 +30,9 @@ def _paged_decode_kernel(
     # pointers
     query_ptr,  # [B, H, D]
     key_cache_ptr,  # [N, BLOCK_SIZE, KVH, D]
-    value_cache_ptr,  # [N, BLOCK_SIZE, KVH, D]
+    value_cache_ptr,  # [N, BLOCK_SIZE, KVH, D], int8 / float8 when KV_QUANT
+    key_scale_ptr,  # [N, BLOCK_SIZE, KVH] float16 when KV_QUANT (else never read)
+    value_scale_ptr,  # [N, BLOCK_SIZE, KVH] float16 when KV_QUANT
     block_tables_ptr,  # [B, max_blocks] int32
     context_lens_ptr,  # [B] int32
     out_ptr,  # NUM_SPLITS == 1: [B, H, D] in the query dtype; else [B, H, NUM_SPLITS, D] float32
@@ -42,6 +45,7 @@ def _paged_decode_kernel(
     # strides (the last dim of query, caches and out is dense)
     # paged_strides(): query (token, head), both caches (page, slot, KV head), block tables, context lengths
     stride_qb, stride_qh, stride_cn, stride_ct, stride_ch, stride_tb, stride_tm, stride_cb,
+    stride_sn, stride_st,  # the scales (page, slot; the KV-head dim is dense)
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
     # meta-parameters
@@ -51,6 +55,7 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,  # attend_keys_meta(), for attend_keys
+    KV_QUANT: tl.constexpr,  # attend_keys_meta(): quantized pages, dequantized as read
 ):
     request = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -81,8 +86,8 @@ def _paged_decode_kernel(
         key_valid = positions < end  # every step holds at least one valid key, so the max stays finite
         m_i, l_i, acc = attend_keys(
             q, m_i, l_i, acc, positions, key_valid, key_valid[None, :], table_row, stride_tm, kv_head, dims,
-            scale_log2, softcap, key_cache_ptr, value_cache_ptr, stride_cn, stride_ct, stride_ch, BLOCK_SIZE,
-            PRECISION, UPCAST, SOFTCAP)
+            scale_log2, softcap, key_cache_ptr, value_cache_ptr, stride_cn, stride_ct, stride_ch,
+            key_scale_ptr, value_scale_ptr, stride_sn, stride_st, BLOCK_SIZE, PRECISION, UPCAST, SOFTCAP, KV_QUANT)
 
     # a split past the end of a short context saw no key: l_i == 0, its output is 0, its lse -inf
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -156,12 +161,14 @@ def paged_decode_attention(
     num_splits: int | None = None,  # None: default_num_splits(); the tests force it to cover the merge
     window: int | None = None,  # sliding window: only the last `window` keys; None: the whole context
     softcap: float | None = None,  # attention logit soft-cap (gemma2); None: none
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8 / float8 pages' scales [N, block_size, KVH]
 ) -> torch.Tensor:
     """Returns out [B, H, D]: softmax(scale * q . k) . v over each request's context_len keys (the
     last `window` of them when set); a row with context_len 0 (padding in a captured batch) gets zeros."""
     device = query.device
     window, softcap = check_window_and_softcap(window, softcap)
-    block_size, num_kv_heads = check_query_and_caches(query, key_cache, value_cache)
+    block_size, num_kv_heads = check_query_and_caches(query, key_cache, value_cache, kv_scales)
+    key_scales, value_scales, *scale_strides = kv_scale_args(key_cache, kv_scales)
     batch, num_heads, head_dim = query.shape
     check_tensor("block_tables", block_tables, (batch, None), (torch.int32,), device)
     check_tensor("context_lens", context_lens, (batch,), (torch.int32,), device)
@@ -184,9 +191,9 @@ def paged_decode_attention(
         partial_strides = partial.stride()[:3]
 
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, block_tables, context_lens, partial, lse,
+        query, key_cache, value_cache, key_scales, value_scales, block_tables, context_lens, partial, lse,
         scale * LOG2_E, queries_per_kv, window, softcap,
-        *paged_strides(query, key_cache, block_tables, context_lens),
+        *paged_strides(query, key_cache, block_tables, context_lens), *scale_strides,
         *partial_strides,
         lse.stride(0), lse.stride(1),
         BLOCK_SIZE=block_size,
@@ -194,7 +201,7 @@ def paged_decode_attention(
         BLOCK_G=max(16, triton.next_power_of_2(queries_per_kv)),
         BLOCK_N=BLOCK_N,
         NUM_SPLITS=num_splits,
-        **attend_keys_meta(query.dtype, device, softcap),
+        **attend_keys_meta(query.dtype, device, softcap, kv_scales),
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](

@@ -1,5 +1,7 @@
 """Pieces shared by the paged-attention and KV-write kernels: the wrappers' argument checks (each
-raises ValueError naming the argument, what it got and what was expected) and the tl.dot helper."""
+raises ValueError naming the argument, what it got and what was expected), the tl.dot helper, and the
+quantized pages' arguments (--kv-cache-dtype int8 / fp8_e4m3: worker.model.kv_quant's format, one byte a
+value and a float16 scale per token and KV head, dequantized here as the keys and values are read)."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +11,7 @@ import triton.language as tl
 from worker.kernels import checks
 
 FLOAT_DTYPES = checks.FLOAT_DTYPES
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)  # worker.model.kv_quant.QUANTIZED_KV's storage dtypes
 
 
 def check_tensor(
@@ -41,18 +44,44 @@ def check_kv_heads(num_heads: int, num_kv_heads: int) -> None:
         raise ValueError(f"query has {num_heads} heads, expected a multiple of the caches' {num_kv_heads} KV heads")
 
 
+def kv_scale_args(key_cache: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The kernels' scale arguments: (key_scales, value_scales, page stride, slot stride), the scales
+    [N, block_size, KVH] float16 with a dense KV-head dim; for float pages (kv_scales None) the caches stand
+    in as never-read pointers."""
+    if kv_scales is None:
+        return key_cache, key_cache, 0, 0
+    for name, scales in zip(("key_scales", "value_scales"), kv_scales):
+        check_tensor(name, scales, tuple(key_cache.shape[:3]), (torch.float16,), key_cache.device, True)
+    if kv_scales[1].stride() != kv_scales[0].stride():
+        raise ValueError(f"value_scales has strides {list(kv_scales[1].stride())}, expected key_scales' "
+                         f"{list(kv_scales[0].stride())}")
+    return kv_scales[0], kv_scales[1], kv_scales[0].stride(0), kv_scales[0].stride(1)
+
+
+def cache_dtypes(value_dtype: torch.dtype, kv_scales: object) -> tuple[tuple[torch.dtype, ...], str | None]:
+    """(the caches' allowed dtypes, the argument named in a mismatch): the values' dtype for float pages, int8 or
+    float8_e4m3fn where scales come with them."""
+    if kv_scales is None:
+        return (value_dtype,), "query"
+    return QUANTIZED_DTYPES, None
+
+
 def check_query_and_caches(
     query: torch.Tensor,  # [T, H, D]
     key_cache: torch.Tensor,  # [N, block_size, KVH, D]
     value_cache: torch.Tensor,  # [N, block_size, KVH, D]
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # quantized pages' scales
 ) -> tuple[int, int]:
     """Checks shared by both attention wrappers; returns (block_size, KVH)."""
     device = query.device
     check_tensor("query", query, (None, None, None), FLOAT_DTYPES, device, unit_last_stride=True)
     num_heads, head_dim = query.shape[1:]
     cache_shape = (None, None, None, head_dim)
-    check_tensor("key_cache", key_cache, cache_shape, (query.dtype,), device, True, dtype_from="query")
-    check_tensor("value_cache", value_cache, tuple(key_cache.shape), (query.dtype,), device, True, dtype_from="query")
+    dtypes, dtype_from = cache_dtypes(query.dtype, kv_scales)
+    check_tensor("key_cache", key_cache, cache_shape, dtypes, device, True, dtype_from=dtype_from)
+    check_tensor("value_cache", value_cache, tuple(key_cache.shape), (key_cache.dtype,), device, True,
+                 dtype_from="key_cache")
     # the kernels read both caches through one set of strides (one layout, as the KV cache allocates them)
     if value_cache.stride() != key_cache.stride():
         raise ValueError(f"value_cache has strides {list(value_cache.stride())}, expected key_cache's "
@@ -83,9 +112,11 @@ def paged_strides(query: torch.Tensor, key_cache: torch.Tensor, block_tables: to
     return (*query.stride()[:2], *key_cache.stride()[:3], *block_tables.stride(), context_lens.stride(0))
 
 
-def attend_keys_meta(dtype: torch.dtype, device: torch.device, softcap: float) -> dict[str, object]:
+def attend_keys_meta(dtype: torch.dtype, device: torch.device, softcap: float, kv_scales: object = None
+                     ) -> dict[str, object]:
     """The meta-parameters both attention kernels pass on to attend_keys."""
-    return {"PRECISION": dot_precision(dtype), "UPCAST": dot_upcast(dtype, device), "SOFTCAP": softcap > 0}
+    return {"PRECISION": dot_precision(dtype), "UPCAST": dot_upcast(dtype, device), "SOFTCAP": softcap > 0,
+            "KV_QUANT": kv_scales is not None}
 
 
 @triton.jit
@@ -124,7 +155,9 @@ def attend_keys(
     table_row, stride_tm, kv_head, dims, scale_log2,
     softcap,  # attention logit soft-cap (gemma2): scores = softcap * tanh(scores / softcap); used if SOFTCAP
     key_cache_ptr, value_cache_ptr, stride_cn, stride_ct, stride_ch,  # the caches share one layout
+    key_scale_ptr, value_scale_ptr, stride_sn, stride_st,  # quantized pages' scales [N, BLOCK_SIZE, KVH] (KV_QUANT)
     BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # the pages hold int8 / float8 values: each row times its scale, in q's dtype
 ):
     """One online-softmax step (base 2) over N keys read through a request's block table: both
     attention kernels' inner loop. A row that has seen no key yet (its running max still -inf, as
@@ -133,11 +166,15 @@ def attend_keys(
     page = tl.load(table_row + (positions // BLOCK_SIZE) * stride_tm, mask=key_valid, other=0).to(tl.int64)
     offset = positions % BLOCK_SIZE
     slots = page[:, None] * stride_cn + offset[:, None] * stride_ct + kv_head * stride_ch + dims[None, :]  # [N, D]
+    scale_slots = page * stride_sn + offset * stride_st + kv_head  # [N], read only when KV_QUANT
     k = tl.load(
         key_cache_ptr + slots,
         mask=key_valid[:, None],
         other=0.0,
     )  # [N, D]
+    if KV_QUANT:  # dequantized as worker.model.kv_quant.dequantize_rows: value * scale in float32, then q's dtype
+        k_scale = tl.load(key_scale_ptr + scale_slots, mask=key_valid, other=0.0).to(tl.float32)
+        k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
     scores = dot(q, tl.trans(k), PRECISION, UPCAST)  # [M, N]
     if SOFTCAP:  # cap the scaled score, then go to base 2
         scores = softcap * _tanh(scores * (scale_log2 / _LOG2_E) / softcap) * _LOG2_E
@@ -154,5 +191,8 @@ def attend_keys(
         mask=key_valid[:, None],
         other=0.0,
     )  # [N, D]
+    if KV_QUANT:
+        v_scale = tl.load(value_scale_ptr + scale_slots, mask=key_valid, other=0.0).to(tl.float32)
+        v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION, UPCAST)
     return m_new, l_i, acc

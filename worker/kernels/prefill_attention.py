@@ -18,7 +18,8 @@ import triton.language as tl
 
 from worker.kernels.checks import output_tensor
 from worker.kernels.paged_shared import (LOG2_E, attend_keys, attend_keys_meta, check_query_and_caches,
-                                         check_tensor, check_window_and_softcap, paged_strides)
+                                         check_tensor, check_window_and_softcap, kv_scale_args,
+                                         paged_strides)
 
 
 def _tiles(dtype: torch.dtype, head_dim: int, queries_per_kv: int) -> tuple[int, int, int]:
@@ -49,7 +50,9 @@ def _prefill_kernel(
     # pointers
     query_ptr,  # [T, H, D]
     key_cache_ptr,  # [N, BLOCK_SIZE, KVH, D]
-    value_cache_ptr,  # [N, BLOCK_SIZE, KVH, D]
+    value_cache_ptr,  # [N, BLOCK_SIZE, KVH, D], int8 / float8 when KV_QUANT
+    key_scale_ptr,  # [N, BLOCK_SIZE, KVH] float16 when KV_QUANT (else never read)
+    value_scale_ptr,  # [N, BLOCK_SIZE, KVH] float16 when KV_QUANT
     block_tables_ptr,  # [R, max_blocks] int32
     query_start_loc_ptr,  # [R + 1] int32, contiguous
     context_lens_ptr,  # [R] int32
@@ -62,6 +65,7 @@ def _prefill_kernel(
     # strides (the last dim of query, caches and out is dense)
     # paged_strides(): query (token, head), both caches (page, slot, KV head), block tables, context lengths
     stride_qt, stride_qh, stride_cn, stride_ct, stride_ch, stride_tb, stride_tm, stride_cr,
+    stride_sn, stride_st,  # the scales (page, slot; the KV-head dim is dense)
     stride_ot, stride_oh,
     # meta-parameters
     BLOCK_SIZE: tl.constexpr,  # tokens per page
@@ -71,6 +75,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,  # attend_keys_meta(), for attend_keys
+    KV_QUANT: tl.constexpr,  # attend_keys_meta(): quantized pages, dequantized as read
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -111,8 +116,8 @@ def _prefill_kernel(
         visible = visible & ((window == 0) | (positions[None, :] > query_positions[:, None] - window))
         m_i, l_i, acc = attend_keys(
             q, m_i, l_i, acc, positions, key_valid, visible, table_row, stride_tm, kv_head, dims,
-            scale_log2, softcap, key_cache_ptr, value_cache_ptr, stride_cn, stride_ct, stride_ch, BLOCK_SIZE,
-            PRECISION, UPCAST, SOFTCAP)
+            scale_log2, softcap, key_cache_ptr, value_cache_ptr, stride_cn, stride_ct, stride_ch,
+            key_scale_ptr, value_scale_ptr, stride_sn, stride_st, BLOCK_SIZE, PRECISION, UPCAST, SOFTCAP, KV_QUANT)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i is 0 only on rows that are not stored
     tl.store(
@@ -134,13 +139,15 @@ def paged_prefill_attention(
     *,
     window: int | None = None,  # sliding window (mistral, gemma local layers); None: full context
     softcap: float | None = None,  # attention logit soft-cap (gemma2); None: none
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8 / float8 pages' scales [N, block_size, KVH]
 ) -> torch.Tensor:
     """Returns out [T, H, D]: each query token attends causally to its request's cached keys (the last
     `window` of them when set). Rows past query_start_loc[R] (padding) are left as they were in out
     (uninitialised if out is None)."""
     device = query.device
     window, softcap = check_window_and_softcap(window, softcap)
-    block_size, num_kv_heads = check_query_and_caches(query, key_cache, value_cache)
+    block_size, num_kv_heads = check_query_and_caches(query, key_cache, value_cache, kv_scales)
+    key_scales, value_scales, *scale_strides = kv_scale_args(key_cache, kv_scales)
     num_tokens, num_heads, head_dim = query.shape
     check_tensor("query_start_loc", query_start_loc, (None,), (torch.int32,), device)
     num_requests = query_start_loc.shape[0] - 1
@@ -158,9 +165,9 @@ def paged_prefill_attention(
     block_m, block_n, num_warps = _tiles(query.dtype, head_dim, queries_per_kv)
     block_q = block_m // queries_per_kv  # tokens per tile; a group of heads never splits across tiles
     _prefill_kernel[(num_tokens // block_q + num_requests, num_kv_heads)](
-        query, key_cache, value_cache, block_tables, query_start_loc, context_lens, out,
+        query, key_cache, value_cache, key_scales, value_scales, block_tables, query_start_loc, context_lens, out,
         scale * LOG2_E, num_requests, window, softcap,
-        *paged_strides(query, key_cache, block_tables, context_lens),
+        *paged_strides(query, key_cache, block_tables, context_lens), *scale_strides,
         out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
@@ -168,7 +175,7 @@ def paged_prefill_attention(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        **attend_keys_meta(query.dtype, device, softcap),
+        **attend_keys_meta(query.dtype, device, softcap, kv_scales),
         num_warps=num_warps,
     )
     return out

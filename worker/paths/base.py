@@ -75,12 +75,21 @@ VARIABLE_EXPERT_ROWS = ("each expert's matmuls run over however many of the step
                         "changes with the batch; run without --deterministic")
 
 
-def kv_dtype_refusal(kv_cache_dtype: str, on_cuda: bool) -> str:
-    """The start-time error of --kv-cache-dtype int8 / fp8_e4m3 on the Triton kernel backend."""
-    how = "--kernel-backend torch (auto picks triton on CUDA)" if on_cuda else "--kernel-backend torch or auto"
-    return (f"--kv-cache-dtype {kv_cache_dtype} cannot run on --kernel-backend triton (the Triton path): its kernels "
-            f"(worker/kernels/kv_write.py, paged_decode_attention.py, prefill_attention.py) read and write float "
-            f"pages only; run it with {how}, or --kv-cache-dtype auto")
+FP8_CAPABILITY = (8, 9)  # Ada / Hopper: the first GPUs whose Triton converts to and from float8 e4m3
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, backend: str, device: torch.device | str) -> None:
+    """Refuses at start what cannot run: float8 pages on the Triton path of a GPU older than FP8_CAPABILITY
+    (its kernels write and read them with float8 conversions the compiler has no instruction for there)."""
+    device = torch.device(device)
+    if kv_cache_dtype != "fp8_e4m3" or backend != "triton" or device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_CAPABILITY:
+        raise ValueError(
+            f"--kv-cache-dtype fp8_e4m3 on --kernel-backend triton needs a GPU of compute capability "
+            f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer (float8 conversions), this one is "
+            f"{capability[0]}.{capability[1]}; use --kv-cache-dtype int8 (same bytes), or --kernel-backend torch")
 
 
 def moe_refusal(architecture: str, what: str, why: str = NO_EXPERT_LAYERS) -> str:
@@ -136,8 +145,7 @@ def resolve_execution(options: WorkerOptions, device: torch.device | str,
     backend = _kernel_backend(options, on_cuda, model_config)
     if options.deterministic and on_cuda and backend == "torch":
         raise ValueError(DETERMINISTIC_REFUSAL)
-    if options.kv_cache_dtype != "auto" and backend == "triton":
-        raise ValueError(kv_dtype_refusal(options.kv_cache_dtype, on_cuda))
+    check_kv_cache_dtype(options.kv_cache_dtype, backend, device)
     return ResolvedExecution(
         kernel_backend=backend,
         quantization=options.quantization,

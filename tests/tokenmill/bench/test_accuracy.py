@@ -12,7 +12,7 @@ def test_accuracy_table_compares_every_variant_with_the_float32_reference(tmp_pa
     assert int(err.split(" positions in")[0].split()[-1]) >= 120  # at least what --positions asked for
     rows = [line.strip("|").split("|") for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
     table = {(r[0].strip(), r[1].strip()): [c.strip() for c in r[2:]] for r in rows}
-    assert len(table) == 12  # with the three "on the file's blocks" rows (floats here: a folder has no blocks)
+    assert len(table) == 13  # with the three "on the file's blocks" rows (floats here: a folder has no blocks)
     reference = table[("reference: dequantized", "float32")]
     # a folder's weights are floats: "as the file holds it" in float32 is the reference itself
     assert reference[2:] == table[("as the file holds it", "float32")][2:]

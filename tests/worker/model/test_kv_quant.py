@@ -15,7 +15,7 @@ from worker.model.config import ModelConfig
 from worker.model.kv_cache import HostSwapSpace, allocate_kv_cache, bytes_per_block, num_blocks_for_budget
 from worker.model.kv_quant import dequantize_rows, kv_cache_dtype, quantize_rows
 from worker.options import WorkerOptions
-from worker.paths.base import resolve_execution
+from worker.paths.base import check_kv_cache_dtype, resolve_execution
 
 
 @pytest.mark.parametrize("dtype", QUANT_DTYPES)
@@ -126,9 +126,13 @@ def test_the_flag_round_trips_and_is_checked():
     assert cluster.parse_args(["--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
 
 
-def test_the_triton_path_refuses_quantized_pages_at_start():
-    options = WorkerOptions(kv_cache_dtype="int8", kernel_backend="triton")
-    with pytest.raises(ValueError, match=r"--kv-cache-dtype int8 cannot run on --kernel-backend triton .*"
-                                         r"--kernel-backend torch"):
-        resolve_execution(options, "cpu")
-    assert resolve_execution(WorkerOptions(kv_cache_dtype="int8"), "cpu").kernel_backend == "torch"
+def test_float8_pages_are_refused_at_start_on_a_gpu_without_float8(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype fp8_e4m3 on --kernel-backend triton needs a GPU of compute "
+                                         r"capability 8.9 or newer .* this one is 8.0; use --kv-cache-dtype int8"):
+        check_kv_cache_dtype("fp8_e4m3", "triton", "cuda")
+    check_kv_cache_dtype("int8", "triton", "cuda")  # int8 converts on every GPU
+    check_kv_cache_dtype("fp8_e4m3", "torch", "cuda")  # the torch path converts in torch
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_kv_cache_dtype("fp8_e4m3", "triton", "cuda")
+    assert resolve_execution(WorkerOptions(kv_cache_dtype="int8", kernel_backend="triton"), "cpu").kernel_backend == "triton"

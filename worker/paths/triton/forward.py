@@ -132,7 +132,8 @@ def triton_forward(
     h = model.embed_input(input_ids)  # [T, hidden]
     tables = model.rotary_tables(positions, h.dtype)  # per layer: cos, sin [T, 1, D]
     residual = None
-    for layer, key_cache, value_cache, (cos, sin) in zip(model.layers, kv_cache.key_caches, kv_cache.value_caches, tables):
+    for layer, key_cache, value_cache, kv_scales, (cos, sin) in zip(
+            model.layers, kv_cache.key_caches, kv_cache.value_caches, kv_cache.layer_scales(), tables):
         if residual is None:  # the first layer has no residual yet: plain norm, the input is the residual
             x, residual = kernels.rms_norm(h, layer.attn_norm.weight, layer.attn_norm.eps), h
         else:
@@ -145,15 +146,15 @@ def triton_forward(
             q = _head_norm(kernels, layer.attn.q_norm, q)
             k = _head_norm(kernels, layer.attn.k_norm, k)
         q, k = kernels.apply_rotary(q, k, cos, sin)
-        kernels.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
-        window, softcap = layer.attn.window, layer.attn.softcap
+        kernels.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping, kv_scales)  # quantized: with scales
+        # int8 / float8 pages: dequantized as the kernels read them (a prefill reads its own keys back too)
+        attend = dict(window=layer.attn.window, softcap=layer.attn.softcap, kv_scales=kv_scales)
         if metadata.decode_only:
             attn = kernels.paged_decode_attention(q, key_cache, value_cache, metadata.block_tables,
-                                                  metadata.context_lens, scale, window=window, softcap=softcap)  # [T, H, D]
+                                                  metadata.context_lens, scale, **attend)  # [T, H, D]
         else:
             attn = kernels.paged_prefill_attention(q, key_cache, value_cache, metadata.block_tables,
-                                                   metadata.query_start_loc, metadata.context_lens, scale,
-                                                   window=window, softcap=softcap)
+                                                   metadata.query_start_loc, metadata.context_lens, scale, **attend)
         h = layer.attn.wo(attn.reshape(num_tokens, q_size))
         if layer.post_attn_norm is not None:  # gemma: the branch output is normed before the residual add
             h = kernels.rms_norm(h, layer.post_attn_norm.weight, layer.post_attn_norm.eps)
