@@ -25,6 +25,7 @@
 namespace {
 
 using tokenmill::hsum;
+using tokenmill::transposed_sums;
 
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
@@ -303,14 +304,6 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
     });
   });
   return {q, k};
-}
-
-// lane j = the sum of a[j]'s eight lanes. hadd pairs within each 128-bit half: t0 = [a0..a3 low halves,
-// a0..a3 high halves], t1 the same for a4..a7; then the halves added
-inline __m256 transposed_sums(const __m256 (&a)[8]) {
-  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
 // The 8 dot products of q (D floats) with rows k[0..7] (D values of T each), lane j holding row j's: eight

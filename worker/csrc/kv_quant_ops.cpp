@@ -1,5 +1,6 @@
 // Quantized KV pages on CPU (kv_quant.h): the row quantizer rope_write_kv writes with, and decode attention
-// that dequantizes each K and V row as it reads it. Built with the other ops (-ffp-contract=off; the dot
+// over the stored bytes: key rows widened to floats eight at a time, each key's scale applied to its dot products
+// and each value's folded into its softmax weight (the same products as dequantize-then-attend, in float32). Built with the other ops (-ffp-contract=off; the dot
 // products and the weighted sum use FMA on purpose, as decoder_ops.cpp's do).
 #include "kv_quant.h"
 
@@ -14,6 +15,7 @@
 #include <array>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace tokenmill {
@@ -25,46 +27,38 @@ constexpr float kInt8Max = 127.f, kFp8Max = 448.f;
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
 
-// every float8 e4m3fn byte as a float: a table lookup instead of c10's bit manipulation per value
+// every float8 e4m3fn byte as a float (the scalar tails; the vector loads use load8_values' bit moves)
 const std::array<float, 256>& fp8_values() {
   static const std::array<float, 256> table = [] {
     std::array<float, 256> values{};
-    for (int bits = 0; bits < 256; ++bits) values[bits] = static_cast<float>(c10::Float8_e4m3fn(bits, c10::Float8_e4m3fn::from_bits()));
+    for (int bits = 0; bits < 256; ++bits) {
+      values[bits] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(bits), c10::Float8_e4m3fn::from_bits()));
+    }
     return values;
   }();
   return table;
 }
 
-// D one-byte values * scale -> D floats
-void dequantize_row(const uint8_t* src, bool fp8, float scale, int64_t D, float* dst) {
-  if (fp8) {
-    const std::array<float, 256>& values = fp8_values();
-    for (int64_t i = 0; i < D; ++i) dst[i] = values[src[i]] * scale;
-    return;
-  }
-  const __m256 s = _mm256_set1_ps(scale);
-  int64_t i = 0;
-  for (; i + 8 <= D; i += 8) {
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i));
-    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), s));
-  }
-  for (; i < D; ++i) dst[i] = static_cast<float>(static_cast<int8_t>(src[i])) * scale;
+// one stored value as a float, not yet scaled
+template <bool FP8>
+inline float value_at(const uint8_t* p) {
+  return FP8 ? fp8_values()[*p] : static_cast<float>(static_cast<int8_t>(*p));
 }
 
-float dot(const float* a, const float* b, int64_t D) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float total = hsum(acc);
-  for (; i < D; ++i) total += a[i] * b[i];
-  return total;
-}
-
-void add_scaled(float weight, const float* row, int64_t D, float* acc) {  // acc += weight * row
-  const __m256 w = _mm256_set1_ps(weight);
-  int64_t i = 0;
-  for (; i + 8 <= D; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(row + i), _mm256_loadu_ps(acc + i)));
-  for (; i < D; ++i) acc[i] += weight * row[i];
+// 8 stored values at p as floats, not yet scaled. int8: sign-extended. float8 e4m3fn: its exponent and mantissa
+// moved into a float32's (bits << 20), times 2^120 (the bias difference, 127 - 7), which also makes its subnormals
+// float32 subnormals of the right value (were denormals flushed, which torch does not do by default, they would
+// read as 0: under 1/64 of a step); the sign moved to bit 31. Checked against torch for all 256 codes but NaN,
+// which the writer never stores (it clamps to +-448).
+template <bool FP8>
+inline __m256 load8_values(const uint8_t* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if (!FP8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  const __m256i wide = _mm256_cvtepu8_epi32(bytes);
+  const __m256i magnitude = _mm256_slli_epi32(_mm256_and_si256(wide, _mm256_set1_epi32(0x7F)), 20);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(wide, _mm256_set1_epi32(0x80)), 24);
+  const __m256 value = _mm256_mul_ps(_mm256_castsi256_ps(magnitude), _mm256_set1_ps(0x1p120f));
+  return _mm256_or_ps(value, _mm256_castsi256_ps(sign));
 }
 
 void softmax(float* scores, int64_t n) {
@@ -75,32 +69,117 @@ void softmax(float* scores, int64_t n) {
   for (int64_t j = 0; j < n; ++j) scores[j] *= inv;
 }
 
-// One (request, KV head) job: its G query heads against the n positions from `start` of its context.
-template <typename S>
-void attend_job(const S* q, const uint8_t* kc, const uint8_t* vc, const c10::Half* ks, const c10::Half* vs, bool fp8,
-                const int64_t* pages, int64_t BS, int64_t KVH, int64_t kvh, int64_t start, int64_t L, int64_t G,
-                int64_t D, float scale, float cap, S* out, std::vector<float>& scratch) {
-  const int64_t n = L - start;
-  scratch.resize(G * D * 2 + D + G * n);
-  float* qf = scratch.data();
-  float* acc = qf + G * D;
-  float* row = acc + G * D;
-  float* scores = row + D;
-  for (int64_t i = 0; i < G * D; ++i) qf[i] = to_float(q[i]);
-  for (int64_t p = start; p < L; ++p) {  // scores[g, p] = q_g . k_p * scale
-    const int64_t slot_head = (pages[p / BS] * BS + p % BS) * KVH + kvh;
-    dequantize_row(kc + slot_head * D, fp8, static_cast<float>(ks[slot_head]), D, row);
+// The positions of one (request, KV head) job: where each one's row of values and its scale sit.
+struct JobRows {
+  const uint8_t* keys;  // key_cache's bytes; row p at keys + slot_heads[p] * D
+  const uint8_t* values;
+  const c10::Half* key_scales;  // scale of row p at key_scales[slot_heads[p]]
+  const c10::Half* value_scales;
+  const int64_t* slot_heads;  // [n]: slot * KVH + kv_head of each position
+  int64_t n, D;
+};
+
+// scores[g * n + j] = scale * q_g . k_j, k_j = key row j dequantized. Head dims that are a multiple of 8: eight
+// rows at a time widened to floats once (into rows, 8 x D), then each query head's eight dot products in
+// independent FMA chains and one transposing sum, the scales applied to the sums; else one value at a time.
+template <bool FP8>
+void key_scores(const float* qf, int64_t G, const JobRows& job, float scale, float* rows, float* scores) {
+  const int64_t n = job.n, D = job.D;
+  if (D % 8 != 0) {
+    for (int64_t j = 0; j < n; ++j) {
+      const uint8_t* k = job.keys + job.slot_heads[j] * D;
+      const float k_scale = static_cast<float>(job.key_scales[job.slot_heads[j]]) * scale;
+      for (int64_t g = 0; g < G; ++g) {
+        float dot = 0.f;
+        for (int64_t i = 0; i < D; ++i) dot += qf[g * D + i] * value_at<FP8>(k + i);
+        scores[g * n + j] = dot * k_scale;
+      }
+    }
+    return;
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    const int64_t count = std::min<int64_t>(8, n - j0);
+    float k_scales[8];
+    for (int64_t j = 0; j < 8; ++j) {
+      const int64_t slot_head = job.slot_heads[j0 + std::min(j, count - 1)];
+      const uint8_t* k = job.keys + slot_head * D;
+      for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(rows + j * D + i, load8_values<FP8>(k + i));
+      k_scales[j] = static_cast<float>(job.key_scales[slot_head]) * scale;
+    }
     for (int64_t g = 0; g < G; ++g) {
-      const float s = dot(qf + g * D, row, D) * scale;
-      scores[g * n + p - start] = cap > 0.f ? std::tanh(s / cap) * cap : s;
+      __m256 a[8];
+      for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < D; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(qf + g * D + i);
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows + j * D + i), a[j]);
+      }
+      float lanes[8];
+      _mm256_storeu_ps(lanes, _mm256_mul_ps(transposed_sums(a), _mm256_loadu_ps(k_scales)));
+      for (int64_t j = 0; j < count; ++j) scores[g * n + j0 + j] = lanes[j];
     }
   }
-  for (int64_t g = 0; g < G; ++g) softmax(scores + g * n, n);
-  std::fill(acc, acc + G * D, 0.f);
-  for (int64_t p = start; p < L; ++p) {  // acc_g = sum_p w[g, p] v_p
-    const int64_t slot_head = (pages[p / BS] * BS + p % BS) * KVH + kvh;
-    dequantize_row(vc + slot_head * D, fp8, static_cast<float>(vs[slot_head]), D, row);
-    for (int64_t g = 0; g < G; ++g) add_scaled(scores[g * n + p - start], row, D, acc + g * D);
+}
+
+// out[0 : 8 NC] = sum_j w[j] * v_j[d0 : d0 + 8 NC], w already times v_j's scale: NC accumulators in registers
+template <int NC, bool FP8>
+inline void weighted_rows(const float* w, const JobRows& job, int64_t d0, float* out) {
+  __m256 a[NC];
+  for (int c = 0; c < NC; ++c) a[c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < job.n; ++j) {
+    const __m256 wv = _mm256_set1_ps(w[j]);
+    const uint8_t* v = job.values + job.slot_heads[j] * job.D + d0;
+    for (int c = 0; c < NC; ++c) a[c] = _mm256_fmadd_ps(wv, load8_values<FP8>(v + 8 * c), a[c]);
+  }
+  for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out + 8 * c, a[c]);
+}
+
+// out[0 : D] = sum_j w[j] * v_j (w already times v_j's scale)
+template <bool FP8>
+void weighted_sum(const float* w, const JobRows& job, float* out) {
+  const int64_t D = job.D;
+  if (D % 8 != 0) {
+    std::fill(out, out + D, 0.f);
+    for (int64_t j = 0; j < job.n; ++j) {
+      const uint8_t* v = job.values + job.slot_heads[j] * D;
+      for (int64_t i = 0; i < D; ++i) out[i] += w[j] * value_at<FP8>(v + i);
+    }
+    return;
+  }
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 64 values (8 registers) at a time
+    switch (std::min<int64_t>(8, (D - d0) / 8)) {
+      case 1: weighted_rows<1, FP8>(w, job, d0, out + d0); break;
+      case 2: weighted_rows<2, FP8>(w, job, d0, out + d0); break;
+      case 3: weighted_rows<3, FP8>(w, job, d0, out + d0); break;
+      case 4: weighted_rows<4, FP8>(w, job, d0, out + d0); break;
+      case 5: weighted_rows<5, FP8>(w, job, d0, out + d0); break;
+      case 6: weighted_rows<6, FP8>(w, job, d0, out + d0); break;
+      case 7: weighted_rows<7, FP8>(w, job, d0, out + d0); break;
+      default: weighted_rows<8, FP8>(w, job, d0, out + d0); break;
+    }
+  }
+}
+
+// One (request, KV head) job: its G query heads (q, out: G x D) against the n positions of job. The value
+// scales are folded into the softmax weights, so no row is ever dequantized on its own.
+template <typename S, bool FP8>
+void attend_job(const S* q, const JobRows& job, int64_t G, float scale, float cap, S* out,
+                std::vector<float>& scratch) {
+  const int64_t n = job.n, D = job.D;
+  scratch.resize(G * D * 2 + 8 * D + G * n);
+  float* qf = scratch.data();
+  float* acc = qf + G * D;
+  float* rows = acc + G * D;
+  float* scores = rows + 8 * D;
+  for (int64_t i = 0; i < G * D; ++i) qf[i] = to_float(q[i]);
+  key_scores<FP8>(qf, G, job, scale, rows, scores);
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * n;
+    if (cap > 0.f) {
+      for (int64_t j = 0; j < n; ++j) sg[j] = std::tanh(sg[j] / cap) * cap;
+    }
+    softmax(sg, n);
+    for (int64_t j = 0; j < n; ++j) sg[j] *= static_cast<float>(job.value_scales[job.slot_heads[j]]);
+    weighted_sum<FP8>(sg, job, acc + g * D);
   }
   for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<S>(acc[i]);
 }
@@ -140,7 +219,6 @@ void paged_decode_attention_quantized(const at::Tensor& q, const at::Tensor& key
                                       at::Tensor& out) {
   const int64_t H = q.size(1), D = q.size(2), BS = key_cache.size(1), KVH = key_cache.size(2);
   const int64_t B = rows.numel(), G = H / KVH, max_blocks = block_tables.size(1);
-  const bool fp8 = key_cache.scalar_type() == at::kFloat8_e4m3fn;
   const int64_t* row = rows.data_ptr<int64_t>();
   const int64_t* table = block_tables.data_ptr<int64_t>();
   const int64_t* ctx = context_lens.data_ptr<int64_t>();
@@ -149,25 +227,31 @@ void paged_decode_attention_quantized(const at::Tensor& q, const at::Tensor& key
   const c10::Half* ks = key_scales.data_ptr<c10::Half>();
   const c10::Half* vs = value_scales.data_ptr<c10::Half>();
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  auto run = [&](auto tag) {
+  auto run = [&](auto tag, auto fp8_tag) {
     using S = decltype(tag);
+    constexpr bool FP8 = decltype(fp8_tag)::value;
     const S* qp = q.data_ptr<S>();
     S* op = out.data_ptr<S>();
     at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch;
+      std::vector<int64_t> slot_heads;
       for (int64_t job = begin; job < end; ++job) {
         const int64_t b = job / KVH, kvh = job % KVH, L = ctx[b];
         const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+        const int64_t* pages = table + b * max_blocks;
+        slot_heads.resize(L - start);
+        for (int64_t p = start; p < L; ++p) slot_heads[p - start] = (pages[p / BS] * BS + p % BS) * KVH + kvh;
+        const JobRows rows_of_job{kc, vc, ks, vs, slot_heads.data(), L - start, D};
         const int64_t first = (row[b] * H + kvh * G) * D;  // the job's G query heads, contiguous
-        attend_job(qp + first, kc, vc, ks, vs, fp8, table + b * max_blocks, BS, KVH, kvh, start, L, G, D, fscale, cap,
-                   op + first, scratch);
+        attend_job<S, FP8>(qp + first, rows_of_job, G, fscale, cap, op + first, scratch);
       }
     });
   };
+  const bool fp8 = key_cache.scalar_type() == at::kFloat8_e4m3fn;
   if (q.scalar_type() == at::kFloat) {
-    run(float{});
+    fp8 ? run(float{}, std::true_type{}) : run(float{}, std::false_type{});
   } else {
-    run(c10::BFloat16{});
+    fp8 ? run(c10::BFloat16{}, std::true_type{}) : run(c10::BFloat16{}, std::false_type{});
   }
 }
 

@@ -14,6 +14,14 @@ inline float hsum(__m256 v) {  // the sum of the eight lanes
   return _mm_cvtss_f32(lo);
 }
 
+// lane j = the sum of a[j]'s eight lanes. hadd pairs within each 128-bit half: t0 = [a0..a3 low halves,
+// a0..a3 high halves], t1 the same for a4..a7; then the halves added
+inline __m256 transposed_sums(const __m256 (&a)[8]) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
 // A group of 32 4-bit codes in llama.cpp's Q4_0 / Q4_1 layout (16 bytes: element j in the low nibble of
 // byte j, element j + 16 in its high nibble) -> elements 0..15 in lo and 16..31 in hi, one byte each.
 inline void unpack_nibbles(const uint8_t* packed_codes, __m128i& lo, __m128i& hi) {
