@@ -108,3 +108,26 @@ def test_swapped_requests_keep_their_quantized_greedy_output(tiny, kv_cache_dtyp
     assert llm.engine.scheduler.num_swapped_preemptions > 0
     assert llm.runner.swap_space.scales is not None
     assert got == expected
+
+
+def test_a_prefix_cache_hit_reads_the_quantized_pages_an_earlier_request_wrote(tiny):
+    """The second prompt shares the first's 16-token prefix (4 full pages): its prefill reads them from the int8
+    pages instead of computing them, so it sees quantized K/V where a run without the cache attends over its own
+    float K/V; the greedy tokens still agree (here: all of them)."""
+    folder = tiny[0]
+    shared = [(5 * j) % 200 + 3 for j in range(16)]
+    prompts = [shared + [7, 8, 9], shared + [11, 12, 13, 14, 15]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+    def generate(prefix_caching: bool) -> tuple[list[int], int]:
+        llm = LLM(EngineConfig(worker=replace(ENGINE_WORKER, model=str(folder), block_size=4, kv_cache_dtype="int8",
+                                              num_blocks=64),
+                               scheduler=SchedulerOptions(enable_prefix_caching=prefix_caching)), progress=False)
+        llm.generate(prompts[:1], greedy)
+        outputs = llm.generate(prompts[1:], greedy)[0]
+        return [t for out in outputs for t in out.new_token_ids], max(out.num_cached_tokens for out in outputs)
+
+    cached_tokens, hit = generate(True)
+    fresh_tokens, no_hit = generate(False)
+    assert hit == 16 and no_hit == 0
+    assert sum(a == b for a, b in zip(cached_tokens, fresh_tokens)) >= 0.9 * len(fresh_tokens), (cached_tokens, fresh_tokens)
