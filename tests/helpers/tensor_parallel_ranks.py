@@ -17,17 +17,17 @@ PROMPTS = ([5, 17, 99, 3, 250, 8, 41, 77, 12, 200, 64], [9, 130, 31, 2, 180, 44,
 DECODE_STEPS = 6
 
 
-def greedy_run(folder: Path, group: TensorParallelGroup = SINGLE_RANK,
-               pipeline: bool = False) -> tuple[list[torch.Tensor], list[list[int]]]:
+def greedy_run(folder: Path, group: TensorParallelGroup = SINGLE_RANK, pipeline: bool = False,
+               kv_dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], list[list[int]]]:
     """Prefill both prompts in one packed step, then DECODE_STEPS batched greedy steps: every step's logits
     [rows, vocab] (all prompt rows, then one row per request) and each request's generated tokens (split by
-    heads over the group, or by layers with pipeline)."""
+    heads over the group, or by layers with pipeline). kv_dtype: the pages' (int8 / float8: quantized pages)."""
     whole, config = load_model(folder, dtype=torch.float32, progress=False)
     parallel = Parallel(group, channel=None, pipeline=pipeline)
     model = parallel.split(whole) if group.world_size > 1 else whole
     rank_config = parallel.kv_config(config) if group.world_size > 1 else config
     blocks_per_request = 8
-    kv_cache = allocate_kv_cache(rank_config, 2 * blocks_per_request, BLOCK_SIZE, torch.float32)
+    kv_cache = allocate_kv_cache(rank_config, 2 * blocks_per_request, BLOCK_SIZE, kv_dtype)
     # non-contiguous, interleaved pages: the block tables matter
     tables = [list(range(0, 2 * blocks_per_request, 2)), list(range(1, 2 * blocks_per_request, 2))]
     sequences = [list(prompt) for prompt in PROMPTS]
@@ -53,12 +53,13 @@ def greedy_run(folder: Path, group: TensorParallelGroup = SINGLE_RANK,
     return all_logits, [sequence[len(prompt):] for sequence, prompt in zip(sequences, PROMPTS)]
 
 
-def rank_main(rank: int, world_size: int, init_method: str, folder: str, out: str, pipeline: bool = False) -> None:
+def rank_main(rank: int, world_size: int, init_method: str, folder: str, out: str, pipeline: bool = False,
+              kv_dtype: torch.dtype = torch.float32) -> None:
     """One rank of a spawned group: rank 0 saves the logits and tokens it ends up with to `out`."""
     torch.set_num_threads(1)
     group = join_group(rank, world_size, init_method, timeout_s=60)
     try:
-        logits, tokens = greedy_run(Path(folder), group, pipeline)
+        logits, tokens = greedy_run(Path(folder), group, pipeline, kv_dtype)
         if rank == 0:
             torch.save({"logits": logits, "tokens": tokens}, out)
     finally:

@@ -17,12 +17,13 @@ MAX_ABS_ERR = 1e-4
 RANK_TIMEOUT_S = 240
 
 
-def run_ranks(folder, world_size: int, tmp_path, pipeline: bool = False) -> dict:
+def run_ranks(folder, world_size: int, tmp_path, pipeline: bool = False, kv_dtype: torch.dtype = torch.float32) -> dict:
     context = multiprocessing.get_context("spawn")  # a fresh interpreter per rank, as a worker process is
     kind = "pp" if pipeline else "tp"
     out = tmp_path / f"rank0-of-{kind}{world_size}.pt"
     init_method = f"file://{tmp_path}/store-{kind}{world_size}"
-    ranks = [context.Process(target=rank_main, args=(rank, world_size, init_method, str(folder), str(out), pipeline))
+    ranks = [context.Process(target=rank_main, args=(rank, world_size, init_method, str(folder), str(out), pipeline,
+                                                     kv_dtype))
              for rank in range(world_size)]
     for process in ranks:
         process.start()
@@ -63,6 +64,20 @@ def test_pipeline_stages_match_the_whole_model(tmp_path, flavour):
     for step, (expected, got) in enumerate(zip(whole_logits, split["logits"])):
         err = (got - expected).abs().max().item()
         assert err <= MAX_ABS_ERR, f"PP=2 step {step}: max |logit diff| {err:.2e}"
+
+
+# quantized KV pages (--kv-cache-dtype) on a split model: each rank writes and reads its own heads' (or layers')
+# int8 rows with their scales; a row is one token and one head, the same row whole or split, so only float rounding
+# before the quantizer differs, which can move a value across a rounding boundary: hence 1e-2, not 1e-4
+@pytest.mark.parametrize("pipeline", [False, True], ids=["tp2", "pp2"])
+def test_a_split_model_on_int8_pages_matches_the_whole_one_on_int8_pages(tmp_path, pipeline):
+    folder, _ = make_tiny_hf_model(tmp_path, "llama")
+    whole_logits, whole_tokens = greedy_run(folder, kv_dtype=torch.int8)
+    split = run_ranks(folder, 2, tmp_path, pipeline=pipeline, kv_dtype=torch.int8)
+    assert split["tokens"] == whole_tokens
+    for step, (expected, got) in enumerate(zip(whole_logits, split["logits"])):
+        err = (got - expected).abs().max().item()
+        assert err <= 1e-2, f"step {step}: max |logit diff| {err:.2e}"
 
 
 def test_stages_take_contiguous_layers_and_refuse_more_stages_than_layers():
