@@ -95,7 +95,7 @@ def split_run(args: argparse.Namespace, world_size: int) -> dict:
             process.join()
         if any(process.exitcode for process in ranks):
             raise SystemExit(f"a rank failed: exit codes {[process.exitcode for process in ranks]}")
-        return torch.load(out)
+        return torch.load(out, weights_only=True)
 
 
 def main() -> None:

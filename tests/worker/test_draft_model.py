@@ -175,3 +175,17 @@ def test_sampled_output_keeps_its_distribution(models):
     assert stats["spec_num_draft_tokens"] > 800 and 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
     assert distance < 0.2, distance
     assert max(plain.values()) < 0.7  # no one token dominates: always accepting the argmax guess would show
+
+
+def test_a_draft_beside_quantized_target_pages_changes_nothing(models):
+    """--kv-cache-dtype int8 quantizes the target's pages only (the draft's stay in the model dtype): the target
+    drafting for itself gives the int8 target's own greedy tokens, and a fixed budget counts both page sizes."""
+    want = outputs(engine(models[0], kv_cache_dtype="int8"), PROMPTS[::2], PARAMS[::2])
+    llm = engine(models[0], draft=models[0], kv_cache_dtype="int8")
+    assert [[t for t, _ in tokens] for tokens in outputs(llm, PROMPTS[::2], PARAMS[::2])] == \
+        [[t for t, _ in tokens] for tokens in want]
+    assert llm.runner.kv_cache.scales is not None and llm.runner.drafter.kv_cache.scales is None
+    paired = build_runner(replace(ENGINE_WORKER, model=str(models[0]), kv_cache_mb=1, block_size=4,
+                                  kv_cache_dtype="int8", draft_model=str(models[1])), progress=False)
+    pages = paired.kv_cache.bytes_per_block + paired.drafter.kv_cache.bytes_per_block
+    assert paired.num_blocks == 2**20 // pages

@@ -34,7 +34,7 @@ def run_ranks(folder, world_size: int, tmp_path, pipeline: bool = False, kv_dtyp
         if process.is_alive():
             process.kill()
     assert codes == [0] * world_size, f"rank exit codes {codes}"
-    return torch.load(out)
+    return torch.load(out, weights_only=True)
 
 
 # llama: 4 KV heads split; qwen2: q/k/v bias, 2 KV heads (TP=4 shares each by 2 ranks); gemma2: soft-caps,
