@@ -31,8 +31,7 @@ def _paged_decode_kernel(
     query_ptr,  # [B, H, D]
     key_cache_ptr,  # [N, BLOCK_SIZE, KVH, D]
     value_cache_ptr,  # [N, BLOCK_SIZE, KVH, D], int8 / float8 when KV_QUANT
-    key_scale_ptr,  # [N, BLOCK_SIZE, KVH] float16 when KV_QUANT (else never read)
-    value_scale_ptr,  # [N, BLOCK_SIZE, KVH] float16 when KV_QUANT
+    key_scale_ptr, value_scale_ptr,  # each [N, BLOCK_SIZE, KVH] float16 when KV_QUANT (else never read)
     block_tables_ptr,  # [B, max_blocks] int32
     context_lens_ptr,  # [B] int32
     out_ptr,  # NUM_SPLITS == 1: [B, H, D] in the query dtype; else [B, H, NUM_SPLITS, D] float32

@@ -51,8 +51,7 @@ def _prefill_kernel(
     query_ptr,  # [T, H, D]
     key_cache_ptr,  # [N, BLOCK_SIZE, KVH, D]
     value_cache_ptr,  # [N, BLOCK_SIZE, KVH, D], int8 / float8 when KV_QUANT
-    key_scale_ptr,  # [N, BLOCK_SIZE, KVH] float16 when KV_QUANT (else never read)
-    value_scale_ptr,  # [N, BLOCK_SIZE, KVH] float16 when KV_QUANT
+    key_scale_ptr, value_scale_ptr,  # each [N, BLOCK_SIZE, KVH] float16 when KV_QUANT (else never read)
     block_tables_ptr,  # [R, max_blocks] int32
     query_start_loc_ptr,  # [R + 1] int32, contiguous
     context_lens_ptr,  # [R] int32

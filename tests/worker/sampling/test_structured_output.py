@@ -228,5 +228,8 @@ def test_a_draft_models_guesses_pass_the_grammar_and_change_no_greedy_output(llm
     cases = list(SCHEMAS.items())
     prompts = [PROMPTS.get(name, f"Answer in JSON: an example of {name}.") for name, _ in cases]
     params = [schema_params(schema, MODES["greedy"], 120) for _, schema in cases]
-    assert run(drafting, tokenizer, prompts, params) == run(llm, tokenizer, prompts, params)
+    # against a fresh engine: the module's warm one answers these prompts from its prefix cache, whose chunk
+    # boundaries move a 135M model's near-tie logits enough to flip a greedy token (order-dependent before)
+    plain = LLM(EngineConfig(worker=llm.config.worker), progress=False)
+    assert run(drafting, tokenizer, prompts, params) == run(plain, tokenizer, prompts, params)
     assert drafting.engine.scheduler.speculation.num_accepted_tokens > 0
