@@ -100,6 +100,8 @@ def _config(**sizes) -> ModelConfig:
     (4, {"num_kv_heads": 6, "num_heads": 12}, "must divide the model's 6 KV heads or be a multiple of them"),
     (4, {"intermediate_size": 90}, "does not divide the model's intermediate_size 90"),
     (0, {}, "must be at least 1"),
+    (2, {"architecture": "olmoe", "qk_norm": True, "qk_norm_whole": True, "num_experts": 4, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32}, "q/k norms span the whole projection"),
 ])
 def test_sizes_a_model_cannot_be_split_over_are_refused(world_size, sizes, message):
     with pytest.raises(ValueError, match=message):
