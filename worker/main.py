@@ -22,7 +22,7 @@ from worker.build import build_follower, build_sized_runner, model_name, resolve
 from worker.linears.group_quant import weight_formats
 from worker.model_runner import ModelRunner
 from worker.options import WorkerOptions
-from worker.parallel.ranks import join_parallel, rank_threads, start_local_ranks
+from worker.parallel.ranks import join_parallel, rank_threads, start_local_ranks, started_here
 from worker.parallel.step_mirror import follow
 from worker.service import WorkerServicer, model_config_to_proto
 
@@ -100,8 +100,7 @@ def follow_rank_zero(options: WorkerOptions) -> None:
     only gRPC health on --port for its pod's probes (tokenmill.v1.Worker SERVING once its share is loaded), and
     only where rank 0 did not start it (a pod of its own; a local child shares rank 0's host and port)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {options.rank} %(name)s: %(message)s")
-    own_pod = not options.rendezvous.startswith("tcp://127.0.0.1:")
-    server, health = _follower_health(options) if own_pod else (None, None)
+    server, health = (None, None) if started_here(options) else _follower_health(options)
     parallel = join_parallel(options, resolve_device(options.device))
     build = build_follower(options, parallel)
     if health is not None:

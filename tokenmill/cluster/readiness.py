@@ -8,6 +8,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from plumbing import tls as tls_config
+from plumbing.ports import free_port  # noqa: F401 - the cluster's callers import it from here
 
 # Short reconnect backoff: by default a channel that found nobody listening waits up to 120 s before
 # trying again, which would hide a worker that starts listening after a minute of model loading.
@@ -31,13 +32,6 @@ def connect_address(address: str) -> str:
     """Where a local client reaches a server listening on address (a wildcard host means loopback)."""
     host, port = split_address(address)
     return f"127.0.0.1:{port}" if host in _WILDCARD_HOSTS else address
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS considers free right now (another process may still take it before we do)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def port_in_use(address: str) -> bool:

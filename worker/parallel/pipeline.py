@@ -41,6 +41,7 @@ class PipelineStage(nn.Module):
         self.layer_range = stage_layers(group.rank, group.world_size, model.config.num_layers)
         self.first, self.last = group.rank == 0, group.rank == group.world_size - 1
         self.layers = nn.ModuleList(model.layers[index] for index in self.layer_range)
+        self.dtype = next(self.layers.parameters()).dtype  # of the hidden states a stage receives
         # the whole model's other stages go with it; its embedding, norm and head only where they run
         model.layers = nn.ModuleList()
         if not self.last:
@@ -51,11 +52,10 @@ class PipelineStage(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache, attn_metadata) -> torch.Tensor:
         """[T] -> this stage's output [T, hidden] (the last stage's final-normed, like LlamaModel's)."""
-        dtype = next(self.layers.parameters()).dtype
         if self.first:
             h = self.whole.embed_input(input_ids)
         else:
-            h = torch.empty(input_ids.shape[0], self.config.hidden_size, dtype=dtype, device=input_ids.device)
+            h = torch.empty(input_ids.shape[0], self.config.hidden_size, dtype=self.dtype, device=input_ids.device)
             dist.recv(h, src=self.group.rank - 1, group=self.group.process_group)
         tables = self.whole.rotary_tables(positions, h.dtype)[self.layer_range.start : self.layer_range.stop]
         for layer, key_cache, value_cache, kv_scales, (cos, sin) in zip(

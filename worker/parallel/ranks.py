@@ -14,7 +14,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,11 +23,11 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from plumbing.ports import free_port
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaModel
 from worker.options import WorkerOptions
-from worker.parallel.group import join_group
-from worker.parallel.group import TensorParallelGroup
+from worker.parallel.group import TensorParallelGroup, join_group
 from worker.parallel.pipeline import PipelineStage, stage_layers
 from worker.parallel.shard import RankSplit, shard_model
 from worker.parallel.step_mirror import GROUP_LOST_EXIT, StepChannel
@@ -87,18 +86,13 @@ def rank_threads(options: WorkerOptions) -> int:
     them where rank 0 started them here, one rank's worth where each has a machine)."""
     if options.threads:
         return options.threads
-    local_ranks = options.group_size if _started_here(options) else 1
+    local_ranks = options.group_size if started_here(options) else 1
     return max(1, (os.cpu_count() or 1) // local_ranks)
 
 
-def _started_here(options: WorkerOptions) -> bool:
+def started_here(options: WorkerOptions) -> bool:
+    """Whether rank 0 started this group's ranks itself, on this machine (start_local_ranks' rendezvous)."""
     return (options.rendezvous or "").startswith("tcp://127.0.0.1:")
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _die_with_parent() -> None:  # in the child, before exec: SIGKILL when rank 0 goes, however it goes
@@ -107,7 +101,7 @@ def _die_with_parent() -> None:  # in the child, before exec: SIGKILL when rank 
 
 def start_local_ranks(options: WorkerOptions) -> WorkerOptions:
     """Rank 0 without a rendezvous: starts ranks 1..N-1 here, watched; returns rank 0's options with theirs."""
-    leader = replace(options, rendezvous=f"tcp://127.0.0.1:{_free_port()}")
+    leader = replace(options, rendezvous=f"tcp://127.0.0.1:{free_port()}")
     children = []
     for rank in range(1, options.group_size):
         argv = replace(leader, rank=rank).to_argv()

@@ -40,21 +40,19 @@ GROUP_LOST_EXIT = 70  # EX_SOFTWARE: rank 0 ended itself because its group broke
 
 
 class StepChannel:
-    """Commands from rank 0 to the others. Every rank must create it, in the same order as other groups."""
+    """Commands from rank 0 to the others of a group of two or more ranks. Every rank must create it, in the same
+    order as other groups."""
 
     def __init__(self, group: TensorParallelGroup) -> None:
         self.rank = group.rank
-        self._group = dist.new_group(backend="gloo", timeout=COMMAND_WAIT) if group.world_size > 1 else None
+        self._group = dist.new_group(backend="gloo", timeout=COMMAND_WAIT)
 
     def send(self, *command) -> None:
-        if self._group is not None:
-            dist.broadcast_object_list([command], src=0, group=self._group)
+        dist.broadcast_object_list([command], src=0, group=self._group)
 
     def agree(self, settings: dict[str, object]) -> None:
         """Raises ValueError on every rank when a rank's settings (model, dtype, ...) differ from rank 0's: ranks
         started with other flags would split or page the model differently and compute garbage together."""
-        if self._group is None:
-            return
         everyone: list[dict | None] = [None] * dist.get_world_size(self._group)
         dist.all_gather_object(everyone, settings, group=self._group)
         for rank, theirs in enumerate(everyone[1:], start=1):

@@ -4,7 +4,6 @@ gRPC health probe, tokenmill.v1.Worker SERVING once its share of the model is lo
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,14 +13,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from plumbing.rpc import WORKER_SERVICE
 from tests.helpers.tiny_models import make_tiny_hf_model
+from tokenmill.cluster.readiness import free_port
 
 START_TIMEOUT_S = 180
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def serving(port: int) -> bool:
