@@ -20,8 +20,9 @@ near-tie argmax flips.
   - other weights (nn.Linear, worker.linears.packed's packed ones) in tiles of ROW_TILE rows (RowTileLinear);
 - attention: every query token, prefill or decode, is a one-token span over its own context
   (token_spans): the compiled path runs them all through paged_decode_attention (one fixed order over the
-  keys per query, whatever else is in the step), the plain-torch path through the decode gather + SDPA in
-  groups of equal context length (one shape per context length);
+  keys per query, whatever else is in the step), the plain-torch path through the decode gather + SDPA, one
+  call per row (a batch of one: with several threads, SDPA and even a plain batched matmul give a row other
+  last bits beside other rows of the same context length on AVX2 CPUs, so grouping rows is not enough);
 - norms, activations, RoPE and sampling are per row already (compiled ops loop rows; argmax per row).
 
 What stays the same: the numbers differ from the default mode's in their last bits (other kernels). The
@@ -30,7 +31,6 @@ token_spans from here); worker.paths.base refuses the torch backend on CUDA (cuB
 """
 from __future__ import annotations
 
-from itertools import groupby
 from typing import Callable, Sequence
 
 import torch
@@ -146,14 +146,12 @@ def token_spans(spans: Sequence[RequestSpan]) -> list[RequestSpan]:
 def plan_batch_invariant_attention(spans: Sequence[RequestSpan], block_size: int,
                                    workspace: GatherWorkspace | None = None, in_place: bool = False) -> HostAttentionPlan:
     """worker.model.attention.plan_attention's deterministic twin: every token a decode row (token_spans); in
-    place, one group (the compiled kernel sums each row on its own); gathered, one group per context
-    length, so a row's SDPA call has one shape and one mask whatever else the step holds."""
+    place, one group (the compiled kernel sums each row on its own); gathered, one group per row, so a row's
+    SDPA call is the one shape [1, KVH, G, D] x [1, KVH, context, D] whatever else the step holds."""
     slot_mapping: list[int] = []
     for span in spans:
         slot_mapping.extend(span_slots(span, block_size)[1])
     rows = token_spans(spans)
     if in_place:
         return HostAttentionPlan(slot_mapping, [rows] if rows else [], [], in_place=True)
-    by_context = sorted(rows, key=lambda span: span.context_len)
-    groups = [list(group) for _, group in groupby(by_context, key=lambda span: span.context_len)]
-    return HostAttentionPlan(slot_mapping, groups, [])
+    return HostAttentionPlan(slot_mapping, [[row] for row in rows], [])
