@@ -118,8 +118,10 @@ ROOM_RULES: dict[str, tuple[str, ...]] = {
     # process files (main, service, build) sit on top of everything
     "worker.kernels": tuple(f"worker.{name}" for name in _WORKER_ABOVE_KERNELS),
     "worker.model": ("worker.paths", "worker.linears", "worker.sampling", "worker.parallel", *_WORKER_PROCESS),
-    "worker.parallel": ("worker.paths", "worker.linears", "worker.sampling", *_WORKER_PROCESS),
-    "worker.linears": ("worker.paths", "worker.model", "worker.sampling", *_WORKER_PROCESS),
+    # a rank's share cuts the model's linears, quantized ones along their groups: parallel sits over model and
+    # linears (neither knows it), beside the paths
+    "worker.parallel": ("worker.paths", "worker.sampling", *_WORKER_PROCESS),
+    "worker.linears": ("worker.paths", "worker.model", "worker.sampling", "worker.parallel", *_WORKER_PROCESS),
     "worker.sampling": ("worker.paths", "worker.model", "worker.linears", *_WORKER_PROCESS),
     "worker.paths": (*_WORKER_PROCESS, "worker.model_runner", "worker.kv_sizing"),
     "worker.options": tuple(f"worker.{name}" for name in _WORKER_ABOVE_KERNELS if name != "options"),

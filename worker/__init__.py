@@ -20,8 +20,8 @@ Rooms, arrows pointing down (nothing here imports scheduler/, gateway/ or the ro
 - sampling/: sampler, penalties, structured output. Imports neither paths/ nor model/.
 - loader/: GGUF and Hugging Face files into a model (imports model/ and linears/).
 - parallel/: tensor parallelism: a rank's share of a loaded model (heads, columns, vocabulary rows) with the
-  collectives swapped in around the plain modules, and the torch.distributed group. Imports model/; model/
-  never imports it.
+  collectives swapped in around the plain modules (quantized weights cut along their groups), pipeline
+  stages, the step mirror and the rank processes. Imports model/ and linears/; neither imports it.
 - kernels/, native_ops, csrc/, _ops: the bottom. A Triton kernel imports torch, triton, core and other
   kernels, nothing above (tests/worker/kernels/test_kernel_imports.py); native_ops loads the compiled CPU
   ops built from csrc/ into _ops/.

@@ -63,7 +63,7 @@ def load_network(options: WorkerOptions, device: torch.device, dtype: torch.dtyp
                                  block_types=block_types(options.cpu_block_kernels)
                                  if device.type == "cpu" and cpu_ops_available() else ())
     if parallel is not None:
-        network = parallel.split(network)  # a tensor split takes float weights only (it names what it refuses)
+        network = parallel.split(network)  # quantized weights along their groups (it names what it refuses)
     network = network.to(device)
     log.info("weights: %s", describe_weight_bytes(network))
     fault_in(network)  # a GGUF file's mapped blocks resident before the profile pass measures activations

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import torch
 
+from worker.linears.ggml_blocks import BLOCK_TYPES
+from worker.linears.group_quant import quantize_linears
 from worker.loader import load_model
 from worker.model.attention import build_attention_metadata
 from worker.model.kv_cache import allocate_kv_cache
@@ -17,14 +19,29 @@ PROMPTS = ([5, 17, 99, 3, 250, 8, 41, 77, 12, 200, 64], [9, 130, 31, 2, 180, 44,
 DECODE_STEPS = 6
 
 
+# how greedy_run loads the model: a folder's floats; a GGUF file's weights on their blocks, or converted to
+# group-quantized codes; a folder's floats quantized to int4 after the split, as the worker does (worker.build)
+WEIGHTS = ("float", "blocks", "converted", "int4")
+
+
+def load_weights(path: Path, weights: str):
+    if weights in ("float", "int4"):
+        return load_model(path, dtype=torch.float32, progress=False)
+    return load_model(path, dtype=torch.float32, progress=False, keep_quantized=True,
+                      block_types=BLOCK_TYPES if weights == "blocks" else ())
+
+
 def greedy_run(folder: Path, group: TensorParallelGroup = SINGLE_RANK, pipeline: bool = False,
-               kv_dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], list[list[int]]]:
+               kv_dtype: torch.dtype = torch.float32, weights: str = "float") -> tuple[list[torch.Tensor], list[list[int]]]:
     """Prefill both prompts in one packed step, then DECODE_STEPS batched greedy steps: every step's logits
     [rows, vocab] (all prompt rows, then one row per request) and each request's generated tokens (split by
-    heads over the group, or by layers with pipeline). kv_dtype: the pages' (int8 / float8: quantized pages)."""
-    whole, config = load_model(folder, dtype=torch.float32, progress=False)
+    heads over the group, or by layers with pipeline). kv_dtype: the pages' (int8 / float8: quantized pages);
+    weights: one of WEIGHTS."""
+    whole, config = load_weights(folder, weights)
     parallel = Parallel(group, channel=None, pipeline=pipeline)
     model = parallel.split(whole) if group.world_size > 1 else whole
+    if weights == "int4":
+        quantize_linears(model, bits=4)
     rank_config = parallel.kv_config(config) if group.world_size > 1 else config
     blocks_per_request = 8
     kv_cache = allocate_kv_cache(rank_config, 2 * blocks_per_request, BLOCK_SIZE, kv_dtype)
@@ -54,12 +71,12 @@ def greedy_run(folder: Path, group: TensorParallelGroup = SINGLE_RANK, pipeline:
 
 
 def rank_main(rank: int, world_size: int, init_method: str, folder: str, out: str, pipeline: bool = False,
-              kv_dtype: torch.dtype = torch.float32) -> None:
+              kv_dtype: torch.dtype = torch.float32, weights: str = "float") -> None:
     """One rank of a spawned group: rank 0 saves the logits and tokens it ends up with to `out`."""
     torch.set_num_threads(1)
     group = join_group(rank, world_size, init_method, timeout_s=60)
     try:
-        logits, tokens = greedy_run(Path(folder), group, pipeline, kv_dtype)
+        logits, tokens = greedy_run(Path(folder), group, pipeline, kv_dtype, weights)
         if rank == 0:
             torch.save({"logits": logits, "tokens": tokens}, out)
     finally:

@@ -12,7 +12,6 @@ the sum is exact up to float order: logits within 1e-4 of one rank in float32.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker.parallel.group import TensorParallelGroup
@@ -29,29 +28,31 @@ class SumOverRanks(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [start, start + rows) of the vocabulary's embeddings (the last rank's padded with zeros)."""
+    """Rows [start, start + rows) of the vocabulary's embeddings: `local` looks them up (an nn.Embedding, or a
+    quantized embedding on the rank's rows of the file: worker.parallel.shard_weights); other ids give 0."""
 
-    def __init__(self, weight: nn.Parameter, start: int, group: TensorParallelGroup) -> None:
+    def __init__(self, local: nn.Module, start: int, rows: int, group: TensorParallelGroup) -> None:
         super().__init__()
-        self.weight = weight  # [rows, hidden]
-        self.start = start
+        self.local = local
+        self.start, self.rows = start, rows
         self.group = group
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         local = input_ids - self.start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        h = F.embedding(local.masked_fill(outside, 0), self.weight)
+        outside = (local < 0) | (local >= self.rows)
+        h = self.local(local.masked_fill(outside, 0))
         return self.group.all_reduce(h.masked_fill(outside[:, None], 0))
 
 
 class GatheredLMHead(nn.Module):
-    """The rank's vocabulary columns of the logits, gathered: [R, hidden] -> [R, vocab_size]."""
+    """The rank's vocabulary columns of the logits, gathered: [R, hidden] -> [R, vocab_size]. `local`: a linear
+    over the rank's rows, padded to the same count on every rank (float or quantized)."""
 
-    def __init__(self, weight: nn.Parameter, vocab_size: int, group: TensorParallelGroup) -> None:
+    def __init__(self, local: nn.Module, vocab_size: int, group: TensorParallelGroup) -> None:
         super().__init__()
-        self.weight = weight  # [rows, hidden], padded to the same rows on every rank
+        self.local = local
         self.vocab_size = vocab_size
         self.group = group
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.group.all_gather_last(F.linear(hidden, self.weight))[:, : self.vocab_size]
+        return self.group.all_gather_last(self.local(hidden))[:, : self.vocab_size]

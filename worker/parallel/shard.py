@@ -28,6 +28,7 @@ from worker.model.llama import LlamaModel
 from worker.model.moe import StackedExperts
 from worker.parallel.group import TensorParallelGroup
 from worker.parallel.layers import GatheredLMHead, SumOverRanks, VocabParallelEmbedding
+from worker.parallel.shard_weights import QUANTIZED, embedding_on, keep_columns, keep_rows, linear_on, weight_of
 
 
 def check_split(config: ModelConfig, world_size: int) -> None:
@@ -79,6 +80,24 @@ class RankSplit:
     def vocab_rows(self) -> int:  # V' on every rank, the last one's padded
         return -(-self.config.vocab_size // self.world_size)
 
+    @property
+    def vocab_range(self) -> range:  # this rank's rows of the vocabulary (the last rank's may be fewer than V')
+        return range(min(self.rank * self.vocab_rows, self.config.vocab_size),
+                     min((self.rank + 1) * self.vocab_rows, self.config.vocab_size))
+
+    def qkv_rows(self) -> list[range]:
+        """This rank's rows of the fused [q | k | v] projection: its q heads, then its KV heads of k and of v."""
+        config, head_dim = self.config, self.config.head_dim
+        q, kv = self.q_heads, self.kv_heads
+        return [range(q.start * head_dim, q.stop * head_dim)] + [
+            range(offset + kv.start * head_dim, offset + kv.stop * head_dim)
+            for offset in (config.q_size, config.q_size + config.kv_size)]
+
+    def halves_rows(self, width: int) -> list[range]:
+        """This rank's rows of a fused [gate | up] projection whose halves are `width` rows each."""
+        columns = self.columns(width)
+        return [range(columns.start, columns.stop), range(width + columns.start, width + columns.stop)]
+
     def columns(self, width: int) -> slice:
         per_rank = width // self.world_size
         return slice(self.rank * per_rank, (self.rank + 1) * per_rank)
@@ -92,45 +111,27 @@ class RankSplit:
                        tie_word_embeddings=False)  # the tie is kept by GatheredLMHead sharing the weight
 
 
-def _heads(weight: torch.Tensor, heads: range, head_dim: int, offset: int = 0) -> torch.Tensor:
-    return weight[offset + heads.start * head_dim : offset + heads.stop * head_dim]
-
-
-def _split_qkv(weight: torch.Tensor, split: RankSplit) -> torch.Tensor:
-    """[q | k | v] rows (weight [(H + 2 KVH) D, hidden] or its bias) -> this rank's heads of each."""
-    config, head_dim = split.config, split.config.head_dim
-    q = _heads(weight, split.q_heads, head_dim)
-    k = _heads(weight, split.kv_heads, head_dim, config.q_size)
-    v = _heads(weight, split.kv_heads, head_dim, config.q_size + config.kv_size)
-    return torch.cat((q, k, v))
-
-
-def _split_halves(weight: torch.Tensor, split: RankSplit, dim: int) -> torch.Tensor:
-    """[gate | up] along dim -> this rank's columns of each half."""
-    gate, up = weight.chunk(2, dim=dim)
-    columns = split.columns(gate.shape[dim])
-    index = (slice(None),) * dim + (columns,)
-    return torch.cat((gate[index], up[index]), dim=dim)
+def _rows(tensor: torch.Tensor, ranges: list[range], dim: int = 0) -> torch.Tensor:
+    return torch.cat([tensor.narrow(dim, r.start, len(r)) for r in ranges], dim=dim)
 
 
 def _split_vocab(weight: torch.Tensor, split: RankSplit) -> torch.Tensor:
-    rows = split.vocab_rows
-    local = weight[split.rank * rows : (split.rank + 1) * rows]
-    return torch.cat((local, local.new_zeros(rows - local.shape[0], *local.shape[1:])))
+    local = weight[split.vocab_range.start : split.vocab_range.stop]
+    return torch.cat((local, local.new_zeros(split.vocab_rows - local.shape[0], *local.shape[1:])))
 
 
 def split_tensor(name: str, tensor: torch.Tensor, split: RankSplit) -> torch.Tensor:
     """This rank's part of the full model's state-dict entry `name` (replicated where the table says so)."""
     if name.endswith(("attn.wqkv.weight", "attn.wqkv.bias")):
-        return _split_qkv(tensor, split)
+        return _rows(tensor, split.qkv_rows())
     if name.endswith("attn.wo.weight"):
-        return _heads(tensor.t(), split.q_heads, split.config.head_dim).t()
+        return tensor[:, split.columns(tensor.shape[1])]
     if name.endswith("mlp.w_gate_up.weight"):
-        return _split_halves(tensor, split, dim=0)
+        return _rows(tensor, split.halves_rows(tensor.shape[0] // 2))
     if name.endswith("mlp.w_down.weight"):
         return tensor[:, split.columns(tensor.shape[1])]
     if name.endswith("mlp.experts.gate_up"):  # [E, 2I, H]
-        return _split_halves(tensor, split, dim=1)
+        return _rows(tensor, split.halves_rows(tensor.shape[1] // 2), dim=1)
     if name.endswith("mlp.experts.down"):  # [E, H, I]
         return tensor[:, :, split.columns(tensor.shape[2])]
     if name in ("embed_tokens.weight", "lm_head.weight"):
@@ -138,13 +139,45 @@ def split_tensor(name: str, tensor: torch.Tensor, split: RankSplit) -> torch.Ten
     return tensor
 
 
-def _check_float_weights(model: LlamaModel) -> None:
+def _split_quantized(name: str, module: nn.Module, split: RankSplit) -> nn.Module:
+    """A quantized q/k/v, o, gate/up or down linear's share: rows for the column-parallel ones, input columns
+    (on quant-group boundaries) for the row-parallel ones (worker.parallel.shard_weights)."""
+    weight, bias = weight_of(module), module.bias
+    if name.endswith("attn.wqkv"):
+        ranges = split.qkv_rows()
+    elif name.endswith("mlp.w_gate_up"):
+        ranges = split.halves_rows(weight.out_features // 2)
+    else:  # o and down: a partial sum on every rank, which SumOverRanks adds up; neither has a bias
+        return linear_on(keep_columns(weight, split.columns(weight.in_features), name), None)
+    return linear_on(keep_rows(weight, ranges), None if bias is None else _rows(bias, ranges))
+
+
+def _vocabulary(whole: LlamaModel, local: LlamaModel, split: RankSplit, group: TensorParallelGroup
+                ) -> tuple[VocabParallelEmbedding, GatheredLMHead]:
+    """The rank's vocabulary rows of the embedding and lm_head: float ones from the split state dict (padded),
+    quantized ones cut from the file's weight (the embedding's rows unpadded: a view of the file's pages; the
+    head padded with zero rows, so every rank gathers as many logits)."""
+    embed, head, rows = whole.embed_tokens, whole.lm_head, split.vocab_range
+    if isinstance(embed, QUANTIZED):
+        local_embed = embedding_on(keep_rows(weight_of(embed), [rows]), embed.dtype)
+    else:
+        local_embed = local.embed_tokens
+    if isinstance(head, QUANTIZED):
+        local_head = linear_on(keep_rows(weight_of(head), [rows], split.vocab_rows), None)
+    elif whole.config.tie_word_embeddings:  # the float tie kept: the head runs on the embedding's split rows
+        local_head = nn.Linear(whole.config.hidden_size, split.vocab_rows, bias=False, device="meta")
+        local_head.weight = local.embed_tokens.weight
+    else:
+        local_head = local.lm_head
+    return (VocabParallelEmbedding(local_embed, rows.start, len(rows), group),
+            GatheredLMHead(local_head, whole.config.vocab_size, group))
+
+
+def _check_experts(model: LlamaModel) -> None:
     for name, module in model.named_modules():
-        if name.endswith(("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down")) and type(module) is not nn.Linear:
-            raise ValueError(f"tensor parallelism splits float weights; {name} is a {type(module).__name__} "
-                             f"(quantized or block weights are not split yet: use --quantization none)")
         if name.endswith("mlp.experts") and type(module) is not StackedExperts:
-            raise ValueError(f"tensor parallelism splits float experts; {name} is a {type(module).__name__}")
+            raise ValueError(f"tensor parallelism splits float experts; {name} is a {type(module).__name__} "
+                             f"(a GGUF file's expert blocks are not split yet: use --quantization none)")
 
 
 def shard_model(model: LlamaModel, group: TensorParallelGroup) -> LlamaModel:
@@ -154,17 +187,24 @@ def shard_model(model: LlamaModel, group: TensorParallelGroup) -> LlamaModel:
     if group.world_size == 1:
         return model
     check_split(config, group.world_size)
-    _check_float_weights(model)
+    _check_experts(model)
     split = RankSplit(group.rank, group.world_size, config)
+    quantized = {name: module for name, module in model.named_modules() if isinstance(module, QUANTIZED)}
+    inside_quantized = tuple(f"{name}." for name in quantized)
     with torch.device("meta"):
         local = LlamaModel(split.rank_config())
-    state = {name: split_tensor(name, tensor, split).clone() for name, tensor in model.state_dict().items()}
-    local.load_state_dict(state, assign=True)
+    state = {name: split_tensor(name, tensor, split).clone() for name, tensor in model.state_dict().items()
+             if not name.startswith(inside_quantized)}
+    local.load_state_dict(state, assign=True, strict=False)  # the quantized modules' places are filled below
+    for name, module in quantized.items():
+        if name not in ("embed_tokens", "lm_head"):
+            parent, _, child = name.rpartition(".")
+            setattr(local.get_submodule(parent), child, _split_quantized(name, module, split))
     local.config = config  # the forward reads the whole model's sizes (hidden, vocab) from it
-    embed = local.embed_tokens.weight
-    local.embed_tokens = VocabParallelEmbedding(embed, split.rank * split.vocab_rows, group)
-    head_weight = embed if config.tie_word_embeddings else local.lm_head.weight
-    local.lm_head = GatheredLMHead(head_weight, config.vocab_size, group)
+    local.embed_tokens, local.lm_head = _vocabulary(model, local, split, group)
+    left = [name for name, tensor in [*local.named_parameters(), *local.named_buffers()] if tensor.is_meta]
+    if left:
+        raise ValueError(f"tensor parallelism has no split for {left[:4]} (a {config.architecture} model)")
     for layer in local.layers:
         layer.attn = SumOverRanks(layer.attn, group)
         layer.mlp = SumOverRanks(layer.mlp, group)

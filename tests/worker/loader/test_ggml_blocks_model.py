@@ -19,6 +19,7 @@ from worker.model.kv_cache import allocate_kv_cache
 from worker.native_ops import cpu_ops_available
 from worker.step_batch import RequestSpan
 from tests.helpers.make_shapes_script import load_make_shapes
+from tests.helpers.mapped_files import mapped_file
 
 pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="the compiled CPU ops are not built")
 
@@ -29,16 +30,6 @@ def shape_file(request, tmp_path_factory) -> Path:
     model = module.shaped(request.param, 1, 2048)
     path, _ = module.make(model, tmp_path_factory.mktemp("shape"), hf=False, log=lambda line: None)
     return path
-
-
-def mapped_file(address: int) -> str | None:
-    """The file whose mapping holds address in this process (/proc/self/maps), None for anonymous memory."""
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split(maxsplit=5)
-        low, high = (int(value, 16) for value in fields[0].split("-"))
-        if low <= address < high:
-            return fields[5].strip() if len(fields) == 6 else None
-    return None
 
 
 def prefill_logits(model, config, tokens: list[int]) -> torch.Tensor:

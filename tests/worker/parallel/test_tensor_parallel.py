@@ -3,27 +3,36 @@ logits of the whole model within 1e-4 (float32) and the same greedy tokens, on s
 from __future__ import annotations
 
 import multiprocessing
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.tensor_parallel_ranks import greedy_run, rank_main
+from tests.helpers.make_shapes_script import load_make_shapes
+from tests.helpers.mapped_files import mapped_file
+from tests.helpers.tensor_parallel_ranks import greedy_run, load_weights, rank_main
 from tests.helpers.tiny_models import make_tiny_hf_model
+from worker.linears.group_quant import GroupQuantWeight
 from worker.model.config import ModelConfig
+from worker.native_ops import cpu_ops_available
 from worker.parallel.pipeline import check_stages, stage_layers
-from worker.parallel.shard import check_split
+from worker.parallel.group import TensorParallelGroup
+from worker.parallel.shard import check_split, shard_model
+from worker.parallel.shard_weights import keep_columns
 
 MAX_ABS_ERR = 1e-4
+needs_cpu_ops = pytest.mark.skipif(not cpu_ops_available(), reason="GGUF blocks run on the compiled CPU ops (not built)")
 RANK_TIMEOUT_S = 240
 
 
-def run_ranks(folder, world_size: int, tmp_path, pipeline: bool = False, kv_dtype: torch.dtype = torch.float32) -> dict:
+def run_ranks(folder, world_size: int, tmp_path, pipeline: bool = False, kv_dtype: torch.dtype = torch.float32,
+              weights: str = "float") -> dict:
     context = multiprocessing.get_context("spawn")  # a fresh interpreter per rank, as a worker process is
-    kind = "pp" if pipeline else "tp"
+    kind = ("pp" if pipeline else "tp") + weights
     out = tmp_path / f"rank0-of-{kind}{world_size}.pt"
     init_method = f"file://{tmp_path}/store-{kind}{world_size}"
     ranks = [context.Process(target=rank_main, args=(rank, world_size, init_method, str(folder), str(out), pipeline,
-                                                     kv_dtype))
+                                                     kv_dtype, weights))
              for rank in range(world_size)]
     for process in ranks:
         process.start()
@@ -78,6 +87,67 @@ def test_a_split_model_on_int8_pages_matches_the_whole_one_on_int8_pages(tmp_pat
     for step, (expected, got) in enumerate(zip(whole_logits, split["logits"])):
         err = (got - expected).abs().max().item()
         assert err <= 1e-2, f"step {step}: max |logit diff| {err:.2e}"
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_file(tmp_path_factory) -> Path:
+    """make_shapes' Llama-3.2-1B shape, 1 layer, 2,048-token vocabulary, Q4_K_M's mix (q/k/v and gate/up Q4_K,
+    v and down Q6_K, a tied Q6_K embedding): at TP=2 o's 1,024 and down's 4,096 input columns a rank are whole
+    256-value K-quant blocks."""
+    module = load_make_shapes()
+    path, _ = module.make(module.shaped("llama3.2-1b", 1, 2048), tmp_path_factory.mktemp("q4km"), hf=False,
+                          log=lambda line: None)
+    return path
+
+
+# quantized weights split along their groups (worker.parallel.shard_weights): the file's blocks (rows as views of
+# the mapped file, o/down by whole blocks), the same file converted to group-quantized codes, and a folder's floats
+# quantized to int4 after the split; a row-parallel cut on block boundaries rounds each block of x to int8 as the
+# whole model does, so only the float order of the partial sums differs
+@needs_cpu_ops
+@pytest.mark.parametrize("weights", ["blocks", "converted"])
+def test_a_gguf_files_quantized_weights_split_match_the_whole_quantized_model(tmp_path, q4_k_m_file, weights):
+    whole_logits, whole_tokens = greedy_run(q4_k_m_file, weights=weights)
+    split = run_ranks(q4_k_m_file, 2, tmp_path, weights=weights)
+    assert split["tokens"] == whole_tokens
+    for step, (expected, got) in enumerate(zip(whole_logits, split["logits"])):
+        err = (got - expected).abs().max().item()
+        assert err <= MAX_ABS_ERR * expected.abs().max().item(), f"step {step}: max |logit diff| {err:.2e}"
+
+
+@needs_cpu_ops
+def test_a_ranks_share_of_block_weights_reads_the_mapped_file_where_it_can(q4_k_m_file):
+    """Building a share needs no collective, so rank 1 of 2 is built here: q/k/v and gate/up keep whole rows of
+    each part in its own type (gate/up as views of the file's pages), o and down half their input columns."""
+    whole, config = load_weights(q4_k_m_file, "blocks")
+    local = shard_model(whole, TensorParallelGroup(1, 2, None))
+    attn, mlp = local.layers[0].attn.inner, local.layers[0].mlp.inner
+    assert [(p.type_name, p.rows) for p in attn.wqkv.weight_blocks.parts] == [
+        (p.type_name, p.rows // 2) for p in whole.layers[0].attn.wqkv.weight_blocks.parts]
+    assert attn.wo.in_features == config.q_size // 2 and mlp.w_down.in_features == config.intermediate_size // 2
+    gate_up = mlp.w_gate_up.weight_blocks.parts
+    assert mapped_file(gate_up[0].blocks.data_ptr()) == str(q4_k_m_file.resolve())
+    head, embed = local.lm_head.local.weight_blocks, local.embed_tokens.local.weight_blocks
+    assert head.out_features == embed.out_features == config.vocab_size // 2
+    assert mapped_file(embed.parts[0].blocks.data_ptr()) == str(q4_k_m_file.resolve())
+
+
+def test_int4_quantized_after_the_split_matches_the_whole_model_quantized(tmp_path):
+    folder, _ = make_tiny_hf_model(tmp_path, "llama")
+    whole_logits, whole_tokens = greedy_run(folder, weights="int4")
+    split = run_ranks(folder, 2, tmp_path, weights="int4")
+    assert split["tokens"] == whole_tokens
+    for step, (expected, got) in enumerate(zip(whole_logits, split["logits"])):
+        err = (got - expected).abs().max().item()
+        assert err <= MAX_ABS_ERR, f"step {step}: max |logit diff| {err:.2e}"
+
+
+def test_a_row_parallel_cut_inside_a_quant_block_is_refused():
+    weight = GroupQuantWeight(torch.zeros(4, 96, dtype=torch.uint8), torch.ones(4, 3), torch.zeros(4, 3), 8, 32, "Q8_0")
+    with pytest.raises(ValueError, match=r"layers.0.mlp.w_down's input columns at \[48, 96\), inside a 32-value"):
+        keep_columns(weight, slice(48, 96), "layers.0.mlp.w_down")
+    kept = keep_columns(weight, slice(32, 96), "layers.0.mlp.w_down")
+    assert kept.in_features == 64 and kept.codes.shape == (4, 64) and kept.scales.shape == (4, 2)
 
 
 def test_stages_take_contiguous_layers_and_refuse_more_stages_than_layers():
