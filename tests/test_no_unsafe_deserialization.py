@@ -31,6 +31,12 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("scripts/bench_tensor_parallel.py", "import multiprocessing"):
         "a benchmark spawns its own ranks: spawn pickles the command line's argparse Namespace, the rank and a "
         "temp folder's paths; nothing from a client or a file crosses",
+    ("scripts/bench_step_broadcast.py", "import multiprocessing"):
+        "a benchmark spawns its own ranks and servers: spawn pickles their numbers, a temp folder's path and a queue; "
+        "nothing from a client or a file crosses",
+    ("scripts/bench_step_broadcast.py", "import pickle"):
+        "pickle.dumps only: the bytes a step's broadcast carries, measured and sent as an opaque gRPC payload, never "
+        "loaded",
 }
 
 
