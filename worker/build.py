@@ -59,10 +59,13 @@ def build_runner(options: WorkerOptions = WorkerOptions(), *, progress: bool = T
 def load_network(options: WorkerOptions, device: torch.device, dtype: torch.dtype, path: Path, progress: bool,
                  parallel: Parallel | None = None) -> tuple[nn.Module, ModelConfig]:
     """options.model on the device, its linears quantized if asked; with parallel, this rank's share of it."""
+    share_of = None if parallel is None else parallel.share_of(path)  # a folder: only the rank's rows and columns read
     network, config = load_model(path, dtype=dtype, progress=progress, keep_quantized=options.quantization == "auto",
                                  block_types=block_types(options.cpu_block_kernels)
-                                 if device.type == "cpu" and cpu_ops_available() else ())
-    if parallel is not None:
+                                 if device.type == "cpu" and cpu_ops_available() else (), share_of=share_of)
+    if share_of is not None:
+        network = parallel.wrap(network, config)
+    elif parallel is not None:
         network = parallel.split(network)  # quantized weights along their groups (it names what it refuses)
     network = network.to(device)
     log.info("weights: %s", describe_weight_bytes(network))

@@ -34,16 +34,18 @@ def start_cluster(folder, *extra: str, split: str = "--tensor-parallel-size", si
     return resolve_ports(ClusterConfig.from_args(args, **cli.serve_security_options(args)))
 
 
-def follower_pids() -> list[int]:
-    """The pids of rank-1 processes (worker.main --rank 1) on this machine."""
+def follower_pids(folder) -> list[int]:
+    """The pids of rank-1 processes (worker.main --rank 1) serving `folder` (this test's model: other runs on the
+    machine serve their own)."""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                argv = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+                cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
             except OSError:
                 continue
-            if b"worker.main" in argv and b"--rank" in argv and b"1" in argv:
+            argv = cmdline.split(b"\0")
+            if b"worker.main" in argv and b"--rank" in argv and b"1" in argv and str(folder).encode() in cmdline:
                 pids.append(int(entry))
     return pids
 
@@ -58,7 +60,7 @@ def test_greedy_through_a_split_model_equals_transformers(tmp_path, flavour, spl
     folder, hf_model = make_tiny_hf_model(tmp_path, flavour)
     config = start_cluster(folder, split=split, size=size)
     with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300):
-        assert len(follower_pids()) == 1, "rank 0 did not start rank 1"
+        assert len(follower_pids(folder)) == 1, "rank 0 did not start rank 1"
         prompt_ids, outputs = cluster_greedy(config.gateway_address, PROMPTS, NEW_TOKENS)
     for prompt, ids, tokens in zip(PROMPTS, prompt_ids, outputs):
         assert tokens == transformers_greedy(hf_model, ids, NEW_TOKENS), prompt
@@ -73,7 +75,7 @@ def test_a_lost_rank_restarts_the_group_and_the_streams_finish(tmp_path, stop, e
     config = start_cluster(folder, *extra)
     with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300,
                     restart_policies=restart_policies(FAST_RESTARTS)):  # as `tokenmill serve` restarts children
-        [first_rank] = follower_pids()
+        [first_rank] = follower_pids(folder)
         with Client(config.gateway_address, timeout=180) as client:
             prompt_ids = [client.tokenize(prompt) for prompt in PROMPTS]
             streams = [client.stream(prompt, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -84,8 +86,8 @@ def test_a_lost_rank_restarts_the_group_and_the_streams_finish(tmp_path, stop, e
                 for delta in stream:
                     tokens += delta.token_ids
         deadline = time.monotonic() + 30
-        while not [pid for pid in follower_pids() if pid != first_rank] and time.monotonic() < deadline:
+        while not [pid for pid in follower_pids(folder) if pid != first_rank] and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert [pid for pid in follower_pids() if pid != first_rank], "no new rank 1 after the kill"
+        assert [pid for pid in follower_pids(folder) if pid != first_rank], "no new rank 1 after the kill"
     for prompt, ids, tokens in zip(PROMPTS, prompt_ids, received):
         assert tokens == transformers_greedy(hf_model, ids, NEW_TOKENS), prompt  # nothing lost, nothing repeated

@@ -19,16 +19,27 @@ PROMPTS = ([5, 17, 99, 3, 250, 8, 41, 77, 12, 200, 64], [9, 130, 31, 2, 180, 44,
 DECODE_STEPS = 6
 
 
-# how greedy_run loads the model: a folder's floats; a GGUF file's weights on their blocks, or converted to
-# group-quantized codes; a folder's floats quantized to int4 after the split, as the worker does (worker.build)
-WEIGHTS = ("float", "blocks", "converted", "int4")
+# how greedy_run loads the model: a folder's floats, a tensor-parallel rank reading only its share (as the worker
+# does: worker.build), or the whole model split after loading (as for a GGUF file's floats); a GGUF file's weights
+# on their blocks, or converted to group-quantized codes; a folder's floats quantized to int4 after the split
+WEIGHTS = ("float", "float-whole", "blocks", "converted", "int4")
 
 
 def load_weights(path: Path, weights: str):
-    if weights in ("float", "int4"):
+    if weights in ("float", "float-whole", "int4"):
         return load_model(path, dtype=torch.float32, progress=False)
     return load_model(path, dtype=torch.float32, progress=False, keep_quantized=True,
                       block_types=BLOCK_TYPES if weights == "blocks" else ())
+
+
+def load_share(path: Path, weights: str, parallel: Parallel):
+    """(this rank's share, the whole model's config): the share read as such from a folder (weights "float", tensor split), else split after loading."""
+    share_of = parallel.share_of(path) if weights == "float" else None
+    if share_of is None:
+        whole, config = load_weights(path, weights)
+        return parallel.split(whole), config
+    share, config = load_model(path, dtype=torch.float32, progress=False, share_of=share_of)
+    return parallel.wrap(share, config), config
 
 
 def greedy_run(folder: Path, group: TensorParallelGroup = SINGLE_RANK, pipeline: bool = False,
@@ -37,9 +48,8 @@ def greedy_run(folder: Path, group: TensorParallelGroup = SINGLE_RANK, pipeline:
     [rows, vocab] (all prompt rows, then one row per request) and each request's generated tokens (split by
     heads over the group, or by layers with pipeline). kv_dtype: the pages' (int8 / float8: quantized pages);
     weights: one of WEIGHTS."""
-    whole, config = load_weights(folder, weights)
     parallel = Parallel(group, channel=None, pipeline=pipeline)
-    model = parallel.split(whole) if group.world_size > 1 else whole
+    model, config = load_weights(folder, weights) if group.world_size == 1 else load_share(folder, weights, parallel)
     if weights == "int4":
         quantize_linears(model, bits=4)
     rank_config = parallel.kv_config(config) if group.world_size > 1 else config

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -11,6 +12,7 @@ from tqdm import tqdm
 
 from worker.loader.errors import ModelLoadError
 from worker.loader.moe import hf_moe_fields, refuse_unsupported_variant, stored_expert_parts
+from worker.loader.share import TensorShare, cut
 from worker.loader.weights import LM_HEAD, check_shape, expected_hf_shapes
 from worker.model.config import ModelConfig, RopeScaling
 
@@ -235,11 +237,20 @@ class _FolderTensors:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
-    def read(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        if name not in self.tensor_files:
-            return self._stacked(name, shape, dtype)
+    def read(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, share: TensorShare | None = None) -> torch.Tensor:
+        """The tensor in dtype; with share, only the part share.part(name) names, read from the file as such
+        (safetensors slices: the rest of the tensor is never read into memory)."""
+        part = None if share is None else share.part(name)
+        if name not in self.tensor_files:  # per-expert tensors, stacked: cut after stacking
+            tensor = self._stacked(name, shape, dtype)
+            return tensor if part is None else cut(tensor, *part)
         check_shape(str(self.tensor_files[name]), name, self.shape(name), shape)
-        return self._handle(name).get_tensor(name).to(dtype)
+        if part is None:
+            return self._handle(name).get_tensor(name).to(dtype)
+        dim, ranges = part
+        stored = self._handle(name).get_slice(name)
+        pieces = [stored[(slice(None),) * dim + (slice(r.start, r.stop),)].to(dtype) for r in ranges]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
     def _handle(self, name: str):
         path = self.tensor_files.get(name)
@@ -264,17 +275,24 @@ class _FolderTensors:
         return tensor
 
 
-def read_hf_folder(folder: Path, dtype: torch.dtype, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Returns the config and the checked HF-named tensors in dtype (a MoE layer's experts stacked)."""
+def read_hf_folder(folder: Path, dtype: torch.dtype, progress: bool,
+                   share_of: Callable[[ModelConfig], TensorShare] | None = None
+                   ) -> tuple[ModelConfig, dict[str, torch.Tensor], TensorShare | None]:
+    """Returns the config, the checked HF-named tensors in dtype (a MoE layer's experts stacked) and, with
+    share_of, the share they were cut to (share_of(config): a tensor-parallel rank's)."""
     config_path = folder / "config.json"
     raw = _read_config_json(config_path)
     tensor_files = _tensor_files(folder)
     config = parse_hf_config(raw, config_path, tie_word_embeddings=LM_HEAD not in tensor_files)
     expected = expected_hf_shapes(config)
+    share = None if share_of is None else share_of(config)
     reader = _FolderTensors(folder, tensor_files)
     try:
-        return config, {name: reader.read(name, shape, dtype) for name, shape in
-                        tqdm(expected.items(), desc=f"loading {folder.name}", unit="tensor", file=sys.stderr,
-                             disable=not progress)}
+        tensors = {name: reader.read(name, shape, dtype, share) for name, shape in
+                   tqdm(expected.items(), desc=f"loading {folder.name}", unit="tensor", file=sys.stderr,
+                        disable=not progress)}
     finally:
         reader.handles.clear()
+    if share is not None:
+        tensors = {name: share.pad(name, tensor) for name, tensor in tensors.items()}
+    return config, tensors, share

@@ -18,7 +18,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -29,7 +31,7 @@ from worker.model.llama import LlamaModel
 from worker.options import WorkerOptions
 from worker.parallel.group import TensorParallelGroup, join_group
 from worker.parallel.pipeline import PipelineStage, stage_layers
-from worker.parallel.shard import RankSplit, shard_model
+from worker.parallel.shard import HfShare, RankSplit, check_split, shard_model, wrap_share
 from worker.parallel.step_mirror import GROUP_LOST_EXIT, StepChannel
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,21 @@ class Parallel:
     def split(self, model: LlamaModel) -> nn.Module:
         """This rank's share of the whole model, loaded alike on every rank."""
         return PipelineStage(model, self.group) if self.pipeline else shard_model(model, self.group)
+
+    def share_of(self, path: Path) -> Callable[[ModelConfig], HfShare] | None:
+        """What load_model reads of `path` for this rank (a Hugging Face folder split by heads: only its rows and
+        columns, never the whole model); None: the whole model, split after loading (split())."""
+        if self.pipeline or not path.is_dir():
+            return None
+
+        def share(config: ModelConfig) -> HfShare:
+            check_split(config, self.group.world_size)
+            return HfShare(RankSplit(self.group.rank, self.group.world_size, config))
+        return share
+
+    def wrap(self, share: LlamaModel, config: ModelConfig) -> nn.Module:
+        """The collectives around a share load_model read with share_of()."""
+        return wrap_share(share, config, self.group)
 
     def kv_config(self, config: ModelConfig) -> ModelConfig:
         """The config of this rank's KV pages: its KV heads of every layer, or every KV head of its layers."""

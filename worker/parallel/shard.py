@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from worker.loader.share import cut
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaModel
 from worker.model.moe import StackedExperts
@@ -112,7 +113,52 @@ class RankSplit:
 
 
 def _rows(tensor: torch.Tensor, ranges: list[range], dim: int = 0) -> torch.Tensor:
-    return torch.cat([tensor.narrow(dim, r.start, len(r)) for r in ranges], dim=dim)
+    return cut(tensor, dim, ranges)
+
+
+@dataclass(frozen=True, slots=True)
+class HfShare:
+    """A rank's share as the loader reads it from a Hugging Face folder (worker.loader.share.TensorShare): the
+    same rows and columns split_tensor keeps of the fused model, named by the file's tensors."""
+
+    split: RankSplit
+
+    def part(self, name: str) -> tuple[int, list[range]] | None:
+        split, config = self.split, self.split.config
+        head_dim = config.head_dim
+        q, kv = split.q_heads, split.kv_heads
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            return 0, [range(q.start * head_dim, q.stop * head_dim)]
+        if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
+                          "self_attn.v_proj.bias")):
+            return 0, [range(kv.start * head_dim, kv.stop * head_dim)]
+        if name.endswith("self_attn.qkv_proj.weight"):
+            return 0, split.qkv_rows()
+        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            return 1, [_range(split.columns(config.q_size if "o_proj" in name else config.intermediate_size))]
+        if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+            return 0, [_range(split.columns(config.intermediate_size))]
+        if name.endswith("mlp.gate_up_proj.weight"):
+            return 0, split.halves_rows(config.intermediate_size)
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]
+            return 1, split.halves_rows(config.moe_intermediate_size)
+        if name.endswith("mlp.experts.down_proj"):  # [E, H, I]
+            return 2, [_range(split.columns(config.moe_intermediate_size))]
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return 0, [split.vocab_range]
+        return None  # norms, the router: every rank holds them whole
+
+    def pad(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name not in ("model.embed_tokens.weight", "lm_head.weight"):
+            return tensor
+        return torch.cat((tensor, tensor.new_zeros(self.split.vocab_rows - tensor.shape[0], *tensor.shape[1:])))
+
+    def rank_config(self) -> ModelConfig:
+        return self.split.rank_config()
+
+
+def _range(columns: slice) -> range:
+    return range(columns.start, columns.stop)
 
 
 def _split_vocab(weight: torch.Tensor, split: RankSplit) -> torch.Tensor:
@@ -152,8 +198,7 @@ def _split_quantized(name: str, module: nn.Module, split: RankSplit) -> nn.Modul
     return linear_on(keep_rows(weight, ranges), None if bias is None else _rows(bias, ranges))
 
 
-def _vocabulary(whole: LlamaModel, local: LlamaModel, split: RankSplit, group: TensorParallelGroup
-                ) -> tuple[VocabParallelEmbedding, GatheredLMHead]:
+def _vocabulary(whole: LlamaModel, local: LlamaModel, split: RankSplit) -> tuple[nn.Module, nn.Module]:
     """The rank's vocabulary rows of the embedding and lm_head: float ones from the split state dict (padded),
     quantized ones cut from the file's weight (the embedding's rows unpadded: a view of the file's pages; the
     head padded with zero rows, so every rank gathers as many logits)."""
@@ -169,8 +214,7 @@ def _vocabulary(whole: LlamaModel, local: LlamaModel, split: RankSplit, group: T
         local_head.weight = local.embed_tokens.weight
     else:
         local_head = local.lm_head
-    return (VocabParallelEmbedding(local_embed, rows.start, len(rows), group),
-            GatheredLMHead(local_head, whole.config.vocab_size, group))
+    return local_embed, local_head
 
 
 def _check_experts(model: LlamaModel) -> None:
@@ -200,11 +244,27 @@ def shard_model(model: LlamaModel, group: TensorParallelGroup) -> LlamaModel:
         if name not in ("embed_tokens", "lm_head"):
             parent, _, child = name.rpartition(".")
             setattr(local.get_submodule(parent), child, _split_quantized(name, module, split))
-    local.config = config  # the forward reads the whole model's sizes (hidden, vocab) from it
-    local.embed_tokens, local.lm_head = _vocabulary(model, local, split, group)
+    local.embed_tokens, local.lm_head = _vocabulary(model, local, split)
     left = [name for name, tensor in [*local.named_parameters(), *local.named_buffers()] if tensor.is_meta]
     if left:
         raise ValueError(f"tensor parallelism has no split for {left[:4]} (a {config.architecture} model)")
+    return _wrap(local, split, group)
+
+
+def wrap_share(local: LlamaModel, config: ModelConfig, group: TensorParallelGroup) -> LlamaModel:
+    """A share the loader read as such (load_model with HfShare: the rank's rows and columns of a Hugging Face
+    folder, vocabulary rows padded), with the collectives swapped in: what shard_model makes of the whole model."""
+    if group.world_size == 1:
+        return local
+    return _wrap(local, RankSplit(group.rank, group.world_size, config), group)
+
+
+def _wrap(local: LlamaModel, split: RankSplit, group: TensorParallelGroup) -> LlamaModel:
+    """The collectives around a share whose embed_tokens / lm_head hold the rank's vocabulary rows."""
+    local.config = split.config  # the forward reads the whole model's sizes (hidden, vocab) from it
+    rows = split.vocab_range
+    local.embed_tokens = VocabParallelEmbedding(local.embed_tokens, rows.start, len(rows), group)
+    local.lm_head = GatheredLMHead(local.lm_head, split.config.vocab_size, group)
     for layer in local.layers:
         layer.attn = SumOverRanks(layer.attn, group)
         layer.mlp = SumOverRanks(layer.mlp, group)

@@ -16,7 +16,9 @@ from worker.linears.group_quant import GroupQuantWeight
 from worker.model.config import ModelConfig
 from worker.native_ops import cpu_ops_available
 from worker.parallel.pipeline import check_stages, stage_layers
+from worker.loader import load_model
 from worker.parallel.group import TensorParallelGroup
+from worker.parallel.ranks import Parallel
 from worker.parallel.shard import check_split, shard_model
 from worker.parallel.shard_weights import keep_columns
 
@@ -60,6 +62,32 @@ def test_split_model_matches_the_whole_one(tmp_path, flavour, world_sizes):
             assert got.shape == expected.shape
             err = (got - expected).abs().max().item()
             assert err <= MAX_ABS_ERR, f"TP={world_size} step {step}: max |logit diff| {err:.2e}"
+
+
+def test_the_whole_model_split_after_loading_matches_it_too(tmp_path):
+    """The float split of a loaded model (a GGUF file's floats take it): the same logits as a share read as such."""
+    folder, _ = make_tiny_hf_model(tmp_path, "qwen2")
+    whole_logits, whole_tokens = greedy_run(folder)
+    split = run_ranks(folder, 2, tmp_path, weights="float-whole")
+    assert split["tokens"] == whole_tokens
+    for step, (expected, got) in enumerate(zip(whole_logits, split["logits"])):
+        assert (got - expected).abs().max().item() <= MAX_ABS_ERR, f"step {step}"
+
+
+@pytest.mark.parametrize("flavour", ["qwen2", "qwen3_moe", "gemma2"])
+def test_a_rank_reads_only_its_share_of_a_folder(tmp_path, flavour):
+    """Rank 1 of 2 loads a folder (load_model with its HfShare): every tensor is its share's size, so its memory never
+    holds the whole model; the tied or untied vocabulary rows are padded to the same count on every rank."""
+    folder, _ = make_tiny_hf_model(tmp_path, flavour)
+    whole, config = load_model(folder, dtype=torch.float32, progress=False)
+    parallel = Parallel(TensorParallelGroup(1, 2, None), channel=None)
+    share, same_config = load_model(folder, dtype=torch.float32, progress=False, share_of=parallel.share_of(folder))
+    assert same_config == config
+    split = shard_model(whole, parallel.group)  # the whole model split after loading: the reference share
+    expected, got = split.state_dict(), parallel.wrap(share, config).state_dict()
+    assert {name: tensor.shape for name, tensor in got.items()} == {name: tensor.shape for name, tensor in expected.items()}
+    for name, tensor in got.items():
+        assert torch.equal(tensor, expected[name]), name
 
 
 # pipeline stages: llama's 2 layers one a stage; gemma2's sliding-window and global layers on different
