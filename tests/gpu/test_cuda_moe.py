@@ -3,8 +3,8 @@ experts through worker.kernels.fused_moe, CUDA graphs on and captured at warm-up
 reference's in float32 (logprobs within 1e-3), and which runs it in bfloat16 too (whose tokens may part from
 float32's by rounding alone, so only the steps' shape is checked there). Then one Qwen3-30B-A3B-shaped MoE layer
 (128 experts, top 8, hidden 2048, expert width 768) in bfloat16 through the fused kernel against the float32 grouped
-reference (worker.model.moe.run_experts), from one token to a prefill's 512: the tile sizes and compiled code the
-tiny shapes of tests/worker/kernels/test_fused_moe.py never reach.
+reference (worker.model.moe.run_experts), from one token to a prefill's 512, and on int4 experts: the tile sizes
+and compiled code the tiny shapes of tests/worker/kernels/test_fused_moe.py never reach.
 
 The CUDA tests are skipped without CUDA; tests/gpu/run.sh runs them on the device machine. On CPU the last test runs
 moe_on_device_matches_cpu on the Triton path under the interpreter, so the device function is checked here too."""
@@ -86,6 +86,31 @@ def test_a_30b_a3b_shaped_moe_layer_in_bfloat16_matches_the_float32_reference(ex
     # three roundings to bfloat16 (gate/up, the activation, down) on the way, each ~0.2% of its value
     relative = ((out.float() - expected).norm() / expected.norm()).item()
     assert relative < 1e-2, relative
+
+
+@cuda_only
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_a_30b_a3b_shaped_layer_on_int4_experts_matches_the_reference_on_their_dequantized_weights(experts_30b,
+                                                                                                  num_tokens):
+    """Each expert in 4-bit groups of 32 (worker.linears.group_quant's layout, as group_quant_matmul reads it)."""
+    from worker.kernels.fused_moe import GroupQuantExperts, fused_moe
+    from worker.linears.group_quant import quantize_weight
+
+    def quantized(weight: torch.Tensor) -> GroupQuantExperts:
+        parts = [quantize_weight(expert, 4, 32) for expert in weight]
+        return GroupQuantExperts(*(torch.stack([getattr(part, name) for part in parts])
+                                   for name in ("codes", "scales", "mins")), 4, 32)
+
+    gate_up, down, router = (quantized(experts_30b[0]), quantized(experts_30b[1]), experts_30b[2])
+    x = torch.randn(num_tokens, HIDDEN_30B, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    weights, experts = route(x, router, TOP_K_30B, norm_topk_prob=True, weights_float=True)
+    x = x.bfloat16()
+
+    out = fused_moe(x, weights, experts, gate_up, down)
+
+    expected = run_experts(x.float(), weights, experts, gate_up.dequantize(), down.dequantize())
+    relative = ((out.float() - expected).norm() / expected.norm()).item()
+    assert relative < 1e-2, relative  # the dequantized weights rounded to bfloat16 once more
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA test above runs it on the device")

@@ -1,14 +1,17 @@
 """The fused-MoE kernels against a per-token reference (fused_moe_torch: each token's top-k experts one at a time in
 float32 torch) and against the reference model's grouped experts (worker.model.moe.run_experts): several expert
 counts, top-k and token counts (T = 1 included), an expert no token chose (its weights NaN: never read), routing
-ties, a run longer than one block, strided rows, float32 / float16 / bfloat16; the alignment's layout; argument
-errors named. Tiny shapes: under the interpreter every launch costs a fraction of a second."""
+ties, a run longer than one block, strided rows, float32 / float16 / bfloat16; group-quantized experts in each
+layout group_quant_matmul takes; the alignment's layout; argument errors named. Tiny shapes: under the interpreter
+every launch costs a fraction of a second."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from worker.kernels.fused_moe import align_pairs, block_sizes, fused_moe, fused_moe_torch
+from worker.kernels.fused_moe import GroupQuantExperts, align_pairs, block_sizes, fused_moe, fused_moe_torch
+from worker.kernels.group_quant_matmul import LAYOUTS
+from worker.linears.group_quant import quantize_weight
 from worker.model.moe import route, run_experts
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -142,6 +145,33 @@ def test_gelu_tanh_experts_and_router_weights_in_the_models_dtype():
     _assert_close(out, fused_moe_torch(x, weights, experts, gate_up, down, "gelu_tanh"), torch.bfloat16)
 
 
+def _quantized(weight: torch.Tensor, bits: int, group_size: int) -> GroupQuantExperts:
+    """Each expert's [N, K] quantized as worker.linears.group_quant quantizes one linear, stacked."""
+    parts = [quantize_weight(expert, bits, group_size) for expert in weight]
+    return GroupQuantExperts(*(torch.stack([getattr(part, name) for part in parts])
+                               for name in ("codes", "scales", "mins")), bits, group_size)
+
+
+@pytest.mark.parametrize("bits,group_size", LAYOUTS)
+@pytest.mark.parametrize("dtype,num_tokens", [(torch.float32, 1), (torch.bfloat16, 6)])
+def test_group_quantized_experts_match_the_reference_on_their_dequantized_weights(bits, group_size, dtype,
+                                                                                   num_tokens):
+    """hidden 96: three groups of 32 (six of 16), a K loop of two steps with a partial one; expert width 32."""
+    hidden, inter, num_experts = 96, 32, 4
+    generator = torch.Generator().manual_seed(bits + group_size)
+    gate_up = _quantized(torch.randn(num_experts, 2 * inter, hidden, generator=generator) * 0.1, bits, group_size)
+    down = _quantized(torch.randn(num_experts, hidden, inter, generator=generator) * 0.2, bits, group_size)
+    gate_up, down = (GroupQuantExperts(*(t.to(DEVICE) for t in (w.codes, w.scales, w.mins)), bits, group_size)
+                     for w in (gate_up, down))
+    x = torch.randn(num_tokens, hidden, generator=generator).to(DEVICE, dtype)
+    weights, experts = _routing(num_tokens, num_experts, 2, seed=14)
+
+    out = fused_moe(x, weights, experts, gate_up, down)
+
+    assert out.dtype == dtype and out.shape == (num_tokens, hidden)
+    _assert_close(out, fused_moe_torch(x, weights, experts, gate_up, down), dtype)
+
+
 def test_no_tokens_give_an_empty_output():
     gate_up, down = _experts(4, torch.float32)
     empty = torch.empty(0, 2, dtype=torch.int64, device=DEVICE)
@@ -162,3 +192,6 @@ def test_bad_arguments_are_named():
                   gate_up, down)
     with pytest.raises(ValueError, match="fused_moe: hidden_act='relu' is not one of"):
         fused_moe(x, weights, experts, gate_up, down, hidden_act="relu")
+    with pytest.raises(ValueError, match="fused_moe: gate_up is quantized in groups of 32, which do not divide its "
+                                         "rows of 48"):
+        fused_moe(x, weights, experts, _quantized(gate_up[:, :, :32], 4, 32), down)
