@@ -1,9 +1,10 @@
 """Every execution path with a mixture of experts: it runs the model or refuses it at start, naming itself and
 the architecture. auto takes the Triton backend for a MoE model on CUDA (CUDA graphs on) and torch on the CPU;
 --kernel-backend triton runs it (routing in torch, experts through worker.kernels.fused_moe) with the torch path's
-logits within 1e-4 and its tokens, for each MoE family; --deterministic is refused, and a Triton path built by hand
-under it too; the CPU path with its defaults (packed linears, the compiled decoder ops, int8 / int4 linears) runs it,
-its experts as the reference runs them."""
+logits within 1e-4 and its tokens, for each MoE family, and a GGUF file's experts on its blocks behind the
+layer's seam; --deterministic is refused, and a Triton path built by hand under it too; the CPU path with its
+defaults (packed linears, the compiled decoder ops, int8 / int4 linears) runs it, its experts as the reference runs
+them."""
 from __future__ import annotations
 
 import dataclasses
@@ -73,6 +74,27 @@ def test_the_triton_backend_runs_moe_as_the_torch_path(tmp_path, flavour):
     assert len(logits["triton"]) == len(logits["torch"]) == 5
     for expected, actual in zip(logits["torch"], logits["triton"]):
         torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+
+
+def test_experts_on_gguf_blocks_run_behind_the_seam_on_the_triton_path(tmp_path):
+    """A GGUF file's Q8_0 experts kept in its blocks (CPU, --cpu-block-kernels all) are not stacked floats: the
+    Triton path runs them as the torch path does (their native kernels), the rest of the layer through its kernels."""
+    from tests.helpers.tiny_gguf import write_converter_gguf
+    from worker.linears.ggml_blocks import block_types
+    from worker.linears.ggml_experts import GGMLBlocksExperts
+    from worker.native_ops import cpu_ops_available
+
+    if not cpu_ops_available():
+        pytest.skip("the compiled CPU ops are not built")
+    _, hf_model = make_tiny_hf_model(tmp_path, "qwen3_moe", mlp_only_layers=[])
+    path = tmp_path / "q8.gguf"
+    write_converter_gguf(path, hf_model, quantize={f"ffn_{p}_exps.weight": "Q8_0" for p in ("gate", "up", "down")})
+    model, config = load_model(path, progress=False, keep_quantized=True, block_types=block_types("all"))
+    assert all(isinstance(layer.mlp.experts, GGMLBlocksExperts) for layer in model.layers)
+    steps = {backend: run_mixed_steps(_runner(model, config, kernel_backend=backend, packed_linears=False,
+                                              cpu_fused_ops=False))
+             for backend in ("torch", "triton")}
+    assert_same_steps(steps["torch"], steps["triton"], logprob_atol=1e-4)
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
