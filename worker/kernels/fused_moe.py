@@ -95,8 +95,9 @@ def align_pairs(top_experts: torch.Tensor, num_experts: int, block_m: int) -> Al
     flat = top_experts.reshape(-1).long()  # [P]
     num_pairs, device = flat.shape[0], flat.device
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded_ends = ((counts + block_m - 1) // block_m * block_m).cumsum(0)  # [E]: expert e's run ends here
-    padded_starts = padded_ends - (counts + block_m - 1) // block_m * block_m
+    padded_counts = (counts + block_m - 1) // block_m * block_m  # [E]: 0 for an expert without pairs
+    padded_ends = padded_counts.cumsum(0)  # [E]: expert e's run ends here
+    padded_starts = padded_ends - padded_counts
     starts = counts.cumsum(0) - counts  # [E]: where expert e's pairs start in the unpadded sorted order
     order = torch.argsort(flat, stable=True)  # [P]: pair ids grouped by expert, token order within one
     sorted_experts = flat.index_select(0, order)
