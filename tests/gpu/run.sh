@@ -3,15 +3,19 @@
 # ~9 minutes here at most (BUDGET_S; about 7 when nothing hangs), every phase under its own timeout so a hang costs its
 # phase, not the lease.
 #   1. Every kernel test on CUDA (TRITON_INTERPRET=0; the INT8 and group-quantized int4 / GGUF weight
-#      kernels included), spread over processes with pytest-xdist when the image has it, beside the
-#      CUDA-path tests of tests/gpu in one process (graphs, staging, the Triton runner against the torch
-#      one, each family's attention, the swap tier's pinned pages and copy stream, the KV cache sized from
-#      free device memory). Triton compiles cold on a fresh machine; the processes share that work.
+#      kernels and the fused-MoE kernel included), spread over processes with pytest-xdist when the image has
+#      it, beside the CUDA-path tests of tests/gpu in one process (graphs, staging, the Triton runner against
+#      the torch one, each family's attention, a mixture of experts on the Triton path with graphs against the
+#      float32 CPU reference and a Qwen3-30B-A3B-shaped MoE layer in bfloat16, the swap tier's pinned pages and
+#      copy stream, the KV cache sized from free device memory). Triton compiles cold on a fresh machine; the
+#      processes share that work.
 #   2. Alone on the GPU: the decode-step benchmark on a Llama-3-8B-shaped random-weight model in bfloat16
 #      (batch 1/16/64/256, 512-1536 tokens of context; CUDA graphs on/off x stream overlap on/off, async
 #      scheduling on/off with both on); the group-quantized kernels alone (tiled vs GEMV vs bf16 weights,
 #      the GEMV configurations swept) and the 8B model with int4 / int8 linears; then issue 19's
-#      memory-pressure benchmark, swap vs recompute vs static (bench_swap.py).
+#      memory-pressure benchmark, swap vs recompute vs static (bench_swap.py); then one Qwen3-30B-A3B-shaped
+#      MoE layer in bfloat16 at 1-256 tokens, the fused-MoE kernel against the torch path's grouped experts
+#      (bench_fused_moe.py, its rows in gpu_run.log).
 #   3. The served cluster (issue 33 item 5, tests/gpu/served_cluster.py): a random-weight Llama-3-8B-shaped
 #      bfloat16 model drawn on the GPU and written as an HF folder, redis-server if the machine has one (the
 #      image has none: then the cluster's no-Redis mode, an empty Redis URL, no request records), the worker,
@@ -95,6 +99,9 @@ SPREAD=()
       --many-rows-kernel dequant || status=1  # its rows in gpu_run.log: 8 files is the most the device returns
   # issue 19: memory pressure on the GPU, preemption by swap (pinned host pages, copy stream) vs recompute vs static
   run timeout 80 "$PYTHON" -m tests.gpu.bench_swap --output "$OUTPUT_DIR/bench_swap.json" || status=1
+  # issue 36: a 30B-A3B-shaped MoE layer, fused kernel (graph replays) vs grouped torch experts; its rows and JSON
+  # line land in gpu_run.log (8 files is the most the device returns); what it takes comes off the served cluster's
+  run timeout 45 "$PYTHON" -m tests.gpu.bench_fused_moe || status=1
   # issue 33 item 5: the served cluster beside the ModelRunner alone; its working files stay off OUTPUT_DIR
   # (8 files is the most the device returns): the table and a JSON line land in gpu_run.log
   left=$((BUDGET_S - SECONDS))

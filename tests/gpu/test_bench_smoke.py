@@ -51,3 +51,16 @@ def test_group_quant_benchmark_dry_run_checks_and_ranks(tmp_path):
     assert results["best_gemv_config"] and [row["rows"] for row in results["table"]] == [1, 3]
     assert results["best_dequant_config"] and all("dequant_us" in row for row in results["table"])
     assert json.loads((tmp_path / "gq.json").read_text())["best_gemv_config"] == results["best_gemv_config"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton takes CPU tensors only under the interpreter, which a "
+                    "CUDA machine runs without; tests/gpu/run.sh runs the real benchmark there")
+def test_fused_moe_benchmark_dry_run_checks_both_paths(tmp_path):
+    from tests.gpu.bench_fused_moe import main as bench_fused_moe
+
+    output = tmp_path / "moe.json"
+    rows = bench_fused_moe(["--dry-run", "--output", str(output)])
+    assert [row["tokens"] for row in rows] == [1, 16]
+    # the interpreter rounds to bfloat16 toward zero (bench_fused_moe: max_error)
+    assert all(row["fused_error"] < 3e-2 and row["torch_error"] < 1e-2 and row["experts_read"] >= 2 for row in rows)
+    assert json.loads(output.read_text())["shape"]["top_k"] == 2

@@ -1,8 +1,13 @@
-"""A mixture of experts on CUDA (issue 36): `--kernel-backend auto` takes the torch backend for it (the Triton path
-has no expert layers; CUDA graphs off with it), which runs the same tokens as the float32 CPU reference, in float32
-(logprobs within 1e-3), and runs it in bfloat16 too (whose tokens may part from float32's by rounding alone, so only
-the steps' shape is checked there). Skipped without CUDA; tests/gpu/run.sh runs it on the device machine (checked on
-CPU by calling moe_on_device_matches_cpu("cpu"))."""
+"""A mixture of experts on CUDA (issue 36): `--kernel-backend auto` takes the Triton path for it (routing in torch,
+experts through worker.kernels.fused_moe, CUDA graphs on and captured at warm-up), whose tokens equal the float32 CPU
+reference's in float32 (logprobs within 1e-3), and which runs it in bfloat16 too (whose tokens may part from
+float32's by rounding alone, so only the steps' shape is checked there). Then one Qwen3-30B-A3B-shaped MoE layer
+(128 experts, top 8, hidden 2048, expert width 768) in bfloat16 through the fused kernel against the float32 grouped
+reference (worker.model.moe.run_experts), from one token to a prefill's 512, and on int4 experts: the tile sizes
+and compiled code the tiny shapes of tests/worker/kernels/test_fused_moe.py never reach.
+
+The CUDA tests are skipped without CUDA; tests/gpu/run.sh runs them on the device machine. On CPU the last test runs
+moe_on_device_matches_cpu on the Triton path under the interpreter, so the device function is checked here too."""
 from __future__ import annotations
 
 import copy
@@ -13,30 +18,101 @@ import torch
 
 from tests.gpu.random_model import random_llama, tiny_config
 from tests.gpu.steps import BLOCK_SIZE, NUM_BLOCKS, assert_same_steps, run_mixed_steps
+from worker.model.moe import route, run_experts
 from worker.model_runner import ModelRunner
 from worker.options import WorkerOptions
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only; run by tests/gpu/run.sh")
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only; run by tests/gpu/run.sh")
 MOE = replace(tiny_config(num_layers=2), architecture="qwen3_moe", num_experts=8, num_experts_per_tok=2,
               moe_intermediate_size=32, qk_norm=True, norm_topk_prob=True)
+# Qwen3-30B-A3B's MoE layer
+EXPERTS_30B, TOP_K_30B, HIDDEN_30B, INTER_30B = 128, 8, 2048, 768
 
 
-def moe_on_device_matches_cpu(device: torch.device | str) -> None:
+def moe_on_device_matches_cpu(device: torch.device | str, options: WorkerOptions = WorkerOptions()) -> None:
+    """options: every execution flag at its default on CUDA; --kernel-backend triton for the CPU's check."""
+    device = torch.device(device)
     cpu_model = random_llama(MOE, torch.float32, "cpu", seed=5, std=0.2)
     reference = run_mixed_steps(ModelRunner(cpu_model, MOE, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
                                             dtype=torch.float32,
                                             options=WorkerOptions(packed_linears=False, cpu_fused_ops=False)))
     device_model = copy.deepcopy(cpu_model).to(device)
     runner = ModelRunner(device_model, MOE, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=torch.float32,
-                         options=WorkerOptions())  # every execution flag at its default
-    assert (runner.execution.kernel_backend, runner.execution.cuda_graphs) == ("torch", False)
+                         options=options)
+    on_cuda = device.type == "cuda"
+    assert (runner.execution.kernel_backend, runner.execution.cuda_graphs) == ("triton", on_cuda)
     runner.warm_up()
+    if on_cuda:  # the decode steps replay graphs with the MoE layers inside
+        assert runner.execution_path.graphs.graphs
     assert_same_steps(reference, run_mixed_steps(runner), logprob_atol=1e-3)
     bf16_model = copy.deepcopy(cpu_model).to(device=device, dtype=torch.bfloat16)
     bf16 = run_mixed_steps(ModelRunner(bf16_model, MOE, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-                                       dtype=torch.bfloat16, options=WorkerOptions()))
+                                       dtype=torch.bfloat16, options=options))
     assert [sorted(step) for step in bf16] == [sorted(step) for step in reference]
 
 
-def test_moe_on_cuda_runs_on_the_torch_backend_as_the_cpu_reference():
+@cuda_only
+def test_moe_on_cuda_runs_on_the_triton_path_as_the_cpu_reference():
     moe_on_device_matches_cpu(torch.device("cuda"))
+
+
+@pytest.fixture(scope="module")
+def experts_30b():
+    """(gate_up [E, 2I, H], down [E, H, I]) in bfloat16, outputs of order 1, and the router [E, H] float32."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def draw(*shape: int, fan_in: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", generator=generator) * fan_in**-0.5
+
+    return (draw(EXPERTS_30B, 2 * INTER_30B, HIDDEN_30B, fan_in=HIDDEN_30B).bfloat16(),
+            draw(EXPERTS_30B, HIDDEN_30B, INTER_30B, fan_in=INTER_30B).bfloat16(),
+            draw(EXPERTS_30B, HIDDEN_30B, fan_in=HIDDEN_30B))
+
+
+@cuda_only
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 512])
+def test_a_30b_a3b_shaped_moe_layer_in_bfloat16_matches_the_float32_reference(experts_30b, num_tokens):
+    from worker.kernels.fused_moe import fused_moe
+
+    gate_up, down, router = experts_30b
+    x = torch.randn(num_tokens, HIDDEN_30B, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    weights, experts = route(x, router, TOP_K_30B, norm_topk_prob=True, weights_float=True)
+    x = x.bfloat16()
+
+    out = fused_moe(x, weights, experts, gate_up, down)
+
+    expected = run_experts(x.float(), weights, experts, gate_up.float(), down.float())
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    # three roundings to bfloat16 (gate/up, the activation, down) on the way, each ~0.2% of its value
+    relative = ((out.float() - expected).norm() / expected.norm()).item()
+    assert relative < 1e-2, relative
+
+
+@cuda_only
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_a_30b_a3b_shaped_layer_on_int4_experts_matches_the_reference_on_their_dequantized_weights(experts_30b,
+                                                                                                  num_tokens):
+    """Each expert in 4-bit groups of 32 (worker.linears.group_quant's layout, as group_quant_matmul reads it)."""
+    from worker.kernels.fused_moe import GroupQuantExperts, fused_moe
+    from worker.linears.group_quant import quantize_weight
+
+    def quantized(weight: torch.Tensor) -> GroupQuantExperts:
+        parts = [quantize_weight(expert, 4, 32) for expert in weight]
+        return GroupQuantExperts(*(torch.stack([getattr(part, name) for part in parts])
+                                   for name in ("codes", "scales", "mins")), 4, 32)
+
+    gate_up, down, router = (quantized(experts_30b[0]), quantized(experts_30b[1]), experts_30b[2])
+    x = torch.randn(num_tokens, HIDDEN_30B, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    weights, experts = route(x, router, TOP_K_30B, norm_topk_prob=True, weights_float=True)
+    x = x.bfloat16()
+
+    out = fused_moe(x, weights, experts, gate_up, down)
+
+    expected = run_experts(x.float(), weights, experts, gate_up.dequantize(), down.dequantize())
+    relative = ((out.float() - expected).norm() / expected.norm()).item()
+    assert relative < 1e-2, relative  # the dequantized weights rounded to bfloat16 once more
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA test above runs it on the device")
+def test_the_device_function_on_the_cpu_triton_path():
+    moe_on_device_matches_cpu("cpu", WorkerOptions(kernel_backend="triton"))

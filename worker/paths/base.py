@@ -21,7 +21,6 @@ device-side sampling and decode graphs). build_execution_path() is the one place
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -66,11 +65,6 @@ DETERMINISTIC_REFUSAL = (
     "sums change with the batch; see docs/reliability.md, 'Deterministic mode'")
 
 
-log = logging.getLogger(__name__)
-
-
-NO_EXPERT_LAYERS = ("it has no expert layers (its forward runs dense MLPs only); the torch path runs it "
-                    "(--kernel-backend torch, or auto)")
 VARIABLE_EXPERT_ROWS = ("each expert's matmuls run over however many of the step's tokens chose it, a row count that "
                         "changes with the batch; run without --deterministic")
 
@@ -92,7 +86,7 @@ def check_kv_cache_dtype(kv_cache_dtype: str, backend: str, device: torch.device
             f"{capability[0]}.{capability[1]}; use --kv-cache-dtype int8 (same bytes), or --kernel-backend torch")
 
 
-def moe_refusal(architecture: str, what: str, why: str = NO_EXPERT_LAYERS) -> str:
+def moe_refusal(architecture: str, what: str, why: str) -> str:
     """The start-time error of a path that cannot run a mixture of experts, naming the path and the architecture."""
     return f"{what} cannot run the mixture-of-experts architecture {architecture!r}: {why}"
 
@@ -114,16 +108,11 @@ class ResolvedExecution:
 
 
 def _kernel_backend(options: WorkerOptions, on_cuda: bool, model_config: ModelConfig | None) -> str:
-    """auto: Triton on CUDA, torch on CPU; a mixture of experts runs on torch wherever it is (logged on CUDA)."""
+    """auto: Triton on CUDA (a mixture of experts too: worker.kernels.fused_moe), torch on CPU."""
     moe = model_config is not None and model_config.num_experts > 0
     backend = options.kernel_backend
     if backend == "auto":
-        backend = "triton" if on_cuda and not moe else "torch"
-        if on_cuda and moe:
-            log.warning("kernel backend: torch, not triton: the Triton path has no mixture-of-experts layers (%s); "
-                        "CUDA graphs are off with it", model_config.architecture)
-    if moe and backend == "triton":
-        raise ValueError(moe_refusal(model_config.architecture, "--kernel-backend triton (the Triton path)"))
+        backend = "triton" if on_cuda else "torch"
     if options.group_size > 1:  # a rank's share runs its modules, which only the torch path calls
         if options.kernel_backend == "triton":
             raise ValueError(f"{options.split_flag()} runs on --kernel-backend torch (or auto): the Triton forward "
@@ -140,7 +129,7 @@ def _kernel_backend(options: WorkerOptions, on_cuda: bool, model_config: ModelCo
 
 def resolve_execution(options: WorkerOptions, device: torch.device | str,
                       model_config: ModelConfig | None = None) -> ResolvedExecution:
-    """model_config (when known): a mixture of experts takes the torch backend, or is refused by what cannot run it."""
+    """model_config (when known): a mixture of experts is refused by what cannot run it (--deterministic)."""
     on_cuda = torch.device(device).type == "cuda"
     backend = _kernel_backend(options, on_cuda, model_config)
     if options.deterministic and on_cuda and backend == "torch":

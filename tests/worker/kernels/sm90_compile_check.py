@@ -26,8 +26,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from worker.kernels import (  # noqa: E402
-    activation, group_quant_matmul, int8_matmul, kv_write, paged_decode_attention, prefill_attention, rms_norm, rotary,
-    sampling,
+    activation, fused_moe, group_quant_matmul, int8_matmul, kv_write, paged_decode_attention, prefill_attention,
+    rms_norm, rotary, sampling,
 )
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -140,6 +140,28 @@ def linear_variants(dtype: str) -> Iterator[Variant]:
     yield Variant(f"{dtype} int8_matmul", int8_matmul._int8_weight_matmul_kernel, types, constexprs)
 
 
+def fused_moe_variants(dtype: str) -> Iterator[Variant]:
+    """The expert matmul at each tile size, for gate/up (no routing weight) and down (routing weight), on float
+    weights; on every group-quantized layout, gate/up at the decode tile and down at the prefill one."""
+    precision = "ieee" if dtype == "fp32" else "tf32"
+    types = dict(x_ptr=f"*{dtype}", out_ptr=f"*{dtype}", pair_weights_ptr="*fp32", sorted_pairs_ptr="*i32",
+                 block_experts_ptr="*i32")
+    weights = [("float", dict(weight_ptr=f"*{dtype}", scales_ptr=f"*{dtype}", mins_ptr=f"*{dtype}"), 0, 1)]
+    weights += [(f"{bits}-bit/{group_size}", dict(weight_ptr="*u8", scales_ptr="*fp32", mins_ptr="*fp32"), bits,
+                 group_size) for bits, group_size in group_quant_matmul.LAYOUTS]
+    for label, weight_types, bits, group_size in weights:
+        for pairs_per_expert in (1, 32, 128):  # each of block_sizes' tiles
+            block_m, block_n, block_k = fused_moe.block_sizes(pairs_per_expert * 8, 8)
+            for rows_per_token, routed in ((8, False), (1, True)):
+                if bits and routed != (pairs_per_expert == 128):
+                    continue
+                constexprs = dict(ROWS_PER_TOKEN=rows_per_token, BITS=bits, GROUP_SIZE=group_size,
+                                  HAS_PAIR_WEIGHTS=routed, UPCAST=False, INPUT_PRECISION=precision, BLOCK_M=block_m,
+                                  BLOCK_N=block_n, BLOCK_K=block_k)
+                yield Variant(f"{dtype} fused_moe {label}, BLOCK_M {block_m}, {'down' if routed else 'gate/up'}",
+                              fused_moe._expert_matmul_kernel, dict(types, **weight_types), constexprs)
+
+
 def elementwise_variants(dtype: str) -> Iterator[Variant]:
     for residual in (False, True):
         types = {name: f"*{dtype}" for name in ("x_ptr", "residual_ptr", "weight_ptr", "out_ptr", "residual_out_ptr")}
@@ -165,6 +187,7 @@ def variants(dtypes: list[str]) -> Iterator[Variant]:
     for index, dtype in enumerate(dtypes):
         yield from attention_variants(dtype)
         yield from linear_variants(dtype)
+        yield from fused_moe_variants(dtype)
         if index == 0:
             yield from elementwise_variants(dtype)
 

@@ -1,11 +1,13 @@
 """The Triton backend's forward pass: the same weights as worker.model.llama.LlamaModel, every layer through kernels.
 
 Per layer: fused residual-add + RMSNorm, the fused q/k/v matmul, rotary on q and k, write_kv into the
-pages, paged attention, the output matmul, fused add + RMSNorm, gate/up matmul, SiLU·mul, down matmul.
+pages, paged attention, the output matmul, fused add + RMSNorm, gate/up matmul, SiLU·mul, down matmul; a
+mixture-of-experts layer (qwen3_moe, mixtral, olmoe) routes in torch as the reference does (worker.model.moe.route)
+and runs its stacked float experts through the fused-MoE kernel (two grouped-GEMM launches over every expert).
 The family switches ride along: sliding windows and soft-caps in the attention kernels, the sandwich
-norms (gemma) and the per-head q/k norms (qwen3, gemma3) as rms_norm kernels, and beside the kernels in
-torch (elementwise or per row): GeLU-tanh (gemma), the embedding multiplier and the rope variant's tables (the
-model's own embed_input / rotary_tables, so both paths share them).
+norms (gemma), the per-head q/k norms (qwen3, gemma3) and the whole-projection ones (olmoe) as rms_norm
+kernels, and beside the kernels in torch (elementwise or per row): GeLU-tanh (gemma), the embedding multiplier
+and the rope variant's tables (the model's own embed_input / rotary_tables, so both paths share them).
 Attention is one launch per layer whatever the batch holds: the decode kernel when every row has one
 query token (the case CUDA graphs capture), otherwise the prefill kernel, which also takes the
 query_len == 1 rows of a mixed batch. Metadata is a few flat int tensors, so a decode step's metadata
@@ -23,7 +25,8 @@ import torch
 
 from worker.model.attention import span_slots
 from worker.model.kv_cache import KVCache
-from worker.model.llama import LlamaModel
+from worker.model.llama import MLP, LlamaModel
+from worker.model.moe import SparseMoE, StackedExperts, route, run_grouped
 from worker.step_batch import RequestSpan
 
 
@@ -90,10 +93,12 @@ class TritonKernels:
     rms_norm: Callable[..., torch.Tensor]
     apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     sample_tokens: Callable[..., torch.Tensor]
+    fused_moe: Callable[..., torch.Tensor]
 
 
 def load_kernels() -> TritonKernels:
     from worker.kernels.activation import silu_and_mul
+    from worker.kernels.fused_moe import fused_moe
     from worker.kernels.kv_write import write_kv
     from worker.kernels.paged_decode_attention import paged_decode_attention
     from worker.kernels.prefill_attention import paged_prefill_attention
@@ -104,7 +109,7 @@ def load_kernels() -> TritonKernels:
     return TritonKernels(
         silu_and_mul=silu_and_mul, write_kv=write_kv, paged_decode_attention=paged_decode_attention,
         paged_prefill_attention=paged_prefill_attention, fused_add_rms_norm=fused_add_rms_norm,
-        rms_norm=rms_norm, apply_rotary=apply_rotary, sample_tokens=sample_tokens,
+        rms_norm=rms_norm, apply_rotary=apply_rotary, sample_tokens=sample_tokens, fused_moe=fused_moe,
     )
 
 
@@ -113,6 +118,32 @@ def _head_norm(kernels: TritonKernels, norm: torch.nn.Module, x: torch.Tensor) -
     head vector, so a token's norm never depends on the step's other rows."""
     num_tokens, num_heads, head_dim = x.shape
     return kernels.rms_norm(x.reshape(-1, head_dim), norm.weight, norm.eps).view(num_tokens, num_heads, head_dim)
+
+
+def _whole_norm(kernels: TritonKernels, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """olmoe's q or k norm over the whole projection, x: [T, heads, D] (a view into qkv) -> a new [T, heads, D]: one
+    program per token's [heads * D] row."""
+    num_tokens, num_heads, head_dim = x.shape
+    return kernels.rms_norm(x.reshape(num_tokens, num_heads * head_dim), norm.weight, norm.eps).view(
+        num_tokens, num_heads, head_dim)
+
+
+def _mlp(kernels: TritonKernels, mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+    gate, up = mlp.w_gate_up(x).chunk(2, dim=-1)  # each [T, intermediate]
+    if mlp.hidden_act == "gelu_tanh":
+        return mlp.w_down(torch.nn.functional.gelu(gate, approximate="tanh") * up)
+    return mlp.w_down(kernels.silu_and_mul(gate, up))
+
+
+def _sparse_moe(kernels: TritonKernels, moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """x: [T, H] -> [T, H]. The routing is the reference's own call (same top-k, same ties); stacked float experts
+    run in the fused kernel, any other experts behind SparseMoE's seam (a GGUF file's blocks under the CPU's
+    --cpu-block-kernels: their own native kernels) as the reference runs them."""
+    top_weights, top_experts = route(x, moe.router_weight, moe.top_k, moe.norm_topk_prob, moe.weights_float)
+    experts = moe.experts
+    if isinstance(experts, StackedExperts):
+        return kernels.fused_moe(x, top_weights, top_experts, experts.gate_up, experts.down, experts.hidden_act)
+    return run_grouped(x, top_weights, top_experts, moe.num_experts, experts)
 
 
 def triton_forward(
@@ -143,8 +174,8 @@ def triton_forward(
         k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
         v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
         if layer.attn.q_norm is not None:  # per-head norms: the rms_norm kernel over [T * heads, D] rows
-            q = _head_norm(kernels, layer.attn.q_norm, q)
-            k = _head_norm(kernels, layer.attn.k_norm, k)
+            norm = _whole_norm if layer.attn.qk_norm_whole else _head_norm
+            q, k = norm(kernels, layer.attn.q_norm, q), norm(kernels, layer.attn.k_norm, k)
         q, k = kernels.apply_rotary(q, k, cos, sin)
         kernels.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping, kv_scales)  # quantized: with scales
         # int8 / float8 pages: dequantized as the kernels read them (a prefill reads its own keys back too)
@@ -159,11 +190,7 @@ def triton_forward(
         if layer.post_attn_norm is not None:  # gemma: the branch output is normed before the residual add
             h = kernels.rms_norm(h, layer.post_attn_norm.weight, layer.post_attn_norm.eps)
         x, residual = kernels.fused_add_rms_norm(h, residual, layer.mlp_norm.weight, layer.mlp_norm.eps)
-        gate, up = layer.mlp.w_gate_up(x).chunk(2, dim=-1)  # each [T, intermediate]
-        if layer.mlp.hidden_act == "gelu_tanh":
-            h = layer.mlp.w_down(torch.nn.functional.gelu(gate, approximate="tanh") * up)
-        else:
-            h = layer.mlp.w_down(kernels.silu_and_mul(gate, up))
+        h = _sparse_moe(kernels, layer.mlp, x) if isinstance(layer.mlp, SparseMoE) else _mlp(kernels, layer.mlp, x)
         if layer.post_mlp_norm is not None:
             h = kernels.rms_norm(h, layer.post_mlp_norm.weight, layer.post_mlp_norm.eps)
     normed, _ = kernels.fused_add_rms_norm(h, residual, model.norm.weight, model.norm.eps)

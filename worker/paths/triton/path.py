@@ -17,6 +17,7 @@ token (or the last step sampled on the host), the host-filled ids go up instead.
 """
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 from typing import Sequence
@@ -26,7 +27,7 @@ import torch
 from core.step import TokenLogprobs
 from worker.model.kv_cache import KVCache
 from worker.model.llama import LlamaModel
-from worker.paths.base import ResolvedExecution, moe_refusal
+from worker.paths.base import VARIABLE_EXPERT_ROWS, ResolvedExecution, moe_refusal
 from worker.paths.triton.batch_invariant import batch_invariant_kernels, set_fixed_tile_linears, token_host_metadata
 from worker.paths.triton.cuda_graphs import DecodeGraphs
 from worker.paths.triton.forward import HostMetadata, host_metadata, load_kernels, to_device, triton_forward
@@ -35,6 +36,8 @@ from worker.sampling.penalties import has_penalties
 from worker.sampling.sampler import SamplingRow, draw_seed, sample
 from worker.sampling.structured_output import TokenBitmask
 from worker.step_batch import StepBatch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -47,8 +50,13 @@ class TritonPath:
     def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int, execution: ResolvedExecution,
                  device: torch.device) -> None:
         self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device
-        if model.config.num_experts:  # resolve_execution refuses it first; this guards a path built by hand
-            raise ValueError(moe_refusal(model.config.architecture, "the Triton path"))
+        if model.config.num_experts and execution.deterministic:  # resolve_execution refuses it first; by hand too
+            raise ValueError(moe_refusal(model.config.architecture, "the Triton path under --deterministic",
+                                         VARIABLE_EXPERT_ROWS))
+        if model.config.num_experts:
+            log.info("mixture of experts (%s): %d experts, top %d: routing in torch, stacked experts through the "
+                     "fused-MoE kernel (worker.kernels.fused_moe)", model.config.architecture,
+                     model.config.num_experts, model.config.num_experts_per_tok)
         # --deterministic (chosen here, once): fixed-tile linears, every query token a decode row in one split
         set_fixed_tile_linears(model, execution.deterministic)  # also undoes another runner's mode on this model
         self.kernels = batch_invariant_kernels(load_kernels()) if execution.deterministic else load_kernels()
