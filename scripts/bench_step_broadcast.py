@@ -9,8 +9,9 @@
 Measured here, per step, at decode batches of 1 to 1,024 rows (each request 512 tokens of context in 16-token
 pages), medians over many sends:
 
-- broadcast: rank 0's `StepChannel.send("forward", batch)` to 1 and 3 followers (2 and 4 ranks, spawned
-  processes on this machine), and the pickled batch's size;
+- broadcast: rank 0's `StepChannel.send("forward", batch)` (one gloo broadcast of int64 words,
+  worker.parallel.commands) to 1 and 3 followers (2 and 4 ranks, spawned processes on this machine), beside
+  broadcast_object_list of the same command (what the channel did before: a size, then a pickle), and the sizes;
 - fan-out: a unary gRPC call carrying the same bytes to 1, 2 and 4 local servers at once (the transport the
   scheduler would add per extra rank; a real plan proto is smaller than the pickle, so this is an upper bound).
 
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
 
+from worker.parallel.commands import encode  # noqa: E402
 from worker.step_batch import RequestSpan, StepBatch  # noqa: E402
 
 CONTEXT, PAGE = 512, 16
@@ -56,20 +58,24 @@ def _rank(rank: int, world: int, init: str, rows_list: list[int], sends: int, ou
     from worker.parallel.group import join_group, leave_group
     from worker.parallel.step_mirror import StepChannel
 
+    import torch.distributed as dist
+
     group = join_group(rank, world, init, timeout_s=60)
     channel = StepChannel(group)
+    objects = dist.new_group(backend="gloo")
     results = {}
     for rows in rows_list:
         batch = decode_batch(rows)
-        times = []
-        for _ in range(sends):
-            if rank == 0:
+        for way in ("channel", "object list"):  # alternated per row count: load drift hits both alike
+            times = []
+            for _ in range(sends):
                 start = time.perf_counter()
-                channel.send("forward", batch)
+                if way == "channel":
+                    channel.send("forward", batch) if rank == 0 else channel.receive()
+                else:  # what StepChannel did before: broadcast_object_list (a size, then a pickle)
+                    dist.broadcast_object_list([("forward", batch) if rank == 0 else None], src=0, group=objects)
                 times.append(time.perf_counter() - start)
-            else:
-                channel.receive()
-        results[rows] = statistics.median(times) if times else None
+            results[way, rows] = statistics.median(times)
     if rank == 0:
         out.put(results)
     leave_group(group)
@@ -86,7 +92,7 @@ def broadcast_us(world: int, rows_list: list[int], sends: int) -> dict[int, floa
         results = queue.get(timeout=600)
         for process in ranks:
             process.join(60)
-    return {rows: seconds * 1e6 for rows, seconds in results.items()}
+    return {key: seconds * 1e6 for key, seconds in results.items()}
 
 
 def _serve(port_queue) -> None:
@@ -135,8 +141,12 @@ def main() -> None:
     rows_list = [int(value) for value in args.rows.split(",")]
     payloads = {rows: pickle.dumps(("forward", decode_batch(rows))) for rows in rows_list}
     table = {"pickled batch (KiB)": {rows: len(payload) / 1024 for rows, payload in payloads.items()}}
+    table["StepChannel words (KiB)"] = {rows: encode(("forward", decode_batch(rows))).nbytes / 1024 for rows in rows_list}
     for world in (2, 4):
-        table[f"broadcast to {world - 1} follower(s) (us)"] = broadcast_us(world, rows_list, args.sends)
+        figures = broadcast_us(world, rows_list, args.sends)
+        for way in ("channel", "object list"):
+            name = "StepChannel.send" if way == "channel" else "broadcast_object_list (before)"
+            table[f"{name} to {world - 1} follower(s) (us)"] = {rows: figures[way, rows] for rows in rows_list}
     for servers in (1, 2, 4):
         table[f"gRPC fan-out to {servers} rank(s) (us)"] = fan_out_us(servers, payloads, args.sends)
     print("| per step | " + " | ".join(f"{rows} rows" for rows in rows_list) + " |")

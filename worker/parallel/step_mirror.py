@@ -19,7 +19,9 @@ multi-node group is recreated whole by its LeaderWorkerSet.
 
 Why this and not every rank receiving the plan from the scheduler: it needs no change to the scheduler or to
 its gRPC link, and a follower does no request bookkeeping or sampling. The cost is one broadcast of the
-batch per step (a few KB of Python lists at 256 rows) on the leader's critical path.
+batch per step (worker.parallel.commands: int32 words, 39 KiB at 256 rows of 512 tokens' context) on the
+leader's critical path: one gloo broadcast of a fixed message, two for a longer command (docs/benchmarks.md:
+scripts/bench_step_broadcast.py).
 """
 from __future__ import annotations
 
@@ -31,11 +33,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from worker.parallel.commands import decode, encode
 from worker.parallel.group import TensorParallelGroup
 from worker.step_batch import StepBatch
 
 log = logging.getLogger(__name__)
 COMMAND_WAIT = timedelta(days=365)
+MESSAGE_WORDS = 8192  # a step of ~220 decode rows at 512 tokens of context in 16-token pages
 GROUP_LOST_EXIT = 70  # EX_SOFTWARE: rank 0 ended itself because its group broke  # a follower waits for the next step as long as the server idles
 
 
@@ -46,9 +50,35 @@ class StepChannel:
     def __init__(self, group: TensorParallelGroup) -> None:
         self.rank = group.rank
         self._group = dist.new_group(backend="gloo", timeout=COMMAND_WAIT)
+        # one broadcast a command where broadcast_object_list makes two (its size, then its pickle): a message of
+        # this many int32 words holds the length and the command (worker.parallel.commands); a longer command sends
+        # its rest in a second one, and both sides then grow the message to hold the next like it
+        self._message = torch.zeros(MESSAGE_WORDS, dtype=torch.int32)
 
     def send(self, *command) -> None:
-        dist.broadcast_object_list([command], src=0, group=self._group)
+        words = encode(command)
+        message, first = self._message, min(words.numel(), self._message.numel() - 1)
+        message[0] = words.numel()
+        message[1 : 1 + first] = words[:first]
+        dist.broadcast(message, src=0, group=self._group)
+        if first < words.numel():
+            dist.broadcast(words[first:].contiguous(), src=0, group=self._group)
+            self._grow(words.numel())
+
+    def receive(self) -> tuple:
+        message = self._message
+        dist.broadcast(message, src=0, group=self._group)
+        length = int(message[0])
+        words = message[1 : 1 + length]
+        if words.numel() < length:
+            rest = torch.empty(length - words.numel(), dtype=torch.int32)
+            dist.broadcast(rest, src=0, group=self._group)
+            words = torch.cat((words, rest))
+            self._grow(length)
+        return decode(words)
+
+    def _grow(self, length: int) -> None:
+        self._message = torch.zeros(1 << length.bit_length(), dtype=torch.int32)
 
     def agree(self, settings: dict[str, object]) -> None:
         """Raises ValueError on every rank when a rank's settings (model, dtype, ...) differ from rank 0's: ranks
@@ -61,10 +91,6 @@ class StepChannel:
                     raise ValueError(f"tensor parallel: rank {rank} was started with {name}={theirs.get(name)!r}, "
                                      f"rank 0 with {name}={value!r}; every rank needs the same flags but its rank")
 
-    def receive(self) -> tuple:
-        box: list[tuple | None] = [None]
-        dist.broadcast_object_list(box, src=0, group=self._group)
-        return box[0]
 
 
 class LeaderPath:
