@@ -38,9 +38,9 @@ Who speculates (speculates()): a request decoding one token (not mid-prompt) wit
 did not opt out (SamplingParams.speculative: gRPC GenerateParameters.speculative, OpenAI `"speculative":
 false`), and whose sampling the verification reproduces exactly: penalties (each row counts the drafts
 before it), logprobs (one per emitted token, from the verified rows) and constraints (each row masked at the
-grammar's state after the drafts before it) are. Not yet: a seeded request decodes as before (its draws are
-keyed by output position, the rejection sampler's are not, and a seeded output must not depend on how many
-drafts a step's budget left room for, which depends on the rest of the batch).
+grammar's state after the drafts before it) are, and so is a seed: a seeded request's drafts are accepted
+while they equal the tokens its sampler draws at their positions (worker.sampling.speculative), so its output
+does not depend on how many drafts a step's budget left room for, which depends on the rest of the batch.
 
 With a worker-side proposer the asynchronous loop could come back (the worker proposes right after sampling,
 with the real last token in hand); with --speculative the loop is synchronous today: planning step N + 1 needs
@@ -173,7 +173,7 @@ class Speculation:
     @staticmethod
     def speculates(request: Request) -> bool:
         params = request.sampling_params
-        return params.speculative and params.seed is None and not request.num_pending_tokens
+        return params.speculative and not request.num_pending_tokens
 
     def drafts(self, request: Request, limit: int) -> list[int]:
         """Draft tokens for a request about to decode one token; at most limit (what its budget, max_tokens

@@ -15,7 +15,7 @@ Right after a step's sampling and verification, for every request the step sched
 
 c = the request's num_draft_computed, L = its tokens now (the target has computed L-1 of them: t_{L-1} is
 the token this step sampled), except that the catch-up skips the positions where the draft's last guesses went
-in and the target accepted them (first_to_compute): the same token in the same slot, its K/V already there. A request that makes no guesses this step (mid-prompt, seeded, opted out) still
+in and the target accepted them (first_to_compute): the same token in the same slot, its K/V already there. A request that makes no guesses this step (mid-prompt, opted out) still
 catches up to the target's computed count, so every page holding the target's K/V holds the draft's too: a
 prefix-cache hit, a swap-in and a recompute after preemption find both.
 

@@ -241,14 +241,11 @@ class ModelRunner:
         """A decode with k drafts: one span of 1 + k rows (its last token, then the drafts), all reaching lm_head.
         Its computed count covers them all until run() knows how many were accepted."""
         drafts, num_tokens = plan.spec_token_ids[request_id], plan.num_scheduled_tokens[request_id]
-        start, params = state.num_computed_tokens, state.sampling_params
+        start = state.num_computed_tokens
         if (not drafts or num_tokens != 1 + len(drafts) or state.num_pending_tokens
                 or len(state.token_ids) != start + 1):
             raise PlanMismatchError(f"step {plan.step_id}: request {request_id!r} verifies {len(drafts)} drafts in "
                                     f"{num_tokens} tokens from {start}, but it has {len(state.token_ids)} tokens")
-        if params.seed is not None:
-            raise PlanMismatchError(f"step {plan.step_id}: request {request_id!r} got drafts, but seeded requests "
-                                    f"are not verified yet (scheduler.speculation)")
         batch = step.batch
         first_row = len(batch.input_ids)
         batch.spans.append(RequestSpan(first_row, num_tokens, start + num_tokens, state.block_table))
@@ -381,7 +378,10 @@ class ModelRunner:
                 for state in prepared.verify_states]
         masks = [None if state.matcher is None else self.structured_output.draft_bitmask(state.matcher, drafts, logits.device)
                  for state, drafts in zip(prepared.verify_states, prepared.verify_drafts)]
-        verdicts = verify(logits, rows, prepared.verify_drafts, masks=masks)
+        # a seeded request's tokens are those its path's sampler draws one step at a time (worker.sampling.speculative)
+        verdicts = verify(logits, rows, prepared.verify_drafts, masks=masks,
+                          draw=lambda block, block_rows, bitmask: self.execution_path.sample(
+                              prepared.batch, block, block_rows, bitmask)[0])
         blocks = torch.split(logits, [1 + len(drafts) for drafts in prepared.verify_drafts])
         # the raw distribution of the row before each emitted token, as sample() reports them
         return [(accepted, token_id, None if row.params.logprobs is None else prompt_logprobs(

@@ -1,7 +1,7 @@
 """Speculative decoding through real processes (issue 35): gateway -> scheduler -> worker on a tiny random
 model, once without, once with `--speculative ngram` and once with `--speculative draft` (the model as its own draft). Greedy outputs (plain, streamed, with a stop string,
-n > 1, with logprobs, opted out, sharing a prefix) are identical, and the scheduler's /metrics counts accepted
-draft tokens."""
+n > 1, with logprobs, opted out, sharing a prefix) and seeded ones at temperature 0.8 are identical, and the
+scheduler's /metrics counts accepted draft tokens."""
 from __future__ import annotations
 
 import asyncio
@@ -29,7 +29,7 @@ def request(prompt: str, max_tokens: int = 40, **params) -> generation_pb2.Gener
         max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params))
 
 
-async def outputs(address: str) -> dict[str, object]:
+async def outputs(address: str, seeded: bool = False) -> dict[str, object]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         plain = await asyncio.gather(*(stub.Generate(request(prompt)) for prompt in PROMPTS))
@@ -42,12 +42,19 @@ async def outputs(address: str) -> dict[str, object]:
         stopped = await stub.Generate(request(PROMPTS[0], 40, stop=[stop_text]))
         with_logprobs = await stub.Generate(request(PROMPTS[2], 24, logprobs=2))
         opted_out = await stub.Generate(request(PROMPTS[1], 24, speculative=False))
+        # seeded requests at temperature 0.8, one with n=2 (sample i draws from seed + i): their own draws, drafts
+        # or not (a draft is accepted when it is the draw)
+        seeded_replies = await asyncio.gather(*(stub.Generate(generation_pb2.GenerateRequest(
+            prompt=prompt, parameters=generation_pb2.GenerateParameters(max_tokens=32, temperature=0.8, seed=2024,
+                                                                         ignore_eos=True, n=n)))
+            for prompt, n in ((PROMPTS[0], 1), (PROMPTS[2], 2)))) if seeded else []
     return {"plain": [list(reply.token_ids) for reply in plain], "texts": [reply.text for reply in plain],
             "streamed": streamed, "samples": [choice.text for choice in samples.choices],
             "stopped": (stopped.text, stopped.finish_reason, stop_text),
             "logprobs": [(entry.token_id, entry.logprob, [top.token_id for top in entry.top_logprobs])
                          for entry in with_logprobs.logprobs],
-            "opted_out": list(opted_out.token_ids)}
+            "opted_out": list(opted_out.token_ids),
+            "seeded": [[reply.text, *(choice.text for choice in reply.choices)] for reply in seeded_replies]}
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -57,12 +64,12 @@ def scrape(port: int) -> dict[str, float]:
             for sample in family.samples if "spec_decode" in sample.name and sample.labels.get("position") in (None, "0")}
 
 
-def run_cluster(folder, **settings) -> tuple[dict[str, object], dict[str, float]]:
+def run_cluster(folder, seeded: bool = False, **settings) -> tuple[dict[str, object], dict[str, float]]:
     config = resolve_ports(with_settings(
         ClusterConfig(), gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0, scheduler_metrics_port=0,
         model=str(folder), block_size=4, num_blocks=256, max_num_batched_tokens=256, **settings))
     with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300):
-        results = asyncio.run(outputs(config.gateway_address))
+        results = asyncio.run(outputs(config.gateway_address, seeded))
         return results, scrape(config.scheduler_metrics_port)
 
 
@@ -72,8 +79,9 @@ def tiny_model(tmp_path_factory):
 
 
 def test_greedy_output_is_identical_and_drafts_are_accepted(tiny_model):
-    plain, plain_metrics = run_cluster(tiny_model)
-    speculative, metrics = run_cluster(tiny_model, speculative="ngram", num_speculative_tokens=4)
+    plain, plain_metrics = run_cluster(tiny_model, seeded=True)
+    speculative, metrics = run_cluster(tiny_model, seeded=True, speculative="ngram", num_speculative_tokens=4)
+    assert len(plain["seeded"]) == 2 and len(set(plain["seeded"][1][1:])) == 2  # two samples that differ
     logprobs, plain_logprobs = speculative.pop("logprobs"), plain.pop("logprobs")
     assert speculative == plain
     assert [(token, top) for token, _, top in logprobs] == [(token, top) for token, _, top in plain_logprobs]

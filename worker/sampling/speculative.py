@@ -21,12 +21,19 @@ drafts); row j's logits are the target's prediction after d_1..d_j (row 0: after
 
 Row j's target is what sample() would draw from with the drafts before it as output so far: logit_bias, the
 grammar's mask at the state after d_1..d_j (a constrained request), penalties over prompt + output + d_1..d_j
-(so a draft the target saw already counts as repeated), then the filters. Requests with a seed are not sent
-drafts (scheduler.speculation).
+(so a draft the target saw already counts as repeated), then the filters.
+
+    seeded          a request with a seed keeps its output whatever the drafts: its draw at output position n is
+                    the exponential race with noise from (seed, n) (worker.sampling.sampler), so row j's token is
+                    what decoding one token a step draws there, the path's own sampler (draw: its sample()) on row
+                    j with the drafts before it as output; drafts are accepted while they equal those tokens, as
+                    greedy ones are. The output is the one decoding without drafts gives, to the token, however
+                    many drafts a step had room for (which depends on the rest of the batch); it costs acceptance:
+                    a draft must be the very token drawn, not merely likely under p.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -35,12 +42,17 @@ from worker.sampling.sampler import SamplingRow, argmax_rows, biased_logits, fil
 from worker.sampling.structured_output import TokenBitmask
 
 
+Draw = Callable[[torch.Tensor, list[SamplingRow], TokenBitmask | None], list[int]]
+
+
 def verify(logits: torch.Tensor, rows: Sequence[SamplingRow], drafts: Sequence[Sequence[int]],
            generator: torch.Generator | None = None,
-           masks: Sequence[torch.Tensor | None] | None = None) -> list[tuple[list[int], int]]:
+           masks: Sequence[torch.Tensor | None] | None = None, draw: Draw | None = None) -> list[tuple[list[int], int]]:
     """logits: [sum(1 + k_i), V] float32, request i's 1 + k_i rows in a block, in order; rows[i] and drafts[i]
     its sampling and its k_i drafts; masks[i]: a constrained request's [1 + k_i, W] token bitmask
-    (StructuredOutput.draft_bitmask), None for the others. -> per request (the accepted drafts, the token after them)."""
+    (StructuredOutput.draft_bitmask), None for the others; draw(logits, rows, bitmask) -> tokens: the sampler a
+    step without drafts uses (the execution path's), for seeded requests (without it they take the rejection
+    sampler, whose tokens depend on the drafts). -> per request (the accepted drafts, the token after them)."""
     masks = masks if masks is not None else [None] * len(rows)
     sizes = [1 + len(request_drafts) for request_drafts in drafts]
     if logits.dim() != 2 or logits.shape[0] != sum(sizes) or len(rows) != len(drafts):
@@ -56,6 +68,10 @@ def verify(logits: torch.Tensor, rows: Sequence[SamplingRow], drafts: Sequence[S
         for i in plain:
             verdicts[i] = accept_greedy(choices[offset:offset + sizes[i]], drafts[i])
             offset += sizes[i]
+    for i, row in enumerate(rows):
+        if verdicts[i] is None and row.params.seed is not None and draw is not None:
+            verdicts[i] = accept_greedy(draw(blocks[i], _with_drafts(row, drafts[i]), None if masks[i] is None else
+                                             TokenBitmask(list(range(sizes[i])), masks[i])), drafts[i])
     targets = {i: target_logits(blocks[i], row, drafts[i], masks[i]) for i, row in enumerate(rows) if verdicts[i] is None}
     for i, row in enumerate(rows):
         if verdicts[i] is None and row.params.greedy:  # with penalties or a mask: each its own argmax
@@ -74,8 +90,7 @@ def target_logits(block: torch.Tensor, row: SamplingRow, drafts: Sequence[int],
     """A copy of one request's 1 + k rows of logits as sample() would choose from them: its logit_bias, its
     grammar's mask (mask: [1 + k, W], a row per state), then its penalties with the drafts before each row
     counted as output."""
-    rows = [SamplingRow(row.params, [*row.token_ids, *drafts[:j]], row.num_prompt_tokens)
-            for j in range(len(drafts) + 1)]
+    rows = _with_drafts(row, drafts)
     target = biased_logits(block, rows).float()
     if mask is not None:
         target = masked_logits(target, TokenBitmask(list(range(len(rows))), mask))
@@ -83,6 +98,11 @@ def target_logits(block: torch.Tensor, row: SamplingRow, drafts: Sequence[int],
     if has_penalties(row.params):
         apply_penalties(target, rows)
     return target
+
+
+def _with_drafts(row: SamplingRow, drafts: Sequence[int]) -> list[SamplingRow]:
+    """Row j of a request's 1 + k: its sampling with d_1..d_j as output after its own tokens."""
+    return [SamplingRow(row.params, [*row.token_ids, *drafts[:j]], row.num_prompt_tokens) for j in range(len(drafts) + 1)]
 
 
 def accept_greedy(choices: Sequence[int], drafts: Sequence[int]) -> tuple[list[int], int]:

@@ -35,6 +35,25 @@ def test_verify_reads_each_requests_block_of_rows():
         verify(logits, rows, [[4], [], [1, 1]])
 
 
+def test_a_seeded_request_accepts_drafts_while_they_are_its_own_draws():
+    """A seeded request's tokens under verification are the ones its sampler draws one token a step (noise from
+    (seed, output position)): drafts equal to them are accepted, the first other one is replaced by the draw."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50) * 2  # 4 drafts + 1 row
+    row = SamplingRow(SamplingParams(temperature=0.9, top_p=0.95, seed=1234, presence_penalty=0.3), [3, 4, 5], 2)
+    draws = []
+    for j in range(5):  # decoding one token a step: row j sees the draws before it as output
+        tokens, _ = sample(logits[j : j + 1], [SamplingRow(row.params, [*row.token_ids, *draws], 2)])
+        draws.append(tokens[0])
+    draw = lambda block, rows, bitmask: sample(block, rows, bitmask)[0]  # noqa: E731 - the path's sampler
+    assert verify(logits, [row], [draws[:4]], draw=draw) == [(draws[:4], draws[4])]
+    wrong = (draws[2] + 1) % 50
+    assert verify(logits[:4], [row], [[*draws[:2], wrong]], draw=draw) == [(draws[:2], draws[2])]
+    other_seed = SamplingRow(SamplingParams(temperature=0.9, top_p=0.95, seed=99, presence_penalty=0.3), [3, 4, 5], 2)
+    first = sample(logits[:1], [other_seed])[0][0]
+    assert verify(logits[:1], [other_seed], [[]], draw=draw) == [([], first)]
+
+
 def test_verify_samples_with_temperature_through_the_rejection_sampler():
     logits = torch.tensor([[0.0, 10.0, 0.0], [0.0, 0.0, 10.0]])  # nearly certain: 1, then 2
     row = SamplingRow(SamplingParams(temperature=0.5), [0], 1)
