@@ -9,6 +9,7 @@ from worker.linears.ggml_blocks import BLOCK_TYPES
 from worker.linears.group_quant import quantize_linears
 from worker.loader import load_model
 from worker.model.attention import build_attention_metadata
+from worker.paths.triton.forward import build_kernel_metadata, load_kernels, triton_forward
 from worker.model.kv_cache import allocate_kv_cache
 from worker.parallel.group import SINGLE_RANK, TensorParallelGroup, join_group, leave_group
 from worker.parallel.ranks import Parallel
@@ -43,11 +44,12 @@ def load_share(path: Path, weights: str, parallel: Parallel):
 
 
 def greedy_run(folder: Path, group: TensorParallelGroup = SINGLE_RANK, pipeline: bool = False,
-               kv_dtype: torch.dtype = torch.float32, weights: str = "float") -> tuple[list[torch.Tensor], list[list[int]]]:
+               kv_dtype: torch.dtype = torch.float32, weights: str = "float",
+               triton: bool = False) -> tuple[list[torch.Tensor], list[list[int]]]:
     """Prefill both prompts in one packed step, then DECODE_STEPS batched greedy steps: every step's logits
     [rows, vocab] (all prompt rows, then one row per request) and each request's generated tokens (split by
     heads over the group, or by layers with pipeline). kv_dtype: the pages' (int8 / float8: quantized pages);
-    weights: one of WEIGHTS."""
+    weights: one of WEIGHTS; triton: the Triton path's forward instead of the modules'."""
     parallel = Parallel(group, channel=None, pipeline=pipeline)
     model, config = load_weights(folder, weights) if group.world_size == 1 else load_share(folder, weights, parallel)
     if weights == "int4":
@@ -69,8 +71,13 @@ def greedy_run(folder: Path, group: TensorParallelGroup = SINGLE_RANK, pipeline:
                 input_ids += chunk
                 positions += range(start, len(sequence))
                 last_rows.append(len(input_ids) - 1)
-            metadata = build_attention_metadata(spans, BLOCK_SIZE)
-            hidden = model(torch.tensor(input_ids), torch.tensor(positions), kv_cache, metadata)
+            if triton:  # the Triton path's forward (interpreted on CPU), all-reducing a share's branches
+                metadata = build_kernel_metadata(spans, BLOCK_SIZE, "cpu")
+                hidden = triton_forward(model, torch.tensor(input_ids), torch.tensor(positions), kv_cache, metadata,
+                                        load_kernels())
+            else:
+                metadata = build_attention_metadata(spans, BLOCK_SIZE)
+                hidden = model(torch.tensor(input_ids), torch.tensor(positions), kv_cache, metadata)
             logits = model.compute_logits(hidden)
             all_logits.append(logits)
             next_tokens = logits[last_rows].argmax(dim=-1).tolist()
@@ -81,12 +88,12 @@ def greedy_run(folder: Path, group: TensorParallelGroup = SINGLE_RANK, pipeline:
 
 
 def rank_main(rank: int, world_size: int, init_method: str, folder: str, out: str, pipeline: bool = False,
-              kv_dtype: torch.dtype = torch.float32, weights: str = "float") -> None:
+              kv_dtype: torch.dtype = torch.float32, weights: str = "float", triton: bool = False) -> None:
     """One rank of a spawned group: rank 0 saves the logits and tokens it ends up with to `out`."""
     torch.set_num_threads(1)
     group = join_group(rank, world_size, init_method, timeout_s=60)
     try:
-        logits, tokens = greedy_run(Path(folder), group, pipeline, kv_dtype, weights)
+        logits, tokens = greedy_run(Path(folder), group, pipeline, kv_dtype, weights, triton)
         if rank == 0:
             torch.save({"logits": logits, "tokens": tokens}, out)
     finally:

@@ -113,14 +113,15 @@ def _kernel_backend(options: WorkerOptions, on_cuda: bool, model_config: ModelCo
     backend = options.kernel_backend
     if backend == "auto":
         backend = "triton" if on_cuda else "torch"
-    if options.group_size > 1:  # a rank's share runs its modules, which only the torch path calls
-        if options.kernel_backend == "triton":
-            raise ValueError(f"{options.split_flag()} runs on --kernel-backend torch (or auto): the Triton forward "
-                             f"reads the whole model's weights, not a rank's share, yet")
+    if options.group_size > 1:
         if options.deterministic:
             raise ValueError(f"--deterministic with {options.split_flag()}: a split model's reductions are not made "
                              f"batch-invariant yet")
-        backend = "torch"
+        if options.pipeline_parallel_size > 1:  # a stage's forward is its own (worker.parallel.pipeline)
+            if options.kernel_backend == "triton":
+                raise ValueError(f"{options.split_flag()} runs on --kernel-backend torch (or auto): a pipeline "
+                                 f"stage's forward is the torch modules'")
+            backend = "torch"
     if moe and options.deterministic:
         raise ValueError(moe_refusal(model_config.architecture, "--deterministic (the batch-invariant kernels)",
                                      VARIABLE_EXPERT_ROWS))
@@ -140,7 +141,9 @@ def resolve_execution(options: WorkerOptions, device: torch.device | str,
         quantization=options.quantization,
         # off under --deterministic until a device shows a replay equal to the eager step, bit for bit
         # (tests/gpu/test_cuda_deterministic.py checks it; worker.paths.triton.batch_invariant)
-        cuda_graphs=options.cuda_graphs and on_cuda and backend == "triton" and not options.deterministic,
+        # and off under a tensor split until a device shows NCCL's all-reduces captured in a graph replaying right
+        cuda_graphs=(options.cuda_graphs and on_cuda and backend == "triton" and not options.deterministic
+                     and options.group_size == 1),
         stream_overlap=options.stream_overlap and on_cuda,
         graph_batch_sizes=options.graph_batch_sizes,
         packed_linears=options.packed_linears and not on_cuda and backend == "torch",

@@ -18,12 +18,12 @@ def test_a_rank_outside_its_group_or_without_a_rendezvous_is_refused():
     assert WorkerOptions.from_args(WorkerOptions.service_parser("w", "").parse_args(follower.to_argv())) == follower
 
 
-def test_a_split_model_runs_on_the_torch_path_without_the_compiled_ops():
+def test_a_split_model_runs_without_the_compiled_whole_layer_ops_and_triton_without_graphs():
     resolved = resolve_execution(WorkerOptions(tensor_parallel_size=2), "cpu")
     assert (resolved.kernel_backend, resolved.cpu_fused_ops) == ("torch", False)
     assert resolve_execution(WorkerOptions(), "cpu").cpu_fused_ops  # one rank keeps them
-    with pytest.raises(ValueError, match="runs on --kernel-backend torch"):
-        resolve_execution(WorkerOptions(tensor_parallel_size=2, kernel_backend="triton"), "cpu")
+    on_triton = resolve_execution(WorkerOptions(tensor_parallel_size=2, kernel_backend="triton"), "cpu")
+    assert on_triton.kernel_backend == "triton" and not on_triton.cuda_graphs  # the forward all-reduces: no graph yet
     with pytest.raises(ValueError, match="--deterministic with --tensor-parallel-size 2"):
         resolve_execution(WorkerOptions(tensor_parallel_size=2, deterministic=True), "cpu")
 

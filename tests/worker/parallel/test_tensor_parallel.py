@@ -28,13 +28,13 @@ RANK_TIMEOUT_S = 240
 
 
 def run_ranks(folder, world_size: int, tmp_path, pipeline: bool = False, kv_dtype: torch.dtype = torch.float32,
-              weights: str = "float") -> dict:
+              weights: str = "float", triton: bool = False) -> dict:
     context = multiprocessing.get_context("spawn")  # a fresh interpreter per rank, as a worker process is
-    kind = ("pp" if pipeline else "tp") + weights
+    kind = ("pp" if pipeline else "tp") + weights + ("-triton" if triton else "")
     out = tmp_path / f"rank0-of-{kind}{world_size}.pt"
     init_method = f"file://{tmp_path}/store-{kind}{world_size}"
     ranks = [context.Process(target=rank_main, args=(rank, world_size, init_method, str(folder), str(out), pipeline,
-                                                     kv_dtype, weights))
+                                                     kv_dtype, weights, triton))
              for rank in range(world_size)]
     for process in ranks:
         process.start()
@@ -62,6 +62,19 @@ def test_split_model_matches_the_whole_one(tmp_path, flavour, world_sizes):
             assert got.shape == expected.shape
             err = (got - expected).abs().max().item()
             assert err <= MAX_ABS_ERR, f"TP={world_size} step {step}: max |logit diff| {err:.2e}"
+
+
+# the Triton path's forward over a share (interpreted here; the kernels' own tests run on a GPU through
+# tests/gpu/run.sh): its branches all-reduced, the share's own head counts; qwen2's q/k/v bias, 2 KV heads
+@pytest.mark.parametrize("flavour", ["llama", "qwen2"])
+def test_the_triton_forward_over_a_share_matches_the_whole_model(tmp_path, flavour):
+    folder, _ = make_tiny_hf_model(tmp_path, flavour)
+    whole_logits, whole_tokens = greedy_run(folder, triton=True)
+    split = run_ranks(folder, 2, tmp_path, triton=True)
+    assert split["tokens"] == whole_tokens
+    for step, (expected, got) in enumerate(zip(whole_logits, split["logits"])):
+        err = (got - expected).abs().max().item()
+        assert err <= MAX_ABS_ERR, f"step {step}: max |logit diff| {err:.2e}"
 
 
 def test_the_whole_model_split_after_loading_matches_it_too(tmp_path):

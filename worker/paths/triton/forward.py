@@ -128,6 +128,18 @@ def _whole_norm(kernels: TritonKernels, norm: torch.nn.Module, x: torch.Tensor) 
         num_tokens, num_heads, head_dim)
 
 
+def _inner(branch: torch.nn.Module) -> tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
+    """(the attention or MLP module, what its output goes through): a tensor-parallel SumOverRanks' inner module
+    and its group's all-reduce (found by its attributes: the paths and worker.parallel import neither other), else the module
+    itself and nothing."""
+    group = getattr(branch, "group", None)
+    return (branch.inner, group.all_reduce) if group is not None else (branch, _unchanged)
+
+
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def _mlp(kernels: TritonKernels, mlp: MLP, x: torch.Tensor) -> torch.Tensor:
     gate, up = mlp.w_gate_up(x).chunk(2, dim=-1)  # each [T, intermediate]
     if mlp.hidden_act == "gelu_tanh":
@@ -155,12 +167,8 @@ def triton_forward(
     kernels: TritonKernels,
 ) -> torch.Tensor:
     """Returns the final-normed hidden states [T, hidden], like LlamaModel.forward."""
-    config = model.config
     num_tokens = input_ids.shape[0]
-    num_heads, num_kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-    q_size, kv_size = config.q_size, config.kv_size
-    scale = config.scale
-    h = model.embed_input(input_ids)  # [T, hidden]
+    h = model.embed_input(input_ids)  # [T, hidden] (a tensor-parallel share: its rows, all-reduced)
     tables = model.rotary_tables(positions, h.dtype)  # per layer: cos, sin [T, 1, D]
     residual = None
     for layer, key_cache, value_cache, kv_scales, (cos, sin) in zip(
@@ -169,28 +177,34 @@ def triton_forward(
             x, residual = kernels.rms_norm(h, layer.attn_norm.weight, layer.attn_norm.eps), h
         else:
             x, residual = kernels.fused_add_rms_norm(h, residual, layer.attn_norm.weight, layer.attn_norm.eps)
-        qkv = layer.attn.wqkv(x)  # [T, (H + 2 * KVH) * D]
+        # a tensor-parallel share (worker.parallel) wraps the branches in SumOverRanks: the rank's heads and
+        # columns (the module's own sizes, not the whole model's config), each branch's output all-reduced
+        attn, attn_sum = _inner(layer.attn)
+        num_heads, num_kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        q_size, kv_size = attn.q_size, attn.kv_size
+        qkv = attn.wqkv(x)  # [T, (H + 2 * KVH) * D]
         q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
         v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
-        if layer.attn.q_norm is not None:  # per-head norms: the rms_norm kernel over [T * heads, D] rows
-            norm = _whole_norm if layer.attn.qk_norm_whole else _head_norm
-            q, k = norm(kernels, layer.attn.q_norm, q), norm(kernels, layer.attn.k_norm, k)
+        if attn.q_norm is not None:  # per-head norms: the rms_norm kernel over [T * heads, D] rows
+            norm = _whole_norm if attn.qk_norm_whole else _head_norm
+            q, k = norm(kernels, attn.q_norm, q), norm(kernels, attn.k_norm, k)
         q, k = kernels.apply_rotary(q, k, cos, sin)
         kernels.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping, kv_scales)  # quantized: with scales
         # int8 / float8 pages: dequantized as the kernels read them (a prefill reads its own keys back too)
-        attend = dict(window=layer.attn.window, softcap=layer.attn.softcap, kv_scales=kv_scales)
+        attend = dict(window=attn.window, softcap=attn.softcap, kv_scales=kv_scales)
         if metadata.decode_only:
-            attn = kernels.paged_decode_attention(q, key_cache, value_cache, metadata.block_tables,
-                                                  metadata.context_lens, scale, **attend)  # [T, H, D]
+            out = kernels.paged_decode_attention(q, key_cache, value_cache, metadata.block_tables,
+                                                 metadata.context_lens, attn.scale, **attend)  # [T, H, D]
         else:
-            attn = kernels.paged_prefill_attention(q, key_cache, value_cache, metadata.block_tables,
-                                                   metadata.query_start_loc, metadata.context_lens, scale, **attend)
-        h = layer.attn.wo(attn.reshape(num_tokens, q_size))
+            out = kernels.paged_prefill_attention(q, key_cache, value_cache, metadata.block_tables,
+                                                  metadata.query_start_loc, metadata.context_lens, attn.scale, **attend)
+        h = attn_sum(attn.wo(out.reshape(num_tokens, q_size)))
         if layer.post_attn_norm is not None:  # gemma: the branch output is normed before the residual add
             h = kernels.rms_norm(h, layer.post_attn_norm.weight, layer.post_attn_norm.eps)
         x, residual = kernels.fused_add_rms_norm(h, residual, layer.mlp_norm.weight, layer.mlp_norm.eps)
-        h = _sparse_moe(kernels, layer.mlp, x) if isinstance(layer.mlp, SparseMoE) else _mlp(kernels, layer.mlp, x)
+        mlp, mlp_sum = _inner(layer.mlp)
+        h = mlp_sum(_sparse_moe(kernels, mlp, x) if isinstance(mlp, SparseMoE) else _mlp(kernels, mlp, x))
         if layer.post_mlp_norm is not None:
             h = kernels.rms_norm(h, layer.post_mlp_norm.weight, layer.post_mlp_norm.eps)
     normed, _ = kernels.fused_add_rms_norm(h, residual, model.norm.weight, model.norm.eps)
