@@ -13,6 +13,7 @@ from worker.kv_sizing import (KVCacheSizing, default_memory_fraction, measure_ac
                               read_sizing_record, size_from_budget, size_from_memory_or_record, write_sizing_record)
 from worker.linears.ggml_blocks import block_types, fault_in, mapped_weight_bytes
 from worker.linears.group_quant import quantize_linears
+from worker.linears.host_experts import HostExperts
 from worker.linears.int8 import quantize_linears_int8
 from worker.loader import default_model_path, load_model
 from worker.draft_model import DraftModel, check_same_vocabulary
@@ -20,6 +21,7 @@ from worker.memory import free_memory_bytes
 from worker.model.config import ModelConfig
 from worker.model.kv_cache import bytes_per_block
 from worker.model.kv_quant import kv_cache_dtype
+from worker.model.moe import SparseMoE
 from worker.model_runner import ModelRunner
 from worker.native_ops import cpu_has_native_bf16, cpu_ops_available
 from worker.options import DEVICES, DTYPE_CHOICES, WorkerOptions
@@ -60,13 +62,18 @@ def load_network(options: WorkerOptions, device: torch.device, dtype: torch.dtyp
                  parallel: Parallel | None = None) -> tuple[nn.Module, ModelConfig]:
     """options.model on the device, its linears quantized if asked; with parallel, this rank's share of it."""
     share_of = None if parallel is None else parallel.share_of(path)  # a folder: only the rank's rows and columns read
+    on_host = block_types(options.cpu_block_kernels) if cpu_ops_available() else ()
+    experts_on_host = options.cpu_moe and device.type == "cuda"
     network, config = load_model(path, dtype=dtype, progress=progress, keep_quantized=options.quantization == "auto",
-                                 block_types=block_types(options.cpu_block_kernels)
-                                 if device.type == "cpu" and cpu_ops_available() else (), share_of=share_of)
+                                 block_types=on_host if device.type == "cpu" else (), share_of=share_of,
+                                 expert_block_types=on_host if experts_on_host else None)
     if share_of is not None:
         network = parallel.wrap(network, config)
     elif parallel is not None:
         network = parallel.split(network)  # quantized weights along their groups (it names what it refuses)
+    if experts_on_host:  # before the move: the experts never reach the device
+        log.info("--cpu-moe: the experts of %d MoE layers stay in host memory and run on the CPU",
+                 keep_experts_on_host(network))
     network = network.to(device)
     log.info("weights: %s", describe_weight_bytes(network))
     fault_in(network)  # a GGUF file's mapped blocks resident before the profile pass measures activations
@@ -75,6 +82,15 @@ def load_network(options: WorkerOptions, device: torch.device, dtype: torch.dtyp
     elif options.quantization in ("int8", "int4"):
         quantize_linears(network, bits=int(options.quantization.removeprefix("int")))
     return network, config
+
+
+def keep_experts_on_host(model: nn.Module) -> int:
+    """--cpu-moe: every MoE layer's experts behind HostExperts (worker.linears.host_experts); returns how many."""
+    layers = [module for module in model.modules() if isinstance(module, SparseMoE)]
+    for layer in layers:
+        if not isinstance(layer.experts, HostExperts):
+            layer.experts = HostExperts(layer.experts)
+    return len(layers)
 
 
 def build_follower(options: WorkerOptions, parallel: Parallel) -> Callable[[int, int], ModelRunner]:

@@ -45,7 +45,7 @@ DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # the fields that say how a step runs (what worker.paths.ResolvedExecution resolves)
 EXECUTION_FIELDS = ("kernel_backend", "quantization", "cuda_graphs", "stream_overlap", "graph_batch_sizes",
                     "packed_linears", "cpu_int8_activations", "cpu_fused_ops", "cpu_dense_weights", "deterministic",
-                    "cpu_block_kernels")
+                    "cpu_block_kernels", "cpu_moe")
 
 
 def parse_batch_sizes(text: str) -> tuple[int, ...]:
@@ -151,6 +151,12 @@ class WorkerOptions(Options):
         "linear (AMX where the CPU has it) for 2 bytes a weight; auto: bfloat16 models on a CPU with native "
         "bfloat16 when the copies take at most a quarter of available memory (default: %(default)s)",
         choices=DENSE_WEIGHT_MODES)
+    # llama.cpp's --cpu-moe: a MoE too large for the device runs its experts where the host's memory holds them
+    # (worker.linears.host_experts)
+    cpu_moe: bool = option(
+        False, "CUDA: a mixture of experts' expert weights stay in host memory (a GGUF file's in its own blocks, as "
+        "--cpu-block-kernels picks) and run on the CPU, attention and dense weights on the GPU (llama.cpp's "
+        "--cpu-moe: a 30B-A3B model on one consumer GPU); decode steps then run without CUDA graphs")
     # every kernel's reduction order independent of batch composition (worker.paths.batch_invariant and
     # worker.paths.triton.batch_invariant)
     deterministic: bool = option(

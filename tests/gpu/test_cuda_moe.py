@@ -56,6 +56,29 @@ def test_moe_on_cuda_runs_on_the_triton_path_as_the_cpu_reference():
     moe_on_device_matches_cpu(torch.device("cuda"))
 
 
+@cuda_only
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_cpu_moe_keeps_the_experts_in_host_memory_and_the_reference_tokens(backend):
+    """--cpu-moe (worker.linears.host_experts): the experts wrapped before the move stay on the CPU, everything else
+    goes to the GPU, and the steps' tokens are the float32 CPU reference's (graphs off: the layer computes on the host)."""
+    from worker.build import keep_experts_on_host
+
+    cpu_model = random_llama(MOE, torch.float32, "cpu", seed=5, std=0.2)
+    reference = run_mixed_steps(ModelRunner(cpu_model, MOE, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                                            dtype=torch.float32,
+                                            options=WorkerOptions(packed_linears=False, cpu_fused_ops=False)))
+    device_model = copy.deepcopy(cpu_model)
+    assert keep_experts_on_host(device_model) == MOE.num_layers
+    device_model.to("cuda")
+    layer = device_model.layers[0].mlp
+    assert layer.router_weight.is_cuda and layer.experts.inner.gate_up.device.type == "cpu"
+    runner = ModelRunner(device_model, MOE, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=torch.float32,
+                         options=WorkerOptions(cpu_moe=True, kernel_backend=backend))
+    assert not runner.execution.cuda_graphs
+    runner.warm_up()
+    assert_same_steps(reference, run_mixed_steps(runner), logprob_atol=1e-3)
+
+
 @pytest.fixture(scope="module")
 def experts_30b():
     """(gate_up [E, 2I, H], down [E, H, I]) in bfloat16, outputs of order 1, and the router [E, H] float32."""

@@ -37,13 +37,16 @@ def load_model(
     path: str | Path | None = None, dtype: torch.dtype = torch.float32, progress: bool = True,
     keep_quantized: bool = False, block_types: Collection[str] = (),
     share_of: Callable[[ModelConfig], TensorShare] | None = None,
+    expert_block_types: Collection[str] | None = None,
 ) -> tuple[LlamaModel, ModelConfig]:
     """path None: the default GGUF. '*.gguf': a llama.cpp file. A directory: a Hugging Face folder.
     keep_quantized: a GGUF file's quantized linear weights run as they are (worker.linears.group_quant), not
     dequantized to dtype; block_types (CPU): those in these GGML types (with a block kernel) run on the file's
     own mapped blocks (worker.linears.ggml_blocks), the rest as group_quant converts them. share_of (a Hugging
     Face folder only): the model of the share share_of(config) keeps, read as such (a tensor-parallel rank's,
-    before worker.parallel wraps it); the config returned is the whole model's either way. Raises
+    before worker.parallel wraps it); the config returned is the whole model's either way. expert_block_types: the
+    types a GGUF file's MoE experts stay in their blocks for, if not block_types (--cpu-moe on a GPU: the experts
+    on the file's blocks for the CPU, the rest converted for the device). Raises
     ModelLoadError (naming the file, and the tensor / shapes where relevant) for bad inputs."""
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
@@ -55,7 +58,7 @@ def load_model(
         raise ValueError(f"{path}: a share is read from a Hugging Face folder only (a GGUF file is split after loading)")
     if path.suffix == ".gguf":
         config, tensors = read_gguf(path, dtype, progress, keep_quantized=keep_quantized,
-                                     block_types=block_types)
+                                     block_types=block_types, expert_block_types=expert_block_types)
     else:
         raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model folder")
     # llama.cpp's converter stores gemma's norm weights as 1 + w; HF folders hold w

@@ -200,14 +200,16 @@ def _split_readers(path: Path, first) -> list:
 
 
 def read_gguf(path: Path, dtype: torch.dtype, progress: bool, keep_quantized: bool = False,
-              block_types: Collection[str] = ()) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupQuantWeight | GGMLBlocksWeight]]:
+              block_types: Collection[str] = (), expert_block_types: Collection[str] | None = None
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupQuantWeight | GGMLBlocksWeight]]:
     """Returns the config and the checked, dequantized, un-permuted HF-named tensors in dtype (gemma
     norms still holding their 1, as the converter stored them). keep_quantized: the linear weights the
     file holds in a format worker.loader.gguf_quants maps are returned as GroupQuantWeight instead (a tied
     embedding also gives lm_head its quantized copy). block_types (with keep_quantized, CPU): a tensor
     in one of these GGML types with a block kernel (worker.linears.ggml_blocks) is returned as the file's
-    mapped blocks."""
+    mapped blocks; expert_block_types: the same for a MoE layer's experts, where they differ (None: block_types)."""
     first = _open(path)
+    expert_block_types = block_types if expert_block_types is None else expert_block_types
     readers = _split_readers(path, first)
     by_gguf_name = {tensor.name: tensor for reader in readers for tensor in reader.tensors}
     # metadata lives in the first part; path may name any part
@@ -224,7 +226,7 @@ def read_gguf(path: Path, dtype: torch.dtype, progress: bool, keep_quantized: bo
     for hf_name, shape in tqdm(expected.items(), desc=f"loading {path.name}", unit="tensor", file=sys.stderr, disable=not progress):
         if gguf_expert_names(hf_name):  # a MoE layer's stacked experts: the file's blocks, or dequantized to dtype
             names = gguf_expert_names(hf_name)
-            on_blocks = keep_quantized and _experts_on_blocks(by_gguf_name, hf_name, block_types)
+            on_blocks = keep_quantized and _experts_on_blocks(by_gguf_name, hf_name, expert_block_types)
             tensors[hf_name] = (_expert_blocks if on_blocks else _experts)(by_gguf_name, names, shape, path, dtype)
             continue
         gguf_name = hf_to_gguf_name(gguf_arch, config.num_layers, hf_name)

@@ -142,8 +142,9 @@ def resolve_execution(options: WorkerOptions, device: torch.device | str,
         # off under --deterministic until a device shows a replay equal to the eager step, bit for bit
         # (tests/gpu/test_cuda_deterministic.py checks it; worker.paths.triton.batch_invariant)
         # and off under a tensor split until a device shows NCCL's all-reduces captured in a graph replaying right
+        # and with --cpu-moe, whose layers compute on the host between the device's kernels
         cuda_graphs=(options.cuda_graphs and on_cuda and backend == "triton" and not options.deterministic
-                     and options.group_size == 1),
+                     and options.group_size == 1 and not options.cpu_moe),
         stream_overlap=options.stream_overlap and on_cuda,
         graph_batch_sizes=options.graph_batch_sizes,
         packed_linears=options.packed_linears and not on_cuda and backend == "torch",
