@@ -1,7 +1,10 @@
 """GGML block linears (worker.linears.ggml_blocks) on a real model's shapes: microseconds per call of the
-integer-dot kernel (forward_rows), the dequantized strips (forward_strips) and a dense bfloat16 GEMM on a
-weight kept dequantized (what --cpu-dense-weights would hold), at several row counts, plus the GB/s the
-one-row kernel reads the weight at. Random blocks with sane scales (speed does not depend on values).
+integer-dot vector kernel (forward_rows), the AMX tiles, the AVX2 GEMM (worker/csrc/ggml_blocks_avx2_gemm.cpp,
+forced: it runs on any x86-64 CPU with AVX2), the dequantized strips (forward_strips) and a dense bfloat16 GEMM
+on a weight kept dequantized (what --cpu-dense-weights would hold), at several row counts, plus the GB/s the
+one-row kernel reads the weight at. Random blocks with sane scales (speed does not depend on values). The
+variants are timed in turn, round after round (--repeat rounds, the best of each), so that a machine shared
+with other work slows them alike.
 The Qwen2.5-1.5B Q4_K_M layer by default: qkv Q4_K+Q4_K+Q6_K, o Q4_K, gate_up Q4_K, down Q6_K.
 
 Usage: .venv/bin/python scripts/bench_ggml_blocks.py [--rows 1,4,16,32,64,128] [--threads 2] [--repeat 20]
@@ -21,7 +24,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 
 from worker.linears.ggml_blocks import (BLOCK_BYTES, BLOCK_ELEMENTS, KERNEL_PATHS, GGMLBlocksLinear,  # noqa: E402
-                                        GGMLBlocksWeight)
+                                        GGMLBlocksWeight, vector_path)
 from worker.native_ops import cpu_ops_available  # noqa: E402
 
 SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,)}
@@ -38,13 +41,20 @@ def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator
 
 
 def best_us(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
+    return alternated_us([fn], repeat)[0]
+
+
+def alternated_us(fns: list, repeat: int) -> list[float]:
+    """The best of `repeat` calls of each fn, called in turn (one round calls each once)."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - started)
-    return min(times) * 1e6
+    best = [float("inf")] * len(fns)
+    for _ in range(repeat):
+        for i, fn in enumerate(fns):
+            started = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - started)
+    return [b * 1e6 for b in best]
 
 
 def cold(layer: dict, copies: int, rng: np.random.Generator, rows_of_x: int = 1) -> int:
@@ -84,30 +94,36 @@ def main() -> int:
     if args.cold:
         return cold(layer, args.cold, rng, int(args.rows.split(",")[0]) if args.rows_given else 1)
     tiles = torch.ops.tokenmill.ggml_blocks_path(0) == KERNEL_PATHS["amx_int8"]
-    print(f"threads {args.threads}; us per call (min of {args.repeat}); dot = integer vector kernel, tiles = AMX-INT8 "
-          f"tiles (K-quants; '-' without AMX), strips = dequantized strips + GEMM, dense = bf16 GEMM on a kept copy")
-    print(f"{'linear':8s} {'rows':>5s} {'dot':>9s} {'tiles':>9s} {'strips':>9s} {'dense':>9s}  one-row GB/s")
+    print(f"threads {args.threads}; us per call (min of {args.repeat}, variants alternated); dot = integer vector "
+          f"kernel, tiles = AMX-INT8 tiles (K-quants; nan without AMX), gemm = the AVX2 GEMM (K-quants), strips = "
+          f"dequantized strips + GEMM, dense = bf16 GEMM on a kept copy")
+    print(f"{'linear':8s} {'rows':>5s} {'dot':>9s} {'tiles':>9s} {'gemm':>9s} {'strips':>9s} {'dense':>9s}  one-row GB/s")
     totals: dict[int, list[float]] = {}
     for name, parts in layer.items():
         weight = GGMLBlocksWeight.concat_rows([GGMLBlocksWeight.from_blocks(t, random_blocks(t, n, k, rng), n, k)
                                                for t, n, k in parts])
-        linear, tiled = GGMLBlocksLinear(weight), GGMLBlocksLinear(weight)
-        linear.kernel_path = min(torch.ops.tokenmill.ggml_blocks_path(0), KERNEL_PATHS["avx512_vnni"])
+        linear, tiled, gemm = GGMLBlocksLinear(weight), GGMLBlocksLinear(weight), GGMLBlocksLinear(weight)
+        linear.kernel_path = vector_path()
         tiled.kernel_path = KERNEL_PATHS["amx_int8"]
+        gemm.kernel_path = KERNEL_PATHS["avx2_gemm"]
         dense = weight.dequantize().to(torch.bfloat16)
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, weight.in_features).to(torch.bfloat16)
-            dot = best_us(lambda: linear.forward_rows(x), args.repeat)
-            amx = best_us(lambda: tiled.forward_rows(x), args.repeat) if tiles else float("nan")
+            variants = [lambda: linear.forward_rows(x), lambda: gemm.forward_rows(x),
+                        lambda: torch.nn.functional.linear(x, dense)]
+            timed = alternated_us(variants + ([lambda: tiled.forward_rows(x)] if tiles else []), args.repeat)
+            dot, avx2_gemm, dense_us = timed[:3]
+            amx = timed[3] if tiles else float("nan")
             strips = best_us(lambda: linear.forward_strips(x), max(3, args.repeat // 4))
-            gemm = best_us(lambda: torch.nn.functional.linear(x, dense), args.repeat)
             rate = f"{weight.nbytes / dot / 1e3:6.1f}" if rows == 1 else ""
-            print(f"{name:8s} {rows:5d} {dot:9.0f} {amx:9.0f} {strips:9.0f} {gemm:9.0f}  {rate}", flush=True)
-            totals.setdefault(rows, [0.0, 0.0, 0.0, 0.0])
-            for k, v in enumerate((dot, amx, strips, gemm)):
+            print(f"{name:8s} {rows:5d} {dot:9.0f} {amx:9.0f} {avx2_gemm:9.0f} {strips:9.0f} {dense_us:9.0f}  {rate}",
+                  flush=True)
+            totals.setdefault(rows, [0.0] * 5)
+            for k, v in enumerate((dot, amx, avx2_gemm, strips, dense_us)):
                 totals[rows][k] += v
-    print("one layer, ms: " + "; ".join(f"{r} rows dot {t[0] / 1e3:.2f} tiles {t[1] / 1e3:.2f} strips {t[2] / 1e3:.2f} "
-                                        f"dense {t[3] / 1e3:.2f}" for r, t in totals.items()))
+    print("one layer, ms: " + "; ".join(f"{r} rows dot {t[0] / 1e3:.2f} tiles {t[1] / 1e3:.2f} gemm {t[2] / 1e3:.2f} "
+                                        f"(dot / gemm {t[0] / t[2]:.2f}x) strips {t[3] / 1e3:.2f} dense {t[4] / 1e3:.2f}"
+                                        for r, t in totals.items()))
     return 0
 
 

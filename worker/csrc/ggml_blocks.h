@@ -1,5 +1,6 @@
-// What the GGML block linears' two files share: the block types, x rounded to q8_K, a weight part, and the
-// AMX-INT8 tile kernels' entry points (ggml_blocks_amx.cpp), which ggml_blocks_dot.cpp calls for many rows.
+// What the GGML block linears' files share: the block types, x rounded to q8_K, a weight part, and the entry
+// points of the many-row kernels that ggml_blocks_dot.cpp calls: AMX-INT8 tiles (ggml_blocks_amx.cpp) and the
+// AVX2 GEMM (ggml_blocks_avx2_gemm.cpp).
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -63,8 +64,11 @@ struct Part {
 // ---- ggml_blocks_dot.cpp ----
 int64_t block_elems(int64_t type);
 int64_t block_bytes(int64_t type);
-// 0: the best this CPU has, 1 AVX2, 2 AVX-512 VNNI, 3 AMX-INT8 tiles: the path a call with `path` runs
+// 0: the best this CPU has, 1 AVX2, 2 AVX-512 VNNI, 3 AMX-INT8 tiles, 4 AVX2 with its GEMM for the K-quants:
+// the path a call with `path` runs
 int64_t ggml_blocks_path(int64_t path);
+// Whether a path's vector kernels are the AVX-512 VNNI ones (the AMX path runs them beside its tiles)
+inline bool wide_path(int64_t runs) { return runs == 2 || runs == 3; }
 // Under auto, the tiles take the K-quants from this many rows of x (see ggml_blocks_dot.cpp)
 constexpr int64_t kAmxMinRows = 6;
 // x [rows, K] rounded to q8_K into buf, in parallel
@@ -95,5 +99,18 @@ void amx_linear(const std::vector<Part>& ps, const std::vector<int64_t>& first_c
 // Rows [n0, n1) of a K-quant part against every row of x on the tiles, as vector_rows (serial, no bias)
 void amx_rows(const Part& p, int64_t n0, int64_t n1, const AmxRows& x, float* out, int64_t ldo, int64_t col0);
 void amx_rows(const Part& p, int64_t n0, int64_t n1, const AmxRows& x, at::BFloat16* out, int64_t ldo, int64_t col0);
+
+// ---- ggml_blocks_avx2_gemm.cpp ----
+// Under auto on a CPU without AVX-512 VNNI, the K-quants run the AVX2 GEMM from this many rows of x (see
+// ggml_blocks_dot.cpp's figures)
+constexpr int64_t kAvx2GemmMinRows = 2;
+// The types the GEMM runs: Q4_K, Q5_K, Q6_K
+bool avx2_gemm_has_kernel(int64_t type);
+// Rows [n0, n1) of a K-quant part against every row of x, plus bias[col0 + n] where bias is given, written to
+// out[t * ldo + col0 + n] (serial: the caller runs it inside its own parallel region)
+void avx2_gemm_rows(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x, const float* bias, float* out,
+                    int64_t ldo, int64_t col0);
+void avx2_gemm_rows(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x, const float* bias, at::BFloat16* out,
+                    int64_t ldo, int64_t col0);
 
 }  // namespace tokenmill::ggml

@@ -28,7 +28,8 @@
 //
 // Two instruction sets (`path`: 0 the best this CPU has, 1 AVX2, 2 AVX-512 BW with VNNI's vpdpwssd), so a
 // test can force each; the Python side asks for 0, which this CPU's flags answer once. Path 3 adds AMX-INT8
-// tiles for Q4_K / Q5_K / Q6_K (ggml_blocks_amx.cpp), which auto takes from kAmxMinRows rows of x. Work:
+// tiles for Q4_K / Q5_K / Q6_K (ggml_blocks_amx.cpp), which auto takes from kAmxMinRows rows of x; path 4, auto's
+// on a CPU without AVX-512 VNNI, adds the AVX2 GEMM for them (ggml_blocks_avx2_gemm.cpp) from kAvx2GemmMinRows. Work:
 // output rows split across threads (at::parallel_for), each weight row decoded once per tile of up to 8
 // (AVX-512) or 4 (AVX2) rows of x, the next ~1 KiB of rows prefetched. Also here: exact dequantization, to float32 rows (the
 // embedding's lookups, tests) and to bfloat16 strips with SIMD (a prefill's GEMMs).
@@ -747,11 +748,12 @@ at::Tensor ggml_blocks_dequantize_bf16(const at::Tensor& blocks, int64_t type, i
 }
 
 // 0: the best this CPU has; 1: AVX2; 2: AVX-512 (BW + VNNI); 3: AMX-INT8 tiles for the K-quants (the rest on
-// AVX-512 VNNI). Returns the path a call with `path` runs.
+// AVX-512 VNNI); 4: AVX2 with its GEMM for the K-quants (ggml_blocks_avx2_gemm.cpp; the rest on AVX2). Returns
+// the path a call with `path` runs.
 int64_t tokenmill::ggml::ggml_blocks_path(int64_t path) {
-  TORCH_CHECK(path >= 0 && path <= 3, "ggml_blocks: path ", path,
-              " is not 0 (auto), 1 (avx2), 2 (avx512_vnni) or 3 (amx_int8)");
-  if (path == 0) return amx_int8_usable() ? 3 : cpu_has_avx512_vnni() ? 2 : 1;
+  TORCH_CHECK(path >= 0 && path <= 4, "ggml_blocks: path ", path,
+              " is not 0 (auto), 1 (avx2), 2 (avx512_vnni), 3 (amx_int8) or 4 (avx2_gemm)");
+  if (path == 0) return amx_int8_usable() ? 3 : cpu_has_avx512_vnni() ? 2 : 4;
   TORCH_CHECK(path != 2 || cpu_has_avx512_vnni(), "ggml_blocks: this CPU lacks avx512f/bw/vl/dq + avx512_vnni");
   TORCH_CHECK(path != 3 || amx_int8_usable(),
               "ggml_blocks: this CPU lacks amx_tile + amx_int8 (with avx512_vnni), or Linux refused the tile state");
@@ -766,10 +768,11 @@ int64_t tokenmill::ggml::ggml_blocks_path(int64_t path) {
 // ggml_blocks.h: the experts' op takes the tiles from the same count.)
 
 // one parallel region over every part's rows: a fused projection keeps both threads busy to its end. amx: x
-// as tiles where the K-quant parts run on AMX (their own region, ggml_blocks_amx.cpp), else null.
+// as tiles where the K-quant parts run on AMX (their own region, ggml_blocks_amx.cpp), else null; gemm: the
+// K-quant parts run the AVX2 GEMM.
 template <typename Out>
 void linear_parts(const std::vector<Part>& ps, const std::vector<int64_t>& first_col, int64_t N, int64_t K,
-                  const Q8Rows& q, const AmxRows* amx, const float* bias, Out* out, bool wide) {
+                  const Q8Rows& q, const AmxRows* amx, bool gemm, const float* bias, Out* out, bool wide) {
   if (amx) amx_linear(ps, first_col, N, *amx, bias, out);
   const auto vector_part = [&](const Part& p) { return !amx || !amx_has_kernel(p.type); };
   if (std::none_of(ps.begin(), ps.end(), vector_part)) return;
@@ -777,7 +780,9 @@ void linear_parts(const std::vector<Part>& ps, const std::vector<int64_t>& first
     for (size_t i = 0; i < ps.size(); ++i) {
       const int64_t lo = std::max(begin, first_col[i]), hi = std::min(end, first_col[i] + ps[i].rows);
       if (lo >= hi || !vector_part(ps[i])) continue;
-      if (wide)
+      if (gemm && avx2_gemm_has_kernel(ps[i].type))
+        avx2_gemm_rows(ps[i], lo - first_col[i], hi - first_col[i], q, bias, out, N, first_col[i]);
+      else if (wide)
         part_rows<true>(ps[i], lo - first_col[i], hi - first_col[i], K, q, bias, out, N, first_col[i]);
       else
         part_rows<false>(ps[i], lo - first_col[i], hi - first_col[i], K, q, bias, out, N, first_col[i]);
@@ -809,7 +814,7 @@ at::Tensor ggml_blocks_linear(const at::Tensor& x_in, at::TensorList parts, at::
     N += w.size(0);
   }
   const int64_t runs = ggml_blocks_path(path);
-  const bool wide = runs >= 2;
+  const bool wide = wide_path(runs);
   Q8Buffer buf;
   const Q8Rows q = x.scalar_type() == at::kFloat ? quantize_rows(x.data_ptr<float>(), T, K, buf)
                                                  : quantize_rows(x.data_ptr<at::BFloat16>(), T, K, buf);
@@ -817,6 +822,7 @@ at::Tensor ggml_blocks_linear(const at::Tensor& x_in, at::TensorList parts, at::
   const bool tiles = runs == 3 && (path == 3 || T >= kAmxMinRows) &&
                      std::any_of(ps.begin(), ps.end(), [](const Part& p) { return amx_has_kernel(p.type); });
   if (tiles) amx = amx_rows_of(q);
+  const bool gemm = runs == 4 && (path == 4 || T >= kAvx2GemmMinRows);
   const float* bp = nullptr;
   at::Tensor b;
   if (bias.has_value()) {
@@ -827,8 +833,8 @@ at::Tensor ggml_blocks_linear(const at::Tensor& x_in, at::TensorList parts, at::
   // the output in x's dtype, written once: no float32 result to convert and add the bias to afterwards
   at::Tensor out = at::empty({T, N}, x.options());
   AT_DISPATCH_SWITCH(out.scalar_type(), "ggml_blocks_linear",
-    AT_DISPATCH_CASE(at::kFloat, [&] { linear_parts(ps, first_col, N, K, q, amx.get(), bp, out.data_ptr<float>(), wide); })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] { linear_parts(ps, first_col, N, K, q, amx.get(), bp, out.data_ptr<at::BFloat16>(), wide); }));
+    AT_DISPATCH_CASE(at::kFloat, [&] { linear_parts(ps, first_col, N, K, q, amx.get(), gemm, bp, out.data_ptr<float>(), wide); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { linear_parts(ps, first_col, N, K, q, amx.get(), gemm, bp, out.data_ptr<at::BFloat16>(), wide); }));
   return out;
 }
 

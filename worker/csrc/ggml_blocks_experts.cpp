@@ -1,6 +1,7 @@
 // A mixture of experts' projection on the GGUF file's own stacked expert blocks (ffn_{gate,up,down}_exps): every
 // expert that has rows in the step, in one call and one parallel region, on the dense block linears' kernels
-// (ggml_blocks_dot.cpp's vector rows, ggml_blocks_amx.cpp's tiles), which this file only schedules.
+// (ggml_blocks_dot.cpp's vector rows, ggml_blocks_amx.cpp's tiles, ggml_blocks_avx2_gemm.cpp's GEMM), which this
+// file only schedules.
 //
 // The step's token-expert pairs come sorted by expert (worker.model.moe draws the layout), x holding each pair's
 // row, so expert e's rows are one slice:
@@ -13,8 +14,9 @@
 // up to kChunkRows weight rows), expert-major so that threads walk the weights in file order, taken from a
 // shared counter: a step's experts differ in rows (1 to hundreds), a static split would leave threads waiting.
 // An expert with kAmxMinRows or more rows runs its K-quant parts on the AMX tiles where auto has them (its x
-// laid out for the tiles once, experts in parallel), one with fewer on the vector kernels, each exactly as a
-// dense block linear of that many rows would: a row's output does not depend on the other experts.
+// laid out for the tiles once, experts in parallel), or on an AVX2-only CPU from kAvx2GemmMinRows on the AVX2
+// GEMM; one with fewer on the vector kernels, each exactly as a dense block linear of that many rows would: a
+// row's output does not depend on the other experts.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -41,16 +43,19 @@ struct Experts {
   int64_t num_experts = 0, N = 0, K = 0;
 };
 
-// x's rows of each expert, and (where the tiles run them) their tile layout
+// x's rows of each expert, (where the tiles run them) their tile layout, and whether the AVX2 GEMM runs them
 struct ExpertRows {
   std::vector<Q8Rows> rows;
   std::vector<std::shared_ptr<const AmxRows>> tiles;
+  std::vector<char> gemm;
 };
 
 ExpertRows expert_rows(const Q8Rows& q, const int64_t* offsets, const Experts& w, int64_t runs, int64_t path) {
   ExpertRows r;
   r.tiles.resize(w.num_experts);
   for (int64_t e = 0; e < w.num_experts; ++e) r.rows.push_back(q.rows(offsets[e], offsets[e + 1] - offsets[e]));
+  for (int64_t e = 0; e < w.num_experts; ++e)
+    r.gemm.push_back(runs == 4 && r.rows[e].T > 0 && (path == 4 || r.rows[e].T >= kAvx2GemmMinRows));
   const bool any_tiled = std::any_of(w.parts.begin(), w.parts.end(), [](const Part& p) { return amx_has_kernel(p.type); });
   if (runs != 3 || !any_tiled) return r;
   at::parallel_for(0, w.num_experts, 1, [&](int64_t begin, int64_t end) {
@@ -80,6 +85,8 @@ void run_items(const Experts& w, const ExpertRows& x, const int64_t* offsets, bo
       const AmxRows* tiles = x.tiles[it.expert].get();
       if (tiles && amx_has_kernel(p.type))
         amx_rows(p, it.n0, it.n1, *tiles, rows_out, w.N, w.first_col[it.part]);
+      else if (x.gemm[it.expert] && avx2_gemm_has_kernel(p.type))
+        avx2_gemm_rows(p, it.n0, it.n1, x.rows[it.expert], nullptr, rows_out, w.N, w.first_col[it.part]);
       else
         vector_rows(p, it.n0, it.n1, w.K, x.rows[it.expert], rows_out, w.N, w.first_col[it.part], wide);
     }
@@ -136,8 +143,8 @@ at::Tensor ggml_blocks_experts(const at::Tensor& x_in, const at::Tensor& offsets
                                                  : quantize_rows(x.data_ptr<at::BFloat16>(), R, K, buf);
   const ExpertRows rows = expert_rows(q, op, w, runs, path);
   AT_DISPATCH_SWITCH(out.scalar_type(), "ggml_blocks_experts",
-    AT_DISPATCH_CASE(at::kFloat, [&] { run_items(w, rows, op, runs >= 2, out.data_ptr<float>()); })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] { run_items(w, rows, op, runs >= 2, out.data_ptr<at::BFloat16>()); }));
+    AT_DISPATCH_CASE(at::kFloat, [&] { run_items(w, rows, op, wide_path(runs), out.data_ptr<float>()); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { run_items(w, rows, op, wide_path(runs), out.data_ptr<at::BFloat16>()); }));
   return out;
 }
 

@@ -44,10 +44,19 @@ DOT_ROWS = 24
 # 11.3 / 20.1, 128 rows 24.3 / 23.9.
 AMX_DOT_ROWS = 128
 AMX_MIN_ROWS = 6  # worker/csrc/ggml_blocks_dot.cpp's kAmxMinRows: the row count auto takes the tiles from
+# On an AVX2-only CPU the K-quants run a register-blocked integer GEMM (worker/csrc/ggml_blocks_avx2_gemm.cpp)
+# from AVX2_GEMM_MIN_ROWS rows (ggml_blocks.h's kAvx2GemmMinRows), and the float32 strips (scalar dequantizing,
+# then sgemm) never caught up with it: the same layer, 1 thread, AMD EPYC (Zen 3, AVX2 only), CPU ms, GEMM /
+# strips: 16 rows 11.1 / 69.7, 32 rows 21.0 / 87.5, 64 rows 42.7 / 125, 128 rows 82 / 181, 512 rows 523 / 704. Strips only past
+# this many rows (a long prefill), where their float activations are the more exact.
+AVX2_GEMM_DOT_ROWS = 512
+AVX2_GEMM_MIN_ROWS = 2
 STRIP_BYTES = 4 * 2**20  # a dequantized strip's most
 # the instruction set the kernels use: 0 the best this CPU has (AMX-INT8 tiles for Q4_K, Q5_K, Q6_K from a few
-# rows, else AVX-512 VNNI, else AVX2); tests force 1 / 2 / 3
-KERNEL_PATHS = {"auto": 0, "avx2": 1, "avx512_vnni": 2, "amx_int8": 3}
+# rows, else AVX-512 VNNI, else AVX2 with its GEMM for the K-quants from 2 rows); tests force 1 / 2 / 3 / 4
+KERNEL_PATHS = {"auto": 0, "avx2": 1, "avx512_vnni": 2, "amx_int8": 3, "avx2_gemm": 4}
+# the vector kernels under each many-row path: what the deterministic mode runs, one kernel for every count
+VECTOR_UNDER = {KERNEL_PATHS["amx_int8"]: KERNEL_PATHS["avx512_vnni"], KERNEL_PATHS["avx2_gemm"]: KERNEL_PATHS["avx2"]}
 
 
 @functools.cache
@@ -57,13 +66,14 @@ def auto_path() -> int:
 
 
 def vector_path() -> int:
-    """The vector kernels' path on this CPU (auto without the tiles): what the deterministic mode runs."""
-    return min(auto_path(), KERNEL_PATHS["avx512_vnni"])
+    """The vector kernels' path on this CPU (auto without the AMX tiles or the AVX2 GEMM): what the
+    deterministic mode runs."""
+    return VECTOR_UNDER.get(auto_path(), auto_path())
 
 
 def dot_rows() -> int:
     """Up to this many rows of x the integer kernels run, past it the dequantized strips."""
-    return AMX_DOT_ROWS if auto_path() == KERNEL_PATHS["amx_int8"] else DOT_ROWS
+    return {KERNEL_PATHS["amx_int8"]: AMX_DOT_ROWS, KERNEL_PATHS["avx2_gemm"]: AVX2_GEMM_DOT_ROWS}.get(auto_path(), DOT_ROWS)
 
 
 # --cpu-block-kernels auto: the K-quants, whose conversion grows most (Q6_K more than doubles) and whose
@@ -214,7 +224,8 @@ class GGMLBlocksLinear(CpuOnlyBlocks):
             return out if self.bias is None else out.add_(self.bias)
         if rows > dot_rows():
             return self.forward_strips(x)
-        # auto: the vector kernel, or AMX tiles for Q4_K, Q5_K, Q6_K from a few rows where the CPU has them
+        # auto: the vector kernel, or for Q4_K, Q5_K, Q6_K from a few rows AMX tiles where the CPU has them, else
+        # on an AVX2-only CPU the AVX2 GEMM
         return torch.ops.tokenmill.ggml_blocks_linear(x, self._blocks, self._types, self.kernel_path, self.bias)
 
     def weight_view(self) -> GGMLBlocksWeight:  # what worker.linears.dense_weights dequantizes
@@ -223,8 +234,8 @@ class GGMLBlocksLinear(CpuOnlyBlocks):
     def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The integer-dot kernel whatever the row count, on one instruction set for every count: a row's
         output is the same bits alone or among others (the deterministic mode runs only this). Under auto
-        that is the vector kernel (AMX tiles would take over from a few rows, summing in another order); a
-        forced path is kept."""
+        that is the vector kernel (AMX tiles or the AVX2 GEMM would take over from a few rows, summing in another
+        order); a forced path is kept."""
         path = self.kernel_path or vector_path()
         # the op adds the bias and writes x's dtype itself: ~113 calls a decode step, two ops fewer each
         return torch.ops.tokenmill.ggml_blocks_linear(x, self._blocks, self._types, path, self.bias)
@@ -283,8 +294,9 @@ def describe_block_kernels(model: nn.Module) -> str | None:
     types = sorted({part.type_name for m in linears for part in m.weight_blocks.parts})
     mapped = sum(m.weight_blocks.nbytes for m in linears) / 2**20
     vector = names[vector_path()]
-    tiles = (f" (AMX-INT8 tiles for Q4_K, Q5_K, Q6_K from {AMX_MIN_ROWS} rows)"
-             if auto_path() == KERNEL_PATHS["amx_int8"] else "")
+    tiles = {KERNEL_PATHS["amx_int8"]: f" (AMX-INT8 tiles for Q4_K, Q5_K, Q6_K from {AMX_MIN_ROWS} rows)",
+             KERNEL_PATHS["avx2_gemm"]: f" (an AVX2 GEMM for Q4_K, Q5_K, Q6_K from {AVX2_GEMM_MIN_ROWS} rows)"
+             }.get(auto_path(), "")
     return (f"{len(linears)} linears on the file's own blocks ({', '.join(types)}, {mapped:.0f} MiB): {vector} integer "
             f"dot products{tiles} on activations rounded to int8 per 256 values up to {dot_rows()} rows, dequantized "
             f"{'bfloat16' if cpu_has_native_bf16() else 'float32'} strips past that")

@@ -1,7 +1,8 @@
 """GGML block linears (worker/csrc/ggml_blocks_dot.cpp, worker.linears.ggml_blocks) against gguf-py.
 
-Every type with a kernel, every instruction set this CPU has (forced), rows 1, 3, 5, 16, 64 and 512, rows of
-K not a multiple of 256 where the type allows it. The reference: x rounded to int8 per 256 values exactly as
+Every type with a kernel, every instruction set this CPU has (forced; avx2_gemm: the K-quants on the AVX2 GEMM,
+the rest on the AVX2 vector kernel), rows 1, 3, 5, 16, 64 and 512, rows of K not a multiple of 256 where the
+type allows it. The reference: x rounded to int8 per 256 values exactly as
 the kernel's q8_K (absmax / 127, half to even), times gguf-py's dequantized weight, in float64: the kernel's
 integer sums are exact, so only its float32 accumulation differs (relative 1e-5). Against the unrounded x the
 error is the activations' rounding, checked loosely. Dequantization is bit-exact to gguf-py.
@@ -70,7 +71,7 @@ def amx_usable() -> bool:
 
 def available_paths() -> list:
     flags = cpu_flags()
-    return [pytest.param("avx2", id="avx2"),
+    return [pytest.param("avx2", id="avx2"), pytest.param("avx2_gemm", id="avx2_gemm"),
             pytest.param("avx512_vnni", id="avx512_vnni", marks=pytest.mark.skipif(
                 not WIDE_FLAGS <= flags, reason="this CPU lacks avx512f/bw/vl/dq + avx512_vnni")),
             pytest.param("amx_int8", id="amx_int8", marks=pytest.mark.skipif(not amx_usable(), reason=NO_AMX))]
@@ -117,7 +118,7 @@ def test_a_fused_projection_of_three_types_shares_one_rounding(path):
 
 def test_auto_takes_the_widest_path_this_cpu_has():
     flags = cpu_flags()
-    expected = 3 if amx_usable() else 2 if WIDE_FLAGS <= flags else 1
+    expected = 3 if amx_usable() else 2 if WIDE_FLAGS <= flags else 4  # 4: AVX2 with its GEMM for the K-quants
     assert torch.ops.tokenmill.ggml_blocks_path(0) == expected
 
 
@@ -144,6 +145,49 @@ def test_auto_runs_the_k_quants_on_tiles_from_six_rows_and_forward_rows_never(dt
         assert torch.equal(linear(x), tiles if rows >= 6 else vector), rows
         assert torch.equal(linear.forward_rows(x), vector), rows
         assert torch.equal(linear.forward_rows(x)[:3], linear.forward_rows(x[:3]))
+
+
+AVX2_ONLY = "auto takes the AVX2 GEMM only on a CPU without avx512_vnni (and AMX)"
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_the_avx2_gemm_sums_each_row_alone(type_name):
+    """The GEMM (8 weight rows a register, 4 rows of x a tile) gives a row of x the same bits alone, in a tile of
+    4, in a tile's remainder, or with a short last group of weight rows: its integer sums are exact and its float
+    accumulation is one row's, in block order."""
+    cols, out_rows = 768, 21  # 21 weight rows: two groups of 8 and one of 5
+    blocks = torch.from_numpy(random_blocks(type_name, out_rows, cols, seed=4))
+    x = torch.randn(11, cols, generator=torch.Generator().manual_seed(5))
+    gemm = KERNEL_PATHS["avx2_gemm"]
+    many = torch.ops.tokenmill.ggml_blocks_linear(x, [blocks], [BLOCK_TYPES[type_name]], gemm)
+    for row in (0, 5, 9, 10):
+        alone = torch.ops.tokenmill.ggml_blocks_linear(x[row:row + 1], [blocks], [BLOCK_TYPES[type_name]], gemm)
+        assert torch.equal(alone[0], many[row]), row
+    part = torch.ops.tokenmill.ggml_blocks_linear(x, [blocks[8:21]], [BLOCK_TYPES[type_name]], gemm)
+    assert torch.equal(part, many[:, 8:])
+
+
+@pytest.mark.skipif(amx_usable() or WIDE_FLAGS <= cpu_flags(), reason=AVX2_ONLY)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_auto_runs_the_k_quants_on_the_avx2_gemm_from_two_rows_and_forward_rows_never(dtype):
+    """As the AMX tiles: under auto a Q4_K_M-like fused projection gives the GEMM's bits from 2 rows and the vector
+    kernel's at 1; forward_rows keeps the vector kernel at every count."""
+    cols = 1536
+    parts = [("Q4_K", 32), ("Q6_K", 16), ("Q8_0", 16)]
+    blocks = [torch.from_numpy(random_blocks(t, n, cols, seed=i)) for i, (t, n) in enumerate(parts)]
+    types = [BLOCK_TYPES[t] for t, _ in parts]
+    bias = torch.randn(64)
+    linear = GGMLBlocksLinear(GGMLBlocksWeight.concat_rows(
+        [GGMLBlocksWeight.from_blocks(t, b.numpy(), n, cols) for b, (t, n) in zip(blocks, parts)]), bias)
+    for rows in (1, 2, 40):
+        x = torch.randn(rows, cols).to(dtype)
+        gemm = torch.ops.tokenmill.ggml_blocks_linear(x, blocks, types, KERNEL_PATHS["avx2_gemm"], bias)
+        vector = torch.ops.tokenmill.ggml_blocks_linear(x, blocks, types, KERNEL_PATHS["avx2"], bias)
+        if dtype == torch.float32:  # the two sum in different orders
+            assert not torch.equal(gemm[:, :48], vector[:, :48])
+        assert torch.equal(gemm[:, 48:], vector[:, 48:])  # Q8_0 has no GEMM
+        assert torch.equal(linear(x), gemm if rows >= 2 else vector), rows
+        assert torch.equal(linear.forward_rows(x), vector), rows
 
 
 @pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
@@ -202,8 +246,8 @@ def test_bad_inputs_name_what_is_wrong():
         torch.ops.tokenmill.ggml_blocks_linear(torch.randn(1, 256), [blocks], [16], 0)
     with pytest.raises(RuntimeError, match=r"row 4 is outside \[0, 4\)"):
         torch.ops.tokenmill.ggml_blocks_dequantize(blocks, BLOCK_TYPES["Q4_K"], 256, torch.tensor([4]))
-    with pytest.raises(RuntimeError, match="path 4 is not 0"):
-        torch.ops.tokenmill.ggml_blocks_linear(torch.randn(1, 256), [blocks], [BLOCK_TYPES["Q4_K"]], 4)
+    with pytest.raises(RuntimeError, match=r"path 5 is not 0 \(auto\), 1 \(avx2\), .* or 4 \(avx2_gemm\)"):
+        torch.ops.tokenmill.ggml_blocks_linear(torch.randn(1, 256), [blocks], [BLOCK_TYPES["Q4_K"]], 5)
     linear = GGMLBlocksLinear(GGMLBlocksWeight.from_blocks("Q4_K", blocks, 4, 256))
     with pytest.raises(ValueError, match="CPU only"):
         linear.to("meta")
@@ -261,7 +305,9 @@ def test_the_worker_log_names_the_kernel_this_cpu_runs():
     if amx_usable():
         assert "avx512_vnni integer dot products (AMX-INT8 tiles for Q4_K, Q5_K, Q6_K from 6 rows)" in text
         assert "up to 128 rows" in text
+    elif WIDE_FLAGS <= flags:
+        assert "avx512_vnni integer dot products on" in text and "up to 24 rows" in text
     else:
-        assert f"{'avx512_vnni' if WIDE_FLAGS <= flags else 'avx2'} integer dot products on" in text
-        assert "up to 24 rows" in text
+        assert "avx2 integer dot products (an AVX2 GEMM for Q4_K, Q5_K, Q6_K from 2 rows) on" in text
+        assert "up to 512 rows" in text
     assert describe_block_kernels(torch.nn.Sequential(torch.nn.Linear(2, 2))) is None
