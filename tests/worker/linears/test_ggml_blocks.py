@@ -122,28 +122,39 @@ def test_auto_takes_the_widest_path_this_cpu_has():
     assert torch.ops.tokenmill.ggml_blocks_path(0) == expected
 
 
-@pytest.mark.skipif(not amx_usable(), reason=NO_AMX)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_auto_runs_the_k_quants_on_tiles_from_six_rows_and_forward_rows_never(dtype):
-    """Under auto, a Q4_K_M-like fused projection (Q4_K + Q6_K beside Q8_0) gives the tiles' bits from 6 rows
-    and the vector kernel's below; forward_rows (the deterministic mode's) keeps the vector kernel at every
-    count, so a row's bits do not depend on the others."""
-    cols = 1536
+def q4_k_m_like_projection(cols: int = 1536):
+    """A fused projection of Q4_K, Q6_K and Q8_0 parts (64 rows, a bias): (blocks, types, bias, its linear)."""
     parts = [("Q4_K", 32), ("Q6_K", 16), ("Q8_0", 16)]
     blocks = [torch.from_numpy(random_blocks(t, n, cols, seed=i)) for i, (t, n) in enumerate(parts)]
     types = [BLOCK_TYPES[t] for t, _ in parts]
     bias = torch.randn(64)
     linear = GGMLBlocksLinear(GGMLBlocksWeight.concat_rows(
         [GGMLBlocksWeight.from_blocks(t, b.numpy(), n, cols) for b, (t, n) in zip(blocks, parts)]), bias)
-    for rows in (5, 6, 40):
-        x = torch.randn(rows, cols).to(dtype)
-        tiles = torch.ops.tokenmill.ggml_blocks_linear(x, blocks, types, KERNEL_PATHS["amx_int8"], bias)
-        vector = torch.ops.tokenmill.ggml_blocks_linear(x, blocks, types, KERNEL_PATHS["avx512_vnni"], bias)
+    return blocks, types, bias, linear
+
+
+@pytest.mark.skipif(not amx_usable(), reason=NO_AMX)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_auto_runs_the_k_quants_on_tiles_from_six_rows_and_forward_rows_never(dtype):
+    """Under auto, a Q4_K_M-like fused projection (Q4_K + Q6_K beside Q8_0) gives the tiles' bits from 6 rows
+    and the vector kernel's below; forward_rows (the deterministic mode's) keeps the vector kernel at every
+    count, so a row's bits do not depend on the others."""
+    assert_auto_takes("amx_int8", "avx512_vnni", 6, (5, 6, 40), dtype)
+
+
+def assert_auto_takes(fast: str, vector: str, from_rows: int, counts: tuple[int, ...], dtype: torch.dtype) -> None:
+    """On q4_k_m_like_projection, auto gives the fast path's bits from from_rows rows of x and the vector kernel's
+    below; forward_rows keeps the vector kernel at every count."""
+    blocks, types, bias, linear = q4_k_m_like_projection()
+    for rows in counts:
+        x = torch.randn(rows, linear.in_features).to(dtype)
+        fast_out = torch.ops.tokenmill.ggml_blocks_linear(x, blocks, types, KERNEL_PATHS[fast], bias)
+        vector_out = torch.ops.tokenmill.ggml_blocks_linear(x, blocks, types, KERNEL_PATHS[vector], bias)
         if dtype == torch.float32:  # the two sum in different orders (bfloat16's rounding may hide it)
-            assert not torch.equal(tiles[:, :48], vector[:, :48])
-        assert torch.equal(tiles[:, 48:], vector[:, 48:])  # Q8_0 has no tile kernel
-        assert torch.equal(linear(x), tiles if rows >= 6 else vector), rows
-        assert torch.equal(linear.forward_rows(x), vector), rows
+            assert not torch.equal(fast_out[:, :48], vector_out[:, :48])
+        assert torch.equal(fast_out[:, 48:], vector_out[:, 48:])  # Q8_0 has neither
+        assert torch.equal(linear(x), fast_out if rows >= from_rows else vector_out), rows
+        assert torch.equal(linear.forward_rows(x), vector_out), rows
         assert torch.equal(linear.forward_rows(x)[:3], linear.forward_rows(x[:3]))
 
 
@@ -172,22 +183,7 @@ def test_the_avx2_gemm_sums_each_row_alone(type_name):
 def test_auto_runs_the_k_quants_on_the_avx2_gemm_from_two_rows_and_forward_rows_never(dtype):
     """As the AMX tiles: under auto a Q4_K_M-like fused projection gives the GEMM's bits from 2 rows and the vector
     kernel's at 1; forward_rows keeps the vector kernel at every count."""
-    cols = 1536
-    parts = [("Q4_K", 32), ("Q6_K", 16), ("Q8_0", 16)]
-    blocks = [torch.from_numpy(random_blocks(t, n, cols, seed=i)) for i, (t, n) in enumerate(parts)]
-    types = [BLOCK_TYPES[t] for t, _ in parts]
-    bias = torch.randn(64)
-    linear = GGMLBlocksLinear(GGMLBlocksWeight.concat_rows(
-        [GGMLBlocksWeight.from_blocks(t, b.numpy(), n, cols) for b, (t, n) in zip(blocks, parts)]), bias)
-    for rows in (1, 2, 40):
-        x = torch.randn(rows, cols).to(dtype)
-        gemm = torch.ops.tokenmill.ggml_blocks_linear(x, blocks, types, KERNEL_PATHS["avx2_gemm"], bias)
-        vector = torch.ops.tokenmill.ggml_blocks_linear(x, blocks, types, KERNEL_PATHS["avx2"], bias)
-        if dtype == torch.float32:  # the two sum in different orders
-            assert not torch.equal(gemm[:, :48], vector[:, :48])
-        assert torch.equal(gemm[:, 48:], vector[:, 48:])  # Q8_0 has no GEMM
-        assert torch.equal(linear(x), gemm if rows >= 2 else vector), rows
-        assert torch.equal(linear.forward_rows(x), vector), rows
+    assert_auto_takes("avx2_gemm", "avx2", 2, (1, 2, 40), dtype)
 
 
 @pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
