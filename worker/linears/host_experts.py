@@ -30,7 +30,3 @@ class HostExperts(nn.Module):
         out = self.inner(rows.to("cpu"), counts.to("cpu"))
         return out.to(rows.device, non_blocking=False)
 
-    @property
-    def expert_blocks(self):  # a GGUF file's expert blocks, for worker.linears.ggml_blocks.block_weights
-        return getattr(self.inner, "expert_blocks", ())
-

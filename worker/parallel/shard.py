@@ -112,10 +112,6 @@ class RankSplit:
                        tie_word_embeddings=False)  # the tie is kept by GatheredLMHead sharing the weight
 
 
-def _rows(tensor: torch.Tensor, ranges: list[range], dim: int = 0) -> torch.Tensor:
-    return cut(tensor, dim, ranges)
-
-
 @dataclass(frozen=True, slots=True)
 class HfShare:
     """A rank's share as the loader reads it from a Hugging Face folder (worker.loader.share.TensorShare): the
@@ -149,9 +145,7 @@ class HfShare:
         return None  # norms, the router: every rank holds them whole
 
     def pad(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name not in ("model.embed_tokens.weight", "lm_head.weight"):
-            return tensor
-        return torch.cat((tensor, tensor.new_zeros(self.split.vocab_rows - tensor.shape[0], *tensor.shape[1:])))
+        return _padded_vocab(tensor, self.split) if name in ("model.embed_tokens.weight", "lm_head.weight") else tensor
 
     def rank_config(self) -> ModelConfig:
         return self.split.rank_config()
@@ -161,27 +155,27 @@ def _range(columns: slice) -> range:
     return range(columns.start, columns.stop)
 
 
-def _split_vocab(weight: torch.Tensor, split: RankSplit) -> torch.Tensor:
-    local = weight[split.vocab_range.start : split.vocab_range.stop]
+def _padded_vocab(local: torch.Tensor, split: RankSplit) -> torch.Tensor:
+    """The rank's vocabulary rows with zero rows after them up to V', as many on every rank."""
     return torch.cat((local, local.new_zeros(split.vocab_rows - local.shape[0], *local.shape[1:])))
 
 
 def split_tensor(name: str, tensor: torch.Tensor, split: RankSplit) -> torch.Tensor:
     """This rank's part of the full model's state-dict entry `name` (replicated where the table says so)."""
     if name.endswith(("attn.wqkv.weight", "attn.wqkv.bias")):
-        return _rows(tensor, split.qkv_rows())
+        return cut(tensor, 0, split.qkv_rows())
     if name.endswith("attn.wo.weight"):
         return tensor[:, split.columns(tensor.shape[1])]
     if name.endswith("mlp.w_gate_up.weight"):
-        return _rows(tensor, split.halves_rows(tensor.shape[0] // 2))
+        return cut(tensor, 0, split.halves_rows(tensor.shape[0] // 2))
     if name.endswith("mlp.w_down.weight"):
         return tensor[:, split.columns(tensor.shape[1])]
     if name.endswith("mlp.experts.gate_up"):  # [E, 2I, H]
-        return _rows(tensor, split.halves_rows(tensor.shape[1] // 2), dim=1)
+        return cut(tensor, 1, split.halves_rows(tensor.shape[1] // 2))
     if name.endswith("mlp.experts.down"):  # [E, H, I]
         return tensor[:, :, split.columns(tensor.shape[2])]
     if name in ("embed_tokens.weight", "lm_head.weight"):
-        return _split_vocab(tensor, split)
+        return _padded_vocab(tensor[split.vocab_range.start : split.vocab_range.stop], split)
     return tensor
 
 
@@ -195,7 +189,7 @@ def _split_quantized(name: str, module: nn.Module, split: RankSplit) -> nn.Modul
         ranges = split.halves_rows(weight.out_features // 2)
     else:  # o and down: a partial sum on every rank, which SumOverRanks adds up; neither has a bias
         return linear_on(keep_columns(weight, split.columns(weight.in_features), name), None)
-    return linear_on(keep_rows(weight, ranges), None if bias is None else _rows(bias, ranges))
+    return linear_on(keep_rows(weight, ranges), None if bias is None else cut(bias, 0, ranges))
 
 
 def _vocabulary(whole: LlamaModel, local: LlamaModel, split: RankSplit) -> tuple[nn.Module, nn.Module]:
