@@ -48,9 +48,24 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
 
     def push(self, new_ids: list[int]) -> str:
-        """Accept newly generated ids; return the text that is now certain (may be "")."""
-        self._tokens.extend(new_ids)
-        return self._advance(final=False)
+        """Accept newly generated ids; return the text that is now certain (may be "").
+
+        The text out after N tokens does not depend on how they were split into pushes: a resumed stream
+        (gateway/generation/resume.py) decodes its client's tokens in other chunks than the first gateway
+        did, and sends only what comes after. A chunk whose end settles everything gives what pushing its
+        tokens one at a time gives; one that ends held (mid-character) goes one token at a time, so that
+        the text before its held tail comes out as it would have (not held with the tail)."""
+        if len(new_ids) > 1:
+            prefix_text = self._decode(self._tokens[: self._read_offset])
+            new_text = self._decode(self._tokens + new_ids)
+            if not new_text.endswith(REPLACEMENT_CHAR) and new_text.startswith(prefix_text):
+                self._tokens.extend(new_ids)
+                return self._emit(prefix_text, new_text, len(self._tokens))
+        text = ""
+        for token in new_ids:
+            self._tokens.append(token)
+            text += self._advance(final=False)
+        return text
 
     def finish(self) -> str:
         """End of generation: release any held text, incomplete characters included (as U+FFFD)."""

@@ -122,3 +122,31 @@ def test_runs_that_never_end_a_character_keep_a_bounded_window():
     deltas = run(detokenizer, [[space_lead]] * 200)
     assert "".join(deltas) == tokenizer().decode([space_lead] * 200) == " \ufffd" * 200
     assert max(counting.window_sizes) <= CONTEXT_TOKENS + MAX_HELD_TOKENS + 1
+
+
+def emitted_after_each_token(ids: list[int], chunks: list[list[int]]) -> dict[int, str]:
+    """The text emitted once each chunk's last token was pushed, keyed by the number of tokens pushed."""
+    detokenizer, text, pushed, emitted = IncrementalDetokenizer(tokenizer(), None), "", 0, {}
+    for chunk in chunks:
+        text += detokenizer.push(chunk)
+        pushed += len(chunk)
+        emitted[pushed] = text
+    return emitted
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(_any_id, max_size=40), cuts=st.lists(st.integers(0, 40), max_size=10))
+def test_the_text_emitted_after_n_tokens_does_not_depend_on_how_they_were_chunked(ids, cuts):
+    """A resumed stream (gateway/generation/resume.py) decodes the tokens its client already has in the
+    token stream's chunks, then sends the text of the rest: that is the client's text only if the text out
+    after N tokens is the same however the N arrived (the first gateway pushed them in other deltas)."""
+    one_at_a_time = emitted_after_each_token(ids, [[token] for token in ids])
+    for pushed, text in emitted_after_each_token(ids, chunked(ids, cuts)).items():
+        assert text == one_at_a_time.get(pushed, ""), pushed
+
+
+def test_a_character_before_a_run_of_broken_bytes_comes_out_with_it_whatever_the_chunks():
+    """The case CI's gateway-kill test hit: "1" then more stray continuation bytes than are held; pushed
+    one by one, "1" goes out at once; pushed together, it was held with the run (no safe split after it)."""
+    ids = [tokenizer().token_to_id("1")] + ids_of_bytes(b"\x80" * (MAX_HELD_TOKENS + 2))
+    assert emitted_after_each_token(ids, [ids]) == {len(ids): emitted_after_each_token(ids, [[t] for t in ids])[len(ids)]}
