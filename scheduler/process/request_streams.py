@@ -246,8 +246,8 @@ class RequestStreams:
     def _hold(self, stream: RequestStream, output: RequestOutput, forward_ns: int) -> bool:
         """Whether output waits for the stream's submission to be kept; the first one held arranges the
         release: when it is kept, or after KEPT_WAIT_S at the most (Redis away degrades, never blocks)."""
-        if stream.kept.done():
-            stream.kept = None
+        if stream.kept.done():  # kept, its release callback not run yet (a loop turn later): it goes first
+            self._release(stream)
             return False
         if stream.held is None:
             stream.held, stream.held_forward_ns = output, forward_ns
