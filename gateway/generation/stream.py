@@ -187,12 +187,19 @@ class _Deltas:
         self.prepared, self.tokenizer, self.arrival = prepared, tokenizer, arrival
         self.text_stream = TextStream(tokenizer, prepared.request.prompt_token_ids, prepared.stop)
         self.first_token: float | None = None
+        self.num_tokens = 0  # output tokens received so far
         self.prompt_logprobs_due = prepared.request.sampling_params.prompt_logprobs is not None
         # a tools chat's text, parsed for its calls when it ends (the span, metrics and log line say tool_calls)
         self.text: list[str] | None = [] if prepared.tool_syntax is not None else None
 
     def of(self, output: RequestOutput) -> GenerationDelta:
         token_ids = output.new_token_ids
+        if token_ids:  # outputs cover [num_output_tokens - len(new_token_ids), num_output_tokens), one after another
+            start = output.num_output_tokens - len(token_ids)
+            if start != self.num_tokens:  # a client must never get a stream with tokens missing or twice
+                raise Unavailable(f"request {output.request_id!r}: the scheduler sent tokens from index {start} "
+                                  f"after {self.num_tokens} tokens; retry")
+            self.num_tokens = output.num_output_tokens
         if token_ids and self.first_token is None:
             self.first_token = time.monotonic()
         delta = GenerationDelta(self.prepared.request.request_id, self.text_stream.push(token_ids), token_ids,

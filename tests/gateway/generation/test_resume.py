@@ -128,3 +128,18 @@ async def test_a_request_no_scheduler_took_is_unavailable_at_once(fresh_redis, t
             pass
     assert time.monotonic() - started < 1.0, "not waited for: nothing runs under its id"
     await store.aclose()
+
+
+async def test_a_hole_in_the_token_stream_ends_the_stream_unavailable_instead_of_skipping_it(fresh_redis, tokenizer):
+    """Tokens 2 and 3 never reached Redis: the client gets up to the hole and an error naming it, not a
+    stream that ends with length and two tokens fewer than its usage says."""
+    request = prepare_request(PROMPT, tokenizer, Limits(max_model_len=2048, vocab_size=49152),
+                              sampling=ClientSampling(max_tokens=5), request_id="holed")
+    await _write(fresh_redis, "holed", 0, [101, 102])
+    await _write(fresh_redis, "holed", 4, [105], finish="LENGTH")
+    store, received = _store(fresh_redis, 10.0), []
+    with pytest.raises(Unavailable, match="lacks tokens 2 to 3"):
+        async for delta in _submit_or_attach(request, tokenizer, DyingScheduler([101]), store):
+            received += delta.token_ids
+    assert received == [101, 102]
+    await store.aclose()
