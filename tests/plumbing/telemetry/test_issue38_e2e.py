@@ -29,6 +29,9 @@ FLUSH_NS = 1_000_000_000  # a span of the request may end this long after the re
 RUN = secrets.token_hex(3)  # ids unique to this run: a KServe id repeated in Redis would run suffixed
 
 
+STREAM_SPAN_SLACK_NS = 20_000_000
+
+
 @dataclass
 class Sent:
     api: str
@@ -162,7 +165,10 @@ def test_thirty_mixed_requests_on_all_three_apis(traced_cluster, otlp_receiver):
     assert set(gateway_request) == set(by_trace)
     for trace_id, request in by_trace.items():
         span = gateway_request[trace_id]
-        assert span.end_ns - span.start_ns <= request.ended_ns - request.started_ns, request
+        # a stream's span closes after its last chunk is written, which the client may read (and stop its clock
+        # on) first: by 2.6 ms in one run with two test files beside it (pytest-xdist)
+        slack_ns = STREAM_SPAN_SLACK_NS if request.api == "http-stream" else 0
+        assert span.end_ns - span.start_ns <= request.ended_ns - request.started_ns + slack_ns, request
         late = [s.name for s in spans if s.trace_id == trace_id and
                 (s.start_ns < span.start_ns or s.end_ns > span.end_ns + FLUSH_NS)]
         assert not late, (request, late)
