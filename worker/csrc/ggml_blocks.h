@@ -101,9 +101,10 @@ void amx_rows(const Part& p, int64_t n0, int64_t n1, const AmxRows& x, float* ou
 void amx_rows(const Part& p, int64_t n0, int64_t n1, const AmxRows& x, at::BFloat16* out, int64_t ldo, int64_t col0);
 
 // ---- ggml_blocks_avx2_gemm.cpp ----
-// Under auto on a CPU without AVX-512 VNNI, the K-quants run the AVX2 GEMM from this many rows of x (see
-// ggml_blocks_dot.cpp's figures)
-constexpr int64_t kAvx2GemmMinRows = 2;
+// Under auto on a CPU without AVX-512 VNNI, the K-quants run the AVX2 GEMM from this many rows of x: from one,
+// since it reads the weight faster than the vector kernel there too (one sequence's decode, in-process on the
+// 1.5B Q4_K_M shape: 60 vs 69 ms a token on the 2-core EPYC); ggml_blocks_dot.cpp's figures
+constexpr int64_t kAvx2GemmMinRows = 1;
 // The types the GEMM runs: Q4_K, Q5_K, Q6_K
 bool avx2_gemm_has_kernel(int64_t type);
 // Rows [n0, n1) of a K-quant part against every row of x, plus bias[col0 + n] where bias is given, written to

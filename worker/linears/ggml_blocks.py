@@ -50,10 +50,10 @@ AMX_MIN_ROWS = 6  # worker/csrc/ggml_blocks_dot.cpp's kAmxMinRows: the row count
 # strips: 16 rows 11.1 / 69.7, 32 rows 21.0 / 87.5, 64 rows 42.7 / 125, 128 rows 82 / 181, 512 rows 523 / 704. Strips only past
 # this many rows (a long prefill), where their float activations are the more exact.
 AVX2_GEMM_DOT_ROWS = 512
-AVX2_GEMM_MIN_ROWS = 2
+AVX2_GEMM_MIN_ROWS = 1  # one sequence's decode too: docs/benchmarks.md (60 vs 69 ms a token, 1.5B Q4_K_M)
 STRIP_BYTES = 4 * 2**20  # a dequantized strip's most
 # the instruction set the kernels use: 0 the best this CPU has (AMX-INT8 tiles for Q4_K, Q5_K, Q6_K from a few
-# rows, else AVX-512 VNNI, else AVX2 with its GEMM for the K-quants from 2 rows); tests force 1 / 2 / 3 / 4
+# rows, else AVX-512 VNNI, else AVX2 with its GEMM for the K-quants at any row count up to AVX2_GEMM_DOT_ROWS); tests force 1 / 2 / 3 / 4
 KERNEL_PATHS = {"auto": 0, "avx2": 1, "avx512_vnni": 2, "amx_int8": 3, "avx2_gemm": 4}
 # the vector kernels under each many-row path: what the deterministic mode runs, one kernel for every count
 VECTOR_UNDER = {KERNEL_PATHS["amx_int8"]: KERNEL_PATHS["avx512_vnni"], KERNEL_PATHS["avx2_gemm"]: KERNEL_PATHS["avx2"]}
@@ -295,7 +295,7 @@ def describe_block_kernels(model: nn.Module) -> str | None:
     mapped = sum(m.weight_blocks.nbytes for m in linears) / 2**20
     vector = names[vector_path()]
     tiles = {KERNEL_PATHS["amx_int8"]: f" (AMX-INT8 tiles for Q4_K, Q5_K, Q6_K from {AMX_MIN_ROWS} rows)",
-             KERNEL_PATHS["avx2_gemm"]: f" (an AVX2 GEMM for Q4_K, Q5_K, Q6_K from {AVX2_GEMM_MIN_ROWS} rows)"
+             KERNEL_PATHS["avx2_gemm"]: f" (an AVX2 GEMM for Q4_K, Q5_K, Q6_K, {AVX2_GEMM_MIN_ROWS}-{AVX2_GEMM_DOT_ROWS} rows)"
              }.get(auto_path(), "")
     return (f"{len(linears)} linears on the file's own blocks ({', '.join(types)}, {mapped:.0f} MiB): {vector} integer "
             f"dot products{tiles} on activations rounded to int8 per 256 values up to {dot_rows()} rows, dequantized "

@@ -180,10 +180,10 @@ def test_the_avx2_gemm_sums_each_row_alone(type_name):
 
 @pytest.mark.skipif(amx_usable() or WIDE_FLAGS <= cpu_flags(), reason=AVX2_ONLY)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_auto_runs_the_k_quants_on_the_avx2_gemm_from_two_rows_and_forward_rows_never(dtype):
-    """As the AMX tiles: under auto a Q4_K_M-like fused projection gives the GEMM's bits from 2 rows and the vector
-    kernel's at 1; forward_rows keeps the vector kernel at every count."""
-    assert_auto_takes("avx2_gemm", "avx2", 2, (1, 2, 40), dtype)
+def test_auto_runs_the_k_quants_on_the_avx2_gemm_from_one_row_and_forward_rows_never(dtype):
+    """Under auto a Q4_K_M-like fused projection gives the GEMM's bits at every count, one row included (it reads
+    the weight faster there too); forward_rows keeps the vector kernel at every count."""
+    assert_auto_takes("avx2_gemm", "avx2", 1, (1, 2, 40), dtype)
 
 
 @pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
@@ -304,6 +304,6 @@ def test_the_worker_log_names_the_kernel_this_cpu_runs():
     elif WIDE_FLAGS <= flags:
         assert "avx512_vnni integer dot products on" in text and "up to 24 rows" in text
     else:
-        assert "avx2 integer dot products (an AVX2 GEMM for Q4_K, Q5_K, Q6_K from 2 rows) on" in text
+        assert "avx2 integer dot products (an AVX2 GEMM for Q4_K, Q5_K, Q6_K, 1-512 rows) on" in text
         assert "up to 512 rows" in text
     assert describe_block_kernels(torch.nn.Sequential(torch.nn.Linear(2, 2))) is None
