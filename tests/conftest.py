@@ -15,4 +15,9 @@ if shutil.which("nvidia-smi") is None:
     if platform.machine().lower() in ("x86_64", "amd64"):
         os.environ.setdefault("OPENBLAS_CORETYPE", "SandyBridge")
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.helpers.triton_interpreter import cache_builtin_lookup
+
+    cache_builtin_lookup()
+
 from tests.helpers.redis_server import fresh_redis, own_redis, redis_server  # noqa: E402, F401
