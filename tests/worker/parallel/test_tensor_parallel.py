@@ -27,9 +27,18 @@ needs_cpu_ops = pytest.mark.skipif(not cpu_ops_available(), reason="GGUF blocks 
 RANK_TIMEOUT_S = 240
 
 
+def rank_context():
+    """Ranks forked from a forkserver that imported their module once (torch, the worker), not a fresh interpreter
+    each: importing it takes ~4.7 s, and this file starts ~30 ranks. The server is a clean process (no pytest
+    state, no threads), so each rank still starts as a worker process would, with nothing of the test's."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["tests.helpers.tensor_parallel_ranks"])
+    return context
+
+
 def run_ranks(folder, world_size: int, tmp_path, pipeline: bool = False, kv_dtype: torch.dtype = torch.float32,
               weights: str = "float", triton: bool = False) -> dict:
-    context = multiprocessing.get_context("spawn")  # a fresh interpreter per rank, as a worker process is
+    context = rank_context()
     kind = ("pp" if pipeline else "tp") + weights + ("-triton" if triton else "")
     out = tmp_path / f"rank0-of-{kind}{world_size}.pt"
     init_method = f"file://{tmp_path}/store-{kind}{world_size}"
