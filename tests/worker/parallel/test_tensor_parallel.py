@@ -59,7 +59,7 @@ def run_ranks(folder, world_size: int, tmp_path, pipeline: bool = False, kv_dtyp
 
 # llama: 4 KV heads split; qwen2: q/k/v bias, 2 KV heads (TP=4 shares each by 2 ranks); gemma2: soft-caps,
 # sandwich norms, tied embeddings, 258-token vocabulary padded to 4 x 65; qwen3_moe: experts split
-@pytest.mark.parametrize("flavour, world_sizes", [("llama", (2,)), ("qwen2", (2, 4)), ("gemma2", (2,)),
+@pytest.mark.parametrize("flavour, world_sizes", [("llama", (2, 4)), ("qwen2", (2, 4)), ("gemma2", (2,)),
                                                   ("qwen3_moe", (2,))])
 def test_split_model_matches_the_whole_one(tmp_path, flavour, world_sizes):
     folder, _ = make_tiny_hf_model(tmp_path, flavour)
