@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import llguidance
-import llguidance.torch
 import torch
 
 from core.sampling import SamplingParams
@@ -76,19 +75,19 @@ class StructuredOutput:
         rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
         if not rows:
             return None
-        bits = llguidance.torch.allocate_token_bitmask(len(rows), self.compiler.vocabulary.vocab_size)
-        llguidance.torch.fill_next_token_bitmask_par(
-            self.executor, [(matchers[row], index) for index, row in enumerate(rows)], bits)
+        bits = _allocate_bitmask(len(rows), self.compiler.vocabulary.vocab_size)
+        self.executor.unsafe_compute_mask_ptr([(matchers[row], index) for index, row in enumerate(rows)],
+                                              bits.data_ptr(), bits.shape[1] * 4, len(rows))
         return TokenBitmask(rows, bits.to(device, non_blocking=True))
 
     def draft_bitmask(self, matcher: llguidance.LLMatcher, drafts: Sequence[int], device: torch.device) -> torch.Tensor:
         """Speculative decoding: [1 + k, W] masks of a constrained request's verified rows, row j at the state after
         its tokens and drafts[:j]. Rows past the first draft the grammar refuses allow everything: verification
         never reaches them (that draft cannot be accepted under its row's mask). The matcher ends where it began."""
-        bits = llguidance.torch.allocate_token_bitmask(1 + len(drafts), self.compiler.vocabulary.vocab_size)
+        bits = _allocate_bitmask(1 + len(drafts), self.compiler.vocabulary.vocab_size)
         consumed = 0
         for row in range(len(drafts) + 1):
-            llguidance.torch.fill_next_token_bitmask(matcher, bits, row)
+            matcher.unsafe_compute_mask_ptr(bits[row].data_ptr(), bits.shape[1] * 4)
             if row == len(drafts) or matcher.try_consume_tokens([drafts[row]]) != 1:
                 break
             consumed += 1
@@ -101,3 +100,16 @@ class StructuredOutput:
         for matcher, token_id in zip(matchers, token_ids):
             if matcher is not None:
                 matcher.consume_token(token_id)
+
+
+def _allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """[num_rows, W] int32, every bit set, for llguidance to fill through its pointer (llguidance.torch's
+    allocate_token_bitmask and fill helpers do the same; that module is not imported: its torch.compile'd function
+    pulls torch._dynamo and inductor into every worker, 2.1 s of its start). Pinned where a GPU will take it."""
+    shape = (num_rows, (vocab_size + 31) // 32)
+    if torch.cuda.is_available():
+        try:
+            return torch.full(shape, -1, dtype=torch.int32, pin_memory=True)
+        except RuntimeError:  # no pinned memory to be had: a plain copy works too, only not overlapped
+            pass
+    return torch.full(shape, -1, dtype=torch.int32)
