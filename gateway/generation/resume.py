@@ -103,8 +103,8 @@ async def attach_generation(prepared: PreparedRequest, call: CallContext, side: 
         for entry in entries:
             if entry.index > next_index:  # never skip past a hole: the client would miss those tokens silently
                 raise Unavailable(f"request {request_id!r}: its token stream lacks tokens {next_index} to "
-                                  f"{entry.index - 1} (they never reached Redis); {min(next_index, from_index)} "
-                                  "tokens were sent")
+                                  f"{entry.index - 1} (they never reached Redis); the client has "
+                                  f"{max(next_index, from_index)} tokens")
             token_ids = entry.token_ids[max(next_index - entry.index, 0):]  # a resent entry repeats
             next_index = max(next_index, entry.index + len(entry.token_ids))
             start = next_index - len(token_ids)
