@@ -2,11 +2,22 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 from collections.abc import Coroutine
 
 from plumbing.telemetry.logs import configure_logging
+
+logger = logging.getLogger(__name__)
+
+# Set to "1" by the supervisor (tokenmill.cluster.child_process) in its children's environment: a child whose
+# parent went away (the supervisor SIGKILLed or crashed: the child is reparented) stops as on SIGTERM rather than
+# run on orphaned, holding its port, its cores and a GPU's memory. Unset (Kubernetes, docker-compose, a shell),
+# nothing watches: a process started by hand outlives its shell as before.
+EXIT_WITH_PARENT_ENV = "TOKENMILL_EXIT_WITH_PARENT"
+PARENT_CHECK_INTERVAL_S = 1.0
+_parent_at_start: int | None = None  # the parent when run_process began (before a model load of minutes)
 
 
 def run_process(main: Coroutine) -> None:
@@ -14,6 +25,8 @@ def run_process(main: Coroutine) -> None:
 
     Logs go to stderr as text, or as JSON lines with trace and request ids when
     TOKENMILL_LOG_FORMAT=json (plumbing.telemetry.logs)."""
+    global _parent_at_start
+    _parent_at_start = os.getppid()
     configure_logging(os.environ.get("TOKENMILL_LOG_FORMAT", "text").strip().lower() or "text")
     try:
         import uvloop
@@ -24,11 +37,26 @@ def run_process(main: Coroutine) -> None:
 
 
 async def wait_for_stop_signal() -> None:
-    """Returns on the first SIGTERM or SIGINT (the supervisor and Kubernetes stop us with SIGTERM)."""
+    """Returns on the first SIGTERM or SIGINT (the supervisor and Kubernetes stop us with SIGTERM), or, with
+    TOKENMILL_EXIT_WITH_PARENT=1, once the process that started this one is gone."""
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
+    watch = None
+    if os.environ.get(EXIT_WITH_PARENT_ENV) == "1":
+        parent = _parent_at_start if _parent_at_start is not None else os.getppid()
+        watch = asyncio.get_running_loop().create_task(_stop_when_orphaned(parent, stop))
+    try:
+        await stop.wait()
+    finally:
+        await cancel_and_wait(watch)
+
+
+async def _stop_when_orphaned(parent: int, stop: asyncio.Event) -> None:
+    while os.getppid() == parent:
+        await asyncio.sleep(PARENT_CHECK_INTERVAL_S)
+    logger.warning("the process that started this one (pid %d) is gone: stopping as on SIGTERM", parent)
+    stop.set()
 
 
 async def cancel_and_wait(task: asyncio.Task | None) -> None:

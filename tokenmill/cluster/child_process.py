@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
+from plumbing.process import EXIT_WITH_PARENT_ENV
 from plumbing.telemetry.logs import echo_line, json_lines_requested
 from plumbing.tls import ClientTLS
 
@@ -76,7 +77,8 @@ class ChildProcess:
                 descriptor = os.open(os.path.join(cwd, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 with os.fdopen(descriptor, "w") as file:
                     file.write(text)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.spec.env or {})}
+        # EXIT_WITH_PARENT_ENV: a tokenmill child stops by itself if this process dies without stopping it
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", EXIT_WITH_PARENT_ENV: "1", **(self.spec.env or {})}
         self._process = subprocess.Popen(
             list(self.spec.argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             cwd=cwd, env=env, process_group=0)
