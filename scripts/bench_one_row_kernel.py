@@ -40,7 +40,8 @@ def main() -> None:
             GGMLBlocksLinear.kernel_path = kernel_path  # the class default every instance reads
             one = seconds(1)
             itl_ms[name].append((seconds(33) - one) / 32 * 1e3)
-    print(f"{path}: auto's instruction set here: path {auto_path()} ({', '.join(f'{k}={v}' for k, v in KERNEL_PATHS.items())})")
+    paths = ", ".join(f"{name}={number}" for name, number in KERNEL_PATHS.items())
+    print(f"{path}: auto's instruction set here: path {auto_path()} ({paths})")
     for name, values in itl_ms.items():
         print(f"{name:>18}: ITL ms {' '.join(f'{v:.1f}' for v in values)}; median {statistics.median(values):.1f}, "
               f"best {min(values):.1f}")

@@ -35,6 +35,11 @@ from gateway.text.tokenizer import TextTokenizer
 DEADLINE_SLACK_S = 0.05
 
 
+class TokensOutOfSequence(Unavailable):
+    """A request's outputs skipped or repeated tokens (a fault in the scheduler's delivery, which a resumable
+    request's Redis token stream may still make good): the stream ends rather than hand on a gap."""
+
+
 @dataclass(slots=True)
 class TopLogprob:
     token_id: int
@@ -171,12 +176,17 @@ def _admit(prepared: PreparedRequest, side: SchedulerSide, target: Route | None,
 
 def _scheduler_gone(error: Unavailable, side: SchedulerSide, target: Route, observer: RequestObserver, *,
                     resumable: bool, answered: bool) -> NoReturn:
-    target.breaker.record_failure()
+    out_of_sequence = isinstance(error, TokensOutOfSequence)  # one request's outputs: the scheduler is not away
+    if not out_of_sequence:
+        target.breaker.record_failure()
     if not resumable:
         observer.on_error(error)
         # the scheduler (or its worker) is gone: the record must not stay "running" in Redis, unless the
         # request is resumable, which the restarted scheduler re-admits (scheduler.process.readmission)
-        side.report_lost(observer.request_id, Unavailable(f"scheduler unavailable: {error}"), accepted=answered)
+        lost = error if out_of_sequence else Unavailable(f"scheduler unavailable: {error}")
+        side.report_lost(observer.request_id, lost, accepted=answered)
+    if out_of_sequence:
+        raise error
     raise Unavailable(f"scheduler at {target.address} is unavailable: {error}") from error
 
 
@@ -197,8 +207,8 @@ class _Deltas:
         if token_ids:  # outputs cover [num_output_tokens - len(new_token_ids), num_output_tokens), one after another
             start = output.num_output_tokens - len(token_ids)
             if start != self.num_tokens:  # a client must never get a stream with tokens missing or twice
-                raise Unavailable(f"request {output.request_id!r}: the scheduler sent tokens from index {start} "
-                                  f"after {self.num_tokens} tokens; retry")
+                raise TokensOutOfSequence(f"request {output.request_id!r}: the scheduler sent tokens from index "
+                                          f"{start} after {self.num_tokens} tokens; retry")
             self.num_tokens = output.num_output_tokens
         if token_ids and self.first_token is None:
             self.first_token = time.monotonic()

@@ -17,7 +17,9 @@ def cache_builtin_lookup() -> bool:
         return False
     original = getattr(interpreter, "_patch_builtin", None)
     patch_attr = getattr(interpreter, "_patch_attr", None)
-    if original is None or patch_attr is None or list(inspect.signature(original).parameters) != ["pkg", "builder", "scope"]:
+    if original is None or patch_attr is None:
+        return False
+    if list(inspect.signature(original).parameters) != ["pkg", "builder", "scope"]:
         return False
     builtins_of: dict[int, tuple[object, list[tuple[str, object]]]] = {}
 

@@ -37,12 +37,13 @@ class ScriptedScheduler:
         return request_ids
 
 
-async def _tokens(script: list[tuple[int, list[int]]]) -> list[int]:
+async def _tokens(script: list[tuple[int, list[int]]], scheduler: ScriptedScheduler | None = None) -> list[int]:
     tokenizer = load_tokenizer(None)
     request = prepare_request([12, 34, 56], tokenizer, Limits(max_model_len=2048, vocab_size=49152),
                               sampling=ClientSampling(max_tokens=4), request_id="r")
-    side = SchedulerSide(tokenizer, ScriptedScheduler(script), lambda *_: None)
-    return [t async for delta in stream_generation(request, CallContext(time.monotonic()), side) for t in delta.token_ids]
+    side = SchedulerSide(tokenizer, scheduler or ScriptedScheduler(script), lambda *_: None)
+    deltas = stream_generation(request, CallContext(time.monotonic()), side)
+    return [token async for delta in deltas for token in delta.token_ids]
 
 
 async def test_outputs_in_sequence_pass_whole():
@@ -55,5 +56,8 @@ async def test_outputs_in_sequence_pass_whole():
     ([(0, [101, 102]), (1, [102]), (2, [103, 104])], 1, 2),  # one sent twice
 ])
 async def test_an_output_out_of_sequence_ends_the_stream_unavailable(script, start, received):
+    scheduler = ScriptedScheduler(script)
     with pytest.raises(Unavailable, match=f"tokens from index {start} after {received} tokens"):
-        await _tokens(script)
+        await _tokens(script, scheduler)
+    # one request's outputs went wrong, the scheduler is not away: its breaker is untouched
+    assert scheduler.breaker._failures == 0
