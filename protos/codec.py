@@ -180,7 +180,10 @@ def timestamp_to_unix_s(timestamp: Timestamp) -> float:
 # ---- scheduler <-> worker (hot path) --------------------------------------------------------
 
 
-def step_plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
+def step_plan_to_proto(plan: StepPlan, columns: bool = False) -> worker_pb2.StepPlan:
+    """columns (a worker that reports columnar_steps): the batch and the cached requests as StepPlan's
+    columns, a ScheduledTokens entry only for a request with speculative fields. Each is a message per
+    running request and step otherwise, 1-2 us apiece to encode and again to decode."""
     msg = worker_pb2.StepPlan(step_id=plan.step_id, finished_request_ids=plan.finished_request_ids)
     # .add() on the parent's repeated field is ~1.7x faster than building child messages and
     # passing a list, which copies them.
@@ -195,8 +198,10 @@ def step_plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
             num_computed_tokens=new.num_computed_tokens,
             trace_context=new.trace_context,
         )
+    if columns:
+        _cached_requests_as_columns(plan.cached_requests, msg)
     cached_requests = msg.cached_requests
-    for cached in plan.cached_requests:
+    for cached in () if columns else plan.cached_requests:
         cached_requests.add(
             request_id=cached.request_id,
             new_block_ids=cached.new_block_ids,
@@ -206,14 +211,48 @@ def step_plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
     # dict insertion order is the packed batch order; a repeated field keeps it (a proto map would not)
     scheduled = msg.num_scheduled_tokens
     drafts, num_draft_tokens = plan.spec_token_ids, plan.num_draft_tokens
-    for request_id, num_tokens in plan.num_scheduled_tokens.items():
-        scheduled.add(request_id=request_id, num_tokens=num_tokens, spec_token_ids=drafts.get(request_id, ()),
-                      num_draft_tokens=num_draft_tokens.get(request_id, 0))
+    if columns:
+        batch = plan.num_scheduled_tokens
+        msg.batch_request_ids.extend(batch)
+        msg.batch_num_tokens.extend(batch.values())
+        for request_id in drafts.keys() | num_draft_tokens.keys():  # the worker reads them by id
+            scheduled.add(request_id=request_id, num_tokens=batch[request_id], spec_token_ids=drafts.get(request_id, ()),
+                          num_draft_tokens=num_draft_tokens.get(request_id, 0))
+    else:
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            scheduled.add(request_id=request_id, num_tokens=num_tokens, spec_token_ids=drafts.get(request_id, ()),
+                          num_draft_tokens=num_draft_tokens.get(request_id, 0))
     for device_block_id, host_block_id in plan.swap_out:
         msg.swap_out.add(device_block_id=device_block_id, host_block_id=host_block_id)
     for device_block_id, host_block_id in plan.swap_in:
         msg.swap_in.add(device_block_id=device_block_id, host_block_id=host_block_id)
     return msg
+
+
+def _cached_requests_as_columns(cached_requests: list[CachedRequestData], msg: worker_pb2.StepPlan) -> None:
+    ids, computed, dropped, num_new, new_ids = [], [], [], [], []
+    for cached in cached_requests:
+        ids.append(cached.request_id)
+        computed.append(cached.num_computed_tokens)
+        dropped.append(cached.num_dropped_block_ids)
+        num_new.append(len(cached.new_block_ids))
+        new_ids += cached.new_block_ids
+    msg.cached_request_ids.extend(ids)
+    msg.cached_num_computed_tokens.extend(computed)
+    msg.cached_num_dropped_block_ids.extend(dropped)
+    msg.cached_num_new_block_ids.extend(num_new)
+    msg.cached_new_block_ids.extend(new_ids)
+
+
+def _cached_requests_from_columns(msg: worker_pb2.StepPlan) -> list[CachedRequestData]:
+    new_ids, end, cached = list(msg.cached_new_block_ids), 0, []
+    for request_id, computed, dropped, count in zip(msg.cached_request_ids, msg.cached_num_computed_tokens,
+                                                    msg.cached_num_dropped_block_ids, msg.cached_num_new_block_ids):
+        start, end = end, end + count
+        cached.append(CachedRequestData(request_id, new_ids[start:end], computed, dropped))
+    if end != len(new_ids):
+        raise ValueError(f"StepPlan: the cached columns count {end} new page ids, the message has {len(new_ids)}")
+    return cached
 
 
 def step_plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlan:
@@ -231,7 +270,7 @@ def step_plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlan:
             )
             for new in msg.new_requests
         ],
-        cached_requests=[
+        cached_requests=_cached_requests_from_columns(msg) if msg.cached_request_ids else [
             CachedRequestData(
                 request_id=cached.request_id,
                 new_block_ids=list(cached.new_block_ids),
@@ -240,7 +279,8 @@ def step_plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlan:
             )
             for cached in msg.cached_requests
         ],
-        num_scheduled_tokens={entry.request_id: entry.num_tokens for entry in msg.num_scheduled_tokens},
+        num_scheduled_tokens=dict(zip(msg.batch_request_ids, msg.batch_num_tokens)) if msg.batch_request_ids
+        else {entry.request_id: entry.num_tokens for entry in msg.num_scheduled_tokens},
         spec_token_ids={entry.request_id: list(entry.spec_token_ids) for entry in msg.num_scheduled_tokens
                         if entry.spec_token_ids},
         num_draft_tokens={entry.request_id: entry.num_draft_tokens for entry in msg.num_scheduled_tokens
@@ -251,7 +291,9 @@ def step_plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlan:
     )
 
 
-def step_result_to_proto(result: StepResult) -> worker_pb2.StepResult:
+def step_result_to_proto(result: StepResult, columns: bool = False) -> worker_pb2.StepResult:
+    """columns: every sampled token in StepResult.sampled_request_ids / sampled_token_ids (the answer to a plan
+    sent as columns), a SampledToken entry only for a request with more than its token."""
     logprobs = result.logprobs
     orphans = logprobs.keys() - result.sampled_token_ids.keys()
     if orphans:
@@ -261,7 +303,13 @@ def step_result_to_proto(result: StepResult) -> worker_pb2.StepResult:
     msg = worker_pb2.StepResult(step_id=result.step_id, forward_ns=result.forward_ns)
     sampled_tokens = msg.sampled_tokens
     accepted = result.accepted_token_ids
-    for request_id, token_id in result.sampled_token_ids.items():
+    sampled = result.sampled_token_ids
+    if columns:
+        msg.sampled_request_ids.extend(sampled)
+        msg.sampled_token_ids.extend(sampled.values())
+        more = logprobs.keys() | accepted.keys() | result.accepted_logprobs.keys() | result.draft_token_ids.keys()
+        sampled = {request_id: token_id for request_id, token_id in sampled.items() if request_id in more}
+    for request_id, token_id in sampled.items():
         entry = sampled_tokens.add(request_id=request_id, token_id=token_id,
                                    accepted_token_ids=accepted.get(request_id, ()),
                                    accepted_logprobs=[token_logprobs_to_proto(entry) for entry in
@@ -286,6 +334,8 @@ def step_result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
     accepted_logprobs: dict[str, list[TokenLogprobs]] = {}
     logprobs: dict[str, TokenLogprobs] = {}
     draft_token_ids: dict[str, list[int]] = {}
+    if msg.sampled_request_ids:  # columns: the entries only add to them
+        sampled_token_ids = dict(zip(msg.sampled_request_ids, msg.sampled_token_ids))
     for entry in msg.sampled_tokens:
         sampled_token_ids[entry.request_id] = entry.token_id
         if entry.draft_token_ids:
@@ -338,6 +388,52 @@ def request_output_to_proto(output: RequestOutput) -> scheduler_pb2.SubmitRespon
     for token_logprobs in output.prompt_logprobs or ():
         msg.prompt_logprobs.append(token_logprobs_to_proto(token_logprobs))
     return msg
+
+
+def step_deltas_to_proto(outputs: list[RequestOutput], columns: bool = False) -> scheduler_pb2.StepDeltas:
+    """One StepDeltas message; columns (a gateway that asked for them): the outputs with nothing but counts
+    and token ids as StepDeltas' columns, the others as SubmitResponse entries."""
+    msg = scheduler_pb2.StepDeltas()
+    if not columns:
+        msg.deltas.extend(map(request_output_to_proto, outputs))
+        return msg
+    request_ids, num_new_tokens, token_ids, num_output_tokens = [], [], [], []
+    num_prompt_tokens, num_cached_tokens, num_preemptions = [], [], []
+    for output in outputs:
+        if output.logprobs or output.prompt_logprobs or output.finished or output.timings is not None:
+            msg.deltas.append(request_output_to_proto(output))
+            continue
+        request_ids.append(output.request_id)
+        num_new_tokens.append(len(output.new_token_ids))
+        token_ids += output.new_token_ids
+        num_output_tokens.append(output.num_output_tokens)
+        num_prompt_tokens.append(output.num_prompt_tokens)
+        num_cached_tokens.append(output.num_cached_tokens)
+        num_preemptions.append(output.num_preemptions)
+    msg.request_ids.extend(request_ids)
+    msg.num_new_tokens.extend(num_new_tokens)
+    msg.token_ids.extend(token_ids)
+    msg.num_output_tokens.extend(num_output_tokens)
+    msg.num_prompt_tokens.extend(num_prompt_tokens)
+    msg.num_cached_tokens.extend(num_cached_tokens)
+    msg.num_preemptions.extend(num_preemptions)
+    return msg
+
+
+def step_deltas_from_proto(msg: scheduler_pb2.StepDeltas) -> list[RequestOutput]:
+    """Every output of a StepDeltas message, its columns' and its entries'."""
+    outputs = [request_output_from_proto(delta) for delta in msg.deltas]
+    token_ids, end = list(msg.token_ids), 0
+    for request_id, count, num_output, num_prompt, num_cached, num_preemptions in zip(
+            msg.request_ids, msg.num_new_tokens, msg.num_output_tokens, msg.num_prompt_tokens,
+            msg.num_cached_tokens, msg.num_preemptions):
+        start, end = end, end + count
+        outputs.append(RequestOutput(request_id, token_ids[start:end], num_prompt_tokens=num_prompt,
+                                     num_output_tokens=num_output, num_cached_tokens=num_cached,
+                                     num_preemptions=num_preemptions))
+    if end != len(token_ids):
+        raise ValueError(f"StepDeltas: the columns count {end} token ids, the message has {len(token_ids)}")
+    return outputs
 
 
 def request_output_from_proto(msg: scheduler_pb2.SubmitResponse) -> RequestOutput:

@@ -62,7 +62,7 @@ def build_worker(options: WorkerOptions) -> tuple[ModelRunner, worker_pb2.GetCap
         device=str(runner.device),
         kv_cache_bytes=sizing.kv_cache_bytes, kv_cache_sizing=sizing.reason,
         num_host_blocks=runner.swap_space.num_host_blocks,
-        draft_model=model_name(options.draft_model) if options.draft_model else "")
+        draft_model=model_name(options.draft_model) if options.draft_model else "", columnar_steps=True)
     return runner, capacity
 
 

@@ -64,7 +64,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except PlanMismatchError as error:
             raise FailedPrecondition(str(error)) from error
         self.num_steps += 1
-        return codec.step_result_to_proto(result)
+        return codec.step_result_to_proto(result, columns=bool(request.batch_request_ids))
 
     async def Health(self, request, context):
         return worker_pb2.HealthResponse(ready=self.runner is not None, num_steps_executed=self.num_steps,

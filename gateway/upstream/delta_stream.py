@@ -92,7 +92,8 @@ class DeltaReader:
         # opened by whichever request comes first, but it lives as long as the gateway: not that request's
         # work (its trace would hold a minutes-long call); the requests' tokens are traced by their steps
         with background():
-            self._call = self._stub.StreamDeltas(scheduler_pb2.StreamDeltasRequest(stream_id=self.stream_id))
+            self._call = self._stub.StreamDeltas(scheduler_pb2.StreamDeltasRequest(stream_id=self.stream_id,
+                                                                                   columns=True))
             self._task = asyncio.get_running_loop().create_task(self._read(self._call, self._listeners),
                                                                 name=f"delta-stream-{self.address}")
         return True
@@ -100,10 +101,10 @@ class DeltaReader:
     async def _read(self, call, listeners: dict[str, asyncio.Queue]) -> None:
         try:
             async for message in call:
-                for delta in message.deltas:
-                    queue = listeners.get(delta.request_id)
+                for output in codec.step_deltas_from_proto(message):
+                    queue = listeners.get(output.request_id)
                     if queue is not None:  # else its caller left: dropped
-                        queue.put_nowait(codec.request_output_from_proto(delta))
+                        queue.put_nowait(output)
         except grpc.aio.AioRpcError as error:
             if error.code() is grpc.StatusCode.UNIMPLEMENTED:
                 self._unsupported = True

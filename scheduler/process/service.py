@@ -54,7 +54,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         try:
             while True:
                 batch = await deltas.next_batch()
-                await context.write(scheduler_pb2.StepDeltas(deltas=[codec.request_output_to_proto(o) for o in batch]))
+                await context.write(codec.step_deltas_to_proto(batch, columns=request.columns))
         finally:  # the gateway cancelled it (or went away): its requests' deltas go to their Submit calls
             self.loop.streams.delta_streams.close(deltas)
 

@@ -93,7 +93,8 @@ class WorkerClient:
         the worker's status, its message naming this worker (it reaches the clients of the requests the
         step fails)."""
         try:
-            call = self._stub.ExecuteStep(codec.step_plan_to_proto(plan), timeout=self.step_timeout_s)
+            columns = self.capacity is not None and self.capacity.columnar_steps  # False: an older worker
+            call = self._stub.ExecuteStep(codec.step_plan_to_proto(plan, columns), timeout=self.step_timeout_s)
         except Exception as error:  # noqa: BLE001 - a step that cannot start fails like one that broke: when awaited
             return _raise(error)
         return self._result(call)

@@ -85,45 +85,59 @@ def make_plan() -> StepPlan:
     )
 
 
-def test_step_plan_round_trip_keeps_everything_and_batch_order():
+@pytest.mark.parametrize("columns", [False, True], ids=["entries", "columns"])
+def test_step_plan_round_trip_keeps_everything_and_batch_order(columns):
+    """columns: the batch as StepPlan's two columns, for a worker that reports columnar_steps; entries: one
+    ScheduledTokens per request, what an older worker reads (and what the decoder still takes)."""
     plan = make_plan()
-    decoded = codec.step_plan_from_proto(over_the_wire(codec.step_plan_to_proto(plan)))
+    msg = over_the_wire(codec.step_plan_to_proto(plan, columns))
+    assert len(msg.num_scheduled_tokens) == (0 if columns else 3) and len(msg.batch_request_ids) == (3 if columns else 0)
+    assert len(msg.cached_requests) == (0 if columns else 2) and len(msg.cached_request_ids) == (2 if columns else 0)
+    decoded = codec.step_plan_from_proto(msg)
     assert decoded == plan
     assert list(decoded.num_scheduled_tokens) == ["old-c", "new-a", "old-b"]
 
 
-def test_speculative_step_round_trip():
+@pytest.mark.parametrize("columns", [False, True], ids=["entries", "columns"])
+def test_speculative_step_round_trip(columns):
     """Drafts ride with their request's scheduled count, accepted tokens with its sampled one, and dropped tail
     pages with its diff; requests without any keep none."""
     plan = StepPlan(step_id=9, cached_requests=[CachedRequestData("a", [4], 30, num_dropped_block_ids=2),
                                                 CachedRequestData("b", [], 12)],
                     num_scheduled_tokens={"a": 4, "b": 1}, spec_token_ids={"a": [7, 0, 49151]})
-    assert codec.step_plan_from_proto(over_the_wire(codec.step_plan_to_proto(plan))) == plan
+    assert codec.step_plan_from_proto(over_the_wire(codec.step_plan_to_proto(plan, columns))) == plan
     result = StepResult(step_id=9, sampled_token_ids={"a": 5, "b": 6}, accepted_token_ids={"a": [7, 0]},
                         logprobs={"a": TokenLogprobs(-0.5, [(5, -0.5)])},
                         accepted_logprobs={"a": [TokenLogprobs(-0.25, [(7, -0.25)]), TokenLogprobs(0.0)]})
-    assert codec.step_result_from_proto(over_the_wire(codec.step_result_to_proto(result))) == result
+    msg = over_the_wire(codec.step_result_to_proto(result, columns))
+    assert [entry.request_id for entry in msg.sampled_tokens] == (["a"] if columns else ["a", "b"])
+    assert codec.step_result_from_proto(msg) == result
 
 
-def test_draft_model_step_round_trip():
+@pytest.mark.parametrize("columns", [False, True], ids=["entries", "columns"])
+def test_draft_model_step_round_trip(columns):
     """--speculative draft: how many guesses the worker makes for a request rides with its scheduled count, and the
     guesses with its sampled token; requests without any keep none."""
     plan = StepPlan(step_id=3, num_scheduled_tokens={"a": 3, "b": 1, "c": 16}, spec_token_ids={"a": [9, 8]},
                     num_draft_tokens={"a": 4, "b": 1})
-    assert codec.step_plan_from_proto(over_the_wire(codec.step_plan_to_proto(plan))) == plan
+    msg = over_the_wire(codec.step_plan_to_proto(plan, columns))
+    assert sorted(entry.request_id for entry in msg.num_scheduled_tokens) == (["a", "b"] if columns else ["a", "b", "c"])
+    assert codec.step_plan_from_proto(msg) == plan
     result = StepResult(step_id=3, sampled_token_ids={"a": 5, "b": 6}, accepted_token_ids={"a": [9]},
                         draft_token_ids={"a": [1, 0, 49151, 7], "b": [2]})
-    assert codec.step_result_from_proto(over_the_wire(codec.step_result_to_proto(result))) == result
+    assert codec.step_result_from_proto(over_the_wire(codec.step_result_to_proto(result, columns))) == result
 
 
-def test_empty_plan_round_trip():
+@pytest.mark.parametrize("columns", [False, True], ids=["entries", "columns"])
+def test_empty_plan_round_trip(columns):
     plan = StepPlan(step_id=0)
-    msg = over_the_wire(codec.step_plan_to_proto(plan))
+    msg = over_the_wire(codec.step_plan_to_proto(plan, columns))
     decoded = codec.step_plan_from_proto(msg)
     assert decoded == plan and decoded.is_empty
 
 
-def test_step_result_round_trip_with_and_without_logprobs():
+@pytest.mark.parametrize("columns", [False, True], ids=["entries", "columns"])
+def test_step_result_round_trip_with_and_without_logprobs(columns):
     result = StepResult(
         step_id=41,
         sampled_token_ids={"old-c": 17, "new-a": 0, "old-b": 49151},
@@ -134,7 +148,9 @@ def test_step_result_round_trip_with_and_without_logprobs():
         },
         forward_ns=1_234_567,
     )
-    decoded = codec.step_result_from_proto(over_the_wire(codec.step_result_to_proto(result)))
+    msg = over_the_wire(codec.step_result_to_proto(result, columns))
+    assert len(msg.sampled_tokens) == (2 if columns else 3)  # columns: the two with logprobs only
+    decoded = codec.step_result_from_proto(msg)
     assert decoded == result
     assert list(decoded.sampled_token_ids) == ["old-c", "new-a", "old-b"]
     assert "old-c" not in decoded.logprobs
@@ -190,6 +206,29 @@ def test_request_output_round_trip_with_timings():
     assert codec.request_output_from_proto(over_the_wire(codec.request_output_to_proto(unfinished))) == unfinished
 
 
+@pytest.mark.parametrize("columns", [False, True], ids=["entries", "columns"])
+def test_step_deltas_round_trip(columns):
+    """A gateway's StepDeltas: with columns, the outputs of counts and tokens alone ride as columns and only
+    the others (logprobs, prompt logprobs) as entries; the gateway gets every output back either way."""
+    plain = [RequestOutput("a", [4, 5], num_prompt_tokens=3, num_output_tokens=7, num_cached_tokens=1,
+                           num_preemptions=2),
+             RequestOutput("b", [0], num_prompt_tokens=9, num_output_tokens=1),
+             RequestOutput("c", [], num_output_tokens=4)]  # no new tokens (a catch-up of nothing)
+    rich = [RequestOutput("d", [6], [TokenLogprobs(-0.5, [(6, -0.5)])], num_output_tokens=2),
+            RequestOutput("e", [8], prompt_logprobs=[TokenLogprobs(-2.0)], num_output_tokens=1)]
+    msg = over_the_wire(codec.step_deltas_to_proto([plain[0], rich[0], plain[1], rich[1], plain[2]], columns))
+    assert [delta.request_id for delta in msg.deltas] == (["d", "e"] if columns else ["a", "d", "b", "e", "c"])
+    decoded = {output.request_id: output for output in codec.step_deltas_from_proto(msg)}
+    assert decoded == {output.request_id: output for output in plain + rich}
+
+
+def test_step_deltas_columns_that_disagree_are_refused():
+    msg = codec.step_deltas_to_proto([RequestOutput("a", [4, 5], num_output_tokens=2)], columns=True)
+    msg.token_ids.append(9)
+    with pytest.raises(ValueError, match="the columns count 2 token ids, the message has 3"):
+        codec.step_deltas_from_proto(msg)
+
+
 def test_decode_plan_codec_speed():
     """Measured, not asserted: the plan and result cross the wire every step."""
     num_requests = 32
@@ -226,3 +265,10 @@ def test_decode_plan_codec_speed():
         f"({plan_bytes} B), result {result_us:.0f} us ({result_bytes} B)"
     )
 
+
+
+def test_cached_columns_that_disagree_are_refused():
+    msg = codec.step_plan_to_proto(make_plan(), columns=True)
+    msg.cached_new_block_ids.append(3)
+    with pytest.raises(ValueError, match="the cached columns count 1 new page ids, the message has 2"):
+        codec.step_plan_from_proto(msg)

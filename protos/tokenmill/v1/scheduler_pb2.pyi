@@ -64,16 +64,32 @@ class SubmitResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StreamDeltasRequest(_message.Message):
-    __slots__ = ("stream_id",)
+    __slots__ = ("stream_id", "columns")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     stream_id: str
-    def __init__(self, stream_id: _Optional[str] = ...) -> None: ...
+    columns: bool
+    def __init__(self, stream_id: _Optional[str] = ..., columns: _Optional[bool] = ...) -> None: ...
 
 class StepDeltas(_message.Message):
-    __slots__ = ("deltas",)
+    __slots__ = ("deltas", "request_ids", "num_new_tokens", "token_ids", "num_output_tokens", "num_prompt_tokens", "num_cached_tokens", "num_preemptions")
     DELTAS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.RepeatedCompositeFieldContainer[SubmitResponse]
-    def __init__(self, deltas: _Optional[_Iterable[_Union[SubmitResponse, _Mapping]]] = ...) -> None: ...
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_output_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_preemptions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, deltas: _Optional[_Iterable[_Union[SubmitResponse, _Mapping]]] = ..., request_ids: _Optional[_Iterable[str]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., num_preemptions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids", "reason")

@@ -26,7 +26,7 @@ from protos.tokenmill.v1 import common_pb2 as protos_dot_tokenmill_dot_v1_dot_co
 from protos.tokenmill.v1 import sampling_pb2 as protos_dot_tokenmill_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/tokenmill/v1/worker.proto\x12\x0ctokenmill.v1\x1a protos/tokenmill/v1/common.proto\x1a\"protos/tokenmill/v1/sampling.proto\"\x14\n\x12GetCapacityRequest\"\xdd\x01\n\x13GetCapacityResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12/\n\x0cmodel_config\x18\x03 \x01(\x0b\x32\x19.tokenmill.v1.ModelConfig\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x16\n\x0ekv_cache_bytes\x18\x05 \x01(\x04\x12\x17\n\x0fkv_cache_sizing\x18\x06 \x01(\t\x12\x17\n\x0fnum_host_blocks\x18\x07 \x01(\r\x12\x13\n\x0b\x64raft_model\x18\x08 \x01(\t\"\xd0\x01\n\x0eNewRequestData\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.tokenmill.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x15\n\rtrace_context\x18\x07 \x01(\t\"z\n\x11\x43\x61\x63hedRequestData\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x1d\n\x15num_dropped_block_ids\x18\x04 \x01(\r\"k\n\x0fScheduledTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x16\n\x0espec_token_ids\x18\x03 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\r\";\n\tBlockCopy\x12\x17\n\x0f\x64\x65vice_block_id\x18\x01 \x01(\r\x12\x15\n\rhost_block_id\x18\x02 \x01(\r\"\xb9\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x32\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1c.tokenmill.v1.NewRequestData\x12\x38\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32\x1f.tokenmill.v1.CachedRequestData\x12;\n\x14num_scheduled_tokens\x18\x04 \x03(\x0b\x32\x1d.tokenmill.v1.ScheduledTokens\x12\x1c\n\x14\x66inished_request_ids\x18\x05 \x03(\t\x12)\n\x08swap_out\x18\x06 \x03(\x0b\x32\x17.tokenmill.v1.BlockCopy\x12(\n\x07swap_in\x18\x07 \x03(\x0b\x32\x17.tokenmill.v1.BlockCopy\"\xd0\x01\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12-\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1b.tokenmill.v1.TokenLogprobs\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x04 \x03(\r\x12\x36\n\x11\x61\x63\x63\x65pted_logprobs\x18\x05 \x03(\x0b\x32\x1b.tokenmill.v1.TokenLogprobs\x12\x17\n\x0f\x64raft_token_ids\x18\x06 \x03(\r\"\x9c\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x32\n\x0esampled_tokens\x18\x02 \x03(\x0b\x32\x1a.tokenmill.v1.SampledToken\x12\x12\n\nforward_ns\x18\x03 \x01(\x03\x12\x35\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1c.tokenmill.v1.PromptLogprobs\"j\n\x0ePromptLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12,\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x1b.tokenmill.v1.TokenLogprobs\"\x0f\n\rHealthRequest\"k\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x1a\n\x12num_steps_executed\x18\x02 \x01(\x04\x12\x14\n\x0cnum_requests\x18\x03 \x01(\r\x12\x18\n\x10num_steps_queued\x18\x04 \x01(\x04\x32\xe2\x01\n\x06Worker\x12R\n\x0bGetCapacity\x12 .tokenmill.v1.GetCapacityRequest\x1a!.tokenmill.v1.GetCapacityResponse\x12?\n\x0b\x45xecuteStep\x12\x16.tokenmill.v1.StepPlan\x1a\x18.tokenmill.v1.StepResult\x12\x43\n\x06Health\x12\x1b.tokenmill.v1.HealthRequest\x1a\x1c.tokenmill.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/tokenmill/v1/worker.proto\x12\x0ctokenmill.v1\x1a protos/tokenmill/v1/common.proto\x1a\"protos/tokenmill/v1/sampling.proto\"\x14\n\x12GetCapacityRequest\"\xf5\x01\n\x13GetCapacityResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12/\n\x0cmodel_config\x18\x03 \x01(\x0b\x32\x19.tokenmill.v1.ModelConfig\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x16\n\x0ekv_cache_bytes\x18\x05 \x01(\x04\x12\x17\n\x0fkv_cache_sizing\x18\x06 \x01(\t\x12\x17\n\x0fnum_host_blocks\x18\x07 \x01(\r\x12\x13\n\x0b\x64raft_model\x18\x08 \x01(\t\x12\x16\n\x0e\x63olumnar_steps\x18\t \x01(\x08\"\xd0\x01\n\x0eNewRequestData\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.tokenmill.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x15\n\rtrace_context\x18\x07 \x01(\t\"z\n\x11\x43\x61\x63hedRequestData\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x1d\n\x15num_dropped_block_ids\x18\x04 \x01(\r\"k\n\x0fScheduledTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x16\n\x0espec_token_ids\x18\x03 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\r\";\n\tBlockCopy\x12\x17\n\x0f\x64\x65vice_block_id\x18\x01 \x01(\r\x12\x15\n\rhost_block_id\x18\x02 \x01(\r\"\x94\x04\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x32\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1c.tokenmill.v1.NewRequestData\x12\x38\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32\x1f.tokenmill.v1.CachedRequestData\x12;\n\x14num_scheduled_tokens\x18\x04 \x03(\x0b\x32\x1d.tokenmill.v1.ScheduledTokens\x12\x1c\n\x14\x66inished_request_ids\x18\x05 \x03(\t\x12)\n\x08swap_out\x18\x06 \x03(\x0b\x32\x17.tokenmill.v1.BlockCopy\x12(\n\x07swap_in\x18\x07 \x03(\x0b\x32\x17.tokenmill.v1.BlockCopy\x12\x19\n\x11\x62\x61tch_request_ids\x18\x08 \x03(\t\x12\x18\n\x10\x62\x61tch_num_tokens\x18\t \x03(\r\x12\x1a\n\x12\x63\x61\x63hed_request_ids\x18\n \x03(\t\x12\"\n\x1a\x63\x61\x63hed_num_computed_tokens\x18\x0b \x03(\r\x12$\n\x1c\x63\x61\x63hed_num_dropped_block_ids\x18\x0c \x03(\r\x12 \n\x18\x63\x61\x63hed_num_new_block_ids\x18\r \x03(\r\x12\x1c\n\x14\x63\x61\x63hed_new_block_ids\x18\x0e \x03(\r\"\xd0\x01\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12-\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1b.tokenmill.v1.TokenLogprobs\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x04 \x03(\r\x12\x36\n\x11\x61\x63\x63\x65pted_logprobs\x18\x05 \x03(\x0b\x32\x1b.tokenmill.v1.TokenLogprobs\x12\x17\n\x0f\x64raft_token_ids\x18\x06 \x03(\r\"\xd4\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x32\n\x0esampled_tokens\x18\x02 \x03(\x0b\x32\x1a.tokenmill.v1.SampledToken\x12\x12\n\nforward_ns\x18\x03 \x01(\x03\x12\x35\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1c.tokenmill.v1.PromptLogprobs\x12\x1b\n\x13sampled_request_ids\x18\x05 \x03(\t\x12\x19\n\x11sampled_token_ids\x18\x06 \x03(\r\"j\n\x0ePromptLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12,\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x1b.tokenmill.v1.TokenLogprobs\"\x0f\n\rHealthRequest\"k\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x1a\n\x12num_steps_executed\x18\x02 \x01(\x04\x12\x14\n\x0cnum_requests\x18\x03 \x01(\r\x12\x18\n\x10num_steps_queued\x18\x04 \x01(\x04\x32\xe2\x01\n\x06Worker\x12R\n\x0bGetCapacity\x12 .tokenmill.v1.GetCapacityRequest\x1a!.tokenmill.v1.GetCapacityResponse\x12?\n\x0b\x45xecuteStep\x12\x16.tokenmill.v1.StepPlan\x1a\x18.tokenmill.v1.StepResult\x12\x43\n\x06Health\x12\x1b.tokenmill.v1.HealthRequest\x1a\x1c.tokenmill.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,27 +36,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETCAPACITYREQUEST']._serialized_start=120
   _globals['_GETCAPACITYREQUEST']._serialized_end=140
   _globals['_GETCAPACITYRESPONSE']._serialized_start=143
-  _globals['_GETCAPACITYRESPONSE']._serialized_end=364
-  _globals['_NEWREQUESTDATA']._serialized_start=367
-  _globals['_NEWREQUESTDATA']._serialized_end=575
-  _globals['_CACHEDREQUESTDATA']._serialized_start=577
-  _globals['_CACHEDREQUESTDATA']._serialized_end=699
-  _globals['_SCHEDULEDTOKENS']._serialized_start=701
-  _globals['_SCHEDULEDTOKENS']._serialized_end=808
-  _globals['_BLOCKCOPY']._serialized_start=810
-  _globals['_BLOCKCOPY']._serialized_end=869
-  _globals['_STEPPLAN']._serialized_start=872
-  _globals['_STEPPLAN']._serialized_end=1185
-  _globals['_SAMPLEDTOKEN']._serialized_start=1188
-  _globals['_SAMPLEDTOKEN']._serialized_end=1396
-  _globals['_STEPRESULT']._serialized_start=1399
-  _globals['_STEPRESULT']._serialized_end=1555
-  _globals['_PROMPTLOGPROBS']._serialized_start=1557
-  _globals['_PROMPTLOGPROBS']._serialized_end=1663
-  _globals['_HEALTHREQUEST']._serialized_start=1665
-  _globals['_HEALTHREQUEST']._serialized_end=1680
-  _globals['_HEALTHRESPONSE']._serialized_start=1682
-  _globals['_HEALTHRESPONSE']._serialized_end=1789
-  _globals['_WORKER']._serialized_start=1792
-  _globals['_WORKER']._serialized_end=2018
+  _globals['_GETCAPACITYRESPONSE']._serialized_end=388
+  _globals['_NEWREQUESTDATA']._serialized_start=391
+  _globals['_NEWREQUESTDATA']._serialized_end=599
+  _globals['_CACHEDREQUESTDATA']._serialized_start=601
+  _globals['_CACHEDREQUESTDATA']._serialized_end=723
+  _globals['_SCHEDULEDTOKENS']._serialized_start=725
+  _globals['_SCHEDULEDTOKENS']._serialized_end=832
+  _globals['_BLOCKCOPY']._serialized_start=834
+  _globals['_BLOCKCOPY']._serialized_end=893
+  _globals['_STEPPLAN']._serialized_start=896
+  _globals['_STEPPLAN']._serialized_end=1428
+  _globals['_SAMPLEDTOKEN']._serialized_start=1431
+  _globals['_SAMPLEDTOKEN']._serialized_end=1639
+  _globals['_STEPRESULT']._serialized_start=1642
+  _globals['_STEPRESULT']._serialized_end=1854
+  _globals['_PROMPTLOGPROBS']._serialized_start=1856
+  _globals['_PROMPTLOGPROBS']._serialized_end=1962
+  _globals['_HEALTHREQUEST']._serialized_start=1964
+  _globals['_HEALTHREQUEST']._serialized_end=1979
+  _globals['_HEALTHRESPONSE']._serialized_start=1981
+  _globals['_HEALTHRESPONSE']._serialized_end=2088
+  _globals['_WORKER']._serialized_start=2091
+  _globals['_WORKER']._serialized_end=2317
 # @@protoc_insertion_point(module_scope)

@@ -13,7 +13,7 @@ class GetCapacityRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetCapacityResponse(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "model_config", "device", "kv_cache_bytes", "kv_cache_sizing", "num_host_blocks", "draft_model")
+    __slots__ = ("num_blocks", "block_size", "model_config", "device", "kv_cache_bytes", "kv_cache_sizing", "num_host_blocks", "draft_model", "columnar_steps")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class GetCapacityResponse(_message.Message):
     KV_CACHE_SIZING_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    COLUMNAR_STEPS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     model_config: _common_pb2.ModelConfig
@@ -30,7 +31,8 @@ class GetCapacityResponse(_message.Message):
     kv_cache_sizing: str
     num_host_blocks: int
     draft_model: str
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_config: _Optional[_Union[_common_pb2.ModelConfig, _Mapping]] = ..., device: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_sizing: _Optional[str] = ..., num_host_blocks: _Optional[int] = ..., draft_model: _Optional[str] = ...) -> None: ...
+    columnar_steps: bool
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_config: _Optional[_Union[_common_pb2.ModelConfig, _Mapping]] = ..., device: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_sizing: _Optional[str] = ..., num_host_blocks: _Optional[int] = ..., draft_model: _Optional[str] = ..., columnar_steps: _Optional[bool] = ...) -> None: ...
 
 class NewRequestData(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling_params", "block_ids", "num_computed_tokens", "trace_context")
@@ -83,7 +85,7 @@ class BlockCopy(_message.Message):
     def __init__(self, device_block_id: _Optional[int] = ..., host_block_id: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "num_scheduled_tokens", "finished_request_ids", "swap_out", "swap_in")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "num_scheduled_tokens", "finished_request_ids", "swap_out", "swap_in", "batch_request_ids", "batch_num_tokens", "cached_request_ids", "cached_num_computed_tokens", "cached_num_dropped_block_ids", "cached_num_new_block_ids", "cached_new_block_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +93,13 @@ class StepPlan(_message.Message):
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_FIELD_NUMBER: _ClassVar[int]
+    BATCH_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_NUM_DROPPED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_NUM_NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequestData]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequestData]
@@ -98,7 +107,14 @@ class StepPlan(_message.Message):
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
     swap_out: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     swap_in: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequestData, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+    batch_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    batch_num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    cached_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    cached_num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    cached_num_dropped_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    cached_num_new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    cached_new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequestData, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., batch_request_ids: _Optional[_Iterable[str]] = ..., batch_num_tokens: _Optional[_Iterable[int]] = ..., cached_request_ids: _Optional[_Iterable[str]] = ..., cached_num_computed_tokens: _Optional[_Iterable[int]] = ..., cached_num_dropped_block_ids: _Optional[_Iterable[int]] = ..., cached_num_new_block_ids: _Optional[_Iterable[int]] = ..., cached_new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("request_id", "token_id", "logprobs", "accepted_token_ids", "accepted_logprobs", "draft_token_ids")
@@ -117,16 +133,20 @@ class SampledToken(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ..., accepted_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_tokens", "forward_ns", "prompt_logprobs")
+    __slots__ = ("step_id", "sampled_tokens", "forward_ns", "prompt_logprobs", "sampled_request_ids", "sampled_token_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     forward_ns: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_ns: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+    sampled_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_ns: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., sampled_request_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("request_id", "first_position", "entries")
