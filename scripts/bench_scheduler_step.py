@@ -113,10 +113,10 @@ def one_step(pipeline: StepPipeline, streams: RequestStreams, model: FakeModel, 
     step = pipeline.oldest_to_collect(sent)
     result_bytes = b""
     if step is not None:
-        result_bytes = codec.step_result_to_proto(step.pending).SerializeToString()  # the worker's part
+        result_bytes = codec.step_result_to_proto(step.pending, columns=True).SerializeToString()  # the worker's part
     wire_started = time.process_time()
     if sent is not None:
-        codec.step_plan_to_proto(sent).SerializeToString()
+        codec.step_plan_to_proto(sent, columns=True).SerializeToString()  # as to a worker of columnar_steps
     if step is not None:
         codec.step_result_from_proto(worker_pb2.StepResult.FromString(result_bytes))
     wired = time.process_time()

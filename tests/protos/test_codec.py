@@ -229,7 +229,8 @@ def test_step_deltas_columns_that_disagree_are_refused():
         codec.step_deltas_from_proto(msg)
 
 
-def test_decode_plan_codec_speed():
+@pytest.mark.parametrize("columns", [False, True], ids=["entries", "columns"])
+def test_decode_plan_codec_speed(columns):
     """Measured, not asserted: the plan and result cross the wire every step."""
     num_requests = 32
     plan = StepPlan(
@@ -246,7 +247,7 @@ def test_decode_plan_codec_speed():
     def measure(encode, decode, value) -> tuple[float, int]:
         start = time.perf_counter()
         for _ in range(repeats):
-            data = encode(value).SerializeToString()
+            data = encode(value, columns).SerializeToString()
             decoded = decode(data)
         elapsed_us = (time.perf_counter() - start) / repeats * 1e6
         assert decoded == value
@@ -261,10 +262,9 @@ def test_decode_plan_codec_speed():
         result,
     )
     print(
-        f"\n{num_requests}-request decode step: plan encode+serialize+parse+decode {plan_us:.0f} us "
-        f"({plan_bytes} B), result {result_us:.0f} us ({result_bytes} B)"
+        f"\n{num_requests}-request decode step, {'columns' if columns else 'entries'}: plan encode+serialize+parse+"
+        f"decode {plan_us:.0f} us ({plan_bytes} B), result {result_us:.0f} us ({result_bytes} B)"
     )
-
 
 
 def test_cached_columns_that_disagree_are_refused():
