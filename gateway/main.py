@@ -30,7 +30,7 @@ from plumbing.drain import DrainInterceptor
 from plumbing.grammar_sandbox import GrammarSandbox
 from plumbing.keepalive import server_options
 from plumbing.message_size import message_size_options
-from plumbing.process import run_process, wait_for_stop_signal
+from plumbing.process import run_process, settle_heap, wait_for_stop_signal
 from plumbing.rpc import ReadinessHealthServicer
 from protos.tokenmill.v1 import generation_pb2_grpc
 
@@ -194,6 +194,7 @@ async def serve(options: GatewayOptions, group: GatewayGroup | None = None,
     await add_apis(doors, options, model, access, constraints)
     if group is not None:  # readiness says all of them: the port answers SERVING once every process serves
         await group.wait_ready(options.scheduler_timeout_s + CHILD_START_S)
+    settle_heap()  # before the doors open: the first requests must not wait for its collection
     await doors.start()
     logger.info("gateway ready on %s:%d serving %s (pid %d)", options.host, options.port,
                 model.info.model_config.name, os.getpid())

@@ -10,7 +10,7 @@ import grpc
 from plumbing import internal_secret, peer_roles, rpc, telemetry, tls
 from plumbing.drain import DrainInterceptor
 from plumbing.message_size import message_size_options
-from plumbing.process import run_process, wait_for_stop_signal
+from plumbing.process import run_process, settle_heap, wait_for_stop_signal
 from plumbing.rpc import ReadinessHealthServicer
 from plumbing.telemetry import metrics
 from plumbing.telemetry.metrics import watch_scheduler
@@ -70,6 +70,7 @@ async def serve(options: SchedulerOptions) -> None:
         "enable_prefix_caching": config.prefix_caching, "kv_policy": config.kv_policy})
     loop.start()
     await redis.start(loop, health)  # before ready: what this scheduler ran when it died runs on
+    settle_heap()  # before ready: the first steps must not wait for its collection
     await health.set_ready(True)
     logger.info("scheduler ready: %d KV pages of %d tokens, policy %s", config.num_blocks, config.block_size,
                 config.kv_policy)

@@ -17,7 +17,7 @@ from protos.tokenmill.v1 import worker_pb2, worker_pb2_grpc
 from plumbing import internal_secret, peer_roles, rpc, telemetry, tls
 from plumbing.telemetry import metrics
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
-from plumbing.process import run_process, wait_for_stop_signal
+from plumbing.process import run_process, settle_heap, wait_for_stop_signal
 from worker.build import build_follower, build_sized_runner, model_name, resolve_device
 from worker.linears.group_quant import weight_formats
 from worker.model_runner import ModelRunner
@@ -85,6 +85,7 @@ async def serve(options: WorkerOptions) -> None:
     logger.info("worker listening on %s; loading the model", address)
     runner, capacity = await servicer.run_compute(build_worker, options)
     servicer.attach(runner, capacity)
+    settle_heap()  # before ready: the first step must not wait for its collection
     await health.set_ready(True)
     logger.info("worker ready: %s on %s, %d KV pages of %d tokens", capacity.model_config.name, capacity.device,
                 capacity.num_blocks, capacity.block_size)
