@@ -67,7 +67,9 @@ async def test_two_processes_answer_on_one_port_and_both_drain_their_streams(two
     started = [asyncio.Event() for _ in range(CONNECTIONS)]
     streams = [asyncio.create_task(stream(address, 100 + i, 48, started[i])) for i in range(CONNECTIONS)]
     await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 120)
-    exit_code = await asyncio.to_thread(supervisor.kill, "gateway-2p", signal.SIGTERM)
+    # the drain finishes every stream first (--drain-timeout-s 60): on a loaded 2-core machine that took over
+    # the kill's default 10 s
+    exit_code = await asyncio.to_thread(supervisor.kill, "gateway-2p", signal.SIGTERM, 60)
     assert await asyncio.gather(*streams) == [48] * CONNECTIONS  # none cut, in either process
     assert exit_code == 0
 

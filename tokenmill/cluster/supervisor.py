@@ -242,9 +242,9 @@ class Supervisor:
                 self.say(f"stopped {child.name} ({child.describe_exit()})")
         return returncodes
 
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> int | None:
-        """Sends sig to one child and waits for it to exit; wait()/check() do not report it."""
-        return self.children[name].kill(sig)
+    def kill(self, name: str, sig: int = signal.SIGKILL, timeout_s: float = 10.0) -> int | None:
+        """Sends sig to one child and waits (up to timeout_s) for it to exit; wait()/check() do not report it."""
+        return self.children[name].kill(sig, timeout_s)
 
     # -- facts -------------------------------------------------------------------------------------
 
