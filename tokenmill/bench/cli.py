@@ -28,6 +28,9 @@ Self-tuning (issue 19), each an extra paged cluster beside the --kv-policies one
 Speculative decoding (issue 35), an extra paged cluster too:
     --speculative-tokens 8     one cluster with --speculative ngram --num-speculative-tokens 8 (the standard
                                workload's random prompts give prompt lookup little to find: its open-ended case)
+    --workload rewrite --prompt-len 300
+                               its input-grounded case instead: chat prompts asking for a 300-token passage word
+                               for word, every output that long (the answer is in the prompt)
 """
 from __future__ import annotations
 
@@ -106,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--min-output", type=int, default=16)
     parser.add_argument("--max-output", type=int, default=64)
+    parser.add_argument("--workload", choices=("random-words", "rewrite"), default="random-words",
+                        help="random-words: text prompts of --prompt-len tokens, outputs of --min/--max-output; "
+                             "rewrite: the input-grounded workload of speculative decoding (issue 35), a chat asking "
+                             "for a --prompt-len-token passage word for word, every output that long (default: "
+                             "%(default)s)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed requests first (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="output lengths and open-loop arrivals (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"), help="report directory (default: %(default)s)")
@@ -284,7 +292,8 @@ def run(args, argv: list[str] | None) -> int:
     prompts = Levels.prompts_needed(args.concurrency, args.num_requests, args.warmup, args.request_rate or (),
                                     args.repeats)
     workload = build_workload(tokenizer, max([args.num_requests, *args.concurrency]), args.prompt_len,
-                              args.min_output, args.max_output, args.seed, num_prompts=prompts)
+                              args.min_output, args.max_output, args.seed, num_prompts=prompts,
+                              rewrite=args.workload == "rewrite")
     runs: dict[str, dict] = {}
     if args.address:
         runs["tokenmill"] = asyncio.run(_sweep_address(lambda: TokenmillTarget(args.address), args, workload,
@@ -356,8 +365,10 @@ def notes(args, runs: dict) -> list[str]:
     import torch
 
     device = "GPU" if torch.cuda.is_available() else f"CPU ({torch.get_num_threads()} torch threads)"
-    return [(f"workload: {args.num_requests} requests per level, {args.prompt_len}-token text prompts, output lengths "
-            f"uniform in {args.min_output}-{args.max_output} (seed {args.seed}), greedy, EOS ignored; "
+    shape = (f"{args.prompt_len}-token text prompts, output lengths uniform in {args.min_output}-{args.max_output}"
+             if args.workload == "random-words" else
+             f"rewrite: chat prompts asking for a {args.prompt_len}-token passage word for word, outputs that long")
+    return [(f"workload: {args.num_requests} requests per level, {shape} (seed {args.seed}), greedy, EOS ignored; "
             f"{loops_description(args)}; {args.warmup} warm-up requests excluded from the timed window"),
             percentile_note(args.num_requests),
             f"device: {device}" + ("; workload scaled down for CPU (the standard sweep is 1..128)"

@@ -65,6 +65,57 @@ def text_prompts(tokenizer: TextTokenizer, count: int, num_tokens: int, seed: in
     return prompts
 
 
+# The input-grounded workload (issue 35: "rewrite or edit a given text and answer with it"): a chat asking the
+# model to repeat a passage word for word, the passage drawn from these sentences. The answer is in the prompt,
+# which is what prompt-lookup speculation (tokenmill's --speculative ngram, llama-server's --spec-type ngram-*)
+# proposes from.
+REWRITE_INSTRUCTION = "Repeat the following text exactly, word for word:\n\n"
+REWRITE_SENTENCES = (
+    "The committee met on Tuesday to review the budget for the coming year.",
+    "After a long discussion, the members agreed to increase funding for the library and the public parks.",
+    "Spending on new office furniture was reduced to make room for the repairs to the old bridge.",
+    "The chair thanked everyone for their patience and asked the treasurer to prepare a revised plan.",
+    "The next meeting will take place in the town hall at seven in the evening.",
+    "Residents who cannot attend may send their questions by letter before the end of the month.",
+    "A small group of volunteers has offered to clean the river banks every Saturday morning.",
+    "The school asked for a new roof, since the rain has been coming into two of the classrooms.",
+    "Several shop owners said that the market square needs better lighting during the winter.",
+    "The doctor from the village clinic reported that more families have registered this year.",
+    "A local farmer proposed a weekly market where growers could sell fruit and vegetables directly.",
+    "The museum will open a new room about the history of the railway and the people who built it.",
+    "Some members worried that the cost of heating the swimming pool would rise again next year.",
+    "The police thanked the neighbours who helped to find a lost child near the forest last week.",
+    "A study of traffic on the main road will be finished before the summer holidays begin.",
+    "The choir is looking for new singers and practises every Thursday in the church hall.",
+    "Plans for a bicycle path along the old canal were welcomed by almost everyone in the room.",
+    "The treasurer explained that the reserve fund is smaller than it was three years ago.",
+    "Children from the primary school painted pictures of the harbour for the library's walls.",
+    "The meeting closed with a short speech about the town's two hundredth anniversary next spring.",
+)
+
+
+def rewrite_prompts(tokenizer: TextTokenizer, count: int, passage_tokens: int, seed: int) -> list[str]:
+    """count chat prompts, as text (special tokens written out, which servers tokenize back to the same ids),
+    each asking for a passage of exactly passage_tokens tokens to be repeated: sentences in a seeded order, cut
+    at that many tokens."""
+    from gateway.prepare.chat_encoding import encode_chat
+
+    rng = random.Random(seed)
+    prompts = []
+    while len(prompts) < count:
+        sentences = list(REWRITE_SENTENCES)
+        rng.shuffle(sentences)
+        text = " ".join(sentences * (1 + passage_tokens // 200))
+        passage = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:passage_tokens])
+        if len(tokenizer.encode(passage, add_special_tokens=False)) != passage_tokens:
+            continue  # the cut split a word into tokens that merge back differently
+        ids = encode_chat(tokenizer, [{"role": "user", "content": REWRITE_INSTRUCTION + passage}])
+        prompt = tokenizer.decode(ids, skip_special_tokens=False)
+        if tokenizer.encode(prompt, add_special_tokens=False) == ids:
+            prompts.append(prompt)
+    return prompts
+
+
 @dataclass(slots=True, frozen=True)
 class Workload:
     prompts: list[list[int]]
@@ -105,11 +156,16 @@ class BenchWorkload:
 
 
 def build_workload(tokenizer, num_requests: int, prompt_len: int, min_output: int, max_output: int,
-                   seed: int = 0, num_prompts: int | None = None) -> BenchWorkload:
+                   seed: int = 0, num_prompts: int | None = None, rewrite: bool = False) -> BenchWorkload:
     """num_requests output lengths; num_prompts distinct prompts (default: num_requests), so that a sweep
-    can give every level prompts no server has seen (Levels)."""
+    can give every level prompts no server has seen (Levels). rewrite: the input-grounded workload instead
+    (rewrite_prompts): prompt_len is each passage's length, and every output that long (the passage again)."""
     if not 1 <= min_output <= max_output:
         raise ValueError(f"output lengths: need 1 <= min_output ({min_output}) <= max_output ({max_output})")
+    if rewrite:
+        prompts = rewrite_prompts(tokenizer, num_prompts or num_requests, prompt_len, seed)
+        return BenchWorkload(prompts, [tokenizer.encode(p, add_special_tokens=False) for p in prompts],
+                             [prompt_len] * num_requests, prompt_len, seed)
     prompts = text_prompts(tokenizer, num_prompts or num_requests, prompt_len, seed)
     # the output lengths bench-engine and bench-cluster use for the same seed
     output_lens = make_workload(tokenizer.vocab_size, num_requests, prompt_len, min_output, max_output, seed).output_lens

@@ -192,3 +192,19 @@ def test_sigterm_mid_run_stops_the_cluster_bench_started(tmp_path):
                 os.kill(pid, signal.SIGKILL)
         bench.kill()
         bench.wait()
+
+
+def test_the_rewrite_workload_asks_for_a_passage_of_exactly_its_length_and_outputs_that_long():
+    """--workload rewrite (issue 35's input-grounded case): chat prompts as text that tokenize back to the chat's
+    ids, each holding a passage of exactly --prompt-len tokens, distinct per prompt; every output that long."""
+    from gateway.prepare.chat_encoding import encode_chat
+    from gateway.text.tokenizer import load_tokenizer
+    from tokenmill.bench.workload import REWRITE_INSTRUCTION, build_workload
+
+    tokenizer = load_tokenizer(None)
+    workload = build_workload(tokenizer, 3, 120, 1, 1, seed=5, num_prompts=4, rewrite=True)
+    assert workload.output_lens == [120] * 3 and len(set(workload.prompts)) == 4
+    for prompt, ids in zip(workload.prompts, workload.prompt_ids):
+        passage = prompt.split(REWRITE_INSTRUCTION, 1)[1].split("<|im_end|>", 1)[0]
+        assert len(tokenizer.encode(passage, add_special_tokens=False)) == 120
+        assert ids == encode_chat(tokenizer, [{"role": "user", "content": REWRITE_INSTRUCTION + passage}])
