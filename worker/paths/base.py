@@ -107,12 +107,21 @@ class ResolvedExecution:
     deterministic: bool  # batch-invariant kernels (worker.paths.batch_invariant, worker.paths.triton.batch_invariant)
 
 
+SINKS_MISSING = ("its attention kernels (paged decode and prefill) have no attention sinks (a learned per-head "
+                 "logit in every softmax's denominator), its fused-MoE kernel no expert biases or clamped SwiGLU, and "
+                 "its routing no router bias or top-k before the softmax; use --kernel-backend torch (or auto)")
+
+
 def _kernel_backend(options: WorkerOptions, on_cuda: bool, model_config: ModelConfig | None) -> str:
-    """auto: Triton on CUDA (a mixture of experts too: worker.kernels.fused_moe), torch on CPU."""
+    """auto: Triton on CUDA (a mixture of experts too: worker.kernels.fused_moe), torch on CPU; a model with
+    attention sinks (gpt-oss) runs on torch everywhere, and an explicit Triton choice for it is refused."""
     moe = model_config is not None and model_config.num_experts > 0
+    sinks = model_config is not None and model_config.attention_sinks
     backend = options.kernel_backend
     if backend == "auto":
-        backend = "triton" if on_cuda else "torch"
+        backend = "triton" if on_cuda and not sinks else "torch"
+    if sinks and backend == "triton":
+        raise ValueError(f"--kernel-backend triton cannot run {model_config.architecture!r}: {SINKS_MISSING}")
     if options.group_size > 1:
         if options.deterministic:
             raise ValueError(f"--deterministic with {options.split_flag()}: a split model's reductions are not made "

@@ -8,7 +8,9 @@ residual add, SwiGLU, q/k norm + RoPE + the cache write each one call) and reads
 The plain-torch model stays the reference: tests/worker/paths/test_decoder_ops.py holds each op and the
 whole model to it. TorchPath chooses this forward or the model's own once, when it is built.
 A mixture-of-experts layer runs the reference's grouped expert matmuls (worker.model.moe) in torch, and
-olmoe's whole-projection q/k norms run in torch before the rope op (the op's norms are per head).
+olmoe's whole-projection q/k norms run in torch before the rope op (the op's norms are per head). The decode
+attention op has no attention sinks, so a model with them (gpt-oss) has its decode rows planned as the
+reference's gathers (TorchPath: decode_in_place), everything else on the ops as for any model.
 """
 from __future__ import annotations
 
@@ -37,6 +39,12 @@ def fused_ops_usable(model: LlamaModel) -> bool:
     return True
 
 
+def decode_in_place(model: LlamaModel) -> bool:
+    """Whether paged_decode_attention can take the model's decode rows: not with attention sinks (gpt-oss), which
+    the op does not add to its softmax (it would need its running max to start at the sink and its sum at 1)."""
+    return not model.config.attention_sinks
+
+
 def _rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.tokenmill.rms_norm(x, norm.weight, norm.eps)
 
@@ -57,7 +65,7 @@ def _attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
                                              attn.num_heads, attn.num_kv_heads, *norms, *(kv_scales or (None, None)))
     v = qkv[:, attn.q_size + attn.kv_size :].view(num_tokens, attn.num_kv_heads, attn.head_dim)
     out = paged_attention(q, k, v, key_cache, value_cache, attn_metadata, attn.scale, attn.window, attn.softcap,
-                          kv_scales)
+                          kv_scales, attn.sinks)
     return attn.wo.forward(out.view(num_tokens, attn.q_size))
 
 

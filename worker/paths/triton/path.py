@@ -27,7 +27,7 @@ import torch
 from core.step import TokenLogprobs
 from worker.model.kv_cache import KVCache
 from worker.model.llama import LlamaModel
-from worker.paths.base import VARIABLE_EXPERT_ROWS, ResolvedExecution, moe_refusal
+from worker.paths.base import SINKS_MISSING, VARIABLE_EXPERT_ROWS, ResolvedExecution, moe_refusal
 from worker.paths.triton.batch_invariant import batch_invariant_kernels, set_fixed_tile_linears, token_host_metadata
 from worker.paths.triton.cuda_graphs import DecodeGraphs
 from worker.paths.triton.forward import HostMetadata, host_metadata, load_kernels, to_device, triton_forward
@@ -50,6 +50,8 @@ class TritonPath:
     def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int, execution: ResolvedExecution,
                  device: torch.device) -> None:
         self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device
+        if model.config.attention_sinks:  # resolve_execution refuses it first; by hand too
+            raise ValueError(f"the Triton path cannot run {model.config.architecture!r}: {SINKS_MISSING}")
         if model.config.num_experts and execution.deterministic:  # resolve_execution refuses it first; by hand too
             raise ValueError(moe_refusal(model.config.architecture, "the Triton path under --deterministic",
                                          VARIABLE_EXPERT_ROWS))
