@@ -107,21 +107,20 @@ class ResolvedExecution:
     deterministic: bool  # batch-invariant kernels (worker.paths.batch_invariant, worker.paths.triton.batch_invariant)
 
 
-SINKS_MISSING = ("its attention kernels (paged decode and prefill) have no attention sinks (a learned per-head "
-                 "logit in every softmax's denominator), its fused-MoE kernel no expert biases or clamped SwiGLU, and "
-                 "its routing no router bias or top-k before the softmax; use --kernel-backend torch (or auto)")
+def eager_experts(model_config: ModelConfig | None) -> bool:
+    """Whether a model's experts run outside the fused-MoE kernel on the Triton path (gpt-oss: its biases and
+    clamped SwiGLU), as the reference's grouped matmuls, which read each expert's row count on the host: a decode
+    step of such a model cannot be captured in a CUDA graph."""
+    return model_config is not None and model_config.num_experts > 0 and (
+        model_config.expert_bias or model_config.swiglu_limit is not None)
 
 
 def _kernel_backend(options: WorkerOptions, on_cuda: bool, model_config: ModelConfig | None) -> str:
-    """auto: Triton on CUDA (a mixture of experts too: worker.kernels.fused_moe), torch on CPU; a model with
-    attention sinks (gpt-oss) runs on torch everywhere, and an explicit Triton choice for it is refused."""
+    """auto: Triton on CUDA (a mixture of experts too: worker.kernels.fused_moe), torch on CPU."""
     moe = model_config is not None and model_config.num_experts > 0
-    sinks = model_config is not None and model_config.attention_sinks
     backend = options.kernel_backend
     if backend == "auto":
-        backend = "triton" if on_cuda and not sinks else "torch"
-    if sinks and backend == "triton":
-        raise ValueError(f"--kernel-backend triton cannot run {model_config.architecture!r}: {SINKS_MISSING}")
+        backend = "triton" if on_cuda else "torch"
     if options.group_size > 1:
         if options.deterministic:
             raise ValueError(f"--deterministic with {options.split_flag()}: a split model's reductions are not made "
@@ -151,9 +150,10 @@ def resolve_execution(options: WorkerOptions, device: torch.device | str,
         # off under --deterministic until a device shows a replay equal to the eager step, bit for bit
         # (tests/gpu/test_cuda_deterministic.py checks it; worker.paths.triton.batch_invariant)
         # and off under a tensor split until a device shows NCCL's all-reduces captured in a graph replaying right
-        # and with --cpu-moe, whose layers compute on the host between the device's kernels
+        # and with --cpu-moe, whose layers compute on the host between the device's kernels, and for experts the
+        # fused-MoE kernel does not run (gpt-oss: eager_experts)
         cuda_graphs=(options.cuda_graphs and on_cuda and backend == "triton" and not options.deterministic
-                     and options.group_size == 1 and not options.cpu_moe),
+                     and options.group_size == 1 and not options.cpu_moe and not eager_experts(model_config)),
         stream_overlap=options.stream_overlap and on_cuda,
         graph_batch_sizes=options.graph_batch_sizes,
         packed_linears=options.packed_linears and not on_cuda and backend == "torch",

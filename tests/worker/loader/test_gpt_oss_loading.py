@@ -1,6 +1,6 @@
 """gpt-oss from Hugging Face folders: openai's config.json read as transformers reads it, what is refused at load
-and at start (MXFP4 experts, a missing sinks tensor, a tensor-parallel split, the Triton backend) and where auto
-runs it (the torch path, on CPU and on CUDA). Its logits: tests/worker/model/test_gpt_oss_parity.py."""
+and at start (MXFP4 experts, a missing sinks tensor, a tensor-parallel split, CUDA graphs over its experts) and
+where auto runs it. Its logits: tests/worker/model/test_gpt_oss_parity.py, tests/worker/paths/test_moe_paths.py."""
 from __future__ import annotations
 
 import shutil
@@ -73,22 +73,26 @@ def test_a_missing_sinks_tensor_is_named(tiny_gpt_oss, tmp_path):
         load_model(broken, progress=False)
 
 
-def test_auto_runs_gpt_oss_on_the_torch_path_and_an_explicit_triton_is_refused(tiny_gpt_oss):
+def test_auto_takes_triton_on_cuda_without_graphs_and_torch_on_the_cpu(tiny_gpt_oss):
+    """gpt-oss's experts run outside the fused-MoE kernel (biases, clamped SwiGLU), reading row counts on the host:
+    its decode steps are not captured."""
     _, config = load_model(tiny_gpt_oss[0], progress=False)
-    for device in ("cpu", torch.device("cuda", 0)):  # resolving touches no device
-        assert resolve_execution(WorkerOptions(), device, config).kernel_backend == "torch"
-        with pytest.raises(ValueError, match="--kernel-backend triton cannot run 'gpt_oss': its attention kernels "
-                                             "\\(paged decode and prefill\\) have no attention sinks"):
-            resolve_execution(WorkerOptions(kernel_backend="triton"), device, config)
+    cuda = resolve_execution(WorkerOptions(), torch.device("cuda", 0), config)  # resolving touches no device
+    assert (cuda.kernel_backend, cuda.cuda_graphs) == ("triton", False)
+    assert resolve_execution(WorkerOptions(), "cpu", config).kernel_backend == "torch"
+    assert resolve_execution(WorkerOptions(kernel_backend="triton"), "cpu", config).kernel_backend == "triton"
 
 
-def test_a_triton_path_built_by_hand_refuses(tiny_gpt_oss):
+def test_a_triton_path_with_graphs_built_by_hand_refuses(tiny_gpt_oss):
+    import dataclasses
+
     from worker.model.kv_cache import allocate_kv_cache
     from worker.paths.triton.path import TritonPath
 
     model, config = load_model(tiny_gpt_oss[0], progress=False)
-    execution = resolve_execution(WorkerOptions(kernel_backend="triton"), "cpu")  # no model given: not checked
-    with pytest.raises(ValueError, match="the Triton path cannot run 'gpt_oss': its attention kernels"):
+    execution = dataclasses.replace(resolve_execution(WorkerOptions(kernel_backend="triton"), "cpu"), cuda_graphs=True)
+    with pytest.raises(ValueError, match="CUDA graphs cannot capture 'gpt_oss''s experts: they run the reference's "
+                                         "grouped matmuls"):
         TritonPath(model, allocate_kv_cache(config, 4, 16, torch.float32), 16, execution, torch.device("cpu"))
 
 
