@@ -2,10 +2,11 @@
 experts through worker.kernels.fused_moe, CUDA graphs on and captured at warm-up), whose tokens equal the float32 CPU
 reference's in float32 (logprobs within 1e-3), and which runs it in bfloat16 too (whose tokens may part from
 float32's by rounding alone, so only the steps' shape is checked there); the same for gpt-oss's switches (attention
-sinks in both attention kernels; its experts as the reference's grouped matmuls, so no CUDA graphs). Then one Qwen3-30B-A3B-shaped MoE layer
-(128 experts, top 8, hidden 2048, expert width 768) in bfloat16 through the fused kernel against the float32 grouped
-reference (worker.model.moe.run_experts), from one token to a prefill's 512, and on int4 experts: the tile sizes
-and compiled code the tiny shapes of tests/worker/kernels/test_fused_moe.py never reach.
+sinks in both attention kernels; its experts as the reference's grouped matmuls, so no CUDA graphs). Then one
+Qwen3-30B-A3B-shaped MoE layer (128 experts, top 8, hidden 2048, expert width 768) in bfloat16 through the fused
+kernel against the float32 grouped reference (worker.model.moe.run_experts), from one token to a prefill's 512, and
+on int4 experts: the tile sizes and compiled code the tiny shapes of tests/worker/kernels/test_fused_moe.py never
+reach.
 
 The CUDA tests are skipped without CUDA; tests/gpu/run.sh runs them on the device machine. On CPU the last test runs
 moe_on_device_matches_cpu on the Triton path under the interpreter, so the device function is checked here too."""
