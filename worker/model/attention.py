@@ -370,12 +370,9 @@ def paged_attention(
     if paged is not None or not attn_metadata.decodes:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if paged is not None:
-            if sinks is not None:  # worker.paths.torch_path plans gathers for such a model; this is the guard
-                raise ValueError("the compiled paged_decode_attention op has no attention sinks: plan the decode "
-                                 "rows with in_place=False for a model with sinks")
             torch.ops.tokenmill.paged_decode_attention(q.contiguous(), key_cache, value_cache, paged.rows,
                                                        paged.block_tables, paged.context_lens, scale, window or 0,
-                                                       softcap or 0.0, out, *(kv_scales or (None, None)))
+                                                       softcap or 0.0, out, *(kv_scales or (None, None)), sinks)
         for chunk in attn_metadata.prefills:
             out[chunk.query_start : chunk.query_end] = _prefill_attention(q, k, v, key_cache, value_cache, chunk, *args)
         return out

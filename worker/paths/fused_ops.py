@@ -8,9 +8,8 @@ residual add, SwiGLU, q/k norm + RoPE + the cache write each one call) and reads
 The plain-torch model stays the reference: tests/worker/paths/test_decoder_ops.py holds each op and the
 whole model to it. TorchPath chooses this forward or the model's own once, when it is built.
 A mixture-of-experts layer runs the reference's grouped expert matmuls (worker.model.moe) in torch, and
-olmoe's whole-projection q/k norms run in torch before the rope op (the op's norms are per head). The decode
-attention op has no attention sinks, so a model with them (gpt-oss) has its decode rows planned as the
-reference's gathers (TorchPath: decode_in_place), everything else on the ops as for any model.
+olmoe's whole-projection q/k norms run in torch before the rope op (the op's norms are per head). gpt-oss's
+attention sinks go to the decode attention op, which puts each head's in its softmax's max and denominator.
 """
 from __future__ import annotations
 
@@ -37,12 +36,6 @@ def fused_ops_usable(model: LlamaModel) -> bool:
         log.warning("compiled decoder ops not used: they run float32 and bfloat16, the model is %s", dtype)
         return False
     return True
-
-
-def decode_in_place(model: LlamaModel) -> bool:
-    """Whether paged_decode_attention can take the model's decode rows: not with attention sinks (gpt-oss), which
-    the op does not add to its softmax (it would need its running max to start at the sink and its sum at 1)."""
-    return not model.config.attention_sinks
 
 
 def _rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:

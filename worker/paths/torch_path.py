@@ -25,7 +25,7 @@ from worker.model.kv_cache import KVCache
 from worker.model.llama import LlamaModel
 from worker.paths.base import ResolvedExecution
 from worker.paths.batch_invariant import plan_batch_invariant_attention, set_batch_invariant
-from worker.paths.fused_ops import FusedDecoder, decode_in_place, fused_ops_usable
+from worker.paths.fused_ops import FusedDecoder, fused_ops_usable
 from worker.paths.thread_governor import ThreadGovernor
 from worker.sampling.sampler import SamplingRow, sample
 from worker.sampling.structured_output import TokenBitmask
@@ -55,15 +55,12 @@ class TorchPath:
         blocks = describe_block_kernels(model)
         if blocks:
             log.info("GGML block kernels: %s", blocks)
+        # decode attention then reads the pages in place: the plan skips the gather groups
         self.fused_ops = execution.cpu_fused_ops and torch.device(device).type == "cpu" and fused_ops_usable(model)
-        # decode attention then reads the pages in place (the plan skips the gather groups), unless the model has
-        # attention sinks, which the compiled decode op does not take: the reference's gathers then
-        self.in_place = self.fused_ops and decode_in_place(model)
         # the forward, chosen once: the compiled ops over the model's weights, or the model itself (the reference)
         self.decoder = FusedDecoder(model) if self.fused_ops else model
-        log.info("decoder ops: %s", ("compiled, decode attention on the KV pages in place" if self.in_place else
-                                     "compiled, decode attention as the reference's gathers (attention sinks)")
-                 if self.fused_ops else "plain torch (the reference)")
+        log.info("decoder ops: %s", "compiled, decode attention on the KV pages in place" if self.fused_ops
+                 else "plain torch (the reference)")
         # --deterministic: each token's sums in an order its step's other rows do not change (chosen here, once)
         set_batch_invariant(model, execution.deterministic)
         self.plan_attention = plan_batch_invariant_attention if execution.deterministic else plan_attention
@@ -76,7 +73,7 @@ class TorchPath:
 
     def prepare(self, batch: StepBatch) -> HostAttentionPlan:
         # the tensors are made in forward(), on the compute thread
-        return self.plan_attention(batch.spans, self.block_size, self.gather_workspace, in_place=self.in_place)
+        return self.plan_attention(batch.spans, self.block_size, self.gather_workspace, in_place=self.fused_ops)
 
     def forward(self, batch: StepBatch, inputs: HostAttentionPlan) -> torch.Tensor:
         started = time.perf_counter_ns()

@@ -3,7 +3,7 @@ layers, sliding window 8 on layers 0 and 2, 4 heads on 2 KV heads, 4 experts top
 everywhere, a SwiGLU limit that bites): float32 logits within 1e-4 through the ModelRunner's paged steps, for
 prompts longer than the window (test_model_parity's mixed prefill / decode / prefix-hit scenario) and a prompt
 shorter than it whose decode steps run past it, on the reference and on the CPU path's compiled ops (their decode
-attention as the reference's gathers: the compiled op has no sinks). Then: the sinks are read from the folder and
+attention op on the pages in place, the sinks in its softmax). Then: the sinks are read from the folder and
 change the logits, the SwiGLU clamp changes them too, and the router and experts alone equal GptOssMLP.
 """
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_a_prompt_shorter_than_the_window_then_decode_past_it(gpt_oss, fused):
         pytest.skip("compiled CPU ops not built (scripts/build_cpu_ops.py)")
     runner = ModelRunner(model, config, num_blocks=16, block_size=4, dtype=torch.float32,
                          options=WorkerOptions(cpu_fused_ops=fused))
-    assert runner.execution_path.fused_ops == fused and not runner.execution_path.in_place
+    assert runner.execution_path.fused_ops == fused
     builder = PlanBuilder(runner.num_blocks, 4, seed=3)
     builder.add("S", IDS[:5])
     plan = builder.plan({"S": 5}, {"S"})
