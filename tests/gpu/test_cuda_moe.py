@@ -2,7 +2,7 @@
 experts through worker.kernels.fused_moe, CUDA graphs on and captured at warm-up), whose tokens equal the float32 CPU
 reference's in float32 (logprobs within 1e-3), and which runs it in bfloat16 too (whose tokens may part from
 float32's by rounding alone, so only the steps' shape is checked there); the same for gpt-oss's switches (attention
-sinks in both attention kernels; its experts as the reference's grouped matmuls, so no CUDA graphs). Then one
+sinks in both attention kernels, its experts' biases and clamped SwiGLU in the fused kernel). Then one
 Qwen3-30B-A3B-shaped MoE layer (128 experts, top 8, hidden 2048, expert width 768) in bfloat16 through the fused
 kernel against the float32 grouped reference (worker.model.moe.run_experts), from one token to a prefill's 512, and
 on int4 experts: the tile sizes and compiled code the tiny shapes of tests/worker/kernels/test_fused_moe.py never
@@ -24,7 +24,6 @@ from worker.model.config import ModelConfig, RopeScaling
 from worker.model.moe import route, run_experts
 from worker.model_runner import ModelRunner
 from worker.options import WorkerOptions
-from worker.paths.base import eager_experts
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only; run by tests/gpu/run.sh")
 MOE = replace(tiny_config(num_layers=2), architecture="qwen3_moe", num_experts=8, num_experts_per_tok=2,
@@ -42,8 +41,7 @@ EXPERTS_30B, TOP_K_30B, HIDDEN_30B, INTER_30B = 128, 8, 2048, 768
 
 def moe_on_device_matches_cpu(device: torch.device | str, options: WorkerOptions = WorkerOptions(),
                               config: ModelConfig = MOE) -> None:
-    """options: every execution flag at its default on CUDA; --kernel-backend triton for the CPU's check. gpt-oss
-    (GPT_OSS): its experts off the fused kernel, so no graphs (worker.paths.base.eager_experts)."""
+    """options: every execution flag at its default on CUDA; --kernel-backend triton for the CPU's check."""
     device = torch.device(device)
     cpu_model = random_llama(config, torch.float32, "cpu", seed=5, std=0.2)
     reference = run_mixed_steps(ModelRunner(cpu_model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
@@ -52,10 +50,10 @@ def moe_on_device_matches_cpu(device: torch.device | str, options: WorkerOptions
     device_model = copy.deepcopy(cpu_model).to(device)
     runner = ModelRunner(device_model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=torch.float32,
                          options=options)
-    graphs = device.type == "cuda" and not eager_experts(config)
-    assert (runner.execution.kernel_backend, runner.execution.cuda_graphs) == ("triton", graphs)
+    on_cuda = device.type == "cuda"
+    assert (runner.execution.kernel_backend, runner.execution.cuda_graphs) == ("triton", on_cuda)
     runner.warm_up()
-    if graphs:  # the decode steps replay graphs with the MoE layers inside
+    if on_cuda:  # the decode steps replay graphs with the MoE layers inside
         assert runner.execution_path.graphs.graphs
     assert_same_steps(reference, run_mixed_steps(runner), logprob_atol=1e-3)
     bf16_model = copy.deepcopy(cpu_model).to(device=device, dtype=torch.bfloat16)

@@ -107,14 +107,6 @@ class ResolvedExecution:
     deterministic: bool  # batch-invariant kernels (worker.paths.batch_invariant, worker.paths.triton.batch_invariant)
 
 
-def eager_experts(model_config: ModelConfig | None) -> bool:
-    """Whether a model's experts run outside the fused-MoE kernel on the Triton path (gpt-oss: its biases and
-    clamped SwiGLU), as the reference's grouped matmuls, which read each expert's row count on the host: a decode
-    step of such a model cannot be captured in a CUDA graph."""
-    return model_config is not None and model_config.num_experts > 0 and (
-        model_config.expert_bias or model_config.swiglu_limit is not None)
-
-
 def _kernel_backend(options: WorkerOptions, on_cuda: bool, model_config: ModelConfig | None) -> str:
     """auto: Triton on CUDA (a mixture of experts too: worker.kernels.fused_moe), torch on CPU."""
     moe = model_config is not None and model_config.num_experts > 0
@@ -150,10 +142,9 @@ def resolve_execution(options: WorkerOptions, device: torch.device | str,
         # off under --deterministic until a device shows a replay equal to the eager step, bit for bit
         # (tests/gpu/test_cuda_deterministic.py checks it; worker.paths.triton.batch_invariant)
         # and off under a tensor split until a device shows NCCL's all-reduces captured in a graph replaying right
-        # and with --cpu-moe, whose layers compute on the host between the device's kernels, and for experts the
-        # fused-MoE kernel does not run (gpt-oss: eager_experts)
+        # and with --cpu-moe, whose layers compute on the host between the device's kernels
         cuda_graphs=(options.cuda_graphs and on_cuda and backend == "triton" and not options.deterministic
-                     and options.group_size == 1 and not options.cpu_moe and not eager_experts(model_config)),
+                     and options.group_size == 1 and not options.cpu_moe),
         stream_overlap=options.stream_overlap and on_cuda,
         graph_batch_sizes=options.graph_batch_sizes,
         packed_linears=options.packed_linears and not on_cuda and backend == "torch",

@@ -162,7 +162,7 @@ def fused_moe_variants(dtype: str) -> Iterator[Variant]:
     weights; on every group-quantized layout, gate/up at the decode tile and down at the prefill one."""
     precision = "ieee" if dtype == "fp32" else "tf32"
     types = dict(x_ptr=f"*{dtype}", out_ptr=f"*{dtype}", pair_weights_ptr="*fp32", sorted_pairs_ptr="*i32",
-                 block_experts_ptr="*i32")
+                 block_experts_ptr="*i32", bias_ptr=f"*{dtype}")
     weights = [("float", dict(weight_ptr=f"*{dtype}", scales_ptr=f"*{dtype}", mins_ptr=f"*{dtype}"), 0, 1)]
     weights += [(f"{bits}-bit/{group_size}", dict(weight_ptr="*u8", scales_ptr="*fp32", mins_ptr="*fp32"), bits,
                  group_size) for bits, group_size in group_quant_matmul.LAYOUTS]
@@ -172,11 +172,14 @@ def fused_moe_variants(dtype: str) -> Iterator[Variant]:
             for rows_per_token, routed in ((8, False), (1, True)):
                 if bits and routed != (pairs_per_expert == 128):
                     continue
-                constexprs = dict(ROWS_PER_TOKEN=rows_per_token, BITS=bits, GROUP_SIZE=group_size,
-                                  HAS_PAIR_WEIGHTS=routed, UPCAST=False, INPUT_PRECISION=precision, BLOCK_M=block_m,
-                                  BLOCK_N=block_n, BLOCK_K=block_k)
-                yield Variant(f"{dtype} fused_moe {label}, BLOCK_M {block_m}, {'down' if routed else 'gate/up'}",
-                              fused_moe._expert_matmul_kernel, dict(types, **weight_types), constexprs)
+                # gpt-oss's biases on the float weights' tiles
+                for bias in (False, True) if not bits else (False,):
+                    constexprs = dict(ROWS_PER_TOKEN=rows_per_token, BITS=bits, GROUP_SIZE=group_size,
+                                      HAS_PAIR_WEIGHTS=routed, HAS_BIAS=bias, UPCAST=False, INPUT_PRECISION=precision,
+                                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+                    yield Variant(f"{dtype} fused_moe {label}{', biases' if bias else ''}, BLOCK_M {block_m}, "
+                                  f"{'down' if routed else 'gate/up'}",
+                                  fused_moe._expert_matmul_kernel, dict(types, **weight_types), constexprs)
 
 
 def elementwise_variants(dtype: str) -> Iterator[Variant]:

@@ -1,6 +1,6 @@
 """gpt-oss from Hugging Face folders: openai's config.json read as transformers reads it, what is refused at load
-and at start (MXFP4 experts, a missing sinks tensor, a tensor-parallel split, CUDA graphs over its experts) and
-where auto runs it. Its logits: tests/worker/model/test_gpt_oss_parity.py, tests/worker/paths/test_moe_paths.py."""
+and at start (MXFP4 experts, a missing sinks tensor, a tensor-parallel split) and where auto runs it. Its logits:
+tests/worker/model/test_gpt_oss_parity.py, tests/worker/paths/test_moe_paths.py."""
 from __future__ import annotations
 
 import shutil
@@ -73,27 +73,12 @@ def test_a_missing_sinks_tensor_is_named(tiny_gpt_oss, tmp_path):
         load_model(broken, progress=False)
 
 
-def test_auto_takes_triton_on_cuda_without_graphs_and_torch_on_the_cpu(tiny_gpt_oss):
-    """gpt-oss's experts run outside the fused-MoE kernel (biases, clamped SwiGLU), reading row counts on the host:
-    its decode steps are not captured."""
+def test_auto_takes_triton_with_graphs_on_cuda_and_torch_on_the_cpu(tiny_gpt_oss):
     _, config = load_model(tiny_gpt_oss[0], progress=False)
     cuda = resolve_execution(WorkerOptions(), torch.device("cuda", 0), config)  # resolving touches no device
-    assert (cuda.kernel_backend, cuda.cuda_graphs) == ("triton", False)
+    assert (cuda.kernel_backend, cuda.cuda_graphs) == ("triton", True)
     assert resolve_execution(WorkerOptions(), "cpu", config).kernel_backend == "torch"
     assert resolve_execution(WorkerOptions(kernel_backend="triton"), "cpu", config).kernel_backend == "triton"
-
-
-def test_a_triton_path_with_graphs_built_by_hand_refuses(tiny_gpt_oss):
-    import dataclasses
-
-    from worker.model.kv_cache import allocate_kv_cache
-    from worker.paths.triton.path import TritonPath
-
-    model, config = load_model(tiny_gpt_oss[0], progress=False)
-    execution = dataclasses.replace(resolve_execution(WorkerOptions(kernel_backend="triton"), "cpu"), cuda_graphs=True)
-    with pytest.raises(ValueError, match="CUDA graphs cannot capture 'gpt_oss''s experts: they run the reference's "
-                                         "grouped matmuls"):
-        TritonPath(model, allocate_kv_cache(config, 4, 16, torch.float32), 16, execution, torch.device("cpu"))
 
 
 def test_a_tensor_parallel_split_is_refused(tiny_gpt_oss):

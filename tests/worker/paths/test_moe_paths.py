@@ -65,7 +65,8 @@ def test_the_triton_backend_runs_moe_as_the_torch_path(tmp_path, flavour):
     path = runners["triton"].execution_path
     assert type(path) is TritonPath
     fused_calls, fused_moe = [], path.kernels.fused_moe
-    path.kernels = dataclasses.replace(path.kernels, fused_moe=lambda *args: fused_calls.append(1) or fused_moe(*args))
+    path.kernels = dataclasses.replace(path.kernels, fused_moe=lambda *args, **kwargs: fused_calls.append(1) or
+                                       fused_moe(*args, **kwargs))
     logits = {backend: _logits_of_each_step(runner) for backend, runner in runners.items()}
     steps = {backend: run_mixed_steps(runner) for backend, runner in runners.items()}
     assert_same_steps(steps["torch"], steps["triton"], logprob_atol=1e-4)
@@ -78,8 +79,8 @@ def test_the_triton_backend_runs_moe_as_the_torch_path(tmp_path, flavour):
 
 def test_the_triton_backend_runs_gpt_oss_as_the_torch_path(tmp_path):
     """gpt-oss (tests/helpers/tiny_models.py): attention sinks in both attention kernels, past the sliding window of 8
-    (a 13-token prompt in two chunks, then decode steps), routing with the router's bias and its experts (biases,
-    clamped SwiGLU) as the reference's grouped matmuls, never the fused kernel. The torch path equals transformers
+    (a 13-token prompt in two chunks, then decode steps), routing with the router's bias, its experts (biases,
+    clamped SwiGLU) through the fused kernel. The torch path equals transformers
     (tests/worker/model/test_gpt_oss_parity.py)."""
     folder, _ = make_tiny_hf_model(tmp_path, GPT_OSS)
     model, config = load_model(folder, progress=False)
@@ -87,11 +88,12 @@ def test_the_triton_backend_runs_gpt_oss_as_the_torch_path(tmp_path):
                for backend in ("torch", "triton")}
     path = runners["triton"].execution_path
     fused_calls, fused_moe = [], path.kernels.fused_moe
-    path.kernels = dataclasses.replace(path.kernels, fused_moe=lambda *args: fused_calls.append(1) or fused_moe(*args))
+    path.kernels = dataclasses.replace(path.kernels, fused_moe=lambda *args, **kwargs: fused_calls.append(1) or
+                                       fused_moe(*args, **kwargs))
     logits = {backend: _logits_of_each_step(runner) for backend, runner in runners.items()}
     steps = {backend: run_mixed_steps(runner) for backend, runner in runners.items()}
     assert_same_steps(steps["torch"], steps["triton"], logprob_atol=1e-4)
-    assert not fused_calls
+    assert len(fused_calls) == 5 * config.num_layers  # every step's every layer (all sparse) through the kernel
     for expected, actual in zip(logits["torch"], logits["triton"]):
         torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
 

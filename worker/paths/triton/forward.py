@@ -4,8 +4,8 @@ Per layer: fused residual-add + RMSNorm, the fused q/k/v matmul, rotary on q and
 pages, paged attention, the output matmul, fused add + RMSNorm, gate/up matmul, SiLU·mul, down matmul; a
 mixture-of-experts layer (qwen3_moe, mixtral, olmoe, gpt_oss) routes in torch as the reference does
 (worker.model.moe.route) and runs its stacked float experts through the fused-MoE kernel (two grouped-GEMM launches
-over every expert); gpt-oss's experts (biases, clamped SwiGLU: not in that kernel) run the reference's grouped
-matmuls. The family switches ride along: sliding windows, soft-caps and sinks in the attention kernels, the sandwich
+over every expert; gpt-oss's biases in their epilogues, its clamped SwiGLU between them). The family switches ride
+along: sliding windows, soft-caps and sinks in the attention kernels, the sandwich
 norms (gemma), the per-head q/k norms (qwen3, gemma3) and the whole-projection ones (olmoe) as rms_norm
 kernels, and beside the kernels in torch (elementwise or per row): GeLU-tanh (gemma), the embedding multiplier
 and the rope variant's tables (the model's own embed_input / rotary_tables, so both paths share them).
@@ -148,21 +148,16 @@ def _mlp(kernels: TritonKernels, mlp: MLP, x: torch.Tensor) -> torch.Tensor:
     return mlp.w_down(kernels.silu_and_mul(gate, up))
 
 
-def fused_moe_runs(experts: StackedExperts) -> bool:
-    """Whether the fused-MoE kernel computes these experts: plain act(gate) * up, no biases (not gpt-oss's)."""
-    return experts.gate_up_bias is None and experts.swiglu is None
-
-
 def _sparse_moe(kernels: TritonKernels, moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     """x: [T, H] -> [T, H]. The routing is the reference's own call (same top-k, same ties); stacked float experts
     run in the fused kernel, any other experts behind SparseMoE's seam (a GGUF file's blocks under the CPU's
-    --cpu-block-kernels: their own native kernels; gpt-oss's, whose biases and clamped SwiGLU the kernel has not,
-    the reference's grouped matmuls) as the reference runs them."""
+    --cpu-block-kernels: their own native kernels) as the reference runs them."""
     top_weights, top_experts = route(x, moe.router_weight, moe.top_k, moe.norm_topk_prob, moe.weights_float,
                                      moe.router_bias, moe.topk_first)
     experts = moe.experts
-    if isinstance(experts, StackedExperts) and fused_moe_runs(experts):
-        return kernels.fused_moe(x, top_weights, top_experts, experts.gate_up, experts.down, experts.hidden_act)
+    if isinstance(experts, StackedExperts):  # gpt-oss: its biases and clamped SwiGLU ride along (None elsewhere)
+        return kernels.fused_moe(x, top_weights, top_experts, experts.gate_up, experts.down, experts.hidden_act,
+                                 gate_up_bias=experts.gate_up_bias, down_bias=experts.down_bias, swiglu=experts.swiglu)
     return run_grouped(x, top_weights, top_experts, moe.num_experts, experts)
 
 

@@ -27,7 +27,7 @@ import torch
 from core.step import TokenLogprobs
 from worker.model.kv_cache import KVCache
 from worker.model.llama import LlamaModel
-from worker.paths.base import VARIABLE_EXPERT_ROWS, ResolvedExecution, eager_experts, moe_refusal
+from worker.paths.base import VARIABLE_EXPERT_ROWS, ResolvedExecution, moe_refusal
 from worker.paths.triton.batch_invariant import batch_invariant_kernels, set_fixed_tile_linears, token_host_metadata
 from worker.paths.triton.cuda_graphs import DecodeGraphs
 from worker.paths.triton.forward import HostMetadata, host_metadata, load_kernels, to_device, triton_forward
@@ -53,15 +53,10 @@ class TritonPath:
         if model.config.num_experts and execution.deterministic:  # resolve_execution refuses it first; by hand too
             raise ValueError(moe_refusal(model.config.architecture, "the Triton path under --deterministic",
                                          VARIABLE_EXPERT_ROWS))
-        if execution.cuda_graphs and eager_experts(model.config):  # resolve_execution turns them off first
-            raise ValueError(f"CUDA graphs cannot capture {model.config.architecture!r}'s experts: they run the "
-                             f"reference's grouped matmuls (biases, clamped SwiGLU), which read row counts on the host")
         if model.config.num_experts:
-            log.info("mixture of experts (%s): %d experts, top %d: routing in torch, %s", model.config.architecture,
-                     model.config.num_experts, model.config.num_experts_per_tok,
-                     "experts as the reference's grouped matmuls (biases, clamped SwiGLU; no CUDA graphs)"
-                     if eager_experts(model.config) else "stacked experts through the fused-MoE kernel "
-                     "(worker.kernels.fused_moe)")
+            log.info("mixture of experts (%s): %d experts, top %d: routing in torch, stacked experts through the "
+                     "fused-MoE kernel (worker.kernels.fused_moe)", model.config.architecture,
+                     model.config.num_experts, model.config.num_experts_per_tok)
         # --deterministic (chosen here, once): fixed-tile linears, every query token a decode row in one split
         set_fixed_tile_linears(model, execution.deterministic)  # also undoes another runner's mode on this model
         self.kernels = batch_invariant_kernels(load_kernels()) if execution.deterministic else load_kernels()
