@@ -166,7 +166,8 @@ def weight_bytes(network: nn.Module) -> tuple[int, int]:
     tensors = {**dict(network.named_parameters()), **dict(network.named_buffers())}
     total = sum(t.numel() * t.element_size() for t in tensors.values()) + mapped_weight_bytes(network)
     experts = sum(t.numel() * t.element_size() for name, t in tensors.items()
-                  if name.endswith((".mlp.experts.gate_up", ".mlp.experts.down", ".mlp.router_weight")))
+                  if name.endswith((".mlp.experts.gate_up", ".mlp.experts.down", ".mlp.router_weight",
+                                    ".mlp.experts.gate_up_bias", ".mlp.experts.down_bias", ".mlp.router_bias")))
     experts += sum(weight.nbytes for m in network.modules() for weight in getattr(m, "expert_blocks", ()))
     return total, experts
 

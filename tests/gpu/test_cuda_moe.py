@@ -1,10 +1,12 @@
 """A mixture of experts on CUDA (issue 36): `--kernel-backend auto` takes the Triton path for it (routing in torch,
 experts through worker.kernels.fused_moe, CUDA graphs on and captured at warm-up), whose tokens equal the float32 CPU
 reference's in float32 (logprobs within 1e-3), and which runs it in bfloat16 too (whose tokens may part from
-float32's by rounding alone, so only the steps' shape is checked there). Then one Qwen3-30B-A3B-shaped MoE layer
-(128 experts, top 8, hidden 2048, expert width 768) in bfloat16 through the fused kernel against the float32 grouped
-reference (worker.model.moe.run_experts), from one token to a prefill's 512, and on int4 experts: the tile sizes
-and compiled code the tiny shapes of tests/worker/kernels/test_fused_moe.py never reach.
+float32's by rounding alone, so only the steps' shape is checked there); the same for gpt-oss's switches (attention
+sinks in both attention kernels, its experts' biases and clamped SwiGLU in the fused kernel). Then one
+Qwen3-30B-A3B-shaped MoE layer (128 experts, top 8, hidden 2048, expert width 768) in bfloat16 through the fused
+kernel against the float32 grouped reference (worker.model.moe.run_experts), from one token to a prefill's 512, and
+on int4 experts: the tile sizes and compiled code the tiny shapes of tests/worker/kernels/test_fused_moe.py never
+reach.
 
 The CUDA tests are skipped without CUDA; tests/gpu/run.sh runs them on the device machine. On CPU the last test runs
 moe_on_device_matches_cpu on the Triton path under the interpreter, so the device function is checked here too."""
@@ -18,6 +20,7 @@ import torch
 
 from tests.gpu.random_model import random_llama, tiny_config
 from tests.gpu.steps import BLOCK_SIZE, NUM_BLOCKS, assert_same_steps, run_mixed_steps
+from worker.model.config import ModelConfig, RopeScaling
 from worker.model.moe import route, run_experts
 from worker.model_runner import ModelRunner
 from worker.options import WorkerOptions
@@ -25,19 +28,27 @@ from worker.options import WorkerOptions
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only; run by tests/gpu/run.sh")
 MOE = replace(tiny_config(num_layers=2), architecture="qwen3_moe", num_experts=8, num_experts_per_tok=2,
               moe_intermediate_size=32, qk_norm=True, norm_topk_prob=True)
+# gpt-oss's switches (tests/helpers/tiny_models.py's, without transformers, which the device image lacks): sinks,
+# sliding / full layers with a window of 8, biases, top-k-first routing, clamped SwiGLU experts, untruncated YaRN
+GPT_OSS = replace(tiny_config(num_layers=4), architecture="gpt_oss", num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, attention_bias=True, layer_windows=(8, None, 8, None),
+                  rope_scaling=RopeScaling("yarn", factor=16.0, original_max_position_embeddings=32, truncate=False),
+                  attention_sinks=True, attention_out_bias=True, router_bias=True, router_topk_first=True,
+                  expert_bias=True, swiglu_limit=1.5)
 # Qwen3-30B-A3B's MoE layer
 EXPERTS_30B, TOP_K_30B, HIDDEN_30B, INTER_30B = 128, 8, 2048, 768
 
 
-def moe_on_device_matches_cpu(device: torch.device | str, options: WorkerOptions = WorkerOptions()) -> None:
+def moe_on_device_matches_cpu(device: torch.device | str, options: WorkerOptions = WorkerOptions(),
+                              config: ModelConfig = MOE) -> None:
     """options: every execution flag at its default on CUDA; --kernel-backend triton for the CPU's check."""
     device = torch.device(device)
-    cpu_model = random_llama(MOE, torch.float32, "cpu", seed=5, std=0.2)
-    reference = run_mixed_steps(ModelRunner(cpu_model, MOE, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+    cpu_model = random_llama(config, torch.float32, "cpu", seed=5, std=0.2)
+    reference = run_mixed_steps(ModelRunner(cpu_model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
                                             dtype=torch.float32,
                                             options=WorkerOptions(packed_linears=False, cpu_fused_ops=False)))
     device_model = copy.deepcopy(cpu_model).to(device)
-    runner = ModelRunner(device_model, MOE, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=torch.float32,
+    runner = ModelRunner(device_model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=torch.float32,
                          options=options)
     on_cuda = device.type == "cuda"
     assert (runner.execution.kernel_backend, runner.execution.cuda_graphs) == ("triton", on_cuda)
@@ -46,14 +57,15 @@ def moe_on_device_matches_cpu(device: torch.device | str, options: WorkerOptions
         assert runner.execution_path.graphs.graphs
     assert_same_steps(reference, run_mixed_steps(runner), logprob_atol=1e-3)
     bf16_model = copy.deepcopy(cpu_model).to(device=device, dtype=torch.bfloat16)
-    bf16 = run_mixed_steps(ModelRunner(bf16_model, MOE, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+    bf16 = run_mixed_steps(ModelRunner(bf16_model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
                                        dtype=torch.bfloat16, options=options))
     assert [sorted(step) for step in bf16] == [sorted(step) for step in reference]
 
 
 @cuda_only
-def test_moe_on_cuda_runs_on_the_triton_path_as_the_cpu_reference():
-    moe_on_device_matches_cpu(torch.device("cuda"))
+@pytest.mark.parametrize("config", [MOE, GPT_OSS], ids=["qwen3_moe", "gpt_oss"])
+def test_moe_on_cuda_runs_on_the_triton_path_as_the_cpu_reference(config):
+    moe_on_device_matches_cpu(torch.device("cuda"), config=config)
 
 
 @cuda_only
@@ -137,5 +149,6 @@ def test_a_30b_a3b_shaped_layer_on_int4_experts_matches_the_reference_on_their_d
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA test above runs it on the device")
-def test_the_device_function_on_the_cpu_triton_path():
-    moe_on_device_matches_cpu("cpu", WorkerOptions(kernel_backend="triton"))
+@pytest.mark.parametrize("config", [MOE, GPT_OSS], ids=["qwen3_moe", "gpt_oss"])
+def test_the_device_function_on_the_cpu_triton_path(config):
+    moe_on_device_matches_cpu("cpu", WorkerOptions(kernel_backend="triton"), config)

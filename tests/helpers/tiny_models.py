@@ -19,6 +19,10 @@ FLAVOURS = (
 # mixtures of experts (tests/worker/model/test_moe_parity.py): 8 experts, top 2
 MOE_FLAVOURS = ("qwen3_moe", "mixtral", "olmoe")
 NUM_EXPERTS, TOP_K = 8, 2
+# gpt-oss (tests/worker/model/test_gpt_oss_parity.py): attention sinks, sliding / full layers alternating, 4
+# experts top 2 with biases and the clamped SwiGLU, YaRN; its own window of 8 so prompts run past it
+GPT_OSS = "gpt_oss"
+GPT_OSS_WINDOW = 8
 # the windows are far shorter than the test prompts (25-50 tokens), so attending outside them shows
 SLIDING_WINDOW = 7
 BOS_TOKEN, EOS_TOKEN = "<s>", "</s>"
@@ -84,7 +88,9 @@ def tiny_hf_config(flavour: str):
         return Qwen2Config(**_COMMON, num_attention_heads=4, num_key_value_heads=2, rope_theta=7000.0, tie_word_embeddings=False)
     if flavour in MOE_FLAVOURS:
         return _tiny_moe_config(flavour)
-    raise ValueError(f"flavour {flavour!r} is not one of {FLAVOURS + MOE_FLAVOURS}")
+    if flavour == GPT_OSS:
+        return _tiny_gpt_oss_config()
+    raise ValueError(f"flavour {flavour!r} is not one of {FLAVOURS + MOE_FLAVOURS + (GPT_OSS,)}")
 
 
 def _tiny_moe_config(flavour: str):
@@ -101,6 +107,19 @@ def _tiny_moe_config(flavour: str):
     # olmoe: q/k norms over the whole projections, top-k weights not renormalised
     return OlmoeConfig(**dict(_COMMON, intermediate_size=40), **heads, rope_theta=7000.0, num_experts=NUM_EXPERTS,
                        num_experts_per_tok=TOP_K, norm_topk_prob=False)
+
+
+def _tiny_gpt_oss_config():
+    """4 layers (sliding, full, sliding, full), 4 heads on 2 KV heads, 4 experts top 2; YaRN with an original
+    length of 32 (not truncated, as openai's config), and a SwiGLU limit low enough that the clamps bite."""
+    from transformers import GptOssConfig
+
+    rope = dict(rope_type="yarn", rope_theta=150000.0, factor=16.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                original_max_position_embeddings=32)
+    return GptOssConfig(**dict(_COMMON, intermediate_size=32, num_hidden_layers=4), num_attention_heads=4,
+                        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=TOP_K,
+                        sliding_window=GPT_OSS_WINDOW, rope_parameters=rope, swiglu_limit=1.5,
+                        tie_word_embeddings=False)
 
 
 def write_tiny_tokenizer(folder: Path) -> None:
@@ -133,8 +152,10 @@ def make_tiny_hf_model(tmp_path: Path, flavour: str = "llama", seed: int = 0, **
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):  # gpt-oss's experts: gate_up_proj_bias, down_proj_bias
                 param.normal_(0.0, 0.3)
+            elif name.endswith(".sinks"):  # gpt-oss: around the scores' own size, so they take a real share
+                param.normal_(0.0, 1.0)
     folder = Path(tmp_path) / f"tiny-{flavour}"
     model.save_pretrained(folder, safe_serialization=True)
     write_tiny_tokenizer(folder)

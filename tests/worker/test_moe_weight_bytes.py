@@ -8,7 +8,7 @@ import logging
 import torch
 
 from tests.helpers.tiny_gguf import write_converter_gguf
-from tests.helpers.tiny_models import NUM_EXPERTS, make_tiny_hf_model
+from tests.helpers.tiny_models import GPT_OSS, NUM_EXPERTS, make_tiny_hf_model
 from worker.build import build_sized_runner, weight_bytes
 from worker.linears.group_quant import weight_formats
 from worker.loader import load_model
@@ -31,6 +31,17 @@ def test_every_expert_is_counted_and_the_cache_sized_after_them(tmp_path, caplog
     # the cache takes its share of what is left after the weights and the profile pass (run through the experts)
     per_block = bytes_per_block(runner.model_config, torch.float32, options.block_size)
     assert 0 < sizing.num_blocks <= 2**29 // per_block and "after the weights" in sizing.reason
+
+
+def test_gpt_oss_experts_count_with_their_biases_and_router_bias(tmp_path):
+    folder, hf_model = make_tiny_hf_model(tmp_path, GPT_OSS)  # 4 MoE layers of 4 experts, width 32
+    model, _ = load_model(folder, progress=False)
+    total, experts = weight_bytes(model)
+    hidden, expert_inter, num_experts = 64, 32, 4
+    per_layer = (num_experts * (3 * expert_inter * hidden + 2 * expert_inter + hidden)  # weights and biases
+                 + num_experts * (hidden + 1))  # the router and its bias
+    assert experts == 4 * per_layer * 4
+    assert total == sum(p.numel() * p.element_size() for p in hf_model.parameters())  # transformers' own count
 
 
 def test_quantization_names_what_the_experts_run_in(tmp_path):

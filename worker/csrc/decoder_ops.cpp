@@ -446,10 +446,12 @@ void weighted_sum_bf16_avx512(const float* scores, int64_t n, int64_t G, const c
 // of them. Writes out[rows[b]]. window > 0: only the last `window` positions; softcap > 0: gemma2's
 // tanh cap on the scores. Scores and the weighted sum are float32, as SDPA's CPU kernel keeps them.
 // With key_scales / value_scales the caches are int8 or float8 pages (kv_quant.h), dequantized as read.
+// sinks [H] (gpt-oss): each query head's learned logit joins its softmax's max and denominator, carrying no value.
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& context_lens,
                             double scale, int64_t window, double softcap, at::Tensor& out,
-                            const c10::optional<at::Tensor>& key_scales, const c10::optional<at::Tensor>& value_scales) {
+                            const c10::optional<at::Tensor>& key_scales, const c10::optional<at::Tensor>& value_scales,
+                            const c10::optional<at::Tensor>& sinks) {
   const bool quantized = key_scales.has_value();
   TORCH_CHECK(key_scales.has_value() == value_scales.has_value(),
               "paged_decode_attention: key_scales and value_scales come together");
@@ -469,6 +471,9 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), BS = key_cache.size(1), KVH = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == D && H % KVH == 0, "paged_decode_attention: ", H, " query heads over ", KVH,
               " KV heads of dim ", key_cache.size(3), " (q's is ", D, ")");
+  TORCH_CHECK(!sinks.has_value() || (sinks->dim() == 1 && sinks->numel() == H && sinks->is_contiguous() &&
+                                     sinks->scalar_type() == q.scalar_type()),
+              "paged_decode_attention: sinks must be contiguous [", H, "] of ", q.scalar_type());
   TORCH_CHECK(rows.scalar_type() == at::kLong && block_tables.scalar_type() == at::kLong &&
               context_lens.scalar_type() == at::kLong && rows.is_contiguous() && context_lens.is_contiguous() &&
               block_tables.dim() == 2 && block_tables.is_contiguous() && rows.numel() == block_tables.size(0) &&
@@ -489,7 +494,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
   }
   if (quantized) {
     tokenmill::paged_decode_attention_quantized(q, key_cache, value_cache, *key_scales, *value_scales, rows,
-                                                block_tables, context_lens, scale, window, softcap, out);
+                                                block_tables, context_lens, scale, window, softcap, out, sinks);
     return;
   }
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
@@ -499,6 +504,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
     const scalar_t* kc = key_cache.data_ptr<scalar_t>();
     const scalar_t* vc = value_cache.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
+    const scalar_t* sp = sinks.has_value() ? sinks->data_ptr<scalar_t>() : nullptr;
     const bool vector_dim = D % 8 == 0;
     at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores, qf(G * D), acc(G * D);
@@ -552,11 +558,12 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
             }
           }
         }
-        for (int64_t g = 0; g < G; ++g) {  // softmax in place
+        for (int64_t g = 0; g < G; ++g) {  // softmax in place, the sink (if any) in its max and denominator
           float* sg = scores.data() + g * n;
-          float top = -std::numeric_limits<float>::infinity();
+          const float sink = sp ? to_float(sp[kvh * G + g]) : -std::numeric_limits<float>::infinity();
+          float top = sink;
           for (int64_t j = 0; j < n; ++j) top = std::max(top, sg[j]);
-          float total = 0.f;
+          float total = sp ? std::exp(sink - top) : 0.f;
           int64_t j = 0;
           for (; j + 8 <= n; j += 8) {
             const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), _mm256_set1_ps(top)));
@@ -605,7 +612,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
         "Tensor(c!)? key_scales=None, Tensor(d!)? value_scales=None) -> (Tensor, Tensor)");
   m.def("paged_decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor rows, Tensor block_tables, "
         "Tensor context_lens, float scale, int window, float softcap, Tensor(a!) out, Tensor? key_scales=None, "
-        "Tensor? value_scales=None) -> ()");
+        "Tensor? value_scales=None, Tensor? sinks=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {

@@ -21,11 +21,12 @@ void check_kv_scales(const at::Tensor& cache, const at::Tensor& scales, const ch
 void quantize_kv_row(const float* x, int64_t D, bool fp8, uint8_t* dst, c10::Half* scale);
 
 // paged_decode_attention's arithmetic over quantized pages (its arguments checked there): each K and V row
-// dequantized to float32 as it is read (value * scale), scores and the weighted sum in float32.
+// dequantized to float32 as it is read (value * scale), scores and the weighted sum in float32; sinks [H] in q's
+// dtype (gpt-oss) join each head's softmax.
 void paged_decode_attention_quantized(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                       const at::Tensor& key_scales, const at::Tensor& value_scales,
                                       const at::Tensor& rows, const at::Tensor& block_tables,
                                       const at::Tensor& context_lens, double scale, int64_t window, double softcap,
-                                      at::Tensor& out);
+                                      at::Tensor& out, const c10::optional<at::Tensor>& sinks);
 
 }  // namespace tokenmill

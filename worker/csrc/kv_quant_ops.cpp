@@ -68,9 +68,10 @@ constexpr int64_t kPrefetchAhead = 32;
 
 inline void prefetch_row(const uint8_t* row) { _mm_prefetch(reinterpret_cast<const char*>(row), _MM_HINT_T0); }
 
-void softmax(float* scores, int64_t n) {
-  const float top = *std::max_element(scores, scores + n);
-  float total = 0.f;
+// sink: an attention sink's logit (gpt-oss), in the max and the denominator but given no weight; -inf: none
+void softmax(float* scores, int64_t n, float sink) {
+  const float top = std::max(sink, *std::max_element(scores, scores + n));
+  float total = std::exp(sink - top);
   for (int64_t j = 0; j < n; ++j) { scores[j] = std::exp(scores[j] - top); total += scores[j]; }
   const float inv = 1.f / total;
   for (int64_t j = 0; j < n; ++j) scores[j] *= inv;
@@ -186,7 +187,7 @@ void weighted_sums(const float* w, int64_t G, const JobRows& job, float* out) {
 // One (request, KV head) job: its G query heads (q, out: G x D) against the n positions of job. The value
 // scales are folded into the softmax weights, so no row is ever dequantized on its own.
 template <typename S, bool FP8>
-void attend_job(const S* q, const JobRows& job, int64_t G, float scale, float cap, S* out,
+void attend_job(const S* q, const JobRows& job, int64_t G, float scale, float cap, const S* sinks, S* out,
                 std::vector<float>& scratch) {
   const int64_t n = job.n, D = job.D;
   scratch.resize(G * D * 2 + 8 * D + G * n);  // q, the output, 8 widened key rows, the scores
@@ -201,7 +202,7 @@ void attend_job(const S* q, const JobRows& job, int64_t G, float scale, float ca
     if (cap > 0.f) {
       for (int64_t j = 0; j < n; ++j) sg[j] = std::tanh(sg[j] / cap) * cap;
     }
-    softmax(sg, n);
+    softmax(sg, n, sinks ? static_cast<float>(sinks[g]) : -std::numeric_limits<float>::infinity());
     for (int64_t j = 0; j < n; ++j) sg[j] *= static_cast<float>(job.value_scales[job.slot_heads[j]]);
   }
   weighted_sums<FP8>(scores, G, job, acc);
@@ -240,7 +241,7 @@ void paged_decode_attention_quantized(const at::Tensor& q, const at::Tensor& key
                                       const at::Tensor& key_scales, const at::Tensor& value_scales,
                                       const at::Tensor& rows, const at::Tensor& block_tables,
                                       const at::Tensor& context_lens, double scale, int64_t window, double softcap,
-                                      at::Tensor& out) {
+                                      at::Tensor& out, const c10::optional<at::Tensor>& sinks) {
   const int64_t H = q.size(1), D = q.size(2), BS = key_cache.size(1), KVH = key_cache.size(2);
   const int64_t B = rows.numel(), G = H / KVH, max_blocks = block_tables.size(1);
   const int64_t* row = rows.data_ptr<int64_t>();
@@ -256,6 +257,7 @@ void paged_decode_attention_quantized(const at::Tensor& q, const at::Tensor& key
     constexpr bool FP8 = decltype(fp8_tag)::value;
     const S* qp = q.data_ptr<S>();
     S* op = out.data_ptr<S>();
+    const S* sp = sinks.has_value() ? sinks->data_ptr<S>() : nullptr;
     at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch;
       std::vector<int64_t> slot_heads;
@@ -267,7 +269,8 @@ void paged_decode_attention_quantized(const at::Tensor& q, const at::Tensor& key
         for (int64_t p = start; p < L; ++p) slot_heads[p - start] = (pages[p / BS] * BS + p % BS) * KVH + kvh;
         const JobRows rows_of_job{kc, vc, ks, vs, slot_heads.data(), L - start, D};
         const int64_t first = (row[b] * H + kvh * G) * D;  // the job's G query heads, contiguous
-        attend_job<S, FP8>(qp + first, rows_of_job, G, fscale, cap, op + first, scratch);
+        attend_job<S, FP8>(qp + first, rows_of_job, G, fscale, cap, sp ? sp + kvh * G : nullptr, op + first,
+                           scratch);
       }
     });
   };

@@ -29,6 +29,11 @@ x's dtype, as group_quant_matmul's "dequant" kernel) and multiplies it in one do
 rounds its output once to x's dtype; the down launch multiplies by the routing weight in float32 before that
 rounding, and the k outputs of a token are summed by torch (in float32 for bfloat16 / float16, then rounded once).
 
+gpt-oss's experts add a bias per expert to each launch's output (gate_up_bias [E, 2I], down_bias [E, H]: the block's
+expert's row, added in float32 before the routing weight, as GptOssExperts adds it) and take its clamped SwiGLU
+between the launches, (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g), g = min(gate, l) (elementwise torch, in
+float32, rounded once to x's dtype; no host sync, so a CUDA graph still captures the layer).
+
 fused_moe_torch is the same computation in plain torch, one token at a time (the tests' per-token reference).
 """
 from __future__ import annotations
@@ -123,17 +128,20 @@ def _expert_matmul_kernel(
     mins_ptr,  # [E, N, K / GROUP_SIZE] float32; read only when BITS > 0
     out_ptr,  # [P, N] x's dtype: row p is pair p's output
     pair_weights_ptr,  # [P] float: each pair's routing weight; read only when HAS_PAIR_WEIGHTS
+    bias_ptr,  # [E, N] x's dtype: each expert's output bias (gpt-oss); read only when HAS_BIAS
     sorted_pairs_ptr,  # [num_blocks * BLOCK_M] int32: align_pairs' slots (num_pairs for padding)
     block_experts_ptr,  # [num_blocks] int32: each block's expert, -1 for none
     # sizes
     N, K, num_pairs,
     # strides (the last dimension of every tensor is contiguous; scales and mins share theirs)
     stride_x_row, stride_weight_expert, stride_weight_row, stride_scales_expert, stride_scales_row, stride_out_row,
+    stride_bias_expert,
     # meta-parameters
     ROWS_PER_TOKEN: tl.constexpr,  # x's row of pair p is p // ROWS_PER_TOKEN
     BITS: tl.constexpr,  # 0: float weights; 4 or 8: group-quantized codes
     GROUP_SIZE: tl.constexpr,  # the quantization group (BITS > 0)
     HAS_PAIR_WEIGHTS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr,  # multiply in float32: the interpreter's bfloat16 tl.dot is wrong (see _upcast)
     INPUT_PRECISION: tl.constexpr,  # "ieee" for float32 operands: tf32 would round them
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -173,6 +181,9 @@ def _expert_matmul_kernel(
         if UPCAST:
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
+    if HAS_BIAS:  # before the routing weight, as GptOssExperts: (x @ W + b) * weight
+        acc = acc + tl.load(bias_ptr + expert.to(tl.int64) * stride_bias_expert + cols, mask=col_mask,
+                            other=0.0).to(tl.float32)[None, :]
     if HAS_PAIR_WEIGHTS:
         acc = acc * tl.load(pair_weights_ptr + pairs, mask=pair_mask, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_out_row + cols[None, :]
@@ -198,10 +209,11 @@ def block_sizes(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
 
 
 def expert_matmul(x: torch.Tensor, weight: ExpertWeights, aligned: AlignedPairs, num_pairs: int,
-                  rows_per_token: int, pair_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [P / rows_per_token, K]; weight: [E, N, K] (or group-quantized) -> [P, N] in x's dtype: row p =
-    x[p // rows_per_token] @ weight[expert of p].T (times pair_weights[p] when given). One launch over every
-    expert's blocks."""
+                  rows_per_token: int, pair_weights: torch.Tensor | None = None,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [P / rows_per_token, K]; weight: [E, N, K] (or group-quantized); bias: [E, N] or None -> [P, N] in x's
+    dtype: row p = (x[p // rows_per_token] @ weight[e].T + bias[e]) (times pair_weights[p] when given), e the expert
+    of p. One launch over every expert's blocks."""
     num_experts, num_outputs, depth = weight.shape
     out = torch.empty((num_pairs, num_outputs), dtype=x.dtype, device=x.device)
     block_m, block_n, block_k = aligned.block_m, *block_sizes(num_pairs, num_experts)[1:]
@@ -213,10 +225,12 @@ def expert_matmul(x: torch.Tensor, weight: ExpertWeights, aligned: AlignedPairs,
     upcast = _upcast(x)
     _expert_matmul_kernel[(aligned.num_blocks, triton.cdiv(num_outputs, block_n))](
         x, codes, scales, mins, out, pair_weights if pair_weights is not None else x,
-        aligned.sorted_pairs, aligned.block_experts,
+        bias if bias is not None else x, aligned.sorted_pairs, aligned.block_experts,
         num_outputs, depth, num_pairs,
         x.stride(0), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
+        bias.stride(0) if bias is not None else 0,
         ROWS_PER_TOKEN=rows_per_token, BITS=bits, GROUP_SIZE=group_size, HAS_PAIR_WEIGHTS=pair_weights is not None,
+        HAS_BIAS=bias is not None,
         UPCAST=upcast,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -253,6 +267,27 @@ def _check_experts(where: str, name: str, weight: ExpertWeights, shape: tuple[in
     return weight.shape
 
 
+def _check_biases(where: str, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+                  gate_up: ExpertWeights, down: ExpertWeights, x: torch.Tensor) -> None:
+    for name, bias, weight in (("gate_up_bias", gate_up_bias, gate_up), ("down_bias", down_bias, down)):
+        if bias is not None:
+            check_tensor(where, name, bias, tuple(weight.shape[:2]), (x.dtype,), x.device, dtype_from="x")
+            if bias.stride(1) != 1:
+                raise ValueError(f"{where}: {name} has strides {list(bias.stride())}, expected dense rows")
+
+
+def _gated(gate: torch.Tensor, up: torch.Tensor, hidden_act: str, swiglu: tuple[float, float] | None,
+           dtype: torch.dtype) -> torch.Tensor:
+    """[P, I] each -> the experts' activation [P, I] in dtype, off the SiLU·mul kernel (GeLU-tanh, gpt-oss's clamped
+    SwiGLU), in float32 elementwise torch."""
+    gate, up = gate.float(), up.float()
+    if swiglu is None:
+        return (F.gelu(gate, approximate="tanh") * up).to(dtype)
+    limit, alpha = swiglu
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return ((up + 1) * (gate * torch.sigmoid(gate * alpha))).to(dtype)
+
+
 def _check_inputs(where: str, x: torch.Tensor, top_weights: torch.Tensor, top_experts: torch.Tensor,
                   gate_up: ExpertWeights, down: ExpertWeights, hidden_act: str) -> None:
     if hidden_act not in ACTIVATIONS:
@@ -273,12 +308,17 @@ def _check_inputs(where: str, x: torch.Tensor, top_weights: torch.Tensor, top_ex
 
 
 def fused_moe(x: torch.Tensor, top_weights: torch.Tensor, top_experts: torch.Tensor, gate_up: ExpertWeights,
-              down: ExpertWeights, hidden_act: str = "silu", out: torch.Tensor | None = None) -> torch.Tensor:
+              down: ExpertWeights, hidden_act: str = "silu", out: torch.Tensor | None = None, *,
+              gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+              swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """x: [T, H] float (rows may be strided); top_weights: [T, K] float32 or x's dtype; top_experts: [T, K] int64 /
     int32 in [0, E); gate_up: [E, 2I, H] (gate rows, then up) and down: [E, H, I], x's dtype or GroupQuantExperts
     -> out [T, H] in x's dtype (allocated when None, else written and returned):
-    out[t] = sum_k top_weights[t, k] * down_e @ (act(gate_e @ x[t]) * (up_e @ x[t])), e = top_experts[t, k]."""
+    out[t] = sum_k top_weights[t, k] * down_e @ (act(gate_e @ x[t]) * (up_e @ x[t])), e = top_experts[t, k].
+    gpt-oss: gate_up_bias [E, 2I] / down_bias [E, H] added to each matmul, swiglu (limit, alpha) its clamped
+    SwiGLU in place of act(gate) * up."""
     _check_inputs("fused_moe", x, top_weights, top_experts, gate_up, down, hidden_act)
+    _check_biases("fused_moe", gate_up_bias, down_bias, gate_up, down, x)
     num_tokens, top_k = top_experts.shape
     out = output_tensor("fused_moe", "out", out, tuple(x.shape), x, dtype_from="x")
     num_pairs = num_tokens * top_k
@@ -286,14 +326,14 @@ def fused_moe(x: torch.Tensor, top_weights: torch.Tensor, top_experts: torch.Ten
         return out.zero_()
     num_experts, inter = gate_up.shape[0], down.shape[2]  # gate_up / down: a tensor's or GroupQuantExperts' shape
     aligned = align_pairs(top_experts, num_experts, block_sizes(num_pairs, num_experts)[0])
-    gate_up_out = expert_matmul(x, gate_up, aligned, num_pairs, rows_per_token=top_k)  # [P, 2I]
+    gate_up_out = expert_matmul(x, gate_up, aligned, num_pairs, rows_per_token=top_k, bias=gate_up_bias)  # [P, 2I]
     gate, up = gate_up_out[:, :inter], gate_up_out[:, inter:]
-    if hidden_act == "silu":
+    if hidden_act == "silu" and swiglu is None:
         act = silu_and_mul(gate, up)  # [P, I]
     else:
-        act = (F.gelu(gate.float(), approximate="tanh") * up.float()).to(x.dtype)
+        act = _gated(gate, up, hidden_act, swiglu, x.dtype)
     pair_out = expert_matmul(act, down, aligned, num_pairs, rows_per_token=1,
-                             pair_weights=top_weights.reshape(-1))  # [P, H], weighted
+                             pair_weights=top_weights.reshape(-1), bias=down_bias)  # [P, H], weighted
     per_token = pair_out.view(num_tokens, top_k, -1)
     if x.dtype == torch.float32:
         return torch.sum(per_token, dim=1, out=out)
@@ -301,17 +341,27 @@ def fused_moe(x: torch.Tensor, top_weights: torch.Tensor, top_experts: torch.Ten
 
 
 def fused_moe_torch(x: torch.Tensor, top_weights: torch.Tensor, top_experts: torch.Tensor, gate_up: ExpertWeights,
-                    down: ExpertWeights, hidden_act: str = "silu") -> torch.Tensor:
+                    down: ExpertWeights, hidden_act: str = "silu", *, gate_up_bias: torch.Tensor | None = None,
+                    down_bias: torch.Tensor | None = None, swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """fused_moe in plain float32 torch, one token and one choice at a time -> [T, H] float32 (unrounded);
     group-quantized experts dequantized to float32 first."""
     _check_inputs("fused_moe_torch", x, top_weights, top_experts, gate_up, down, hidden_act)
+    _check_biases("fused_moe_torch", gate_up_bias, down_bias, gate_up, down, x)
     gate_up, down = (w.dequantize() if isinstance(w, GroupQuantExperts) else w for w in (gate_up, down))
     inter = down.shape[2]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for token in range(x.shape[0]):
         for weight, expert in zip(top_weights[token].tolist(), top_experts[token].tolist()):
             gate_up_row = gate_up[expert].float() @ x[token].float()  # [2I]
+            if gate_up_bias is not None:
+                gate_up_row = gate_up_row + gate_up_bias[expert].float()
             gate, up = gate_up_row[:inter], gate_up_row[inter:]
-            act = F.gelu(gate, approximate="tanh") if hidden_act == "gelu_tanh" else F.silu(gate)
-            out[token] += weight * (down[expert].float() @ (act * up))
+            if swiglu is not None:
+                gated = _gated(gate, up, hidden_act, swiglu, torch.float32)
+            else:
+                gated = (F.gelu(gate, approximate="tanh") if hidden_act == "gelu_tanh" else F.silu(gate)) * up
+            down_row = down[expert].float() @ gated
+            if down_bias is not None:
+                down_row = down_row + down_bias[expert].float()
+            out[token] += weight * down_row
     return out

@@ -6,7 +6,8 @@ group, not once per query head), and runs an online softmax over BLOCK_N keys at
 each key's page through the block table. With more than one split, a second kernel merges the
 splits' partial outputs by their log-sum-exp. The number of splits depends only on shapes (batch,
 heads, block-table width), never on context_lens values, so a CUDA graph can capture the launch; each
-program cuts its own request's context into that many pieces.
+program cuts its own request's context into that many pieces. Attention sinks (gpt-oss) join the first
+split's softmax as its starting state (running max the sink, running sum 1), so the merge counts each once.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import triton.language as tl
 from worker.kernels.checks import output_tensor
 from worker.kernels.paged_shared import (LOG2_E, attend_keys, attend_keys_meta, check_query_and_caches,
                                          check_tensor, check_window_and_softcap, kv_scale_args,
-                                         paged_strides)
+                                         paged_strides, sink_args, sink_start)
 
 BLOCK_N = 64  # keys per inner step
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
@@ -34,6 +35,7 @@ def _paged_decode_kernel(
     key_scale_ptr, value_scale_ptr,  # each [N, BLOCK_SIZE, KVH] float16 when KV_QUANT (else never read)
     block_tables_ptr,  # [B, max_blocks] int32
     context_lens_ptr,  # [B] int32
+    sinks_ptr,  # [H] float: each query head's attention sink (HAS_SINKS; else never read)
     out_ptr,  # NUM_SPLITS == 1: [B, H, D] in the query dtype; else [B, H, NUM_SPLITS, D] float32
     lse_ptr,  # [B, H, NUM_SPLITS] float32, base-2 log-sum-exp of each split (unused if NUM_SPLITS == 1)
     # sizes
@@ -55,6 +57,7 @@ def _paged_decode_kernel(
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,  # attend_keys_meta(), for attend_keys
     KV_QUANT: tl.constexpr,  # attend_keys_meta(): quantized pages, dequantized as read
+    HAS_SINKS: tl.constexpr,
 ):
     request = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -79,6 +82,8 @@ def _paged_decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of the scores
     l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    if HAS_SINKS:  # in the first split only: the merge adds the splits' sums, and the sink counts once
+        m_i, l_i = sink_start(sinks_ptr, heads, row_valid, m_i, l_i, split == 0)
     table_row = block_tables_ptr + request * stride_tb
     for block_start in range(start, end, BLOCK_N):
         positions = block_start + tl.arange(0, BLOCK_N)
@@ -161,6 +166,7 @@ def paged_decode_attention(
     window: int | None = None,  # sliding window: only the last `window` keys; None: the whole context
     softcap: float | None = None,  # attention logit soft-cap (gemma2); None: none
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8 / float8 pages' scales [N, block_size, KVH]
+    sinks: torch.Tensor | None = None,  # [H] attention sinks (gpt-oss): one more logit in each softmax, no value
 ) -> torch.Tensor:
     """Returns out [B, H, D]: softmax(scale * q . k) . v over each request's context_len keys (the
     last `window` of them when set); a row with context_len 0 (padding in a captured batch) gets zeros."""
@@ -168,6 +174,7 @@ def paged_decode_attention(
     window, softcap = check_window_and_softcap(window, softcap)
     block_size, num_kv_heads = check_query_and_caches(query, key_cache, value_cache, kv_scales)
     key_scales, value_scales, *scale_strides = kv_scale_args(key_cache, kv_scales)
+    sinks, has_sinks = sink_args(sinks, query)
     batch, num_heads, head_dim = query.shape
     check_tensor("block_tables", block_tables, (batch, None), (torch.int32,), device)
     check_tensor("context_lens", context_lens, (batch,), (torch.int32,), device)
@@ -190,7 +197,7 @@ def paged_decode_attention(
         partial_strides = partial.stride()[:3]
 
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, key_scales, value_scales, block_tables, context_lens, partial, lse,
+        query, key_cache, value_cache, key_scales, value_scales, block_tables, context_lens, sinks, partial, lse,
         scale * LOG2_E, queries_per_kv, window, softcap,
         *paged_strides(query, key_cache, block_tables, context_lens), *scale_strides,
         *partial_strides,
@@ -201,6 +208,7 @@ def paged_decode_attention(
         BLOCK_N=BLOCK_N,
         NUM_SPLITS=num_splits,
         **attend_keys_meta(query.dtype, device, softcap, kv_scales),
+        HAS_SINKS=has_sinks,
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](

@@ -133,6 +133,23 @@ LOG2_E = 1.4426950408889634  # the kernels' softmax runs in base 2: the launcher
 _LOG2_E = tl.constexpr(LOG2_E)
 
 
+def sink_args(sinks: torch.Tensor | None, query: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The kernels' sink arguments: (the pointer, HAS_SINKS); sinks [H] float (gpt-oss), or None, when the query
+    stands in as a never-read pointer."""
+    if sinks is None:
+        return query, False
+    check_tensor("sinks", sinks, (query.shape[1],), FLOAT_DTYPES, query.device)
+    return sinks, True
+
+
+@triton.jit
+def sink_start(sinks_ptr, heads, row_valid, m_i, l_i, count):
+    """The online softmax's state with an attention sink (gpt-oss: one logit per query head in the denominator,
+    no value) already in it: running max the sink (base 2), running sum 1, where count holds; else as it was."""
+    sink = tl.load(sinks_ptr + heads, mask=row_valid, other=0.0).to(tl.float32) * _LOG2_E
+    return tl.where(count, sink, m_i), tl.where(count, 1.0, l_i)
+
+
 def check_window_and_softcap(window: int | None, softcap: float | None) -> tuple[int, float]:
     """The kernels' encoding: window 0 and softcap 0.0 mean none."""
     if window is not None and window < 1:

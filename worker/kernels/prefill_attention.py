@@ -8,7 +8,8 @@ Each program takes BLOCK_Q tokens of one request and one KV head; the rows of it
 (token, query head of the group) pairs, BLOCK_Q * G of them, so the group's K/V tiles are loaded once
 and a decode row (query_len 1) still fills G rows. The grid is T // BLOCK_Q + R tiles, an upper
 bound that needs no host sync (request r's tiles start at tile query_start_loc[r] // BLOCK_Q + r);
-each program finds its request by binary search and spare programs exit at once.
+each program finds its request by binary search and spare programs exit at once. Attention sinks
+(gpt-oss) are each row's starting state: running max the sink, running sum 1.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import triton.language as tl
 from worker.kernels.checks import output_tensor
 from worker.kernels.paged_shared import (LOG2_E, attend_keys, attend_keys_meta, check_query_and_caches,
                                          check_tensor, check_window_and_softcap, kv_scale_args,
-                                         paged_strides)
+                                         paged_strides, sink_args, sink_start)
 
 
 def _tiles(dtype: torch.dtype, head_dim: int, queries_per_kv: int) -> tuple[int, int, int]:
@@ -55,6 +56,7 @@ def _prefill_kernel(
     block_tables_ptr,  # [R, max_blocks] int32
     query_start_loc_ptr,  # [R + 1] int32, contiguous
     context_lens_ptr,  # [R] int32
+    sinks_ptr,  # [H] float: each query head's attention sink (HAS_SINKS; else never read)
     out_ptr,  # [T, H, D]
     # sizes
     scale_log2,  # softmax scale * log2(e): the softmax runs in base 2
@@ -75,6 +77,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,  # attend_keys_meta(), for attend_keys
     KV_QUANT: tl.constexpr,  # attend_keys_meta(): quantized pages, dequantized as read
+    HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -105,6 +108,8 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if HAS_SINKS:
+        m_i, l_i = sink_start(sinks_ptr, heads, row_valid, m_i, l_i, row_valid)
     table_row = block_tables_ptr + request.to(tl.int64) * stride_tb
     # with a window, nothing before the window of the tile's first token
     key_start = tl.where(window > 0, tl.maximum(prefix_len + first_token - window + 1, 0), 0)
@@ -139,6 +144,7 @@ def paged_prefill_attention(
     window: int | None = None,  # sliding window (mistral, gemma local layers); None: full context
     softcap: float | None = None,  # attention logit soft-cap (gemma2); None: none
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8 / float8 pages' scales [N, block_size, KVH]
+    sinks: torch.Tensor | None = None,  # [H] attention sinks (gpt-oss): one more logit in each softmax, no value
 ) -> torch.Tensor:
     """Returns out [T, H, D]: each query token attends causally to its request's cached keys (the last
     `window` of them when set). Rows past query_start_loc[R] (padding) are left as they were in out
@@ -147,6 +153,7 @@ def paged_prefill_attention(
     window, softcap = check_window_and_softcap(window, softcap)
     block_size, num_kv_heads = check_query_and_caches(query, key_cache, value_cache, kv_scales)
     key_scales, value_scales, *scale_strides = kv_scale_args(key_cache, kv_scales)
+    sinks, has_sinks = sink_args(sinks, query)
     num_tokens, num_heads, head_dim = query.shape
     check_tensor("query_start_loc", query_start_loc, (None,), (torch.int32,), device)
     num_requests = query_start_loc.shape[0] - 1
@@ -164,7 +171,8 @@ def paged_prefill_attention(
     block_m, block_n, num_warps = _tiles(query.dtype, head_dim, queries_per_kv)
     block_q = block_m // queries_per_kv  # tokens per tile; a group of heads never splits across tiles
     _prefill_kernel[(num_tokens // block_q + num_requests, num_kv_heads)](
-        query, key_cache, value_cache, key_scales, value_scales, block_tables, query_start_loc, context_lens, out,
+        query, key_cache, value_cache, key_scales, value_scales, block_tables, query_start_loc, context_lens, sinks,
+        out,
         scale * LOG2_E, num_requests, window, softcap,
         *paged_strides(query, key_cache, block_tables, context_lens), *scale_strides,
         out.stride(0), out.stride(1),
@@ -175,6 +183,7 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         **attend_keys_meta(query.dtype, device, softcap, kv_scales),
+        HAS_SINKS=has_sinks,
         num_warps=num_warps,
     )
     return out

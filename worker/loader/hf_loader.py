@@ -28,9 +28,11 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",  # mixtures of experts (worker.model.moe)
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-               "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe"}
+               "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
+               "olmoe": "olmoe", "gpt_oss": "gpt_oss"}
 QK_NORM_ARCHITECTURES = ("qwen3", "gemma3", "qwen3_moe", "olmoe")  # olmoe's span the whole projection
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 GEMMA = ("gemma2", "gemma3")
@@ -178,7 +180,7 @@ def parse_hf_config(raw: dict, config_path: Path, tie_word_embeddings: bool) -> 
             rope_theta=float(global_rope.get("rope_theta", 10000.0)),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=tie_word_embeddings,
-            attention_bias=architecture == "qwen2" or bool(raw.get("attention_bias", False)),
+            attention_bias=architecture == "qwen2" or bool(raw.get("attention_bias", architecture == "gpt_oss")),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             bos_token_id=_optional_token_id(raw.get("bos_token_id")),
             eos_token_id=_optional_token_id(raw.get("eos_token_id")),

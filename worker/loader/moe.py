@@ -14,22 +14,20 @@ from pathlib import Path
 from worker.loader.errors import ModelLoadError
 from worker.loader.weights import EXPERTS_DOWN, EXPERTS_GATE_UP, ROUTER
 
-MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "olmoe")
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 # HF architectures / model types of mixtures of experts that are not supported, and what they would need
 UNSUPPORTED_VARIANTS = {
     "deepseek_v2": "DeepSeek's multi-head latent attention (MLA: compressed, low-rank K/V with a decoupled rotary "
                    "part), its shared experts and grouped top-k routing",
     "deepseek_v3": "DeepSeek's multi-head latent attention (MLA: compressed, low-rank K/V with a decoupled rotary "
                    "part), its shared experts and its sigmoid router with a score-correction bias and group-limited top-k",
-    "gpt_oss": "gpt-oss's attention sinks (a learned per-head logit in every softmax), its alternating 128-token "
-               "sliding window, a router and experts with biases, and its clamped SwiGLU",
     "qwen2_moe": "Qwen2-MoE's shared expert with its sigmoid gate",
     "qwen3_next": "Qwen3-Next's gated delta-net (linear attention) layers and shared expert",
     "llama4": "Llama 4's shared expert, sigmoid router and chunked attention",
     "dbrx": "DBRX's fused expert layout and clipped q/k/v",
 }
 UNSUPPORTED_CLASSES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
-                       "GptOssForCausalLM": "gpt_oss", "Qwen2MoeForCausalLM": "qwen2_moe",
+                       "Qwen2MoeForCausalLM": "qwen2_moe",
                        "Qwen3NextForCausalLM": "qwen3_next", "Llama4ForCausalLM": "llama4",
                        "Llama4ForConditionalGeneration": "llama4", "DbrxForCausalLM": "dbrx"}
 
@@ -43,10 +41,29 @@ def refuse_unsupported_variant(raw: dict, config_path: Path) -> None:
                              f"{UNSUPPORTED_VARIANTS[variant]}; supported MoE architectures: {', '.join(MOE_ARCHITECTURES)}")
 
 
+def _gpt_oss_fields(raw: dict, config_path: Path) -> dict:
+    """GptOssConfig's: its experts and router, and the attention switches only it has (sinks, the o_proj bias)."""
+    quantization = raw.get("quantization_config") or {}
+    if quantization:  # openai's released folders: the experts as MXFP4 blocks (gate_up_proj_blocks / _scales)
+        raise ModelLoadError(f"{config_path}: quantization_config quant_method={quantization.get('quant_method')!r} "
+                             f"is not supported: tokenmill reads gpt-oss experts as float tensors (gate_up_proj, "
+                             f"down_proj), not MXFP4 blocks; save the model dequantized first (transformers: "
+                             f"Mxfp4Config(dequantize=True), then save_pretrained)")
+    attention_bias = bool(raw.get("attention_bias", True))
+    return dict(num_experts=int(raw.get("num_local_experts") or 0),
+                num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+                moe_intermediate_size=int(raw["intermediate_size"]), router_bias=True, router_topk_first=True,
+                expert_bias=True, swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+                swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)), attention_sinks=True,
+                attention_out_bias=attention_bias)
+
+
 def hf_moe_fields(raw: dict, architecture: str, num_layers: int, config_path: Path) -> dict:
     """The ModelConfig fields of a mixture of experts ({} for a dense architecture), as transformers reads them."""
     if architecture not in MOE_ARCHITECTURES:
         return {}
+    if architecture == "gpt_oss":
+        return _gpt_oss_fields(raw, config_path)
     if architecture == "olmoe" and raw.get("clip_qkv") is not None:
         raise ModelLoadError(f"{config_path}: olmoe clip_qkv={raw['clip_qkv']} is not supported (only null)")
     num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
@@ -87,6 +104,12 @@ def stored_expert_parts(name: str, num_experts: int) -> list[list[list[str]]]:
 # GGUF general.architecture of MoE variants that are refused, and what they would need (as UNSUPPORTED_VARIANTS)
 UNSUPPORTED_GGUF_VARIANTS = {"deepseek2": "deepseek_v2", "deepseek3": "deepseek_v3", "gpt-oss": "gpt_oss",
                              "qwen2moe": "qwen2_moe", "qwen3next": "qwen3_next", "llama4": "llama4", "dbrx": "dbrx"}
+# what a GGUF file of a variant lacks when its Hugging Face folder loads (UNSUPPORTED_VARIANTS has no entry for it)
+GGUF_ONLY_MISSING = {
+    "gpt_oss": "reader for gpt-oss GGUF files (llama.cpp's converter stores their experts as MXFP4 blocks, a "
+               "type tokenmill has no dequantizer or kernel for, and names the sinks, biases and interleaved "
+               "gate/up its own way); a gpt-oss Hugging Face folder with float experts loads",
+}
 # llama.cpp's build_moe_ffn norm_w per architecture (what it does when the file has no expert_weights_norm key)
 GGUF_RENORMALISES = {"qwen3_moe": True, "mixtral": True, "olmoe": False}
 GGUF_SOFTMAX_GATING = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
@@ -95,8 +118,9 @@ GGUF_SOFTMAX_GATING = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
 def refuse_unsupported_gguf_variant(arch: str, path: Path) -> None:
     variant = UNSUPPORTED_GGUF_VARIANTS.get(arch)
     if variant is not None:
+        missing = UNSUPPORTED_VARIANTS.get(variant) or GGUF_ONLY_MISSING[variant]
         raise ModelLoadError(f"{path}: GGUF general.architecture {arch!r} is a mixture-of-experts variant that is not "
-                             f"supported: tokenmill has no {UNSUPPORTED_VARIANTS[variant]}; supported MoE "
+                             f"supported: tokenmill has no {missing}; supported MoE "
                              f"architectures: qwen3moe, llama with llama.expert_count (Mixtral), olmoe")
 
 

@@ -23,11 +23,21 @@ GEMMA_NORM_ARCHITECTURES = ("gemma2", "gemma3")  # RMSNorm scales by (1 + w): fo
 # a mixture-of-experts layer's tensors, as transformers 5 holds them in memory (the loaders stack older per-expert
 # names and GGUF's ffn_*_exps into these): router [E, H], experts' gate rows then up rows [E, 2I, H], down [E, H, I]
 ROUTER, EXPERTS_GATE_UP, EXPERTS_DOWN = "mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+# gpt-oss (GptOssMLP) names its router `mlp.router` (with a bias) and holds its experts for x @ W: gate_up [E, H, 2I]
+# with gate and up interleaved along the columns (gate at 0, 2, 4, ...), down [E, I, H], each with a bias;
+# _gpt_oss_experts turns them into the stacked layout above
+GPT_OSS_ROUTER, GPT_OSS_ROUTER_BIAS = "mlp.router.weight", "mlp.router.bias"
+EXPERTS_GATE_UP_BIAS, EXPERTS_DOWN_BIAS = "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias"
 
 
 def fused_projections(config: ModelConfig) -> bool:
     """phi3 checkpoints hold qkv_proj and gate_up_proj already fused."""
     return config.architecture == "phi3"
+
+
+def gpt_oss_layout(config: ModelConfig) -> bool:
+    """gpt-oss checkpoints hold the router and the experts under their own names and layout (GPT_OSS_ROUTER, ...)."""
+    return config.architecture == "gpt_oss"
 
 
 def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -51,6 +61,10 @@ def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{prefix}.self_attn.q_norm.weight"] = (config.q_size if config.qk_norm_whole else config.head_dim,)
             shapes[f"{prefix}.self_attn.k_norm.weight"] = (config.kv_size if config.qk_norm_whole else config.head_dim,)
         shapes[f"{prefix}.self_attn.o_proj.weight"] = (hidden, config.q_size)
+        if config.attention_out_bias:
+            shapes[f"{prefix}.self_attn.o_proj.bias"] = (hidden,)
+        if config.attention_sinks:
+            shapes[f"{prefix}.self_attn.sinks"] = (config.num_heads,)
         shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
         if config.sandwich_norms:
             shapes[f"{prefix}.pre_feedforward_layernorm.weight"] = (hidden,)
@@ -66,6 +80,12 @@ def _mlp_shapes(config: ModelConfig, layer: int, prefix: str) -> dict[str, tuple
     hidden, inter = config.hidden_size, config.intermediate_size
     if config.is_moe_layer(layer):
         experts, expert_inter = config.num_experts, config.moe_intermediate_size
+        if gpt_oss_layout(config):
+            return {f"{prefix}.{GPT_OSS_ROUTER}": (experts, hidden), f"{prefix}.{GPT_OSS_ROUTER_BIAS}": (experts,),
+                    f"{prefix}.{EXPERTS_GATE_UP}": (experts, hidden, 2 * expert_inter),
+                    f"{prefix}.{EXPERTS_GATE_UP_BIAS}": (experts, 2 * expert_inter),
+                    f"{prefix}.{EXPERTS_DOWN}": (experts, expert_inter, hidden),
+                    f"{prefix}.{EXPERTS_DOWN_BIAS}": (experts, hidden)}
         return {f"{prefix}.{ROUTER}": (experts, hidden), f"{prefix}.{EXPERTS_GATE_UP}": (experts, 2 * expert_inter, hidden),
                 f"{prefix}.{EXPERTS_DOWN}": (experts, hidden, expert_inter)}
     if fused_projections(config):
@@ -131,6 +151,10 @@ def fuse_hf_state_dict(config: ModelConfig, hf: dict, norm_offset: float = 0.0) 
             fused[f"{dst}.attn.q_norm.weight"] = norm(f"{attn}.q_norm.weight")
             fused[f"{dst}.attn.k_norm.weight"] = norm(f"{attn}.k_norm.weight")
         fused[f"{dst}.attn.wo.weight"] = hf[f"{attn}.o_proj.weight"]
+        if config.attention_out_bias:
+            fused[f"{dst}.attn.wo.bias"] = hf[f"{attn}.o_proj.bias"]
+        if config.attention_sinks:
+            fused[f"{dst}.attn.sinks"] = hf[f"{attn}.sinks"]
         if config.sandwich_norms:  # gemma: post_attention_layernorm norms the attention output
             fused[f"{dst}.post_attn_norm.weight"] = norm(f"{src}.post_attention_layernorm.weight")
             fused[f"{dst}.mlp_norm.weight"] = norm(f"{src}.pre_feedforward_layernorm.weight")
@@ -142,7 +166,22 @@ def fuse_hf_state_dict(config: ModelConfig, hf: dict, norm_offset: float = 0.0) 
     return fused
 
 
+def _gpt_oss_experts(hf: dict, src: str, dst: str) -> dict:
+    """gpt-oss's router and experts -> SparseMoE's parameters: gate_up [E, H, 2I] (x @ W, gate and up interleaved)
+    becomes [E, 2I, H] with the gate rows first, its bias [E, 2I] likewise; down [E, I, H] becomes [E, H, I]."""
+    gate_up = hf[f"{src}.{EXPERTS_GATE_UP}"].transpose(1, 2)  # [E, 2I, H], rows gate, up, gate, up, ...
+    gate_up_bias = hf[f"{src}.{EXPERTS_GATE_UP_BIAS}"]  # [E, 2I], the same interleaving
+    return {f"{dst}.mlp.router_weight": hf[f"{src}.{GPT_OSS_ROUTER}"],
+            f"{dst}.mlp.router_bias": hf[f"{src}.{GPT_OSS_ROUTER_BIAS}"],
+            f"{dst}.mlp.experts.gate_up": torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1),
+            f"{dst}.mlp.experts.gate_up_bias": torch.cat((gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]), dim=1),
+            f"{dst}.mlp.experts.down": hf[f"{src}.{EXPERTS_DOWN}"].transpose(1, 2),
+            f"{dst}.mlp.experts.down_bias": hf[f"{src}.{EXPERTS_DOWN_BIAS}"]}
+
+
 def _fused_mlp(config: ModelConfig, hf: dict, layer: int, src: str, dst: str) -> dict:
+    if config.is_moe_layer(layer) and gpt_oss_layout(config):
+        return _gpt_oss_experts(hf, src, dst)
     if config.is_moe_layer(layer):  # worker.model.moe.SparseMoE's stacked parameters
         return {f"{dst}.mlp.router_weight": hf[f"{src}.{ROUTER}"], f"{dst}.mlp.experts.gate_up": hf[f"{src}.{EXPERTS_GATE_UP}"],
                 f"{dst}.mlp.experts.down": hf[f"{src}.{EXPERTS_DOWN}"]}

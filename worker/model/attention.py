@@ -279,11 +279,13 @@ def gather_pages(cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch
     return dequantized if out is None else out.copy_(dequantized)
 
 
-def _attend(queries, keys, values, mask, scale: float, softcap: float | None) -> torch.Tensor:
+def _attend(queries, keys, values, mask, scale: float, softcap: float | None, sinks=None) -> torch.Tensor:
     """SDPA over [.., H, q, D] x [.., KVH, k, D] (GQA when H > KVH); mask: bool, True = attend, or None
     for plain causal. With a soft-cap (gemma2) the scores are capped before the mask, as transformers
-    does, which SDPA cannot express, so that case runs the math in float32 here."""
-    if softcap is None:
+    does, and with sinks (gpt-oss: one logit per query row, broadcast to [.., H, q, 1]) they join the softmax's
+    denominator and are dropped after it, as transformers' eager_attention_forward does; SDPA can express
+    neither, so those cases run the math in float32 here."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale,
             enable_gqa=queries.shape[-3] != keys.shape[-3],
@@ -292,16 +294,23 @@ def _attend(queries, keys, values, mask, scale: float, softcap: float | None) ->
     if group > 1:
         keys, values = keys.repeat_interleave(group, dim=-3), values.repeat_interleave(group, dim=-3)
     scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale  # [.., H, q, k]
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril(scores.shape[-1] - scores.shape[-2])
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+        return torch.matmul(probs, values)
+    # the sink is one more column of every row's logits, never masked; its probability is dropped (it has no value)
+    combined = torch.cat((scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)), dim=-1)  # [.., H, q, k + 1]
+    combined = combined - combined.max(dim=-1, keepdim=True).values  # as transformers: its order of rounding
+    probs = torch.softmax(combined, dim=-1, dtype=torch.float32)[..., :-1].to(values.dtype)
     return torch.matmul(probs, values)
 
 
 def _decode_attention(q, key_cache, value_cache, decode: DecodeBatch, scale: float, window: int | None = None,
-                      softcap: float | None = None, kv_scales: KVScales = None) -> torch.Tensor:
+                      softcap: float | None = None, kv_scales: KVScales = None, sinks=None) -> torch.Tensor:
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     batch = decode.token_index.shape[0]
     # GQA without repeating K/V: the G query heads sharing a KV head act as G queries against it
@@ -316,12 +325,14 @@ def _decode_attention(q, key_cache, value_cache, decode: DecodeBatch, scale: flo
     keys = keys.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, KVH, L, D]
     values = values.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
     mask = decode.mask if window is None else decode.window_mask(window)
-    out = _attend(queries, keys, values, mask, scale, softcap)  # [B, KVH, G, D]
+    # the G query heads of a KV head sit where SDPA puts query rows: head h = kvh * G + g has sink [kvh, g]
+    head_sinks = None if sinks is None else sinks.view(1, num_kv_heads, -1, 1)
+    out = _attend(queries, keys, values, mask, scale, softcap, head_sinks)  # [B, KVH, G, D]
     return out.reshape(batch, -1, head_dim)  # [B, H, D]
 
 
 def _prefill_attention(q, k, v, key_cache, value_cache, chunk: PrefillChunk, scale: float, window: int | None = None,
-                       softcap: float | None = None, kv_scales: KVScales = None) -> torch.Tensor:
+                       softcap: float | None = None, kv_scales: KVScales = None, sinks=None) -> torch.Tensor:
     queries = q[chunk.query_start : chunk.query_end].transpose(0, 1)  # [H, q_len, D]
     if chunk.context_blocks is None:
         keys, values = k[chunk.query_start : chunk.query_end], v[chunk.query_start : chunk.query_end]
@@ -333,7 +344,9 @@ def _prefill_attention(q, k, v, key_cache, value_cache, chunk: PrefillChunk, sca
             : chunk.context_len]
     # 4-D inputs: with 3-D ones the CPU dispatcher falls back to the math kernel (4x slower at 1k tokens)
     mask = chunk.mask if window is None else chunk.window_mask(window)
-    out = _attend(queries[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], mask, scale, softcap)  # [1, H, q_len, D]
+    head_sinks = None if sinks is None else sinks.view(1, -1, 1, 1)  # [1, H, 1, 1]
+    out = _attend(queries[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], mask, scale, softcap,
+                  head_sinks)  # [1, H, q_len, D]
     return out[0].transpose(0, 1)
 
 
@@ -348,17 +361,18 @@ def paged_attention(
     window: int | None = None,  # sliding window (attn_metadata must carry its masks); None: full context
     softcap: float | None = None,  # attention logit soft-cap (gemma2)
     kv_scales: KVScales = None,  # quantized pages' scales (worker.model.kv_quant); None: float pages
+    sinks: torch.Tensor | None = None,  # [H] attention sinks (gpt-oss); None: none
 ) -> torch.Tensor:
     """Returns [T, H, D]: each token attends to its own request's context up to its position.
     A prefill chunk with no prefix attends over this step's own K/V (not read back from quantized pages)."""
     paged = attn_metadata.paged_decode
-    args = (scale, window, softcap, kv_scales)
+    args = (scale, window, softcap, kv_scales, sinks)
     if paged is not None or not attn_metadata.decodes:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if paged is not None:
             torch.ops.tokenmill.paged_decode_attention(q.contiguous(), key_cache, value_cache, paged.rows,
                                                        paged.block_tables, paged.context_lens, scale, window or 0,
-                                                       softcap or 0.0, out, *(kv_scales or (None, None)))
+                                                       softcap or 0.0, out, *(kv_scales or (None, None)), sinks)
         for chunk in attn_metadata.prefills:
             out[chunk.query_start : chunk.query_end] = _prefill_attention(q, k, v, key_cache, value_cache, chunk, *args)
         return out

@@ -1,15 +1,16 @@
 """The model facts the worker needs, read from GGUF metadata or a Hugging Face config.json.
 
 One ModelConfig describes every supported family; the per-family details are switches on it (rope
-scaling, sliding windows, q/k norms, soft-caps, sandwich norms, the activation, the experts of a mixture of
-experts and their routing), so model.py has one forward pass and no architecture names in it.
+scaling, sliding windows, q/k norms, soft-caps, sandwich norms, attention sinks, the activation, the experts of a
+mixture of experts and their routing), so model.py has one forward pass and no architecture names in it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+# the last four: mixtures of experts (worker.model.moe)
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3",
-                           "qwen3_moe", "mixtral", "olmoe")  # the last three: mixtures of experts (worker.model.moe)
+                           "qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 # freq_factors: llama.cpp's rope_freqs tensor (how its converter stores llama3 scaling), each frequency divided by its factor
 ROPE_SCALING_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "freq_factors")
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -83,6 +84,16 @@ class ModelConfig:
     norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1 (mixtral always)
     router_weights_float: bool = False  # mixtral: routing weights stay float32 (qwen3_moe/olmoe: the model dtype)
     dense_mlp_layers: tuple[int, ...] = ()  # qwen3_moe's mlp_only_layers / decoder_sparse_step: dense MLP there
+    # gpt-oss: a learned logit per query head that joins every attention softmax's denominator (no value), so a
+    # head can attend to "nothing"; the attention output projection's bias; the router's bias, its top-k taken over
+    # the raw logits and the softmax over the k chosen; the experts' biases and their clamped SwiGLU
+    attention_sinks: bool = False
+    attention_out_bias: bool = False
+    router_bias: bool = False
+    router_topk_first: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None  # None: the experts' plain act(gate) * up; else gpt-oss's clamped SwiGLU
+    swiglu_alpha: float = 1.702  # its sigmoid gain: gate * sigmoid(alpha * gate)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

@@ -1,8 +1,9 @@
 """The decoder every supported family shares (llama, mistral, qwen2/3, gemma2/3, phi3, and the mixtures of
-experts qwen3_moe, mixtral, olmoe, whose feed-forward is worker.model.moe.SparseMoE) in plain torch,
-over one packed token batch. Family details are ModelConfig switches: q/k bias and q/k norms, sliding
-windows per layer, attention and final soft-caps, gemma's sandwich norms, embedding multiplier and
-GeLU-tanh, the rope variant (worker.model.rope). Gemma's (1 + w) norms are folded into the weights at load.
+experts qwen3_moe, mixtral, olmoe, gpt_oss, whose feed-forward is worker.model.moe.SparseMoE) in plain torch,
+over one packed token batch. Family details are ModelConfig switches: q/k(/v/o) bias and q/k norms, sliding
+windows per layer, attention sinks (gpt-oss), attention and final soft-caps, gemma's sandwich norms, embedding
+multiplier and GeLU-tanh, the rope variant (worker.model.rope). Gemma's (1 + w) norms are folded into the weights
+at load.
 
 gpt-fast style: small flat modules, q/k/v and gate/up fused into one weight each at load time (one
 matmul instead of three / two, which is what matters on CPU). The batch is packed with no padding
@@ -71,7 +72,9 @@ class Attention(nn.Module):
         self.window = config.window(layer_index)
         self.softcap = config.attn_logit_softcap
         self.wqkv = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.wo = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.wo = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
+        # gpt-oss: one learned logit per query head in every softmax's denominator (worker.model.attention._attend)
+        self.sinks = nn.Parameter(torch.empty(config.num_heads)) if config.attention_sinks else None
         # qwen3 / gemma3: one RMSNorm over head_dim, shared by every head, before RoPE;
         # olmoe (qk_norm_whole): one over the whole q projection and one over the whole k projection
         self.qk_norm_whole = config.qk_norm_whole
@@ -104,7 +107,7 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)  # v: [T, KVH, D]
         write_kv(key_cache, value_cache, k, v, attn_metadata.slot_mapping, kv_scales)
         out = paged_attention(q, k, v, key_cache, value_cache, attn_metadata, self.scale, self.window, self.softcap,
-                              kv_scales)  # [T, H, D]
+                              kv_scales, self.sinks)  # [T, H, D]
         return self.wo(out.view(num_tokens, self.q_size))
 
 

@@ -50,6 +50,10 @@ def check_split(config: ModelConfig, world_size: int) -> None:
         raise ValueError(f"{flag} does not divide the model's intermediate_size {config.intermediate_size}")
     if config.num_experts and config.moe_intermediate_size % world_size:
         raise ValueError(f"{flag} does not divide the experts' moe_intermediate_size {config.moe_intermediate_size}")
+    if config.attention_sinks and world_size > 1:  # gpt-oss
+        raise ValueError(f"{flag}: {config.architecture}'s attention sinks (one per query head), attention output bias "
+                         f"and expert biases have no split yet: the row-parallel o_proj's and experts' down biases "
+                         f"would be added once per rank before the all-reduce")
     if config.qk_norm_whole and world_size > 1:  # olmoe
         raise ValueError(f"{flag}: {config.architecture}'s q/k norms span the whole projection, every rank's "
                          f"heads at once; splitting them needs an all-reduce inside the norm, not built")

@@ -8,7 +8,8 @@ residual add, SwiGLU, q/k norm + RoPE + the cache write each one call) and reads
 The plain-torch model stays the reference: tests/worker/paths/test_decoder_ops.py holds each op and the
 whole model to it. TorchPath chooses this forward or the model's own once, when it is built.
 A mixture-of-experts layer runs the reference's grouped expert matmuls (worker.model.moe) in torch, and
-olmoe's whole-projection q/k norms run in torch before the rope op (the op's norms are per head).
+olmoe's whole-projection q/k norms run in torch before the rope op (the op's norms are per head). gpt-oss's
+attention sinks go to the decode attention op, which puts each head's in its softmax's max and denominator.
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def _attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
                                              attn.num_heads, attn.num_kv_heads, *norms, *(kv_scales or (None, None)))
     v = qkv[:, attn.q_size + attn.kv_size :].view(num_tokens, attn.num_kv_heads, attn.head_dim)
     out = paged_attention(q, k, v, key_cache, value_cache, attn_metadata, attn.scale, attn.window, attn.softcap,
-                          kv_scales)
+                          kv_scales, attn.sinks)
     return attn.wo.forward(out.view(num_tokens, attn.q_size))
 
 

@@ -83,10 +83,12 @@ def reference_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[T, H, D] float32: request r's i-th token (position context_len - query_len + i) attends to its
     keys 0..position (the last `window` of them when set; scores soft-capped as gemma2 does when
-    softcap is set); query head h reads KV head h // (H // KVH)."""
+    softcap is set; sinks [H]: one more logit per head in the softmax, dropped after it, as transformers'
+    gpt-oss); query head h reads KV head h // (H // KVH)."""
     num_heads = query.shape[1]
     block_size, num_kv_heads, head_dim = cache.key_cache.shape[1:]
     group = num_heads // num_kv_heads
@@ -107,7 +109,12 @@ def reference_attention(
             hidden |= key_positions <= query_positions[:, None] - window
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            sink_column = sinks.float().to(scores.device)[:, None, None].expand(-1, query_len, 1)  # [H, q, 1]
+            probs = torch.cat((scores, sink_column), dim=-1).softmax(-1)[..., :-1]
         outputs.append(torch.einsum("hql,lhd->qhd", probs, values))
         start += query_len
     return torch.cat(outputs)

@@ -70,22 +70,24 @@ def attention_variants(dtype: str) -> Iterator[Variant]:
     precision = "ieee" if dtype == "fp32" else "tf32"
     cache = {name: f"*{dtype}" for name in ("query_ptr", "key_cache_ptr", "value_cache_ptr", "out_ptr")}
     cache.update(block_tables_ptr="*i32", context_lens_ptr="*i32", query_start_loc_ptr="*i32", scale_log2="fp32",
-                 softcap="fp32", key_scale_ptr="*fp16", value_scale_ptr="*fp16")
+                 softcap="fp32", key_scale_ptr="*fp16", value_scale_ptr="*fp16", sinks_ptr=f"*{dtype}")
     for softcap in (False, True):  # the softcap branch is the one the interpreter hid a compile error in
         for num_splits in (1, 4):
             types = dict(cache, out_ptr="*fp32" if num_splits > 1 else f"*{dtype}", lse_ptr="*fp32")
             constexprs = dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_G=16, BLOCK_N=64, NUM_SPLITS=num_splits,
-                              PRECISION=precision, UPCAST=False, SOFTCAP=softcap, KV_QUANT=False)
+                              PRECISION=precision, UPCAST=False, SOFTCAP=softcap, KV_QUANT=False,
+                              HAS_SINKS=False)
             yield Variant(f"{dtype} decode, {num_splits} split(s), softcap {softcap}",
                           paged_decode_attention._paged_decode_kernel, types, constexprs)
         for group, head_dim in ((4, 128), (3, 64)):
             block_m, block_n, num_warps = prefill_attention._tiles(TORCH_DTYPES[dtype], head_dim, group)
             constexprs = dict(BLOCK_SIZE=16, HEAD_DIM=head_dim, QUERIES_PER_KV=group, BLOCK_Q=block_m // group,
                               BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, UPCAST=False, SOFTCAP=softcap,
-                              KV_QUANT=False)
+                              KV_QUANT=False, HAS_SINKS=False)
             yield Variant(f"{dtype} prefill, G={group}, D={head_dim}, softcap {softcap}", prefill_attention._prefill_kernel,
                           cache, constexprs, num_warps)
     yield from quantized_page_variants(dtype, cache, precision)
+    yield from sink_variants(dtype, cache, precision)
     merge = dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{dtype}")
     yield Variant(f"{dtype} merge", paged_decode_attention._merge_splits_kernel, merge,
                   dict(NUM_SPLITS=4, BLOCK_S=4, HEAD_DIM=128))
@@ -94,16 +96,31 @@ def attention_variants(dtype: str) -> Iterator[Variant]:
                   dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128, QMAX=0.0))
 
 
+def sink_variants(dtype: str, cache: dict[str, str], precision: str) -> Iterator[Variant]:
+    """gpt-oss's attention sinks (its heads: 64 query on 8 KV, head_dim 64) in both attention kernels."""
+    for num_splits in (1, 4):
+        types = dict(cache, out_ptr="*fp32" if num_splits > 1 else f"*{dtype}", lse_ptr="*fp32")
+        constexprs = dict(BLOCK_SIZE=16, HEAD_DIM=64, BLOCK_G=16, BLOCK_N=64, NUM_SPLITS=num_splits,
+                          PRECISION=precision, UPCAST=False, SOFTCAP=False, KV_QUANT=False, HAS_SINKS=True)
+        yield Variant(f"{dtype} decode, {num_splits} split(s), sinks", paged_decode_attention._paged_decode_kernel,
+                      types, constexprs)
+    block_m, block_n, num_warps = prefill_attention._tiles(TORCH_DTYPES[dtype], 64, 8)
+    constexprs = dict(BLOCK_SIZE=16, HEAD_DIM=64, QUERIES_PER_KV=8, BLOCK_Q=block_m // 8, BLOCK_M=block_m,
+                      BLOCK_N=block_n, PRECISION=precision, UPCAST=False, SOFTCAP=False, KV_QUANT=False, HAS_SINKS=True)
+    yield Variant(f"{dtype} prefill, sinks", prefill_attention._prefill_kernel, cache, constexprs, num_warps)
+
+
 def quantized_page_variants(dtype: str, cache: dict[str, str], precision: str) -> Iterator[Variant]:
     """--kv-cache-dtype int8 / fp8_e4m3: the KV write's quantizer and both attention kernels' dequantizing reads."""
     for page_type, qmax in (("i8", 127.0), ("fp8e4nv", 448.0)):
         pages = dict(cache, key_cache_ptr=f"*{page_type}", value_cache_ptr=f"*{page_type}")
         constexprs = dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_G=16, BLOCK_N=64, NUM_SPLITS=1, PRECISION=precision,
-                          UPCAST=False, SOFTCAP=False, KV_QUANT=True)
+                          UPCAST=False, SOFTCAP=False, KV_QUANT=True, HAS_SINKS=False)
         yield Variant(f"{dtype} decode, {page_type} pages", paged_decode_attention._paged_decode_kernel, pages, constexprs)
         block_m, block_n, num_warps = prefill_attention._tiles(TORCH_DTYPES[dtype], 64, 3)
         constexprs = dict(BLOCK_SIZE=16, HEAD_DIM=64, QUERIES_PER_KV=3, BLOCK_Q=block_m // 3, BLOCK_M=block_m,
-                          BLOCK_N=block_n, PRECISION=precision, UPCAST=False, SOFTCAP=False, KV_QUANT=True)
+                          BLOCK_N=block_n, PRECISION=precision, UPCAST=False, SOFTCAP=False, KV_QUANT=True,
+                          HAS_SINKS=False)
         yield Variant(f"{dtype} prefill, {page_type} pages", prefill_attention._prefill_kernel, pages, constexprs,
                       num_warps)
         tensors = dict(key_ptr=f"*{dtype}", value_ptr=f"*{dtype}", key_cache_ptr=f"*{page_type}",
@@ -145,7 +162,7 @@ def fused_moe_variants(dtype: str) -> Iterator[Variant]:
     weights; on every group-quantized layout, gate/up at the decode tile and down at the prefill one."""
     precision = "ieee" if dtype == "fp32" else "tf32"
     types = dict(x_ptr=f"*{dtype}", out_ptr=f"*{dtype}", pair_weights_ptr="*fp32", sorted_pairs_ptr="*i32",
-                 block_experts_ptr="*i32")
+                 block_experts_ptr="*i32", bias_ptr=f"*{dtype}")
     weights = [("float", dict(weight_ptr=f"*{dtype}", scales_ptr=f"*{dtype}", mins_ptr=f"*{dtype}"), 0, 1)]
     weights += [(f"{bits}-bit/{group_size}", dict(weight_ptr="*u8", scales_ptr="*fp32", mins_ptr="*fp32"), bits,
                  group_size) for bits, group_size in group_quant_matmul.LAYOUTS]
@@ -155,11 +172,14 @@ def fused_moe_variants(dtype: str) -> Iterator[Variant]:
             for rows_per_token, routed in ((8, False), (1, True)):
                 if bits and routed != (pairs_per_expert == 128):
                     continue
-                constexprs = dict(ROWS_PER_TOKEN=rows_per_token, BITS=bits, GROUP_SIZE=group_size,
-                                  HAS_PAIR_WEIGHTS=routed, UPCAST=False, INPUT_PRECISION=precision, BLOCK_M=block_m,
-                                  BLOCK_N=block_n, BLOCK_K=block_k)
-                yield Variant(f"{dtype} fused_moe {label}, BLOCK_M {block_m}, {'down' if routed else 'gate/up'}",
-                              fused_moe._expert_matmul_kernel, dict(types, **weight_types), constexprs)
+                # gpt-oss's biases on the float weights' tiles
+                for bias in (False, True) if not bits else (False,):
+                    constexprs = dict(ROWS_PER_TOKEN=rows_per_token, BITS=bits, GROUP_SIZE=group_size,
+                                      HAS_PAIR_WEIGHTS=routed, HAS_BIAS=bias, UPCAST=False, INPUT_PRECISION=precision,
+                                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+                    yield Variant(f"{dtype} fused_moe {label}{', biases' if bias else ''}, BLOCK_M {block_m}, "
+                                  f"{'down' if routed else 'gate/up'}",
+                                  fused_moe._expert_matmul_kernel, dict(types, **weight_types), constexprs)
 
 
 def elementwise_variants(dtype: str) -> Iterator[Variant]:

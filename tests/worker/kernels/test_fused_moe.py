@@ -145,6 +145,38 @@ def test_gelu_tanh_experts_and_router_weights_in_the_models_dtype():
     _assert_close(out, fused_moe_torch(x, weights, experts, gate_up, down, "gelu_tanh"), torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_gpt_oss_biases_and_clamped_swiglu_match_the_references(dtype, num_tokens):
+    """gpt-oss's experts: a bias on each matmul (added before the routing weight) and the clamped SwiGLU, against the
+    per-token reference and the model's own grouped experts (worker.model.moe.expert_matmuls); a limit of 1.5 and
+    biases of order 1 so the clamps and the biases both move the output."""
+    from worker.model.moe import expert_matmuls, run_grouped
+
+    gate_up, down = (w * 2 for w in _experts(4, torch.float32))
+    gate_up_bias, down_bias = _randn(4, 2 * INTER, seed=20), _randn(4, HIDDEN, seed=21)
+    x = _randn(num_tokens, HIDDEN, seed=22)
+    weights, experts = _routing(num_tokens, 4, 2, seed=23)
+    swiglu = (1.5, 1.702)
+    args = [t.to(dtype) for t in (x, weights, gate_up, down, gate_up_bias, down_bias)]
+    x_d, weights_d, gate_up_d, down_d, gate_up_bias_d, down_bias_d = args
+
+    out = fused_moe(x_d, weights_d, experts, gate_up_d, down_d, gate_up_bias=gate_up_bias_d, down_bias=down_bias_d,
+                    swiglu=swiglu)
+
+    reference = fused_moe_torch(x_d, weights_d, experts, gate_up_d, down_d, gate_up_bias=gate_up_bias_d,
+                                down_bias=down_bias_d, swiglu=swiglu)
+    _assert_close(out, reference, dtype)
+    model = run_grouped(x, weights, experts, 4, lambda rows, counts: expert_matmuls(
+        rows, counts, gate_up, down, "silu", gate_up_bias, down_bias, swiglu))
+    _assert_close(fused_moe_torch(x, weights, experts, gate_up, down, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                                  swiglu=swiglu), model, torch.float32)
+    plain = fused_moe_torch(x_d, weights_d, experts, gate_up_d, down_d)
+    unclamped = fused_moe_torch(x_d, weights_d, experts, gate_up_d, down_d, gate_up_bias=gate_up_bias_d,
+                                down_bias=down_bias_d, swiglu=(1e9, 1.702))
+    assert not torch.allclose(reference, plain, atol=0.1) and not torch.allclose(reference, unclamped, atol=0.1)
+
+
 def _quantized(weight: torch.Tensor, bits: int, group_size: int) -> GroupQuantExperts:
     """Each expert's [N, K] quantized as worker.linears.group_quant quantizes one linear, stacked."""
     parts = [quantize_weight(expert, bits, group_size) for expert in weight]

@@ -147,6 +147,25 @@ def test_sliding_window_and_softcap_match_reference(num_splits, window, softcap)
     assert not torch.allclose(expected, reference_attention(query, cache, [1] * (len(CONTEXTS) + 1), 0.2), atol=1e-3)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window", [None, 20])
+def test_attention_sinks_match_reference(num_splits, window):
+    """gpt-oss's sinks: one logit per query head in every softmax's denominator, counted once over the splits
+    (the window of 20 leaves whole splits of the 200-token context without a key, the 1-token one too)."""
+    generator = torch.Generator().manual_seed(9)
+    cache = make_paged_cache(CONTEXTS + [200], 16, 2, 32, torch.float32, generator)
+    query = 3 * random_query(len(CONTEXTS) + 1, 6, 32, torch.float32, generator)
+    sinks = torch.randn(6, generator=generator).to(DEVICE)
+    query_lens = [1] * (len(CONTEXTS) + 1)
+
+    out = paged_decode_attention(query, cache.key_cache, cache.value_cache, cache.block_tables, cache.context_lens,
+                                 0.2, num_splits=num_splits, window=window, sinks=sinks)
+
+    expected = reference_attention(query, cache, query_lens, 0.2, window=window, sinks=sinks)
+    assert_close(out, expected, torch.float32)
+    assert not torch.allclose(expected, reference_attention(query, cache, query_lens, 0.2, window=window), atol=1e-2)
+
+
 def test_both_attention_kernels_refuse_a_value_cache_laid_out_otherwise_than_the_key_cache():
     """Same shape, another page layout: the kernels read both caches through the key cache's strides, so
     the shared check (check_query_and_caches) refuses it, for decode and prefill alike."""

@@ -132,6 +132,23 @@ def test_sliding_window_and_softcap_match_reference(window, softcap, dtype):
     assert not torch.allclose(expected, reference_attention(query, cache, QUERY_LENS, 0.2), atol=1e-2)
 
 
+@pytest.mark.parametrize("window", [None, 7])
+def test_attention_sinks_match_reference(window):
+    """gpt-oss's sinks: each row's softmax starts from its head's sink (a chunk after a prefix, a whole prompt,
+    decode rows, a chunk over several query tiles)."""
+    generator = torch.Generator().manual_seed(10)
+    cache = make_paged_cache(CONTEXTS, 16, 2, 32, torch.float32, generator)
+    query = 3 * random_query(sum(QUERY_LENS), 6, 32, torch.float32, generator)
+    sinks = torch.randn(6, generator=generator).to(DEVICE)
+
+    out = paged_prefill_attention(query, cache.key_cache, cache.value_cache, cache.block_tables,
+                                  _query_start_loc(QUERY_LENS), cache.context_lens, 0.2, window=window, sinks=sinks)
+
+    expected = reference_attention(query, cache, QUERY_LENS, 0.2, window=window, sinks=sinks)
+    assert_close(out, expected, torch.float32)
+    assert not torch.allclose(expected, reference_attention(query, cache, QUERY_LENS, 0.2, window=window), atol=1e-2)
+
+
 def test_rejects_a_bad_window():
     generator = torch.Generator().manual_seed(8)
     cache = make_paged_cache([4], 16, 1, 16, torch.float32, generator)

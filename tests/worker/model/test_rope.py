@@ -7,6 +7,7 @@ rotates a whole forward call at its longest length: our per-token tables must eq
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,24 @@ def test_length_dependent_tables_equal_transformers_at_the_last_position(flavour
     # and the scaling did something there: plain RoPE differs
     plain, _ = rotary_tables(positions, config.head_dim, config.rope_theta, None, config.max_position_embeddings, torch.float32)
     assert not torch.allclose(plain[-1], cos[-1], atol=1e-3)
+
+
+def test_gpt_oss_untruncated_yarn_equals_transformers():
+    """gpt-oss's YaRN (truncate false: the ramp's ends not rounded) against GptOssRotaryEmbedding, whose tables hold
+    each frequency once ([.., D/2]) where ours repeat them for the rotate_half layout."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    hf_config = tiny_hf_config("gpt_oss")
+    config = parse_hf_config(hf_config.to_dict(), Path("config.json"), tie_word_embeddings=False)
+    assert config.rope_scaling.rope_type == "yarn" and not config.rope_scaling.truncate
+    positions = torch.arange(400)
+    cos, sin = rotary_tables(positions, config.head_dim, config.rope_theta, config.rope_scaling,
+                             config.max_position_embeddings, torch.float32)
+    hf_cos, hf_sin = GptOssRotaryEmbedding(hf_config)(torch.zeros(1, 400, config.head_dim), positions[None])
+    half = config.head_dim // 2
+    torch.testing.assert_close(cos[:, 0, :half], hf_cos[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sin[:, 0, half:], hf_sin[0], rtol=1e-6, atol=1e-6)
+    truncated = replace(config.rope_scaling, truncate=True)  # and the flag matters at these sizes
+    rounded, _ = rotary_tables(positions, config.head_dim, config.rope_theta, truncated,
+                               config.max_position_embeddings, torch.float32)
+    assert not torch.allclose(rounded, cos, atol=1e-4)

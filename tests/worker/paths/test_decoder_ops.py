@@ -126,6 +126,25 @@ def test_paged_decode_attention_reads_pages_in_place_as_the_gather_does(dtype, r
 
 
 @pytest.mark.parametrize("dtype, rel", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("kv_heads, group, window, dim", [(2, 4, None, 16), (1, 3, 6, 16), (2, 2, None, 12)])
+def test_paged_decode_attention_takes_attention_sinks_as_the_gather_does(dtype, rel, kv_heads, group, window, dim):
+    """gpt-oss's sinks, one logit per query head, in the op's softmax as in the reference's (vector and scalar head
+    dims, a window); large enough that dropping them moves the output well past the tolerance."""
+    q, k, v, key_cache, value_cache, spans, block_size = _paged_case(dtype, kv_heads, group, block_size=4, seed=7,
+                                                                     dim=dim)
+    sinks = (torch.randn(kv_heads * group, generator=torch.Generator().manual_seed(3)) * 2).to(dtype)
+    with torch.inference_mode():
+        write_kv(key_cache, value_cache, k, v, build_attention_metadata(spans, block_size).slot_mapping)
+        gathered = build_attention_metadata(spans, block_size)
+        in_place = attention_metadata(plan_attention(spans, block_size, in_place=True), block_size)
+        expected = paged_attention(q, k, v, key_cache, value_cache, gathered, 0.25, window, None, None, sinks)
+        ours = paged_attention(q, k, v, key_cache, value_cache, in_place, 0.25, window, None, None, sinks)
+        unsunk = paged_attention(q, k, v, key_cache, value_cache, in_place, 0.25, window, None, None)
+    close(ours, expected, rel)
+    assert not torch.allclose(unsunk.float(), expected.float(), atol=0.05)
+
+
+@pytest.mark.parametrize("dtype, rel", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("dim", [12, 64, 80, 128])  # no vector path; one register block; 64 + 16; two blocks
 def test_paged_decode_attention_head_dims(dtype, rel, dim):
     q, k, v, key_cache, value_cache, spans, block_size = _paged_case(dtype, 1, 3, block_size=8, seed=dim, dim=dim)

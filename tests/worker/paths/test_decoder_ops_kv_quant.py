@@ -50,10 +50,11 @@ def test_rope_write_kv_quantizes_as_the_reference_does(dtype, model_dtype):
 
 @pytest.mark.parametrize("model_dtype, rel", MODEL_DTYPES)
 @pytest.mark.parametrize("dtype", QUANT_DTYPES)
-@pytest.mark.parametrize("kv_heads, group, window, softcap, dim", [
-    (2, 1, None, None, 16), (1, 3, 6, None, 64), (2, 4, None, 5.0, 12), (3, 3, None, None, 128)])
+@pytest.mark.parametrize("kv_heads, group, window, softcap, dim, with_sinks", [
+    (2, 1, None, None, 16, False), (1, 3, 6, None, 64, False), (2, 4, None, 5.0, 12, False),
+    (3, 3, None, None, 128, False), (2, 4, 6, None, 64, True)])  # the last: gpt-oss's attention sinks
 def test_paged_decode_attention_on_quantized_pages_is_the_dequantized_reference(
-        model_dtype, rel, dtype, kv_heads, group, window, softcap, dim):
+        model_dtype, rel, dtype, kv_heads, group, window, softcap, dim, with_sinks):
     q, k, v, spans, block_size = paged_case(model_dtype, kv_heads, group, block_size=4, seed=dim, dim=dim)
     (key_cache, value_cache), scales = _quantized_pages(40, block_size, kv_heads, dim, dtype)
     gen = torch.Generator().manual_seed(dim)
@@ -64,11 +65,12 @@ def test_paged_decode_attention_on_quantized_pages_is_the_dequantized_reference(
         layer_scales.view(-1, kv_heads)[every_slot] = row_scales
     gathered = build_attention_metadata(spans, block_size)
     in_place = attention_metadata(plan_attention(spans, block_size, in_place=True), block_size)
+    sinks = (torch.randn(kv_heads * group, generator=gen) * 2).to(model_dtype) if with_sinks else None
     with torch.inference_mode():
-        ours = paged_attention(q, k, v, key_cache, value_cache, in_place, 0.25, window, softcap, scales)
+        ours = paged_attention(q, k, v, key_cache, value_cache, in_place, 0.25, window, softcap, scales, sinks)
         float_keys = dequantize_rows(key_cache, scales[0], model_dtype)
         float_values = dequantize_rows(value_cache, scales[1], model_dtype)
-        expected = paged_attention(q, k, v, float_keys, float_values, gathered, 0.25, window, softcap)
+        expected = paged_attention(q, k, v, float_keys, float_values, gathered, 0.25, window, softcap, None, sinks)
     decode_rows = in_place.paged_decode.rows
     err = ((ours[decode_rows].float() - expected[decode_rows].float()).norm() / expected[decode_rows].float().norm())
     assert err.item() <= rel, f"relative error {err.item():.2e} > {rel:.0e}"

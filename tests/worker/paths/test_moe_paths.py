@@ -15,7 +15,7 @@ import torch
 
 from tests.gpu.random_model import random_llama, tiny_config
 from tests.gpu.steps import BLOCK_SIZE, NUM_BLOCKS, assert_same_steps, run_mixed_steps
-from tests.helpers.tiny_models import MOE_FLAVOURS, make_tiny_hf_model
+from tests.helpers.tiny_models import GPT_OSS, MOE_FLAVOURS, make_tiny_hf_model
 from worker.linears.group_quant import quantize_linears
 from worker.loader import load_model
 from worker.model.moe import SparseMoE
@@ -65,13 +65,35 @@ def test_the_triton_backend_runs_moe_as_the_torch_path(tmp_path, flavour):
     path = runners["triton"].execution_path
     assert type(path) is TritonPath
     fused_calls, fused_moe = [], path.kernels.fused_moe
-    path.kernels = dataclasses.replace(path.kernels, fused_moe=lambda *args: fused_calls.append(1) or fused_moe(*args))
+    path.kernels = dataclasses.replace(path.kernels, fused_moe=lambda *args, **kwargs: fused_calls.append(1) or
+                                       fused_moe(*args, **kwargs))
     logits = {backend: _logits_of_each_step(runner) for backend, runner in runners.items()}
     steps = {backend: run_mixed_steps(runner) for backend, runner in runners.items()}
     assert_same_steps(steps["torch"], steps["triton"], logprob_atol=1e-4)
     num_sparse = sum(isinstance(layer.mlp, SparseMoE) for layer in model.layers)
     assert len(fused_calls) == 5 * num_sparse  # every step's every MoE layer through the fused kernel
     assert len(logits["triton"]) == len(logits["torch"]) == 5
+    for expected, actual in zip(logits["torch"], logits["triton"]):
+        torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+
+
+def test_the_triton_backend_runs_gpt_oss_as_the_torch_path(tmp_path):
+    """gpt-oss (tests/helpers/tiny_models.py): attention sinks in both attention kernels, past the sliding window of 8
+    (a 13-token prompt in two chunks, then decode steps), routing with the router's bias, its experts (biases,
+    clamped SwiGLU) through the fused kernel. The torch path equals transformers
+    (tests/worker/model/test_gpt_oss_parity.py)."""
+    folder, _ = make_tiny_hf_model(tmp_path, GPT_OSS)
+    model, config = load_model(folder, progress=False)
+    runners = {backend: _runner(model, config, kernel_backend=backend, packed_linears=False, cpu_fused_ops=False)
+               for backend in ("torch", "triton")}
+    path = runners["triton"].execution_path
+    fused_calls, fused_moe = [], path.kernels.fused_moe
+    path.kernels = dataclasses.replace(path.kernels, fused_moe=lambda *args, **kwargs: fused_calls.append(1) or
+                                       fused_moe(*args, **kwargs))
+    logits = {backend: _logits_of_each_step(runner) for backend, runner in runners.items()}
+    steps = {backend: run_mixed_steps(runner) for backend, runner in runners.items()}
+    assert_same_steps(steps["torch"], steps["triton"], logprob_atol=1e-4)
+    assert len(fused_calls) == 5 * config.num_layers  # every step's every layer (all sparse) through the kernel
     for expected, actual in zip(logits["torch"], logits["triton"]):
         torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
 

@@ -2,9 +2,10 @@
 
 Per layer: fused residual-add + RMSNorm, the fused q/k/v matmul, rotary on q and k, write_kv into the
 pages, paged attention, the output matmul, fused add + RMSNorm, gate/up matmul, SiLU·mul, down matmul; a
-mixture-of-experts layer (qwen3_moe, mixtral, olmoe) routes in torch as the reference does (worker.model.moe.route)
-and runs its stacked float experts through the fused-MoE kernel (two grouped-GEMM launches over every expert).
-The family switches ride along: sliding windows and soft-caps in the attention kernels, the sandwich
+mixture-of-experts layer (qwen3_moe, mixtral, olmoe, gpt_oss) routes in torch as the reference does
+(worker.model.moe.route) and runs its stacked float experts through the fused-MoE kernel (two grouped-GEMM launches
+over every expert; gpt-oss's biases in their epilogues, its clamped SwiGLU between them). The family switches ride
+along: sliding windows, soft-caps and sinks in the attention kernels, the sandwich
 norms (gemma), the per-head q/k norms (qwen3, gemma3) and the whole-projection ones (olmoe) as rms_norm
 kernels, and beside the kernels in torch (elementwise or per row): GeLU-tanh (gemma), the embedding multiplier
 and the rope variant's tables (the model's own embed_input / rotary_tables, so both paths share them).
@@ -151,10 +152,12 @@ def _sparse_moe(kernels: TritonKernels, moe: SparseMoE, x: torch.Tensor) -> torc
     """x: [T, H] -> [T, H]. The routing is the reference's own call (same top-k, same ties); stacked float experts
     run in the fused kernel, any other experts behind SparseMoE's seam (a GGUF file's blocks under the CPU's
     --cpu-block-kernels: their own native kernels) as the reference runs them."""
-    top_weights, top_experts = route(x, moe.router_weight, moe.top_k, moe.norm_topk_prob, moe.weights_float)
+    top_weights, top_experts = route(x, moe.router_weight, moe.top_k, moe.norm_topk_prob, moe.weights_float,
+                                     moe.router_bias, moe.topk_first)
     experts = moe.experts
-    if isinstance(experts, StackedExperts):
-        return kernels.fused_moe(x, top_weights, top_experts, experts.gate_up, experts.down, experts.hidden_act)
+    if isinstance(experts, StackedExperts):  # gpt-oss: its biases and clamped SwiGLU ride along (None elsewhere)
+        return kernels.fused_moe(x, top_weights, top_experts, experts.gate_up, experts.down, experts.hidden_act,
+                                 gate_up_bias=experts.gate_up_bias, down_bias=experts.down_bias, swiglu=experts.swiglu)
     return run_grouped(x, top_weights, top_experts, moe.num_experts, experts)
 
 
@@ -192,7 +195,7 @@ def triton_forward(
         q, k = kernels.apply_rotary(q, k, cos, sin)
         kernels.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping, kv_scales)  # quantized: with scales
         # int8 / float8 pages: dequantized as the kernels read them (a prefill reads its own keys back too)
-        attend = dict(window=attn.window, softcap=attn.softcap, kv_scales=kv_scales)
+        attend = dict(window=attn.window, softcap=attn.softcap, kv_scales=kv_scales, sinks=attn.sinks)
         if metadata.decode_only:
             out = kernels.paged_decode_attention(q, key_cache, value_cache, metadata.block_tables,
                                                  metadata.context_lens, attn.scale, **attend)  # [T, H, D]
