@@ -39,6 +39,7 @@
 
 #include "ggml_blocks.h"
 #include "ggml_blocks_avx2_tile.h"
+#include "simd.h"
 
 using namespace tokenmill::ggml;
 using namespace tokenmill::ggml::avx2_tile;
@@ -321,6 +322,7 @@ void gemm_rows(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x, const flo
     const uint8_t* g = p.data + n * p.row_bytes;  // group n / 8's blocks, one after another
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t b = 0; b < x.nb; ++b, g += group_bytes) {
+      if (n + kRows < n1) tokenmill::prefetch_lines(g + x.nb * group_bytes, group_bytes);  // the next group's block b
       if (x.T <= kTileX) {
         few_rows<L>(Direct<L>{g}, x, b, acc.data());
       } else {
