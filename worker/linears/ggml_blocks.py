@@ -323,8 +323,8 @@ def describe_block_kernels(model: nn.Module) -> str | None:
     tiles = {KERNEL_PATHS["amx_int8"]: f" (AMX-INT8 tiles for Q4_K, Q5_K, Q6_K from {AMX_MIN_ROWS} rows)",
              KERNEL_PATHS["avx2_gemm"]: f" (an AVX2 GEMM for Q4_K, Q5_K, Q6_K, {AVX2_GEMM_MIN_ROWS}-{AVX2_GEMM_DOT_ROWS} rows)"
              }.get(auto_path(), "")
-    layout = f", {repacked} of them repacked for the GEMM at load" if repacked else ""
-    return (f"{len(linears)} linears on the file's own blocks ({', '.join(types)}, {mapped:.0f} MiB{layout}): {vector} integer "
+    where = f"GGML blocks, {repacked} of them repacked at load for the GEMM" if repacked else "the file's own blocks"
+    return (f"{len(linears)} linears on {where} ({', '.join(types)}, {mapped:.0f} MiB): {vector} integer "
             f"dot products{tiles} on activations rounded to int8 per 256 values up to {dot_rows()} rows, dequantized "
             f"{'bfloat16' if cpu_has_native_bf16() else 'float32'} strips past that")
 

@@ -21,7 +21,8 @@ from torch import nn
 
 from tests.worker.linears.test_ggml_blocks import ROWS, q8k_rounded, random_blocks
 from worker.linears.ggml_blocks import (BLOCK_TYPES, KERNEL_PATHS, REPACKED, BlockPart, GGMLBlocksEmbedding,
-                                        GGMLBlocksLinear, GGMLBlocksWeight, dot_rows, mapped_weight_bytes)
+                                        GGMLBlocksLinear, GGMLBlocksWeight, describe_block_kernels, dot_rows,
+                                        mapped_weight_bytes)
 from worker.native_ops import cpu_flags, cpu_ops_available
 
 pytestmark = [
@@ -173,6 +174,7 @@ def test_repack_linears_swaps_the_tied_pair_and_gives_back_the_file_pages(tmp_pa
     assert torch.equal(model.embed_tokens(torch.tensor([5, 200])), embedded_before)
     assert rss_of(tmp_path / "Q6_K.bin") == 0  # and nothing read the file's pages again
     assert "repacked 1 K-quant block weights" in caplog.text
+    assert "2 linears on GGML blocks, 1 of them repacked at load" in describe_block_kernels(model)
 
 
 def test_repack_linears_does_nothing_where_auto_is_not_the_avx2_gemm(monkeypatch):
