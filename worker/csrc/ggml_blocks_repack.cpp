@@ -1,9 +1,12 @@
 // Q4_K, Q5_K and Q6_K repacked once at load for the AVX2 GEMM (ggml_blocks_avx2_gemm.cpp), which otherwise
 // transposes every 8 weight rows' blocks into a scratch tile on every call: at one row of x (a decode step) that
 // per-call work was about as long as the arithmetic itself. Here the transposes are done at load and the GEMM's
-// registers come straight from memory: a load, and for the codes a shift, a mask (and the high bits' or), as
-// llama.cpp's repacked block_q4_Kx8 reads. The layout keeps the file's size (Q6_K exactly; Q4_K and Q5_K
-// 2-3% more: their 6-bit scales and mins one byte each).
+// registers come straight from memory: a load and a mask for most codes (a shift more for a high nibble; Q5_K's
+// fifth bit three more), as llama.cpp's repacked block_q4_Kx8 is read. The layout keeps the file's size (Q6_K
+// exactly; Q4_K and Q5_K 2-3% more: their 6-bit scales and mins one byte each). Up to one register tile of x (4
+// rows), each register is used once and read so; more rows decode each group block once into the GEMM's Tile
+// (ggml_blocks_avx2_tile.h) and run its loop. Either way the next group's block is requested while one is read
+// (without it, 16-64 rows ran 0.93-0.98x the file-layout GEMM). Figures: docs/benchmarks.md, "K-quants repacked".
 //
 //   one group block = the blocks b of 8 weight rows n..n+7 (n a multiple of 8); a repacked weight [N, nb * share]
 //   holds group n / 8's nb group blocks one after another (rows n..n+7 of the tensor, share = group bytes / 8).
@@ -64,13 +67,14 @@ constexpr Segment kQ6K[] = {{kHalf, 208, 2, 0}, {kBytes, 192, 16, 16}};  // and 
 struct Layout {
   const Segment* segments;
   int count, group_bytes;
+  bool codes6;  // Q6_K: the codes go by q6k_pack / q6k_unpack, not by segments
 };
 
 Layout layout_of(int64_t type) {
   switch (file_type(type)) {
-    case Q4_K: return {kQ4K, 4, 1184};
-    case Q5_K: return {kQ5K, 5, 1440};
-    case Q6_K: return {kQ6K, 2, 1680};
+    case Q4_K: return {kQ4K, 4, 1184, false};
+    case Q5_K: return {kQ5K, 5, 1440, false};
+    case Q6_K: return {kQ6K, 2, 1680, true};
   }
   TORCH_CHECK(false, "ggml_blocks: GGML type ", file_type(type), " has no repacked layout (Q4_K, Q5_K, Q6_K have)");
 }
@@ -147,7 +151,7 @@ void q6k_unpack(const uint8_t* group, int j, uint8_t* block) {
 
 // row j's file block <-> its place in a group block
 void pack_block(const Layout& l, const uint8_t* block, int j, uint8_t* group) {
-  if (l.segments == kQ6K) q6k_pack(block, j, group);
+  if (l.codes6) q6k_pack(block, j, group);
   for (int k = 0; k < l.count; ++k) {
     const Segment& s = l.segments[k];
     if (s.piece == kScalesK4) {
@@ -164,7 +168,7 @@ void pack_block(const Layout& l, const uint8_t* block, int j, uint8_t* group) {
   }
 }
 void unpack_block(const Layout& l, const uint8_t* group, int j, uint8_t* block) {
-  if (l.segments == kQ6K) q6k_unpack(group, j, block);
+  if (l.codes6) q6k_unpack(group, j, block);
   for (int k = 0; k < l.count; ++k) {
     const Segment& s = l.segments[k];
     if (s.piece == kScalesK4) {
