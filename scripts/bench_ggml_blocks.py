@@ -1,10 +1,11 @@
 """GGML block linears (worker.linears.ggml_blocks) on a real model's shapes: microseconds per call of the
 integer-dot vector kernel (forward_rows), the AMX tiles, the AVX2 GEMM (worker/csrc/ggml_blocks_avx2_gemm.cpp,
-forced: it runs on any x86-64 CPU with AVX2), the dequantized strips (forward_strips) and a dense bfloat16 GEMM
+forced: it runs on any x86-64 CPU with AVX2), the same GEMM on the weight repacked as the loader repacks it on an
+AVX2-only CPU (worker/csrc/ggml_blocks_repack.cpp, forced likewise), the dequantized strips (forward_strips) and a dense bfloat16 GEMM
 on a weight kept dequantized (what --cpu-dense-weights would hold), at several row counts, plus the GB/s the
 one-row kernel reads the weight at. Random blocks with sane scales (speed does not depend on values). The
 variants are timed in turn, round after round (--repeat rounds, the best of each), so that a machine shared
-with other work slows them alike.
+with other work slows them alike; the last line also gives the GEMM's and the repacked GEMM's medians.
 The Qwen2.5-1.5B Q4_K_M layer by default: qkv Q4_K+Q4_K+Q6_K, o Q4_K, gate_up Q4_K, down Q6_K.
 
 Usage: .venv/bin/python scripts/bench_ggml_blocks.py [--rows 1,4,16,32,64,128] [--threads 2] [--repeat 20]
@@ -25,6 +26,7 @@ sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 
 from worker.linears.ggml_blocks import (BLOCK_BYTES, BLOCK_ELEMENTS, KERNEL_PATHS, GGMLBlocksLinear,  # noqa: E402
                                         GGMLBlocksWeight, vector_path)
+from worker.linears.ggml_repack import repacked_weight  # noqa: E402
 from worker.native_ops import cpu_ops_available  # noqa: E402
 
 SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,)}
@@ -44,17 +46,20 @@ def best_us(fn, repeat: int) -> float:
     return alternated_us([fn], repeat)[0]
 
 
-def alternated_us(fns: list, repeat: int) -> list[float]:
-    """The best of `repeat` calls of each fn, called in turn (one round calls each once)."""
+def alternated_us(fns: list, repeat: int, medians: list | None = None) -> list[float]:
+    """The best of `repeat` calls of each fn, called in turn (one round calls each once); with medians, their
+    medians are appended to it."""
     for fn in fns:
         fn()
-    best = [float("inf")] * len(fns)
+    seconds: list[list[float]] = [[] for _ in fns]
     for _ in range(repeat):
         for i, fn in enumerate(fns):
             started = time.perf_counter()
             fn()
-            best[i] = min(best[i], time.perf_counter() - started)
-    return [b * 1e6 for b in best]
+            seconds[i].append(time.perf_counter() - started)
+    if medians is not None:
+        medians.extend(float(np.median(s)) * 1e6 for s in seconds)
+    return [min(s) * 1e6 for s in seconds]
 
 
 def cold(layer: dict, copies: int, rng: np.random.Generator, rows_of_x: int = 1) -> int:
@@ -95,9 +100,10 @@ def main() -> int:
         return cold(layer, args.cold, rng, int(args.rows.split(",")[0]) if args.rows_given else 1)
     tiles = torch.ops.tokenmill.ggml_blocks_path(0) == KERNEL_PATHS["amx_int8"]
     print(f"threads {args.threads}; us per call (min of {args.repeat}, variants alternated); dot = integer vector "
-          f"kernel, tiles = AMX-INT8 tiles (K-quants; nan without AMX), gemm = the AVX2 GEMM (K-quants), strips = "
-          f"dequantized strips + GEMM, dense = bf16 GEMM on a kept copy")
-    print(f"{'linear':8s} {'rows':>5s} {'dot':>9s} {'tiles':>9s} {'gemm':>9s} {'strips':>9s} {'dense':>9s}  one-row GB/s")
+          f"kernel, tiles = AMX-INT8 tiles (K-quants; nan without AMX), gemm = the AVX2 GEMM (K-quants), repacked = "
+          f"it on the weight repacked at load, strips = dequantized strips + GEMM, dense = bf16 GEMM on a kept copy")
+    print(f"{'linear':8s} {'rows':>5s} {'dot':>9s} {'tiles':>9s} {'gemm':>9s} {'repacked':>9s} {'strips':>9s} "
+          f"{'dense':>9s}  one-row GB/s")
     totals: dict[int, list[float]] = {}
     for name, parts in layer.items():
         weight = GGMLBlocksWeight.concat_rows([GGMLBlocksWeight.from_blocks(t, random_blocks(t, n, k, rng), n, k)
@@ -106,24 +112,30 @@ def main() -> int:
         linear.kernel_path = vector_path()
         tiled.kernel_path = KERNEL_PATHS["amx_int8"]
         gemm.kernel_path = KERNEL_PATHS["avx2_gemm"]
+        packed = GGMLBlocksLinear(repacked_weight(weight))
+        packed.kernel_path = KERNEL_PATHS["avx2_gemm"]
         dense = weight.dequantize().to(torch.bfloat16)
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, weight.in_features).to(torch.bfloat16)
-            variants = [lambda: linear.forward_rows(x), lambda: gemm.forward_rows(x),
+            variants = [lambda: linear.forward_rows(x), lambda: gemm.forward_rows(x), lambda: packed.forward_rows(x),
                         lambda: torch.nn.functional.linear(x, dense)]
-            timed = alternated_us(variants + ([lambda: tiled.forward_rows(x)] if tiles else []), args.repeat)
-            dot, avx2_gemm, dense_us = timed[:3]
-            amx = timed[3] if tiles else float("nan")
+            medians: list[float] = []
+            timed = alternated_us(variants + ([lambda: tiled.forward_rows(x)] if tiles else []), args.repeat, medians)
+            dot, avx2_gemm, repacked, dense_us = timed[:4]
+            amx = timed[4] if tiles else float("nan")
             strips = best_us(lambda: linear.forward_strips(x), max(3, args.repeat // 4))
             rate = f"{weight.nbytes / dot / 1e3:6.1f}" if rows == 1 else ""
-            print(f"{name:8s} {rows:5d} {dot:9.0f} {amx:9.0f} {avx2_gemm:9.0f} {strips:9.0f} {dense_us:9.0f}  {rate}",
-                  flush=True)
-            totals.setdefault(rows, [0.0] * 5)
-            for k, v in enumerate((dot, amx, avx2_gemm, strips, dense_us)):
+            print(f"{name:8s} {rows:5d} {dot:9.0f} {amx:9.0f} {avx2_gemm:9.0f} {repacked:9.0f} {strips:9.0f} "
+                  f"{dense_us:9.0f}  {rate}", flush=True)
+            totals.setdefault(rows, [0.0] * 8)
+            for k, v in enumerate((dot, amx, avx2_gemm, repacked, strips, dense_us, medians[1], medians[2])):
                 totals[rows][k] += v
-    print("one layer, ms: " + "; ".join(f"{r} rows dot {t[0] / 1e3:.2f} tiles {t[1] / 1e3:.2f} gemm {t[2] / 1e3:.2f} "
-                                        f"(dot / gemm {t[0] / t[2]:.2f}x) strips {t[3] / 1e3:.2f} dense {t[4] / 1e3:.2f}"
-                                        for r, t in totals.items()))
+    print("one layer, ms (best): " + "; ".join(
+        f"{r} rows dot {t[0] / 1e3:.2f} tiles {t[1] / 1e3:.2f} gemm {t[2] / 1e3:.2f} repacked {t[3] / 1e3:.2f} "
+        f"(dot / gemm {t[0] / t[2]:.2f}x, gemm / repacked {t[2] / t[3]:.2f}x) strips {t[4] / 1e3:.2f} "
+        f"dense {t[5] / 1e3:.2f}" for r, t in totals.items()))
+    print("one layer, ms (medians): " + "; ".join(
+        f"{r} rows gemm {t[6] / 1e3:.2f} repacked {t[7] / 1e3:.2f} ({t[6] / t[7]:.2f}x)" for r, t in totals.items()))
     return 0
 
 

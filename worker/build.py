@@ -11,7 +11,8 @@ from torch import nn
 from plumbing.grammar import GrammarCompiler
 from worker.kv_sizing import (KVCacheSizing, default_memory_fraction, measure_activation_peak, profile_batch,
                               read_sizing_record, size_from_budget, size_from_memory_or_record, write_sizing_record)
-from worker.linears.ggml_blocks import block_types, fault_in, mapped_weight_bytes
+from worker.linears.ggml_blocks import block_types, block_weight_bytes, fault_in, mapped_weight_bytes
+from worker.linears.ggml_repack import repack_linears
 from worker.linears.group_quant import quantize_linears
 from worker.linears.host_experts import HostExperts
 from worker.linears.int8 import quantize_linears_int8
@@ -75,6 +76,8 @@ def load_network(options: WorkerOptions, device: torch.device, dtype: torch.dtyp
         log.info("--cpu-moe: the experts of %d MoE layers stay in host memory and run on the CPU",
                  keep_experts_on_host(network))
     network = network.to(device)
+    if options.cpu_block_repack and device.type == "cpu" and parallel is None and not options.deterministic:
+        repack_linears(network)  # where the CPU's GEMM reads a repacked layout faster; before fault_in
     log.info("weights: %s", describe_weight_bytes(network))
     fault_in(network)  # a GGUF file's mapped blocks resident before the profile pass measures activations
     if options.quantization == "int8" and device.type == "cuda":
@@ -164,7 +167,7 @@ def weight_bytes(network: nn.Module) -> tuple[int, int]:
     them that is mixture-of-experts experts and routers). Every expert counts: all of them stay resident, whichever
     few a token reads, so the memory the KV cache is sized from is what is left after all of them."""
     tensors = {**dict(network.named_parameters()), **dict(network.named_buffers())}
-    total = sum(t.numel() * t.element_size() for t in tensors.values()) + mapped_weight_bytes(network)
+    total = sum(t.numel() * t.element_size() for t in tensors.values()) + block_weight_bytes(network)
     experts = sum(t.numel() * t.element_size() for name, t in tensors.items()
                   if name.endswith((".mlp.experts.gate_up", ".mlp.experts.down", ".mlp.router_weight",
                                     ".mlp.experts.gate_up_bias", ".mlp.experts.down_bias", ".mlp.router_bias")))

@@ -45,7 +45,7 @@ DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # the fields that say how a step runs (what worker.paths.ResolvedExecution resolves)
 EXECUTION_FIELDS = ("kernel_backend", "quantization", "cuda_graphs", "stream_overlap", "graph_batch_sizes",
                     "packed_linears", "cpu_int8_activations", "cpu_fused_ops", "cpu_dense_weights", "deterministic",
-                    "cpu_block_kernels", "cpu_moe")
+                    "cpu_block_kernels", "cpu_block_repack", "cpu_moe")
 
 
 def parse_batch_sizes(text: str) -> tuple[int, ...]:
@@ -138,6 +138,11 @@ class WorkerOptions(Options):
         "file's memory): auto: the K-quants and IQ4s (Q2_K-Q6_K, IQ4_NL, IQ4_XS); all: also Q4_0, Q4_1, Q5_0, Q5_1, "
         "Q8_0; off: none "
         "(default: %(default)s)", choices=CPU_BLOCK_KERNEL_MODES)
+    # K-quant block linears repacked at load where auto runs them on the AVX2 GEMM (worker.linears.ggml_repack)
+    cpu_block_repack: bool = option(
+        True, "CPU: keep the K-quant block linears in the file's own layout instead of repacking them once at load "
+        "(where the kernels run an AVX2 GEMM: AVX2 without AVX-512 VNNI) into the 8-row groups it reads fastest "
+        "(about the file's size; the file's pages are given back)")
     # float32 linears on oneDNN-reordered weights (CPU, torch backend: worker.linears.packed)
     packed_linears: bool = option(True, "plain nn.Linear instead of weights reordered once for oneDNN (CPU, float32 "
                                   "only)")

@@ -1,6 +1,6 @@
 // What the GGML block linears' files share: the block types, x rounded to q8_K, a weight part, and the entry
-// points of the many-row kernels that ggml_blocks_dot.cpp calls: AMX-INT8 tiles (ggml_blocks_amx.cpp) and the
-// AVX2 GEMM (ggml_blocks_avx2_gemm.cpp).
+// points of the many-row kernels that ggml_blocks_dot.cpp calls: AMX-INT8 tiles (ggml_blocks_amx.cpp), the
+// AVX2 GEMM (ggml_blocks_avx2_gemm.cpp) and the same GEMM on K-quants repacked at load (ggml_blocks_repack.cpp).
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -20,6 +20,12 @@ enum BlockType : int64_t {
   Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
   IQ4_NL = 20, IQ4_XS = 23
 };
+
+// A K-quant type plus this flag: the weight repacked at load into groups of 8 rows (ggml_blocks_repack.cpp),
+// which only the AVX2 GEMM path reads (and the dequantizer, row by row)
+constexpr int64_t kRepacked = 256;
+inline bool is_repacked(int64_t type) { return (type & kRepacked) != 0; }
+inline int64_t file_type(int64_t type) { return type & ~kRepacked; }
 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 #define AVX512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
@@ -63,6 +69,7 @@ struct Part {
 
 // ---- ggml_blocks_dot.cpp ----
 int64_t block_elems(int64_t type);
+// a block's bytes; a repacked type's: one row's share of a group block (8 rows' blocks of 256 values)
 int64_t block_bytes(int64_t type);
 // 0: the best this CPU has, 1 AVX2, 2 AVX-512 VNNI, 3 AMX-INT8 tiles, 4 AVX2 with its GEMM for the K-quants:
 // the path a call with `path` runs
@@ -113,5 +120,19 @@ void avx2_gemm_rows(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x, cons
                     int64_t ldo, int64_t col0);
 void avx2_gemm_rows(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x, const float* bias, at::BFloat16* out,
                     int64_t ldo, int64_t col0);
+
+// ---- ggml_blocks_repack.cpp ----
+// The types repack() takes: Q4_K, Q5_K, Q6_K
+bool repack_has_layout(int64_t type);
+// One row's share of a repacked group block (148, 180, 210 bytes: a group block is 8 of them)
+int64_t repacked_row_share(int64_t type);
+// Row `row` of a repacked weight (data, K values a row) back in the file's blocks: out gets K / 256 blocks
+void unpack_row(const uint8_t* data, int64_t type, int64_t K, int64_t row, uint8_t* out);
+// Rows [n0, n1) (multiples of 8, or n1 the part's end) of a repacked part against every row of x, as
+// avx2_gemm_rows: the same integer sums and float steps, so the same bits
+void repacked_gemm_rows(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x, const float* bias, float* out,
+                        int64_t ldo, int64_t col0);
+void repacked_gemm_rows(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x, const float* bias, at::BFloat16* out,
+                        int64_t ldo, int64_t col0);
 
 }  // namespace tokenmill::ggml

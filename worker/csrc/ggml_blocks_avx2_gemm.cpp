@@ -1,6 +1,8 @@
 // Q4_K, Q5_K and Q6_K against many rows of x on AVX2 alone (no VNNI, no AMX): a register-blocked GEMM over the
-// file's own blocks, no repack at load, so the one-row kernel, the strips and the embedding keep reading the
-// mapped file and memory stays one copy.
+// file's own blocks. Under auto such a CPU's loader repacks the K-quant linears once (ggml_blocks_repack.cpp: the
+// same arithmetic, this file's transposes done at load); this one runs the weights left in the file's layout (the
+// deterministic mode keeps them, and so do tensor-parallel ranks and --no-cpu-block-repack) and the forced path 4.
+// The register tile and its inner loop live in ggml_blocks_avx2_tile.h, shared with the repacked GEMM.
 //
 // Why it beats the vector kernel (ggml_blocks_dot.cpp) from a few rows: that kernel multiplies each 32 codes'
 // int16 products by their scale with one vpmaddwd per register (a weight row's register holds one scale
@@ -13,7 +15,8 @@
 //
 // The transpose (an 8x8 dword transpose of each 32 bytes of codes, and of the scale bytes) is paid once per
 // super-block of 8 weight rows into a small scratch tile, then used by every row of x: at 4 rows it is
-// about a third of the work, at 16 and more it vanishes.
+// about a third of the work, at 16 and more it vanishes; at one row it was about as long as the arithmetic
+// (why the loader repacks).
 //
 //   scratch tile, one super-block (256 values) of weight rows n..n+7:
 //     codes[s]   s = 0..63   lane j = row j's codes for x's values 4s..4s+3 (bytes, unsigned)
@@ -36,21 +39,13 @@
 #include <vector>
 
 #include "ggml_blocks.h"
+#include "ggml_blocks_avx2_tile.h"
 #include "simd.h"
 
 using namespace tokenmill::ggml;
+using namespace tokenmill::ggml::avx2_tile;
 
 namespace {
-
-constexpr int kRows = 8;  // weight rows a tile transposes: one int32 lane each
-constexpr int kTileX = 4;  // rows of x a register tile holds (16 ymm registers: 4 int16 + 4 int32 sums + operands)
-
-struct Tile {
-  __m256i codes[64];
-  __m256i scales[16];
-  __m256i terms[8];
-  __m256 d, f;
-};
 
 AVX2_TARGET inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
@@ -182,64 +177,6 @@ AVX2_TARGET void decode_q6k(const uint8_t* const (&blk)[kRows], Tile& tile) {
       c[24] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1[d], 4), m4),
                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 6), m2), 4));
     }
-  }
-}
-
-// Keeps v in a register here: without it GCC turns the chain of int16 adds into a tree over all the group's
-// products at once, which needs more than 16 registers and spills half of them to the stack
-inline void in_register(__m256i& v) { __asm__("" : "+x"(v)); }
-
-AVX2_TARGET inline __m256i broadcast4(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
-// R rows of x (t0..) against a decoded tile, block b: acc[r * 8 + j] (row t0 + r, weight row j) gains the block.
-// GROUP: steps (4 values each) per scale group; SUM: steps whose int16 products add up before vpmaddwd.
-template <int GROUP, int SUM, int R>
-AVX2_TARGET void tile_rows(const Tile& tile, const Q8Rows& x, int64_t t0, int64_t b, float* acc) {
-  const int8_t* xq[R];
-  for (int r = 0; r < R; ++r) xq[r] = x.qs(t0 + r, b);
-  __m256i isum[R];
-  for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-  for (int g = 0; g < 64 / GROUP; ++g) {
-    for (int s0 = 0; s0 < GROUP; s0 += SUM) {
-      __m256i part[R];
-      for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
-      for (int k = 0; k < SUM; ++k) {
-        const int step = g * GROUP + s0 + k;
-        const __m256i codes = tile.codes[step];
-        for (int r = 0; r < R; ++r) {
-          part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(codes, broadcast4(xq[r] + 4 * step)));
-          in_register(part[r]);
-        }
-      }
-      for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], tile.scales[g]));
-    }
-  }
-  __m256i iterm[R];
-  for (int r = 0; r < R; ++r) iterm[r] = _mm256_setzero_si256();
-  for (int p = 0; p < 8; ++p)
-    for (int r = 0; r < R; ++r)
-      iterm[r] = _mm256_add_epi32(iterm[r], _mm256_madd_epi16(tile.terms[p], broadcast4(x.sums(t0 + r, b) + 2 * p)));
-  for (int r = 0; r < R; ++r) {
-    const __m256 dx = _mm256_set1_ps(x.scale(t0 + r, b));
-    __m256 a = _mm256_loadu_ps(acc + 8 * r);
-    a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(tile.d, dx), a);
-    a = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(iterm[r]), _mm256_mul_ps(tile.f, dx), a);
-    _mm256_storeu_ps(acc + 8 * r, a);
-  }
-}
-
-template <int GROUP, int SUM>
-AVX2_TARGET void all_rows(const Tile& tile, const Q8Rows& x, int64_t b, float* acc) {
-  int64_t t0 = 0;
-  for (; t0 + kTileX <= x.T; t0 += kTileX) tile_rows<GROUP, SUM, kTileX>(tile, x, t0, b, acc + 8 * t0);
-  switch (x.T - t0) {
-    case 1: tile_rows<GROUP, SUM, 1>(tile, x, t0, b, acc + 8 * t0); break;
-    case 2: tile_rows<GROUP, SUM, 2>(tile, x, t0, b, acc + 8 * t0); break;
-    case 3: tile_rows<GROUP, SUM, 3>(tile, x, t0, b, acc + 8 * t0); break;
   }
 }
 

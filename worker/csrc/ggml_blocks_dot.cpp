@@ -52,6 +52,7 @@ int64_t tokenmill::ggml::block_elems(int64_t type) {
   return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == IQ4_NL ? 32 : 256;
 }
 int64_t tokenmill::ggml::block_bytes(int64_t type) {
+  if (is_repacked(type)) return repacked_row_share(type);
   switch (type) {
     case Q4_0: return 18;
     case Q4_1: return 20;
@@ -721,6 +722,18 @@ at::Tensor ggml_blocks_dequantize(const at::Tensor& blocks, int64_t type, int64_
   at::Tensor out = at::empty({R, K}, blocks.options().dtype(at::kFloat));
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
+  if (is_repacked(type)) {  // each row back in the file's blocks first (ggml_blocks_repack.cpp)
+    TORCH_CHECK(N % 8 == 0, "ggml_blocks_dequantize: a repacked weight has rows in groups of 8, got ", N);
+    const int64_t plain = file_type(type), plain_bytes = block_bytes(plain);
+    at::parallel_for(0, R, 8, [&](int64_t begin, int64_t end) {
+      std::vector<uint8_t> row(K / per * plain_bytes);
+      for (int64_t i = begin; i < end; ++i) {
+        unpack_row(wp, type, K, rp[i], row.data());
+        for (int64_t b = 0; b < K / per; ++b) dequantize_block(plain, row.data() + b * plain_bytes, op + i * K + b * per);
+      }
+    });
+    return out;
+  }
   at::parallel_for(0, R, 8, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       for (int64_t b = 0; b < K / per; ++b) dequantize_block(type, wp + rp[i] * blocks.size(1) + b * bytes, op + i * K + b * per);
@@ -736,7 +749,7 @@ at::Tensor ggml_blocks_dequantize_bf16(const at::Tensor& blocks, int64_t type, i
                   blocks.size(1) == K / per * bytes && 0 <= row0 && row0 <= row1 && row1 <= blocks.size(0),
               "ggml_blocks_dequantize_bf16: blocks must be contiguous uint8 [N, ", K / per * bytes, "] and rows [", row0,
               ", ", row1, ") inside N, got ", blocks.sizes());
-  if (!cpu_has_avx512_bf16_vnni())
+  if (!cpu_has_avx512_bf16_vnni() || is_repacked(type))
     return ggml_blocks_dequantize(blocks, type, K, at::arange(row0, row1, blocks.options().dtype(at::kLong))).to(at::kBFloat16);
   at::Tensor out = at::empty({row1 - row0, K}, blocks.options().dtype(at::kBFloat16));
   const uint8_t* wp = blocks.data_ptr<uint8_t>() + row0 * blocks.size(1);
@@ -769,18 +782,24 @@ int64_t tokenmill::ggml::ggml_blocks_path(int64_t path) {
 
 // one parallel region over every part's rows: a fused projection keeps both threads busy to its end. amx: x
 // as tiles where the K-quant parts run on AMX (their own region, ggml_blocks_amx.cpp), else null; gemm: the
-// K-quant parts run the AVX2 GEMM.
+// K-quant parts run the AVX2 GEMM. Repacked parts (always on the GEMM) are read in groups of 8 rows, so with
+// one the threads split the columns on multiples of 8 (each part starts on one: ggml_blocks_linear checks).
 template <typename Out>
 void linear_parts(const std::vector<Part>& ps, const std::vector<int64_t>& first_col, int64_t N, int64_t K,
                   const Q8Rows& q, const AmxRows* amx, bool gemm, const float* bias, Out* out, bool wide) {
   if (amx) amx_linear(ps, first_col, N, *amx, bias, out);
   const auto vector_part = [&](const Part& p) { return !amx || !amx_has_kernel(p.type); };
   if (std::none_of(ps.begin(), ps.end(), vector_part)) return;
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  const bool groups = std::any_of(ps.begin(), ps.end(), [](const Part& p) { return is_repacked(p.type); });
+  const int64_t unit = groups ? 8 : 1;
+  at::parallel_for(0, (N + unit - 1) / unit, groups ? 2 : 16, [&](int64_t first, int64_t last) {
+    const int64_t begin = first * unit, end = std::min(N, last * unit);
     for (size_t i = 0; i < ps.size(); ++i) {
       const int64_t lo = std::max(begin, first_col[i]), hi = std::min(end, first_col[i] + ps[i].rows);
       if (lo >= hi || !vector_part(ps[i])) continue;
-      if (gemm && avx2_gemm_has_kernel(ps[i].type))
+      if (is_repacked(ps[i].type))
+        repacked_gemm_rows(ps[i], lo - first_col[i], hi - first_col[i], q, bias, out, N, first_col[i]);
+      else if (gemm && avx2_gemm_has_kernel(ps[i].type))
         avx2_gemm_rows(ps[i], lo - first_col[i], hi - first_col[i], q, bias, out, N, first_col[i]);
       else if (wide)
         part_rows<true>(ps[i], lo - first_col[i], hi - first_col[i], K, q, bias, out, N, first_col[i]);
@@ -809,12 +828,18 @@ at::Tensor ggml_blocks_linear(const at::Tensor& x_in, at::TensorList parts, at::
     TORCH_CHECK(K % per == 0, "ggml_blocks_linear: in_features ", K, " is not a multiple of ", per, " (GGML type ", type, ")");
     TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(1) == K / per * bytes,
                 "ggml_blocks_linear: part ", i, " must be contiguous uint8 [N, ", K / per * bytes, "], got ", w.sizes());
+    TORCH_CHECK(!is_repacked(type) || (repack_has_layout(file_type(type)) && w.size(0) % 8 == 0 && N % 8 == 0),
+                "ggml_blocks_linear: repacked part ", i, " (GGML type ", file_type(type), ") must be Q4_K, Q5_K or Q6_K "
+                "with rows a multiple of 8 starting on a multiple of 8, got ", w.size(0), " rows from column ", N);
     ps.push_back({w.data_ptr<uint8_t>(), type, w.size(0), w.size(1)});
     first_col.push_back(N);
     N += w.size(0);
   }
   const int64_t runs = ggml_blocks_path(path);
   const bool wide = wide_path(runs);
+  TORCH_CHECK(runs == 4 || std::none_of(ps.begin(), ps.end(), [](const Part& p) { return is_repacked(p.type); }),
+              "ggml_blocks_linear: repacked parts run on the AVX2 GEMM only (path 4, or auto on a CPU without "
+              "AVX-512 VNNI), not on path ", runs);
   Q8Buffer buf;
   const Q8Rows q = x.scalar_type() == at::kFloat ? quantize_rows(x.data_ptr<float>(), T, K, buf)
                                                  : quantize_rows(x.data_ptr<at::BFloat16>(), T, K, buf);

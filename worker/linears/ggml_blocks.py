@@ -10,6 +10,10 @@ keeps the group_quant conversion (the loader decides, per tensor).
 
 Accuracy: activations are rounded to int8 per 256 values (llama.cpp's q8_K), the error `tokenmill
 accuracy` measures (docs/models.md); the weights are exact.
+
+On a CPU whose auto path is the AVX2 GEMM, the loader then repacks the K-quant linears once into groups of 8 rows
+(worker.linears.ggml_repack): a part with `repacked` set holds that layout, which only the GEMM reads (and the
+dequantizer, row by row); the file's pages of those tensors are let go.
 """
 from __future__ import annotations
 
@@ -52,6 +56,10 @@ AMX_MIN_ROWS = 6  # worker/csrc/ggml_blocks_dot.cpp's kAmxMinRows: the row count
 AVX2_GEMM_DOT_ROWS = 512
 AVX2_GEMM_MIN_ROWS = 1  # one sequence's decode too: docs/benchmarks.md (60 vs 69 ms a token, 1.5B Q4_K_M)
 STRIP_BYTES = 4 * 2**20  # a dequantized strip's most
+# worker/csrc/ggml_blocks.h's kRepacked: added to a K-quant's type, the part is in worker/csrc/ggml_blocks_repack.cpp's
+# layout (8 rows' blocks interleaved), whose bytes a row are these per 256 values
+REPACKED = 256
+REPACKED_BYTES = {"Q4_K": 148, "Q5_K": 180, "Q6_K": 210}
 # the instruction set the kernels use: 0 the best this CPU has (AMX-INT8 tiles for Q4_K, Q5_K, Q6_K from a few
 # rows, else AVX-512 VNNI, else AVX2 with its GEMM for the K-quants at any row count up to AVX2_GEMM_DOT_ROWS); tests force 1 / 2 / 3 / 4
 KERNEL_PATHS = {"auto": 0, "avx2": 1, "avx512_vnni": 2, "amx_int8": 3, "avx2_gemm": 4}
@@ -103,13 +111,24 @@ def mapped_bytes_tensor(array: np.ndarray) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class BlockPart:
-    """Rows of one weight in one GGML type: blocks [rows, in_features / elements * bytes] uint8."""
+    """Rows of one weight in one GGML type: blocks [rows, in_features / elements * bytes] uint8, the file's
+    blocks, or with repacked the same values in the AVX2 GEMM's layout (REPACKED_BYTES a row per 256 values)."""
     type_name: str
     blocks: torch.Tensor
+    repacked: bool = False
 
     @property
     def rows(self) -> int:
         return self.blocks.shape[0]
+
+    @property
+    def type_id(self) -> int:
+        """What the compiled ops take as its type."""
+        return BLOCK_TYPES[self.type_name] + (REPACKED if self.repacked else 0)
+
+    def row_bytes(self, in_features: int) -> int:
+        per_block = REPACKED_BYTES[self.type_name] if self.repacked else BLOCK_BYTES[self.type_name]
+        return in_features // BLOCK_ELEMENTS[self.type_name] * per_block
 
 
 class PartsOfBlocks:
@@ -126,7 +145,10 @@ class PartsOfBlocks:
             if not block_supported(part.type_name, self.in_features):
                 raise ValueError(f"{part.type_name} {what}blocks of {self.in_features} values a row have no kernel "
                                  f"(types {sorted(BLOCK_TYPES)}, rows a multiple of the block)")
-            row_bytes = self.in_features // BLOCK_ELEMENTS[part.type_name] * BLOCK_BYTES[part.type_name]
+            if part.repacked and (part.type_name not in REPACKED_BYTES or part.rows % 8):
+                raise ValueError(f"a repacked {part.type_name} part of {part.rows} rows: only "
+                                 f"{sorted(REPACKED_BYTES)} repack, in groups of 8 rows")
+            row_bytes = part.row_bytes(self.in_features)
             blocks = part.blocks
             if blocks.dtype != torch.uint8 or blocks.dim() != len(leading) + 1 or blocks.shape[-1] != row_bytes:
                 raise ValueError(f"{part.type_name} {what}blocks must be uint8 [{', '.join(leading)}, {row_bytes}] "
@@ -166,16 +188,17 @@ class GGMLBlocksWeight(PartsOfBlocks):
             if len(self.parts) != 1:
                 raise ValueError("row lookups are for one-part weights (an embedding)")
             part = self.parts[0]
-            return torch.ops.tokenmill.ggml_blocks_dequantize(part.blocks, BLOCK_TYPES[part.type_name],
-                                                              self.in_features, rows)
+            return torch.ops.tokenmill.ggml_blocks_dequantize(part.blocks, part.type_id, self.in_features, rows)
         return torch.cat([torch.ops.tokenmill.ggml_blocks_dequantize(
-            part.blocks, BLOCK_TYPES[part.type_name], self.in_features, torch.arange(part.rows)) for part in self.parts])
+            part.blocks, part.type_id, self.in_features, torch.arange(part.rows)) for part in self.parts])
 
     def rows(self, index: torch.Tensor) -> GGMLBlocksWeight:
         """These rows, in this order (a copy: llama's q/k rows un-permuted); one-part weights."""
         if len(self.parts) != 1:
             raise ValueError("row selection is for one-part weights")
         part = self.parts[0]
+        if part.repacked:
+            raise ValueError("row selection is for the file's own blocks, not repacked ones")
         return GGMLBlocksWeight((BlockPart(part.type_name, part.blocks.index_select(0, index)),), self.in_features)
 
     @staticmethod
@@ -212,7 +235,8 @@ class GGMLBlocksLinear(CpuOnlyBlocks):
         self.weight_blocks = weight
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self._blocks = [part.blocks for part in weight.parts]
-        self._types = [BLOCK_TYPES[part.type_name] for part in weight.parts]
+        self._types = [part.type_id for part in weight.parts]
+        self.repacked = any(part.repacked for part in weight.parts)
         self.register_buffer("bias", bias, persistent=False)
         # --cpu-dense-weights on only (worker.linears.dense_weights): 2 bytes a weight beside the file's ~0.6
         self.register_buffer("dense_weight", None, persistent=False)
@@ -225,7 +249,7 @@ class GGMLBlocksLinear(CpuOnlyBlocks):
         if rows > dot_rows():
             return self.forward_strips(x)
         # auto: the vector kernel, or for Q4_K, Q5_K, Q6_K from a few rows AMX tiles where the CPU has them, else
-        # on an AVX2-only CPU the AVX2 GEMM
+        # on an AVX2-only CPU the AVX2 GEMM (on the repacked parts where the loader repacked them)
         return torch.ops.tokenmill.ggml_blocks_linear(x, self._blocks, self._types, self.kernel_path, self.bias)
 
     def weight_view(self) -> GGMLBlocksWeight:  # what worker.linears.dense_weights dequantizes
@@ -235,8 +259,9 @@ class GGMLBlocksLinear(CpuOnlyBlocks):
         """The integer-dot kernel whatever the row count, on one instruction set for every count: a row's
         output is the same bits alone or among others (the deterministic mode runs only this). Under auto
         that is the vector kernel (AMX tiles or the AVX2 GEMM would take over from a few rows, summing in another
-        order); a forced path is kept."""
-        path = self.kernel_path or vector_path()
+        order); a forced path is kept. Repacked parts only run on the AVX2 GEMM, which sums each row alone too
+        (the deterministic mode keeps the file's blocks: the loader repacks only without it)."""
+        path = self.kernel_path or (KERNEL_PATHS["avx2_gemm"] if self.repacked else vector_path())
         # the op adds the bias and writes x's dtype itself: ~113 calls a decode step, two ops fewer each
         return torch.ops.tokenmill.ggml_blocks_linear(x, self._blocks, self._types, path, self.bias)
 
@@ -293,20 +318,28 @@ def describe_block_kernels(model: nn.Module) -> str | None:
     names = {value: name for name, value in KERNEL_PATHS.items()}
     types = sorted({part.type_name for m in linears for part in m.weight_blocks.parts})
     mapped = sum(m.weight_blocks.nbytes for m in linears) / 2**20
+    repacked = sum(m.repacked for m in linears)
     vector = names[vector_path()]
     tiles = {KERNEL_PATHS["amx_int8"]: f" (AMX-INT8 tiles for Q4_K, Q5_K, Q6_K from {AMX_MIN_ROWS} rows)",
              KERNEL_PATHS["avx2_gemm"]: f" (an AVX2 GEMM for Q4_K, Q5_K, Q6_K, {AVX2_GEMM_MIN_ROWS}-{AVX2_GEMM_DOT_ROWS} rows)"
              }.get(auto_path(), "")
-    return (f"{len(linears)} linears on the file's own blocks ({', '.join(types)}, {mapped:.0f} MiB): {vector} integer "
+    where = f"GGML blocks, {repacked} of them repacked at load for the GEMM" if repacked else "the file's own blocks"
+    return (f"{len(linears)} linears on {where} ({', '.join(types)}, {mapped:.0f} MiB): {vector} integer "
             f"dot products{tiles} on activations rounded to int8 per 256 values up to {dot_rows()} rows, dequantized "
             f"{'bfloat16' if cpu_has_native_bf16() else 'float32'} strips past that")
 
 
-def mapped_weight_bytes(model: nn.Module) -> int:
-    """The bytes of the model's block weights (each tied set once). Mapped from the file, they sit in the page
-    cache, which MemAvailable counts as free: the KV cache's sizing takes them off, or it would claim the
-    memory the weights need and every step would read them from disk again."""
+def block_weight_bytes(model: nn.Module) -> int:
+    """The bytes of the model's block weights (each tied set once), in the file's layout or repacked."""
     return sum(weight.nbytes for weight in block_weights(model))
+
+
+def mapped_weight_bytes(model: nn.Module) -> int:
+    """The bytes of the model's block weights in the file's own layout (each tied set once). Mapped from the file,
+    they sit in the page cache, which MemAvailable counts as free: the KV cache's sizing takes them off, or it
+    would claim the memory the weights need and every step would read them from disk again. Repacked parts are
+    process memory, which MemAvailable has already taken off."""
+    return sum(part.blocks.numel() for weight in block_weights(model) for part in weight.parts if not part.repacked)
 
 
 def fault_in(model: nn.Module) -> int:
