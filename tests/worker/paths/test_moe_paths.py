@@ -53,23 +53,31 @@ def _logits_of_each_step(runner: ModelRunner) -> list[torch.Tensor]:
     return captured
 
 
-@pytest.mark.parametrize("flavour", MOE_FLAVOURS)
-def test_the_triton_backend_runs_moe_as_the_torch_path(tmp_path, flavour):
-    """Tiny random qwen3_moe (a dense layer between two sparse ones), mixtral and olmoe (whole-projection q/k norms)
-    from Hugging Face folders: chunked prefill, a mixed step and decode steps (the decode kernel) on both paths.
-    The torch path equals transformers on these models (tests/worker/model/test_moe_parity.py)."""
-    folder, _ = make_tiny_hf_model(tmp_path, flavour)
+def _torch_and_triton(folder):
+    """The folder's model on the torch and the Triton path, each through the same steps (run_mixed_steps: the
+    same tokens and logprobs on both), counting the Triton path's fused-MoE calls: (model, config, the Triton
+    path, its fused calls, each path's logits of each step)."""
     model, config = load_model(folder, progress=False)
     runners = {backend: _runner(model, config, kernel_backend=backend, packed_linears=False, cpu_fused_ops=False)
                for backend in ("torch", "triton")}
     path = runners["triton"].execution_path
-    assert type(path) is TritonPath
     fused_calls, fused_moe = [], path.kernels.fused_moe
     path.kernels = dataclasses.replace(path.kernels, fused_moe=lambda *args, **kwargs: fused_calls.append(1) or
                                        fused_moe(*args, **kwargs))
     logits = {backend: _logits_of_each_step(runner) for backend, runner in runners.items()}
     steps = {backend: run_mixed_steps(runner) for backend, runner in runners.items()}
     assert_same_steps(steps["torch"], steps["triton"], logprob_atol=1e-4)
+    return model, config, path, fused_calls, logits
+
+
+@pytest.mark.parametrize("flavour", MOE_FLAVOURS)
+def test_the_triton_backend_runs_moe_as_the_torch_path(tmp_path, flavour):
+    """Tiny random qwen3_moe (a dense layer between two sparse ones), mixtral and olmoe (whole-projection q/k norms)
+    from Hugging Face folders: chunked prefill, a mixed step and decode steps (the decode kernel) on both paths.
+    The torch path equals transformers on these models (tests/worker/model/test_moe_parity.py)."""
+    folder, _ = make_tiny_hf_model(tmp_path, flavour)
+    model, config, path, fused_calls, logits = _torch_and_triton(folder)
+    assert type(path) is TritonPath
     num_sparse = sum(isinstance(layer.mlp, SparseMoE) for layer in model.layers)
     assert len(fused_calls) == 5 * num_sparse  # every step's every MoE layer through the fused kernel
     assert len(logits["triton"]) == len(logits["torch"]) == 5
@@ -83,16 +91,7 @@ def test_the_triton_backend_runs_gpt_oss_as_the_torch_path(tmp_path):
     clamped SwiGLU) through the fused kernel. The torch path equals transformers
     (tests/worker/model/test_gpt_oss_parity.py)."""
     folder, _ = make_tiny_hf_model(tmp_path, GPT_OSS)
-    model, config = load_model(folder, progress=False)
-    runners = {backend: _runner(model, config, kernel_backend=backend, packed_linears=False, cpu_fused_ops=False)
-               for backend in ("torch", "triton")}
-    path = runners["triton"].execution_path
-    fused_calls, fused_moe = [], path.kernels.fused_moe
-    path.kernels = dataclasses.replace(path.kernels, fused_moe=lambda *args, **kwargs: fused_calls.append(1) or
-                                       fused_moe(*args, **kwargs))
-    logits = {backend: _logits_of_each_step(runner) for backend, runner in runners.items()}
-    steps = {backend: run_mixed_steps(runner) for backend, runner in runners.items()}
-    assert_same_steps(steps["torch"], steps["triton"], logprob_atol=1e-4)
+    model, config, path, fused_calls, logits = _torch_and_triton(folder)
     assert len(fused_calls) == 5 * config.num_layers  # every step's every layer (all sparse) through the kernel
     for expected, actual in zip(logits["torch"], logits["triton"]):
         torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
