@@ -25,6 +25,7 @@ from core.sampling import SamplingParams  # noqa: E402
 from gateway.prepare.chat_encoding import encode_chat  # noqa: E402
 from gateway.text.tokenizer import load_tokenizer  # noqa: E402
 from scheduler.options import SchedulerOptions  # noqa: E402
+from tokenmill.bench.workload import REWRITE_INSTRUCTION  # noqa: E402
 from tokenmill.llm import ENGINE_WORKER, LLM, EngineConfig  # noqa: E402
 from worker.loader import default_model_path  # noqa: E402
 
@@ -32,7 +33,7 @@ TEXT = ("The committee met on Tuesday to review the budget for the coming year. 
         "agreed to increase funding for the library and the public parks, while reducing spending on new office "
         "furniture. The chair thanked everyone for their patience and asked the treasurer to prepare a revised plan "
         "before the next meeting, which will take place in the town hall at seven in the evening.")
-WORKLOADS = {"input-grounded": "Repeat the following text exactly, word for word:\n\n" + TEXT,
+WORKLOADS = {"input-grounded": REWRITE_INSTRUCTION + TEXT,  # what `tokenmill bench --workload rewrite` asks too
              "open-ended": "Write a short story about a lighthouse keeper."}
 SETTINGS = {"plain": {}, "plain, sync loop": {"async_scheduling": False},
             "ngram k=4": {"speculative": "ngram", "num_speculative_tokens": 4},

@@ -160,3 +160,17 @@ def make_tiny_hf_model(tmp_path: Path, flavour: str = "llama", seed: int = 0, **
     model.save_pretrained(folder, safe_serialization=True)
     write_tiny_tokenizer(folder)
     return folder, model.eval()
+
+
+def copy_without_tensor(folder: Path, dest: Path, name: str) -> Path:
+    """A copy of a tiny model's folder at dest whose model.safetensors lacks the tensor name (a loader's
+    missing-tensor error)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = Path(shutil.copytree(folder, dest))
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors[name]
+    save_file(tensors, str(broken / "model.safetensors"))
+    return broken

@@ -3,14 +3,12 @@ and at start (MXFP4 experts, a missing sinks tensor, a tensor-parallel split) an
 tests/worker/model/test_gpt_oss_parity.py, tests/worker/paths/test_moe_paths.py."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from tests.helpers.tiny_models import GPT_OSS, make_tiny_hf_model
+from tests.helpers.tiny_models import GPT_OSS, copy_without_tensor, make_tiny_hf_model
 from worker.loader import ModelLoadError, load_model
 from worker.loader.hf_loader import parse_hf_config
 from worker.options import WorkerOptions
@@ -65,10 +63,7 @@ def tiny_gpt_oss(tmp_path_factory):
 
 def test_a_missing_sinks_tensor_is_named(tiny_gpt_oss, tmp_path):
     folder, _ = tiny_gpt_oss
-    broken = shutil.copytree(folder, tmp_path / "broken")
-    tensors = load_file(str(broken / "model.safetensors"))
-    del tensors["model.layers.3.self_attn.sinks"]
-    save_file(tensors, str(broken / "model.safetensors"))
+    broken = copy_without_tensor(folder, tmp_path / "broken", "model.layers.3.self_attn.sinks")
     with pytest.raises(ModelLoadError, match="'model.layers.3.self_attn.sinks' is missing"):
         load_model(broken, progress=False)
 

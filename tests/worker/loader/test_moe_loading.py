@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers.tiny_models import make_tiny_hf_model
+from tests.helpers.tiny_models import copy_without_tensor, make_tiny_hf_model
 from worker.loader import ModelLoadError, load_model
 from worker.loader.hf_loader import parse_hf_config
 
@@ -52,10 +52,7 @@ def test_stacked_3d_experts_load_as_the_per_expert_ones(qwen3_moe, tmp_path):
 
 def test_a_missing_expert_is_named(qwen3_moe, tmp_path):
     folder, _ = qwen3_moe
-    broken = shutil.copytree(folder, tmp_path / "broken")
-    tensors = load_file(str(broken / "model.safetensors"))
-    del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
-    save_file(tensors, str(broken / "model.safetensors"))
+    broken = copy_without_tensor(folder, tmp_path / "broken", "model.layers.2.mlp.experts.5.up_proj.weight")
     with pytest.raises(ModelLoadError, match="'model.layers.2.mlp.experts.5.up_proj.weight' is missing"):
         load_model(broken, progress=False)
 
