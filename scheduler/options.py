@@ -73,8 +73,9 @@ class SchedulerOptions(Options):
               "tokens matched earlier in its prompt and output); draft: the worker's draft model (--draft-model) "
               "guesses them; the worker verifies them in the same step, "
               "so greedy output stays token for token the same and sampled output keeps its distribution; "
-              "seeded requests decode as before; implies the "
-              "synchronous loop (--no-async-scheduling)", choices=SPECULATIVE_METHODS)
+              "seeded requests decode as before; with async scheduling a request sits out the step planned while "
+              "its drafts are verified (a batch where all speculate runs the synchronous loop); draft implies "
+              "the synchronous loop", choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int = option(
         8, f"with --speculative: the most draft tokens a request verifies a step (1..{MAX_SPECULATIVE_TOKENS}); "
            "each request's own count follows its acceptance below it",

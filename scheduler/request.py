@@ -15,6 +15,8 @@ on by one:
 - async scheduling: a step sent counts as computed at once (Scheduler.assume_done), and a placeholder
   stands for the token it will sample; update_assumed() replaces the oldest first. num_pending_tokens
   counts them, num_known_tokens leaves them out, drop_pending_tokens() forgets them (steps lost).
+  A step that verifies drafts is not taken as done: it adds 1 .. k + 1 tokens, known only from its result,
+  so the request is `verifying` while it runs and no step is planned past it.
 - preemption: recompute moves "|" back to 0 (prompt and output so far run again as one prompt); swap
   keeps it, with the pages waiting in the host tier.
 """
@@ -87,6 +89,9 @@ class Request:
     # async scheduling: placeholders (PLACEHOLDER_TOKEN_ID) at the tail of all_token_ids for tokens
     # of steps still in flight; the oldest is replaced first, as results arrive in step order
     num_pending_tokens: int = 0
+    # async scheduling with speculation: its drafts are verified in a step in flight, so how many tokens that
+    # step adds is unknown until its result; no step plans past it (it sits them out, scheduler.speculation)
+    verifying: bool = False
     # SamplingParams.prompt_logprobs: those gathered so far, in position order (entry i: prompt token i + 1)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs_sent: bool = False  # on the output of the first token
@@ -145,7 +150,8 @@ class Request:
         return len(self.all_token_ids) - self.num_pending_tokens
 
     def drop_pending_tokens(self) -> None:
-        """Forgets the placeholders (their steps' tokens will never be used)."""
+        """Forgets the placeholders (their steps' tokens will never be used), and a verification in flight."""
+        self.verifying = False
         if self.num_pending_tokens:
             del self.all_token_ids[-self.num_pending_tokens:]
             self.num_pending_tokens = 0

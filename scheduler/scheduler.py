@@ -133,8 +133,8 @@ class Scheduler(WorkerLoss):
             num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
             if step.targeted and num_new > 1:  # a prefill chunk shrinks so the decodes after it still run
                 num_new = max(1, min(num_new, step.budget - step.needing_after[request.request_id]))
-            if num_new == 0 or self._ends_on_pending_token(request):
-                index += 1  # async scheduling: its step in flight is its last, whatever it samples
+            if num_new == 0 or self._ends_on_pending_token(request) or self._sits_out(request):
+                index += 1  # async scheduling: its step in flight is its last, or it cannot be planned past
                 continue
             drafts = self._drafts(step, request, num_new)
             lookahead = self._lookahead(request, request.num_computed_tokens, num_new)
@@ -158,6 +158,14 @@ class Scheduler(WorkerLoss):
                 step.plan.cached_requests.append(CachedRequestData(
                     request.request_id, step.new_block_ids[request.request_id], request.num_computed_tokens,
                     self._dropped_tail.pop(request.request_id, 0)))
+
+    def _sits_out(self, request: Request) -> bool:
+        """Async scheduling with speculation (scheduler.speculation): its drafts are being verified, or it would
+        propose once its token in flight is known; it is planned again with its real tokens."""
+        if request.verifying:
+            return True
+        speculation = self.speculation
+        return bool(request.num_pending_tokens) and speculation is not None and speculation.wants_drafts(request)
 
     def _allocate_preempting(self, step: _Step, request: Request, num_new: int,
                              index: int) -> tuple[list[int] | None, int]:
@@ -328,6 +336,9 @@ class Scheduler(WorkerLoss):
         placeholder token that update_assumed() replaces with the real one."""
         for request_id, num_scheduled in plan.num_scheduled_tokens.items():
             request = self.requests[request_id]
+            if request_id in plan.spec_token_ids:
+                request.verifying = True  # 1 .. k + 1 tokens: update_assumed() applies them as update() does
+                continue
             request.num_computed_tokens += num_scheduled
             if request.num_computed_tokens == request.num_tokens:
                 request.all_token_ids.append(PLACEHOLDER_TOKEN_ID)
@@ -342,9 +353,15 @@ class Scheduler(WorkerLoss):
         that in-flight step, which runs before any later step can hand them to another request."""
         self._observe_step(plan, result)
         outputs = []
-        for request_id in plan.num_scheduled_tokens:
+        for request_id, num_scheduled in plan.num_scheduled_tokens.items():
             token_id = result.sampled_token_ids.get(request_id)
             request = self.requests.get(request_id)
+            drafts = plan.spec_token_ids.get(request_id)
+            if drafts is not None:  # never preempted while verifying (_pick_victim): running, or aborted and gone
+                if request is not None:
+                    request.verifying = False
+                    outputs.extend(self._apply_verified(request, num_scheduled, drafts, result))
+                continue
             if request is not None:
                 self._gather_prompt_logprobs(request, result)
             if token_id is None or request is None or not request.num_pending_tokens:
@@ -415,9 +432,11 @@ class Scheduler(WorkerLoss):
         return None
 
     def _pick_victim(self) -> Request:
+        # not one verifying drafts in flight: its tokens would land on pages it no longer has (the request
+        # being planned never is one, so there is always a victim)
         if self.config.queue_policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+            return max((r for r in self.running if not r.verifying), key=lambda r: (r.priority, r.arrival_time))
+        return next(r for r in reversed(self.running) if not r.verifying)
 
     def _preempt(self, request: Request) -> None:
         # Swap: its computed pages move to the host tier and it resumes where it was. Recompute: the

@@ -42,9 +42,17 @@ grammar's state after the drafts before it) are, and so is a seed: a seeded requ
 while they equal the tokens its sampler draws at their positions (worker.sampling.speculative), so its output
 does not depend on how many drafts a step's budget left room for, which depends on the rest of the batch.
 
-With a worker-side proposer the asynchronous loop could come back (the worker proposes right after sampling,
-with the real last token in hand); with --speculative the loop is synchronous today: planning step N + 1 needs
-step N's accepted tokens.
+Async scheduling (step N + 1 planned while N runs) with the n-gram proposer: a proposal needs the request's last
+token, and a verifying step's outcome (how many drafts held) is known only from its result, so step N + 1 is
+planned without the requests that cannot be planned past: one verifying drafts in N (Request.verifying), and one
+whose token N samples but that would propose next (wants_drafts: its k > 0, or its probe is due). Each sits
+N + 1 out and is planned again, with its real tokens, while N + 1 runs. So a batch where every request
+speculates runs the synchronous loop (N + 1 would be empty; the driver waits for N), a batch where none does
+(an open-ended workload, k adapted to 0) keeps the overlap, and a mix overlaps the rest with the speculating
+requests, which then take every other step. A request that sat a step out and then had nothing to propose
+pauses as a failed probe would (k = 0): in the synchronous loop an empty proposal costs nothing, here a step.
+The draft-model proposer keeps the synchronous loop: its guesses ride a step's result and need the tokens that
+step sampled.
 """
 from __future__ import annotations
 
@@ -146,6 +154,7 @@ class SpeculationState:
     pause: int = PROBE_PAUSE_STEPS  # steps to wait at k = 0 before probing
     waited: int = 0  # steps waited at k = 0 so far
     probing: bool = False  # this step's single draft is a probe
+    sat_out: bool = False  # async scheduling: it sat the last step out to propose with its real last token
     worker_drafts: list[int] = field(default_factory=list)  # DraftProposer: the last result's guesses ...
     worker_drafts_at: int = -1  # ... and the num_tokens they follow
 
@@ -175,21 +184,43 @@ class Speculation:
         params = request.sampling_params
         return params.speculative and not request.num_pending_tokens
 
+    def wants_drafts(self, request: Request) -> bool:
+        """Async scheduling: whether a request whose last token is in flight would propose next step (its k > 0,
+        or its probe is due); such a request sits the step out rather than decode past that token without drafts
+        (which, step after step, would never let it speculate again)."""
+        if not request.sampling_params.speculative or self.proposer.on_worker:
+            return False
+        state = self._state(request)
+        state.sat_out = state.k > 0 or state.waited + 1 >= state.pause
+        return state.sat_out
+
     def drafts(self, request: Request, limit: int) -> list[int]:
         """Draft tokens for a request about to decode one token; at most limit (what its budget, max_tokens
-        and the model length leave after that token)."""
-        if limit < 1 or not self.speculates(request):
+        and the model length leave after that token). A decode at k = 0 counts towards its probe, its last
+        token known or in flight."""
+        if limit < 1 or not request.sampling_params.speculative:
             return []
-        state = request.speculation
-        if state is None:
-            state = request.speculation = SpeculationState(self.max_k)
+        state = self._state(request)
         k = state.k
         if k == 0:
             state.waited += 1
             if state.waited < state.pause:
                 return []
             state.waited, state.probing, k = 0, True, 1
-        return self.proposer.propose(request, min(k, limit))
+        if not self.speculates(request):
+            return []
+        proposal = self.proposer.propose(request, min(k, limit))
+        if not proposal and state.sat_out:  # the step it sat out bought nothing: pause as a failed probe
+            if state.probing:
+                state.pause = min(MAX_PROBE_PAUSE_STEPS, 2 * state.pause)
+            state.k, state.waited, state.probing = 0, 0, False
+        state.sat_out = False
+        return proposal
+
+    def _state(self, request: Request) -> SpeculationState:
+        if request.speculation is None:
+            request.speculation = SpeculationState(self.max_k)
+        return request.speculation
 
     def lookahead(self, request: Request) -> int:
         """How many draft tokens the worker proposes for a request about to sample (StepPlan.num_draft_tokens;
@@ -202,9 +233,7 @@ class Speculation:
 
     def keep_worker_drafts(self, request: Request, drafts: list[int]) -> None:
         """A step's worker-side proposals for the request, which follow its tokens as they are now."""
-        state = request.speculation
-        if state is None:
-            state = request.speculation = SpeculationState(self.max_k)
+        state = self._state(request)
         state.worker_drafts, state.worker_drafts_at = drafts, request.num_tokens
 
     def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:

@@ -43,9 +43,10 @@ class StepPipeline(Generic[Pending]):
         if depth not in (SYNC, ASYNC_SCHEDULING):
             raise ValueError(f"pipeline depth={depth}: must be {SYNC} (sync) or {ASYNC_SCHEDULING} (async scheduling)")
         self.scheduler = scheduler
-        # speculative decoding plans each step from the last one's accepted tokens, which async scheduling
-        # does not have yet: with --speculative the loop is synchronous
-        self.depth = SYNC if scheduler.speculation is not None else depth
+        # a draft model's guesses ride a step's result, so the next plan waits for it; the n-gram proposer's
+        # requests sit out the steps they cannot be planned into (scheduler.speculation)
+        speculation = scheduler.speculation
+        self.depth = SYNC if speculation is not None and speculation.proposer.on_worker else depth
         self._in_flight: deque[InFlightStep[Pending]] = deque()  # sent and not applied, in step order
 
     @property

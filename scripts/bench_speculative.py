@@ -4,7 +4,7 @@ One request at a time (sync tokens/s, greedy; --concurrency N runs N copies of e
 reports output tokens/s over them all), the default model, two workloads: an input-grounded prompt
 (repeat a given paragraph word for word: prompt lookup finds the answer in the prompt) and an open-ended one
 (a short story: little to look up). For each: without speculation (async scheduling, the default, and the
-synchronous loop --speculative implies) and with --speculative ngram at two --num-speculative-tokens; the
+synchronous loop a batch of speculating requests runs) and with --speculative ngram at two --num-speculative-tokens; the
 best of --repeats runs, the drafts accepted, and whether the greedy outputs are identical.
 
 --draft-model PATH (or "default": the default model) adds --speculative draft at the same two counts, the worker

@@ -82,6 +82,36 @@ def test_k_grows_on_acceptance_shrinks_on_rejection_and_reprobes_at_zero():
     assert speculation.accepted_per_position[:3] == [3, 2, 2] and speculation.num_drafts == 5
 
 
+def test_a_request_whose_token_is_in_flight_sits_out_while_it_would_propose_and_counts_its_pause_otherwise():
+    """Async scheduling: wants_drafts() says whether the request waits for its token in flight (k > 0, or its probe
+    due); a decode at k = 0 past a token in flight still counts towards the probe; a request that sat out and then
+    has nothing to propose pauses as a failed probe (in the synchronous loop an empty proposal leaves k alone)."""
+    speculation = Speculation(NgramProposer(), 4)
+    pending = request([5, 6, 7, 8])
+    pending.num_pending_tokens = 1
+    assert speculation.wants_drafts(pending) and pending.speculation.k == 4  # a new request starts at k = max
+    assert speculation.drafts(pending, 4) == []  # never proposes past a token it does not know
+    pending.speculation.k = 0
+    for waited in range(1, PROBE_PAUSE_STEPS):
+        assert not speculation.wants_drafts(pending)
+        assert speculation.drafts(pending, 4) == [] and pending.speculation.waited == waited
+    assert speculation.wants_drafts(pending)  # its probe is due: it sits the step out for it
+    assert not speculation.wants_drafts(request([1], speculative=False))
+
+    no_match = request([5, 6, 7, 8])
+    no_match.speculation = SpeculationState(k=3, sat_out=True)
+    assert speculation.drafts(no_match, 4) == []
+    assert (no_match.speculation.k, no_match.speculation.sat_out) == (0, False)
+    probe = request([5, 6, 7, 8])
+    probe.speculation = SpeculationState(k=0, waited=PROBE_PAUSE_STEPS - 1, sat_out=True)
+    assert speculation.drafts(probe, 4) == []
+    assert (probe.speculation.k, probe.speculation.pause) == (0, 2 * PROBE_PAUSE_STEPS)
+    synchronous = request([5, 6, 7, 8])
+    synchronous.speculation = SpeculationState(k=3)
+    assert speculation.drafts(synchronous, 4) == [] and synchronous.speculation.k == 3
+    assert not Speculation(DraftProposer(), 4).wants_drafts(pending)  # its loop is synchronous
+
+
 def test_num_speculative_tokens_range():
     for bad in (0, 17, -1):
         with pytest.raises(ValueError, match="1..16"):

@@ -42,12 +42,12 @@ class OracleProposer:
         return drafts
 
 
-def make_engine(num_blocks=64, block_size=4, error_rate=0.3, seed=0, k=4, **config):
+def make_engine(num_blocks=64, block_size=4, error_rate=0.3, seed=0, k=4, async_scheduling=True, **config):
     scheduler = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=block_size, speculative="ngram",
                                           num_speculative_tokens=k, **config))
     scheduler.speculation = Speculation(OracleProposer(error_rate, seed, config.get("sliding_window")), k)
     executor = FakeExecutor(num_blocks, block_size, config.get("sliding_window"))
-    return EngineCore(scheduler, executor, async_scheduling=True)  # speculation makes the loop synchronous
+    return EngineCore(scheduler, executor, async_scheduling=async_scheduling)
 
 
 def plain_engine(num_blocks=64, block_size=4, **config):
@@ -64,19 +64,57 @@ def outputs_of(engine, prompts, **params):
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [4] * 11, [5, 6]]
 
 
-def test_output_is_the_same_with_drafts_and_takes_fewer_steps():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_output_is_the_same_with_drafts_and_takes_fewer_steps(async_scheduling):
     plain = plain_engine()
     expected = outputs_of(plain, PROMPTS, max_tokens=24)
-    engine = make_engine(error_rate=0.2)
+    engine = make_engine(error_rate=0.2, async_scheduling=async_scheduling)
     assert outputs_of(engine, PROMPTS, max_tokens=24) == expected
     speculation = engine.scheduler.speculation
     assert speculation.num_accepted_tokens > 0 and speculation.num_draft_tokens > speculation.num_accepted_tokens
     assert len(engine.executor.plans) < len(plain.executor.plans)
-    assert engine.pipeline.depth == 1  # speculation plans from the last step's accepted tokens
+    assert engine.pipeline.depth == (2 if async_scheduling else 1)  # n-gram proposals keep the overlap
     for plan in engine.executor.plans:  # the budget counts the drafts: 1 + k rows per verifying request
         for request_id, drafts in plan.spec_token_ids.items():
             assert plan.num_scheduled_tokens[request_id] == 1 + len(drafts) <= 1 + 4
     assert engine.scheduler.kv.pool.num_free == 64
+
+
+class OverlapRecorder(FakeExecutor):
+    """The fake worker, noting for each plan whether it was sent while the step before it was still in flight."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        super().__init__(num_blocks, block_size)
+        self.pipeline, self.sent_ahead = None, []
+
+    def execute(self, plan):
+        self.sent_ahead.append(self.pipeline.num_in_flight > 0)
+        return super().execute(plan)
+
+
+@pytest.mark.parametrize("error_rate", [0.0, 0.3, 1.0])
+def test_async_scheduling_plans_past_every_request_but_those_whose_drafts_or_proposals_need_the_step_in_flight(
+        error_rate):
+    """Every draft right: each step verifies every request, so none can be planned past and the loop runs as the
+    synchronous one. Every draft wrong (an open-ended text): k falls to 0 and the steps overlap again, but for a
+    probe now and then. Between them, the steps overlap for the requests not speculating. No plan sent while a
+    step is in flight names a request that step verifies, and the output is the plain engine's."""
+    scheduler = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, speculative="ngram", num_speculative_tokens=4))
+    scheduler.speculation = Speculation(OracleProposer(error_rate), 4)
+    engine = EngineCore(scheduler, OverlapRecorder(64, 4), async_scheduling=True)
+    engine.executor.pipeline = engine.pipeline
+    assert outputs_of(engine, PROMPTS, max_tokens=60) == outputs_of(plain_engine(), PROMPTS, max_tokens=60)
+    plans, sent_ahead = engine.executor.plans, engine.executor.sent_ahead
+    for previous, plan, ahead in zip(plans, plans[1:], sent_ahead[1:]):
+        assert not (ahead and set(previous.spec_token_ids) & set(plan.num_scheduled_tokens))
+    share_ahead = sum(sent_ahead) / len(sent_ahead)
+    assert {0.0: share_ahead == 0, 0.3: 0.5 < share_ahead < 0.95, 1.0: share_ahead > 0.8}[error_rate], sent_ahead
+    speculation = scheduler.speculation
+    if error_rate == 1.0:  # the requests still probe while their steps overlap: more verifications than requests
+        assert len(PROMPTS) < speculation.num_drafts < len(plans) / 2
+    else:
+        assert speculation.num_accepted_tokens > 0
+    assert scheduler.kv.pool.num_free == 64
 
 
 def test_a_perfect_proposer_never_runs_past_max_tokens_or_the_model_length():
@@ -107,7 +145,7 @@ def test_nothing_past_a_stop_token_among_the_accepted_drafts():
 def test_drafts_never_crowd_out_another_requests_decode():
     """Budget 12, eight decoding requests that could each verify 8 drafts: every request that decodes gets its
     token every step, and the drafts share what is left."""
-    engine = make_engine(error_rate=0.0, k=8, max_num_batched_tokens=12)
+    engine = make_engine(error_rate=0.0, k=8, max_num_batched_tokens=12, async_scheduling=False)
     for i in range(8):
         engine.add_request(make_request([i + 1, 2, 3], request_id=f"d{i}", max_tokens=30))
     num_drafts = 0
@@ -122,7 +160,7 @@ def test_drafts_never_crowd_out_another_requests_decode():
 
 def test_rejected_drafts_give_their_whole_pages_back():
     # block size 4: a decode at position 9 with 8 drafts takes 3 more pages; all rejected -> given back
-    engine = make_engine(error_rate=1.0, k=8, block_size=4)
+    engine = make_engine(error_rate=1.0, k=8, block_size=4, async_scheduling=False)
     request = make_request([1, 2, 3, 4, 5, 6, 7, 8, 9], request_id="p", max_tokens=20)
     engine.add_request(request)
     engine.step()  # prefill: samples token 10
@@ -161,20 +199,22 @@ operations = st.lists(
 
 
 def check_tails(scheduler) -> None:
-    """After each applied step no running request holds a page past those its tokens need (paged)."""
+    """After each applied step no running request holds a page past those its tokens need (paged), but for one
+    whose drafts a step in flight verifies (async scheduling)."""
     for request in scheduler.running:
-        if scheduler.config.kv_policy == "paged":
+        if scheduler.config.kv_policy == "paged" and not request.verifying:
             assert len(scheduler.kv.block_table(request.request_id)) <= cdiv(request.num_tokens, 4)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(operations, st.sampled_from(["paged", "static"]), st.sampled_from([0.0, 0.3, 1.0]), st.integers(1, 8),
-       st.sampled_from([0, 3]), st.sampled_from([None, 5]), st.integers(0, 1000))
+       st.sampled_from([0, 3]), st.sampled_from([None, 5]), st.integers(0, 1000), st.booleans())
 def test_page_pool_stays_consistent_with_rejections(ops, kv_policy, error_rate, k, num_host_blocks, sliding_window,
-                                                    seed):
+                                                    seed, async_scheduling):
+    """async_scheduling: steps planned while the last one runs, verifying requests sitting the next one out."""
     engine = make_engine(num_blocks=12, block_size=4, error_rate=error_rate, seed=seed, k=k,
                          max_num_batched_tokens=9, kv_policy=kv_policy, num_host_blocks=num_host_blocks,
-                         sliding_window=sliding_window)
+                         sliding_window=sliding_window, async_scheduling=async_scheduling)
     added = []
     for op in ops:
         if op[0] == "add":
@@ -188,8 +228,10 @@ def test_page_pool_stays_consistent_with_rejections(ops, kv_policy, error_rate, 
                 check_tails(engine.scheduler)
         elif op[0] == "abort" and added:
             engine.abort_request(added[op[1] % len(added)].request_id)
-        elif op[0] == "preempt" and engine.scheduler.running:
-            engine.scheduler._preempt(engine.scheduler.running[op[1] % len(engine.scheduler.running)])
+        elif op[0] == "preempt":  # as the scheduler picks victims: never one whose drafts are in flight
+            candidates = [request for request in engine.scheduler.running if not request.verifying]
+            if candidates:
+                engine.scheduler._preempt(candidates[op[1] % len(candidates)])
         check_pool(engine)
     while engine.has_unfinished():  # finish everything, still checking each step
         engine.step()
