@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "rewrite: the input-grounded workload of speculative decoding (issue 35), a chat asking "
                              "for a --prompt-len-token passage word for word, every output that long (default: "
                              "%(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy; above 0, every request samples at it (top-k/top-p off, no seed): an "
+                             "open-ended text, which prompt lookup rarely guesses (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed requests first (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="output lengths and open-loop arrivals (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"), help="report directory (default: %(default)s)")
@@ -186,8 +189,8 @@ def run_cluster(args, workload, kv_policy: str, label: str | None = None, **sett
 
 
 def cluster_target(args, config):
-    return (OpenAITarget(f"http://{config.http_address}/v1") if args.protocol == "http"
-            else TokenmillTarget(config.gateway_address))
+    return (OpenAITarget(f"http://{config.http_address}/v1", temperature=args.temperature) if args.protocol == "http"
+            else TokenmillTarget(config.gateway_address, args.temperature))
 
 
 def cluster_settings(config, kv_policy: str) -> dict:
@@ -296,10 +299,10 @@ def run(args, argv: list[str] | None) -> int:
                               rewrite=args.workload == "rewrite")
     runs: dict[str, dict] = {}
     if args.address:
-        runs["tokenmill"] = asyncio.run(_sweep_address(lambda: TokenmillTarget(args.address), args, workload,
+        runs["tokenmill"] = asyncio.run(_sweep_address(lambda: TokenmillTarget(args.address, args.temperature), args, workload,
                                                        args.scheduler_address, "tokenmill"))
     elif args.openai_url:
-        runs["openai-http"] = asyncio.run(_sweep_address(lambda: OpenAITarget(args.openai_url, args.openai_model), args,
+        runs["openai-http"] = asyncio.run(_sweep_address(lambda: OpenAITarget(args.openai_url, args.openai_model, args.temperature), args,
                                                          workload, None, "openai"))
     elif args.interleave:
         clusters = [(f"tokenmill {policy}", policy, {}) for policy in kv_policies(args)]
@@ -316,7 +319,7 @@ def run(args, argv: list[str] | None) -> int:
         if args.baseline and args.concurrency:  # static batches have no open loop
             print("transformers baseline (static batches)", file=sys.stderr)
             runs["transformers static batches"] = sweep_transformers(
-                TransformersTarget(args.model), workload, args.concurrency, args.num_requests, args.warmup)
+                TransformersTarget(args.model, args.temperature), workload, args.concurrency, args.num_requests, args.warmup)
     result = {"title": "tokenmill bench", "command": "tokenmill bench " + shlex.join(sys.argv[2:] if argv is None else argv),
               "notes": notes(args, runs), "runs": runs}
     verdict = None
@@ -368,7 +371,8 @@ def notes(args, runs: dict) -> list[str]:
     shape = (f"{args.prompt_len}-token text prompts, output lengths uniform in {args.min_output}-{args.max_output}"
              if args.workload == "random-words" else
              f"rewrite: chat prompts asking for a {args.prompt_len}-token passage word for word, outputs that long")
-    return [(f"workload: {args.num_requests} requests per level, {shape} (seed {args.seed}), greedy, EOS ignored; "
+    sampling = f"sampled at temperature {args.temperature:g}" if args.temperature > 0 else "greedy"
+    return [(f"workload: {args.num_requests} requests per level, {shape} (seed {args.seed}), {sampling}, EOS ignored; "
             f"{loops_description(args)}; {args.warmup} warm-up requests excluded from the timed window"),
             percentile_note(args.num_requests),
             f"device: {device}" + ("; workload scaled down for CPU (the standard sweep is 1..128)"

@@ -42,17 +42,18 @@ def _arrived(record: RequestRecord, now: float, last: float | None, num_tokens: 
 class TokenmillTarget:
     name = "tokenmill"
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, temperature: float = 0.0) -> None:
         from tokenmill.client import AsyncClient
 
-        self.address = address
+        self.address, self.temperature = address, temperature
         self.client = AsyncClient(address)
 
     async def send(self, prompt: str, max_tokens: int) -> RequestRecord:
         record = RequestRecord(time.perf_counter())
         last = None
         try:
-            async for delta in self.client.stream(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+            async for delta in self.client.stream(prompt, max_tokens=max_tokens, temperature=self.temperature,
+                                                ignore_eos=True):
                 if delta.token_ids:
                     last = _arrived(record, time.perf_counter(), last, len(delta.token_ids))
                     record.output_tokens += len(delta.token_ids)
@@ -73,11 +74,11 @@ class OpenAITarget:
 
     name = "openai-http"
 
-    def __init__(self, base_url: str, model: str = "") -> None:
+    def __init__(self, base_url: str, model: str = "", temperature: float = 0.0) -> None:
         import aiohttp
 
         self.url = base_url.rstrip("/") + "/completions"
-        self.model = model
+        self.model, self.temperature = model, temperature
         # One fresh connection per request, closed after its response (force_close), and no cap on how
         # many are open (limit=0; aiohttp's default of 100 would queue requests inside the client at high
         # concurrency). Why not a keep-alive pool: llama.cpp's llama-server closes a connection right after
@@ -91,7 +92,7 @@ class OpenAITarget:
         self.session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
 
     async def send(self, prompt: str, max_tokens: int) -> RequestRecord:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": self.temperature,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         record = RequestRecord(time.perf_counter())
         last, usage = None, None
@@ -126,10 +127,10 @@ class TransformersTarget:
 
     name = "transformers"
 
-    def __init__(self, model_path: str | None = None) -> None:
+    def __init__(self, model_path: str | None = None, temperature: float = 0.0) -> None:
         from tokenmill.bench.engine import load_transformers_model
 
-        self.model = load_transformers_model(model_path)
+        self.model, self.temperature = load_transformers_model(model_path), temperature
         self.model.generation_config.eos_token_id = None  # EOS ignored (see bench_engine.run_transformers)
 
     def run_batch(self, prompt_ids: list[list[int]], output_lens: list[int]) -> list[RequestRecord]:
@@ -146,7 +147,9 @@ class TransformersTarget:
         input_ids = torch.tensor(prompt_ids)  # equal prompt lengths: no padding
         sent = time.perf_counter()
         with torch.inference_mode():
-            self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+            sampling = {"do_sample": True, "temperature": self.temperature, "top_k": 0} if self.temperature > 0 else {
+                "do_sample": False}
+            self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **sampling,
                                 max_new_tokens=max(output_lens), pad_token_id=0,
                                 logits_processor=LogitsProcessorList([StepClock()]))
         done = time.perf_counter()

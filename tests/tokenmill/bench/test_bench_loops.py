@@ -39,6 +39,7 @@ class _CompletionsHandler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with server.lock:
             server.arrivals.append(time.perf_counter())
+            server.temperatures.append(body["temperature"])
             server.in_flight += 1
             server.peak_in_flight = max(server.peak_in_flight, server.in_flight)
         try:
@@ -74,7 +75,7 @@ def closing_sse_server(token_delay_s: float = 0.0):
     server = ThreadingHTTPServer(("127.0.0.1", 0), _CompletionsHandler)
     server.daemon_threads = True
     server.lock = threading.Lock()
-    server.arrivals, server.in_flight, server.peak_in_flight = [], 0, 0
+    server.arrivals, server.temperatures, server.in_flight, server.peak_in_flight = [], [], 0, 0
     server.token_delay_s = token_delay_s
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -224,6 +225,20 @@ def test_cli_open_loop_against_an_openai_url(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "warning: with 10 requests per level" in captured.err
     assert "linear interpolation between closest ranks" in captured.out
+
+
+@pytest.mark.parametrize("temperature", [None, 0.8])
+def test_requests_are_greedy_unless_a_temperature_is_given(tmp_path, temperature):
+    from tokenmill.bench.cli import main
+
+    flag = [] if temperature is None else ["--temperature", str(temperature)]
+    with closing_sse_server() as (server, url):
+        assert main(["--openai-url", url, "--concurrency", "2", "--num-requests", "4", "--warmup", "0",
+                     "--prompt-len", "8", "--min-output", "2", "--max-output", "2", "--no-plots",
+                     "--out", str(tmp_path), *flag]) == 0
+    assert server.temperatures == [temperature or 0.0] * 4
+    workload_note = json.loads((tmp_path / "bench.json").read_text())["notes"][0]
+    assert ("sampled at temperature 0.8," if temperature else "greedy,") in workload_note
 
 
 def test_interleaved_order_runs_each_step_on_every_run_rotating_the_order():
