@@ -411,7 +411,7 @@ class Scheduler(WorkerLoss):
         counts, after = {}, 0
         for request in reversed(self.running):
             counts[request.request_id] = after
-            after += request.num_tokens > request.num_computed_tokens
+            after += request.num_tokens > request.num_computed_tokens and not request.verifying  # it sits out
         return counts
 
     # --- helpers ----------------------------------------------------------------------------------
