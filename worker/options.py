@@ -140,7 +140,8 @@ class WorkerOptions(Options):
         "(default: %(default)s)", choices=CPU_BLOCK_KERNEL_MODES)
     # K-quant block linears repacked at load where auto runs them on the AVX2 GEMM (worker.linears.ggml_repack)
     cpu_block_repack: bool = option(
-        True, "CPU: keep the K-quant block linears in the file's own layout instead of repacking them once at load "
+        True, "CPU: keep the K-quant block linears (and a mixture of experts' expert blocks) in the file's own layout "
+        "instead of repacking them once at load "
         "(where the kernels run an AVX2 GEMM: AVX2 without AVX-512 VNNI) into the 8-row groups it reads fastest "
         "(about the file's size; the file's pages are given back)")
     # float32 linears on oneDNN-reordered weights (CPU, torch backend: worker.linears.packed)

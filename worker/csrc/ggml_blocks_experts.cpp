@@ -16,7 +16,8 @@
 // An expert with kAmxMinRows or more rows runs its K-quant parts on the AMX tiles where auto has them (its x
 // laid out for the tiles once, experts in parallel), or on an AVX2-only CPU from kAvx2GemmMinRows on the AVX2
 // GEMM; one with fewer on the vector kernels, each exactly as a dense block linear of that many rows would: a
-// row's output does not depend on the other experts.
+// row's output does not depend on the other experts. Parts repacked at load (an AVX2-only CPU,
+// worker.linears.ggml_repack) run the GEMM on their layout at every row count, as a repacked dense linear does.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -83,7 +84,9 @@ void run_items(const Experts& w, const ExpertRows& x, const int64_t* offsets, bo
       p.data += it.expert * p.rows * p.row_bytes;
       Out* rows_out = out + offsets[it.expert] * w.N;
       const AmxRows* tiles = x.tiles[it.expert].get();
-      if (tiles && amx_has_kernel(p.type))
+      if (is_repacked(p.type))  // repacked at load (worker.linears.ggml_repack): the GEMM at any row count
+        repacked_gemm_rows(p, it.n0, it.n1, x.rows[it.expert], nullptr, rows_out, w.N, w.first_col[it.part]);
+      else if (tiles && amx_has_kernel(p.type))
         amx_rows(p, it.n0, it.n1, *tiles, rows_out, w.N, w.first_col[it.part]);
       else if (x.gemm[it.expert] && avx2_gemm_has_kernel(p.type))
         avx2_gemm_rows(p, it.n0, it.n1, x.rows[it.expert], nullptr, rows_out, w.N, w.first_col[it.part]);
@@ -108,6 +111,9 @@ Experts check_experts(at::TensorList parts, at::IntArrayRef types, int64_t K) {
                     blocks.size(0) == w.num_experts && blocks.size(2) == K / per * bytes,
                 "ggml_blocks_experts: part ", i, " must be contiguous uint8 [", w.num_experts, " experts, rows, ",
                 K / per * bytes, "], got ", blocks.sizes());
+    TORCH_CHECK(!is_repacked(type) || (repack_has_layout(file_type(type)) && blocks.size(1) % 8 == 0),
+                "ggml_blocks_experts: repacked part ", i, " (GGML type ", file_type(type), ") must be Q4_K, Q5_K or "
+                "Q6_K in groups of 8 rows, got ", blocks.size(1), " rows an expert");
     w.parts.push_back({blocks.data_ptr<uint8_t>(), type, blocks.size(1), blocks.size(2)});
     w.first_col.push_back(w.N);
     w.N += blocks.size(1);
@@ -138,6 +144,10 @@ at::Tensor ggml_blocks_experts(const at::Tensor& x_in, const at::Tensor& offsets
   at::Tensor out = at::empty({R, w.N}, x.options());
   if (R == 0) return out;
   const int64_t runs = ggml_blocks_path(path);
+  const bool repacked = std::any_of(w.parts.begin(), w.parts.end(), [](const Part& p) { return is_repacked(p.type); });
+  TORCH_CHECK(runs == 4 || !repacked,
+              "ggml_blocks_experts: repacked parts run on the AVX2 GEMM only (path 4, or auto on a CPU without "
+              "AVX-512 VNNI), got path ", path);
   Q8Buffer buf;
   const Q8Rows q = x.scalar_type() == at::kFloat ? quantize_rows(x.data_ptr<float>(), R, K, buf)
                                                  : quantize_rows(x.data_ptr<at::BFloat16>(), R, K, buf);

@@ -145,8 +145,9 @@ class PartsOfBlocks:
             if not block_supported(part.type_name, self.in_features):
                 raise ValueError(f"{part.type_name} {what}blocks of {self.in_features} values a row have no kernel "
                                  f"(types {sorted(BLOCK_TYPES)}, rows a multiple of the block)")
-            if part.repacked and (part.type_name not in REPACKED_BYTES or part.rows % 8):
-                raise ValueError(f"a repacked {part.type_name} part of {part.rows} rows: only "
+            rows = part.blocks.shape[-2] if part.blocks.dim() > 1 else 0  # an expert's, for stacked experts
+            if part.repacked and (part.type_name not in REPACKED_BYTES or rows % 8):
+                raise ValueError(f"a repacked {part.type_name} {what}part of {rows} rows: only "
                                  f"{sorted(REPACKED_BYTES)} repack, in groups of 8 rows")
             row_bytes = part.row_bytes(self.in_features)
             blocks = part.blocks

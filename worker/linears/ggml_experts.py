@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from worker.linears.ggml_blocks import (BLOCK_BYTES, BLOCK_ELEMENTS, BLOCK_TYPES, KERNEL_PATHS, BlockPart,
+from worker.linears.ggml_blocks import (BLOCK_BYTES, BLOCK_ELEMENTS, KERNEL_PATHS, BlockPart,
                                         CpuOnlyBlocks, PartsOfBlocks, mapped_bytes_tensor)
 from worker.native_ops import cpu_ops_available
 
@@ -58,7 +58,7 @@ class ExpertBlocksWeight(PartsOfBlocks):
     def dequantize(self) -> torch.Tensor:
         """float32 [E, out_features, in_features], exactly gguf-py's values (the float reference's weights)."""
         return torch.cat([torch.ops.tokenmill.ggml_blocks_dequantize(
-            part.blocks.reshape(-1, part.blocks.shape[2]), BLOCK_TYPES[part.type_name], self.in_features,
+            part.blocks.reshape(-1, part.blocks.shape[2]), part.type_id, self.in_features,
             torch.arange(part.blocks.shape[0] * part.blocks.shape[1])).reshape(part.blocks.shape[0], -1, self.in_features)
             for part in self.parts], dim=1)
 
@@ -78,11 +78,16 @@ class GGMLBlocksExperts(CpuOnlyBlocks):
             raise ValueError(f"gate/up [{gate_up.num_experts}, {gate_up.out_features}, {gate_up.in_features}] does not "
                              f"match down [{down.num_experts}, {down.out_features}, {down.in_features}]")
         self.expert_blocks = (gate_up, down)  # what worker.linears.ggml_blocks.block_weights maps and faults in
+        self.hidden_act = hidden_act
         self.gelu = hidden_act == "gelu_tanh"
         self._gate_up = [part.blocks for part in gate_up.parts]
-        self._gate_up_types = [BLOCK_TYPES[part.type_name] for part in gate_up.parts]
+        self._gate_up_types = [part.type_id for part in gate_up.parts]
         self._down = [part.blocks for part in down.parts]
-        self._down_types = [BLOCK_TYPES[part.type_name] for part in down.parts]
+        self._down_types = [part.type_id for part in down.parts]
+
+    def on_weights(self, gate_up: ExpertBlocksWeight, down: ExpertBlocksWeight) -> GGMLBlocksExperts:
+        """The same experts on other blocks of the same values (worker.linears.ggml_repack's layout)."""
+        return GGMLBlocksExperts(gate_up, down, self.hidden_act)
 
     @property
     def num_experts(self) -> int:
@@ -116,10 +121,12 @@ def describe_experts(model: nn.Module) -> str:
         types = sorted({part.type_name for weight in weights for part in weight.parts})
         tiles = (f" (AMX-INT8 tiles for an expert's K-quants from {AMX_MIN_ROWS} rows)"
                  if auto_path() == KERNEL_PATHS["amx_int8"] else "")
-        described.append(f"{len(on_blocks)} layers' experts on the file's own blocks ({', '.join(types)}, "
+        repacked = any(part.repacked for weight in weights for part in weight.parts)  # worker.linears.ggml_repack
+        blocks = "the file's blocks, its K-quants repacked at load" if repacked else "the file's own blocks"
+        kernels = "the AVX2 GEMM" if repacked else f"{names[vector_path()]} integer dot products{tiles}"
+        described.append(f"{len(on_blocks)} layers' experts on {blocks} ({', '.join(types)}, "
                          f"{sum(w.nbytes for w in weights) / 2**20:.0f} MiB): one native call for every expert's gate/up "
-                         f"and one for down a layer, {names[vector_path()]} integer dot products{tiles} on activations "
-                         f"rounded to int8 per 256 values")
+                         f"and one for down a layer, {kernels} on activations rounded to int8 per 256 values")
     if stacked:
         dtypes = sorted({str(m.gate_up.dtype).removeprefix("torch.") for m in stacked})
         described.append(f"{len(stacked)} layers' experts in {', '.join(dtypes)}, each expert's matmuls in torch over "

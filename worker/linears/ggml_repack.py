@@ -7,7 +7,11 @@ back (madvise MADV_DONTNEED), so memory stays about one copy of the file.
 What else reads a repacked weight: a long prefill's dequantized strips, a dense copy and an embedding that a tied
 lm_head shares all go through the dequantizer, which unpacks row by row (exactly the file's values); the
 deterministic mode keeps the file's blocks (worker.build repacks only without it), and so do tensor-parallel
-ranks (their shards are cut from the file's layout) and the mixture-of-experts' expert blocks.
+ranks (their shards are cut from the file's layout).
+
+A mixture of experts' stacked expert blocks [E, rows, row bytes] repack the same way, every expert's rows in
+groups of 8 that never straddle two experts (an expert's rows are a multiple of 8), so expert e's repacked rows
+start at e * rows * the repacked row bytes, where its file rows started at e * rows * the file's.
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ import torch
 from torch import nn
 
 from worker.linears.ggml_blocks import (BLOCK_TYPES, KERNEL_PATHS, REPACKED_BYTES, BlockPart, GGMLBlocksEmbedding,
-                                        GGMLBlocksLinear, GGMLBlocksWeight, auto_path)
+                                        GGMLBlocksLinear, GGMLBlocksWeight, PartsOfBlocks, auto_path)
+from worker.linears.ggml_experts import ExpertBlocksWeight, GGMLBlocksExperts
 
 log = logging.getLogger(__name__)
 MADV_DONTNEED = 4  # Linux's value (mmap.MADV_DONTNEED where Python has it)
@@ -32,40 +37,48 @@ def repacks_here() -> bool:
     return auto_path() == KERNEL_PATHS["avx2_gemm"]
 
 
-def repackable(weight: GGMLBlocksWeight) -> bool:
-    """A weight whose every part starts on a group of 8 rows, with at least one K-quant part to repack."""
-    return (all(part.rows % GROUP_ROWS == 0 for part in weight.parts)
+def repackable(weight: PartsOfBlocks) -> bool:
+    """A weight (or an expert's, stacked) whose every part starts on a group of 8 rows, with at least one K-quant
+    part to repack."""
+    return (all(part.blocks.shape[-2] % GROUP_ROWS == 0 for part in weight.parts)
             and any(part.type_name in REPACKED_BYTES and not part.repacked for part in weight.parts))
 
 
-def repacked_weight(weight: GGMLBlocksWeight) -> GGMLBlocksWeight:
-    """The weight with its K-quant parts repacked (copies); other types' parts stay as they are."""
+def repacked_weight(weight: GGMLBlocksWeight | ExpertBlocksWeight) -> GGMLBlocksWeight | ExpertBlocksWeight:
+    """The weight with its K-quant parts repacked (copies); other types' parts stay as they are. Stacked experts'
+    parts repack as one tensor of every expert's rows (groups never straddle two experts)."""
     parts = []
     for part in weight.parts:
         if part.type_name in REPACKED_BYTES and not part.repacked:
-            blocks = torch.ops.tokenmill.ggml_blocks_repack(part.blocks, BLOCK_TYPES[part.type_name], weight.in_features)
-            part = BlockPart(part.type_name, blocks, repacked=True)
+            rows = part.blocks.reshape(-1, part.blocks.shape[-1])
+            blocks = torch.ops.tokenmill.ggml_blocks_repack(rows, BLOCK_TYPES[part.type_name], weight.in_features)
+            part = BlockPart(part.type_name, blocks.reshape(*part.blocks.shape[:-1], -1), repacked=True)
         parts.append(part)
-    return GGMLBlocksWeight(tuple(parts), weight.in_features)
+    return type(weight)(tuple(parts), weight.in_features)
 
 
 def repack_linears(model: nn.Module) -> int:
     """Every repackable GGMLBlocksLinear of the model swapped for one on its repacked weight (an embedding sharing
-    that weight, a tied lm_head's, follows it), each tensor's file pages given back as soon as it is copied.
-    Does nothing where auto does not run the AVX2 GEMM. Returns how many linears were repacked."""
+    that weight, a tied lm_head's, follows it), and every mixture-of-experts' GGMLBlocksExperts for one on its
+    repacked expert blocks, each tensor's file pages given back as soon as it is copied. Does nothing where auto
+    does not run the AVX2 GEMM. Returns how many weights were repacked (an experts' gate/up and down: two)."""
     if not repacks_here():
         return 0
     mappings = _file_mappings()
-    done: dict[int, GGMLBlocksWeight] = {}  # id(original weight) -> repacked
+    done: dict[int, PartsOfBlocks] = {}  # id(original weight) -> repacked
+
+    def repacked(original: PartsOfBlocks) -> PartsOfBlocks:
+        if id(original) not in done and repackable(original):
+            done[id(original)] = repacked_weight(original)
+            _give_back(original, mappings)
+        return done.get(id(original), original)
+
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, GGMLBlocksLinear) or not repackable(child.weight_blocks):
-                continue
-            original = child.weight_blocks
-            if id(original) not in done:
-                done[id(original)] = repacked_weight(original)
-                _give_back(original, mappings)
-            setattr(parent, name, GGMLBlocksLinear(done[id(original)], child.bias))
+            if isinstance(child, GGMLBlocksLinear) and repackable(child.weight_blocks):
+                setattr(parent, name, GGMLBlocksLinear(repacked(child.weight_blocks), child.bias))
+            elif isinstance(child, GGMLBlocksExperts) and any(map(repackable, child.expert_blocks)):
+                setattr(parent, name, child.on_weights(*map(repacked, child.expert_blocks)))
     for module in model.modules():  # a tied embedding reads its rows from the repacked copy
         if isinstance(module, GGMLBlocksEmbedding) and id(module.weight_blocks) in done:
             module.weight_blocks = done[id(module.weight_blocks)]

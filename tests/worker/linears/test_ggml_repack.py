@@ -185,3 +185,46 @@ def test_repack_linears_does_nothing_where_auto_is_not_the_avx2_gemm(monkeypatch
     model = TiedModel(weight, weight)
     assert ggml_repack.repack_linears(model) == 0
     assert not model.lm_head.repacked
+
+
+class MoeLayer(nn.Module):
+    def __init__(self, experts: nn.Module) -> None:
+        super().__init__()
+        self.experts = experts
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q8_0", "Q6_K")], ids="-".join)
+def test_repacked_experts_give_the_gemms_bits_and_keep_other_types_as_stored(monkeypatch, types):
+    """A mixture of experts' stacked blocks repack as one tensor of every expert's rows: each expert's rows through
+    the repacked GEMM give the bits of the GEMM on the file's blocks, at every routing layout (one token to many,
+    an expert with none), in float32 and bfloat16; a Q8_0 part stays in the file's layout."""
+    from tests.worker.linears.test_ggml_experts import EXPERTS, LAYOUTS, make_experts, routing
+    from worker.linears import ggml_repack
+    from worker.linears.ggml_experts import describe_experts
+
+    monkeypatch.setattr(ggml_repack, "repacks_here", lambda: True)  # what auto does on an AVX2-only CPU
+    layer = MoeLayer(make_experts(types, seed=4))
+    file_layout = layer.experts
+    file_layout.kernel_path = GEMM  # the GEMM at every row count, forced (auto's vector kernel below its rows)
+    inputs = []
+    for layout in LAYOUTS:
+        x, _, top_experts = routing(layout, seed=2)
+        order = torch.argsort(top_experts.reshape(-1), stable=True)
+        counts = torch.bincount(top_experts.reshape(-1), minlength=EXPERTS)
+        for dtype in (torch.float32, torch.bfloat16):
+            rows = x.to(dtype).index_select(0, order // top_experts.shape[1])
+            inputs.append((layout, rows, counts, file_layout(rows, counts)))
+    assert ggml_repack.repack_linears(layer) == 2  # gate/up and down
+    experts = layer.experts
+    assert experts is not file_layout and experts.hidden_act == "silu"
+    assert [[part.repacked for part in weight.parts] for weight in experts.expert_blocks] == [
+        [type_name != "Q8_0" for type_name in types[:2]], [True]]
+    for repacked_weight, file_weight in zip(experts.expert_blocks, file_layout.expert_blocks):
+        assert torch.equal(repacked_weight.dequantize(), file_weight.dequantize())
+    experts.kernel_path = GEMM
+    for layout, rows, counts, expected in inputs:
+        assert torch.equal(experts(rows, counts), expected), (layout, rows.dtype)
+    assert "K-quants repacked at load" in describe_experts(layer) and "the AVX2 GEMM" in describe_experts(layer)
+    experts.kernel_path = KERNEL_PATHS["avx2"]
+    with pytest.raises(RuntimeError, match="repacked parts run on the AVX2 GEMM only"):
+        experts(*inputs[0][1:3])
