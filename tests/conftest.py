@@ -20,4 +20,5 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     cache_builtin_lookup()
 
+from tests.helpers.default_cluster import default_cluster  # noqa: E402, F401
 from tests.helpers.redis_server import fresh_redis, own_redis, redis_server  # noqa: E402, F401

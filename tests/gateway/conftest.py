@@ -1,22 +1,17 @@
-"""One real cluster (redis-server, worker, scheduler, gateway) on the default model, shared by the gateway
-tests that drive public protocols through unmodified clients (KServe v2 via tritonclient, reflection).
+"""The gateway tests that drive public protocols through unmodified clients (KServe v2 via tritonclient,
+reflection, OpenAI) run on the suite's shared cluster on the default model (tests/helpers/default_cluster.py).
 Started on first use only, so the fast unit tests in this folder never pay for it."""
 from __future__ import annotations
 
 import openai
 import pytest
 
-from tokenmill.cluster.config import ClusterConfig, resolve_ports, with_settings
-from tokenmill.cluster.specs import cluster_specs
-from tokenmill.cluster.supervisor import Supervisor
+from tokenmill.cluster.config import ClusterConfig
 
 
-@pytest.fixture(scope="package")
-def gateway_cluster() -> ClusterConfig:
-    config = resolve_ports(with_settings(ClusterConfig(), gateway_port=0, http_port=0, scheduler_port=0, worker_port=0,
-                                         redis_port=0, kv_cache_mb=64, max_num_batched_tokens=256))
-    with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300):
-        yield config
+@pytest.fixture(scope="session")
+def gateway_cluster(default_cluster) -> ClusterConfig:
+    return default_cluster[0]
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,7 @@ import pytest
 from protos.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tokenmill.client import AsyncClient, Client, ClientError, RetryPolicy
 from tokenmill.client.types import generate_request
-from tokenmill.cluster.config import ClusterConfig, resolve_ports, with_settings
-from tokenmill.cluster.specs import cluster_specs
 from tokenmill.cluster.readiness import free_port
-from tokenmill.cluster.supervisor import Supervisor
 
 FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.05)
 
@@ -172,11 +169,8 @@ def test_a_server_that_starts_late_is_reached_by_retries():
 # -- against a real cluster ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def cluster_address():
-    config = resolve_ports(with_settings(ClusterConfig(), gateway_port=0, scheduler_port=0, worker_port=0, redis_port=0,
-                                         kv_cache_mb=64, max_num_batched_tokens=256))
-    with Supervisor(cluster_specs(config), echo=False, startup_timeout_s=300):
-        yield config.gateway_address
+def cluster_address(default_cluster):
+    return default_cluster[0].gateway_address
 
 
 @pytest.mark.slow

@@ -38,7 +38,8 @@ class GuardedCluster:
         return (("authorization", f"Bearer {MAIN_KEY}"),)
 
 
-@pytest.fixture(scope="package")
+# session, not package: one start a pytest worker (see tests/helpers/default_cluster.py)
+@pytest.fixture(scope="session")
 def guarded(tmp_path_factory) -> GuardedCluster:
     root = tmp_path_factory.mktemp("guarded")
     folder, _ = make_tiny_hf_model(root, "llama")

@@ -33,13 +33,14 @@ def greedy_request(request_id: str, prompt: str, max_tokens: int) -> generation_
     return generation_pb2.GenerateRequest(request_id=request_id, prompt=prompt, parameters=parameters)
 
 
-@pytest.fixture(scope="package")
+# session, not package: one start a pytest worker (see tests/helpers/default_cluster.py)
+@pytest.fixture(scope="session")
 def otlp_receiver():
     with OtlpReceiver() as receiver:
         yield receiver
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def traced_cluster(tmp_path_factory, otlp_receiver):
     # a 4096-token context: a LONG_TOKENS request must fit (the tiny model's default context is 512)
     model, _ = make_tiny_hf_model(tmp_path_factory.mktemp("telemetry-model"), max_position_embeddings=4096)
