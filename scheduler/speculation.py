@@ -198,9 +198,12 @@ class Speculation:
         """Draft tokens for a request about to decode one token; at most limit (what its budget, max_tokens
         and the model length leave after that token). A decode at k = 0 counts towards its probe, its last
         token known or in flight."""
-        if limit < 1 or not request.sampling_params.speculative:
+        if not request.sampling_params.speculative:
             return []
         state = self._state(request)
+        sat_out, state.sat_out = state.sat_out, False  # what it sat out for is this call, whatever it returns
+        if limit < 1:
+            return []
         k = state.k
         if k == 0:
             state.waited += 1
@@ -210,11 +213,10 @@ class Speculation:
         if not self.speculates(request):
             return []
         proposal = self.proposer.propose(request, min(k, limit))
-        if not proposal and state.sat_out:  # the step it sat out bought nothing: pause as a failed probe
+        if not proposal and sat_out:  # the step it sat out bought nothing: pause as a failed probe
             if state.probing:
                 state.pause = min(MAX_PROBE_PAUSE_STEPS, 2 * state.pause)
             state.k, state.waited, state.probing = 0, 0, False
-        state.sat_out = False
         return proposal
 
     def _state(self, request: Request) -> SpeculationState:

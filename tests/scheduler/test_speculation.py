@@ -106,6 +106,10 @@ def test_a_request_whose_token_is_in_flight_sits_out_while_it_would_propose_and_
     probe.speculation = SpeculationState(k=0, waited=PROBE_PAUSE_STEPS - 1, sat_out=True)
     assert speculation.drafts(probe, 4) == []
     assert (probe.speculation.k, probe.speculation.pause) == (0, 2 * PROBE_PAUSE_STEPS)
+    no_room = request([1, 2, 1, 2])
+    no_room.speculation = SpeculationState(k=3, sat_out=True)
+    assert speculation.drafts(no_room, 0) == [] and not no_room.speculation.sat_out  # no stale flag left behind
+    assert speculation.drafts(no_room, 4) == [1, 2, 1] and no_room.speculation.k == 3
     synchronous = request([5, 6, 7, 8])
     synchronous.speculation = SpeculationState(k=3)
     assert speculation.drafts(synchronous, 4) == [] and synchronous.speculation.k == 3
