@@ -3,10 +3,11 @@
 Rooms, from the scheduling rule outwards (the shared types it works on live in core/):
 
     (top level)  the rule: scheduler.py's schedule() / update() over request.py's one state object per
-                 request, with its policies (queues, latency targets and the step-time model they learn,
-                 admission, speculation.py's draft proposers), its config and load figures; the step pipeline written once (schedule ->
-                 send the plan -> apply its result) and EngineCore, the pipeline over an in-process
-                 executor. Imports pages/, never process/.
+                 request (async_steps.py: its steps in flight; worker_loss.py: its recovery), with its
+                 policies (queues, latency targets and the step-time model they learn, admission,
+                 speculation.py's draft proposers), its config and load figures; the step pipeline written
+                 once (schedule -> send the plan -> apply its result) and EngineCore, the pipeline over an
+                 in-process executor. Imports pages/, never process/.
     pages/       page accounting: which pages each request owns in both tiers, the pool with its
                  prefix index, swap or recompute per preempted victim. Imports no other room.
     process/     the scheduler process around the rule: the asyncio step loop (the Scheduler's single

@@ -19,7 +19,7 @@ from typing import Callable
 from core.errors import AlreadyExists, InvalidArgument
 from core.outputs import RequestOutput
 from core.sampling import SamplingParams
-from core.step import PLACEHOLDER_TOKEN_ID, CachedRequestData, NewRequestData, StepPlan, StepResult
+from core.step import CachedRequestData, NewRequestData, StepPlan, StepResult
 from scheduler.config import SchedulerConfig
 from scheduler.pages.kv_manager import KVCacheManager, cdiv
 from scheduler.latency_targets import LatencyTargets
@@ -28,6 +28,7 @@ from scheduler.queue_policy import make_waiting_queue
 from scheduler.request import FINISH_REASONS, Request, RequestStatus
 from scheduler.speculation import build_speculation, verified_tokens
 from scheduler.stats import SchedulerStats
+from scheduler.async_steps import AsyncSteps
 from scheduler.worker_loss import WorkerLoss
 from scheduler.step_time import ItlTarget, StepTuning
 
@@ -52,7 +53,7 @@ class _Step:
     needing_after: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
-class Scheduler(WorkerLoss):
+class Scheduler(WorkerLoss, AsyncSteps):
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.clock = clock  # the clock of Request.arrival_time (TTFT target) and of step times
@@ -158,14 +159,6 @@ class Scheduler(WorkerLoss):
                 step.plan.cached_requests.append(CachedRequestData(
                     request.request_id, step.new_block_ids[request.request_id], request.num_computed_tokens,
                     self._dropped_tail.pop(request.request_id, 0)))
-
-    def _sits_out(self, request: Request) -> bool:
-        """Async scheduling with speculation (scheduler.speculation): its drafts are being verified, or it would
-        propose once its token in flight is known; it is planned again with its real tokens."""
-        if request.verifying:
-            return True
-        speculation = self.speculation
-        return bool(request.num_pending_tokens) and speculation is not None and speculation.wants_drafts(request)
 
     def _allocate_preempting(self, step: _Step, request: Request, num_new: int,
                              index: int) -> tuple[list[int] | None, int]:
@@ -328,58 +321,6 @@ class Scheduler(WorkerLoss):
                                                       + self.kv.free_tail(request))
         return [self._output(request, emitted, logprobs[:len(emitted)])]
 
-    # --- async scheduling: plan step N+1 while step N is in flight ------------------------------
-
-    def assume_done(self, plan: StepPlan) -> None:
-        """Takes a plan that was just sent as done, so the next one can be planned before its result:
-        every scheduled request's computed count advances, and each that samples this step gets a
-        placeholder token that update_assumed() replaces with the real one."""
-        for request_id, num_scheduled in plan.num_scheduled_tokens.items():
-            request = self.requests[request_id]
-            if request_id in plan.spec_token_ids:
-                request.verifying = True  # 1 .. k + 1 tokens: update_assumed() applies them as update() does
-                continue
-            request.num_computed_tokens += num_scheduled
-            if request.num_computed_tokens == request.num_tokens:
-                request.all_token_ids.append(PLACEHOLDER_TOKEN_ID)
-                request.num_pending_tokens += 1
-
-    def update_assumed(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """update() for a plan that went through assume_done(); results must come in step order.
-
-        A request that stops here may already be in the next plan (in flight): it is finished and its
-        pages freed now, and that step's token for it is dropped (it is no longer in self.requests).
-        The worker drops its copy with the plan after that one, so its pages are written at most by
-        that in-flight step, which runs before any later step can hand them to another request."""
-        self._observe_step(plan, result)
-        outputs = []
-        for request_id, num_scheduled in plan.num_scheduled_tokens.items():
-            token_id = result.sampled_token_ids.get(request_id)
-            request = self.requests.get(request_id)
-            drafts = plan.spec_token_ids.get(request_id)
-            if drafts is not None:  # never preempted while verifying (_pick_victim): running, or aborted and gone
-                if request is not None:
-                    request.verifying = False
-                    outputs.extend(self._apply_verified(request, num_scheduled, drafts, result))
-                continue
-            if request is not None:
-                self._gather_prompt_logprobs(request, result)
-            if token_id is None or request is None or not request.num_pending_tokens:
-                continue  # a mid-prompt chunk, or a request that ended while the step ran
-            index = request.num_known_tokens
-            request.all_token_ids[index] = token_id
-            request.num_pending_tokens -= 1
-            logprobs = result.logprobs.get(request_id)
-            status = self._stop_status(request, token_id, num_tokens=index + 1)
-            if status is not None:
-                if request.status == RequestStatus.RUNNING:
-                    self.running.remove(request)
-                else:  # preempted while the step ran
-                    self.waiting.remove(request)
-                self._finish(request, status)
-            outputs.append(self._output(request, [token_id], [logprobs] if logprobs else []))
-        return outputs
-
     @staticmethod
     def _gather_prompt_logprobs(request: Request, result: StepResult) -> None:
         chunk = result.prompt_logprobs.get(request.request_id)
@@ -394,10 +335,6 @@ class Scheduler(WorkerLoss):
         if params.prompt_logprobs is not None and not request.needs_prompt_logprobs:
             return dataclasses.replace(params, prompt_logprobs=None)
         return params
-
-    def _ends_on_pending_token(self, request: Request) -> bool:
-        # its newest placeholder reaches max_tokens or the model length: planning past it is waste
-        return bool(request.num_pending_tokens) and self._length_reached(request, request.num_tokens)
 
     def _observe_step(self, plan: StepPlan, result: StepResult) -> None:
         self.recompute_rate.observe(plan.total_num_scheduled_tokens, result.forward_ns)
