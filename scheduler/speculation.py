@@ -50,7 +50,10 @@ N + 1 out and is planned again, with its real tokens, while N + 1 runs. So a bat
 speculates runs the synchronous loop (N + 1 would be empty; the driver waits for N), a batch where none does
 (an open-ended workload, k adapted to 0) keeps the overlap, and a mix overlaps the rest with the speculating
 requests, which then take every other step. A request that sat a step out and then had nothing to propose
-pauses as a failed probe would (k = 0): in the synchronous loop an empty proposal costs nothing, here a step.
+pauses as a failed probe would (k = 0): in the synchronous loop an empty proposal costs nothing, here a step. So
+a request sits out only when its proposer could propose whatever the token in flight is (could_propose: for
+prompt lookup, its last known token occurs earlier; on the open-ended bench workload at temperature 1 that
+halves the steps sat out, nearly all of which then proposed nothing).
 The draft-model proposer keeps the synchronous loop: its guesses ride a step's result and need the tokens that
 step sampled.
 """
@@ -74,6 +77,10 @@ class Proposer(Protocol):
 
     def propose(self, request: Request, k: int) -> list[int]:
         """Up to k draft tokens to follow request.all_token_ids (all known: no placeholders); [] for none."""
+
+    def could_propose(self, request: Request) -> bool:
+        """Async scheduling, a request whose last token is in flight: False only if no value of that token could
+        give a proposal (then it need not sit a step out to find out)."""
 
 
 @dataclass(slots=True)
@@ -101,10 +108,21 @@ class NgramProposer:
         for n in range(self.max_n, self.min_n - 1, -1):
             if len(tokens) <= n:
                 continue
-            start = self._latest_start(index, tokens, n)
+            start = self._latest_start(index, tokens, n, len(tokens))
             if start is not None:
                 return self._continuation(tokens, start + n, k)
         return []
+
+    def could_propose(self, request: Request) -> bool:
+        """An n-gram (n >= min_n) ending at the one token in flight matches only where its first n - 1 tokens, all
+        known, occur earlier, ending before the last known token (so that what followed them, the candidate for
+        the token in flight, is known too): with no such occurrence no proposal is possible, whatever that token
+        is. Several tokens in flight, or 1-token matches, could match anything."""
+        if request.num_pending_tokens != 1 or self.min_n < 2:
+            return True
+        state = request.speculation
+        index = state.ngrams if state is not None else NgramIndex()
+        return self._latest_start(index, request.all_token_ids, self.min_n - 1, request.num_known_tokens) is not None
 
     @staticmethod
     def _continuation(tokens: list[int], first: int, k: int) -> list[int]:
@@ -116,9 +134,10 @@ class NgramProposer:
         return proposal
 
     @staticmethod
-    def _latest_start(index: NgramIndex, tokens: list[int], n: int) -> int | None:
-        """The latest start of the last n tokens earlier in tokens (its match must end before the last token)."""
-        last_start = len(tokens) - n  # the suffix itself starts here: earlier starts only
+    def _latest_start(index: NgramIndex, tokens: list[int], n: int, end: int) -> int | None:
+        """The latest start of tokens[:end]'s last n tokens earlier in tokens[:end] (its match must end before
+        the last token)."""
+        last_start = end - n  # the suffix itself starts here: earlier starts only
         done = index.num_indexed.get(n, 0)
         if done > last_start:  # the tokens got shorter (never in the loop today): start over
             index.starts = {key: start for key, start in index.starts.items() if len(key) != n}
@@ -126,7 +145,7 @@ class NgramProposer:
         for start in range(done, last_start):
             index.starts[tuple(tokens[start:start + n])] = start
         index.num_indexed[n] = last_start
-        return index.starts.get(tuple(tokens[last_start:]))
+        return index.starts.get(tuple(tokens[last_start:end]))
 
 
 class DraftProposer:
@@ -140,6 +159,9 @@ class DraftProposer:
         if state is None or state.worker_drafts_at != request.num_tokens:
             return []  # none yet, or they followed other tokens (a preemption or a stop came between)
         return state.worker_drafts[:k]
+
+    def could_propose(self, request: Request) -> bool:
+        return True  # its guesses come with the step's result; its loop is synchronous (wants_drafts)
 
 
 PROPOSERS = {"ngram": NgramProposer, "draft": DraftProposer}  # SchedulerConfig.speculative -> proposer
@@ -187,11 +209,13 @@ class Speculation:
     def wants_drafts(self, request: Request) -> bool:
         """Async scheduling: whether a request whose last token is in flight would propose next step (its k > 0,
         or its probe is due); such a request sits the step out rather than decode past that token without drafts
-        (which, step after step, would never let it speculate again)."""
+        (which, step after step, would never let it speculate again). Not when no value of that token could give
+        a proposal (could_propose): its probe then passes at no cost, and a new request keeps its k until one
+        could."""
         if not request.sampling_params.speculative or self.proposer.on_worker:
             return False
         state = self._state(request)
-        state.sat_out = state.k > 0 or state.waited + 1 >= state.pause
+        state.sat_out = (state.k > 0 or state.waited + 1 >= state.pause) and self.proposer.could_propose(request)
         return state.sat_out
 
     def drafts(self, request: Request, limit: int) -> list[int]:

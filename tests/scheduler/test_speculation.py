@@ -87,7 +87,7 @@ def test_a_request_whose_token_is_in_flight_sits_out_while_it_would_propose_and_
     due); a decode at k = 0 past a token in flight still counts towards the probe; a request that sat out and then
     has nothing to propose pauses as a failed probe (in the synchronous loop an empty proposal leaves k alone)."""
     speculation = Speculation(NgramProposer(), 4)
-    pending = request([5, 6, 7, 8])
+    pending = request([7, 5, 6, 7, 8])  # 8 in flight; 7 occurred before, so a 2-gram could match
     pending.num_pending_tokens = 1
     assert speculation.wants_drafts(pending) and pending.speculation.k == 4  # a new request starts at k = max
     assert speculation.drafts(pending, 4) == []  # never proposes past a token it does not know
@@ -114,6 +114,39 @@ def test_a_request_whose_token_is_in_flight_sits_out_while_it_would_propose_and_
     synchronous.speculation = SpeculationState(k=3)
     assert speculation.drafts(synchronous, 4) == [] and synchronous.speculation.k == 3
     assert not Speculation(DraftProposer(), 4).wants_drafts(pending)  # its loop is synchronous
+
+
+def test_a_request_whose_token_in_flight_could_complete_no_ngram_does_not_sit_out():
+    """could_propose(): with one token in flight, prompt lookup can propose only if the last known token (min_n = 2)
+    occurred earlier with a known token after it; it agrees with proposing after every possible value of the token
+    in flight, and a request that cannot propose keeps its k (new) or passes its probe without sitting out."""
+    proposer = NgramProposer(max_n=4, min_n=2)
+    for known in ([5, 6, 7], [7, 5, 6, 7], [1, 2, 1, 2, 3, 9, 3], [4, 4], [4], [9, 8, 9, 8, 7, 7, 8]):
+        pending = request([*known, 0])
+        pending.num_pending_tokens = 1
+        # every value the token in flight could take that matters: the known tokens, and one never seen
+        possible = any(proposer.propose(request([*known, token]), 4) for token in {*known, 99})
+        assert proposer.could_propose(pending) == possible, known
+    grown = request([5, 6, 7, 0])  # the index grows with the tokens, as the proposer's does
+    grown.num_pending_tokens = 1
+    grown.speculation = SpeculationState(k=4)
+    assert not proposer.could_propose(grown)
+    grown.all_token_ids[-1:] = [8, 6, 0]
+    assert proposer.could_propose(grown)
+    two_in_flight = request([5, 6, 0, 0])
+    two_in_flight.num_pending_tokens = 2
+    assert proposer.could_propose(two_in_flight) and NgramProposer(min_n=1).could_propose(request([5, 6, 7]))
+
+    speculation = Speculation(proposer, 4)
+    new = request([5, 6, 7, 0])
+    new.num_pending_tokens = 1
+    assert not speculation.wants_drafts(new) and speculation.drafts(new, 4) == [] and new.speculation.k == 4
+    paused = request([5, 6, 7, 0])
+    paused.num_pending_tokens = 1
+    paused.speculation = SpeculationState(k=0, waited=PROBE_PAUSE_STEPS - 1)
+    assert not speculation.wants_drafts(paused)  # its probe is due, but nothing could be proposed
+    assert speculation.drafts(paused, 4) == []
+    assert (paused.speculation.waited, paused.speculation.pause) == (0, PROBE_PAUSE_STEPS)  # passed, not doubled
 
 
 def test_num_speculative_tokens_range():

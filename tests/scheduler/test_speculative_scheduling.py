@@ -41,6 +41,9 @@ class OracleProposer:
         self.proposed += len(drafts)
         return drafts
 
+    def could_propose(self, request):
+        return True  # it always proposes: a request that would sits out
+
 
 def make_engine(num_blocks=64, block_size=4, error_rate=0.3, seed=0, k=4, async_scheduling=True, **config):
     scheduler = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=block_size, speculative="ngram",

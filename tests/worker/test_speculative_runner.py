@@ -51,6 +51,9 @@ class OracleProposer:
         drafts = full[request.num_tokens:request.num_tokens + k]
         return [(t + 1) % 256 if self.rng.random() < self.error_rate else t for t in drafts]
 
+    def could_propose(self, request):
+        return True
+
 
 def generate(tiny, options, prompts, speculation=None, max_tokens=24, params=None):
     model, config = tiny
