@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -96,6 +97,30 @@ void run_items(const Experts& w, const ExpertRows& x, const int64_t* offsets, bo
   });
 }
 
+// out[t] += round(pair output * its weight) over token t's pairs in sorted order: (expert_out * weights).to(x.dtype)
+// then index_add_, as worker.model.moe.run_grouped computes it (one rounding for the product, one for each sum)
+template <typename T>
+void scatter_pairs(const at::Tensor& expert_out, const float* weights, const std::vector<int64_t>& position,
+                   int64_t K, at::Tensor& out) {
+  const int64_t tokens = out.size(0), H = out.size(1);
+  const T* src = expert_out.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    std::vector<std::pair<int64_t, int64_t>> pairs(K);  // (sorted position, pair) of one token's K pairs
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t j = 0; j < K; ++j) pairs[j] = {position[t * K + j], t * K + j};
+      std::sort(pairs.begin(), pairs.end());
+      T* row = dst + t * H;
+      for (const auto& [i, p] : pairs) {
+        const T* from = src + i * H;
+        const float weight = weights[p];
+        for (int64_t h = 0; h < H; ++h)
+          row[h] = static_cast<T>(static_cast<float>(row[h]) + static_cast<float>(static_cast<T>(static_cast<float>(from[h]) * weight)));
+      }
+    }
+  });
+}
+
 Experts check_experts(at::TensorList parts, at::IntArrayRef types, int64_t K) {
   TORCH_CHECK(parts.size() == types.size() && !parts.empty(), "ggml_blocks_experts: ", parts.size(), " parts but ",
               types.size(), " types");
@@ -158,10 +183,66 @@ at::Tensor ggml_blocks_experts(const at::Tensor& x_in, const at::Tensor& offsets
   return out;
 }
 
+// A whole MoE layer after its routing, in one call: what worker.model.moe.run_grouped does around the experts
+// (group the (token, expert) pairs by expert, gather their rows, scatter each pair's output times its routing
+// weight back onto its token), with ggml_blocks_experts for gate/up and down and torch's own activation between.
+// A decode step of a 48-layer model made ~15 small torch calls a layer around the two native ones; from Python
+// each cost more than the experts of one token take to multiply. The numbers are run_grouped's, bit for bit: the
+// pairs in the same order (stable by expert), each pair's output times its weight rounded to x's dtype, then
+// added onto its token in that order, as index_add_ adds.
+//
+// x: [T, H] float32 or bfloat16; top_weights: [T, K] (float32 or x's dtype); top_experts: [T, K] integer ids;
+// gate_up / down: as ggml_blocks_experts' parts -> [T, H] in x's dtype.
+at::Tensor ggml_blocks_moe(const at::Tensor& x_in, const at::Tensor& top_weights, const at::Tensor& top_experts,
+                           at::TensorList gate_up, at::IntArrayRef gate_up_types, at::TensorList down,
+                           at::IntArrayRef down_types, bool gelu_tanh, int64_t path) {
+  TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
+              "ggml_blocks_moe: x must be 2-D float32 or bfloat16, got ", x_in.sizes(), " ", x_in.scalar_type());
+  const at::Tensor x = x_in.contiguous();
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(top_experts.dim() == 2 && top_experts.size(0) == T && top_weights.sizes() == top_experts.sizes(),
+              "ggml_blocks_moe: top_weights ", top_weights.sizes(), " and top_experts ", top_experts.sizes(),
+              " must both be [", T, " tokens, k]");
+  TORCH_CHECK(!gate_up.empty() && gate_up[0].dim() == 3, "ggml_blocks_moe: gate/up parts must be [experts, rows, bytes]");
+  at::Tensor out = at::zeros_like(x);
+  if (T == 0) return out;
+  const int64_t K = top_experts.size(1), P = T * K, E = gate_up[0].size(0);
+  const at::Tensor ids = top_experts.to(at::kLong).contiguous();
+  const at::Tensor weights = top_weights.to(at::kFloat).contiguous();  // exact from bfloat16
+  const int64_t* id = ids.data_ptr<int64_t>();
+  // pairs sorted by expert, stable (argsort(stable=True)): order[i] is the pair at sorted position i
+  at::Tensor offsets = at::zeros({E + 1}, at::kLong);
+  int64_t* off = offsets.data_ptr<int64_t>();
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(id[p] >= 0 && id[p] < E, "ggml_blocks_moe: token ", p / K, " routed to expert ", id[p], " of ", E);
+    ++off[id[p] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) off[e + 1] += off[e];
+  std::vector<int64_t> order(P), position(P), cursor(off, off + E);
+  for (int64_t p = 0; p < P; ++p) position[p] = cursor[id[p]]++;
+  for (int64_t p = 0; p < P; ++p) order[position[p]] = p;
+  at::Tensor rows = at::empty({P, H}, x.options());
+  const int64_t row_bytes = H * x.element_size();
+  const char* xs = static_cast<const char*>(x.data_ptr());
+  char* rs = static_cast<char*>(rows.data_ptr());
+  for (int64_t i = 0; i < P; ++i) std::memcpy(rs + i * row_bytes, xs + order[i] / K * row_bytes, row_bytes);
+  const std::vector<at::Tensor> halves = ggml_blocks_experts(rows, offsets, gate_up, gate_up_types, path).chunk(2, -1);
+  const at::Tensor hidden = (gelu_tanh ? at::gelu(halves[0], "tanh") : at::silu(halves[0])) * halves[1];
+  const at::Tensor expert_out = ggml_blocks_experts(hidden, offsets, down, down_types, path);  // [P, H]
+  const float* w = weights.data_ptr<float>();
+  AT_DISPATCH_SWITCH(x.scalar_type(), "ggml_blocks_moe",
+    AT_DISPATCH_CASE(at::kFloat, [&] { scatter_pairs<float>(expert_out, w, position, K, out); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { scatter_pairs<at::BFloat16>(expert_out, w, position, K, out); }));
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("ggml_blocks_experts(Tensor x, Tensor offsets, Tensor[] parts, int[] types, int path) -> Tensor");
+  m.def("ggml_blocks_moe(Tensor x, Tensor top_weights, Tensor top_experts, Tensor[] gate_up, int[] gate_up_types, "
+        "Tensor[] down, int[] down_types, bool gelu_tanh, int path) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("ggml_blocks_experts", &ggml_blocks_experts);
+  m.impl("ggml_blocks_moe", &ggml_blocks_moe);
 }

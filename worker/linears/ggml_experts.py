@@ -3,9 +3,12 @@ file's mapped pages, no conversion and no copy, run by the dense block linears' 
 (worker/csrc/ggml_blocks_experts.cpp schedules ggml_blocks_dot.cpp's and ggml_blocks_amx.cpp's row kernels).
 
 The float experts (worker.model.moe.StackedExperts) are the reference: the same seam, rows sorted by expert and
-their counts in, each pair's output out. Here a MoE layer is two native calls, gate/up (both stacked halves at
+their counts in, each pair's output out. Here forward() is two native calls, gate/up (both stacked halves at
 once) and down, each running every expert that has rows with threads spread over (expert, 64 weight rows) items;
-the activation between them is torch's. Accuracy is the dense block linears': x rounded to int8 per 256 values.
+the activation between them is torch's. A model's MoE layer calls routed() instead: the grouping by expert, both
+calls, the activation and the weighted sum onto the tokens in one native call, to the same bits (run_grouped's
+~15 torch calls a layer around the experts took a one-token step longer than that token's expert arithmetic).
+Accuracy is the dense block linears': x rounded to int8 per 256 values.
 """
 from __future__ import annotations
 
@@ -100,6 +103,12 @@ class GGMLBlocksExperts(CpuOnlyBlocks):
         hidden = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
         return torch.ops.tokenmill.ggml_blocks_experts(hidden, offsets, self._down, self._down_types, self.kernel_path)
 
+    def routed(self, x: torch.Tensor, top_weights: torch.Tensor, top_experts: torch.Tensor) -> torch.Tensor:
+        """The whole layer after its routing, as worker.model.moe.run_grouped computes it around forward() (same
+        bits), in one native call: x [T, H], top_weights / top_experts [T, K] -> [T, H]."""
+        return torch.ops.tokenmill.ggml_blocks_moe(x, top_weights, top_experts, self._gate_up, self._gate_up_types,
+                                                   self._down, self._down_types, self.gelu, self.kernel_path)
+
     def extra_repr(self) -> str:
         gate_up, down = self.expert_blocks
         return (f"experts={self.num_experts}, hidden={gate_up.in_features}, intermediate={down.in_features}, "
@@ -125,8 +134,9 @@ def describe_experts(model: nn.Module) -> str:
         blocks = "the file's blocks, its K-quants repacked at load" if repacked else "the file's own blocks"
         kernels = "the AVX2 GEMM" if repacked else f"{names[vector_path()]} integer dot products{tiles}"
         described.append(f"{len(on_blocks)} layers' experts on {blocks} ({', '.join(types)}, "
-                         f"{sum(w.nbytes for w in weights) / 2**20:.0f} MiB): one native call for every expert's gate/up "
-                         f"and one for down a layer, {kernels} on activations rounded to int8 per 256 values")
+                         f"{sum(w.nbytes for w in weights) / 2**20:.0f} MiB): one native call a layer (grouping, every "
+                         f"expert's gate/up and down, the weighted sum), {kernels} on activations rounded to int8 per "
+                         f"256 values")
     if stacked:
         dtypes = sorted({str(m.gate_up.dtype).removeprefix("torch.") for m in stacked})
         described.append(f"{len(stacked)} layers' experts in {', '.join(dtypes)}, each expert's matmuls in torch over "

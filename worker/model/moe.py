@@ -66,7 +66,11 @@ def run_grouped(x: torch.Tensor, top_weights: torch.Tensor, top_experts: torch.T
                 experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """x: [T, H]; top_weights / top_experts: [T, K] -> [T, H]. experts(rows [T*K, H] sorted by expert, counts [E]
     int64) -> [T*K, H], each pair's expert output: the seam between the routing, here, and the experts' weights
-    (StackedExperts' floats, worker.linears.ggml_experts' GGUF blocks)."""
+    (StackedExperts' floats, worker.linears.ggml_experts' GGUF blocks). Experts with a routed(x, top_weights,
+    top_experts) method do all of this themselves, to the same bits (GGMLBlocksExperts: one native call)."""
+    routed = getattr(experts, "routed", None)
+    if routed is not None:
+        return routed(x, top_weights, top_experts)
     num_tokens, top_k = top_experts.shape
     out = torch.zeros_like(x)
     if num_tokens == 0:

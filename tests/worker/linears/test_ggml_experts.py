@@ -118,6 +118,28 @@ def test_each_expert_is_the_dense_block_op_over_its_rows_bit_for_bit(types, path
         assert torch.equal(got, dense_per_expert(experts, rows, counts.tolist(), KERNEL_PATHS[path])), (layout, path)
 
 
+@pytest.mark.parametrize("weights_dtype", [torch.float32, "x's"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", [pytest.param("auto", id="auto"), *available_paths()])
+def test_one_native_call_a_layer_is_run_grouped_around_the_experts_bit_for_bit(path, dtype, weights_dtype):
+    """routed() (torch.ops.tokenmill.ggml_blocks_moe: grouping, both projections, the activation, the weighted sum)
+    against run_grouped's torch calls around forward(), at every routing layout, 3 of them at once: the same bits."""
+    experts = make_experts(("Q4_K", "Q4_K", "Q6_K"), seed=5)
+    experts.kernel_path = KERNEL_PATHS[path]
+    for layout in LAYOUTS:
+        x, top_weights, top_experts = routing(layout, seed=2)
+        x, top_weights = x.to(dtype), top_weights.to(dtype if weights_dtype == "x's" else weights_dtype)
+        got = run_grouped(x, top_weights, top_experts, EXPERTS, experts)  # routed(): experts has the method
+        composed = run_grouped(x, top_weights, top_experts, EXPERTS, experts.forward)  # a bound method has none
+        assert got.dtype == dtype and torch.equal(got, composed), (layout, path)
+    assert experts.routed(x[:0], top_weights[:0], top_experts[:0]).shape == (0, HIDDEN)
+    halves = torch.full((2, 2), 0.5)
+    with pytest.raises(RuntimeError, match=f"token 1 routed to expert {EXPERTS} of {EXPERTS}"):
+        experts.routed(x[:2], halves, torch.tensor([[0, 1], [2, EXPERTS]]))
+    with pytest.raises(RuntimeError, match=r"must both be \[2 tokens, k\]"):
+        experts.routed(x[:2], halves[:1], torch.tensor([[0, 1], [2, 3]]))
+
+
 def test_no_rows_and_bad_offsets():
     experts = make_experts(("Q4_K",) * 3)
     assert experts(torch.empty(0, HIDDEN), torch.zeros(EXPERTS, dtype=torch.long)).shape == (0, HIDDEN)
