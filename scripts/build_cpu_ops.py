@@ -73,7 +73,7 @@ def precompile_torch_extension_header(cpp_extension, name: str, header_dir: Path
     then ours), with header_dir/torch/extension.h beside it; header_dir goes first in the sources' include path."""
     (header_dir / "torch").mkdir(parents=True, exist_ok=True)
     system_includes = [*cpp_extension.include_paths("cpu"), sysconfig.get_path("include", scheme="posix_prefix")]
-    header = next(Path(p) / "torch" / "extension.h" for p in system_includes if (Path(p) / "torch" / "extension.h").exists())
+    header = next(path for path in (Path(p) / "torch" / "extension.h" for p in system_includes) if path.exists())
     command = [os.environ.get("CXX", "c++"), f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
                *(flag for include in system_includes for flag in ("-isystem", include)), "-fPIC", "-std=c++20",
                *COMPILE_FLAGS, "-x", "c++-header", str(header), "-o", str(header_dir / "torch" / "extension.h.gch")]

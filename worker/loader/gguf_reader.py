@@ -17,7 +17,8 @@ from gguf import GGUFReader, GGUFValueType
 
 
 class FastGGUFReader(GGUFReader):
-    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[np.ndarray], list[int], list[GGUFValueType]]:
+    def _get_field_parts(self, orig_offs: int,
+                         raw_type: int) -> tuple[int, list[np.ndarray], list[int], list[GGUFValueType]]:
         if GGUFValueType(raw_type) != GGUFValueType.ARRAY or self.byte_order != "I":
             return super()._get_field_parts(orig_offs, raw_type)  # scalars, strings, a byte-swapped file
         raw_item_type = self._get(orig_offs, np.uint32)
