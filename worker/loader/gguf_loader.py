@@ -181,10 +181,10 @@ def _dequantize(tensor, path: Path) -> np.ndarray:
 
 
 def _open(path: Path):
-    from gguf import GGUFReader
+    from worker.loader.gguf_reader import FastGGUFReader
 
     try:
-        return GGUFReader(str(path))
+        return FastGGUFReader(str(path))
     except Exception as exc:  # GGUFReader raises ValueError / struct errors / OSError on a bad file
         raise ModelLoadError(f"{path}: not a readable GGUF file: {exc}") from None
 
