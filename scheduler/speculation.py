@@ -51,9 +51,9 @@ speculates runs the synchronous loop (N + 1 would be empty; the driver waits for
 (an open-ended workload, k adapted to 0) keeps the overlap, and a mix overlaps the rest with the speculating
 requests, which then take every other step. A request that sat a step out and then had nothing to propose
 pauses as a failed probe would (k = 0): in the synchronous loop an empty proposal costs nothing, here a step. So
-a request sits out only when its proposer could propose whatever the token in flight is (could_propose: for
+a request sits out only when some value of the token in flight could give a proposal (could_propose: for
 prompt lookup, its last known token occurs earlier; on the open-ended bench workload at temperature 1 that
-halves the steps sat out, nearly all of which then proposed nothing).
+cuts the steps sat out by a third to a half, nearly all of which then proposed nothing).
 The draft-model proposer keeps the synchronous loop: its guesses ride a step's result and need the tokens that
 step sampled.
 """
