@@ -50,11 +50,11 @@ def main() -> int:
     print(f"[build_cpu_ops] compiling {', '.join(p.name for p in SOURCES)} (about 3.5 minutes on 2 cores)", flush=True)
     header_dir = build_dir / "precompiled"
     try:
-        precompile_torch_extension_header(cpp_extension, target.stem, header_dir, quiet)
+        precompiled = precompile_torch_extension_header(cpp_extension, target.stem, header_dir, quiet)
         cpp_extension.load(
             name=target.stem, sources=[str(p) for p in SOURCES], build_directory=str(build_dir),
-            extra_cflags=list(COMPILE_FLAGS), extra_ldflags=list(LINK_FLAGS), extra_include_paths=[str(header_dir)],
-            is_python_module=False, verbose=not quiet,
+            extra_cflags=list(COMPILE_FLAGS), extra_ldflags=list(LINK_FLAGS),
+            extra_include_paths=[str(header_dir)] if precompiled else None, is_python_module=False, verbose=not quiet,
         )
     finally:
         (header_dir / "torch" / "extension.h.gch").unlink(missing_ok=True)  # ~800 MB, only needed while compiling
@@ -67,23 +67,30 @@ def main() -> int:
     return 0
 
 
-def precompile_torch_extension_header(cpp_extension, name: str, header_dir: Path, quiet: bool) -> None:
+def precompile_torch_extension_header(cpp_extension, name: str, header_dir: Path, quiet: bool) -> bool:
     """header_dir/torch/extension.h.gch, under the flags cpp_extension.load gives each source (its
     _write_ninja_file_to_build_library: the two macros, the include paths as -isystem, -fPIC -std=c++20,
-    then ours), with header_dir/torch/extension.h beside it; header_dir goes first in the sources' include path."""
+    then ours), with header_dir/torch/extension.h beside it; header_dir goes first in the sources' include path.
+    False where it cannot be made (another compiler, no header found): the build goes on without it, slower."""
     (header_dir / "torch").mkdir(parents=True, exist_ok=True)
     system_includes = [*cpp_extension.include_paths("cpu"), sysconfig.get_path("include", scheme="posix_prefix")]
-    header = next(path for path in (Path(p) / "torch" / "extension.h" for p in system_includes) if path.exists())
+    header = next((path for path in (Path(p) / "torch" / "extension.h" for p in system_includes) if path.exists()), None)
+    if header is None:
+        print("[build_cpu_ops] torch/extension.h not found on torch's include path: building without a precompiled "
+              "header", flush=True)
+        return False
     command = [os.environ.get("CXX", "c++"), f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
                *(flag for include in system_includes for flag in ("-isystem", include)), "-fPIC", "-std=c++20",
                *COMPILE_FLAGS, "-x", "c++-header", str(header), "-o", str(header_dir / "torch" / "extension.h.gch")]
     if not quiet:
         print(" ".join(command), flush=True)
     done = subprocess.run(command, capture_output=quiet, text=True)  # quiet: GCC's "#pragma once in main file" unsaid
-    if done.returncode != 0:
-        raise SystemExit(f"[build_cpu_ops] precompiling {header} failed:\n{done.stderr or ''}")
+    if done.returncode != 0:  # the sources still compile against the real header, only slower
+        print(f"[build_cpu_ops] precompiling {header} failed, building without it:\n{done.stderr or ''}", flush=True)
+        return False
     # where the include follows code (kv_quant.h in kv_quant_ops.cpp) GCC skips the .gch and reads this header
     (header_dir / "torch" / "extension.h").write_text("#include_next <torch/extension.h>\n")
+    return True
 
 
 if __name__ == "__main__":
