@@ -27,7 +27,7 @@ from worker.paths.triton.batch_invariant import (FixedTileGroupQuantLinear, Fixe
 from worker.paths.triton.forward import host_metadata
 from worker.step_batch import RequestSpan
 
-PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
 QUANTIZE = {None: lambda model: None, "int4": lambda model: quantize_linears(model, 4),
             "int8": lambda model: quantize_linears_int8(model, use_kernel=True)}
 
