@@ -95,7 +95,7 @@ class OpenAITarget:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": self.temperature,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         record = RequestRecord(time.perf_counter())
-        last, usage = None, None
+        last, usage, finish = None, None, None
         try:
             async with self.session.post(self.url, json=body) as response:
                 if response.status != 200:
@@ -105,13 +105,22 @@ class OpenAITarget:
                     if not line.startswith("data:") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[5:])
+                    if chunk.get("error"):
+                        record.error = f"error event: {json.dumps(chunk['error'])}"[:200]
                     if chunk.get("usage"):
                         usage = chunk["usage"].get("completion_tokens")
+                    for choice in chunk.get("choices", []):
+                        finish = choice.get("finish_reason") or finish
                     if any(choice.get("text") for choice in chunk.get("choices", [])):
                         last = _arrived(record, time.perf_counter(), last, 1)
                         record.output_tokens += 1
         except Exception as error:  # noqa: BLE001
             record.error = f"{type(error).__name__}: {error}"[:200]
+        # A stream the server ended without saying why did not complete: a server whose engine died (vLLM CPU's
+        # engine core past its step timeout) closes its streams cleanly, and they must not count as served.
+        if not record.error and finish in (None, "abort", "error"):
+            record.error = (f"finish_reason={finish}" if finish else "the stream ended without a finish_reason") + \
+                f" after {record.output_tokens} of {max_tokens} tokens"
         record.output_tokens = usage if usage is not None else record.output_tokens
         record.e2e = time.perf_counter() - record.sent
         return record

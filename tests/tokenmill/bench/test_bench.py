@@ -117,6 +117,9 @@ def test_bench_against_a_started_cluster_reports_sane_numbers(tmp_path):
         # the same client over the OpenAI-compatible HTTP API (SSE), sync mode only
         assert main(["--openai-url", f"http://{config.http_address}/v1", "--concurrency", "1", "--warmup", "0",
                      "--out", str(tmp_path / "http"), *workload]) == 0
+    http = json.loads((tmp_path / "http" / "bench.json").read_text())["runs"]["openai-http"]
+    # every SSE stream of the gateway ends with a finish_reason (the client counts a stream without one as failed)
+    assert [(level["num_requests"], level["num_errors"]) for level in http["levels"]] == [(4, 0)]
     result = json.loads((tmp_path / "bench.json").read_text())
     run = result["runs"]["tokenmill"]
     assert run["warmup"]["num_requests"] == 1 and run["warmup"]["num_errors"] == 0

@@ -47,10 +47,15 @@ class _CompletionsHandler(BaseHTTPRequestHandler):
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            for _ in range(body["max_tokens"]):
+            tokens = min(body["max_tokens"], server.cut_after if server.cut_after is not None else body["max_tokens"])
+            for index in range(tokens):
                 time.sleep(server.token_delay_s)
-                self._event({"choices": [{"index": 0, "text": "a"}]})
-            self._event({"choices": [], "usage": {"completion_tokens": body["max_tokens"]}})
+                finish = "length" if index == body["max_tokens"] - 1 else None  # as real servers mark the last
+                self._event({"choices": [{"index": 0, "text": "a", "finish_reason": finish}]})
+            if server.error_event:
+                self._event({"error": {"message": "engine died", "code": 500}})
+            if server.cut_after is None:
+                self._event({"choices": [], "usage": {"completion_tokens": body["max_tokens"]}})
             self._chunk(b"data: [DONE]\n\n")
         finally:
             with server.lock:  # before the last chunk, so the client cannot have seen the end yet
@@ -71,12 +76,14 @@ class _CompletionsHandler(BaseHTTPRequestHandler):
 
 
 @contextmanager
-def closing_sse_server(token_delay_s: float = 0.0):
+def closing_sse_server(token_delay_s: float = 0.0, cut_after: int | None = None, error_event: bool = False):
+    """cut_after: end every stream cleanly ([DONE], no finish_reason) after that many tokens, as a server whose
+    engine died does; error_event: send an error event after the tokens."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _CompletionsHandler)
     server.daemon_threads = True
     server.lock = threading.Lock()
     server.arrivals, server.temperatures, server.in_flight, server.peak_in_flight = [], [], 0, 0
-    server.token_delay_s = token_delay_s
+    server.token_delay_s, server.cut_after, server.error_event = token_delay_s, cut_after, error_event
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -110,6 +117,20 @@ def test_sync_mode_survives_a_server_that_closes_every_connection_after_its_resp
         assert (level["num_requests"], level["num_errors"], level["errors"]) == (24, 0, [])
         assert level["output_tokens"] == 3 * 24
     assert len(server.arrivals) == 48
+
+
+@pytest.mark.parametrize("cut_after, error_event, reason", [
+    (2, False, "the stream ended without a finish_reason after 2 of 5 tokens"),
+    (0, False, "the stream ended without a finish_reason after 0 of 5 tokens"),
+    (None, True, 'error event: {"message": "engine died", "code": 500}'),
+])
+def test_a_stream_the_server_ends_without_a_finish_reason_or_with_an_error_is_a_failed_request(cut_after, error_event,
+                                                                                                reason):
+    workload = text_workload([5] * 4)
+    with closing_sse_server(cut_after=cut_after, error_event=error_event) as (server, url):
+        result = asyncio.run(_sweep_openai(url, workload, [2]))
+    level = result["levels"][0]
+    assert level["num_errors"] == 4 and reason in str(level["errors"]), level["errors"]
 
 
 def test_poisson_arrivals_are_seeded_exponential_gaps():
