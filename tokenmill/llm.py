@@ -18,6 +18,7 @@ from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from scheduler.speculation import check_draft_model
 from worker.build import build_runner
+from worker.host_heap import give_back_freed_memory, keep_freed_memory
 from worker.model_runner import ModelRunner
 from worker.options import WorkerOptions
 
@@ -43,7 +44,11 @@ class LLM:
         self.config = config
         check_draft_model(config.scheduler.speculative, config.worker.draft_model)
         worker = replace(config.worker, max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
+        if worker.keep_freed_memory and runner is None:
+            keep_freed_memory()  # the steps run on this thread: the same heap settings as a worker process
         self.runner = runner or build_runner(worker, progress=progress)
+        if worker.keep_freed_memory and runner is None:
+            give_back_freed_memory()
         self.model_config = self.runner.model_config
         self.engine = self.new_engine(config)
         self._ids = itertools.count()

@@ -19,6 +19,7 @@ from plumbing.telemetry import metrics
 from plumbing.message_size import INTERNAL_MAX_MESSAGE_BYTES, add_message_size_argument, message_size_options
 from plumbing.process import run_process, settle_heap, wait_for_stop_signal
 from worker.build import build_follower, build_sized_runner, model_name, resolve_device
+from worker.host_heap import THREAD_CACHE_OFF, give_back_freed_memory, keep_freed_memory, thread_cache_off
 from worker.linears.group_quant import weight_formats
 from worker.model_runner import ModelRunner
 from worker.options import WorkerOptions
@@ -55,6 +56,7 @@ def build_worker(options: WorkerOptions) -> tuple[ModelRunner, worker_pb2.GetCap
     started = time.perf_counter()
     runner.warm_up()  # readiness waits for this: the first real request must not pay for it
     logger.info("warm-up forward pass done in %.0f ms", (time.perf_counter() - started) * 1e3)
+    give_back_freed_memory()  # the loader's temporaries; what steps free from now on stays (worker.host_heap)
     capacity = worker_pb2.GetCapacityResponse(
         num_blocks=runner.num_blocks, block_size=runner.block_size,
         model_config=model_config_to_proto(runner.model_config, model_name(options.model),
@@ -83,6 +85,9 @@ async def serve(options: WorkerOptions) -> None:
         raise SystemExit(f"worker: cannot listen on {address} (in use?); change --port")
     await server.start()
     logger.info("worker listening on %s; loading the model", address)
+    if options.keep_freed_memory and not thread_cache_off():
+        logger.info("GLIBC_TUNABLES lacks %s: a step's large tensors are not always reused (worker.host_heap)",
+                    THREAD_CACHE_OFF)
     runner, capacity = await servicer.run_compute(build_worker, options)
     servicer.attach(runner, capacity)
     settle_heap()  # before ready: the first step must not wait for its collection
@@ -123,6 +128,8 @@ def _follower_health(options: WorkerOptions) -> tuple[grpc.Server, health_servic
 
 def main(argv: list[str] | None = None) -> None:
     options = parse_args(argv)
+    if options.keep_freed_memory:
+        keep_freed_memory()  # before the compute thread exists: it must share the main arena (worker.host_heap)
     if options.group_size > 1 and options.rendezvous is None:
         options = start_local_ranks(options)  # rank 0 on one machine: ranks 1..N-1 as its children
     torch.set_num_threads(rank_threads(options))

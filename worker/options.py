@@ -171,6 +171,11 @@ class WorkerOptions(Options):
         "preemption and after a worker restart (CPU torch path, and the Triton backend, where CUDA graphs are then "
         "off; not the torch backend on CUDA; slower: see docs/reliability.md)",
         flag=("--deterministic", "--batch-invariant"))
+    # glibc keeps a step's large freed tensors for the next step instead of unmapping them (worker.host_heap)
+    keep_freed_memory: bool = option(
+        True, "let the C heap give each freed block over 32 MiB back to the system (glibc's default): every step "
+        "then faults the pages of its large tensors in again, e.g. a 256-row decode step's logits (default: kept, "
+        "the largest step's working set stays in the process, as with tcmalloc)")
     # -- one model over several ranks (worker.parallel), rank 0 serving the scheduler and driving the others --
     tensor_parallel_size: int = option(
         1, "ranks one model is split over by heads, MLP columns and vocabulary, one all-reduce per attention and MLP "

@@ -19,6 +19,7 @@ from tokenmill.cluster.child_process import ChildSpec
 from tokenmill.cluster.config import METRICS_PORTS, ClusterConfig
 from tokenmill.cluster.redis_process import redis_spec
 from tokenmill.cluster.restart_policy import RestartPolicy
+from worker.host_heap import heap_environment
 from worker.options import WorkerOptions
 
 # The checkout (or site-packages) holding the worker/scheduler/gateway packages, put on the children's
@@ -77,6 +78,8 @@ def cluster_specs(config: ClusterConfig) -> list[ChildSpec]:
     specs = [] if config.redis_url else [redis_spec(config.redis_port, user=config.redis_user,
                                                     password=config.redis_password)]
     worker_env = {name: value for name, value in env.items() if name != "TOKENMILL_REDIS_URL"}  # no Redis there
+    if worker.keep_freed_memory:
+        worker_env.update(heap_environment({**os.environ, **worker_env}))  # read by glibc at start (worker.host_heap)
     return specs + [
         ChildSpec("worker", _argv(config, "worker.main", worker), WORKER_SERVICE,
                   f"{config.internal_host}:{config.worker_port}", port_hint="--worker-port", env=worker_env,
