@@ -63,15 +63,15 @@ def test_freed_blocks_are_reused_by_the_next_step():
     assert min(system["faults"][1:]) > LOGITS_PAGES, system  # glibc's default: every step faults its pages in again
     kept = _run("keep", **heap_environment({}))
     assert kept["kept"] is True
-    # the second step still settles the heap (a few thousand pages at most); from the third on, no fresh pages
-    assert kept["faults"][1] < LOGITS_PAGES // 10 and max(kept["faults"][2:]) < LOGITS_PAGES // 50, kept
+    # one of the next steps may still settle the heap (0-2,240 pages seen, once); the five together fault in less
+    # than a tenth of one step's logits, where glibc's default faults them all in every step
+    assert sum(kept["faults"][1:]) < LOGITS_PAGES // 10, kept
 
 
-def test_the_thread_cache_is_what_the_environment_adds():
-    # with glibc's per-thread cache on, the aligned blocks' tails keep the freed logits from merging back: some
-    # later steps take fresh pages (which ones depends on the heap's history; the second always, here)
-    cached = _run("keep")
-    assert cached["faults"][1] > LOGITS_PAGES // 2, cached
+def test_the_environment_turns_the_thread_cache_off_and_keeps_other_tunables():
+    # With glibc's thread cache on, the aligned blocks' tails keep the freed logits from merging back and some later
+    # steps take fresh pages; which ones depends on the heap's history (seen: steps 2-5, or step 3 alone), so that
+    # is measured in worker/host_heap.py's docstring, not asserted here.
     assert heap_environment({}) == {"GLIBC_TUNABLES": THREAD_CACHE_OFF}
     assert heap_environment({"GLIBC_TUNABLES": "glibc.pthread.rseq=0"}) == {
         "GLIBC_TUNABLES": f"glibc.pthread.rseq=0:{THREAD_CACHE_OFF}"}
