@@ -63,7 +63,11 @@ CASES = {  # flavour, dtype, linears' weights, the deterministic linear they run
 
 @pytest.fixture(scope="module")
 def tiny_folders(tmp_path_factory):
-    return {flavour: make_tiny_hf_model(tmp_path_factory.mktemp(flavour), flavour)[0] for flavour in ("llama_gqa", "llama", "qwen3")}
+    # one layer: every kernel of a layer still runs (the interpreter's cost is per layer: 2 layers took ~150 s of
+    # the suite's CPU); what a second layer would add is the same kernels again
+    one_layer = {"llama_gqa": {}, "llama": {}, "qwen3": {"layer_types": ["full_attention"]}}
+    return {flavour: make_tiny_hf_model(tmp_path_factory.mktemp(flavour), flavour, num_hidden_layers=1, **more)[0]
+            for flavour, more in one_layer.items()}
 
 
 @pytest.mark.parametrize("case", CASES)
