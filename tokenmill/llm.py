@@ -39,6 +39,10 @@ class EngineConfig:
 
 
 class LLM:
+    """The engine over one model. Built with its own runner, it tells the host process's C heap what a worker
+    process's is told (worker.host_heap: freed blocks kept for the next step, one glibc arena);
+    WorkerOptions(keep_freed_memory=False) leaves the heap as it is."""
+
     def __init__(self, config: EngineConfig = EngineConfig(), runner: ModelRunner | None = None,
                  progress: bool = True) -> None:
         self.config = config
