@@ -206,7 +206,18 @@ def machine_facts() -> dict:
             return ""
 
     return {"date": date.today().isoformat(), "commit": output("git", "rev-parse", "--short", "HEAD") or "unknown",
-            "cpu": cpu_summary(output("lscpu")), "cpus": os.cpu_count()}
+            "cpu": cpu_summary(output("lscpu")), "cpus": os.cpu_count(), "in_process_heap": in_process_heap()}
+
+
+def in_process_heap() -> str:
+    """The in-process engine runs in this process, whose glibc thread cache was set at its start: the worker's
+    is off (worker.host_heap), and with it on, steps that free several large tensors (c=1,024 here: 192 MiB of
+    logits) take fresh pages again (docs/benchmarks.md: 2,790 vs 4,605 tok/s in-process)."""
+    from worker.host_heap import THREAD_CACHE_OFF, thread_cache_off
+
+    if thread_cache_off():
+        return "as the worker's (glibc thread cache off)"
+    return f"glibc thread cache on, unlike the worker's: for the same heap start with GLIBC_TUNABLES={THREAD_CACHE_OFF}"
 
 
 def _cell(row: dict, name: str) -> str:
@@ -240,6 +251,7 @@ def report(result: dict) -> str:
         f"workload: c streams at once, {result['workload']['prompt_len']}-token prompts, "
         f"{result['workload']['output_len']} output tokens, greedy, EOS ignored; step budget "
         f"{result['workload']['max_num_batched_tokens']} tokens; worker steps in the cluster runs: {steps}",
+        f"in-process engine's heap: {facts.get('in_process_heap', 'not recorded')}",
         "", *table(rows)])
 
 

@@ -77,3 +77,12 @@ def test_bench_stack_runs_end_to_end_and_the_ratio_is_the_two_runs(tmp_path):
     assert cluster["worker_steps"] >= 8 and 0 <= cluster["worker_idle_share"] < 1
     assert set(cluster["cpu_us_per_token"]) == set(PROCESSES)  # every process's pid was read
     assert level["identical_greedy_outputs"] == 1.0  # float32 both sides: the same greedy tokens
+
+
+def test_the_report_says_whether_the_in_process_heap_is_the_workers(monkeypatch):
+    from tokenmill.bench.stack import in_process_heap
+
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0")
+    assert in_process_heap() == "as the worker's (glibc thread cache off)"
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    assert "GLIBC_TUNABLES=glibc.malloc.tcache_count=0" in in_process_heap()  # how to get the worker's
