@@ -316,3 +316,26 @@ def test_argmax_rows_is_argmax_on_ties_and_nan():
         logits[3, 5] = logits[9, 2999] = float("nan")
         logits[12] = float("-inf")
         assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("vocab", [49152, 151936, 32000, 5000])  # whole chunks of 1024, and a short last one
+def test_argmax_rows_by_chunks_is_argmax(vocab):
+    """Inputs large enough for the chunked search (worker.sampling.sampler.ARGMAX_CHUNK): ties within and across
+    chunks, the maximum in the first and last column, in the short last chunk, at a chunk's edges, rows of -inf,
+    a NaN; float32 and bfloat16; a non-contiguous input."""
+    from worker.sampling.sampler import ARGMAX_CHUNK, ARGMAX_CHUNKED_FROM, argmax_rows
+
+    generator = torch.Generator().manual_seed(vocab)
+    rows = -(-ARGMAX_CHUNKED_FROM // vocab) + 8
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randint(0, 4, (rows, vocab), generator=generator).to(dtype)  # every row ties, in many chunks
+        logits[1] = float("-inf")
+        logits[2, -1] = logits[3, 0] = logits[4, vocab - 5] = 9
+        logits[5, ARGMAX_CHUNK - 1] = logits[5, ARGMAX_CHUNK] = 9  # equal maxima either side of a chunk edge
+        logits[6, 2 * ARGMAX_CHUNK] = 9
+        assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1)), dtype
+        noise = torch.randn(rows, vocab, generator=generator).to(dtype)
+        assert torch.equal(argmax_rows(noise), noise.argmax(dim=-1))
+        assert torch.equal(argmax_rows(noise[::2]), noise[::2].argmax(dim=-1))  # rows of a larger tensor
+        logits[7, 3] = float("nan")  # NaN comes before any number
+        assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1)), dtype
