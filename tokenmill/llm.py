@@ -48,11 +48,12 @@ class LLM:
         self.config = config
         check_draft_model(config.scheduler.speculative, config.worker.draft_model)
         worker = replace(config.worker, max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
-        if worker.keep_freed_memory and runner is None:
+        sets_heap = worker.keep_freed_memory and runner is None
+        if sets_heap:
             keep_freed_memory()  # the steps run on this thread: the same heap settings as a worker process
         self.runner = runner or build_runner(worker, progress=progress)
-        if worker.keep_freed_memory and runner is None:
-            give_back_freed_memory()
+        if sets_heap:
+            give_back_freed_memory()  # what loading freed
         self.model_config = self.runner.model_config
         self.engine = self.new_engine(config)
         self._ids = itertools.count()

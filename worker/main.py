@@ -56,7 +56,8 @@ def build_worker(options: WorkerOptions) -> tuple[ModelRunner, worker_pb2.GetCap
     started = time.perf_counter()
     runner.warm_up()  # readiness waits for this: the first real request must not pay for it
     logger.info("warm-up forward pass done in %.0f ms", (time.perf_counter() - started) * 1e3)
-    give_back_freed_memory()  # the loader's temporaries; what steps free from now on stays (worker.host_heap)
+    if options.keep_freed_memory:
+        give_back_freed_memory()  # the loader's temporaries; what steps free from now on stays (worker.host_heap)
     capacity = worker_pb2.GetCapacityResponse(
         num_blocks=runner.num_blocks, block_size=runner.block_size,
         model_config=model_config_to_proto(runner.model_config, model_name(options.model),
