@@ -5,8 +5,8 @@ thread other than the main one, with a fresh mmap, and gives it back with munmap
 faults each 4 KiB page of its large tensors in again and the kernel zeroes it: a 256-row decode step's float32
 logits over a 49k vocabulary are 48 MiB (12,289 faults: its matmul took 49 ms where 64 rows, 12 MiB, take 4.7,
 on the 2-core AMD EPYC of docs/benchmarks.md), a 2,048-token prefill chunk's MLP activations 70 MiB a tensor for
-a 1.5B model. vLLM's CPU
-backend has users preload tcmalloc for the same reason; here glibc is told at start-up instead:
+a 1.5B model. vLLM's CPU backend has users preload tcmalloc for the same reason; here glibc is told at start-up
+instead:
 
 - one arena (M_ARENA_MAX 1): the step runs on a worker thread, and only the main arena grows without the
   64 MiB heap limit of the others, which falls back to mmap;
@@ -38,7 +38,8 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
 _LARGEST_INT = 2**31 - 1  # mallopt takes an int
-THREAD_CACHE_OFF = "glibc.malloc.tcache_count=0"
+_THREAD_CACHE_TUNABLE = "glibc.malloc.tcache_count"
+THREAD_CACHE_OFF = f"{_THREAD_CACHE_TUNABLE}=0"
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -73,7 +74,7 @@ def heap_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The environment variable a process that starts a worker adds (THREAD_CACHE_OFF joined to any tunables
     already set), or {} where they already say how the thread cache behaves."""
     tunables = environ.get("GLIBC_TUNABLES", "")
-    if "glibc.malloc.tcache_count=" in tunables:
+    if f"{_THREAD_CACHE_TUNABLE}=" in tunables:
         return {}
     return {"GLIBC_TUNABLES": ":".join(part for part in (tunables, THREAD_CACHE_OFF) if part)}
 

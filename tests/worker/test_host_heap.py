@@ -15,7 +15,6 @@ import pytest
 
 from tokenmill.cluster.config import ClusterConfig, resolve_ports
 from tokenmill.cluster.specs import cluster_specs
-
 from worker.host_heap import THREAD_CACHE_OFF, _glibc, heap_environment, thread_cache_off
 
 ROOT = Path(__file__).resolve().parents[2]

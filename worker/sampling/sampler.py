@@ -125,8 +125,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
     torch's reductions that keep an index (argmax, max(dim)) are not vectorized on CPU: ~2.5 ns a value, where
     amax runs at a fifth of that. So on CPU each row's chunks of ARGMAX_CHUNK columns get their maximum from amax,
     and only the first chunk holding the row's maximum is searched for its index: [256, 49152] float32 on the
-    2-core EPYC of docs/benchmarks.md, two threads, 16.3 -> ~4 ms, a third of a near-free model's decode step at
-    256 streams. A row with a NaN takes max(dim) whole (its chunk maxima do not compare equal)."""
+    2-core EPYC of docs/benchmarks.md, two threads, 14.9 -> 4.5 ms (max(dim) was 30% of the served near-free
+    worker's samples at 256 streams). A row with a NaN takes max(dim) whole (its chunk maxima do not compare equal)."""
     rows, vocab = x.shape
     if x.device.type != "cpu" or vocab < 4 * ARGMAX_CHUNK or x.numel() < ARGMAX_CHUNKED_FROM:
         return x.max(dim=-1).indices  # on CUDA one fused reduction already; small inputs have nothing to save
