@@ -134,7 +134,7 @@ class LatencyTargets:
         class of service): then the one nearest its TTFT deadline (arrival + its target, or the flag's)
         goes first, requests without any target after them in queue order. With FCFS a preempted
         request stays ahead of all (it was admitted before them); with priority, priority ranks first."""
-        if not any(request.target_ttft_ms is not None for request in waiting):
+        if not waiting.num_ttft_targeted:
             return waiting.peek()
         fcfs = self.config.queue_policy == "fcfs"
 

@@ -1,4 +1,8 @@
-"""Waiting queues: FCFS, or priority (lower value first, then arrival)."""
+"""Waiting queues: FCFS, or priority (lower value first, then arrival).
+
+Each queue counts the requests in it that carry their own TTFT target (num_ttft_targeted): the latency
+targets pick the next request by deadline only when one does, and reading the count instead of scanning the
+queue keeps an admission O(1) with thousands waiting (--max-waiting-requests, 4,096 by default)."""
 from __future__ import annotations
 
 import bisect
@@ -10,6 +14,8 @@ from scheduler.request import Request
 
 
 class WaitingQueue(Protocol):
+    num_ttft_targeted: int  # requests in the queue with a target_ttft_ms of their own
+
     def add(self, request: Request) -> None: ...
     def add_preempted(self, request: Request) -> None: ...
     def peek(self) -> Request: ...
@@ -19,25 +25,35 @@ class WaitingQueue(Protocol):
     def __iter__(self) -> Iterator[Request]: ...
 
 
+def _targeted(request: Request) -> int:
+    return request.target_ttft_ms is not None
+
+
 class FcfsQueue:
     def __init__(self) -> None:
         self._queue: deque[Request] = deque()
+        self.num_ttft_targeted = 0
 
     def add(self, request: Request) -> None:
         self._queue.append(request)
+        self.num_ttft_targeted += _targeted(request)
 
     def add_preempted(self, request: Request) -> None:
         # back at the head: it was admitted before everything still waiting
         self._queue.appendleft(request)
+        self.num_ttft_targeted += _targeted(request)
 
     def peek(self) -> Request:
         return self._queue[0]
 
     def pop(self) -> Request:
-        return self._queue.popleft()
+        request = self._queue.popleft()
+        self.num_ttft_targeted -= _targeted(request)
+        return request
 
     def remove(self, request: Request) -> None:
         self._queue.remove(request)
+        self.num_ttft_targeted -= _targeted(request)
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -51,12 +67,14 @@ class PriorityQueue:
         self._keys: list[tuple[int, float, int]] = []
         self._requests: list[Request] = []
         self._sequence = itertools.count()
+        self.num_ttft_targeted = 0
 
     def add(self, request: Request) -> None:
         key = (request.priority, request.arrival_time, next(self._sequence))
         index = bisect.bisect(self._keys, key)
         self._keys.insert(index, key)
         self._requests.insert(index, request)
+        self.num_ttft_targeted += _targeted(request)
 
     # a preempted request keeps its (priority, arrival) rank, which puts it ahead of later arrivals
     add_preempted = add
@@ -66,12 +84,15 @@ class PriorityQueue:
 
     def pop(self) -> Request:
         self._keys.pop(0)
-        return self._requests.pop(0)
+        request = self._requests.pop(0)
+        self.num_ttft_targeted -= _targeted(request)
+        return request
 
     def remove(self, request: Request) -> None:
         index = next(i for i, r in enumerate(self._requests) if r is request)
         del self._keys[index]
         del self._requests[index]
+        self.num_ttft_targeted -= _targeted(request)
 
     def __len__(self) -> int:
         return len(self._requests)
