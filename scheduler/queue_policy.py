@@ -2,7 +2,7 @@
 
 Each queue counts the requests in it that carry their own TTFT target (num_ttft_targeted): the latency
 targets pick the next request by deadline only when one does, and reading the count instead of scanning the
-queue keeps an admission O(1) with thousands waiting (--max-waiting-requests, 4,096 by default)."""
+queue spares each admission a walk over thousands waiting (--max-waiting-requests, 4,096 by default)."""
 from __future__ import annotations
 
 import bisect
