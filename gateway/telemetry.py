@@ -132,7 +132,7 @@ def request_scope(request_id: str, operation: str = TEXT_COMPLETION):
 
 class RequestObserver:
     __slots__ = ("request_id", "arrival", "span", "first_token", "last_token", "num_tokens", "num_prompt_tokens",
-                 "counts_prompt", "ended")
+                 "counts_prompt", "ended", "_itl")
 
     def __init__(self, request: GenerationRequest, arrival: float, counts_prompt: bool = True) -> None:
         self.request_id = request.request_id
@@ -145,6 +145,7 @@ class RequestObserver:
         # once (as vLLM does), though each sample is a request of its own everywhere else
         self.counts_prompt = counts_prompt
         self.ended = False
+        self._itl = None  # the inter-token histogram's child for this model, looked up at the first gap
         self.span = trace.get_current_span()
         bind_request(request.request_id)
         if self.span.is_recording():
@@ -172,7 +173,9 @@ class RequestObserver:
         if count:
             # tokens that arrive together (coalesced while the stream was slow to read) share the gap
             gap = (now - self.last_token) / count
-            itl = metrics.INTER_TOKEN_LATENCY.labels(model)
+            itl = self._itl
+            if itl is None:  # labels() once a request: ~2.7 us a call, against ~1.5 for observe()
+                itl = self._itl = metrics.INTER_TOKEN_LATENCY.labels(model)
             for _ in range(count):
                 itl.observe(gap)
         self.last_token = now
