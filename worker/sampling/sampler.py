@@ -126,7 +126,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
     amax runs at a fifth of that. So on CPU each row's chunks of ARGMAX_CHUNK columns get their maximum from amax,
     and only the first chunk holding the row's maximum is searched for its index: [256, 49152] float32 on the
     2-core EPYC of docs/benchmarks.md, two threads, 14.9 -> 4.5 ms (max(dim) was 30% of the served near-free
-    worker's samples at 256 streams). A row with a NaN takes max(dim) whole (its chunk maxima do not compare equal)."""
+    worker's samples at 256 streams). An input with a NaN in any row takes max(dim) whole (a NaN chunk maximum
+    never compares equal)."""
     rows, vocab = x.shape
     if x.device.type != "cpu" or vocab < 4 * ARGMAX_CHUNK or x.numel() < ARGMAX_CHUNKED_FROM:
         return x.max(dim=-1).indices  # on CUDA one fused reduction already; small inputs have nothing to save
