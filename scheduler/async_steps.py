@@ -35,23 +35,27 @@ class AsyncSteps:
         that in-flight step, which runs before any later step can hand them to another request."""
         self._observe_step(plan, result)
         outputs = []
+        requests, spec_token_ids, sampled = self.requests, plan.spec_token_ids, result.sampled_token_ids
+        prompt_logprobs, logprobs_by_request = result.prompt_logprobs, result.logprobs
         for request_id, num_scheduled in plan.num_scheduled_tokens.items():
-            token_id = result.sampled_token_ids.get(request_id)
-            request = self.requests.get(request_id)
-            drafts = plan.spec_token_ids.get(request_id)
+            request = requests.get(request_id)
+            drafts = spec_token_ids.get(request_id) if spec_token_ids else None
             if drafts is not None:  # never preempted while verifying (_pick_victim): running, or aborted and gone
                 if request is not None:
                     request.verifying = False
                     outputs.extend(self._apply_verified(request, num_scheduled, drafts, result))
                 continue
-            if request is not None:
+            if request is None:
+                continue  # it ended while the step ran
+            if prompt_logprobs:
                 self._gather_prompt_logprobs(request, result)
-            if token_id is None or request is None or not request.num_pending_tokens:
-                continue  # a mid-prompt chunk, or a request that ended while the step ran
+            token_id = sampled.get(request_id)
+            if token_id is None or not request.num_pending_tokens:
+                continue  # a mid-prompt chunk
             index = request.num_known_tokens
             request.all_token_ids[index] = token_id
             request.num_pending_tokens -= 1
-            logprobs = result.logprobs.get(request_id)
+            logprobs = logprobs_by_request.get(request_id) if logprobs_by_request else None
             status = self._stop_status(request, token_id, num_tokens=index + 1)
             if status is not None:
                 if request.status == RequestStatus.RUNNING:
@@ -61,10 +65,6 @@ class AsyncSteps:
                 self._finish(request, status)
             outputs.append(self._output(request, [token_id], [logprobs] if logprobs else []))
         return outputs
-
-    def _ends_on_pending_token(self, request: Request) -> bool:
-        # its newest placeholder reaches max_tokens or the model length: planning past it is waste
-        return bool(request.num_pending_tokens) and self._length_reached(request, request.num_tokens)
 
     def _sits_out(self, request: Request) -> bool:
         """Async scheduling with speculation (scheduler.speculation): its drafts are being verified, or it would

@@ -81,10 +81,12 @@ class LatencyTargets:
         next gap this step makes): each one's own (its API key's class of service), else the
         scheduler's flag. None when none has: prefills alone wait for no gap. On a tie the flag's wins,
         so without per-request targets this is exactly the flag."""
+        flag = self.config.target_itl_ms
+        if flag is None and not any(request.target_itl_ms is not None for request in running):
+            return None  # nothing governs any gap (the common case: read every step, so no list is built)
         decoding = [request for request in running if request.num_output_tokens > 0]
         if not decoding:
             return None
-        flag = self.config.target_itl_ms
         targets = [ItlTarget(flag, ITL_FROM_FLAG)] if flag is not None else []
         if any(request.target_itl_ms is not None for request in decoding):
             if all(request.target_itl_ms is not None for request in decoding):

@@ -127,44 +127,62 @@ class Scheduler(WorkerLoss, AsyncSteps):
         return self._close_plan(step)
 
     def _schedule_running(self, step: _Step) -> None:
-        step.needing_after = self._needing_after()
+        # One pass over the running set every step, so the common decode keeps to locals: without speculation
+        # a request never sits out, proposes or looks ahead, and needing_after is read only under a target.
+        running, speculation, plan = self.running, self.speculation, step.plan
+        scheduled, new_block_ids = plan.num_scheduled_tokens, step.new_block_ids
+        allocate = self.kv.allocate_slots
+        needing_after = step.needing_after = (self._needing_after() if step.targeted or speculation is not None
+                                              else {})
         index = 0
-        while index < len(self.running) and step.budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+        while index < len(running) and step.budget > 0:
+            request = running[index]
+            num_tokens = len(request.all_token_ids)
+            num_new = min(num_tokens - request.num_computed_tokens, step.budget)
             if step.targeted and num_new > 1:  # a prefill chunk shrinks so the decodes after it still run
-                num_new = max(1, min(num_new, step.budget - step.needing_after[request.request_id]))
-            if num_new == 0 or self._ends_on_pending_token(request) or self._sits_out(request):
-                index += 1  # async scheduling: its step in flight is its last, or it cannot be planned past
+                num_new = max(1, min(num_new, step.budget - needing_after[request.request_id]))
+            if num_new == 0 or (request.num_pending_tokens and self._length_reached(request, num_tokens)):
+                index += 1  # async scheduling: its step in flight is its last (its newest placeholder ends it)
                 continue
-            drafts = self._drafts(step, request, num_new)
-            lookahead = self._lookahead(request, request.num_computed_tokens, num_new)
-            added = self.kv.allocate_slots(request, num_new + len(drafts) + lookahead) if drafts or lookahead else None
-            if added is not None:  # speculation takes free pages only: it never preempts
-                if drafts:
-                    step.plan.spec_token_ids[request.request_id] = drafts
-                if lookahead:
-                    step.plan.num_draft_tokens[request.request_id] = lookahead
-                num_new += len(drafts)
-            else:
-                added, index = self._allocate_preempting(step, request, num_new, index)
+            added = None
+            if speculation is not None:
+                if self._sits_out(request):
+                    index += 1  # it cannot be planned past its step in flight
+                    continue
+                drafts = self._drafts(step, request, num_new)
+                lookahead = self._lookahead(request, request.num_computed_tokens, num_new)
+                if drafts or lookahead:
+                    added = allocate(request, num_new + len(drafts) + lookahead)
+                if added is not None:  # speculation takes free pages only: it never preempts
+                    if drafts:
+                        plan.spec_token_ids[request.request_id] = drafts
+                    if lookahead:
+                        plan.num_draft_tokens[request.request_id] = lookahead
+                    num_new += len(drafts)
+            if added is None:
+                added = allocate(request, num_new)
                 if added is None:
-                    continue  # the current request was the victim; self.running shifted under index
-            step.plan.num_scheduled_tokens[request.request_id] = num_new
-            step.new_block_ids[request.request_id] = added
+                    added, index = self._allocate_preempting(step, request, num_new, index)
+                    if added is None:
+                        continue  # the current request was the victim; self.running shifted under index
+            scheduled[request.request_id] = num_new
+            new_block_ids[request.request_id] = added
             step.budget -= num_new
             index += 1
-        for request in self.running:
-            if request.request_id in step.plan.num_scheduled_tokens:
-                step.plan.cached_requests.append(CachedRequestData(
-                    request.request_id, step.new_block_ids[request.request_id], request.num_computed_tokens,
-                    self._dropped_tail.pop(request.request_id, 0)))
+        dropped_tail = self._dropped_tail
+        cached = plan.cached_requests
+        for request in running:
+            request_id = request.request_id
+            if request_id in scheduled:
+                cached.append(CachedRequestData(request_id, new_block_ids[request_id], request.num_computed_tokens,
+                                                dropped_tail.pop(request_id, 0) if dropped_tail else 0))
 
     def _allocate_preempting(self, step: _Step, request: Request, num_new: int,
                              index: int) -> tuple[list[int] | None, int]:
-        """Pages for num_new more tokens of the running request at index, preempting victims until they fit:
-        (its new pages, or None when it was the victim itself; index, one back per victim that sat before it)."""
-        added = self.kv.allocate_slots(request, num_new)
+        """Pages for num_new more tokens of the running request at index, which the pool could not supply, preempting
+        victims until they fit: (its new pages, or None when it was the victim itself; index, one back per victim
+        that sat before it)."""
+        added = None
         while added is None:
             victim = self._pick_victim()
             step.preempted = True
