@@ -164,8 +164,9 @@ class RequestStreams:
         """One step's deltas; forward_ns: the worker's time for that step."""
         now = time.monotonic()
         batched: list[DeltaStream] = []
+        streams, state, resumable = self._streams, self.state, self._resumable  # every step, every request: locals
         for output in outputs:
-            stream = self._streams.get(output.request_id)
+            stream = streams.get(output.request_id)
             if stream is None:
                 continue
             if stream.kept is not None and self._hold(stream, output, forward_ns):
@@ -173,20 +174,20 @@ class RequestStreams:
             if stream.times.first_token is None and output.new_token_ids:
                 stream.times.first_token = now
                 stream.times.first_token_forward_ns = forward_ns
-            if self.state:
+            if state:
                 self._record_progress(stream, output, now)
             if output.finished:
                 self.end(output)
+                continue
+            if output.request_id in resumable:
+                self._write_tokens(output)
+            delta_stream = stream.delta_stream
+            if stream.started and delta_stream is not None and not delta_stream.closed:
+                if delta_stream.add(output):
+                    batched.append(delta_stream)
             else:
-                if output.request_id in self._resumable:
-                    self._write_tokens(output)
-                delta_stream = stream.delta_stream
-                if stream.started and delta_stream is not None and not delta_stream.closed:
-                    if delta_stream.add(output):
-                        batched.append(delta_stream)
-                else:
-                    stream.started = True
-                    stream.queue.put_nowait(output)
+                stream.started = True
+                stream.queue.put_nowait(output)
         for delta_stream in batched:  # one message per gateway for the whole step
             delta_stream.flush()
 
