@@ -117,9 +117,10 @@ class TokenStreamWriter(BackgroundFlush):
         # entries per script call: a step of 1,024 requests fits many times over, while the catch-up
         # after a long outage goes in calls that each hold Redis for milliseconds, not seconds
         self._batch_max = batch_max
-        # in order, each entry as the script reads it: [request_id, field, value, field, value, ...], so a flush is
-        # one json.dumps of a slice (no per-entry Python at flush time)
-        self._pending: deque[list[str]] = deque()
+        # (request_id, entry fields), in order. A dict of strings stays outside the cyclic GC's tracking; the
+        # script's flat list built at append instead (one json.dumps a flush) measured slower in the scheduler
+        # step benchmark with the GC on (deliver +1.3-1.6 us a token at 256 requests), not with it off
+        self._pending: deque[tuple[str, dict[str, str]]] = deque()
         self._has_work = asyncio.Event()
         self._flushing = False  # a pipeline is in flight: its entries are the first len(batch)
         self._causes = WriteCauses()  # the step spans whose tokens the next pipeline carries
@@ -135,18 +136,18 @@ class TokenStreamWriter(BackgroundFlush):
     # ---- caller side: synchronous, no I/O ----
 
     def append(self, request_id: str, start_index: int, token_ids: list[int]) -> None:
-        self._queue([request_id, "i", str(start_index), "t", " ".join(map(str, token_ids))])
+        self._queue(request_id, {"i": str(start_index), "t": " ".join(map(str, token_ids))})
 
     def finish(self, request_id: str, end_index: int, finish_reason: FinishReason, error: ServingError | None,
                num_prompt_tokens: int) -> None:
-        entry = [request_id, "i", str(end_index), "t", "", "f", finish_reason.name, "p", str(num_prompt_tokens)]
+        fields = {"i": str(end_index), "t": "", "f": finish_reason.name, "p": str(num_prompt_tokens)}
         if error is not None:
-            entry += ["c", error.code.name, "e", str(error)]
-        self._queue(entry)
+            fields["c"], fields["e"] = error.code.name, str(error)
+        self._queue(request_id, fields)
 
-    def _queue(self, entry: list[str]) -> None:
+    def _queue(self, request_id: str, fields: dict[str, str]) -> None:
         self._causes.note()
-        self._pending.append(entry)
+        self._pending.append((request_id, fields))
         if len(self._pending) > self._max_pending and not self._flushing:
             self._pending.popleft()
             self.dropped += 1
@@ -161,7 +162,8 @@ class TokenStreamWriter(BackgroundFlush):
         """Writes what is pending, in order, as one script call; False (entries kept) if Redis could not
         be reached."""
         batch = list(itertools.islice(self._pending, self._batch_max))
-        payload = json.dumps(batch, separators=(",", ":"))
+        payload = json.dumps([[request_id, *itertools.chain.from_iterable(fields.items())]
+                              for request_id, fields in batch], separators=(",", ":"))
         self._flushing = True
         self.round_trips += 1
         try:

@@ -74,8 +74,8 @@ class PipelineTokenStreamWriter(TokenStreamWriter):
     async def _flush(self) -> bool:
         batch = list(self._pending)
         pipe = self._client.pipeline(transaction=False)
-        for request_id, *fields in batch:
-            pipe.xadd(token_stream_key(request_id), dict(zip(fields[::2], fields[1::2])))
+        for request_id, fields in batch:
+            pipe.xadd(token_stream_key(request_id), fields)
             pipe.expire(token_stream_key(request_id), self._ttl_s)
         self.round_trips += 1
         await pipe.execute()
