@@ -16,13 +16,14 @@ class AsyncSteps:
         """Takes a plan that was just sent as done, so the next one can be planned before its result:
         every scheduled request's computed count advances, and each that samples this step gets a
         placeholder token that update_assumed() replaces with the real one."""
+        requests, spec_token_ids = self.requests, plan.spec_token_ids
         for request_id, num_scheduled in plan.num_scheduled_tokens.items():
-            request = self.requests[request_id]
-            if request_id in plan.spec_token_ids:
+            request = requests[request_id]
+            if spec_token_ids and request_id in spec_token_ids:
                 request.verifying = True  # 1 .. k + 1 tokens: update_assumed() applies them as update() does
                 continue
             request.num_computed_tokens += num_scheduled
-            if request.num_computed_tokens == request.num_tokens:
+            if request.num_computed_tokens == len(request.all_token_ids):
                 request.all_token_ids.append(PLACEHOLDER_TOKEN_ID)
                 request.num_pending_tokens += 1
 

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from core.sampling import SamplingParams  # noqa: E402
 from core.step import StepPlan, StepResult  # noqa: E402
 from kvstore.state_writer import RequestStateWriter  # noqa: E402
+from plumbing.process import settle_heap  # noqa: E402
 from protos import codec  # noqa: E402
 from protos.tokenmill.v1 import worker_pb2  # noqa: E402
 from kvstore.token_streams import TokenStreamWriter, token_stream_key  # noqa: E402
@@ -99,6 +100,7 @@ def fill(num_requests: int, args) -> tuple[Scheduler, StepPipeline, RequestStrea
     for index in range(num_requests):
         prompt = [(index * 31 + position * 7) % 5000 + 10 for position in range(args.prompt_len)]
         scheduler.add_request(Request(f"req-{index:05d}", prompt, params))
+    settle_heap()  # as the scheduler process once it serves (its collector settings count in every part)
     return scheduler, StepPipeline(scheduler, ASYNC_SCHEDULING), RequestStreams(), model
 
 

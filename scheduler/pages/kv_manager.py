@@ -181,13 +181,15 @@ class KVCacheManager:
         Returns the newly added page ids (cached ones first), or None if the pool cannot supply
         them; on None nothing has changed but pages outside a sliding window given back.
         """
-        table = self.block_tables.setdefault(request.request_id, [])
+        table = self.block_tables.get(request.request_id)
         if table and not cached_blocks and self.sliding_window is None and self.policy != "static":
             num_tokens = request.num_computed_tokens + num_new_tokens
-            if cdiv(num_tokens, self.block_size) <= len(table):  # a decode step inside its last page: most steps
+            if num_tokens <= len(table) * self.block_size:  # a decode step inside its last page: most steps
                 if self.prefix_caching and num_tokens // self.block_size > self._num_registered.get(request.request_id, 0):
                     self._register_full_blocks(request, table, num_tokens)
                 return []
+        if table is None:
+            table = self.block_tables[request.request_id] = []
         num_computed = len(cached_blocks) * self.block_size if cached_blocks else request.num_computed_tokens
         starts_table = not table
         if table:

@@ -44,6 +44,7 @@ class ReadmittableTokens:
     def __init__(self, tokens: TokenSink, live: LiveRequestWriter) -> None:
         self._tokens = tokens
         self._live = live
+        self.append = tokens.append  # every token of every step: the writer's own method, not a call through this one
 
     def admitted(self, request: Request, deadline: float | None, owner: str | None) -> asyncio.Future:
         """Done once the submission is in Redis (LiveRequestWriter.admitted)."""
@@ -52,9 +53,6 @@ class ReadmittableTokens:
                                  target_itl_ms=request.target_itl_ms, target_ttft_ms=request.target_ttft_ms)
         message = codec.submit_request_to_proto(spec, deadline, resumable=True, owner=owner)
         return self._live.admitted(request.request_id, base64.b64encode(message.SerializeToString()).decode())
-
-    def append(self, request_id: str, start_index: int, token_ids: list[int]) -> None:
-        self._tokens.append(request_id, start_index, token_ids)
 
     def finish(self, request_id: str, end_index: int, finish_reason: FinishReason, error: ServingError | None,
                num_prompt_tokens: int) -> None:
