@@ -23,7 +23,7 @@ class AsyncSteps:
                 request.verifying = True  # 1 .. k + 1 tokens: update_assumed() applies them as update() does
                 continue
             request.num_computed_tokens += num_scheduled
-            if request.num_computed_tokens == len(request.all_token_ids):
+            if request.num_computed_tokens == request.num_tokens:
                 request.all_token_ids.append(PLACEHOLDER_TOKEN_ID)
                 request.num_pending_tokens += 1
 

@@ -25,7 +25,7 @@ from scheduler.pages.kv_manager import KVCacheManager, cdiv
 from scheduler.latency_targets import LatencyTargets
 from scheduler.pages.preemption import RecomputeRate, swap_is_cheaper
 from scheduler.queue_policy import make_waiting_queue
-from scheduler.request import FINISH_REASONS, FINISHED_STATUSES, Request, RequestStatus
+from scheduler.request import FINISH_REASONS, Request, RequestStatus
 from scheduler.speculation import build_speculation, verified_tokens
 from scheduler.stats import SchedulerStats
 from scheduler.async_steps import AsyncSteps
@@ -137,7 +137,7 @@ class Scheduler(WorkerLoss, AsyncSteps):
         index = 0
         while index < len(running) and step.budget > 0:
             request = running[index]
-            num_tokens = len(request.all_token_ids)
+            num_tokens = request.num_tokens
             num_new = min(num_tokens - request.num_computed_tokens, step.budget)
             if step.targeted and num_new > 1:  # a prefill chunk shrinks so the decodes after it still run
                 num_new = max(1, min(num_new, step.budget - needing_after[request.request_id]))
@@ -431,20 +431,18 @@ class Scheduler(WorkerLoss, AsyncSteps):
             self._dropped_since_last_plan.append(request_id)
 
     def _output(self, request: Request, token_ids: list[int], logprobs: list) -> RequestOutput:
-        # once per request per step: the counts are read off the lists, not through Request's properties
         prompt_logprobs = None
         if token_ids and request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
             prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
-        num_prompt_tokens = len(request.prompt_token_ids)
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=token_ids,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            finished=request.status in FINISHED_STATUSES,
+            finished=request.is_finished,
             finish_reason=request.finish_reason,
-            num_prompt_tokens=num_prompt_tokens,
-            num_output_tokens=len(request.all_token_ids) - num_prompt_tokens - request.num_pending_tokens,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens - request.num_pending_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             num_preemptions=request.num_preemptions,
         )
