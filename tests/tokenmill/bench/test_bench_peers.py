@@ -271,6 +271,12 @@ def test_compare_model_runs_a_real_models_shapes():
     without_vllm = _dry_run("compare.sh", "--model", "llama3.2-1b", "--sides", "tokenmill", "--dry-run").stdout
     assert "make_shapes.py --model llama3.2-1b --out .peers/shapes\n" in without_vllm  # no HF folder wanted
     assert _dry_run("compare.sh", "--model", "gpt-9", "--dry-run").returncode == 2
+    # each side in its own dtype: tokenmill's float32 beside vLLM's bfloat16 on a CPU without native bfloat16
+    mixed = [shlex.split(line[2:]) for line in _dry_run("compare.sh", "--model", "qwen2.5-1.5b", "--dry-run", "--sides",
+                                                        "tokenmill,vllm", "--dtypes", "float32", "--vllm-dtypes",
+                                                        "bfloat16").stdout.splitlines() if line.startswith("+ ")]
+    assert [command[command.index("--dtype") + 1] for command in mixed if "--dtype" in command] == ["float32", "bfloat16"]
+    assert _dry_run("compare.sh", "--model", "qwen2.5-1.5b", "--dry-run", "--vllm-dtypes", "int4").returncode == 2
 
 
 def test_setup_scripts_print_their_steps_and_build_outside_git():
