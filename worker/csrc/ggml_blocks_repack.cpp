@@ -5,7 +5,7 @@
 // fifth bit three more), as llama.cpp's repacked block_q4_Kx8 is read. The layout keeps the file's size (Q6_K
 // exactly; Q4_K and Q5_K 2-3% more: their 6-bit scales and mins one byte each). Up to one register tile of x (4
 // rows), each register is used once and read so; more rows decode each group block once into the GEMM's Tile
-// (ggml_blocks_avx2_tile.h) and run its loop. Either way the next group's block is requested while one is read
+// (ggml_blocks_avx2_tile.h) and run its loop, two groups at a time where two remain. Either way the next group's block is requested while one is read
 // (without it, 16-64 rows ran 0.93-0.98x the file-layout GEMM). Figures: docs/benchmarks.md, "K-quants repacked".
 //
 //   one group block = the blocks b of 8 weight rows n..n+7 (n a multiple of 8); a repacked weight [N, nb * share]
@@ -231,7 +231,8 @@ struct Q6KLayout {
 };
 
 // A group block's registers read (and unpacked) from memory at each use: for one tile of x or fewer, where each
-// is used once. More rows of x decode it once into the GEMM's Tile instead (decode, then avx2_tile::all_rows).
+// is used once. More rows of x decode it once into the GEMM's Tile instead (decode, then avx2_tile::all_rows, or
+// two groups' Tiles and all_rows_pair).
 template <class L>
 struct Direct {
   const uint8_t* g;
@@ -320,25 +321,37 @@ void gemm_rows(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x, const flo
   TORCH_CHECK(n0 % kRows == 0 && (n1 % kRows == 0 || n1 == p.rows), "ggml_blocks: repacked rows [", n0, ", ", n1,
               ") do not start and end on groups of 8");
   const int64_t group_bytes = kRows * block_bytes(p.type);
-  std::vector<float> acc(x.T * kRows);
-  Tile tile;
-  for (int64_t n = n0; n < n1; n += kRows) {
+  const int64_t group_stride = x.nb * group_bytes;  // from a group's block b to the next group's
+  std::vector<float> acc(2 * x.T * kRows);  // [T, 8] a group: two while a pair of groups runs
+  float* acc_b = acc.data() + x.T * kRows;
+  Tile tile, tile_b;
+  for (int64_t n = n0; n < n1;) {
+    // more than one tile of x: two groups at a time where two remain (avx2_tile::tile_pair_rows says why)
+    const bool pair = x.T > kTileX && n + 2 * kRows <= n1;
+    const int64_t width = pair ? 2 * kRows : kRows, next = n + width;
     const uint8_t* g = p.data + n * p.row_bytes;  // group n / 8's blocks, one after another
-    std::fill(acc.begin(), acc.end(), 0.f);
+    std::fill(acc.begin(), acc.begin() + x.T * width, 0.f);
     for (int64_t b = 0; b < x.nb; ++b, g += group_bytes) {
-      if (n + kRows < n1) tokenmill::prefetch_lines(g + x.nb * group_bytes, group_bytes);  // the next group's block b
+      for (int64_t ahead = 0; ahead < width && next + ahead < n1; ahead += kRows)  // the next groups' block b
+        tokenmill::prefetch_lines(g + (width + ahead) / kRows * group_stride, group_bytes);
       if (x.T <= kTileX) {
         few_rows<L>(Direct<L>{g}, x, b, acc.data());
+      } else if (pair) {
+        decode<L>(g, tile);
+        decode<L>(g + group_stride, tile_b);
+        all_rows_pair<L::kGroup, L::kSum>(tile, tile_b, x, b, acc.data(), acc_b);
       } else {
         decode<L>(g, tile);
         all_rows<L::kGroup, L::kSum>(tile, x, b, acc.data());
       }
     }
     for (int64_t t = 0; t < x.T; ++t)
-      for (int64_t j = 0; j < kRows; ++j) {
+      for (int64_t j = 0; j < width; ++j) {
         const float add = bias ? bias[col0 + n + j] : 0.f;  // in float32, then one rounding to Out
-        out[t * ldo + col0 + n + j] = static_cast<Out>(acc[t * kRows + j] + add);
+        const float sum = j < kRows ? acc[t * kRows + j] : acc_b[t * kRows + j - kRows];
+        out[t * ldo + col0 + n + j] = static_cast<Out>(sum + add);
       }
+    n = next;
   }
 }
 

@@ -58,8 +58,9 @@ def test_the_repacked_gemm_equals_gguf_dequantize_then_matmul(type_name):
 @pytest.mark.parametrize("type_name", K_QUANTS)
 def test_the_repacked_gemm_gives_todays_gemm_bits(type_name, dtype):
     """At every row count (one tile of x or fewer reads the repacked registers directly, more decode them once
-    into the GEMM's tile), with a bias, for x in float32 and bfloat16."""
-    cols, out_rows = 768, 48
+    into the GEMM's tile, two groups of 8 weight rows at a time where two remain), with a bias, for x in float32
+    and bfloat16. 7 groups: pairs and a group alone on one thread or split between two."""
+    cols, out_rows = 768, 56
     raw = random_blocks(type_name, out_rows, cols, seed=2)
     packed, blocks = repacked(raw, type_name, cols), torch.from_numpy(raw)
     bias = torch.randn(out_rows)
