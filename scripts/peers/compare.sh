@@ -17,8 +17,8 @@
 # Options: --sides LIST (tokenmill,vllm,llama-server), --dtypes LIST (activation dtypes for tokenmill and
 # vLLM; llama-server runs the file's own quantization), --vllm-dtypes LIST (vLLM's own, where they differ:
 # e.g. tokenmill's float32 on a CPU without native bfloat16 beside vLLM's bfloat16), --tokenmill-variants
-# 'FLAGS;FLAGS' (tokenmill runs once per variant, each with those extra serve flags; an empty variant is the default, e.g.
-# ';--cpu-int8-activations'), --out DIR (bench_out/peers), --doc FILE
+# 'FLAGS;FLAGS' (tokenmill runs once per variant, each with those extra serve flags; an empty variant is the
+# default, e.g. ';--cpu-int8-activations'), --out DIR (bench_out/peers), --doc FILE
 # (docs/benchmarks.md), and after `--` extra `tokenmill bench` arguments (later ones win). The workload:
 # concurrency 1 (sync) and 32, 100 requests per level, 128-token prompts, outputs uniform in 32-256,
 # greedy, EOS ignored. Environment: THREADS (all cores), LLAMA_SLOTS (32: llama-server's parallel

@@ -5,8 +5,9 @@
 // fifth bit three more), as llama.cpp's repacked block_q4_Kx8 is read. The layout keeps the file's size (Q6_K
 // exactly; Q4_K and Q5_K 2-3% more: their 6-bit scales and mins one byte each). Up to one register tile of x (4
 // rows), each register is used once and read so; more rows decode each group block once into the GEMM's Tile
-// (ggml_blocks_avx2_tile.h) and run its loop, two groups at a time where two remain. Either way the next group's block is requested while one is read
-// (without it, 16-64 rows ran 0.93-0.98x the file-layout GEMM). Figures: docs/benchmarks.md, "K-quants repacked".
+// (ggml_blocks_avx2_tile.h) and run its loop, two groups at a time where two remain. Either way the next group's
+// block is requested while one is read (without it, 16-64 rows ran 0.93-0.98x the file-layout GEMM). Figures:
+// docs/benchmarks.md, "K-quants repacked" and "Two groups a step".
 //
 //   one group block = the blocks b of 8 weight rows n..n+7 (n a multiple of 8); a repacked weight [N, nb * share]
 //   holds group n / 8's nb group blocks one after another (rows n..n+7 of the tensor, share = group bytes / 8).
