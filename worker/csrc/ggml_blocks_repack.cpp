@@ -323,27 +323,31 @@ void gemm_rows(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x, const flo
               ") do not start and end on groups of 8");
   const int64_t group_bytes = kRows * block_bytes(p.type);
   const int64_t group_stride = x.nb * group_bytes;  // from a group's block b to the next group's
-  std::vector<float> acc(2 * x.T * kRows);  // [T, 8] a group: two while a pair of groups runs
-  float* acc_b = acc.data() + x.T * kRows;
+  // [T, 8] a group: two while a pair of groups runs. The thread's own, kept: a MoE step calls this per (expert, 64
+  // rows), and a malloc and free each time took ~3% of a 16-token layer (glibc's thread cache is off in the worker)
+  thread_local std::vector<float> acc_store;
+  if (acc_store.size() < static_cast<size_t>(2 * x.T * kRows)) acc_store.resize(2 * x.T * kRows);
+  float* const acc = acc_store.data();
+  float* const acc_b = acc + x.T * kRows;
   Tile tile, tile_b;
   for (int64_t n = n0; n < n1;) {
     // more than one tile of x: two groups at a time where two remain (avx2_tile::tile_pair_rows says why)
     const bool pair = x.T > kTileX && n + 2 * kRows <= n1;
     const int64_t width = pair ? 2 * kRows : kRows, next = n + width;
     const uint8_t* g = p.data + n * p.row_bytes;  // group n / 8's blocks, one after another
-    std::fill(acc.begin(), acc.begin() + x.T * width, 0.f);
+    std::fill(acc, acc + x.T * width, 0.f);
     for (int64_t b = 0; b < x.nb; ++b, g += group_bytes) {
       for (int64_t ahead = 0; ahead < width && next + ahead < n1; ahead += kRows)  // the next groups' block b
         tokenmill::prefetch_lines(g + (width + ahead) / kRows * group_stride, group_bytes);
       if (x.T <= kTileX) {
-        few_rows<L>(Direct<L>{g}, x, b, acc.data());
+        few_rows<L>(Direct<L>{g}, x, b, acc);
       } else if (pair) {
         decode<L>(g, tile);
         decode<L>(g + group_stride, tile_b);
-        all_rows_pair<L::kGroup, L::kSum>(tile, tile_b, x, b, acc.data(), acc_b);
+        all_rows_pair<L::kGroup, L::kSum>(tile, tile_b, x, b, acc, acc_b);
       } else {
         decode<L>(g, tile);
-        all_rows<L::kGroup, L::kSum>(tile, x, b, acc.data());
+        all_rows<L::kGroup, L::kSum>(tile, x, b, acc);
       }
     }
     for (int64_t t = 0; t < x.T; ++t)
