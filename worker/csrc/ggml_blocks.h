@@ -2,16 +2,38 @@
 // points of the many-row kernels that ggml_blocks_dot.cpp calls: AMX-INT8 tiles (ggml_blocks_amx.cpp), the
 // AVX2 GEMM (ggml_blocks_avx2_gemm.cpp) and the same GEMM on K-quants repacked at load (ggml_blocks_repack.cpp).
 #pragma once
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <vector>
 
 namespace tokenmill::ggml {
+
+// body(k) for k in [0, chunks) over the op's threads: each thread starts on its own contiguous share (one stream of
+// weight rows a thread, as a static split reads them) and, once done, takes what is left of the others' shares
+// from their cursors, so a thread slowed by another process on its core no longer holds the whole call. 2 threads
+// on the shared 2-core EPYC, a repacked Q4_K linear, this over the static split, alternated in one process
+// (medians of 10 calls, two runs each): one row of x 0.86-1.05x the time, 64 rows 0.90-0.91x, 512 rows 0.88-0.99x.
+template <class F>
+void shared_chunks(int64_t chunks, F&& body) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), chunks));
+  std::unique_ptr<std::atomic<int64_t>[]> cursor(new std::atomic<int64_t>[threads]);
+  for (int64_t t = 0; t < threads; ++t) cursor[t].store(chunks * t / threads, std::memory_order_relaxed);
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t)
+      for (int64_t v = 0; v < threads; ++v) {
+        const int64_t owner = (t + v) % threads, end = chunks * (owner + 1) / threads;
+        for (int64_t k; (k = cursor[owner].fetch_add(1, std::memory_order_relaxed)) < end;) body(k);
+      }
+  });
+}
 
 constexpr int64_t QK = 256;  // activation block, and the K-quants' super-block
 

@@ -826,18 +826,18 @@ int64_t tokenmill::ggml::ggml_blocks_path(int64_t path) {
 
 // one parallel region over every part's rows: a fused projection keeps both threads busy to its end. amx: x
 // as tiles where the K-quant parts run on AMX (their own region, ggml_blocks_amx.cpp), else null; gemm: the
-// K-quant parts run the AVX2 GEMM. Repacked parts (always on the GEMM) are read in groups of 8 rows, so with
-// one the threads split the columns on multiples of 8 (each part starts on one: ggml_blocks_linear checks).
+// K-quant parts run the AVX2 GEMM. The threads share chunks of 64 columns (shared_chunks); repacked parts (always
+// on the GEMM) are read in groups of 8 rows, which a chunk never splits (each part starts on one: ggml_blocks_linear
+// checks).
 template <typename Out>
 void linear_parts(const std::vector<Part>& ps, const std::vector<int64_t>& first_col, int64_t N, int64_t K,
                   const Q8Rows& q, const AmxRows* amx, bool gemm, const float* bias, Out* out, bool wide) {
   if (amx) amx_linear(ps, first_col, N, *amx, bias, out);
   const auto vector_part = [&](const Part& p) { return !amx || !amx_has_kernel(p.type); };
   if (std::none_of(ps.begin(), ps.end(), vector_part)) return;
-  const bool groups = std::any_of(ps.begin(), ps.end(), [](const Part& p) { return is_repacked(p.type); });
-  const int64_t unit = groups ? 8 : 1;
-  at::parallel_for(0, (N + unit - 1) / unit, groups ? 2 : 16, [&](int64_t first, int64_t last) {
-    const int64_t begin = first * unit, end = std::min(N, last * unit);
+  const int64_t unit = 64;  // weight rows a chunk: whole groups of 8 where repacked
+  shared_chunks((N + unit - 1) / unit, [&](int64_t k) {
+    const int64_t begin = k * unit, end = std::min(N, (k + 1) * unit);
     for (size_t i = 0; i < ps.size(); ++i) {
       const int64_t lo = std::max(begin, first_col[i]), hi = std::min(end, first_col[i] + ps[i].rows);
       if (lo >= hi || !vector_part(ps[i])) continue;

@@ -59,7 +59,7 @@ def test_the_repacked_gemm_equals_gguf_dequantize_then_matmul(type_name):
 def test_the_repacked_gemm_gives_todays_gemm_bits(type_name, dtype):
     """At every row count (one tile of x or fewer reads the repacked registers directly, more decode them once
     into the GEMM's tile, two groups of 8 weight rows at a time where two remain), with a bias, for x in float32
-    and bfloat16. 7 groups: pairs and a group alone on one thread or split between two."""
+    and bfloat16. 7 groups: three pairs and a group alone."""
     cols, out_rows = 768, 56
     raw = random_blocks(type_name, out_rows, cols, seed=2)
     packed, blocks = repacked(raw, type_name, cols), torch.from_numpy(raw)
@@ -69,6 +69,29 @@ def test_the_repacked_gemm_gives_todays_gemm_bits(type_name, dtype):
         today = torch.ops.tokenmill.ggml_blocks_linear(x, [blocks], [BLOCK_TYPES[type_name]], GEMM, bias)
         got = torch.ops.tokenmill.ggml_blocks_linear(x, [packed], [BLOCK_TYPES[type_name] + REPACKED], GEMM, bias)
         assert torch.equal(got, today), (type_name, rows, dtype)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threads_share_chunks_of_columns_with_one_threads_bits(threads):
+    """The threads take chunks of 64 columns (shared_chunks: each its own share first, then what is left of the
+    others'), over parts whose boundaries fall inside a chunk and a last chunk that is short: the bits of one
+    thread, which are the file-layout GEMM's."""
+    cols, parts = 512, [("Q4_K", 136), ("Q6_K", 48), ("Q5_K", 40)]  # 224 columns: chunks 0-63 .. 192-223
+    raws = [random_blocks(t, n, cols, seed=10 + i) for i, (t, n) in enumerate(parts)]
+    packed = [repacked(r, t, cols) for r, (t, _) in zip(raws, parts)]
+    types = [BLOCK_TYPES[t] for t, _ in parts]
+    before = torch.get_num_threads()
+    try:
+        for rows in (1, 5, 64):
+            x = torch.randn(rows, cols)
+            torch.set_num_threads(1)
+            one = torch.ops.tokenmill.ggml_blocks_linear(x, packed, [t + REPACKED for t in types], GEMM)
+            today = torch.ops.tokenmill.ggml_blocks_linear(x, [torch.from_numpy(r) for r in raws], types, GEMM)
+            torch.set_num_threads(threads)
+            many = torch.ops.tokenmill.ggml_blocks_linear(x, packed, [t + REPACKED for t in types], GEMM)
+            assert torch.equal(many, one) and torch.equal(one, today), (threads, rows)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_fused_projection_mixes_repacked_and_file_parts():
