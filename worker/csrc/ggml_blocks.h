@@ -24,13 +24,16 @@ namespace tokenmill::ggml {
 template <class F>
 void shared_chunks(int64_t chunks, F&& body) {
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), chunks));
-  std::unique_ptr<std::atomic<int64_t>[]> cursor(new std::atomic<int64_t>[threads]);
-  for (int64_t t = 0; t < threads; ++t) cursor[t].store(chunks * t / threads, std::memory_order_relaxed);
+  struct alignas(64) Cursor {  // a cache line each: a thread's claims do not pull in the other's line
+    std::atomic<int64_t> next;
+  };
+  std::unique_ptr<Cursor[]> cursor(new Cursor[threads]);
+  for (int64_t t = 0; t < threads; ++t) cursor[t].next.store(chunks * t / threads, std::memory_order_relaxed);
   at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t)
       for (int64_t v = 0; v < threads; ++v) {
         const int64_t owner = (t + v) % threads, end = chunks * (owner + 1) / threads;
-        for (int64_t k; (k = cursor[owner].fetch_add(1, std::memory_order_relaxed)) < end;) body(k);
+        for (int64_t k; (k = cursor[owner].next.fetch_add(1, std::memory_order_relaxed)) < end;) body(k);
       }
   });
 }

@@ -121,8 +121,9 @@ AVX2_TARGET inline __m256 load8(const T* v) {
 
 // quantize_block512 on AVX2, 32 values a step. The scalar loop below (one value at a time, its 16-value sums
 // added in memory, ~10 cycles a value) took 8% of a 512-token MoE layer, whose 4,096 (token, expert) rows are
-// each rounded (perf, docs/benchmarks.md "Rounding x on AVX2"). The same bits: the absmax (vmaxps returns its second operand on a NaN, as std::max keeps the
-// running maximum), the same / 127 and 1 / d, the product rounded half to even by vcvtps2dq as nearbyint does.
+// each rounded (perf, docs/benchmarks.md "Rounding x on AVX2"). The same bits: the absmax (vmaxps returns its
+// second operand on a NaN, as std::max keeps the running maximum), the same / 127 and 1 / d, the product rounded
+// half to even by vcvtps2dq as nearbyint does.
 template <typename T>
 AVX2_TARGET void quantize_block256(const T* v, int8_t* q, int16_t* sums, float* d_out) {
   const __m256 sign = _mm256_set1_ps(-0.f);
