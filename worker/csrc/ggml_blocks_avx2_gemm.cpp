@@ -184,13 +184,13 @@ template <typename Out>
 void gemm_rows(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x, const float* bias, Out* out, int64_t ldo,
                int64_t col0) {
   const int64_t bytes = block_bytes(p.type);
-  std::vector<float> acc(x.T * kRows);
+  float* const acc = thread_acc(x.T * kRows);
   Tile tile;
   for (int64_t n = n0; n < n1; n += kRows) {
     const int64_t rows = std::min<int64_t>(kRows, n1 - n);
     const uint8_t* blk[kRows];  // a short last group repeats its first row; those outputs are not written
     for (int j = 0; j < kRows; ++j) blk[j] = p.data + (n + (j < rows ? j : 0)) * p.row_bytes;
-    std::fill(acc.begin(), acc.end(), 0.f);
+    std::fill(acc, acc + x.T * kRows, 0.f);
     for (int64_t b = 0; b < x.nb; ++b) {
       // The next group's rows (contiguous), a block's share at a time: without it the 8 rows' streams kept the
       // GEMM waiting at few rows of x. Qwen2.5-1.5B's layer, 1 thread, CPU time, vs the vector kernel: 4 rows
@@ -198,9 +198,9 @@ void gemm_rows(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x, const flo
       if (n + kRows < n1)
         tokenmill::prefetch_lines(p.data + (n + kRows) * p.row_bytes + b * kRows * bytes, kRows * bytes);
       switch (p.type) {
-        case Q4_K: decode_k4<false>(blk, tile); all_rows<8, 8>(tile, x, b, acc.data()); break;
-        case Q5_K: decode_k4<true>(blk, tile); all_rows<8, 4>(tile, x, b, acc.data()); break;
-        default: decode_q6k(blk, tile); all_rows<4, 2>(tile, x, b, acc.data()); break;
+        case Q4_K: decode_k4<false>(blk, tile); all_rows<8, 8>(tile, x, b, acc); break;
+        case Q5_K: decode_k4<true>(blk, tile); all_rows<8, 4>(tile, x, b, acc); break;
+        default: decode_q6k(blk, tile); all_rows<4, 2>(tile, x, b, acc); break;
       }
       for (int j = 0; j < kRows; ++j) blk[j] += bytes;
     }

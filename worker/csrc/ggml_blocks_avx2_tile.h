@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "ggml_blocks.h"
 
@@ -26,6 +27,15 @@ struct Tile {
   __m256i terms[8];
   __m256 d, f;
 };
+
+// The calling thread's accumulator of at least n floats (contents left over): kept between calls, since a MoE
+// step calls a GEMM once per (expert, part, 64 weight rows), and with glibc's thread cache off, as the worker runs,
+// a malloc and free each time took ~3% of a 16-token layer
+inline float* thread_acc(size_t n) {
+  thread_local std::vector<float> store;
+  if (store.size() < n) store.resize(n);
+  return store.data();
+}
 
 // Keeps v in a register here: without it GCC turns the chain of int16 adds into a tree over all the group's
 // products at once, which needs more than 16 registers and spills half of them to the stack

@@ -11,8 +11,8 @@
 //   out     [R, sum N_i]: the parts' outputs side by side, each pair's row where its x row was
 //
 // x is rounded to q8_K once for all rows; an expert's rows are a view of it. Work items are (expert, part,
-// up to kChunkRows weight rows), expert-major so that threads walk the weights in file order, taken from a
-// shared counter: a step's experts differ in rows (1 to hundreds), a static split would leave threads waiting.
+// up to kChunkRows weight rows), expert-major so that threads walk the weights in file order, shared by the threads
+// (shared_chunks): a step's experts differ in rows (1 to hundreds), a static split would leave threads waiting.
 // An expert with kAmxMinRows or more rows runs its K-quant parts on the AMX tiles where auto has them (its x
 // laid out for the tiles once, experts in parallel), or on an AVX2-only CPU from kAvx2GemmMinRows on the AVX2
 // GEMM; one with fewer on the vector kernels, each exactly as a dense block linear of that many rows would: a
@@ -22,7 +22,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -76,24 +75,20 @@ void run_items(const Experts& w, const ExpertRows& x, const int64_t* offsets, bo
       for (int64_t n = 0; n < w.parts[i].rows; n += kChunkRows)
         items.push_back({e, static_cast<int64_t>(i), n, std::min(w.parts[i].rows, n + kChunkRows)});
   }
-  std::atomic<size_t> next{0};
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (size_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < items.size();) {
-      const Item& it = items[k];
-      Part p = w.parts[it.part];
-      p.data += it.expert * p.rows * p.row_bytes;
-      Out* rows_out = out + offsets[it.expert] * w.N;
-      const AmxRows* tiles = x.tiles[it.expert].get();
-      if (is_repacked(p.type))  // repacked at load (worker.linears.ggml_repack): the GEMM at any row count
-        repacked_gemm_rows(p, it.n0, it.n1, x.rows[it.expert], nullptr, rows_out, w.N, w.first_col[it.part]);
-      else if (tiles && amx_has_kernel(p.type))
-        amx_rows(p, it.n0, it.n1, *tiles, rows_out, w.N, w.first_col[it.part]);
-      else if (x.gemm[it.expert] && avx2_gemm_has_kernel(p.type))
-        avx2_gemm_rows(p, it.n0, it.n1, x.rows[it.expert], nullptr, rows_out, w.N, w.first_col[it.part]);
-      else
-        vector_rows(p, it.n0, it.n1, w.K, x.rows[it.expert], rows_out, w.N, w.first_col[it.part], wide);
-    }
+  shared_chunks(static_cast<int64_t>(items.size()), [&](int64_t k) {
+    const Item& it = items[k];
+    Part p = w.parts[it.part];
+    p.data += it.expert * p.rows * p.row_bytes;
+    Out* rows_out = out + offsets[it.expert] * w.N;
+    const AmxRows* tiles = x.tiles[it.expert].get();
+    if (is_repacked(p.type))  // repacked at load (worker.linears.ggml_repack): the GEMM at any row count
+      repacked_gemm_rows(p, it.n0, it.n1, x.rows[it.expert], nullptr, rows_out, w.N, w.first_col[it.part]);
+    else if (tiles && amx_has_kernel(p.type))
+      amx_rows(p, it.n0, it.n1, *tiles, rows_out, w.N, w.first_col[it.part]);
+    else if (x.gemm[it.expert] && avx2_gemm_has_kernel(p.type))
+      avx2_gemm_rows(p, it.n0, it.n1, x.rows[it.expert], nullptr, rows_out, w.N, w.first_col[it.part]);
+    else
+      vector_rows(p, it.n0, it.n1, w.K, x.rows[it.expert], rows_out, w.N, w.first_col[it.part], wide);
   });
 }
 

@@ -323,11 +323,7 @@ void gemm_rows(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x, const flo
               ") do not start and end on groups of 8");
   const int64_t group_bytes = kRows * block_bytes(p.type);
   const int64_t group_stride = x.nb * group_bytes;  // from a group's block b to the next group's
-  // [T, 8] a group: two while a pair of groups runs. The thread's own, kept: a MoE step calls this per (expert, 64
-  // rows), and a malloc and free each time took ~3% of a 16-token layer (glibc's thread cache is off in the worker)
-  thread_local std::vector<float> acc_store;
-  if (acc_store.size() < static_cast<size_t>(2 * x.T * kRows)) acc_store.resize(2 * x.T * kRows);
-  float* const acc = acc_store.data();
+  float* const acc = thread_acc(2 * x.T * kRows);  // [T, 8] a group: two while a pair of groups runs
   float* const acc_b = acc + x.T * kRows;
   Tile tile, tile_b;
   for (int64_t n = n0; n < n1;) {
