@@ -1,9 +1,10 @@
 """GGML block linears (worker.linears.ggml_blocks) on a real model's shapes: microseconds per call of the
-integer-dot vector kernel (forward_rows), the AMX tiles, the AVX2 GEMM (worker/csrc/ggml_blocks_avx2_gemm.cpp,
+integer-dot vector kernel (forward_rows), the AMX-INT8 tiles, the AVX2 GEMM (worker/csrc/ggml_blocks_avx2_gemm.cpp,
 forced: it runs on any x86-64 CPU with AVX2), the same GEMM on the weight repacked as the loader repacks it on an
-AVX2-only CPU (worker/csrc/ggml_blocks_repack.cpp, forced likewise), the dequantized strips (forward_strips) and a dense bfloat16 GEMM
-on a weight kept dequantized (what --cpu-dense-weights would hold), at several row counts, plus the GB/s the
-one-row kernel reads the weight at. Random blocks with sane scales (speed does not depend on values). The
+AVX2-only CPU (worker/csrc/ggml_blocks_repack.cpp, forced likewise), forward_strips (on AMX-BF16 CPUs the
+tiles of worker/csrc/ggml_blocks_amx_bf16.cpp), the dequantized strips through torch (forward_dequantized_strips)
+and a dense bfloat16 GEMM on a weight kept dequantized (what --cpu-dense-weights would hold), at several row
+counts, plus the GB/s the one-row kernel reads the weight at. Random blocks with sane scales (speed does not depend on values). The
 variants are timed in turn, round after round (--repeat rounds, the best of each), so that a machine shared
 with other work slows them alike; the last line also gives the GEMM's and the repacked GEMM's medians.
 The Qwen2.5-1.5B Q4_K_M layer by default: qkv Q4_K+Q4_K+Q6_K, o Q4_K, gate_up Q4_K, down Q6_K.
@@ -77,6 +78,17 @@ def cold(layer: dict, copies: int, rng: np.random.Generator, rows_of_x: int = 1)
     return 0
 
 
+def print_layer_totals(totals: dict[int, list[float]]) -> None:
+    """One layer's sums of each column per row count (us in, ms out)."""
+    print("one layer, ms (best): " + "; ".join(
+        f"{r} rows dot {t[0] / 1e3:.2f} tiles {t[1] / 1e3:.2f} gemm {t[2] / 1e3:.2f} repacked {t[3] / 1e3:.2f} "
+        f"(dot / gemm {t[0] / t[2]:.2f}x, gemm / repacked {t[2] / t[3]:.2f}x) strips {t[4] / 1e3:.2f} "
+        f"dequantized strips {t[8] / 1e3:.2f} "
+        f"dense {t[5] / 1e3:.2f}" for r, t in totals.items()))
+    print("one layer, ms (medians): " + "; ".join(
+        f"{r} rows gemm {t[6] / 1e3:.2f} repacked {t[7] / 1e3:.2f} ({t[6] / t[7]:.2f}x)" for r, t in totals.items()))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,4,16,32,64,128")
@@ -101,9 +113,10 @@ def main() -> int:
     tiles = torch.ops.tokenmill.ggml_blocks_path(0) == KERNEL_PATHS["amx_int8"]
     print(f"threads {args.threads}; us per call (min of {args.repeat}, variants alternated); dot = integer vector "
           f"kernel, tiles = AMX-INT8 tiles (K-quants; nan without AMX), gemm = the AVX2 GEMM (K-quants), repacked = "
-          f"it on the weight repacked at load, strips = dequantized strips + GEMM, dense = bf16 GEMM on a kept copy")
+          f"it on the weight repacked at load, strips = forward_strips (AMX-BF16 tiles on dequantized 32-row chunks where "
+          f"the CPU has them), dq strips = dequantized strips + a torch GEMM each, dense = bf16 GEMM on a kept copy")
     print(f"{'linear':8s} {'rows':>5s} {'dot':>9s} {'tiles':>9s} {'gemm':>9s} {'repacked':>9s} {'strips':>9s} "
-          f"{'dense':>9s}  one-row GB/s")
+          f"{'dq strips':>9s} {'dense':>9s}  one-row GB/s")
     totals: dict[int, list[float]] = {}
     for name, parts in layer.items():
         weight = GGMLBlocksWeight.concat_rows([GGMLBlocksWeight.from_blocks(t, random_blocks(t, n, k, rng), n, k)
@@ -123,19 +136,15 @@ def main() -> int:
             timed = alternated_us(variants + ([lambda: tiled.forward_rows(x)] if tiles else []), args.repeat, medians)
             dot, avx2_gemm, repacked, dense_us = timed[:4]
             amx = timed[4] if tiles else float("nan")
-            strips = best_us(lambda: linear.forward_strips(x), max(3, args.repeat // 4))
+            strips, dequantized = alternated_us([lambda: linear.forward_strips(x),
+                                                 lambda: linear.forward_dequantized_strips(x)], max(3, args.repeat // 4))
             rate = f"{weight.nbytes / dot / 1e3:6.1f}" if rows == 1 else ""
             print(f"{name:8s} {rows:5d} {dot:9.0f} {amx:9.0f} {avx2_gemm:9.0f} {repacked:9.0f} {strips:9.0f} "
-                  f"{dense_us:9.0f}  {rate}", flush=True)
-            totals.setdefault(rows, [0.0] * 8)
-            for k, v in enumerate((dot, amx, avx2_gemm, repacked, strips, dense_us, medians[1], medians[2])):
+                  f"{dequantized:9.0f} {dense_us:9.0f}  {rate}", flush=True)
+            totals.setdefault(rows, [0.0] * 9)
+            for k, v in enumerate((dot, amx, avx2_gemm, repacked, strips, dense_us, medians[1], medians[2], dequantized)):
                 totals[rows][k] += v
-    print("one layer, ms (best): " + "; ".join(
-        f"{r} rows dot {t[0] / 1e3:.2f} tiles {t[1] / 1e3:.2f} gemm {t[2] / 1e3:.2f} repacked {t[3] / 1e3:.2f} "
-        f"(dot / gemm {t[0] / t[2]:.2f}x, gemm / repacked {t[2] / t[3]:.2f}x) strips {t[4] / 1e3:.2f} "
-        f"dense {t[5] / 1e3:.2f}" for r, t in totals.items()))
-    print("one layer, ms (medians): " + "; ".join(
-        f"{r} rows gemm {t[6] / 1e3:.2f} repacked {t[7] / 1e3:.2f} ({t[6] / t[7]:.2f}x)" for r, t in totals.items()))
+    print_layer_totals(totals)
     return 0
 
 

@@ -18,10 +18,11 @@ HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "csrc" / "group_quant_linear.cpp", HERE / "csrc" / "group_quant_rows_bf16.cpp",
            HERE / "csrc" / "group_quant_int8_dot.cpp", HERE / "csrc" / "decoder_ops.cpp",
            HERE / "csrc" / "ggml_blocks_dot.cpp", HERE / "csrc" / "ggml_blocks_amx.cpp",
+           HERE / "csrc" / "ggml_blocks_amx_bf16.cpp",
            HERE / "csrc" / "ggml_blocks_experts.cpp", HERE / "csrc" / "ggml_blocks_avx2_gemm.cpp",
            HERE / "csrc" / "ggml_blocks_repack.cpp", HERE / "csrc" / "kv_quant_ops.cpp")
 HEADERS = (HERE / "csrc" / "simd.h", HERE / "csrc" / "ggml_blocks.h", HERE / "csrc" / "ggml_blocks_lowbit.h",
-           HERE / "csrc" / "ggml_blocks_avx2_tile.h",
+           HERE / "csrc" / "ggml_blocks_avx2_tile.h", HERE / "csrc" / "ggml_blocks_amx.h",
            HERE / "csrc" / "kv_quant.h")  # not compiled on their own, but part of what a build is built from
 OPS_DIR = HERE / "_ops"
 # -fopenmp: at::parallel_for is an inline OpenMP loop, serial without it (measured: the op ran on one of

@@ -106,6 +106,9 @@ constexpr int64_t kAmxMinRows = 6;
 // x [rows, K] rounded to q8_K into buf, in parallel
 Q8Rows quantize_rows(const float* x, int64_t rows, int64_t K, Q8Buffer& buf);
 Q8Rows quantize_rows(const at::BFloat16* x, int64_t rows, int64_t K, Q8Buffer& buf);
+// rows [0, rows) of a weight (a row every row_bytes from w, K values each) in the file's own blocks of `type` ->
+// out [rows, K] bfloat16, scale * code + min in float32 rounded to nearest even; CPUs with AVX-512 BF16 only
+void dequantize_bf16_rows(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t K, int64_t rows, at::BFloat16* out);
 // Rows [n0, n1) of p against every row of x on the vector kernels (wide: AVX-512 VNNI, else AVX2), written to
 // out[t * ldo + col0 + n] without a bias; serial (the caller runs it inside its own parallel region)
 void vector_rows(const Part& p, int64_t n0, int64_t n1, int64_t K, const Q8Rows& x, float* out, int64_t ldo,
@@ -131,6 +134,10 @@ void amx_linear(const std::vector<Part>& ps, const std::vector<int64_t>& first_c
 // Rows [n0, n1) of a K-quant part against every row of x on the tiles, as vector_rows (serial, no bias)
 void amx_rows(const Part& p, int64_t n0, int64_t n1, const AmxRows& x, float* out, int64_t ldo, int64_t col0);
 void amx_rows(const Part& p, int64_t n0, int64_t n1, const AmxRows& x, at::BFloat16* out, int64_t ldo, int64_t col0);
+
+// ---- ggml_blocks_amx_bf16.cpp ----
+// Whether this CPU has AMX-BF16 (with AVX-512 BF16) and Linux lets this process use the tile registers, asked once
+bool amx_bf16_usable();
 
 // ---- ggml_blocks_avx2_gemm.cpp ----
 // Under auto on a CPU without AVX-512 VNNI, the K-quants run the AVX2 GEMM from this many rows of x: from one,

@@ -24,26 +24,19 @@
 // ARCH_REQ_XCOMP_PERM): amx_int8_usable asks, and a CPU or kernel without it keeps the vector kernels.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <type_traits>
 #include <vector>
 
 #include "ggml_blocks.h"
+#include "ggml_blocks_amx.h"
 
 namespace tokenmill::ggml {
 
-#define AMX_TARGET \
-  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,amx-tile,amx-int8")))
-
 namespace {
 
-constexpr int kTile = 16;  // weight rows per A tile, rows of x per B tile
 constexpr int kSubOrder[8] = {0, 2, 1, 3, 4, 6, 5, 7};  // Q4_K / Q5_K: unpacked 32-byte chunk c holds sub-block kSubOrder[c]
 
 // x's per-block numbers for 16 rows of x, as the scaling pass reads them: the block scale, and the sums of
@@ -54,12 +47,6 @@ struct alignas(64) XSums {
   int16_t sum16[8][kTile][2];
 };
 
-struct TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // tmm0/1: C (int32, 16 weight rows x 16 rows of x); tmm2/3: A (16 weight rows x `sub` code bytes); tmm4/5:
 // B (sub / 4 rows of 16 x 4 bytes). Two of each, so that two sub-blocks are in flight.
 AMX_TARGET void configure_tiles(int sub) {
@@ -68,9 +55,7 @@ AMX_TARGET void configure_tiles(int sub) {
   for (int t = 0; t < 2; ++t) c.rows[t] = kTile, c.colsb[t] = 64;
   for (int t = 2; t < 4; ++t) c.rows[t] = kTile, c.colsb[t] = static_cast<uint16_t>(sub);
   for (int t = 4; t < 6; ++t) c.rows[t] = static_cast<uint8_t>(sub / 4), c.colsb[t] = 64;
-  // GCC 12 does not see _tile_loadconfig read its operand and drops the stores above without this
-  asm volatile("" : : "r"(&c) : "memory");
-  _tile_loadconfig(&c);
+  load_tile_config(c);
 }
 
 AMX_TARGET void release_tiles() { _tile_release(); }
@@ -202,25 +187,6 @@ AMX_TARGET void super_block(const Unpacked& u, const AmxRows& x, int64_t tile, i
   }
 }
 
-// acc [tiles of x][16 weight rows][16 rows of x] -> out[t * ldo + r] for r < rows, plus bias, in out's dtype:
-// one gather per row of x makes its 16 outputs one store (a scalar loop converting each was a third of a
-// 16-row tile's time at K = 1536). bfloat16 by vcvtneps2bf16: nearest even, as torch rounds.
-template <typename Out>
-AMX_TARGET void store_tile(const float* acc, int rows, int64_t T, const float* bias, Out* out, int64_t ldo) {
-  const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
-  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(kTile));
-  for (int64_t t = 0; t < T; ++t) {
-    const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, acc + (t / kTile) * kTile * kTile + t % kTile, 4), bv);
-    if constexpr (std::is_same_v<Out, float>) {
-      _mm512_mask_storeu_ps(out + t * ldo, mask, v);
-    } else {
-      _mm256_mask_storeu_epi16(out + t * ldo, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-    }
-  }
-}
-
 template <int64_t TYPE, typename Out>
 AMX_TARGET void part_tiles(const Part& p, int64_t n0, int64_t n1, const AmxRows& x, const float* bias, Out* out,
                            int64_t ldo, int64_t col0) {
@@ -274,11 +240,7 @@ bool amx_int8_usable() {
         !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512dq") ||
         !__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bf16"))
       return false;
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25)))  // AMX-TILE, AMX-INT8
-      return false;
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+    return amx_tiles_granted((1u << 24) | (1u << 25));  // AMX-TILE, AMX-INT8
   }();
   return yes;
 }

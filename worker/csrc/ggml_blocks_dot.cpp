@@ -728,6 +728,11 @@ void dequantize_block(int64_t type, const uint8_t* w, float* y) {
 
 }  // namespace
 
+void tokenmill::ggml::dequantize_bf16_rows(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t K, int64_t rows,
+                                           at::BFloat16* out) {
+  dequantize_rows_bf16(type, w, row_bytes, K, rows, out);
+}
+
 Q8Rows tokenmill::ggml::quantize_rows(const float* x, int64_t rows, int64_t K, Q8Buffer& buf) {
   return quantize_rows_impl(x, rows, K, buf);
 }

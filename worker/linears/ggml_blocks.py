@@ -44,9 +44,14 @@ BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q2_K
 # 1-32 rows: it wins from a few rows but holds 2 bytes a weight, 3x the file; see docs/models.md.)
 DOT_ROWS = 24
 # With AMX-INT8 the K-quants run on tiles from 6 rows (worker/csrc/ggml_blocks_amx.cpp), and the strips only
-# win past ~128 rows. The same layer, ms, tiles / strips: 16 rows 3.28 / 14.3, 32 rows 5.8 / 15.7, 64 rows
-# 11.3 / 20.1, 128 rows 24.3 / 23.9.
-AMX_DOT_ROWS = 128
+# won past ~128 rows. The same layer, ms, tiles / strips: 16 rows 3.28 / 14.3, 32 rows 5.8 / 15.7, 64 rows
+# 11.3 / 20.1, 128 rows 24.3 / 23.9. With AMX-BF16 the "strips" are the bfloat16 tiles on 32 dequantized weight
+# rows at a time (worker/csrc/ggml_blocks_amx_bf16.cpp), which tie the INT8 tiles at 64 rows and win past it: the
+# same layer, 2 threads, Xeon with AMX (2026-12-07), ms, INT8 tiles / bfloat16 tiles / the strips through oneDNN:
+# 48 rows 7.7 / 8.1 / 18.2, 64 rows 10.2 / 10.3 / 19.1, 96 rows 15.4 / 12.3 / 21.4, 128 rows 19.4 / 12.7 / 22.3,
+# 256 rows 37.9 / 20.6 / 24.6; medians of 12 alternated calls, bfloat16 tiles / oneDNN strips: 128 rows 0.67x,
+# 256 rows 0.84x, 384 rows 0.87x, 512 rows 0.97x.
+AMX_DOT_ROWS = 64
 AMX_MIN_ROWS = 6  # worker/csrc/ggml_blocks_dot.cpp's kAmxMinRows: the row count auto takes the tiles from
 # On an AVX2-only CPU the K-quants run a register-blocked integer GEMM (worker/csrc/ggml_blocks_avx2_gemm.cpp)
 # from AVX2_GEMM_MIN_ROWS rows (ggml_blocks.h's kAvx2GemmMinRows), and the float32 strips (scalar dequantizing,
@@ -71,6 +76,13 @@ VECTOR_UNDER = {KERNEL_PATHS["amx_int8"]: KERNEL_PATHS["avx512_vnni"], KERNEL_PA
 def auto_path() -> int:
     """The path auto resolves to on this CPU (asked once; the compiled ops must be loaded)."""
     return torch.ops.tokenmill.ggml_blocks_path(KERNEL_PATHS["auto"])
+
+
+@functools.cache
+def amx_bf16_usable() -> bool:
+    """Whether this CPU multiplies bfloat16 on AMX tiles and Linux gave this process their state (asked once; the
+    compiled ops must be loaded): then a many-row step's strips run on the tiles (ggml_blocks_amx_bf16.cpp)."""
+    return torch.ops.tokenmill.ggml_blocks_amx_bf16()
 
 
 def vector_path() -> int:
@@ -267,9 +279,17 @@ class GGMLBlocksLinear(CpuOnlyBlocks):
         return torch.ops.tokenmill.ggml_blocks_linear(x, self._blocks, self._types, path, self.bias)
 
     def forward_strips(self, x: torch.Tensor) -> torch.Tensor:
-        """Many rows (a prefill): strips of the weight dequantized in cache, one GEMM each (bfloat16 where the
-        CPU multiplies it natively: oneDNN on AMX tiles; float32 otherwise): past DOT_ROWS rows the integer
-        kernel's arithmetic costs more than dequantizing the whole weight once."""
+        """Many rows (a prefill): the weight dequantized, multiplied in bfloat16 where the CPU does so natively
+        (float32 otherwise): past dot_rows() rows the integer kernel's arithmetic costs more than dequantizing the
+        whole weight once. On AMX-BF16 CPUs 32 rows at a time into a scratch the tiles read
+        (ggml_blocks_amx_bf16.cpp: the same values, no strip through memory, no oneDNN packing per strip)."""
+        if amx_bf16_usable() and not self.repacked:
+            return torch.ops.tokenmill.ggml_blocks_linear_bf16_tiles(x, self._blocks, self._types, self.bias)
+        return self.forward_dequantized_strips(x)
+
+    def forward_dequantized_strips(self, x: torch.Tensor) -> torch.Tensor:
+        """forward_strips through torch: strips of the weight dequantized in cache, one GEMM each (bfloat16 where
+        the CPU multiplies it natively, oneDNN; float32 otherwise)."""
         dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
         xs = x.to(dtype)
         out = torch.empty(x.shape[0], self.out_features, dtype=dtype)
@@ -327,7 +347,14 @@ def describe_block_kernels(model: nn.Module) -> str | None:
     where = f"GGML blocks, {repacked} of them repacked at load for the GEMM" if repacked else "the file's own blocks"
     return (f"{len(linears)} linears on {where} ({', '.join(types)}, {mapped:.0f} MiB): {vector} integer "
             f"dot products{tiles} on activations rounded to int8 per 256 values up to {dot_rows()} rows, dequantized "
-            f"{'bfloat16' if cpu_has_native_bf16() else 'float32'} strips past that")
+            f"{past_dot_rows()} past that")
+
+
+def past_dot_rows() -> str:
+    """What a step of more than dot_rows() rows runs on this CPU (forward_strips), for the worker's log."""
+    if amx_bf16_usable():
+        return "AMX-BF16 tiles on 32 weight rows at a time dequantized to bfloat16"
+    return f"dequantized {'bfloat16' if cpu_has_native_bf16() else 'float32'} strips"
 
 
 def block_weight_bytes(model: nn.Module) -> int:

@@ -206,7 +206,7 @@ def test_the_linear_switches_to_strips_past_dot_rows_with_the_same_result(dtype)
                                            GGMLBlocksWeight.from_blocks("Q6_K", random_blocks("Q6_K", 16, cols, 1), 16, cols)])
     bias = torch.randn(64)
     linear = GGMLBlocksLinear(weight, bias)
-    limit = dot_rows()  # 128 with AMX tiles, else 24
+    limit = dot_rows()  # 64 with AMX tiles, 512 on the AVX2 GEMM, else 24
     x = torch.randn(limit + 40, cols).to(dtype)
     reference = x.double() @ weight.dequantize().double().T + bias.double()
     many = linear(x)  # strips
@@ -300,7 +300,7 @@ def test_the_worker_log_names_the_kernel_this_cpu_runs():
     flags = cpu_flags()
     if amx_usable():
         assert "avx512_vnni integer dot products (AMX-INT8 tiles for Q4_K, Q5_K, Q6_K from 6 rows)" in text
-        assert "up to 128 rows" in text
+        assert "up to 64 rows" in text
     elif WIDE_FLAGS <= flags:
         assert "avx512_vnni integer dot products on" in text and "up to 24 rows" in text
     else:

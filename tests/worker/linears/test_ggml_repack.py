@@ -182,7 +182,8 @@ def test_repack_linears_swaps_the_tied_pair_and_gives_back_the_file_pages(tmp_pa
     model.lm_head.kernel_path = GEMM  # auto's on an AVX2-only CPU; forced, the test runs on any AVX2 CPU
     x = torch.randn(3, cols)
     many = torch.randn(dot_rows() + 1, cols)
-    before, strips_before = model.lm_head(x), model.lm_head(many)
+    # the strips through torch: a repacked weight's many-row steps (the AMX-BF16 tiles read the file's blocks only)
+    before, strips_before = model.lm_head(x), model.lm_head.forward_dequantized_strips(many)
     embedded_before = model.embed_tokens(torch.tensor([5, 200]))
     assert rss_of(tmp_path / "Q6_K.bin") > 0
     with caplog.at_level(logging.INFO, logger="worker.linears.ggml_repack"):
