@@ -17,8 +17,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cstring>
+#include <memory>
 #include <vector>
 
 #include "ggml_blocks.h"
@@ -137,11 +136,11 @@ void linear_bf16_tiles(const std::vector<Part>& ps, const std::vector<int64_t>& 
     float* acc1 = acc0 + tiles * kTile * kTile;
     const bool two_a = rows > kTile;
     // a short chunk's missing rows keep what the scratch held: their sums are never stored (store_tile's rows)
+    configure_bf16_tiles();  // the dequantizing between slices is AVX-512 only: the tiles keep their state
     for (int64_t k0 = 0; k0 < K; k0 += kSlice) {
       const int64_t kc = std::min(kSlice, K - k0);
       dequantize_bf16_rows(p.type, p.data + c.n0 * p.row_bytes + k0 / per * bytes, p.row_bytes, kc, rows,
                            scratch.data());
-      configure_bf16_tiles();
       const at::BFloat16* xb0 = xb + k0 * kTile;
       for (int64_t b = 0; b < tiles; b += 2) {
         const bool two_b = b + 1 < tiles, first = k0 == 0;
@@ -150,8 +149,8 @@ void linear_bf16_tiles(const std::vector<Part>& ps, const std::vector<int64_t>& 
         else if (two_b) tile_block<false, true>(scratch.data(), kc, xb0, K, b, first, acc0, acc1);
         else tile_block<false, false>(scratch.data(), kc, xb0, K, b, first, acc0, acc1);
       }
-      release_bf16_tiles();
     }
+    release_bf16_tiles();
     const int64_t col = first_col[c.part] + c.n0;
     store_tile(acc0, static_cast<int>(std::min<int64_t>(kTile, rows)), T, bias ? bias + col : nullptr, out + col, ldo);
     if (two_a)
@@ -200,13 +199,14 @@ at::Tensor ggml_blocks_linear_bf16_tiles(const at::Tensor& x_in, at::TensorList 
   }
   const at::Tensor x = x_in.to(at::kBFloat16).contiguous();  // torch's rounding, as the strips'
   const int64_t tiles = (T + kTile - 1) / kTile;
-  std::vector<at::BFloat16> xb(tiles * kTile * K);
-  lay_out_x(x.data_ptr<at::BFloat16>(), T, K, xb.data());
+  // every value written by lay_out_x (rows past T as zeros): no zero fill first
+  std::unique_ptr<at::BFloat16[]> xb(new at::BFloat16[tiles * kTile * K]);
+  lay_out_x(x.data_ptr<at::BFloat16>(), T, K, xb.get());
   at::Tensor out = at::empty({T, N}, x_in.options());
   AT_DISPATCH_SWITCH(out.scalar_type(), "ggml_blocks_linear_bf16_tiles",
-    AT_DISPATCH_CASE(at::kFloat, [&] { linear_bf16_tiles(ps, first_col, N, K, T, xb.data(), bp, out.data_ptr<float>()); })
+    AT_DISPATCH_CASE(at::kFloat, [&] { linear_bf16_tiles(ps, first_col, N, K, T, xb.get(), bp, out.data_ptr<float>()); })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      linear_bf16_tiles(ps, first_col, N, K, T, xb.data(), bp, out.data_ptr<at::BFloat16>()); }));
+      linear_bf16_tiles(ps, first_col, N, K, T, xb.get(), bp, out.data_ptr<at::BFloat16>()); }));
   return out;
 }
 

@@ -346,7 +346,7 @@ def describe_block_kernels(model: nn.Module) -> str | None:
              }.get(auto_path(), "")
     where = f"GGML blocks, {repacked} of them repacked at load for the GEMM" if repacked else "the file's own blocks"
     return (f"{len(linears)} linears on {where} ({', '.join(types)}, {mapped:.0f} MiB): {vector} integer "
-            f"dot products{tiles} on activations rounded to int8 per 256 values up to {dot_rows()} rows, dequantized "
+            f"dot products{tiles} on activations rounded to int8 per 256 values up to {dot_rows()} rows, "
             f"{past_dot_rows()} past that")
 
 
