@@ -153,16 +153,24 @@ def q4_k_m_file(tmp_path_factory) -> Path:
 # quantized weights split along their groups (worker.parallel.shard_weights): the file's blocks (rows as views of
 # the mapped file, o/down by whole blocks), the same file converted to group-quantized codes, and a folder's floats
 # quantized to int4 after the split; a row-parallel cut on block boundaries rounds each block of x to int8 as the
-# whole model does, so only the float order of the partial sums differs
+# whole model does, so only the float order of the partial sums differs. On the blocks that order still reaches the
+# logits through the next linear's int8 rounding of x, where one ulp can move a value across a rounding boundary:
+# the whole model alone, on a Xeon with AMX, gave step-0 logits 1.3e-2 (of the largest) apart between its INT8 tiles
+# and its VNNI kernel, whose sums agree to 2e-7 linear by linear; the split, 3.9e-2. Hence 5e-2 there, and the same
+# greedy tokens.
+BLOCKS_MAX_REL_ERR = 5e-2
+
+
 @needs_cpu_ops
 @pytest.mark.parametrize("weights", ["blocks", "converted"])
 def test_a_gguf_files_quantized_weights_split_match_the_whole_quantized_model(tmp_path, q4_k_m_file, weights):
     whole_logits, whole_tokens = greedy_run(q4_k_m_file, weights=weights)
     split = run_ranks(q4_k_m_file, 2, tmp_path, weights=weights)
     assert split["tokens"] == whole_tokens
+    tolerance = BLOCKS_MAX_REL_ERR if weights == "blocks" else MAX_ABS_ERR
     for step, (expected, got) in enumerate(zip(whole_logits, split["logits"])):
         err = (got - expected).abs().max().item()
-        assert err <= MAX_ABS_ERR * expected.abs().max().item(), f"step {step}: max |logit diff| {err:.2e}"
+        assert err <= tolerance * expected.abs().max().item(), f"step {step}: max |logit diff| {err:.2e}"
 
 
 @needs_cpu_ops
