@@ -135,7 +135,7 @@ AMX_TARGET void unpack_q6k(const uint8_t* blk, int r, Unpacked& u) {
 // x's int8 for each 16 rows of x as [K / 4][16 rows][4 bytes] (rows past T are zero), and its XSums per block
 struct AmxRows {
   int64_t T = 0, K = 0, nb = 0, tiles = 0;
-  std::vector<int8_t> b;
+  LineVector<int8_t> b;
   std::vector<XSums> sums;
   const int8_t* at(int64_t tile, int64_t k) const { return b.data() + (tile * (K / 4) + k / 4) * 64; }
   const XSums& sum(int64_t tile, int64_t block) const { return sums[tile * nb + block]; }

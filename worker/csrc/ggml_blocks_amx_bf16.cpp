@@ -125,8 +125,8 @@ void linear_bf16_tiles(const std::vector<Part>& ps, const std::vector<int64_t>& 
   shared_chunks(static_cast<int64_t>(chunks.size()), [&](int64_t k) {
     // per thread: one slice of the chunk's rows dequantized (16 KB: stays in L1 while every tile of x passes) and
     // the chunk's sums [2][tiles][16][16]
-    thread_local std::vector<at::BFloat16> scratch;
-    thread_local std::vector<float> acc;
+    thread_local LineVector<at::BFloat16> scratch;
+    thread_local LineVector<float> acc;
     if (scratch.size() < static_cast<size_t>(kChunk * kSlice)) scratch.resize(kChunk * kSlice);
     if (acc.size() < static_cast<size_t>(2 * tiles * kTile * kTile)) acc.resize(2 * tiles * kTile * kTile);
     const Chunk& c = chunks[k];
@@ -200,7 +200,7 @@ at::Tensor ggml_blocks_linear_bf16_tiles(const at::Tensor& x_in, at::TensorList 
   const at::Tensor x = x_in.to(at::kBFloat16).contiguous();  // torch's rounding, as the strips'
   const int64_t tiles = (T + kTile - 1) / kTile;
   // every value written by lay_out_x (rows past T as zeros): no zero fill first
-  std::unique_ptr<at::BFloat16[]> xb(new at::BFloat16[tiles * kTile * K]);
+  const auto xb = line_buffer<at::BFloat16>(tiles * kTile * K);
   lay_out_x(x.data_ptr<at::BFloat16>(), T, K, xb.get());
   at::Tensor out = at::empty({T, N}, x_in.options());
   AT_DISPATCH_SWITCH(out.scalar_type(), "ggml_blocks_linear_bf16_tiles",
