@@ -93,6 +93,17 @@ struct Part {
 };
 
 // ---- ggml_blocks_dot.cpp ----
+// A (possibly fused) linear's parts checked against x's K, every error naming `op`: K a whole number of each
+// type's blocks, each part contiguous uint8 [N_i, K / block_elems * block_bytes]; repacked parts only where
+// repacked_ok (then in whole groups of 8 rows), else refused as the tiles' ops refuse them
+struct LinearParts {
+  std::vector<Part> ps;
+  std::vector<int64_t> first_col;  // each part's first output column
+  int64_t N = 0;                   // the output columns
+};
+LinearParts linear_parts_of(const char* op, at::TensorList parts, at::IntArrayRef types, int64_t K, bool repacked_ok);
+// bias [N] in float32 (held by keep), or nullptr without one
+const float* bias_of(const char* op, const std::optional<at::Tensor>& bias, int64_t N, at::Tensor& keep);
 int64_t block_elems(int64_t type);
 // a block's bytes; a repacked type's: one row's share of a group block (8 rows' blocks of 256 values)
 int64_t block_bytes(int64_t type);

@@ -1,7 +1,8 @@
-// What the two AMX kernels of the GGML block linears share: the tile configuration block, and the store of a
-// [16 weight rows][16 rows of x] float32 accumulator into the output's rows. ggml_blocks_amx.cpp runs the
-// K-quants on AMX-INT8 tiles against x rounded to q8_K; ggml_blocks_amx_bf16.cpp runs every block type,
-// dequantized to bfloat16 16 weight rows at a time, on AMX-BF16 tiles against x in bfloat16.
+// What the two AMX kernels of the GGML block linears share: the CPUID and tile-state request, the cache-line
+// buffers their tiles load from, the tile configuration block, and the store of a [16 weight rows][16 rows of x]
+// float32 accumulator into the output's rows. ggml_blocks_amx.cpp runs the K-quants on AMX-INT8 tiles against x
+// rounded to q8_K; ggml_blocks_amx_bf16.cpp runs every block type, dequantized to bfloat16 32 weight rows at a
+// time, on AMX-BF16 tiles against x in bfloat16.
 #pragma once
 #include <cpuid.h>
 #include <immintrin.h>

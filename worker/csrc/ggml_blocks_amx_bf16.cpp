@@ -1,6 +1,6 @@
 // Every GGML block type against many rows of x on AMX-BF16 tiles: the dequantized strips of a long step
-// (GGMLBlocksLinear.forward_strips) without the strips. Per 32 weight rows the blocks are dequantized to
-// bfloat16 into a scratch that stays in L2 (the same values as the strips: scale * code + min in float32,
+// (GGMLBlocksLinear.forward_strips) without the strips. Per 32 weight rows and 256 values of K the blocks are
+// dequantized to bfloat16 into a scratch that stays in L1 (the same values as the strips: scale * code + min in float32,
 // rounded to nearest even), and one TDPBF16PS a step of 32 values multiplies 16 of those rows by 16 rows of x
 // in bfloat16, summing in float32 inside the tile over the whole row: no per-sub-block scaling pass, which is
 // what the AMX-INT8 kernel (ggml_blocks_amx.cpp) spends most of a tile's time on, and no oneDNN call that packs
@@ -171,32 +171,10 @@ at::Tensor ggml_blocks_linear_bf16_tiles(const at::Tensor& x_in, at::TensorList 
               " parts but ", types.size(), " types");
   const int64_t T = x_in.size(0), K = x_in.size(1);
   TORCH_CHECK(K % kStep == 0, "ggml_blocks_linear_bf16_tiles: in_features ", K, " is not a multiple of ", kStep);
-  std::vector<Part> ps;
-  std::vector<int64_t> first_col;
-  int64_t N = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const at::Tensor& w = parts[i];
-    const int64_t type = types[i];
-    TORCH_CHECK(!is_repacked(type), "ggml_blocks_linear_bf16_tiles: part ", i, " is repacked (GGML type ",
-                file_type(type), "); the tiles read the file's own blocks");
-    const int64_t per = block_elems(type), bytes = block_bytes(type);
-    TORCH_CHECK(K % per == 0, "ggml_blocks_linear_bf16_tiles: in_features ", K, " is not a multiple of ", per,
-                " (GGML type ", type, ")");
-    TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(1) == K / per * bytes,
-                "ggml_blocks_linear_bf16_tiles: part ", i, " must be contiguous uint8 [N, ", K / per * bytes, "], got ",
-                w.sizes());
-    ps.push_back({w.data_ptr<uint8_t>(), type, w.size(0), w.size(1)});
-    first_col.push_back(N);
-    N += w.size(0);
-  }
-  const float* bp = nullptr;
+  const LinearParts lp = linear_parts_of("ggml_blocks_linear_bf16_tiles", parts, types, K, false);
+  const int64_t N = lp.N;
   at::Tensor b;
-  if (bias.has_value()) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == N, "ggml_blocks_linear_bf16_tiles: bias must have ", N, " values, got ",
-                b.sizes());
-    bp = b.data_ptr<float>();
-  }
+  const float* bp = bias_of("ggml_blocks_linear_bf16_tiles", bias, N, b);
   const at::Tensor x = x_in.to(at::kBFloat16).contiguous();  // torch's rounding, as the strips'
   const int64_t tiles = (T + kTile - 1) / kTile;
   // every value written by lay_out_x (rows past T as zeros): no zero fill first
@@ -204,9 +182,9 @@ at::Tensor ggml_blocks_linear_bf16_tiles(const at::Tensor& x_in, at::TensorList 
   lay_out_x(x.data_ptr<at::BFloat16>(), T, K, xb.get());
   at::Tensor out = at::empty({T, N}, x_in.options());
   AT_DISPATCH_SWITCH(out.scalar_type(), "ggml_blocks_linear_bf16_tiles",
-    AT_DISPATCH_CASE(at::kFloat, [&] { linear_bf16_tiles(ps, first_col, N, K, T, xb.get(), bp, out.data_ptr<float>()); })
+    AT_DISPATCH_CASE(at::kFloat, [&] { linear_bf16_tiles(lp.ps, lp.first_col, N, K, T, xb.get(), bp, out.data_ptr<float>()); })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      linear_bf16_tiles(ps, first_col, N, K, T, xb.get(), bp, out.data_ptr<at::BFloat16>()); }));
+      linear_bf16_tiles(lp.ps, lp.first_col, N, K, T, xb.get(), bp, out.data_ptr<at::BFloat16>()); }));
   return out;
 }
 

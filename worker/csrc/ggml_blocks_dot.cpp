@@ -859,6 +859,36 @@ void linear_parts(const std::vector<Part>& ps, const std::vector<int64_t>& first
   });
 }
 
+tokenmill::ggml::LinearParts tokenmill::ggml::linear_parts_of(const char* op, at::TensorList parts, at::IntArrayRef types,
+                                                              int64_t K, bool repacked_ok) {
+  LinearParts lp;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const at::Tensor& w = parts[i];
+    const int64_t type = types[i];
+    TORCH_CHECK(repacked_ok || !is_repacked(type), op, ": part ", i, " is repacked (GGML type ", file_type(type),
+                "); the tiles read the file's own blocks");
+    const int64_t per = block_elems(type), bytes = block_bytes(type);
+    TORCH_CHECK(K % per == 0, op, ": in_features ", K, " is not a multiple of ", per, " (GGML type ", type, ")");
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(1) == K / per * bytes,
+                op, ": part ", i, " must be contiguous uint8 [N, ", K / per * bytes, "], got ", w.sizes());
+    TORCH_CHECK(!is_repacked(type) || (repack_has_layout(file_type(type)) && w.size(0) % 8 == 0 && lp.N % 8 == 0),
+                op, ": repacked part ", i, " (GGML type ", file_type(type), ") must be Q4_K, Q5_K or Q6_K "
+                "with rows a multiple of 8 starting on a multiple of 8, got ", w.size(0), " rows from column ", lp.N);
+    lp.ps.push_back({w.data_ptr<uint8_t>(), type, w.size(0), w.size(1)});
+    lp.first_col.push_back(lp.N);
+    lp.N += w.size(0);
+  }
+  return lp;
+}
+
+const float* tokenmill::ggml::bias_of(const char* op, const std::optional<at::Tensor>& bias, int64_t N,
+                                      at::Tensor& keep) {
+  if (!bias.has_value()) return nullptr;
+  keep = bias->to(at::kFloat).contiguous();
+  TORCH_CHECK(keep.dim() == 1 && keep.size(0) == N, op, ": bias must have ", N, " values, got ", keep.sizes());
+  return keep.data_ptr<float>();
+}
+
 // x: [T, K] float32 or bfloat16; parts: uint8 [N_i, K / block_elems * block_bytes] in types[i]; bias: [sum N_i]
 // or none -> [T, sum N_i] in x's dtype, the parts' outputs side by side.
 at::Tensor ggml_blocks_linear(const at::Tensor& x_in, at::TensorList parts, at::IntArrayRef types, int64_t path,
@@ -869,22 +899,10 @@ at::Tensor ggml_blocks_linear(const at::Tensor& x_in, at::TensorList parts, at::
               types.size(), " types");
   const at::Tensor x = x_in.contiguous();
   const int64_t T = x.size(0), K = x.size(1);
-  std::vector<Part> ps;
-  std::vector<int64_t> first_col;
-  int64_t N = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const at::Tensor& w = parts[i];
-    const int64_t type = types[i], per = block_elems(type), bytes = block_bytes(type);
-    TORCH_CHECK(K % per == 0, "ggml_blocks_linear: in_features ", K, " is not a multiple of ", per, " (GGML type ", type, ")");
-    TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(1) == K / per * bytes,
-                "ggml_blocks_linear: part ", i, " must be contiguous uint8 [N, ", K / per * bytes, "], got ", w.sizes());
-    TORCH_CHECK(!is_repacked(type) || (repack_has_layout(file_type(type)) && w.size(0) % 8 == 0 && N % 8 == 0),
-                "ggml_blocks_linear: repacked part ", i, " (GGML type ", file_type(type), ") must be Q4_K, Q5_K or Q6_K "
-                "with rows a multiple of 8 starting on a multiple of 8, got ", w.size(0), " rows from column ", N);
-    ps.push_back({w.data_ptr<uint8_t>(), type, w.size(0), w.size(1)});
-    first_col.push_back(N);
-    N += w.size(0);
-  }
+  const LinearParts lp = linear_parts_of("ggml_blocks_linear", parts, types, K, true);
+  const std::vector<Part>& ps = lp.ps;
+  const std::vector<int64_t>& first_col = lp.first_col;
+  const int64_t N = lp.N;
   const int64_t runs = ggml_blocks_path(path);
   const bool wide = wide_path(runs);
   TORCH_CHECK(runs == 4 || std::none_of(ps.begin(), ps.end(), [](const Part& p) { return is_repacked(p.type); }),
@@ -898,13 +916,8 @@ at::Tensor ggml_blocks_linear(const at::Tensor& x_in, at::TensorList parts, at::
                      std::any_of(ps.begin(), ps.end(), [](const Part& p) { return amx_has_kernel(p.type); });
   if (tiles) amx = amx_rows_of(q);
   const bool gemm = runs == 4 && (path == 4 || T >= kAvx2GemmMinRows);
-  const float* bp = nullptr;
   at::Tensor b;
-  if (bias.has_value()) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == N, "ggml_blocks_linear: bias must have ", N, " values, got ", b.sizes());
-    bp = b.data_ptr<float>();
-  }
+  const float* bp = bias_of("ggml_blocks_linear", bias, N, b);
   // the output in x's dtype, written once: no float32 result to convert and add the bias to afterwards
   at::Tensor out = at::empty({T, N}, x.options());
   AT_DISPATCH_SWITCH(out.scalar_type(), "ggml_blocks_linear",
